@@ -1,0 +1,1 @@
+//! pgoutput decoder (in progress).

@@ -1,0 +1,1 @@
+//! Replication-mode connection (in progress).
