@@ -1,1 +1,192 @@
+//! Ordinary (non-replication) connections to the outbox's database.
+//!
+//! Every connection starts with `TimeZone=UTC` and `DateStyle=ISO`, so the
+//! text form of timestamps is the one [`crate::outbox::RawRow`] decodes, and
+//! with a `statement_timeout`, so no query waits forever on a stuck server.
+
 pub mod tls;
+
+use crate::config::DatabaseConfig;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio_postgres::{AsyncMessage, Client};
+
+/// Longest time any relay query may run.
+pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Why a database connection or query failed, and whether trying again helps.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("invalid database.url: {0}")]
+    Url(String),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    #[error("cannot connect to PostgreSQL at {target}: {message}")]
+    Connect {
+        target: String,
+        message: String,
+        retryable: bool,
+    },
+    #[error("{context}: {source}")]
+    Query {
+        context: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+}
+
+impl DbError {
+    pub fn query(context: impl Into<String>, source: tokio_postgres::Error) -> Self {
+        DbError::Query {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// True for failures that can go away by themselves (network, restarts,
+    /// too many connections); false for ones an operator must fix.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            DbError::Url(_) => false,
+            DbError::Tls(e) => e.is_retryable(),
+            DbError::Connect { retryable, .. } => *retryable,
+            DbError::Query { source, .. } => is_retryable_pg(source),
+        }
+    }
+}
+
+/// SQLSTATE classes that describe a passing condition rather than a mistake.
+pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
+    match e.code() {
+        None => true, // I/O, closed connection, timeouts
+        Some(code) => {
+            let c = code.code();
+            c.starts_with("08") // connection exception
+                || c.starts_with("40") // serialization failure, deadlock
+                || c.starts_with("53") // insufficient resources
+                || c.starts_with("57") // operator intervention: shutdown, cancel
+                || c == "55P03" // lock not available
+        }
+    }
+}
+
+/// The connection parameters of `database.*`, with the password override applied.
+pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError> {
+    let mut config: tokio_postgres::Config = db
+        .url
+        .expose()
+        .parse()
+        .map_err(|e: tokio_postgres::Error| DbError::Url(e.to_string()))?;
+    if let Some(password) = &db.password {
+        config.password(password.expose());
+    }
+    config
+        .application_name(&db.application_name)
+        .connect_timeout(db.connect_timeout)
+        .keepalives(true)
+        .keepalives_idle(Duration::from_secs(30))
+        .ssl_mode(tls::tokio_postgres_ssl_mode(db.sslmode))
+        .options(format!(
+            "-c TimeZone=UTC -c DateStyle=ISO -c statement_timeout={}",
+            STATEMENT_TIMEOUT.as_millis()
+        ));
+    Ok(config)
+}
+
+/// Where a config points, for messages (never the password).
+pub fn describe_target(config: &tokio_postgres::Config) -> String {
+    let host = config
+        .get_hosts()
+        .first()
+        .map(|h| match h {
+            tokio_postgres::config::Host::Tcp(h) => h.clone(),
+            tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+        })
+        .unwrap_or_else(|| "localhost".into());
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    format!(
+        "{host}:{port}/{} as {}",
+        config.get_dbname().unwrap_or("?"),
+        config.get_user().unwrap_or("?")
+    )
+}
+
+/// Connects; the connection is driven by a spawned task. When `wakeups` is
+/// given, every NOTIFY on the connection wakes it.
+pub async fn connect(db: &DatabaseConfig, wakeups: Option<Arc<Notify>>) -> Result<Client, DbError> {
+    let config = pg_config(db)?;
+    let connector = tls::make_tls_connector(&db.tls())?;
+    let target = describe_target(&config);
+    let (client, mut connection) = config.connect(connector).await.map_err(|e| {
+        let retryable = is_retryable_pg(&e);
+        let hint = match e.code().map(|c| c.code()) {
+            Some("28P01") | Some("28000") => {
+                "; check the user and password (database.url, database.password)"
+            }
+            Some("3D000") => "; create the database or fix the name in database.url",
+            _ if retryable => "; is PostgreSQL running and reachable?",
+            _ => "",
+        };
+        DbError::Connect {
+            target: target.clone(),
+            message: format!("{}{hint}", error_text(&e)),
+            retryable,
+        }
+    })?;
+    tokio::spawn(async move {
+        loop {
+            match futures::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                Some(Ok(AsyncMessage::Notification(_))) => {
+                    if let Some(w) = &wakeups {
+                        w.notify_one();
+                    }
+                }
+                Some(Ok(AsyncMessage::Notice(n))) => {
+                    tracing::debug!(notice = %n.message(), "postgres notice");
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "database connection ended");
+                    break;
+                }
+                None => break,
+            }
+        }
+        // Wake the reader so it notices the closed connection at once.
+        if let Some(w) = &wakeups {
+            w.notify_one();
+        }
+    });
+    Ok(client)
+}
+
+/// The server's message for a database error (with detail and hint), or the
+/// client-side description.
+pub fn error_text(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => {
+            let mut s = db.message().to_owned();
+            if let Some(d) = db.detail() {
+                s.push_str(" (");
+                s.push_str(d);
+                s.push(')');
+            }
+            if let Some(h) = db.hint() {
+                s.push_str("; hint: ");
+                s.push_str(h);
+            }
+            s
+        }
+        None => {
+            let mut s = e.to_string();
+            let mut source = std::error::Error::source(e);
+            while let Some(inner) = source {
+                s.push_str(": ");
+                s.push_str(&inner.to_string());
+                source = inner.source();
+            }
+            s
+        }
+    }
+}

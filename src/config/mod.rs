@@ -1,0 +1,361 @@
+//! The relay's configuration: one TOML file, every key overridable from the
+//! environment (`OUTBOX_RELAY__SECTION__KEY`).
+//!
+//! Structs deserialize strictly (`deny_unknown_fields`, so a typo is an error
+//! naming the key), carry their documented defaults as constants, and
+//! [`Config::validate`] checks ranges and cross-field rules, naming the dotted
+//! key of every problem. Secrets live in [`Secret`]/[`SecretUrl`], which print
+//! as `***`.
+
+mod load;
+mod secret;
+mod sink;
+mod validate;
+
+pub use load::{ConfigError, load, load_str};
+pub use secret::{Secret, SecretUrl, redact_url};
+pub use sink::{KafkaConfig, RabbitMqConfig, SinkConfig};
+
+use crate::db::tls::{SslMode, TlsOptions};
+use crate::outbox::{ColumnMap, TableName};
+use serde::Deserialize;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Deserializes a unit enum from its keyword, with an error that lists the
+/// accepted keywords (serde's own message for config values does not).
+macro_rules! keyword_enum {
+    ($ty:ident { $($variant:ident = $text:literal),+ $(,)? }) => {
+        impl TryFrom<String> for $ty {
+            type Error = String;
+            fn try_from(s: String) -> Result<Self, String> {
+                match s.as_str() {
+                    $($text => Ok($ty::$variant),)+
+                    other => Err(format!(
+                        "unknown value {other:?}; expected one of: {}",
+                        [$($text),+].join(", ")
+                    )),
+                }
+            }
+        }
+    };
+}
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub database: DatabaseConfig,
+    #[serde(default)]
+    pub outbox: OutboxConfig,
+    #[serde(default)]
+    pub source: SourceConfig,
+    pub sink: SinkConfig,
+    #[serde(default)]
+    pub envelope: EnvelopeConfig,
+    #[serde(default)]
+    pub relay: RelayConfig,
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+/// `[database]`: the PostgreSQL database holding the outbox.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// `postgres://user[:password]@host[:port]/dbname` or a libpq key/value string.
+    pub url: SecretUrl,
+    /// Overrides the password of `url` (handy from the environment).
+    #[serde(default)]
+    pub password: Option<Secret>,
+    #[serde(default = "defaults::connect_timeout", with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    #[serde(default = "defaults::application_name")]
+    pub application_name: String,
+    #[serde(default)]
+    pub sslmode: SslMode,
+    #[serde(default)]
+    pub sslrootcert: Option<PathBuf>,
+    #[serde(default)]
+    pub sslcert: Option<PathBuf>,
+    #[serde(default)]
+    pub sslkey: Option<PathBuf>,
+}
+
+impl DatabaseConfig {
+    pub fn tls(&self) -> TlsOptions {
+        TlsOptions {
+            mode: self.sslmode,
+            root_cert: self.sslrootcert.clone(),
+            client_cert: self.sslcert.clone(),
+            client_key: self.sslkey.clone(),
+        }
+    }
+}
+
+/// `[outbox]`: which table to read and how its columns are named.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutboxConfig {
+    #[serde(default = "defaults::table")]
+    pub table: TableName,
+    #[serde(default)]
+    pub columns: ColumnMap,
+}
+
+impl Default for OutboxConfig {
+    fn default() -> Self {
+        OutboxConfig {
+            table: defaults::table(),
+            columns: ColumnMap::default(),
+        }
+    }
+}
+
+/// How the relay learns about new rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
+pub enum SourceMode {
+    /// Query the table for unsent rows (optionally woken by LISTEN/NOTIFY).
+    #[default]
+    Polling,
+    /// Tail the write-ahead log through a logical replication slot.
+    Cdc,
+}
+
+keyword_enum!(SourceMode { Polling = "polling", Cdc = "cdc" });
+
+/// `[source]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    #[serde(default)]
+    pub mode: SourceMode,
+    /// Rows read per query (polling) or events handed to the relay at once (CDC).
+    #[serde(default = "defaults::batch_size")]
+    pub batch_size: usize,
+    #[serde(default)]
+    pub polling: PollingConfig,
+}
+
+impl Default for SourceConfig {
+    fn default() -> Self {
+        SourceConfig {
+            mode: SourceMode::default(),
+            batch_size: defaults::batch_size(),
+            polling: PollingConfig::default(),
+        }
+    }
+}
+
+/// `[source.polling]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PollingConfig {
+    /// Longest wait between two looks at the table when nothing woke the relay.
+    #[serde(default = "defaults::poll_interval", with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// LISTEN for the insert trigger's NOTIFY so new rows are read at once.
+    #[serde(default = "defaults::yes")]
+    pub notify: bool,
+    /// The NOTIFY channel; default `outbox_relay_<table>`.
+    #[serde(default)]
+    pub notify_channel: Option<String>,
+}
+
+impl Default for PollingConfig {
+    fn default() -> Self {
+        PollingConfig {
+            poll_interval: defaults::poll_interval(),
+            notify: true,
+            notify_channel: None,
+        }
+    }
+}
+
+/// What happens to a row once the broker confirmed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
+pub enum MarkMode {
+    /// `UPDATE ... SET relay_sent_at = now()`; retention deletes it later.
+    #[default]
+    Update,
+    /// `DELETE` the row at once.
+    Delete,
+}
+
+keyword_enum!(MarkMode { Update = "update", Delete = "delete" });
+
+/// `[relay]`: the pipeline between source and broker.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelayConfig {
+    /// Messages handed to the broker and not yet confirmed, at most.
+    #[serde(default = "defaults::max_in_flight")]
+    pub max_in_flight: usize,
+    /// Unconfirmed messages per aggregate, at most; default 1 for RabbitMQ
+    /// (strict order even when the broker refuses one message) and unlimited
+    /// for Kafka (the idempotent producer keeps order).
+    #[serde(default)]
+    pub max_in_flight_per_aggregate: Option<usize>,
+    /// A broker confirmation not received within this is treated as a lost
+    /// connection: the message is re-sent.
+    #[serde(default = "defaults::confirm_timeout", with = "humantime_serde")]
+    pub confirm_timeout: Duration,
+    #[serde(default)]
+    pub mark: MarkMode,
+    /// On SIGTERM, how long to wait for in-flight confirmations.
+    #[serde(default = "defaults::shutdown_timeout", with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+    /// First delay after a connection failure; doubles up to `retry_max`, with full jitter.
+    #[serde(default = "defaults::retry_base", with = "humantime_serde")]
+    pub retry_base: Duration,
+    #[serde(default = "defaults::retry_max", with = "humantime_serde")]
+    pub retry_max: Duration,
+    /// First delay before retrying an event the broker refused; doubles up to `reject_retry_max`.
+    #[serde(default = "defaults::reject_retry_base", with = "humantime_serde")]
+    pub reject_retry_base: Duration,
+    #[serde(default = "defaults::reject_retry_max", with = "humantime_serde")]
+    pub reject_retry_max: Duration,
+    /// How long the standby waits between attempts to become the active instance.
+    #[serde(default = "defaults::standby_poll", with = "humantime_serde")]
+    pub standby_poll: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            max_in_flight: defaults::max_in_flight(),
+            max_in_flight_per_aggregate: None,
+            confirm_timeout: defaults::confirm_timeout(),
+            mark: MarkMode::default(),
+            shutdown_timeout: defaults::shutdown_timeout(),
+            retry_base: defaults::retry_base(),
+            retry_max: defaults::retry_max(),
+            reject_retry_base: defaults::reject_retry_base(),
+            reject_retry_max: defaults::reject_retry_max(),
+            standby_poll: defaults::standby_poll(),
+        }
+    }
+}
+
+/// How an event is laid out in the broker message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
+pub enum EnvelopeMode {
+    /// CloudEvents JSON (structured content mode): the body is the whole event.
+    #[default]
+    Structured,
+    /// The body is the payload itself; CloudEvents attributes go in `ce_*` headers.
+    Binary,
+}
+
+keyword_enum!(EnvelopeMode { Structured = "structured", Binary = "binary" });
+
+/// `[envelope]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvelopeConfig {
+    #[serde(default)]
+    pub mode: EnvelopeMode,
+    /// CloudEvents `source` attribute.
+    #[serde(default = "defaults::ce_source")]
+    pub source: String,
+}
+
+impl Default for EnvelopeConfig {
+    fn default() -> Self {
+        EnvelopeConfig {
+            mode: EnvelopeMode::default(),
+            source: defaults::ce_source(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+keyword_enum!(LogFormat { Text = "text", Json = "json" });
+
+/// `[log]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    #[serde(default)]
+    pub format: LogFormat,
+    /// A `tracing` filter such as `info` or `outbox_relay=debug,info`; `RUST_LOG` wins when set.
+    #[serde(default = "defaults::log_level")]
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::default(),
+            level: defaults::log_level(),
+        }
+    }
+}
+
+/// Documented defaults, one function per key (serde needs functions).
+pub mod defaults {
+    use super::TableName;
+    use std::time::Duration;
+
+    pub fn yes() -> bool {
+        true
+    }
+    pub fn connect_timeout() -> Duration {
+        Duration::from_secs(10)
+    }
+    pub fn application_name() -> String {
+        "outbox-relay".into()
+    }
+    pub fn table() -> TableName {
+        TableName::new("public", "outbox")
+    }
+    pub fn batch_size() -> usize {
+        500
+    }
+    pub fn poll_interval() -> Duration {
+        Duration::from_secs(1)
+    }
+    pub fn max_in_flight() -> usize {
+        2000
+    }
+    pub fn confirm_timeout() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub fn shutdown_timeout() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub fn retry_base() -> Duration {
+        Duration::from_millis(200)
+    }
+    pub fn retry_max() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub fn reject_retry_base() -> Duration {
+        Duration::from_secs(1)
+    }
+    pub fn reject_retry_max() -> Duration {
+        Duration::from_secs(300)
+    }
+    pub fn standby_poll() -> Duration {
+        Duration::from_secs(2)
+    }
+    pub fn ce_source() -> String {
+        "outbox-relay".into()
+    }
+    pub fn log_level() -> String {
+        "info".into()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,254 @@
+//! Range and cross-field checks, each problem naming its dotted key.
+
+use super::load::Problem;
+use super::{Config, KafkaConfig, RabbitMqConfig, SinkConfig};
+use crate::db::tls::SslMode;
+use crate::envelope::destination;
+use std::time::Duration;
+
+/// librdkafka properties the relay sets itself because its guarantees depend on them.
+pub const PROTECTED_KAFKA_PROPERTIES: &[&str] = &[
+    "bootstrap.servers",
+    "metadata.broker.list",
+    "enable.idempotence",
+    "acks",
+    "request.required.acks",
+    "enable.gapless.guarantee",
+    "message.timeout.ms",
+    "delivery.timeout.ms",
+    "max.in.flight.requests.per.connection",
+    "max.in.flight",
+    "message.max.bytes",
+    "linger.ms",
+    "queue.buffering.max.ms",
+    "client.id",
+    "enable.auto.commit",
+];
+
+struct Checker(Vec<Problem>);
+
+impl Checker {
+    fn problem(&mut self, key: &str, message: impl Into<String>) {
+        self.0.push(Problem {
+            key: key.to_owned(),
+            message: message.into(),
+        });
+    }
+
+    fn range<T: PartialOrd + std::fmt::Display>(&mut self, key: &str, value: T, min: T, max: T) {
+        if value < min || value > max {
+            self.problem(key, format!("{value} is out of range; use {min} to {max}"));
+        }
+    }
+
+    fn duration(&mut self, key: &str, value: Duration, min: Duration, max: Duration) {
+        if value < min || value > max {
+            self.problem(
+                key,
+                format!(
+                    "{} is out of range; use {} to {}",
+                    humantime::format_duration(value),
+                    humantime::format_duration(min),
+                    humantime::format_duration(max)
+                ),
+            );
+        }
+    }
+}
+
+const MS: Duration = Duration::from_millis(1);
+const SEC: Duration = Duration::from_secs(1);
+const HOUR: Duration = Duration::from_secs(3600);
+
+impl Config {
+    /// Checks every value; returns all problems found, not just the first.
+    pub fn validate(&self) -> Result<(), Vec<Problem>> {
+        let mut c = Checker(Vec::new());
+        self.check_database(&mut c);
+        self.check_outbox(&mut c);
+        self.check_source_and_relay(&mut c);
+        match &self.sink {
+            SinkConfig::Kafka(k) => check_kafka(&mut c, k),
+            SinkConfig::RabbitMq(r) => check_rabbitmq(&mut c, r),
+        }
+        if self.envelope.source.trim().is_empty() {
+            c.problem(
+                "envelope.source",
+                "must not be empty (CloudEvents requires a source)",
+            );
+        }
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
+            c.problem(
+                "log.level",
+                format!("not a valid filter ({e}); try \"info\""),
+            );
+        }
+        if c.0.is_empty() { Ok(()) } else { Err(c.0) }
+    }
+
+    fn check_database(&self, c: &mut Checker) {
+        let db = &self.database;
+        match db.url.expose().parse::<tokio_postgres::Config>() {
+            Err(e) => {
+                let hint = if db.url.expose().contains("sslmode") {
+                    "; set TLS with database.sslmode instead of in the URL"
+                } else {
+                    ""
+                };
+                c.problem(
+                    "database.url",
+                    format!("not a PostgreSQL connection URL ({e}){hint}"),
+                );
+            }
+            Ok(pg) => {
+                if pg.get_dbname().is_none() {
+                    c.problem("database.url", "names no database; add /dbname to the URL");
+                }
+                if pg.get_user().is_none() {
+                    c.problem("database.url", "names no user; add user@ to the URL");
+                }
+            }
+        }
+        c.duration(
+            "database.connect_timeout",
+            db.connect_timeout,
+            100 * MS,
+            10 * 60 * SEC,
+        );
+        if db.sslcert.is_some() != db.sslkey.is_some() {
+            c.problem(
+                "database.sslcert",
+                "database.sslcert and database.sslkey go together; set both or neither",
+            );
+        }
+        if db.sslrootcert.is_some()
+            && !matches!(db.sslmode, SslMode::VerifyCa | SslMode::VerifyFull)
+        {
+            c.problem(
+                "database.sslrootcert",
+                "is only used with sslmode verify-ca or verify-full; set database.sslmode",
+            );
+        }
+    }
+
+    fn check_outbox(&self, c: &mut Checker) {
+        for (key, message) in self.outbox.columns.problems() {
+            c.problem(&format!("outbox.columns.{key}"), message);
+        }
+    }
+
+    fn check_source_and_relay(&self, c: &mut Checker) {
+        let s = &self.source;
+        c.range("source.batch_size", s.batch_size, 1, 10_000);
+        c.duration(
+            "source.polling.poll_interval",
+            s.polling.poll_interval,
+            10 * MS,
+            HOUR,
+        );
+        if let Some(ch) = &s.polling.notify_channel
+            && (ch.is_empty() || ch.len() > 63)
+        {
+            c.problem(
+                "source.polling.notify_channel",
+                "must be 1 to 63 bytes long",
+            );
+        }
+        let r = &self.relay;
+        c.range("relay.max_in_flight", r.max_in_flight, 1, 100_000);
+        if let Some(n) = r.max_in_flight_per_aggregate {
+            c.range(
+                "relay.max_in_flight_per_aggregate",
+                n,
+                1,
+                r.max_in_flight.max(1),
+            );
+        }
+        c.duration("relay.confirm_timeout", r.confirm_timeout, SEC, HOUR);
+        c.duration(
+            "relay.shutdown_timeout",
+            r.shutdown_timeout,
+            Duration::ZERO,
+            HOUR,
+        );
+        c.duration("relay.retry_base", r.retry_base, MS, 10 * 60 * SEC);
+        c.duration("relay.retry_max", r.retry_max, r.retry_base, HOUR);
+        c.duration("relay.reject_retry_base", r.reject_retry_base, MS, HOUR);
+        c.duration(
+            "relay.reject_retry_max",
+            r.reject_retry_max,
+            r.reject_retry_base,
+            24 * HOUR,
+        );
+        c.duration(
+            "relay.standby_poll",
+            r.standby_poll,
+            100 * MS,
+            10 * 60 * SEC,
+        );
+    }
+}
+
+fn check_kafka(c: &mut Checker, k: &KafkaConfig) {
+    if k.brokers.split(',').all(|b| b.trim().is_empty()) {
+        c.problem("sink.brokers", "must list at least one host:port");
+    }
+    if let Err(e) = destination::check_template_literals(&k.topic, destination::kafka_topic) {
+        c.problem("sink.topic", e);
+    }
+    c.range(
+        "sink.message_max_bytes",
+        k.message_max_bytes,
+        1_000,
+        1_000_000_000,
+    );
+    c.duration("sink.delivery_timeout", k.delivery_timeout, SEC, HOUR);
+    c.duration("sink.linger", k.linger, Duration::ZERO, 5 * SEC);
+    if k.client_id.is_empty() {
+        c.problem("sink.client_id", "must not be empty");
+    }
+    for key in k.properties.keys() {
+        if PROTECTED_KAFKA_PROPERTIES.contains(&key.as_str()) {
+            c.problem(
+                &format!("sink.properties.{key}"),
+                "is set by the relay because its delivery guarantee depends on it; remove it (see the sink keys for the ones you can tune)",
+            );
+        }
+    }
+}
+
+fn check_rabbitmq(c: &mut Checker, r: &RabbitMqConfig) {
+    match url::Url::parse(r.url.expose()) {
+        Ok(u) if u.scheme() == "amqp" || u.scheme() == "amqps" => {}
+        Ok(u) => c.problem(
+            "sink.url",
+            format!("scheme {:?} is not amqp:// or amqps://", u.scheme()),
+        ),
+        Err(e) => c.problem(
+            "sink.url",
+            format!("not a URL ({e}): use amqp://user:password@host:5672/vhost"),
+        ),
+    }
+    if let Err(e) =
+        destination::check_template_literals(&r.exchange, destination::rabbitmq_exchange)
+    {
+        c.problem("sink.exchange", e);
+    }
+    if let Err(e) =
+        destination::check_template_literals(&r.routing_key, destination::rabbitmq_routing_key)
+    {
+        c.problem("sink.routing_key", e);
+    }
+    if !["direct", "topic", "fanout", "headers"].contains(&r.exchange_type.as_str()) {
+        c.problem(
+            "sink.exchange_type",
+            "must be direct, topic, fanout or headers",
+        );
+    }
+    c.range(
+        "sink.message_max_bytes",
+        r.message_max_bytes,
+        1_000,
+        512 * 1024 * 1024,
+    );
+}

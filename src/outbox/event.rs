@@ -1,0 +1,309 @@
+//! Decoding a row's text values into an event, rejecting bad input with a reason.
+//!
+//! Both sources see a row as text: the polling source casts every column to
+//! `text` in its query (with `DateStyle=ISO` and `TimeZone=UTC`), and pgoutput
+//! sends values in their text form. One decoder serves both.
+
+use chrono::{DateTime, NaiveDateTime, Utc};
+use serde_json::value::RawValue;
+use std::fmt;
+
+/// A row as read, before decoding: each contract column's text, `None` when
+/// the column is NULL or absent from the table.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RawRow {
+    pub id: Option<String>,
+    pub aggregate_type: Option<String>,
+    pub aggregate_id: Option<String>,
+    pub event_type: Option<String>,
+    pub event_version: Option<String>,
+    pub payload: Option<String>,
+    pub headers: Option<String>,
+    pub created_at: Option<String>,
+}
+
+/// One event, ready to be put in an envelope.
+#[derive(Debug, Clone)]
+pub struct OutboxEvent {
+    /// The row's `id`: message id, CloudEvents `id`, the consumers' deduplication key.
+    pub id: String,
+    pub aggregate_type: String,
+    /// The message key and the unit of ordering.
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub event_version: i32,
+    /// The payload as JSON text, embedded in the envelope without re-encoding.
+    pub payload: Box<RawValue>,
+    /// The row's `headers` object, in key order.
+    pub headers: Vec<(String, String)>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// Why a row cannot be published. The row is bad input, not a relay failure:
+/// it is reported, never dropped, and never stops other aggregates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowError {
+    /// The row's id when it could be read, for the operator to find the row.
+    pub id: Option<String>,
+    pub aggregate_id: Option<String>,
+    pub reason: String,
+}
+
+impl fmt::Display for RowError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.id {
+            Some(id) => write!(f, "outbox row {id}: {}", self.reason),
+            None => write!(f, "outbox row without id: {}", self.reason),
+        }
+    }
+}
+
+impl std::error::Error for RowError {}
+
+/// Headers larger than this are refused: they travel with every message.
+pub const MAX_HEADERS_BYTES: usize = 64 * 1024;
+
+impl RawRow {
+    /// Decodes the row. `fallback_time` stands in for an absent `created_at`
+    /// (the commit time in CDC, the read time when polling).
+    pub fn decode(self, fallback_time: DateTime<Utc>) -> Result<OutboxEvent, RowError> {
+        let id = self.id.clone();
+        let aggregate_id = self.aggregate_id.clone();
+        let fail = |reason: String| RowError {
+            id: id.clone(),
+            aggregate_id: aggregate_id.clone(),
+            reason,
+        };
+        let required = |value: Option<String>, column: &str| match value {
+            Some(v) if !v.trim().is_empty() => Ok(v),
+            Some(_) => Err(fail(format!("{column} is empty"))),
+            None => Err(fail(format!("{column} is NULL"))),
+        };
+        let id = required(self.id, "id")?;
+        let aggregate_type = required(self.aggregate_type, "aggregate_type")?;
+        let aggregate_id = required(self.aggregate_id, "aggregate_id")?;
+        let event_type = required(self.event_type, "event_type")?;
+        let event_version = match self.event_version {
+            None => 1,
+            Some(v) => v
+                .trim()
+                .parse::<i32>()
+                .map_err(|_| fail(format!("event_version {v:?} is not an integer")))?,
+        };
+        let payload = self
+            .payload
+            .ok_or_else(|| fail("payload is NULL".into()))
+            .and_then(|p| {
+                RawValue::from_string(p).map_err(|e| fail(format!("payload is not JSON: {e}")))
+            })?;
+        let headers = match self.headers {
+            None => Vec::new(),
+            Some(h) => parse_headers(&h).map_err(fail)?,
+        };
+        let created_at = match self.created_at {
+            None => fallback_time,
+            Some(t) => parse_timestamp(&t).map_err(fail)?,
+        };
+        Ok(OutboxEvent {
+            id,
+            aggregate_type,
+            aggregate_id,
+            event_type,
+            event_version,
+            payload,
+            headers,
+            created_at,
+        })
+    }
+}
+
+/// `headers` must be a JSON object whose values are all strings.
+fn parse_headers(text: &str) -> Result<Vec<(String, String)>, String> {
+    if text.len() > MAX_HEADERS_BYTES {
+        return Err(format!(
+            "headers are {} bytes; at most {MAX_HEADERS_BYTES} are allowed",
+            text.len()
+        ));
+    }
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("headers are not JSON: {e}"))?;
+    let serde_json::Value::Object(map) = value else {
+        return Err(format!(
+            "headers must be a JSON object of strings, found {}",
+            json_kind(&value)
+        ));
+    };
+    map.into_iter()
+        .map(|(k, v)| match v {
+            serde_json::Value::String(s) => Ok((k, s)),
+            other => Err(format!(
+                "headers must be a JSON object of strings; header {k:?} is {}",
+                json_kind(&other)
+            )),
+        })
+        .collect()
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// Parses PostgreSQL's ISO output of `timestamptz` (`2026-11-29 15:45:41.123+00`,
+/// offsets `+hh`, `+hh:mm` or `+hh:mm:ss`) and of `timestamp` (taken as UTC).
+pub fn parse_timestamp(text: &str) -> Result<DateTime<Utc>, String> {
+    let t = text.trim();
+    let bad = || format!("created_at {t:?} is not a timestamp the relay can read");
+    if t.ends_with(" BC") || t.contains("infinity") {
+        return Err(format!(
+            "{} (infinite and BC times have no CloudEvents form)",
+            bad()
+        ));
+    }
+    // Split off a trailing numeric offset, if any, after the time part.
+    let time_start = t.find(' ').or_else(|| t.find('T')).ok_or_else(bad)?;
+    let (base, offset) = match t[time_start..].rfind(['+', '-']) {
+        Some(i) => t.split_at(time_start + i),
+        None => (t, ""),
+    };
+    let naive = NaiveDateTime::parse_from_str(base, "%Y-%m-%d %H:%M:%S%.f")
+        .or_else(|_| NaiveDateTime::parse_from_str(base, "%Y-%m-%dT%H:%M:%S%.f"))
+        .map_err(|_| bad())?;
+    if offset.is_empty() {
+        return Ok(naive.and_utc());
+    }
+    let sign: i64 = if offset.starts_with('-') { -1 } else { 1 };
+    let mut secs = 0i64;
+    for (i, part) in offset[1..].split(':').enumerate() {
+        let n: i64 = part.parse().map_err(|_| bad())?;
+        secs += n * [3600, 60, 1].get(i).copied().ok_or_else(bad)?;
+    }
+    Ok((naive - chrono::Duration::seconds(sign * secs)).and_utc())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row() -> RawRow {
+        RawRow {
+            id: Some("6f1c2a9e-0000-4000-8000-000000000001".into()),
+            aggregate_type: Some("order".into()),
+            aggregate_id: Some("o-1".into()),
+            event_type: Some("OrderPlaced".into()),
+            event_version: Some("2".into()),
+            payload: Some(r#"{"total": 12.5}"#.into()),
+            headers: Some(r#"{"traceparent": "00-abc-def-01"}"#.into()),
+            created_at: Some("2026-11-29 15:45:41.123456+00".into()),
+        }
+    }
+
+    #[test]
+    fn decodes_a_complete_row() {
+        let e = row().decode(Utc::now()).unwrap();
+        assert_eq!(e.event_version, 2);
+        assert_eq!(e.payload.get(), r#"{"total": 12.5}"#);
+        assert_eq!(
+            e.headers,
+            vec![("traceparent".into(), "00-abc-def-01".into())]
+        );
+        assert_eq!(
+            e.created_at.to_rfc3339(),
+            "2026-11-29T15:45:41.123456+00:00"
+        );
+    }
+
+    #[test]
+    fn absent_optional_columns_take_defaults() {
+        let now = Utc::now();
+        let r = RawRow {
+            event_version: None,
+            headers: None,
+            created_at: None,
+            ..row()
+        };
+        let e = r.decode(now).unwrap();
+        assert_eq!(
+            (e.event_version, e.headers.len(), e.created_at),
+            (1, 0, now)
+        );
+    }
+
+    #[test]
+    fn bad_rows_are_refused_with_a_reason() {
+        let cases = [
+            (
+                RawRow {
+                    aggregate_id: Some("".into()),
+                    ..row()
+                },
+                "aggregate_id is empty",
+            ),
+            (RawRow { id: None, ..row() }, "id is NULL"),
+            (
+                RawRow {
+                    payload: Some("{".into()),
+                    ..row()
+                },
+                "payload is not JSON",
+            ),
+            (
+                RawRow {
+                    headers: Some("[1]".into()),
+                    ..row()
+                },
+                "found an array",
+            ),
+            (
+                RawRow {
+                    headers: Some(r#"{"a": 1}"#.into()),
+                    ..row()
+                },
+                "header \"a\" is a number",
+            ),
+            (
+                RawRow {
+                    event_version: Some("x".into()),
+                    ..row()
+                },
+                "not an integer",
+            ),
+            (
+                RawRow {
+                    created_at: Some("infinity".into()),
+                    ..row()
+                },
+                "infinite",
+            ),
+        ];
+        for (r, expected) in cases {
+            let err = r.decode(Utc::now()).unwrap_err();
+            assert!(
+                err.reason.contains(expected),
+                "{err} should contain {expected}"
+            );
+        }
+    }
+
+    #[test]
+    fn timestamps_in_every_postgres_offset_form() {
+        let utc = "2026-01-02T03:04:05+00:00";
+        for t in [
+            "2026-01-02 03:04:05+00",
+            "2026-01-02 05:34:05+02:30",
+            "2026-01-02 02:04:05-01",
+            "2026-01-02 03:04:05",
+            "2026-01-02 05:34:05+02:30:00",
+        ] {
+            assert_eq!(parse_timestamp(t).unwrap().to_rfc3339(), utc, "{t}");
+        }
+        assert!(parse_timestamp("yesterday").is_err());
+        assert!(parse_timestamp("2026-01-02 03:04:05+0a").is_err());
+    }
+}

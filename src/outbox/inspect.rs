@@ -1,0 +1,219 @@
+//! Reading an existing table's shape and the relay's privileges on it, and
+//! judging whether the relay can use it.
+
+use super::{ColumnMap, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
+use crate::config::MarkMode;
+use tokio_postgres::GenericClient;
+
+/// One column of the table as PostgreSQL describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ColumnInfo {
+    pub name: String,
+    /// `format_type()` output, e.g. `text`, `character varying(255)`, `jsonb`.
+    pub type_name: String,
+    pub not_null: bool,
+    /// Has a default or is an identity column.
+    pub has_default: bool,
+}
+
+/// What the relay needs to know about the outbox table.
+#[derive(Debug, Clone)]
+pub struct TableInfo {
+    pub columns: Vec<ColumnInfo>,
+    pub can_select: bool,
+    pub can_update: bool,
+    pub can_delete: bool,
+    pub is_owner: bool,
+}
+
+impl TableInfo {
+    pub fn column(&self, name: &str) -> Option<&ColumnInfo> {
+        self.columns.iter().find(|c| c.name == name)
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.columns.iter().map(|c| c.name.clone()).collect()
+    }
+}
+
+/// Reads the table's columns and privileges; `None` when the table does not exist.
+pub async fn table_info(
+    client: &impl GenericClient,
+    table: &TableName,
+) -> Result<Option<TableInfo>, tokio_postgres::Error> {
+    let qualified = table.quoted();
+    let row = client
+        .query_one(
+            "SELECT to_regclass($1)::oid,
+                    CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege(to_regclass($1), 'SELECT') END,
+                    CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege(to_regclass($1), 'UPDATE') END,
+                    CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege(to_regclass($1), 'DELETE') END,
+                    COALESCE((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass($1)), false)",
+            &[&qualified],
+        )
+        .await?;
+    let oid: Option<u32> = row.get(0);
+    let Some(oid) = oid else { return Ok(None) };
+    let rows = client
+        .query(
+            "SELECT attname::text, format_type(atttypid, atttypmod), attnotnull,
+                    atthasdef OR attidentity <> ''
+             FROM pg_attribute
+             WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped
+             ORDER BY attnum",
+            &[&oid],
+        )
+        .await?;
+    Ok(Some(TableInfo {
+        columns: rows
+            .iter()
+            .map(|r| ColumnInfo {
+                name: r.get(0),
+                type_name: r.get(1),
+                not_null: r.get(2),
+                has_default: r.get(3),
+            })
+            .collect(),
+        can_select: row.get(1),
+        can_update: row.get(2),
+        can_delete: row.get(3),
+        is_owner: row.get(4),
+    }))
+}
+
+const TEXTUAL: &[&str] = &["text", "character varying", "character", "uuid", "name"];
+
+fn type_is(type_name: &str, accepted: &[&str]) -> bool {
+    let base = type_name.split('(').next().unwrap_or(type_name).trim();
+    accepted.contains(&base)
+}
+
+/// What is wrong with the table for this column map, one message per problem,
+/// each saying what to fix. Empty means the relay can use the table.
+pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut expect = |key: &str, column: &str, accepted: &[&str], what: &str| {
+        match info.column(column) {
+        None => problems.push(format!(
+            "column {column:?} (outbox.columns.{key}) does not exist; rename it in [outbox.columns] or add it"
+        )),
+        Some(c) if !type_is(&c.type_name, accepted) => problems.push(format!(
+            "column {column:?} (outbox.columns.{key}) is {}, expected {what}",
+            c.type_name
+        )),
+        Some(_) => {}
+    }
+    };
+    expect(
+        "id",
+        &map.id,
+        &["uuid", "text", "character varying", "bigint", "integer"],
+        "uuid, text or an integer",
+    );
+    expect("aggregate_type", &map.aggregate_type, TEXTUAL, "text");
+    expect(
+        "aggregate_id",
+        &map.aggregate_id,
+        &[TEXTUAL, &["bigint", "integer"]].concat(),
+        "text, uuid or an integer",
+    );
+    expect("event_type", &map.event_type, TEXTUAL, "text");
+    expect(
+        "payload",
+        &map.payload,
+        &["jsonb", "json", "text", "character varying"],
+        "jsonb, json or text holding JSON",
+    );
+    let resolved = map.resolve(&info.names());
+    let optional: [(&str, &Option<String>, &[&str], &str); 3] = [
+        (
+            "event_version",
+            &resolved.event_version,
+            &["integer", "smallint", "bigint"],
+            "an integer",
+        ),
+        (
+            "headers",
+            &resolved.headers,
+            &["jsonb", "json"],
+            "jsonb or json",
+        ),
+        (
+            "created_at",
+            &resolved.created_at,
+            &["timestamp with time zone", "timestamp without time zone"],
+            "timestamptz",
+        ),
+    ];
+    for (key, column, accepted, what) in optional {
+        if let Some(column) = column {
+            expect(key, column, accepted, what);
+        }
+    }
+    for (column, accepted, what) in [
+        (SEQ_COLUMN, &["bigint"][..], "bigint"),
+        (XID_COLUMN, &["xid8"][..], "xid8"),
+        (
+            SENT_AT_COLUMN,
+            &["timestamp with time zone"][..],
+            "timestamptz",
+        ),
+    ] {
+        match info.column(column) {
+            None => problems.push(format!(
+                "the relay's column {column:?} is missing; run `outbox-relay migrate`"
+            )),
+            Some(c) if !type_is(&c.type_name, accepted) => problems.push(format!(
+                "column {column:?} is {}, expected {what}; the relay owns this column name",
+                c.type_name
+            )),
+            Some(c) if column != SENT_AT_COLUMN && !c.has_default => problems.push(format!(
+                "column {column:?} has no default, so applications would have to fill it; run `outbox-relay migrate`"
+            )),
+            Some(_) => {}
+        }
+    }
+    if !info.can_select {
+        problems
+            .push("the relay's database user cannot SELECT from the table; GRANT SELECT".into());
+    }
+    match mark {
+        MarkMode::Update if !info.can_update => problems.push(
+            "the relay's database user cannot UPDATE the table to mark rows sent; GRANT UPDATE".into(),
+        ),
+        MarkMode::Delete if !info.can_delete => problems.push(
+            "the relay's database user cannot DELETE from the table (relay.mark = \"delete\"); GRANT DELETE".into(),
+        ),
+        _ => {}
+    }
+    problems
+}
+
+/// Resolves the column map against the table, or explains why the table is unusable.
+pub async fn resolve_table(
+    client: &impl GenericClient,
+    table: &TableName,
+    map: &ColumnMap,
+    mark: MarkMode,
+) -> Result<ResolvedColumns, TableProblem> {
+    let info = table_info(client, table)
+        .await
+        .map_err(TableProblem::Query)?
+        .ok_or_else(|| TableProblem::Unusable(vec![format!(
+            "table {table} does not exist (or the relay's user cannot see it); run `outbox-relay migrate` or set outbox.table"
+        )]))?;
+    let problems = verify(&info, map, mark);
+    if !problems.is_empty() {
+        return Err(TableProblem::Unusable(problems));
+    }
+    Ok(map.resolve(&info.names()))
+}
+
+/// Why the outbox table cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TableProblem {
+    #[error("cannot inspect the outbox table: {0}")]
+    Query(#[source] tokio_postgres::Error),
+    #[error("the outbox table cannot be used:\n  - {}", .0.join("\n  - "))]
+    Unusable(Vec<String>),
+}
