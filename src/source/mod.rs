@@ -1,1 +1,99 @@
+//! Sources: where events come from, and how progress is recorded.
+//!
+//! # The contract
+//!
+//! A [`Reader`] yields committed events in an order that keeps each
+//! aggregate's events in commit order, and never an event of a rolled-back
+//! transaction. It does not remember what it handed out as done: only the
+//! [`Acker`] records progress (marks rows sent, or reports a WAL position as
+//! flushed), and the relay calls it only with positions whose messages the
+//! broker confirmed. Anything read but not acknowledged is read again after a
+//! [`Reader::rewind`] or a restart, which is where duplicates come from, and
+//! the only place.
+
+pub mod polling;
 pub mod replication;
+
+use crate::db::DbError;
+use crate::outbox::{OutboxEvent, RowError, TableName};
+use std::fmt::Debug;
+use std::future::Future;
+use std::hash::Hash;
+
+/// One row from the source: its position, and the event or why it is unusable.
+#[derive(Debug)]
+pub struct SourcedEvent<P> {
+    pub position: P,
+    pub event: Result<OutboxEvent, RowError>,
+}
+
+impl<P> SourcedEvent<P> {
+    /// The aggregate the row belongs to, when it could be read at all. Rows
+    /// without one are scheduled under the empty key.
+    pub fn aggregate_id(&self) -> &str {
+        match &self.event {
+            Ok(e) => &e.aggregate_id,
+            Err(e) => e.aggregate_id.as_deref().unwrap_or(""),
+        }
+    }
+}
+
+/// Why a source failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Table(#[from] crate::outbox::inspect::TableProblem),
+}
+
+impl SourceError {
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            SourceError::Db(e) => e.is_retryable(),
+            SourceError::Table(crate::outbox::inspect::TableProblem::Query(e)) => {
+                crate::db::is_retryable_pg(e)
+            }
+            SourceError::Table(_) => false,
+        }
+    }
+}
+
+/// Reads events. See the module docs for the contract.
+pub trait Reader: Send + 'static {
+    type Position: Clone + Debug + Eq + Hash + Send + Sync + 'static;
+
+    /// Waits until events are available and returns up to `max` of them, in order.
+    ///
+    /// Cancel-safe: state changes only once a read completes, so a dropped call
+    /// loses nothing.
+    fn next_batch(
+        &mut self,
+        max: usize,
+    ) -> impl Future<Output = Result<Vec<SourcedEvent<Self::Position>>, SourceError>> + Send;
+
+    /// Forgets what was read; the next batch starts again from what is not yet
+    /// acknowledged, in order.
+    fn rewind(&mut self);
+}
+
+/// Records progress. Called only with positions whose messages the broker confirmed.
+pub trait Acker: Send + 'static {
+    type Position: Send + 'static;
+
+    fn ack(
+        &mut self,
+        positions: Vec<Self::Position>,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Called when idle: fails when the acker can no longer record progress
+    /// (its connection, and with it ownership, is gone).
+    fn heartbeat(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send {
+        async { Ok(()) }
+    }
+}
+
+/// The key of the session advisory lock that makes one instance active per outbox.
+pub fn ownership_key(table: &TableName) -> String {
+    format!("outbox-relay:{table}")
+}

@@ -1,0 +1,167 @@
+//! The relay: become the active instance, build the pipeline, run it, and
+//! start over after failures.
+//!
+//! Ownership is a PostgreSQL session advisory lock held on the connection
+//! that also marks rows sent. Only one session can hold it, so only one
+//! instance publishes an outbox; a standby waits on `pg_try_advisory_lock`
+//! and takes over within `relay.standby_poll` once the holder's session ends.
+//! Because marking uses that same session, an instance that lost the lock
+//! (its session was terminated, its network cut) cannot mark rows any more.
+
+mod backoff;
+mod pipeline;
+pub mod scheduler;
+
+pub use backoff::Backoff;
+pub use pipeline::{PipelineError, Settings};
+
+use crate::config::{Config, SourceMode};
+use crate::db::DbError;
+use crate::envelope::Envelope;
+use crate::outbox::inspect::{self, TableProblem};
+use crate::sink::{AnySink, SinkError};
+use crate::source::polling::{PollingAcker, PollingReader};
+use crate::source::{SourceError, ownership_key};
+use scheduler::Blocks;
+use tokio::time::Instant;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+
+/// Why a run of the relay stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Table(#[from] TableProblem),
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+    #[error("source.mode = \"cdc\" is not available in this build")]
+    Unsupported,
+}
+
+impl From<SinkError> for RelayError {
+    fn from(e: SinkError) -> Self {
+        RelayError::Pipeline(e.into())
+    }
+}
+
+impl From<SourceError> for RelayError {
+    fn from(e: SourceError) -> Self {
+        RelayError::Pipeline(e.into())
+    }
+}
+
+impl RelayError {
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            RelayError::Db(e) => e.is_retryable(),
+            RelayError::Table(TableProblem::Query(e)) => crate::db::is_retryable_pg(e),
+            RelayError::Table(_) | RelayError::Unsupported => false,
+            RelayError::Pipeline(e) => e.is_retryable(),
+        }
+    }
+}
+
+/// Runs the relay until `shutdown`. Failures never end it: each is logged
+/// (at error level with what to fix when it will not pass by itself) and
+/// retried after a jittered, growing delay.
+pub async fn run(config: &Config, shutdown: CancellationToken) {
+    let relay = &config.relay;
+    let mut blocks = Blocks::new(relay.reject_retry_base, relay.reject_retry_max);
+    let mut backoff = Backoff::new(relay.retry_base, relay.retry_max);
+    loop {
+        let started = Instant::now();
+        let result = run_once(config, &mut blocks, &shutdown).await;
+        if shutdown.is_cancelled() {
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "stopped with an error during shutdown");
+            }
+            return;
+        }
+        let Err(e) = result else { return };
+        if started.elapsed() > relay.retry_max {
+            backoff.reset();
+        }
+        let delay = backoff.next_delay();
+        if e.is_retryable() {
+            tracing::warn!(error = %e, attempt = backoff.attempts(), retry_in = ?delay, "relay interrupted; reconnecting");
+        } else {
+            tracing::error!(error = %e, attempt = backoff.attempts(), retry_in = ?delay, "relay cannot work until this is fixed; retrying");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+async fn run_once(
+    config: &Config,
+    blocks: &mut Blocks,
+    shutdown: &CancellationToken,
+) -> Result<(), RelayError> {
+    let Some(owner) = acquire_ownership(config, shutdown).await? else {
+        return Ok(());
+    };
+    let table = &config.outbox.table;
+    let columns =
+        inspect::resolve_table(&owner, table, &config.outbox.columns, config.relay.mark).await?;
+    let envelope = Envelope::new(&config.envelope);
+    let settings = Settings {
+        batch_size: config.source.batch_size,
+        max_in_flight: config.relay.max_in_flight,
+        per_aggregate: config
+            .relay
+            .max_in_flight_per_aggregate
+            .or(config.sink.default_in_flight_per_aggregate()),
+        confirm_timeout: config.relay.confirm_timeout,
+        shutdown_timeout: config.relay.shutdown_timeout,
+    };
+    match config.source.mode {
+        SourceMode::Polling => {
+            let reader =
+                PollingReader::connect(&config.database, table, &columns, &config.source.polling)
+                    .await?;
+            let acker = PollingAcker::new(owner, table, config.relay.mark).await?;
+            let sink = AnySink::connect(&config.sink).await?;
+            tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events");
+            pipeline::run(reader, acker, sink, &envelope, &settings, blocks, shutdown).await?;
+            tracing::info!("stopped cleanly");
+            Ok(())
+        }
+        SourceMode::Cdc => Err(RelayError::Unsupported),
+    }
+}
+
+/// Connects and waits until this instance holds the outbox's advisory lock.
+/// Returns `None` on shutdown.
+pub async fn acquire_ownership(
+    config: &Config,
+    shutdown: &CancellationToken,
+) -> Result<Option<Client>, RelayError> {
+    let key = ownership_key(&config.outbox.table);
+    let client = crate::db::connect(&config.database, None).await?;
+    let mut announced = false;
+    loop {
+        let locked: bool = client
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+                &[&key],
+            )
+            .await
+            .map_err(|e| DbError::query("taking the ownership lock", e))?
+            .get(0);
+        if locked {
+            return Ok(Some(client));
+        }
+        if !announced {
+            tracing::info!(table = %config.outbox.table, "standby: another instance is active; waiting to take over");
+            announced = true;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(None),
+            _ = tokio::time::sleep(config.relay.standby_poll) => {}
+        }
+    }
+}

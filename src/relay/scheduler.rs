@@ -1,0 +1,306 @@
+//! Per-aggregate scheduling: which event may go to the broker now.
+//!
+//! Events arrive in source order. An event is sent at once unless its
+//! aggregate already has `per_aggregate` messages unconfirmed (it is parked
+//! behind them, in order) or is blocked because the broker refused one of its
+//! events (it is deferred: dropped from memory, still unsent in the outbox,
+//! and read again when the block expires and the source rewinds). Other
+//! aggregates are never held up by a blocked one.
+//!
+//! Blocks outlive a pipeline restart (the relay keeps [`Blocks`] across
+//! reconnects), so a refused event is retried on its own schedule rather than
+//! at every reconnect.
+
+use super::backoff;
+use crate::source::SourcedEvent;
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Why and until when an aggregate is held back.
+#[derive(Debug, Clone)]
+pub struct Block {
+    /// The refused event.
+    pub event_id: Option<String>,
+    pub reason: String,
+    /// Refusals of this event so far.
+    pub attempts: u32,
+    /// `Some` while waiting; `None` once released for a retry.
+    pub until: Option<Instant>,
+}
+
+/// Blocked aggregates, shared by successive pipelines.
+#[derive(Debug)]
+pub struct Blocks {
+    map: HashMap<String, Block>,
+    base: Duration,
+    max: Duration,
+}
+
+impl Blocks {
+    pub fn new(base: Duration, max: Duration) -> Self {
+        Blocks {
+            map: HashMap::new(),
+            base,
+            max,
+        }
+    }
+
+    /// Records a refusal; returns the block (with its attempt count and retry time).
+    pub fn block(
+        &mut self,
+        aggregate: &str,
+        event_id: Option<&str>,
+        reason: String,
+        now: Instant,
+    ) -> &Block {
+        let attempts = match self.map.get(aggregate) {
+            Some(b) if b.event_id.as_deref() == event_id => b.attempts.saturating_add(1),
+            _ => 1,
+        };
+        let delay = backoff::jittered(self.base, self.max, attempts).max(self.base / 2);
+        self.map.insert(
+            aggregate.to_owned(),
+            Block {
+                event_id: event_id.map(str::to_owned),
+                reason,
+                attempts,
+                until: Some(now + delay),
+            },
+        );
+        &self.map[aggregate]
+    }
+
+    /// True when events of `aggregate` must wait.
+    pub fn is_blocked(&self, aggregate: &str) -> bool {
+        self.map.get(aggregate).is_some_and(|b| b.until.is_some())
+    }
+
+    /// An event of the aggregate was confirmed: its history ends.
+    pub fn clear(&mut self, aggregate: &str) {
+        if self.map.get(aggregate).is_some_and(|b| b.until.is_none()) {
+            self.map.remove(aggregate);
+        }
+    }
+
+    /// The earliest time a block expires.
+    pub fn next_expiry(&self) -> Option<Instant> {
+        self.map.values().filter_map(|b| b.until).min()
+    }
+
+    /// Releases every block that expired by `now`; returns how many.
+    pub fn release_expired(&mut self, now: Instant) -> usize {
+        let mut n = 0;
+        for b in self.map.values_mut() {
+            if b.until.is_some_and(|t| t <= now) {
+                b.until = None;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Aggregates currently held back.
+    pub fn blocked_count(&self) -> usize {
+        self.map.values().filter(|b| b.until.is_some()).count()
+    }
+}
+
+/// The in-memory part of the window: what is unconfirmed or waiting, per aggregate.
+#[derive(Debug)]
+pub struct Scheduler<P> {
+    per_aggregate: usize,
+    in_flight: HashMap<String, usize>,
+    in_flight_total: usize,
+    parked: HashMap<String, VecDeque<SourcedEvent<P>>>,
+    parked_total: usize,
+}
+
+/// What to do with an event that arrived from the source.
+#[derive(Debug)]
+pub enum Admission<P> {
+    /// Send it now.
+    Send(SourcedEvent<P>),
+    /// It waits behind its aggregate's unconfirmed messages.
+    Parked,
+    /// Its aggregate is blocked: it stays unsent in the outbox for later.
+    Deferred(SourcedEvent<P>),
+}
+
+impl<P> Scheduler<P> {
+    /// `per_aggregate`: unconfirmed messages allowed per aggregate (`None`: no limit).
+    pub fn new(per_aggregate: Option<usize>) -> Self {
+        Scheduler {
+            per_aggregate: per_aggregate.unwrap_or(usize::MAX).max(1),
+            in_flight: HashMap::new(),
+            in_flight_total: 0,
+            parked: HashMap::new(),
+            parked_total: 0,
+        }
+    }
+
+    /// Events in memory: unconfirmed plus parked.
+    pub fn used(&self) -> usize {
+        self.in_flight_total + self.parked_total
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight_total
+    }
+
+    pub fn admit(&mut self, event: SourcedEvent<P>, blocks: &Blocks) -> Admission<P> {
+        let aggregate = event.aggregate_id();
+        if blocks.is_blocked(aggregate) {
+            return Admission::Deferred(event);
+        }
+        let busy = self.in_flight.get(aggregate).copied().unwrap_or(0) >= self.per_aggregate
+            || self.parked.contains_key(aggregate);
+        if busy {
+            self.parked
+                .entry(aggregate.to_owned())
+                .or_default()
+                .push_back(event);
+            self.parked_total += 1;
+            Admission::Parked
+        } else {
+            Admission::Send(event)
+        }
+    }
+
+    /// The event was handed to the broker.
+    pub fn sent(&mut self, aggregate: &str) {
+        *self.in_flight.entry(aggregate.to_owned()).or_default() += 1;
+        self.in_flight_total += 1;
+    }
+
+    /// A message of `aggregate` was confirmed, or its send failed: returns the
+    /// aggregate's next parked event if it may go now.
+    pub fn finished(&mut self, aggregate: &str) -> Option<SourcedEvent<P>> {
+        if let Some(n) = self.in_flight.get_mut(aggregate) {
+            *n -= 1;
+            self.in_flight_total -= 1;
+            if *n == 0 {
+                self.in_flight.remove(aggregate);
+            }
+        }
+        let in_flight = self.in_flight.get(aggregate).copied().unwrap_or(0);
+        if in_flight >= self.per_aggregate {
+            return None;
+        }
+        let queue = self.parked.get_mut(aggregate)?;
+        let next = queue.pop_front();
+        if queue.is_empty() {
+            self.parked.remove(aggregate);
+        }
+        if next.is_some() {
+            self.parked_total -= 1;
+        }
+        next
+    }
+
+    /// Drops the aggregate's parked events (its block defers them); returns how many.
+    pub fn drop_parked(&mut self, aggregate: &str) -> usize {
+        let n = self.parked.remove(aggregate).map_or(0, |q| q.len());
+        self.parked_total -= n;
+        n
+    }
+
+    /// Drops every parked event (before a rewind re-reads them).
+    pub fn clear_parked(&mut self) {
+        self.parked.clear();
+        self.parked_total = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outbox::RowError;
+
+    fn ev(pos: u32, aggregate: &str) -> SourcedEvent<u32> {
+        SourcedEvent {
+            position: pos,
+            event: Err(RowError {
+                id: Some(pos.to_string()),
+                aggregate_id: Some(aggregate.into()),
+                reason: "test".into(),
+            }),
+        }
+    }
+
+    fn blocks() -> Blocks {
+        Blocks::new(Duration::from_secs(1), Duration::from_secs(60))
+    }
+
+    #[test]
+    fn one_in_flight_per_aggregate_parks_the_rest_in_order() {
+        let b = blocks();
+        let mut s = Scheduler::new(Some(1));
+        assert!(matches!(s.admit(ev(1, "a"), &b), Admission::Send(_)));
+        s.sent("a");
+        assert!(matches!(s.admit(ev(2, "a"), &b), Admission::Parked));
+        assert!(matches!(s.admit(ev(3, "a"), &b), Admission::Parked));
+        assert!(
+            matches!(s.admit(ev(4, "b"), &b), Admission::Send(_)),
+            "other aggregates flow"
+        );
+        s.sent("b");
+        assert_eq!(s.used(), 4);
+        let next = s.finished("a").unwrap();
+        assert_eq!(next.position, 2);
+        s.sent("a");
+        assert!(s.finished("b").is_none());
+        assert_eq!(s.finished("a").unwrap().position, 3);
+        s.sent("a");
+        assert!(s.finished("a").is_none());
+        assert_eq!(s.used(), 0);
+    }
+
+    #[test]
+    fn a_parked_aggregate_stays_parked_until_its_queue_drains() {
+        let b = blocks();
+        let mut s = Scheduler::new(Some(2));
+        assert!(matches!(s.admit(ev(1, "a"), &b), Admission::Send(_)));
+        s.sent("a");
+        assert!(matches!(s.admit(ev(2, "a"), &b), Admission::Send(_)));
+        s.sent("a");
+        assert!(matches!(s.admit(ev(3, "a"), &b), Admission::Parked));
+        // Even with room again, a newcomer must not overtake the parked event.
+        assert_eq!(s.finished("a").unwrap().position, 3);
+        assert!(s.parked.is_empty());
+    }
+
+    #[test]
+    fn unlimited_sends_everything() {
+        let b = blocks();
+        let mut s: Scheduler<u32> = Scheduler::new(None);
+        for i in 0..100 {
+            assert!(matches!(s.admit(ev(i, "a"), &b), Admission::Send(_)));
+            s.sent("a");
+        }
+        assert_eq!(s.in_flight(), 100);
+    }
+
+    #[test]
+    fn blocked_aggregates_are_deferred_and_retried_with_growing_delays() {
+        let mut b = blocks();
+        let mut s = Scheduler::new(Some(1));
+        let now = Instant::now();
+        let first = b
+            .block("a", Some("e1"), "too large".into(), now)
+            .until
+            .unwrap();
+        assert!(first > now);
+        assert!(matches!(s.admit(ev(1, "a"), &b), Admission::Deferred(_)));
+        assert!(matches!(s.admit(ev(2, "b"), &b), Admission::Send(_)));
+        assert_eq!(b.next_expiry(), Some(first));
+        assert_eq!(b.release_expired(first), 1);
+        assert!(!b.is_blocked("a"));
+        assert_eq!(b.block("a", Some("e1"), "again".into(), now).attempts, 2);
+        assert_eq!(b.block("a", Some("e2"), "other".into(), now).attempts, 1);
+        b.release_expired(now + Duration::from_secs(3600));
+        b.clear("a");
+        assert_eq!(b.blocked_count(), 0);
+        assert!(b.next_expiry().is_none());
+    }
+}

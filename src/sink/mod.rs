@@ -1,0 +1,123 @@
+//! Sinks: where messages go, and what a confirmation means.
+//!
+//! # The delivery contract
+//!
+//! [`Sink::send`] hands one message to the broker client and returns a
+//! [`Confirmation`] future; it may wait for room in the client's buffer
+//! (backpressure) but never for the broker's answer. The future resolves:
+//!
+//! - `Ok(())` only when the broker has durably accepted the message: a Kafka
+//!   delivery report from the idempotent producer with `acks=all`; a RabbitMQ
+//!   publisher-confirm `basic.ack` for a persistent, routed message. Only then
+//!   may the source mark the row sent or acknowledge its WAL position.
+//! - `Err(SinkError::Rejected)` when the broker (or the sink's own checks, before
+//!   anything was sent) refused *this* message: too large, an invalid or
+//!   missing destination, unroutable, negatively acknowledged. Retrying it
+//!   unchanged is not expected to help soon; other messages are unaffected.
+//! - `Err(SinkError::Unavailable)` when the outcome is unknown: the connection
+//!   died, a timeout passed. The message may or may not have arrived; the relay
+//!   re-sends it (a duplicate, never a loss).
+//!
+//! Ordering: messages handed to one sink in a given order reach the broker in
+//! that order for each key (Kafka: one partition per key and an idempotent
+//! producer that never reorders on retry; RabbitMQ: one channel). Duplicates
+//! arise only from re-sending after `Unavailable` or a restart.
+
+mod kafka;
+mod rabbitmq;
+
+pub use kafka::KafkaSink;
+pub use rabbitmq::RabbitMqSink;
+
+use crate::envelope::Message;
+use crate::outbox::OutboxEvent;
+use std::future::Future;
+use std::pin::Pin;
+
+/// A broker's confirmation of one message; see the module docs for what each outcome means.
+pub type Confirmation = Pin<Box<dyn Future<Output = Result<(), SinkError>> + Send>>;
+
+/// How a sink failed, which decides what the relay does next.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SinkError {
+    /// This message was refused; the relay holds back its aggregate and retries later.
+    #[error("{0}")]
+    Rejected(String),
+    /// The outcome is unknown or the broker cannot be reached; the relay reconnects and re-sends.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The sink cannot work until an operator changes something (credentials,
+    /// permissions); the relay keeps retrying slowly and says what to fix.
+    #[error("{0}")]
+    Fatal(String),
+}
+
+impl SinkError {
+    /// True when re-sending the same message later can succeed without anyone acting.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, SinkError::Unavailable(_))
+    }
+}
+
+/// A broker the relay publishes to. See the module docs for the contract.
+pub trait Sink: Send {
+    /// Hands `message` (built from `event`) to the broker client.
+    ///
+    /// A synchronous `Err(Rejected)` means nothing was sent. `Err(Unavailable)`
+    /// means the sink is broken and must be rebuilt.
+    fn send(
+        &mut self,
+        event: &OutboxEvent,
+        message: Message,
+    ) -> impl Future<Output = Result<Confirmation, SinkError>> + Send;
+
+    /// Checks that the broker is reachable and the sink can publish; for `check` and readiness.
+    fn probe(&mut self) -> impl Future<Output = Result<(), SinkError>> + Send;
+
+    /// Closes connections; unconfirmed messages are abandoned (their rows stay unsent).
+    fn close(self) -> impl Future<Output = ()> + Send;
+}
+
+/// The broker named in the configuration, behind one type.
+pub enum AnySink {
+    Kafka(KafkaSink),
+    RabbitMq(Box<RabbitMqSink>),
+}
+
+impl AnySink {
+    pub async fn connect(config: &crate::config::SinkConfig) -> Result<Self, SinkError> {
+        Ok(match config {
+            crate::config::SinkConfig::Kafka(k) => AnySink::Kafka(KafkaSink::connect(k).await?),
+            crate::config::SinkConfig::RabbitMq(r) => {
+                AnySink::RabbitMq(Box::new(RabbitMqSink::connect(r).await?))
+            }
+        })
+    }
+}
+
+impl Sink for AnySink {
+    async fn send(
+        &mut self,
+        event: &OutboxEvent,
+        message: Message,
+    ) -> Result<Confirmation, SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.send(event, message).await,
+            AnySink::RabbitMq(s) => s.send(event, message).await,
+        }
+    }
+
+    async fn probe(&mut self) -> Result<(), SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.probe().await,
+            AnySink::RabbitMq(s) => s.probe().await,
+        }
+    }
+
+    async fn close(self) {
+        match self {
+            AnySink::Kafka(s) => s.close().await,
+            AnySink::RabbitMq(s) => s.close().await,
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! RabbitMQ with publisher confirms
+//! (<https://www.rabbitmq.com/docs/confirms#publisher-confirms>).
+//!
+//! One channel in confirm mode carries every message, so they are routed in
+//! the order sent. Messages are persistent and published `mandatory`: an
+//! unroutable message comes back as `basic.return` before its `basic.ack`, and
+//! the relay counts it as refused, not delivered. A `basic.nack` is refused
+//! too. Exchanges are checked (or declared) on a second channel before first
+//! use, because publishing to a missing exchange would close the publishing
+//! channel and make every unconfirmed message's fate unknown.
+
+use super::{Confirmation, Sink, SinkError};
+use crate::config::{RabbitMqConfig, redact_url};
+use crate::envelope::{Field, Message, Template, destination};
+use crate::outbox::OutboxEvent;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation as Ack, Connection, ConnectionProperties, ExchangeKind,
+};
+use std::collections::HashSet;
+
+pub struct RabbitMqSink {
+    connection: Connection,
+    /// Publishing channel, in confirm mode.
+    channel: Channel,
+    /// Channel for exchange checks; a failed passive declare closes it, so it is reopened.
+    admin: Option<Channel>,
+    url: String,
+    exchange: Template,
+    routing_key: Template,
+    declare: bool,
+    exchange_kind: ExchangeKind,
+    max_bytes: usize,
+    known_exchanges: HashSet<String>,
+}
+
+fn unavailable(what: &str, e: lapin::Error) -> SinkError {
+    SinkError::Unavailable(format!("RabbitMQ {what} failed: {e}"))
+}
+
+fn short(s: &str, what: &str) -> Result<ShortString, SinkError> {
+    ShortString::try_new(s).map_err(|_| {
+        SinkError::Rejected(format!(
+            "{what} {s:?} is over AMQP's 255-byte limit for short strings"
+        ))
+    })
+}
+
+impl RabbitMqSink {
+    pub async fn connect(config: &RabbitMqConfig) -> Result<Self, SinkError> {
+        let shown = redact_url(config.url.expose());
+        let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
+        let connection = Connection::connect(config.url.expose(), props)
+            .await
+            .map_err(|e| {
+                let text = e.to_string();
+                if text.contains("ACCESS_REFUSED") || text.contains("403") {
+                    SinkError::Fatal(format!(
+                        "RabbitMQ at {shown} refused the credentials: {text}; check the user and password in sink.url"
+                    ))
+                } else {
+                    SinkError::Unavailable(format!(
+                        "cannot connect to RabbitMQ at {shown}: {text}; check sink.url and that the broker is up"
+                    ))
+                }
+            })?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| unavailable("opening a channel", e))?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| unavailable("enabling publisher confirms", e))?;
+        Ok(RabbitMqSink {
+            connection,
+            channel,
+            admin: None,
+            url: shown,
+            exchange: config.exchange.clone(),
+            routing_key: config.routing_key.clone(),
+            declare: config.declare_exchange,
+            exchange_kind: match config.exchange_type.as_str() {
+                "direct" => ExchangeKind::Direct,
+                "fanout" => ExchangeKind::Fanout,
+                "headers" => ExchangeKind::Headers,
+                _ => ExchangeKind::Topic,
+            },
+            max_bytes: config.message_max_bytes,
+            known_exchanges: HashSet::new(),
+        })
+    }
+
+    async fn ensure_exchange(&mut self, exchange: &str) -> Result<(), SinkError> {
+        // The default exchange always exists and cannot be declared.
+        if exchange.is_empty() || self.known_exchanges.contains(exchange) {
+            return Ok(());
+        }
+        let admin = match self.admin.take() {
+            Some(ch) if ch.status().connected() => ch,
+            _ => self
+                .connection
+                .create_channel()
+                .await
+                .map_err(|e| unavailable("opening a channel", e))?,
+        };
+        let options = ExchangeDeclareOptions {
+            passive: !self.declare,
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let result = admin
+            .exchange_declare(
+                short(exchange, "exchange")?,
+                self.exchange_kind.clone(),
+                options,
+                FieldTable::default(),
+            )
+            .await;
+        match result {
+            Ok(()) => {
+                self.admin = Some(admin);
+                self.known_exchanges.insert(exchange.to_owned());
+                Ok(())
+            }
+            Err(e) if !self.connection.status().connected() => {
+                Err(unavailable("exchange check", e))
+            }
+            // The broker closed the admin channel (404 NOT_FOUND, 403, 406): this exchange's problem only.
+            Err(e) if !self.declare => Err(SinkError::Rejected(format!(
+                "exchange {exchange:?} does not exist ({e}); declare it, or set sink.declare_exchange = true"
+            ))),
+            Err(e) => Err(SinkError::Rejected(format!(
+                "cannot declare exchange {exchange:?}: {e}"
+            ))),
+        }
+    }
+}
+
+impl Sink for RabbitMqSink {
+    async fn send(
+        &mut self,
+        event: &OutboxEvent,
+        message: Message,
+    ) -> Result<Confirmation, SinkError> {
+        let render = |t: &Template| {
+            t.render(|f| match f {
+                Field::AggregateType => &event.aggregate_type,
+                Field::EventType => &event.event_type,
+            })
+        };
+        let exchange = render(&self.exchange);
+        let routing_key = render(&self.routing_key);
+        destination::rabbitmq_exchange(&exchange).map_err(SinkError::Rejected)?;
+        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::Rejected)?;
+        let size = message.size();
+        if size > self.max_bytes {
+            return Err(SinkError::Rejected(format!(
+                "message is {size} bytes, over sink.message_max_bytes ({})",
+                self.max_bytes
+            )));
+        }
+        let mut headers = FieldTable::default();
+        for (k, v) in &message.headers {
+            headers.insert(
+                short(k, "header name")?,
+                AMQPValue::LongString(LongString::from(v.as_bytes().to_vec())),
+            );
+        }
+        let properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(short(&message.id, "event id")?)
+            .with_content_type(short(message.content_type, "content type")?)
+            .with_type(short(&message.event_type, "event type")?)
+            .with_timestamp(message.timestamp_secs)
+            .with_app_id("outbox-relay".into())
+            .with_headers(headers);
+        self.ensure_exchange(&exchange).await?;
+        let confirm = self
+            .channel
+            .basic_publish(
+                short(&exchange, "exchange")?,
+                short(&routing_key, "routing key")?,
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &message.body,
+                properties,
+            )
+            .await
+            .map_err(|e| unavailable("publish", e))?;
+        Ok(Box::pin(async move {
+            match confirm.await {
+                Ok(Ack::Ack(None)) => Ok(()),
+                Ok(Ack::Ack(Some(returned))) => Err(SinkError::Rejected(format!(
+                    "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({} {}); bind a queue or change sink.routing_key",
+                    returned.reply_code, returned.reply_text
+                ))),
+                Ok(Ack::Nack(_)) => Err(SinkError::Rejected(
+                    "RabbitMQ refused the message (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it".into(),
+                )),
+                Ok(Ack::NotRequested) => Err(SinkError::Unavailable(
+                    "the channel is not in confirm mode".into(),
+                )),
+                Err(e) => Err(unavailable("confirm", e)),
+            }
+        }))
+    }
+
+    async fn probe(&mut self) -> Result<(), SinkError> {
+        if self.connection.status().connected() && self.channel.status().connected() {
+            Ok(())
+        } else {
+            Err(SinkError::Unavailable(format!(
+                "the connection to RabbitMQ at {} is closed",
+                self.url
+            )))
+        }
+    }
+
+    async fn close(self) {
+        let _ = self
+            .connection
+            .close(200, "outbox-relay closing".into())
+            .await;
+    }
+}

@@ -1,0 +1,303 @@
+//! The polling source: reads unsent rows with SQL, in commit-consistent batches.
+//!
+//! # Why not a cursor on the id or sequence
+//!
+//! Sequence values are taken at INSERT, but rows become visible at COMMIT, in
+//! another order: a reader that remembers "the highest `relay_seq` seen" skips
+//! a row whose transaction took a lower value and committed later. Instead
+//! the reader works in *ticks*, each bounded by two snapshots of the
+//! transaction state (`pg_current_snapshot()`), as PgQ does:
+//!
+//! - tick *k* covers exactly the rows whose inserting transaction
+//!   (`relay_xid`) is visible in snapshot *S(k)* and was not in *S(k-1)*, i.e.
+//!   the transactions that committed between the two snapshots. Every
+//!   committed transaction falls in exactly one tick, however long it ran and
+//!   whatever its xid; a rolled-back one is never visible at all.
+//! - within a tick, rows are read in `relay_seq` order, paged by a cursor (the
+//!   set is fixed once *S(k)* is taken, so paging cannot skip anything).
+//!
+//! # The ordering guarantee
+//!
+//! When the application serialises the writes of one aggregate (the usual
+//! `SELECT ... FOR UPDATE` or UPDATE of the aggregate's row before inserting
+//! the event), a later event of the aggregate takes its `relay_seq` after the
+//! earlier one committed. So the earlier event is in the same tick with a lower
+//! `relay_seq`, or in an earlier tick: the reader yields each aggregate's
+//! events in commit order. Without that serialisation, events of one
+//! aggregate from concurrent transactions have no commit order to keep; the
+//! reader then yields them by tick, then by `relay_seq`.
+//!
+//! The first tick after a start or a [`Reader::rewind`] has no previous
+//! snapshot and reads every unsent row. Wake-ups come from the insert
+//! trigger's NOTIFY, with `poll_interval` as the fallback.
+
+use super::{Acker, Reader, SourceError, SourcedEvent};
+use crate::config::{MarkMode, PollingConfig};
+use crate::db::DbError;
+use crate::outbox::{
+    RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident,
+};
+use chrono::Utc;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_postgres::{Client, Statement};
+
+/// The default NOTIFY channel for a table.
+pub fn default_channel(table: &TableName) -> String {
+    table.derived("outbox_relay")
+}
+
+/// The channel a polling config listens on, when wake-ups are on.
+pub fn notify_channel(config: &PollingConfig, table: &TableName) -> Option<String> {
+    config.notify.then(|| {
+        config
+            .notify_channel
+            .clone()
+            .unwrap_or_else(|| default_channel(table))
+    })
+}
+
+fn select_list(columns: &ResolvedColumns) -> String {
+    let mut list = vec![SEQ_COLUMN.to_owned()];
+    for col in columns.in_row_order() {
+        list.push(match col {
+            Some(c) => format!("{}::text", quote_ident(c)),
+            None => "NULL::text".to_owned(),
+        });
+    }
+    list.join(", ")
+}
+
+pub struct PollingReader {
+    client: Client,
+    wakeups: Arc<Notify>,
+    /// Starts a tick: returns the snapshot and the first page.
+    first_page: Statement,
+    /// Continues a tick from the cursor.
+    next_page: Statement,
+    poll_interval: Duration,
+    /// The previous tick's snapshot; `None` reads every unsent row.
+    prev: Option<String>,
+    /// The snapshot of the tick being paged through.
+    cur: Option<String>,
+    cursor: i64,
+    /// The last tick found nothing: wait for a wake-up or `next_poll`.
+    idle: bool,
+    next_poll: Instant,
+}
+
+impl PollingReader {
+    pub async fn connect(
+        db: &crate::config::DatabaseConfig,
+        table: &TableName,
+        columns: &ResolvedColumns,
+        polling: &PollingConfig,
+    ) -> Result<Self, SourceError> {
+        let wakeups = Arc::new(Notify::new());
+        let client = crate::db::connect(db, Some(wakeups.clone())).await?;
+        if let Some(channel) = notify_channel(polling, table) {
+            client
+                .batch_execute(&format!("LISTEN {}", quote_ident(&channel)))
+                .await
+                .map_err(|e| DbError::query("LISTEN for new-row notifications", e))?;
+        }
+        let t = table.quoted();
+        let cols = select_list(columns);
+        let first_page = format!(
+            "WITH snap AS (SELECT pg_current_snapshot() AS cur)
+             SELECT snap.cur::text, e.* FROM snap LEFT JOIN LATERAL (
+                 SELECT {cols} FROM {t}
+                 WHERE {SENT_AT_COLUMN} IS NULL
+                   AND ($1::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $1::text::pg_snapshot))
+                 ORDER BY {SEQ_COLUMN} LIMIT $2
+             ) e ON true"
+        );
+        let next_page = format!(
+            "SELECT {cols} FROM {t}
+             WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1
+               AND pg_visible_in_snapshot({XID_COLUMN}, $2::text::pg_snapshot)
+               AND ($3::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $3::text::pg_snapshot))
+             ORDER BY {SEQ_COLUMN} LIMIT $4"
+        );
+        let prepare = |sql: String| {
+            let client = &client;
+            async move {
+                client
+                    .prepare(&sql)
+                    .await
+                    .map_err(|e| DbError::query("preparing the outbox query", e))
+            }
+        };
+        Ok(PollingReader {
+            first_page: prepare(first_page).await?,
+            next_page: prepare(next_page).await?,
+            client,
+            wakeups,
+            poll_interval: polling.poll_interval,
+            prev: None,
+            cur: None,
+            cursor: 0,
+            idle: false,
+            next_poll: Instant::now(),
+        })
+    }
+
+    /// Runs one page query; returns the tick's snapshot and the rows.
+    async fn page(&self, max: usize) -> Result<(String, Vec<(i64, RawRow)>), SourceError> {
+        let limit = i64::try_from(max).unwrap_or(i64::MAX);
+        let read = |rows: Vec<tokio_postgres::Row>, offset: usize| {
+            rows.into_iter()
+                .filter_map(|r| {
+                    let seq: Option<i64> = r.get(offset);
+                    seq.map(|seq| {
+                        let t = |i: usize| r.get::<_, Option<String>>(offset + 1 + i);
+                        let raw = RawRow {
+                            id: t(0),
+                            aggregate_type: t(1),
+                            aggregate_id: t(2),
+                            event_type: t(3),
+                            event_version: t(4),
+                            payload: t(5),
+                            headers: t(6),
+                            created_at: t(7),
+                        };
+                        (seq, raw)
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        match &self.cur {
+            None => {
+                let rows = self
+                    .client
+                    .query(&self.first_page, &[&self.prev, &limit])
+                    .await
+                    .map_err(|e| DbError::query("reading unsent outbox rows", e))?;
+                let snapshot: String = rows.first().map(|r| r.get(0)).unwrap_or_default();
+                Ok((snapshot, read(rows, 1)))
+            }
+            Some(cur) => {
+                let rows = self
+                    .client
+                    .query(&self.next_page, &[&self.cursor, cur, &self.prev, &limit])
+                    .await
+                    .map_err(|e| DbError::query("reading unsent outbox rows", e))?;
+                Ok((cur.clone(), read(rows, 0)))
+            }
+        }
+    }
+}
+
+impl Reader for PollingReader {
+    type Position = i64;
+
+    async fn next_batch(&mut self, max: usize) -> Result<Vec<SourcedEvent<i64>>, SourceError> {
+        let max = max.max(1);
+        loop {
+            if self.cur.is_none() && self.idle {
+                tokio::select! {
+                    _ = self.wakeups.notified() => {}
+                    _ = tokio::time::sleep_until(self.next_poll) => {}
+                }
+                self.idle = false;
+            }
+            if self.client.is_closed() {
+                return Err(DbError::Connect {
+                    target: "the outbox database".into(),
+                    message: "the reading connection was closed".into(),
+                    retryable: true,
+                }
+                .into());
+            }
+            let (snapshot, rows) = self.page(max).await?;
+            // No await below: the state moves in one step, keeping the call cancel-safe.
+            if self.cur.is_none() {
+                self.cur = Some(snapshot);
+            }
+            if let Some((seq, _)) = rows.last() {
+                self.cursor = *seq;
+            }
+            if rows.len() < max {
+                self.prev = self.cur.take();
+                self.cursor = 0;
+                if rows.is_empty() {
+                    self.idle = true;
+                    self.next_poll = Instant::now() + self.poll_interval;
+                }
+            }
+            if !rows.is_empty() {
+                let now = Utc::now();
+                return Ok(rows
+                    .into_iter()
+                    .map(|(seq, raw)| SourcedEvent {
+                        position: seq,
+                        event: raw.decode(now),
+                    })
+                    .collect());
+            }
+        }
+    }
+
+    fn rewind(&mut self) {
+        self.prev = None;
+        self.cur = None;
+        self.cursor = 0;
+        self.idle = false;
+    }
+}
+
+/// Marks confirmed rows, one statement per batch, on the connection that
+/// holds the ownership lock: if that connection is lost, so is the lock, and
+/// this acker can no longer mark anything (fencing).
+pub struct PollingAcker {
+    client: Client,
+    statement: Statement,
+}
+
+impl PollingAcker {
+    pub async fn new(
+        client: Client,
+        table: &TableName,
+        mark: MarkMode,
+    ) -> Result<Self, SourceError> {
+        let t = table.quoted();
+        let sql = match mark {
+            MarkMode::Update => format!(
+                "UPDATE {t} SET {SENT_AT_COLUMN} = now() WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} = ANY($1)"
+            ),
+            MarkMode::Delete => {
+                format!("DELETE FROM {t} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} = ANY($1)")
+            }
+        };
+        let statement = client
+            .prepare(&sql)
+            .await
+            .map_err(|e| DbError::query("preparing the mark-sent statement", e))?;
+        Ok(PollingAcker { client, statement })
+    }
+}
+
+impl Acker for PollingAcker {
+    type Position = i64;
+
+    async fn ack(&mut self, positions: Vec<i64>) -> Result<(), SourceError> {
+        if positions.is_empty() {
+            return Ok(());
+        }
+        self.client
+            .execute(&self.statement, &[&positions])
+            .await
+            .map_err(|e| DbError::query("marking rows sent", e))?;
+        Ok(())
+    }
+
+    async fn heartbeat(&mut self) -> Result<(), SourceError> {
+        self.client
+            .simple_query("SELECT 1")
+            .await
+            .map_err(|e| DbError::query("checking the ownership connection", e))?;
+        Ok(())
+    }
+}
