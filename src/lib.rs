@@ -1,3 +1,24 @@
-//! outbox-relay: publishes committed rows of a PostgreSQL outbox table to Kafka or RabbitMQ.
+//! outbox-relay publishes the committed rows of a PostgreSQL outbox table to
+//! Kafka or RabbitMQ, in order per aggregate, and marks each row sent only
+//! after the broker confirmed it.
+//!
+//! - [`config`]: the TOML file, environment overrides, validation.
+//! - [`outbox`]: the table contract, `migrate`, row decoding.
+//! - [`envelope`]: CloudEvents messages and destination templates.
+//! - [`source`]: the polling reader (and the replication client for CDC), and
+//!   the acker that records progress.
+//! - [`sink`]: Kafka and RabbitMQ, with the delivery contract.
+//! - [`relay`]: ownership, the pipeline between source and sink, retries.
+//! - [`check`], [`cli`], [`shutdown`], [`telemetry`]: the binary's edges.
+
+pub mod check;
+pub mod cli;
+pub mod config;
 pub mod db;
+pub mod envelope;
+pub mod outbox;
+pub mod relay;
+pub mod shutdown;
+pub mod sink;
 pub mod source;
+pub mod telemetry;

@@ -1,0 +1,214 @@
+//! `outbox-relay check`: a readable report of everything the relay needs.
+
+use crate::config::{Config, SourceMode};
+use crate::db;
+use crate::outbox::inspect;
+use crate::sink::{AnySink, Sink};
+use crate::source::ownership_key;
+use crate::source::polling::notify_channel;
+use std::process::ExitCode;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mark {
+    Ok,
+    Warn,
+    Fail,
+}
+
+#[derive(Default)]
+struct Report {
+    lines: Vec<(Mark, String, String)>,
+}
+
+impl Report {
+    fn add(&mut self, mark: Mark, item: &str, detail: impl Into<String>) {
+        let detail = detail.into();
+        let tag = match mark {
+            Mark::Ok => "ok  ",
+            Mark::Warn => "warn",
+            Mark::Fail => "FAIL",
+        };
+        // Print as we go: a slow broker should not hide the database result.
+        println!(
+            "[{tag}] {item:<14} {}",
+            detail.replace('\n', "\n                      ")
+        );
+        self.lines.push((mark, item.to_owned(), detail));
+    }
+
+    fn failures(&self) -> usize {
+        self.lines
+            .iter()
+            .filter(|(m, _, _)| *m == Mark::Fail)
+            .count()
+    }
+}
+
+pub async fn run(config: &Config) -> ExitCode {
+    let mut r = Report::default();
+    r.add(
+        Mark::Ok,
+        "config",
+        format!(
+            "valid: {} source, {} sink, table {}",
+            match config.source.mode {
+                SourceMode::Polling => "polling",
+                SourceMode::Cdc => "cdc",
+            },
+            config.sink.kind(),
+            config.outbox.table
+        ),
+    );
+    check_database(config, &mut r).await;
+    check_broker(config, &mut r).await;
+    let failures = r.failures();
+    if failures == 0 {
+        println!("\nall checks passed");
+        ExitCode::SUCCESS
+    } else {
+        println!("\n{failures} check(s) failed");
+        ExitCode::from(crate::cli::EXIT_FAILURE)
+    }
+}
+
+async fn check_database(config: &Config, r: &mut Report) {
+    let target = db::pg_config(&config.database)
+        .map(|c| db::describe_target(&c))
+        .unwrap_or_default();
+    let client = match db::connect(&config.database, None).await {
+        Ok(c) => c,
+        Err(e) => return r.add(Mark::Fail, "database", e.to_string()),
+    };
+    let version: String = match client.query_one("SHOW server_version", &[]).await {
+        Ok(row) => row.get(0),
+        Err(e) => return r.add(Mark::Fail, "database", db::error_text(&e)),
+    };
+    r.add(
+        Mark::Ok,
+        "database",
+        format!("connected to {target} (PostgreSQL {version})"),
+    );
+
+    let table = &config.outbox.table;
+    match inspect::table_info(&client, table).await {
+        Err(e) => r.add(Mark::Fail, "outbox table", db::error_text(&e)),
+        Ok(None) => r.add(
+            Mark::Fail,
+            "outbox table",
+            format!(
+                "{table} does not exist or is not visible to this user; run `outbox-relay migrate`"
+            ),
+        ),
+        Ok(Some(info)) => {
+            let problems = inspect::verify(&info, &config.outbox.columns, config.relay.mark);
+            if problems.is_empty() {
+                let resolved = config.outbox.columns.resolve(&info.names());
+                let absent: Vec<&str> = [
+                    ("event_version", &resolved.event_version),
+                    ("headers", &resolved.headers),
+                    ("created_at", &resolved.created_at),
+                ]
+                .iter()
+                .filter(|(_, c)| c.is_none())
+                .map(|(k, _)| *k)
+                .collect();
+                let note = if absent.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (no {} column: defaults apply)", absent.join(", "))
+                };
+                r.add(
+                    Mark::Ok,
+                    "outbox table",
+                    format!("{table}: columns, types and privileges fit{note}"),
+                );
+            }
+            for p in problems {
+                r.add(Mark::Fail, "outbox table", p);
+            }
+            check_backlog(config, &client, r).await;
+        }
+    }
+    if let Some(channel) = notify_channel(&config.source.polling, table)
+        && config.source.mode == SourceMode::Polling
+    {
+        let found = client
+            .query_one(
+                "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = 'outbox_relay_notify'",
+                &[&table.quoted()],
+            )
+            .await
+            .map(|row| row.get::<_, i64>(0) > 0)
+            .unwrap_or(false);
+        if found {
+            r.add(
+                Mark::Ok,
+                "wake-ups",
+                format!("insert trigger notifies channel {channel}"),
+            );
+        } else {
+            r.add(
+                Mark::Warn,
+                "wake-ups",
+                format!(
+                    "no insert trigger: new rows wait up to source.polling.poll_interval ({}); run `outbox-relay migrate`",
+                    humantime::format_duration(config.source.polling.poll_interval)
+                ),
+            );
+        }
+    }
+    let key = ownership_key(table);
+    match client
+        .query_one(
+            "SELECT pg_try_advisory_lock(hashtextextended($1, 0)) AS free,
+                    pg_advisory_unlock(hashtextextended($1, 0))",
+            &[&key],
+        )
+        .await
+    {
+        Ok(row) if row.get::<_, bool>(0) => r.add(
+            Mark::Ok,
+            "ownership",
+            "no instance is active on this outbox now",
+        ),
+        Ok(_) => r.add(
+            Mark::Ok,
+            "ownership",
+            "another instance is active on this outbox (a new one would wait as standby)",
+        ),
+        Err(e) => r.add(Mark::Warn, "ownership", db::error_text(&e)),
+    }
+}
+
+async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
+    let sql = format!(
+        "SELECT count(*) FROM {} WHERE {} IS NULL",
+        config.outbox.table.quoted(),
+        crate::outbox::SENT_AT_COLUMN
+    );
+    match client.query_one(&sql, &[]).await {
+        Ok(row) => r.add(
+            Mark::Ok,
+            "backlog",
+            format!("{} unsent row(s)", row.get::<_, i64>(0)),
+        ),
+        Err(e) => r.add(Mark::Warn, "backlog", db::error_text(&e)),
+    }
+}
+
+async fn check_broker(config: &Config, r: &mut Report) {
+    match AnySink::connect(&config.sink).await {
+        Ok(mut sink) => {
+            match sink.probe().await {
+                Ok(()) => r.add(
+                    Mark::Ok,
+                    "broker",
+                    format!("{} reachable", config.sink.kind()),
+                ),
+                Err(e) => r.add(Mark::Fail, "broker", e.to_string()),
+            }
+            sink.close().await;
+        }
+        Err(e) => r.add(Mark::Fail, "broker", e.to_string()),
+    }
+}

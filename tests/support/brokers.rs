@@ -1,0 +1,347 @@
+//! Per-test Kafka topics and RabbitMQ exchanges, with consumers that record
+//! everything they receive.
+
+use super::{WAIT, amqp_url, kafka_brokers, wait_for};
+use futures::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message as _};
+use rdkafka::{Offset, TopicPartitionList};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// One message as a consumer saw it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub destination: String,
+    pub key: Option<String>,
+    pub body: Vec<u8>,
+    pub headers: Vec<(String, String)>,
+    /// AMQP properties (RabbitMQ only).
+    pub properties: HashMap<&'static str, String>,
+}
+
+impl Received {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).expect("message body is JSON")
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The event id, from the `event_id` header (structured mode) or `ce_id` (binary).
+    pub fn event_id(&self) -> String {
+        self.header("event_id")
+            .or(self.header("ce_id"))
+            .expect("message has an event id header")
+            .to_owned()
+    }
+}
+
+#[derive(Clone, Default)]
+pub struct Inbox(Arc<Mutex<Vec<Received>>>);
+
+impl Inbox {
+    pub fn snapshot(&self) -> Vec<Received> {
+        self.0.lock().unwrap().clone()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    /// Waits until at least `n` messages arrived; returns them all.
+    pub async fn wait_len(&self, n: usize, limit: Duration) -> Vec<Received> {
+        wait_for(
+            limit,
+            &format!("{n} messages (have {})", self.len()),
+            || {
+                let inbox = self.clone();
+                async move { (inbox.len() >= n).then(|| inbox.snapshot()) }
+            },
+        )
+        .await
+    }
+
+    /// Waits until every id in `ids` was received at least once.
+    pub async fn wait_ids(&self, ids: &[String], limit: Duration) -> Vec<Received> {
+        wait_for(limit, &format!("{} event ids", ids.len()), || {
+            let inbox = self.clone();
+            async move {
+                let got = inbox.snapshot();
+                let seen: std::collections::HashSet<String> =
+                    got.iter().map(|m| m.event_id()).collect();
+                ids.iter().all(|id| seen.contains(id)).then_some(got)
+            }
+        })
+        .await
+    }
+}
+
+/// A Kafka topic prefix of its own, and a consumer reading every topic created under it.
+pub struct KafkaTopics {
+    pub prefix: String,
+    pub inbox: Inbox,
+    stop: Arc<AtomicBool>,
+    consumer: Arc<BaseConsumer>,
+    assigned: Arc<Mutex<TopicPartitionList>>,
+}
+
+pub const KAFKA_PARTITIONS: i32 = 3;
+
+impl KafkaTopics {
+    pub fn new() -> KafkaTopics {
+        let prefix = super::unique("t");
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", kafka_brokers())
+            .set("group.id", &prefix)
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .expect("kafka consumer");
+        let consumer = Arc::new(consumer);
+        let inbox = Inbox::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c, i, s) = (consumer.clone(), inbox.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let Some(Ok(m)) = c.poll(Duration::from_millis(100)) else {
+                    continue;
+                };
+                let headers = m
+                    .headers()
+                    .map(|h| {
+                        h.iter()
+                            .map(|h| {
+                                (
+                                    h.key.to_owned(),
+                                    String::from_utf8_lossy(h.value.unwrap_or_default())
+                                        .into_owned(),
+                                )
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                i.0.lock().unwrap().push(Received {
+                    destination: m.topic().to_owned(),
+                    key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+                    body: m.payload().unwrap_or_default().to_vec(),
+                    headers,
+                    properties: HashMap::new(),
+                });
+            }
+        });
+        KafkaTopics {
+            prefix,
+            inbox,
+            stop,
+            consumer,
+            assigned: Arc::new(Mutex::new(TopicPartitionList::new())),
+        }
+    }
+
+    /// The topic for an aggregate type, as the relay's template `{prefix}.{aggregate_type}` names it.
+    pub fn topic(&self, aggregate_type: &str) -> String {
+        format!("{}.{aggregate_type}", self.prefix)
+    }
+
+    /// Creates the topic for `aggregate_type` and starts consuming it from the beginning.
+    pub async fn create(&self, aggregate_type: &str) {
+        let name = self.topic(aggregate_type);
+        create_topic(&kafka_brokers(), &name, KAFKA_PARTITIONS).await;
+        let mut list = self.assigned.lock().unwrap();
+        for p in 0..KAFKA_PARTITIONS {
+            list.add_partition_offset(&name, p, Offset::Beginning)
+                .unwrap();
+        }
+        self.consumer.assign(&list).expect("assign partitions");
+    }
+
+    /// The `[sink]` section for a relay publishing here.
+    pub fn sink_toml(&self) -> String {
+        format!(
+            "[sink]\ntype = \"kafka\"\nbrokers = \"{}\"\ntopic = \"{}.{{aggregate_type}}\"\nlinger = \"1ms\"\ndelivery_timeout = \"15s\"\n",
+            kafka_brokers(),
+            self.prefix
+        )
+    }
+}
+
+impl Drop for KafkaTopics {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+pub async fn create_topic(brokers: &str, name: &str, partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("kafka admin client");
+    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let results = tokio::time::timeout(WAIT, admin.create_topics([&topic], &opts))
+        .await
+        .expect("create topic in time")
+        .expect("create topic");
+    for r in results {
+        if let Err((t, code)) = r {
+            assert_eq!(
+                code,
+                rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists,
+                "creating {t}: {code:?}"
+            );
+        }
+    }
+}
+
+/// A RabbitMQ exchange of its own with a queue bound to every routing key.
+pub struct RabbitExchange {
+    pub exchange: String,
+    pub inbox: Inbox,
+    _connection: Connection,
+}
+
+impl RabbitExchange {
+    pub async fn new() -> RabbitExchange {
+        let exchange = super::unique("t");
+        Self::with_name(&exchange, true).await
+    }
+
+    /// `declare`: whether to create the exchange (and its queue) now.
+    pub async fn with_name(exchange: &str, declare: bool) -> RabbitExchange {
+        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .expect("connect to RabbitMQ");
+        let inbox = Inbox::default();
+        let r = RabbitExchange {
+            exchange: exchange.to_owned(),
+            inbox,
+            _connection: connection,
+        };
+        if declare {
+            r.declare().await;
+        }
+        r
+    }
+
+    /// Declares the exchange and binds a fresh queue that records deliveries.
+    pub async fn declare(&self) {
+        let ch = self._connection.create_channel().await.unwrap();
+        ch.exchange_declare(
+            self.exchange.as_str().into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                auto_delete: false,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare exchange");
+        let queue = ch
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("declare queue");
+        ch.queue_bind(
+            queue.name().clone(),
+            self.exchange.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind queue");
+        let mut consumer = ch
+            .basic_consume(
+                queue.name().clone(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let inbox = self.inbox.clone();
+        tokio::spawn(async move {
+            let _ch = ch;
+            while let Some(Ok(d)) = consumer.next().await {
+                let p = &d.properties;
+                let mut properties = HashMap::new();
+                if let Some(v) = p.message_id() {
+                    properties.insert("message_id", v.to_string());
+                }
+                if let Some(v) = p.content_type() {
+                    properties.insert("content_type", v.to_string());
+                }
+                if let Some(v) = p.kind() {
+                    properties.insert("type", v.to_string());
+                }
+                if let Some(v) = p.delivery_mode() {
+                    properties.insert("delivery_mode", v.to_string());
+                }
+                if let Some(v) = p.app_id() {
+                    properties.insert("app_id", v.to_string());
+                }
+                if let Some(v) = p.timestamp() {
+                    properties.insert("timestamp", v.to_string());
+                }
+                let headers = p
+                    .headers()
+                    .as_ref()
+                    .map(|t| {
+                        t.inner()
+                            .iter()
+                            .map(|(k, v)| {
+                                let v = match v {
+                                    AMQPValue::LongString(s) => {
+                                        String::from_utf8_lossy(s.as_bytes()).into_owned()
+                                    }
+                                    other => format!("{other:?}"),
+                                };
+                                (k.to_string(), v)
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                inbox.0.lock().unwrap().push(Received {
+                    destination: d.routing_key.to_string(),
+                    key: None,
+                    body: d.data.clone(),
+                    headers,
+                    properties,
+                });
+            }
+        });
+    }
+
+    pub fn sink_toml(&self) -> String {
+        format!(
+            "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"{}\"\n",
+            amqp_url(),
+            self.exchange
+        )
+    }
+}

@@ -1,0 +1,277 @@
+//! Helpers for the end-to-end tests: a fresh database per test, per-test
+//! topics and exchanges, consumers, a relay running in-process or as a child
+//! process, and bounded waits.
+//!
+//! The services come from `scripts/services.sh` (the test command starts
+//! them); their addresses can be overridden with `OUTBOX_RELAY_TEST_PG`,
+//! `OUTBOX_RELAY_TEST_AMQP` and `OUTBOX_RELAY_TEST_KAFKA`.
+#![allow(dead_code)]
+
+pub mod brokers;
+
+use outbox_relay::config::{self, Config};
+use std::future::Future;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio_postgres::{Client, NoTls};
+use tokio_util::sync::CancellationToken;
+
+pub const WAIT: Duration = Duration::from_secs(30);
+
+pub fn pg_admin_url() -> String {
+    std::env::var("OUTBOX_RELAY_TEST_PG")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:55432/postgres".into())
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("OUTBOX_RELAY_TEST_AMQP")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+pub fn kafka_brokers() -> String {
+    std::env::var("OUTBOX_RELAY_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+/// A short random name for per-test objects.
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
+}
+
+pub async fn connect(url: &str) -> Client {
+    let (client, conn) = tokio_postgres::connect(url, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e} (did scripts/services.sh run?)"));
+    tokio::spawn(conn);
+    client
+}
+
+/// A database of its own for one test.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub client: Client,
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        let admin = connect(&pg_admin_url()).await;
+        let name = unique("t_");
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create test database");
+        let url = pg_admin_url()
+            .rsplit_once('/')
+            .map(|(base, _)| format!("{base}/{name}"))
+            .unwrap();
+        let client = connect(&url).await;
+        TestDb { name, url, client }
+    }
+
+    /// Creates the default outbox table through `migrate` (the public contract).
+    pub async fn migrate(&self, config: &Config) {
+        let mut client = connect(&self.url).await;
+        let opts = outbox_relay::outbox::migrate::MigrateOptions {
+            table: config.outbox.table.clone(),
+            columns: config.outbox.columns.clone(),
+            notify_channel: outbox_relay::source::polling::notify_channel(
+                &config.source.polling,
+                &config.outbox.table,
+            ),
+            mark_existing_sent: false,
+        };
+        let steps = outbox_relay::outbox::migrate::plan(&client, &opts)
+            .await
+            .expect("plan migration");
+        outbox_relay::outbox::migrate::apply(&mut client, &steps)
+            .await
+            .expect("apply migration");
+    }
+
+    /// Inserts one event with only the contract columns, as an application does.
+    pub async fn insert(
+        &self,
+        id: uuid::Uuid,
+        aggregate_type: &str,
+        aggregate_id: &str,
+        payload: serde_json::Value,
+    ) {
+        self.client
+            .execute(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, $2, $3, 'Happened', $4)",
+                &[&id, &aggregate_type, &aggregate_id, &payload],
+            )
+            .await
+            .expect("insert event");
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        self.client.query_one(sql, &[]).await.expect(sql).get(0)
+    }
+
+    pub async fn unsent(&self) -> i64 {
+        self.count("SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL")
+            .await
+    }
+
+    pub async fn drop_db(self) {
+        drop(self.client);
+        let admin = connect(&pg_admin_url()).await;
+        let _ = admin
+            .batch_execute(&format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
+            .await;
+    }
+}
+
+/// Waits until `check` returns `Some`, polling; panics with `what` after `limit`.
+pub async fn wait_for<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if start.elapsed() > limit {
+            panic!("timed out after {limit:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A relay running inside the test process.
+pub struct InProcess {
+    pub shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl InProcess {
+    pub fn start(config: Config) -> InProcess {
+        let shutdown = CancellationToken::new();
+        let token = shutdown.clone();
+        let task = tokio::spawn(async move { outbox_relay::relay::run(&config, token).await });
+        InProcess { shutdown, task }
+    }
+
+    /// Graceful stop; panics if it takes longer than `WAIT`.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .expect("relay stops within the wait")
+            .expect("relay task did not panic");
+    }
+
+    /// Drops the relay abruptly (no drain): the in-process stand-in for a crash.
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}
+
+/// The relay binary as a child process, for tests that kill it.
+pub struct ChildRelay {
+    child: Child,
+    pub config_path: std::path::PathBuf,
+}
+
+impl ChildRelay {
+    pub fn start(config_toml: &str) -> ChildRelay {
+        let dir = std::env::temp_dir().join(unique("outbox-relay-test-"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config_path = dir.join("relay.toml");
+        std::fs::write(&config_path, config_toml).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+            .args(["run", "--config"])
+            .arg(&config_path)
+            .env("RUST_LOG", "outbox_relay=info,warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start outbox-relay");
+        ChildRelay { child, config_path }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            if start.elapsed() > WAIT {
+                self.kill();
+                panic!("relay did not exit within {WAIT:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for ChildRelay {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Runs the binary to completion with arguments; returns (exit code, stdout, stderr).
+pub fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    cmd.args(args);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run outbox-relay");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The relay config for a test, with quick timings.
+pub fn base_toml(db_url: &str, sink: &str) -> String {
+    format!(
+        r#"
+[database]
+url = "{db_url}"
+
+[source.polling]
+poll_interval = "200ms"
+
+[relay]
+retry_base = "50ms"
+retry_max = "1s"
+reject_retry_base = "200ms"
+reject_retry_max = "1s"
+standby_poll = "200ms"
+confirm_timeout = "10s"
+shutdown_timeout = "10s"
+
+{sink}
+"#
+    )
+}
+
+pub fn parse(toml: &str) -> Config {
+    config::load_str(toml).unwrap_or_else(|e| panic!("test config does not load: {e}\n{toml}"))
+}
