@@ -13,8 +13,9 @@ use super::{Confirmation, Sink, SinkError};
 use crate::config::KafkaConfig;
 use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
-use rdkafka::ClientConfig;
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::{ClientConfig, ClientContext};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use std::collections::HashSet;
@@ -27,8 +28,35 @@ const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
 /// the relay's window is the bound that binds.
 const QUEUE_MAX_MESSAGES: &str = "200000";
 
+/// Sends librdkafka's log lines to `tracing`.
+pub struct LogContext;
+
+impl ClientContext for LogContext {
+    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
+        // The relay sets enable.gapless.guarantee on purpose; the "experimental"
+        // notice at every start would only teach operators to ignore warnings.
+        if facility == "CONFWARN" && message.contains("gapless") {
+            tracing::debug!(facility, "librdkafka: {message}");
+            return;
+        }
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => tracing::error!(facility, "librdkafka: {message}"),
+            RDKafkaLogLevel::Warning => tracing::warn!(facility, "librdkafka: {message}"),
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                tracing::info!(facility, "librdkafka: {message}")
+            }
+            RDKafkaLogLevel::Debug => tracing::debug!(facility, "librdkafka: {message}"),
+        }
+    }
+}
+
+type RelayProducer = FutureProducer<LogContext>;
+
 pub struct KafkaSink {
-    producer: FutureProducer,
+    producer: RelayProducer,
     brokers: String,
     topic: Template,
     max_bytes: usize,
@@ -40,8 +68,8 @@ pub struct KafkaSink {
 impl KafkaSink {
     /// Creates the producer and checks that a broker answers.
     pub async fn connect(config: &KafkaConfig) -> Result<Self, SinkError> {
-        let producer: FutureProducer = client_config(config)
-            .create()
+        let producer: RelayProducer = client_config(config)
+            .create_with_context(LogContext)
             .map_err(|e| SinkError::Fatal(format!("cannot create the Kafka producer: {e}")))?;
         let mut sink = KafkaSink {
             producer,

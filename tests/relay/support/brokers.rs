@@ -93,6 +93,7 @@ impl Inbox {
 
 /// A Kafka topic prefix of its own, and a consumer reading every topic created under it.
 pub struct KafkaTopics {
+    pub brokers: String,
     pub prefix: String,
     pub inbox: Inbox,
     stop: Arc<AtomicBool>,
@@ -104,9 +105,14 @@ pub const KAFKA_PARTITIONS: i32 = 3;
 
 impl KafkaTopics {
     pub fn new() -> KafkaTopics {
+        Self::with_brokers(&kafka_brokers())
+    }
+
+    /// Topics on another broker (e.g. a test's private one).
+    pub fn with_brokers(brokers: &str) -> KafkaTopics {
         let prefix = super::unique("t");
         let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", kafka_brokers())
+            .set("bootstrap.servers", brokers)
             .set("group.id", &prefix)
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
@@ -145,6 +151,7 @@ impl KafkaTopics {
             }
         });
         KafkaTopics {
+            brokers: brokers.to_owned(),
             prefix,
             inbox,
             stop,
@@ -161,7 +168,7 @@ impl KafkaTopics {
     /// Creates the topic for `aggregate_type` and starts consuming it from the beginning.
     pub async fn create(&self, aggregate_type: &str) {
         let name = self.topic(aggregate_type);
-        create_topic(&kafka_brokers(), &name, KAFKA_PARTITIONS).await;
+        create_topic(&self.brokers, &name, KAFKA_PARTITIONS).await;
         let mut list = self.assigned.lock().unwrap();
         for p in 0..KAFKA_PARTITIONS {
             list.add_partition_offset(&name, p, Offset::Beginning)
@@ -174,7 +181,7 @@ impl KafkaTopics {
     pub fn sink_toml(&self) -> String {
         format!(
             "[sink]\ntype = \"kafka\"\nbrokers = \"{}\"\ntopic = \"{}.{{aggregate_type}}\"\nlinger = \"1ms\"\ndelivery_timeout = \"15s\"\n",
-            kafka_brokers(),
+            self.brokers,
             self.prefix
         )
     }

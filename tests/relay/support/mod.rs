@@ -8,8 +8,11 @@
 #![allow(dead_code)]
 
 pub mod brokers;
+pub mod proxy;
 
+use brokers::{Inbox, KafkaTopics, RabbitExchange};
 use outbox_relay::config::{self, Config};
+use uuid::Uuid;
 use std::future::Future;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -275,3 +278,79 @@ shutdown_timeout = "10s"
 pub fn parse(toml: &str) -> Config {
     config::load_str(toml).unwrap_or_else(|e| panic!("test config does not load: {e}\n{toml}"))
 }
+
+/// A broker set up for one test.
+pub enum Broker {
+    Kafka(KafkaTopics),
+    Rabbit(RabbitExchange),
+}
+
+#[derive(Clone, Copy, Debug)]
+pub enum Kind {
+    Kafka,
+    Rabbit,
+}
+
+impl Broker {
+    /// `aggregate_types`: Kafka topics to create (RabbitMQ routes everything to one queue).
+    pub async fn new(kind: Kind, aggregate_types: &[&str]) -> Broker {
+        match kind {
+            Kind::Kafka => {
+                let k = KafkaTopics::new();
+                for t in aggregate_types {
+                    k.create(t).await;
+                }
+                Broker::Kafka(k)
+            }
+            Kind::Rabbit => Broker::Rabbit(RabbitExchange::new().await),
+        }
+    }
+
+    pub fn inbox(&self) -> &Inbox {
+        match self {
+            Broker::Kafka(k) => &k.inbox,
+            Broker::Rabbit(r) => &r.inbox,
+        }
+    }
+
+    pub fn sink_toml(&self) -> String {
+        match self {
+            Broker::Kafka(k) => k.sink_toml(),
+            Broker::Rabbit(r) => r.sink_toml(),
+        }
+    }
+}
+
+/// Generates one test per broker from `async fn $name(kind: Kind)`.
+#[macro_export]
+macro_rules! both_brokers {
+    ($case:ident) => {
+        mod $case {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn kafka() {
+                super::$case($crate::support::Kind::Kafka).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn rabbitmq() {
+                super::$case($crate::support::Kind::Rabbit).await
+            }
+        }
+    };
+}
+
+pub async fn setup(kind: Kind, aggregate_types: &[&str], extra: &str) -> (TestDb, Broker, String) {
+    let db = TestDb::new().await;
+    let broker = Broker::new(kind, aggregate_types).await;
+    let toml = format!("{}\n{extra}", base_toml(&db.url, &broker.sink_toml()));
+    db.migrate(&parse(&toml)).await;
+    (db, broker, toml)
+}
+
+pub fn ids(n: usize) -> Vec<Uuid> {
+    (0..n).map(|_| Uuid::new_v4()).collect()
+}
+
+pub fn strings(ids: &[Uuid]) -> Vec<String> {
+    ids.iter().map(Uuid::to_string).collect()
+}
+

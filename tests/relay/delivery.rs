@@ -1,90 +1,12 @@
-//! End-to-end tests of the polling relay against real PostgreSQL, Kafka
-//! (tansu) and RabbitMQ. Each test has its own database, topics or exchange.
-
-mod support;
+//! What consumers receive: envelope, order, completeness, refusals.
 
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
-use support::brokers::{Inbox, KafkaTopics, RabbitExchange, Received};
-use support::*;
+use crate::support::brokers::{KafkaTopics, RabbitExchange, Received};
+use crate::support::*;
 use uuid::Uuid;
 
-/// A broker set up for one test.
-enum Broker {
-    Kafka(KafkaTopics),
-    Rabbit(RabbitExchange),
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    Kafka,
-    Rabbit,
-}
-
-impl Broker {
-    /// `aggregate_types`: Kafka topics to create (RabbitMQ routes everything to one queue).
-    async fn new(kind: Kind, aggregate_types: &[&str]) -> Broker {
-        match kind {
-            Kind::Kafka => {
-                let k = KafkaTopics::new();
-                for t in aggregate_types {
-                    k.create(t).await;
-                }
-                Broker::Kafka(k)
-            }
-            Kind::Rabbit => Broker::Rabbit(RabbitExchange::new().await),
-        }
-    }
-
-    fn inbox(&self) -> &Inbox {
-        match self {
-            Broker::Kafka(k) => &k.inbox,
-            Broker::Rabbit(r) => &r.inbox,
-        }
-    }
-
-    fn sink_toml(&self) -> String {
-        match self {
-            Broker::Kafka(k) => k.sink_toml(),
-            Broker::Rabbit(r) => r.sink_toml(),
-        }
-    }
-}
-
-/// Generates one test per broker from `async fn $name(kind: Kind)`.
-macro_rules! both_brokers {
-    ($case:ident) => {
-        mod $case {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn kafka() {
-                super::$case(super::Kind::Kafka).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn rabbitmq() {
-                super::$case(super::Kind::Rabbit).await
-            }
-        }
-    };
-}
-
-async fn setup(kind: Kind, aggregate_types: &[&str], extra: &str) -> (TestDb, Broker, String) {
-    let db = TestDb::new().await;
-    let broker = Broker::new(kind, aggregate_types).await;
-    let toml = format!("{}\n{extra}", base_toml(&db.url, &broker.sink_toml()));
-    db.migrate(&parse(&toml)).await;
-    (db, broker, toml)
-}
-
-fn ids(n: usize) -> Vec<Uuid> {
-    (0..n).map(|_| Uuid::new_v4()).collect()
-}
-
-fn strings(ids: &[Uuid]) -> Vec<String> {
-    ids.iter().map(Uuid::to_string).collect()
-}
-
-// ---------------------------------------------------------------------------
 
 both_brokers!(exact_envelope_and_headers);
 async fn exact_envelope_and_headers(kind: Kind) {
@@ -470,6 +392,69 @@ async fn bad_rows_are_refused_and_other_aggregates_flow(kind: Kind) {
         assert!(unsent.contains(id), "{id} must stay unsent in the outbox");
     }
     assert_eq!(unsent.len(), unsent_expected.len());
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debezium_style_table_works_through_a_column_mapping() {
+    let db = TestDb::new().await;
+    let broker = KafkaTopics::new();
+    broker.create("Order").await;
+    db.client
+        .batch_execute(
+            "CREATE TABLE outboxevent (
+                 id uuid PRIMARY KEY,
+                 aggregatetype varchar(255) NOT NULL,
+                 aggregateid varchar(255) NOT NULL,
+                 type varchar(255) NOT NULL,
+                 payload jsonb
+             )",
+        )
+        .await
+        .unwrap();
+    let toml = format!(
+        "{}\n[outbox]\ntable = \"outboxevent\"\n[outbox.columns]\naggregate_type = \"aggregatetype\"\naggregate_id = \"aggregateid\"\nevent_type = \"type\"\n",
+        base_toml(&db.url, &broker.sink_toml())
+    );
+    db.migrate(&parse(&toml)).await;
+    let names: Vec<String> = db
+        .client
+        .query("SELECT column_name::text FROM information_schema.columns WHERE table_name = 'outboxevent' ORDER BY ordinal_position", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        names,
+        ["id", "aggregatetype", "aggregateid", "type", "payload", "relay_seq", "relay_xid", "relay_sent_at"],
+        "migrate adds only the relay's columns"
+    );
+    let id = Uuid::new_v4();
+    // The application's INSERT is unchanged: it names only its own columns.
+    db.client
+        .execute(
+            "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload) VALUES ($1, 'Order', '7', 'OrderCreated', '{\"n\": 7}')",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let relay = InProcess::start(parse(&toml));
+    let m = &broker.inbox.wait_len(1, WAIT).await[0];
+    let body = m.json();
+    assert_eq!(body["id"], id.to_string());
+    assert_eq!(body["type"], "OrderCreated");
+    assert_eq!(body["subject"], "7");
+    assert_eq!(body["aggregatetype"], "Order");
+    assert_eq!(body["eventversion"], 1, "absent event_version defaults to 1");
+    assert_eq!(body["data"], json!({"n": 7}));
+    assert!(body["time"].as_str().is_some_and(|t| t.ends_with('Z')));
+    assert_eq!(m.destination, broker.topic("Order"));
+    wait_for(WAIT, "the row marked", || async {
+        (db.count("SELECT count(*) FROM outboxevent WHERE relay_sent_at IS NULL").await == 0).then_some(())
+    })
+    .await;
     relay.stop().await;
     db.drop_db().await;
 }

@@ -1,0 +1,107 @@
+//! The binary's commands: `check`, `migrate`, configuration errors.
+
+use crate::support::*;
+
+fn write_config(toml: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(unique("outbox-relay-cli-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("relay.toml");
+    std::fs::write(&path, toml).unwrap();
+    path
+}
+
+fn rabbit_sink() -> String {
+    format!("[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n", amqp_url())
+}
+
+#[tokio::test]
+async fn migrate_dry_run_changes_nothing_and_migrate_is_idempotent() {
+    let db = TestDb::new().await;
+    let path = write_config(&base_toml(&db.url, &rabbit_sink()));
+    let path = path.to_str().unwrap();
+    let (code, out, err) = run_cli(&["migrate", "--config", path, "--dry-run"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("CREATE TABLE \"public\".\"outbox\""), "{out}");
+    assert!(out.contains("CREATE OR REPLACE TRIGGER"), "{out}");
+    assert!(out.contains("dry run"), "{out}");
+    assert_eq!(db.count("SELECT count(*) FROM pg_tables WHERE tablename = 'outbox'").await, 0);
+
+    let (code, out, err) = run_cli(&["migrate", "--config", path], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("applied"), "{out}");
+    let (code, out, _) = run_cli(&["migrate", "--config", path], &[]);
+    assert_eq!(code, 0);
+    assert!(out.contains("nothing to do"), "second run: {out}");
+
+    let (code, out, err) = run_cli(&["check", "--config", path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("all checks passed"), "{out}");
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn check_names_a_missing_table_and_a_missing_column() {
+    let db = TestDb::new().await;
+    let path = write_config(&base_toml(&db.url, &rabbit_sink()));
+    let path = path.to_str().unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", path], &[]);
+    assert_eq!(code, 1);
+    assert!(out.contains("[FAIL] outbox table") && out.contains("public.outbox does not exist"), "{out}");
+    assert!(out.contains("outbox-relay migrate"), "the fix is named: {out}");
+
+    run_cli(&["migrate", "--config", path], &[]);
+    db.client.batch_execute("ALTER TABLE outbox RENAME COLUMN aggregate_id TO agg").await.unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", path], &[]);
+    assert_eq!(code, 1);
+    assert!(out.contains("column \"aggregate_id\" (outbox.columns.aggregate_id) does not exist"), "{out}");
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn check_reports_unreachable_services() {
+    let db = TestDb::new().await;
+    let closed = crate::support::proxy::free_port();
+    let toml = base_toml(
+        &format!("postgres://postgres@127.0.0.1:{closed}/nowhere"),
+        &format!("[sink]\ntype = \"rabbitmq\"\nurl = \"amqp://guest:s3cret@127.0.0.1:{closed}/%2f\"\n"),
+    );
+    let path = write_config(&toml);
+    let (code, out, err) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
+    assert_eq!(code, 1);
+    assert!(out.contains("[FAIL] database") && out.contains(&format!("127.0.0.1:{closed}")), "{out}");
+    assert!(out.contains("[FAIL] broker"), "{out}");
+    assert!(!out.contains("s3cret") && !err.contains("s3cret"), "no secret in output: {out}{err}");
+    db.drop_db().await;
+}
+
+#[test]
+fn bad_configuration_exits_2_naming_the_key() {
+    let path = write_config(&base_toml("postgres://relay:s3cret@127.0.0.1/app", &rabbit_sink()).replace("poll_interval", "poll_intervall"));
+    let (code, _, err) = run_cli(&["run", "--config", path.to_str().unwrap()], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("source.polling") && err.contains("poll_intervall"), "{err}");
+
+    let good = write_config(&base_toml("postgres://relay:s3cret@127.0.0.1/app", &rabbit_sink()));
+    let (code, _, err) = run_cli(
+        &["check", "--config", good.to_str().unwrap()],
+        &[("OUTBOX_RELAY__SOURCE__BATCH_SIZE", "0")],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("source.batch_size: 0 is out of range"), "environment overrides are validated: {err}");
+    assert!(!err.contains("s3cret"), "{err}");
+
+    let (code, _, err) = run_cli(&["run", "--config", "/nonexistent/relay.toml"], &[]);
+    assert_eq!(code, 2);
+    assert!(err.contains("/nonexistent/relay.toml"), "{err}");
+}
+
+#[test]
+fn every_command_explains_itself() {
+    for cmd in ["run", "migrate", "check"] {
+        let (code, out, _) = run_cli(&[cmd, "--help"], &[]);
+        assert_eq!(code, 0);
+        assert!(out.contains("--config"), "{cmd} --help: {out}");
+    }
+    let (_, out, _) = run_cli(&["migrate", "--help"], &[]);
+    assert!(out.contains("--dry-run"), "{out}");
+}

@@ -1,0 +1,269 @@
+//! Failures the relay must survive without losing an event: broker outages,
+//! restarts, crashes, lost database sessions, a second instance.
+
+use crate::support::brokers::{KafkaTopics, RabbitExchange, Received};
+use crate::support::proxy::{PrivateKafka, Proxy};
+use crate::support::*;
+use serde_json::json;
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+use uuid::Uuid;
+
+/// A broker reached through a proxy the test can cut.
+struct CutBroker {
+    proxy_of: ProxyOwner,
+    inbox: crate::support::brokers::Inbox,
+    sink: String,
+    _kafka: Option<KafkaTopics>,
+    _rabbit: Option<RabbitExchange>,
+}
+
+enum ProxyOwner {
+    Kafka(PrivateKafka),
+    Rabbit(Proxy),
+}
+
+impl CutBroker {
+    async fn new(kind: Kind) -> CutBroker {
+        match kind {
+            Kind::Kafka => {
+                let k = PrivateKafka::start(true).await;
+                let topics = KafkaTopics::with_brokers(&k.brokers());
+                topics.create("order").await;
+                CutBroker {
+                    inbox: topics.inbox.clone(),
+                    sink: topics.sink_toml(),
+                    proxy_of: ProxyOwner::Kafka(k),
+                    _kafka: Some(topics),
+                    _rabbit: None,
+                }
+            }
+            Kind::Rabbit => {
+                let r = RabbitExchange::new().await;
+                let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap(), true).await;
+                let sink = r
+                    .sink_toml()
+                    .replace("127.0.0.1:5672", &format!("127.0.0.1:{}", proxy.port));
+                CutBroker {
+                    inbox: r.inbox.clone(),
+                    sink,
+                    proxy_of: ProxyOwner::Rabbit(proxy),
+                    _kafka: None,
+                    _rabbit: Some(r),
+                }
+            }
+        }
+    }
+
+    fn proxy(&self) -> &Proxy {
+        match &self.proxy_of {
+            ProxyOwner::Kafka(k) => &k.proxy,
+            ProxyOwner::Rabbit(p) => p,
+        }
+    }
+}
+
+async fn insert_many(db: &TestDb, n: usize, aggregate: &str) -> Vec<String> {
+    let ids = ids(n);
+    for (i, id) in ids.iter().enumerate() {
+        db.insert(*id, "order", aggregate, json!({"i": i})).await;
+    }
+    strings(&ids)
+}
+
+both_brokers!(broker_outage_leaves_rows_unsent_then_recovers);
+async fn broker_outage_leaves_rows_unsent_then_recovers(kind: Kind) {
+    let broker = CutBroker::new(kind).await;
+    let db = TestDb::new().await;
+    let toml = base_toml(&db.url, &broker.sink);
+    db.migrate(&parse(&toml)).await;
+
+    // Unreachable from the start: the relay waits and retries, marks nothing.
+    broker.proxy().cut();
+    let first = insert_many(&db, 10, "a").await;
+    let relay = InProcess::start(parse(&toml));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(db.unsent().await, 10, "nothing is marked while the broker is unreachable");
+    assert_eq!(broker.inbox.len(), 0);
+    broker.proxy().restore();
+    broker.inbox.wait_ids(&first, WAIT).await;
+
+    // Cut in the middle of a stream.
+    broker.proxy().cut();
+    let second = insert_many(&db, 20, "a").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let unsent = db.unsent().await;
+    assert_eq!(unsent, 20, "rows written during the outage stay unsent");
+    broker.proxy().restore();
+    let got = broker.inbox.wait_ids(&second, Duration::from_secs(60)).await;
+    wait_for(WAIT, "all rows marked", || async { (db.unsent().await == 0).then_some(()) }).await;
+    assert_first_deliveries_in_order(&got, &[first, second].concat());
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+/// Checks that the first delivery of each id follows `expected`'s order.
+fn assert_first_deliveries_in_order(got: &[Received], expected: &[String]) {
+    let mut seen = HashSet::new();
+    let firsts: Vec<String> = got
+        .iter()
+        .map(Received::event_id)
+        .filter(|id| seen.insert(id.clone()))
+        .collect();
+    let wanted: HashSet<&String> = expected.iter().collect();
+    let firsts: Vec<&String> = firsts.iter().filter(|id| wanted.contains(id)).collect();
+    assert_eq!(firsts, expected.iter().collect::<Vec<_>>(), "first deliveries out of order");
+}
+
+both_brokers!(graceful_restart_resumes_without_loss);
+async fn graceful_restart_resumes_without_loss(kind: Kind) {
+    let (db, broker, toml) = setup(kind, &["order"], "").await;
+    let relay = InProcess::start(parse(&toml));
+    let before = insert_many(&db, 30, "a").await;
+    broker.inbox().wait_ids(&before, WAIT).await;
+    relay.stop().await;
+    let during = insert_many(&db, 30, "a").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(db.unsent().await, 30);
+    let relay = InProcess::start(parse(&toml));
+    let got = broker.inbox().wait_ids(&during, WAIT).await;
+    assert_eq!(got.len(), 60, "a clean stop and start causes no duplicates");
+    assert_first_deliveries_in_order(&got, &[before, during].concat());
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+both_brokers!(killed_relay_loses_nothing);
+async fn killed_relay_loses_nothing(kind: Kind) {
+    let (db, broker, toml) = setup(kind, &["order"], "").await;
+    let toml = toml.replace("[relay]\n", "[relay]\nmax_in_flight = 200\n");
+    let writer_db = db.url.clone();
+    let writer = tokio::spawn(async move {
+        let c = connect(&writer_db).await;
+        let mut ids = Vec::new();
+        for i in 0..600 {
+            let id = Uuid::new_v4();
+            c.execute(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'E', $3)",
+                &[&id, &format!("agg{}", i % 7), &json!({"i": i})],
+            )
+            .await
+            .unwrap();
+            ids.push(id.to_string());
+            if i % 20 == 0 {
+                tokio::time::sleep(Duration::from_millis(15)).await;
+            }
+        }
+        ids
+    });
+    for round in 0..3 {
+        let mut child = ChildRelay::start(&toml);
+        tokio::time::sleep(Duration::from_millis(400 + round * 170)).await;
+        child.kill();
+    }
+    let ids = writer.await.unwrap();
+    let mut child = ChildRelay::start(&toml);
+    let got = broker.inbox().wait_ids(&ids, Duration::from_secs(60)).await;
+    wait_for(WAIT, "all rows marked", || async { (db.unsent().await == 0).then_some(()) }).await;
+    let duplicates = got.len() - ids.len();
+    assert!(duplicates <= 3 * 200, "{duplicates} duplicates exceed 3 kills x the in-flight window");
+    // Per aggregate, first deliveries follow the insert order.
+    let mut per_agg: HashMap<String, Vec<i64>> = HashMap::new();
+    let mut seen = HashSet::new();
+    for m in &got {
+        let body = m.json();
+        if seen.insert(m.event_id()) {
+            per_agg
+                .entry(body["subject"].as_str().unwrap().to_owned())
+                .or_default()
+                .push(body["data"]["i"].as_i64().unwrap());
+        }
+    }
+    for (agg, order) in per_agg {
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{agg}: {order:?}");
+    }
+    assert_eq!(child.terminate().code(), Some(0));
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_and_exits_zero() {
+    let (db, broker, toml) = setup(Kind::Rabbit, &[], "").await;
+    let ids = insert_many(&db, 200, "a").await;
+    let mut child = ChildRelay::start(&toml);
+    broker.inbox().wait_len(1, WAIT).await;
+    let status = child.terminate();
+    assert_eq!(status.code(), Some(0), "graceful shutdown exits 0");
+    // Whatever was confirmed is marked: unsent rows are exactly the undelivered ones.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let delivered: HashSet<String> = broker.inbox().snapshot().iter().map(Received::event_id).collect();
+    let unsent: HashSet<String> = db
+        .client
+        .query("SELECT id::text FROM outbox WHERE relay_sent_at IS NULL", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for id in &ids {
+        assert!(delivered.contains(id) != unsent.contains(id), "{id}: delivered and marked must agree");
+    }
+    db.drop_db().await;
+}
+
+both_brokers!(standby_takes_over_when_the_active_instance_dies);
+async fn standby_takes_over_when_the_active_instance_dies(kind: Kind) {
+    let (db, broker, toml) = setup(kind, &["order"], "").await;
+    let first = InProcess::start(parse(&toml));
+    let before = insert_many(&db, 20, "a").await;
+    broker.inbox().wait_ids(&before, WAIT).await;
+    let second = InProcess::start(parse(&toml));
+    let middle = insert_many(&db, 20, "a").await;
+    broker.inbox().wait_ids(&middle, WAIT).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(broker.inbox().len(), 40, "two instances, yet every event once: one is a standby");
+    // The active one dies without a goodbye; its session, and lock, go with it.
+    first.abort();
+    let after = insert_many(&db, 20, "a").await;
+    broker.inbox().wait_ids(&after, WAIT).await;
+    second.stop().await;
+    db.drop_db().await;
+}
+
+both_brokers!(terminated_database_sessions_are_survived);
+async fn terminated_database_sessions_are_survived(kind: Kind) {
+    let (db, broker, toml) = setup(kind, &["order"], "").await;
+    let relay = InProcess::start(parse(&toml));
+    let first = insert_many(&db, 10, "a").await;
+    broker.inbox().wait_ids(&first, WAIT).await;
+    // An operator (or a failover) ends every relay session.
+    let killed = db
+        .count(&format!(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'outbox-relay' AND datname = '{}'",
+            db.name
+        ))
+        .await;
+    assert!(killed >= 2, "the relay had its reading and ownership sessions ({killed})");
+    let second = insert_many(&db, 10, "a").await;
+    broker.inbox().wait_ids(&second, WAIT).await;
+    wait_for(WAIT, "all rows marked", || async { (db.unsent().await == 0).then_some(()) }).await;
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_wakes_the_relay_long_before_the_poll_interval() {
+    let (db, broker, toml) = setup(Kind::Rabbit, &[], "").await;
+    let toml = toml.replace("poll_interval = \"200ms\"", "poll_interval = \"60s\"");
+    let relay = InProcess::start(parse(&toml));
+    // Let the first (empty) poll happen, so only a wake-up can bring the next.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for round in 0..3 {
+        let id = insert_many(&db, 1, "a").await;
+        let start = std::time::Instant::now();
+        broker.inbox().wait_ids(&id, Duration::from_secs(10)).await;
+        assert!(start.elapsed() < Duration::from_secs(10), "round {round}");
+    }
+    relay.stop().await;
+    db.drop_db().await;
+}

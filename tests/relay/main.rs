@@ -1,0 +1,10 @@
+//! End-to-end tests against real PostgreSQL, Kafka (tansu) and RabbitMQ,
+//! started by `scripts/services.sh`. Each test has its own database, topics
+//! or exchange, and every wait is bounded.
+
+#[macro_use]
+mod support;
+
+mod cli;
+mod delivery;
+mod failures;

@@ -1,0 +1,117 @@
+//! A TCP proxy the tests can cut and restore: the network failing between
+//! the relay and a broker, without touching the broker.
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+pub struct Proxy {
+    pub port: u16,
+    up: Arc<watch::Sender<bool>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Listens on a free port and forwards to `upstream`; `up` says whether it starts open.
+    pub async fn start(upstream: SocketAddr, up: bool) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::with_listener(listener, upstream, up)
+    }
+
+    pub fn with_listener(listener: TcpListener, upstream: SocketAddr, up: bool) -> Proxy {
+        let port = listener.local_addr().unwrap().port();
+        let (tx, rx) = watch::channel(up);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else { return };
+                if !*rx.borrow() {
+                    drop(client); // cut: refuse by closing at once
+                    continue;
+                }
+                let mut rx = rx.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = TcpStream::connect(upstream).await else { return };
+                    let (mut client, mut server) = (client, server);
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = rx.wait_for(|up| !*up) => {}
+                    }
+                });
+            }
+        });
+        Proxy {
+            port,
+            up: Arc::new(tx),
+            task,
+        }
+    }
+
+    /// Drops every connection and refuses new ones.
+    pub fn cut(&self) {
+        self.up.send_replace(false);
+    }
+
+    pub fn restore(&self) {
+        self.up.send_replace(true);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A Kafka-protocol broker of the test's own (tansu, in memory) behind a
+/// [`Proxy`]: it advertises the proxy's port, so every client connection,
+/// metadata-directed ones included, goes through the proxy.
+pub struct PrivateKafka {
+    pub proxy: Proxy,
+    child: Child,
+}
+
+impl PrivateKafka {
+    pub async fn start(up: bool) -> PrivateKafka {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let advertised = listener.local_addr().unwrap().port();
+        let internal = free_port();
+        let child = Command::new("tansu")
+            .args(["broker", "--storage-engine", "memory://tansu/"])
+            .args(["--listener-url", &format!("tcp://127.0.0.1:{internal}")])
+            .args(["--advertised-listener-url", &format!("tcp://127.0.0.1:{advertised}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tansu (is it installed? scripts/services.sh installs it)");
+        let upstream: SocketAddr = format!("127.0.0.1:{internal}").parse().unwrap();
+        super::wait_for(super::WAIT, "tansu to listen", || async move {
+            TcpStream::connect(upstream).await.ok().map(|_| ())
+        })
+        .await;
+        PrivateKafka {
+            proxy: Proxy::with_listener(listener, upstream, up),
+            child,
+        }
+    }
+
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.proxy.port)
+    }
+}
+
+impl Drop for PrivateKafka {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
