@@ -154,3 +154,54 @@ fn column_mapping_is_checked() {
     let e = err(&format!("{MINIMAL}\n[outbox]\ntable = \"a.b.c\"\n"));
     assert!(e.contains("outbox.table") || e.contains("a.b.c"), "{e}");
 }
+
+/// Dotted keys of a TOML file, including keys in commented-out `# key = value` lines.
+fn keys_of(text: &str) -> Vec<String> {
+    fn walk(prefix: &str, table: &toml::Table, out: &mut Vec<String>) {
+        for (k, v) in table {
+            let key = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            match v {
+                // A map of free-form entries is one documented key.
+                toml::Value::Table(t) if key != "sink.properties" => walk(&key, t, out),
+                _ => out.push(key),
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk("", &toml::from_str(text).unwrap(), &mut out);
+    let mut section = String::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if let Some(s) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = s.to_owned();
+        } else if let Some(rest) = line.strip_prefix("# ")
+            && let Some((k, _)) = rest.split_once(" = ")
+            && k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+        {
+            out.push(format!("{section}.{k}"));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_readme_documents_every_key() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let mut checked = 0;
+    for file in ["reference.toml", "polling-rabbitmq.toml"] {
+        let text = std::fs::read_to_string(root.join("config").join(file)).unwrap();
+        for key in keys_of(&text) {
+            assert!(
+                readme.contains(&format!("`{key}`")),
+                "README.md does not document `{key}` (from config/{file})"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 40, "only {checked} keys found");
+}
