@@ -15,9 +15,9 @@ use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::{ClientConfig, ClientContext};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::{ClientConfig, ClientContext};
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 

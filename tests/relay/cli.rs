@@ -11,7 +11,10 @@ fn write_config(toml: &str) -> std::path::PathBuf {
 }
 
 fn rabbit_sink() -> String {
-    format!("[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n", amqp_url())
+    format!(
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
+        amqp_url()
+    )
 }
 
 #[tokio::test]
@@ -24,7 +27,11 @@ async fn migrate_dry_run_changes_nothing_and_migrate_is_idempotent() {
     assert!(out.contains("CREATE TABLE \"public\".\"outbox\""), "{out}");
     assert!(out.contains("CREATE OR REPLACE TRIGGER"), "{out}");
     assert!(out.contains("dry run"), "{out}");
-    assert_eq!(db.count("SELECT count(*) FROM pg_tables WHERE tablename = 'outbox'").await, 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM pg_tables WHERE tablename = 'outbox'")
+            .await,
+        0
+    );
 
     let (code, out, err) = run_cli(&["migrate", "--config", path], &[]);
     assert_eq!(code, 0, "{err}");
@@ -46,14 +53,26 @@ async fn check_names_a_missing_table_and_a_missing_column() {
     let path = path.to_str().unwrap();
     let (code, out, _) = run_cli(&["check", "--config", path], &[]);
     assert_eq!(code, 1);
-    assert!(out.contains("[FAIL] outbox table") && out.contains("public.outbox does not exist"), "{out}");
-    assert!(out.contains("outbox-relay migrate"), "the fix is named: {out}");
+    assert!(
+        out.contains("[FAIL] outbox table") && out.contains("public.outbox does not exist"),
+        "{out}"
+    );
+    assert!(
+        out.contains("outbox-relay migrate"),
+        "the fix is named: {out}"
+    );
 
     run_cli(&["migrate", "--config", path], &[]);
-    db.client.batch_execute("ALTER TABLE outbox RENAME COLUMN aggregate_id TO agg").await.unwrap();
+    db.client
+        .batch_execute("ALTER TABLE outbox RENAME COLUMN aggregate_id TO agg")
+        .await
+        .unwrap();
     let (code, out, _) = run_cli(&["check", "--config", path], &[]);
     assert_eq!(code, 1);
-    assert!(out.contains("column \"aggregate_id\" (outbox.columns.aggregate_id) does not exist"), "{out}");
+    assert!(
+        out.contains("column \"aggregate_id\" (outbox.columns.aggregate_id) does not exist"),
+        "{out}"
+    );
     db.drop_db().await;
 }
 
@@ -63,31 +82,51 @@ async fn check_reports_unreachable_services() {
     let closed = crate::support::proxy::free_port();
     let toml = base_toml(
         &format!("postgres://postgres@127.0.0.1:{closed}/nowhere"),
-        &format!("[sink]\ntype = \"rabbitmq\"\nurl = \"amqp://guest:s3cret@127.0.0.1:{closed}/%2f\"\n"),
+        &format!(
+            "[sink]\ntype = \"rabbitmq\"\nurl = \"amqp://guest:s3cret@127.0.0.1:{closed}/%2f\"\n"
+        ),
     );
     let path = write_config(&toml);
     let (code, out, err) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
     assert_eq!(code, 1);
-    assert!(out.contains("[FAIL] database") && out.contains(&format!("127.0.0.1:{closed}")), "{out}");
+    assert!(
+        out.contains("[FAIL] database") && out.contains(&format!("127.0.0.1:{closed}")),
+        "{out}"
+    );
     assert!(out.contains("[FAIL] broker"), "{out}");
-    assert!(!out.contains("s3cret") && !err.contains("s3cret"), "no secret in output: {out}{err}");
+    assert!(
+        !out.contains("s3cret") && !err.contains("s3cret"),
+        "no secret in output: {out}{err}"
+    );
     db.drop_db().await;
 }
 
 #[test]
 fn bad_configuration_exits_2_naming_the_key() {
-    let path = write_config(&base_toml("postgres://relay:s3cret@127.0.0.1/app", &rabbit_sink()).replace("poll_interval", "poll_intervall"));
+    let path = write_config(
+        &base_toml("postgres://relay:s3cret@127.0.0.1/app", &rabbit_sink())
+            .replace("poll_interval", "poll_intervall"),
+    );
     let (code, _, err) = run_cli(&["run", "--config", path.to_str().unwrap()], &[]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("source.polling") && err.contains("poll_intervall"), "{err}");
+    assert!(
+        err.contains("source.polling") && err.contains("poll_intervall"),
+        "{err}"
+    );
 
-    let good = write_config(&base_toml("postgres://relay:s3cret@127.0.0.1/app", &rabbit_sink()));
+    let good = write_config(&base_toml(
+        "postgres://relay:s3cret@127.0.0.1/app",
+        &rabbit_sink(),
+    ));
     let (code, _, err) = run_cli(
         &["check", "--config", good.to_str().unwrap()],
         &[("OUTBOX_RELAY__SOURCE__BATCH_SIZE", "0")],
     );
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("source.batch_size: 0 is out of range"), "environment overrides are validated: {err}");
+    assert!(
+        err.contains("source.batch_size: 0 is out of range"),
+        "environment overrides are validated: {err}"
+    );
     assert!(!err.contains("s3cret"), "{err}");
 
     let (code, _, err) = run_cli(&["run", "--config", "/nonexistent/relay.toml"], &[]);

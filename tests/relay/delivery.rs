@@ -1,12 +1,11 @@
 //! What consumers receive: envelope, order, completeness, refusals.
 
+use crate::support::brokers::{KafkaTopics, RabbitExchange, Received};
+use crate::support::*;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
-use crate::support::brokers::{KafkaTopics, RabbitExchange, Received};
-use crate::support::*;
 use uuid::Uuid;
-
 
 both_brokers!(exact_envelope_and_headers);
 async fn exact_envelope_and_headers(kind: Kind) {
@@ -428,7 +427,16 @@ async fn a_debezium_style_table_works_through_a_column_mapping() {
         .collect();
     assert_eq!(
         names,
-        ["id", "aggregatetype", "aggregateid", "type", "payload", "relay_seq", "relay_xid", "relay_sent_at"],
+        [
+            "id",
+            "aggregatetype",
+            "aggregateid",
+            "type",
+            "payload",
+            "relay_seq",
+            "relay_xid",
+            "relay_sent_at"
+        ],
         "migrate adds only the relay's columns"
     );
     let id = Uuid::new_v4();
@@ -447,12 +455,18 @@ async fn a_debezium_style_table_works_through_a_column_mapping() {
     assert_eq!(body["type"], "OrderCreated");
     assert_eq!(body["subject"], "7");
     assert_eq!(body["aggregatetype"], "Order");
-    assert_eq!(body["eventversion"], 1, "absent event_version defaults to 1");
+    assert_eq!(
+        body["eventversion"], 1,
+        "absent event_version defaults to 1"
+    );
     assert_eq!(body["data"], json!({"n": 7}));
     assert!(body["time"].as_str().is_some_and(|t| t.ends_with('Z')));
     assert_eq!(m.destination, broker.topic("Order"));
     wait_for(WAIT, "the row marked", || async {
-        (db.count("SELECT count(*) FROM outboxevent WHERE relay_sent_at IS NULL").await == 0).then_some(())
+        (db.count("SELECT count(*) FROM outboxevent WHERE relay_sent_at IS NULL")
+            .await
+            == 0)
+            .then_some(())
     })
     .await;
     relay.stop().await;

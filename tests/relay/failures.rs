@@ -83,7 +83,11 @@ async fn broker_outage_leaves_rows_unsent_then_recovers(kind: Kind) {
     let first = insert_many(&db, 10, "a").await;
     let relay = InProcess::start(parse(&toml));
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(db.unsent().await, 10, "nothing is marked while the broker is unreachable");
+    assert_eq!(
+        db.unsent().await,
+        10,
+        "nothing is marked while the broker is unreachable"
+    );
     assert_eq!(broker.inbox.len(), 0);
     broker.proxy().restore();
     broker.inbox.wait_ids(&first, WAIT).await;
@@ -95,8 +99,14 @@ async fn broker_outage_leaves_rows_unsent_then_recovers(kind: Kind) {
     let unsent = db.unsent().await;
     assert_eq!(unsent, 20, "rows written during the outage stay unsent");
     broker.proxy().restore();
-    let got = broker.inbox.wait_ids(&second, Duration::from_secs(60)).await;
-    wait_for(WAIT, "all rows marked", || async { (db.unsent().await == 0).then_some(()) }).await;
+    let got = broker
+        .inbox
+        .wait_ids(&second, Duration::from_secs(60))
+        .await;
+    wait_for(WAIT, "all rows marked", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
     assert_first_deliveries_in_order(&got, &[first, second].concat());
     relay.stop().await;
     db.drop_db().await;
@@ -112,7 +122,11 @@ fn assert_first_deliveries_in_order(got: &[Received], expected: &[String]) {
         .collect();
     let wanted: HashSet<&String> = expected.iter().collect();
     let firsts: Vec<&String> = firsts.iter().filter(|id| wanted.contains(id)).collect();
-    assert_eq!(firsts, expected.iter().collect::<Vec<_>>(), "first deliveries out of order");
+    assert_eq!(
+        firsts,
+        expected.iter().collect::<Vec<_>>(),
+        "first deliveries out of order"
+    );
 }
 
 both_brokers!(graceful_restart_resumes_without_loss);
@@ -164,9 +178,15 @@ async fn killed_relay_loses_nothing(kind: Kind) {
     let ids = writer.await.unwrap();
     let mut child = ChildRelay::start(&toml);
     let got = broker.inbox().wait_ids(&ids, Duration::from_secs(60)).await;
-    wait_for(WAIT, "all rows marked", || async { (db.unsent().await == 0).then_some(()) }).await;
+    wait_for(WAIT, "all rows marked", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
     let duplicates = got.len() - ids.len();
-    assert!(duplicates <= 3 * 200, "{duplicates} duplicates exceed 3 kills x the in-flight window");
+    assert!(
+        duplicates <= 3 * 200,
+        "{duplicates} duplicates exceed 3 kills x the in-flight window"
+    );
     // Per aggregate, first deliveries follow the insert order.
     let mut per_agg: HashMap<String, Vec<i64>> = HashMap::new();
     let mut seen = HashSet::new();
@@ -196,17 +216,28 @@ async fn sigterm_drains_in_flight_and_exits_zero() {
     assert_eq!(status.code(), Some(0), "graceful shutdown exits 0");
     // Whatever was confirmed is marked: unsent rows are exactly the undelivered ones.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let delivered: HashSet<String> = broker.inbox().snapshot().iter().map(Received::event_id).collect();
+    let delivered: HashSet<String> = broker
+        .inbox()
+        .snapshot()
+        .iter()
+        .map(Received::event_id)
+        .collect();
     let unsent: HashSet<String> = db
         .client
-        .query("SELECT id::text FROM outbox WHERE relay_sent_at IS NULL", &[])
+        .query(
+            "SELECT id::text FROM outbox WHERE relay_sent_at IS NULL",
+            &[],
+        )
         .await
         .unwrap()
         .iter()
         .map(|r| r.get(0))
         .collect();
     for id in &ids {
-        assert!(delivered.contains(id) != unsent.contains(id), "{id}: delivered and marked must agree");
+        assert!(
+            delivered.contains(id) != unsent.contains(id),
+            "{id}: delivered and marked must agree"
+        );
     }
     db.drop_db().await;
 }
@@ -221,7 +252,11 @@ async fn standby_takes_over_when_the_active_instance_dies(kind: Kind) {
     let middle = insert_many(&db, 20, "a").await;
     broker.inbox().wait_ids(&middle, WAIT).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(broker.inbox().len(), 40, "two instances, yet every event once: one is a standby");
+    assert_eq!(
+        broker.inbox().len(),
+        40,
+        "two instances, yet every event once: one is a standby"
+    );
     // The active one dies without a goodbye; its session, and lock, go with it.
     first.abort();
     let after = insert_many(&db, 20, "a").await;
@@ -243,10 +278,16 @@ async fn terminated_database_sessions_are_survived(kind: Kind) {
             db.name
         ))
         .await;
-    assert!(killed >= 2, "the relay had its reading and ownership sessions ({killed})");
+    assert!(
+        killed >= 2,
+        "the relay had its reading and ownership sessions ({killed})"
+    );
     let second = insert_many(&db, 10, "a").await;
     broker.inbox().wait_ids(&second, WAIT).await;
-    wait_for(WAIT, "all rows marked", || async { (db.unsent().await == 0).then_some(()) }).await;
+    wait_for(WAIT, "all rows marked", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
     relay.stop().await;
     db.drop_db().await;
 }

@@ -181,8 +181,7 @@ impl KafkaTopics {
     pub fn sink_toml(&self) -> String {
         format!(
             "[sink]\ntype = \"kafka\"\nbrokers = \"{}\"\ntopic = \"{}.{{aggregate_type}}\"\nlinger = \"1ms\"\ndelivery_timeout = \"15s\"\n",
-            self.brokers,
-            self.prefix
+            self.brokers, self.prefix
         )
     }
 }

@@ -12,12 +12,12 @@ pub mod proxy;
 
 use brokers::{Inbox, KafkaTopics, RabbitExchange};
 use outbox_relay::config::{self, Config};
-use uuid::Uuid;
 use std::future::Future;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tokio_postgres::{Client, NoTls};
 use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
 pub const WAIT: Duration = Duration::from_secs(30);
 
@@ -353,4 +353,3 @@ pub fn ids(n: usize) -> Vec<Uuid> {
 pub fn strings(ids: &[Uuid]) -> Vec<String> {
     ids.iter().map(Uuid::to_string).collect()
 }
-

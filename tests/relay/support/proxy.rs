@@ -25,14 +25,18 @@ impl Proxy {
         let (tx, rx) = watch::channel(up);
         let task = tokio::spawn(async move {
             loop {
-                let Ok((client, _)) = listener.accept().await else { return };
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
                 if !*rx.borrow() {
                     drop(client); // cut: refuse by closing at once
                     continue;
                 }
                 let mut rx = rx.clone();
                 tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(upstream).await else { return };
+                    let Ok(server) = TcpStream::connect(upstream).await else {
+                        return;
+                    };
                     let (mut client, mut server) = (client, server);
                     tokio::select! {
                         _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
@@ -80,7 +84,10 @@ impl PrivateKafka {
         let child = Command::new("tansu")
             .args(["broker", "--storage-engine", "memory://tansu/"])
             .args(["--listener-url", &format!("tcp://127.0.0.1:{internal}")])
-            .args(["--advertised-listener-url", &format!("tcp://127.0.0.1:{advertised}")])
+            .args([
+                "--advertised-listener-url",
+                &format!("tcp://127.0.0.1:{advertised}"),
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
