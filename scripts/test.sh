@@ -7,6 +7,13 @@ export PATH="$HOME/.cargo/bin:$PATH"
 
 while IFS= read -r line; do export "$line"; done < <(scripts/services.sh start)
 
+# Databases and replication slots left by an interrupted earlier run would keep WAL.
+psql "$OUTBOX_RELAY_TEST_PG" -qAt -v ON_ERROR_STOP=0 >/dev/null 2>&1 <<'SQL' || true
+SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname LIKE 't\_%';
+SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'slot\_%';
+SELECT format('DROP DATABASE IF EXISTS %I WITH (FORCE)', datname) FROM pg_database WHERE datname LIKE 't\_%' \gexec
+SQL
+
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 if cargo nextest --version >/dev/null 2>&1; then

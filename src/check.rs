@@ -4,6 +4,7 @@ use crate::config::{Config, SourceMode};
 use crate::db;
 use crate::outbox::inspect;
 use crate::sink::{AnySink, Sink};
+use crate::source::cdc::setup;
 use crate::source::ownership_key;
 use crate::source::polling::notify_channel;
 use std::process::ExitCode;
@@ -157,6 +158,9 @@ async fn check_database(config: &Config, r: &mut Report) {
             );
         }
     }
+    if config.source.mode == SourceMode::Cdc {
+        check_cdc(config, &client, r).await;
+    }
     let key = ownership_key(table);
     match client
         .query_one(
@@ -193,6 +197,92 @@ async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut
             format!("{} unsent row(s)", row.get::<_, i64>(0)),
         ),
         Err(e) => r.add(Mark::Warn, "backlog", db::error_text(&e)),
+    }
+}
+
+async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
+    let table = &config.outbox.table;
+    let cdc = &config.source.cdc;
+    let (slot, publication) = (cdc.slot_name(table), cdc.publication_name(table));
+    match setup::wal_level(client).await {
+        Ok(level) => match setup::wal_level_problem(&level) {
+            None => r.add(Mark::Ok, "wal_level", "logical"),
+            Some(p) => r.add(Mark::Fail, "wal_level", p),
+        },
+        Err(e) => r.add(Mark::Fail, "wal_level", e.to_string()),
+    }
+    match setup::can_replicate(client).await {
+        Ok(true) => r.add(Mark::Ok, "replication", "the role may stream (REPLICATION)"),
+        Ok(false) => r.add(
+            Mark::Fail,
+            "replication",
+            "the relay's role lacks the REPLICATION attribute; run ALTER ROLE <role> REPLICATION; as a superuser",
+        ),
+        Err(e) => r.add(Mark::Warn, "replication", e.to_string()),
+    }
+    match setup::publication_covers(client, &publication, table).await {
+        Ok(Some(true)) => r.add(
+            Mark::Ok,
+            "publication",
+            format!("{publication} publishes inserts into {table}"),
+        ),
+        Ok(Some(false)) => r.add(
+            Mark::Fail,
+            "publication",
+            format!(
+                "{publication} does not publish inserts into {table}; run `outbox-relay migrate`"
+            ),
+        ),
+        Ok(None) => r.add(
+            Mark::Fail,
+            "publication",
+            format!("{publication} does not exist; run `outbox-relay migrate`"),
+        ),
+        Err(e) => r.add(Mark::Fail, "publication", e.to_string()),
+    }
+    let database: String = client
+        .query_one("SELECT current_database()::text", &[])
+        .await
+        .map(|row| row.get(0))
+        .unwrap_or_default();
+    match setup::slot_info(client, &slot).await {
+        Ok(Some(info)) => {
+            let problems = setup::slot_problems(&info, &slot, &database);
+            if problems.is_empty() {
+                let mib = |b: Option<i64>| {
+                    b.map_or("?".into(), |b| format!("{:.1} MiB", b as f64 / 1_048_576.0))
+                };
+                r.add(
+                    Mark::Ok,
+                    "slot",
+                    format!(
+                        "{slot}: {}, WAL status {}, retains {}, {} behind the server",
+                        if info.active {
+                            "streaming"
+                        } else {
+                            "not streaming"
+                        },
+                        info.wal_status.as_deref().unwrap_or("?"),
+                        mib(info.retained_bytes),
+                        mib(info.lag_bytes)
+                    ),
+                );
+            }
+            for p in problems {
+                r.add(Mark::Fail, "slot", p);
+            }
+        }
+        Ok(None) if cdc.create_slot => r.add(
+            Mark::Warn,
+            "slot",
+            format!("{slot} does not exist yet; `run` creates it (or run `outbox-relay migrate`)"),
+        ),
+        Ok(None) => r.add(
+            Mark::Fail,
+            "slot",
+            format!("{slot} does not exist; run `outbox-relay migrate`"),
+        ),
+        Err(e) => r.add(Mark::Fail, "slot", e.to_string()),
     }
 }
 

@@ -2,7 +2,6 @@
 
 use crate::config::{self, Config};
 use crate::outbox::migrate::{self, MigrateOptions};
-use crate::source::polling::notify_channel;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -111,12 +110,7 @@ async fn run_migrate(config: &Config, dry_run: bool, mark_existing_sent: bool) -
             return ExitCode::from(EXIT_FAILURE);
         }
     };
-    let options = MigrateOptions {
-        table: config.outbox.table.clone(),
-        columns: config.outbox.columns.clone(),
-        notify_channel: notify_channel(&config.source.polling, &config.outbox.table),
-        mark_existing_sent,
-    };
+    let options = MigrateOptions::from_config(config, mark_existing_sent);
     let steps = match migrate::plan(&client, &options).await {
         Ok(s) => s,
         Err(e) => {

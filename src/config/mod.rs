@@ -136,6 +136,8 @@ pub struct SourceConfig {
     pub batch_size: usize,
     #[serde(default)]
     pub polling: PollingConfig,
+    #[serde(default)]
+    pub cdc: CdcConfig,
 }
 
 impl Default for SourceConfig {
@@ -144,8 +146,71 @@ impl Default for SourceConfig {
             mode: SourceMode::default(),
             batch_size: defaults::batch_size(),
             polling: PollingConfig::default(),
+            cdc: CdcConfig::default(),
         }
     }
+}
+
+/// `[source.cdc]`: logical replication.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CdcConfig {
+    /// The logical replication slot; default `outbox_relay_<table>`.
+    #[serde(default)]
+    pub slot: Option<String>,
+    /// The publication (inserts into the outbox table only); default `outbox_relay_<table>`.
+    #[serde(default)]
+    pub publication: Option<String>,
+    /// `run` creates the slot when it is missing.
+    #[serde(default = "defaults::yes")]
+    pub create_slot: bool,
+    /// Longest time between two status updates to the server (also bounded by
+    /// half of the server's `wal_sender_timeout`).
+    #[serde(default = "defaults::status_interval", with = "humantime_serde")]
+    pub status_interval: Duration,
+    /// When set, write a tiny logical message this often so the slot moves on
+    /// even when the database is otherwise idle.
+    #[serde(default, with = "humantime_serde")]
+    pub heartbeat_interval: Option<Duration>,
+}
+
+impl Default for CdcConfig {
+    fn default() -> Self {
+        CdcConfig {
+            slot: None,
+            publication: None,
+            create_slot: true,
+            status_interval: defaults::status_interval(),
+            heartbeat_interval: None,
+        }
+    }
+}
+
+impl CdcConfig {
+    pub fn slot_name(&self, table: &TableName) -> String {
+        self.slot
+            .clone()
+            .unwrap_or_else(|| default_replication_name(table))
+    }
+
+    pub fn publication_name(&self, table: &TableName) -> String {
+        self.publication
+            .clone()
+            .unwrap_or_else(|| default_replication_name(table))
+    }
+}
+
+/// `outbox_relay_<table>`, lowercased, with anything but `a-z0-9_` as `_`
+/// (slot names allow nothing else).
+fn default_replication_name(table: &TableName) -> String {
+    table
+        .derived("outbox_relay")
+        .chars()
+        .map(|c| match c.to_ascii_lowercase() {
+            c @ ('a'..='z' | '0'..='9' | '_') => c,
+            _ => '_',
+        })
+        .collect()
 }
 
 /// `[source.polling]`.
@@ -182,9 +247,12 @@ pub enum MarkMode {
     Update,
     /// `DELETE` the row at once.
     Delete,
+    /// Leave the row alone (CDC only: the slot records progress). Rows
+    /// written before the slot existed are not published.
+    None,
 }
 
-keyword_enum!(MarkMode { Update = "update", Delete = "delete" });
+keyword_enum!(MarkMode { Update = "update", Delete = "delete", None = "none" });
 
 /// `[relay]`: the pipeline between source and broker.
 #[derive(Debug, Clone, Deserialize)]
@@ -324,6 +392,9 @@ pub mod defaults {
     }
     pub fn poll_interval() -> Duration {
         Duration::from_secs(1)
+    }
+    pub fn status_interval() -> Duration {
+        Duration::from_secs(10)
     }
     pub fn max_in_flight() -> usize {
         2000

@@ -154,6 +154,36 @@ impl Config {
                 "must be 1 to 63 bytes long",
             );
         }
+        let cdc = &s.cdc;
+        c.duration(
+            "source.cdc.status_interval",
+            cdc.status_interval,
+            100 * MS,
+            10 * 60 * SEC,
+        );
+        if let Some(h) = cdc.heartbeat_interval {
+            c.duration("source.cdc.heartbeat_interval", h, SEC, 24 * HOUR);
+        }
+        for (key, name) in [
+            ("source.cdc.slot", &cdc.slot),
+            ("source.cdc.publication", &cdc.publication),
+        ] {
+            if let Some(n) = name
+                && (n.is_empty()
+                    || n.len() > 63
+                    || !n
+                        .chars()
+                        .all(|ch| ch.is_ascii_lowercase() || ch.is_ascii_digit() || ch == '_'))
+            {
+                c.problem(key, "use 1 to 63 characters of a-z, 0-9 and _");
+            }
+        }
+        if self.relay.mark == super::MarkMode::None && s.mode != super::SourceMode::Cdc {
+            c.problem(
+                "relay.mark",
+                "\"none\" needs source.mode = \"cdc\": the polling source relies on marking to know what was sent",
+            );
+        }
         let r = &self.relay;
         c.range("relay.max_in_flight", r.max_in_flight, 1, 100_000);
         if let Some(n) = r.max_in_flight_per_aggregate {

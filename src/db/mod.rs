@@ -88,7 +88,7 @@ pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError>
         .keepalives_idle(Duration::from_secs(30))
         .ssl_mode(tls::tokio_postgres_ssl_mode(db.sslmode))
         .options(format!(
-            "-c TimeZone=UTC -c DateStyle=ISO -c statement_timeout={}",
+            "-c TimeZone=UTC -c DateStyle=ISO -c client_encoding=UTF8 -c statement_timeout={}",
             STATEMENT_TIMEOUT.as_millis()
         ));
     Ok(config)

@@ -6,6 +6,9 @@ use super::inspect::{TableInfo, table_info};
 use super::{
     ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident, quote_literal,
 };
+use crate::config::{Config, SourceMode};
+use crate::source::cdc::setup;
+use crate::source::polling::notify_channel;
 use tokio_postgres::Client;
 
 /// What `migrate` should set up.
@@ -18,6 +21,37 @@ pub struct MigrateOptions {
     /// When the relay's columns are added to a table that already has rows,
     /// mark those rows as sent instead of publishing them.
     pub mark_existing_sent: bool,
+    /// The publication and slot, in CDC mode.
+    pub cdc: Option<CdcObjects>,
+}
+
+/// The replication objects of the CDC source.
+#[derive(Debug, Clone)]
+pub struct CdcObjects {
+    pub publication: String,
+    pub slot: String,
+}
+
+impl MigrateOptions {
+    pub fn from_config(config: &Config, mark_existing_sent: bool) -> Self {
+        let table = &config.outbox.table;
+        let cdc = config.source.mode == SourceMode::Cdc;
+        MigrateOptions {
+            table: table.clone(),
+            columns: config.outbox.columns.clone(),
+            // CDC needs no wake-ups: the stream is the wake-up.
+            notify_channel: if cdc {
+                None
+            } else {
+                notify_channel(&config.source.polling, table)
+            },
+            mark_existing_sent,
+            cdc: cdc.then(|| CdcObjects {
+                publication: config.source.cdc.publication_name(table),
+                slot: config.source.cdc.slot_name(table),
+            }),
+        }
+    }
 }
 
 /// One piece of DDL.
@@ -48,6 +82,11 @@ pub enum MigrateError {
         "table {table} exists but lacks the required column(s) {missing}; map your column names in [outbox.columns]"
     )]
     MissingColumns { table: TableName, missing: String },
+    /// The server or the role lacks something migrate cannot change; the message says what.
+    #[error("{0}")]
+    Prerequisite(String),
+    #[error("{0}")]
+    Source(#[from] crate::db::DbError),
     #[error("{step}: {source}")]
     Step {
         step: String,
@@ -100,6 +139,50 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     }
     if let Some(channel) = &opts.notify_channel {
         steps.extend(notify_trigger(client, opts, channel).await?);
+    }
+    if let Some(cdc) = &opts.cdc {
+        steps.extend(cdc_steps(client, &opts.table, cdc).await?);
+    }
+    Ok(steps)
+}
+
+/// The publication (inserts only) and the slot, after checking what migrate cannot fix.
+async fn cdc_steps(
+    client: &Client,
+    table: &TableName,
+    cdc: &CdcObjects,
+) -> Result<Vec<Step>, MigrateError> {
+    if let Some(problem) = setup::wal_level_problem(&setup::wal_level(client).await?) {
+        return Err(MigrateError::Prerequisite(problem));
+    }
+    let mut steps = Vec::new();
+    match setup::publication_covers(client, &cdc.publication, table).await? {
+        Some(true) => {}
+        exists => steps.push(Step::new(
+            format!(
+                "publish inserts into {table} as publication {}",
+                cdc.publication
+            ),
+            setup::publication_sql(&cdc.publication, table, exists.is_some()),
+        )),
+    }
+    if setup::slot_info(client, &cdc.slot).await?.is_none() {
+        if !setup::can_replicate(client).await? {
+            return Err(MigrateError::Prerequisite(format!(
+                "creating replication slot {:?} needs the REPLICATION attribute: run ALTER ROLE <relay role> REPLICATION; as a superuser",
+                cdc.slot
+            )));
+        }
+        if setup::free_slots(client).await? <= 0 {
+            return Err(MigrateError::Prerequisite(
+                "every replication slot is in use: raise max_replication_slots (restart needed) or drop an unused slot".into(),
+            ));
+        }
+        steps.push(Step {
+            description: format!("create logical replication slot {} (pgoutput)", cdc.slot),
+            sql: setup::slot_sql(&cdc.slot),
+            outside_transaction: true,
+        });
     }
     Ok(steps)
 }

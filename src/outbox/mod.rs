@@ -26,6 +26,22 @@ pub const SEQ_COLUMN: &str = "relay_seq";
 pub const XID_COLUMN: &str = "relay_xid";
 pub const SENT_AT_COLUMN: &str = "relay_sent_at";
 
+/// The statement that records confirmed rows (by `relay_seq`, `$1`), or
+/// `None` when rows are left alone.
+pub fn mark_sql(table: &TableName, mark: crate::config::MarkMode) -> Option<String> {
+    use crate::config::MarkMode;
+    let t = table.quoted();
+    match mark {
+        MarkMode::Update => Some(format!(
+            "UPDATE {t} SET {SENT_AT_COLUMN} = now() WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} = ANY($1)"
+        )),
+        MarkMode::Delete => Some(format!(
+            "DELETE FROM {t} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} = ANY($1)"
+        )),
+        MarkMode::None => None,
+    }
+}
+
 /// Quotes an identifier for SQL (`"a""b"`), so no configured name can inject SQL.
 pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))

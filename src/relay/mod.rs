@@ -20,9 +20,12 @@ use crate::db::DbError;
 use crate::envelope::Envelope;
 use crate::outbox::inspect::{self, TableProblem};
 use crate::sink::{AnySink, SinkError};
+use crate::source::cdc::{self, CdcAcker, CdcReader, Progress, SharedProgress};
 use crate::source::polling::{PollingAcker, PollingReader};
+use crate::source::replication::Lsn;
 use crate::source::{SourceError, ownership_key};
 use scheduler::Blocks;
+use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
@@ -36,8 +39,6 @@ pub enum RelayError {
     Table(#[from] TableProblem),
     #[error(transparent)]
     Pipeline(#[from] PipelineError),
-    #[error("source.mode = \"cdc\" is not available in this build")]
-    Unsupported,
 }
 
 impl From<SinkError> for RelayError {
@@ -57,7 +58,7 @@ impl RelayError {
         match self {
             RelayError::Db(e) => e.is_retryable(),
             RelayError::Table(TableProblem::Query(e)) => crate::db::is_retryable_pg(e),
-            RelayError::Table(_) | RelayError::Unsupported => false,
+            RelayError::Table(_) => false,
             RelayError::Pipeline(e) => e.is_retryable(),
         }
     }
@@ -69,10 +70,14 @@ impl RelayError {
 pub async fn run(config: &Config, shutdown: CancellationToken) {
     let relay = &config.relay;
     let mut blocks = Blocks::new(relay.reject_retry_base, relay.reject_retry_max);
+    // What the CDC source has confirmed survives reconnects, so a restarted
+    // stream skips it instead of sending it twice.
+    let progress: SharedProgress =
+        Arc::new(Mutex::new(Progress::new(Lsn::default(), cdc::SKIP_MEMORY)));
     let mut backoff = Backoff::new(relay.retry_base, relay.retry_max);
     loop {
         let started = Instant::now();
-        let result = run_once(config, &mut blocks, &shutdown).await;
+        let result = run_once(config, &mut blocks, &progress, &shutdown).await;
         if shutdown.is_cancelled() {
             if let Err(e) = result {
                 tracing::warn!(error = %e, "stopped with an error during shutdown");
@@ -99,6 +104,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) {
 async fn run_once(
     config: &Config,
     blocks: &mut Blocks,
+    progress: &SharedProgress,
     shutdown: &CancellationToken,
 ) -> Result<(), RelayError> {
     let Some(owner) = acquire_ownership(config, shutdown).await? else {
@@ -130,7 +136,15 @@ async fn run_once(
             tracing::info!("stopped cleanly");
             Ok(())
         }
-        SourceMode::Cdc => Err(RelayError::Unsupported),
+        SourceMode::Cdc => {
+            let reader = CdcReader::connect(config, &columns, progress.clone()).await?;
+            let acker = CdcAcker::new(owner, table, config.relay.mark, progress.clone()).await?;
+            let sink = AnySink::connect(&config.sink).await?;
+            tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events from the replication slot");
+            pipeline::run(reader, acker, sink, &envelope, &settings, blocks, shutdown).await?;
+            tracing::info!("stopped cleanly");
+            Ok(())
+        }
     }
 }
 

@@ -192,6 +192,11 @@ where
         run.push_acks(&ack_tx).await;
         let _ = tokio::time::timeout(Duration::from_secs(5), flush(&ack_tx)).await;
     }
+    // Let the reader close (report its final position) after the last acknowledgement.
+    drop(rewind_tx);
+    if !reader_task.is_finished() {
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut reader_task).await;
+    }
     run.sink.close().await;
     result
 }
@@ -366,7 +371,7 @@ async fn drive_reader<R: Reader>(
             biased;
             cmd = rewinds.recv() => match cmd {
                 Some(e) => { reader.rewind(); epoch = e; continue; }
-                None => return Ok(()),
+                None => { reader.close().await; return Ok(()); }
             },
             events = reader.next_batch(batch_size) => events?,
         };
@@ -374,9 +379,11 @@ async fn drive_reader<R: Reader>(
             biased;
             cmd = rewinds.recv() => match cmd {
                 Some(e) => { reader.rewind(); epoch = e; }
-                None => return Ok(()),
+                None => { reader.close().await; return Ok(()); }
             },
             sent = tx.send(Batch { epoch, events }) => if sent.is_err() { return Ok(()) },
+            // Waiting for room (backpressure): let the reader keep its connection alive.
+            failed = reader.maintain() => failed?,
         }
     }
 }

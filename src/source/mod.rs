@@ -11,8 +11,10 @@
 //! [`Reader::rewind`] or a restart, which is where duplicates come from, and
 //! the only place.
 
+pub mod cdc;
 pub mod polling;
 pub mod replication;
+mod rows;
 
 use crate::db::DbError;
 use crate::outbox::{OutboxEvent, RowError, TableName};
@@ -45,6 +47,18 @@ pub enum SourceError {
     Db(#[from] DbError),
     #[error(transparent)]
     Table(#[from] crate::outbox::inspect::TableProblem),
+    /// The replication connection failed.
+    #[error("replication: {0}")]
+    Replication(#[from] replication::protocol::ProtocolError),
+    /// The server sent a message the decoder cannot read.
+    #[error("replication stream: {0}")]
+    Decode(#[from] replication::pgoutput::DecodeError),
+    /// The stream stalled or ended; reconnecting helps.
+    #[error("{0}")]
+    Stream(String),
+    /// Slot, publication or server settings need an operator; the message says what to do.
+    #[error("{0}")]
+    Setup(String),
 }
 
 impl SourceError {
@@ -55,6 +69,9 @@ impl SourceError {
                 crate::db::is_retryable_pg(e)
             }
             SourceError::Table(_) => false,
+            SourceError::Replication(e) => e.is_retryable(),
+            SourceError::Stream(_) => true,
+            SourceError::Decode(_) | SourceError::Setup(_) => false,
         }
     }
 }
@@ -75,6 +92,22 @@ pub trait Reader: Send + 'static {
     /// Forgets what was read; the next batch starts again from what is not yet
     /// acknowledged, in order.
     fn rewind(&mut self);
+
+    /// Runs while the relay is not asking for events (backpressure); it never
+    /// completes unless it fails. The CDC reader sends status updates here so
+    /// the server keeps the connection while the stream is not being read.
+    fn maintain(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send {
+        std::future::pending()
+    }
+
+    /// Ends the reader after a clean run: the CDC reader reports its final
+    /// flushed position, so a restart does not replay what was confirmed.
+    fn close(self) -> impl Future<Output = ()> + Send
+    where
+        Self: Sized,
+    {
+        async {}
+    }
 }
 
 /// Records progress. Called only with positions whose messages the broker confirmed.

@@ -31,11 +31,13 @@
 //! snapshot and reads every unsent row. Wake-ups come from the insert
 //! trigger's NOTIFY, with `poll_interval` as the fallback.
 
+use super::rows::{read_row, select_list};
 use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::{MarkMode, PollingConfig};
 use crate::db::DbError;
 use crate::outbox::{
-    RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident,
+    RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, mark_sql,
+    quote_ident,
 };
 use chrono::Utc;
 use std::sync::Arc;
@@ -57,17 +59,6 @@ pub fn notify_channel(config: &PollingConfig, table: &TableName) -> Option<Strin
             .clone()
             .unwrap_or_else(|| default_channel(table))
     })
-}
-
-fn select_list(columns: &ResolvedColumns) -> String {
-    let mut list = vec![SEQ_COLUMN.to_owned()];
-    for col in columns.in_row_order() {
-        list.push(match col {
-            Some(c) => format!("{}::text", quote_ident(c)),
-            None => "NULL::text".to_owned(),
-        });
-    }
-    list.join(", ")
 }
 
 pub struct PollingReader {
@@ -148,24 +139,8 @@ impl PollingReader {
     async fn page(&self, max: usize) -> Result<(String, Vec<(i64, RawRow)>), SourceError> {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
         let read = |rows: Vec<tokio_postgres::Row>, offset: usize| {
-            rows.into_iter()
-                .filter_map(|r| {
-                    let seq: Option<i64> = r.get(offset);
-                    seq.map(|seq| {
-                        let t = |i: usize| r.get::<_, Option<String>>(offset + 1 + i);
-                        let raw = RawRow {
-                            id: t(0),
-                            aggregate_type: t(1),
-                            aggregate_id: t(2),
-                            event_type: t(3),
-                            event_version: t(4),
-                            payload: t(5),
-                            headers: t(6),
-                            created_at: t(7),
-                        };
-                        (seq, raw)
-                    })
-                })
+            rows.iter()
+                .filter_map(|r| read_row(r, offset))
                 .collect::<Vec<_>>()
         };
         match &self.cur {
@@ -262,15 +237,10 @@ impl PollingAcker {
         table: &TableName,
         mark: MarkMode,
     ) -> Result<Self, SourceError> {
-        let t = table.quoted();
-        let sql = match mark {
-            MarkMode::Update => format!(
-                "UPDATE {t} SET {SENT_AT_COLUMN} = now() WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} = ANY($1)"
-            ),
-            MarkMode::Delete => {
-                format!("DELETE FROM {t} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} = ANY($1)")
-            }
-        };
+        // Validation refuses `mark = "none"` for polling; update is the safe reading of it.
+        let sql = mark_sql(table, mark)
+            .or_else(|| mark_sql(table, MarkMode::Update))
+            .unwrap_or_default();
         let statement = client
             .prepare(&sql)
             .await

@@ -7,9 +7,15 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use uuid::Uuid;
 
-both_brokers!(exact_envelope_and_headers);
-async fn exact_envelope_and_headers(kind: Kind) {
-    let (db, broker, toml) = setup(kind, &["order"], "[envelope]\nsource = \"/shop/orders\"").await;
+every_mode!(exact_envelope_and_headers);
+async fn exact_envelope_and_headers(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(
+        mode,
+        kind,
+        &["order"],
+        &[("envelope.source", "\"/shop/orders\"")],
+    )
+    .await;
     let id = Uuid::new_v4();
     db.client
         .execute(
@@ -79,8 +85,9 @@ async fn exact_envelope_and_headers(kind: Kind) {
 }
 
 both_brokers!(binary_mode_carries_the_raw_payload);
-async fn binary_mode_carries_the_raw_payload(kind: Kind) {
-    let (db, broker, toml) = setup(kind, &["order"], "[envelope]\nmode = \"binary\"").await;
+async fn binary_mode_carries_the_raw_payload(mode: Mode, kind: Kind) {
+    let (db, broker, toml) =
+        setup(mode, kind, &["order"], &[("envelope.mode", "\"binary\"")]).await;
     let id = Uuid::new_v4();
     db.insert(id, "order", "o-1", json!({"n": 1})).await;
     let relay = InProcess::start(parse(&toml));
@@ -94,9 +101,9 @@ async fn binary_mode_carries_the_raw_payload(kind: Kind) {
     db.drop_db().await;
 }
 
-both_brokers!(rolled_back_rows_are_never_published);
-async fn rolled_back_rows_are_never_published(kind: Kind) {
-    let (db, broker, toml) = setup(kind, &["order"], "").await;
+every_mode!(rolled_back_rows_are_never_published);
+async fn rolled_back_rows_are_never_published(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &[]).await;
     let relay = InProcess::start(parse(&toml));
     let committed = ids(20);
     let mut rolled_back = Vec::new();
@@ -134,9 +141,9 @@ async fn rolled_back_rows_are_never_published(kind: Kind) {
     db.drop_db().await;
 }
 
-both_brokers!(commits_out_of_sequence_order_are_not_skipped);
-async fn commits_out_of_sequence_order_are_not_skipped(kind: Kind) {
-    let (db, broker, toml) = setup(kind, &["order"], "").await;
+every_mode!(commits_out_of_sequence_order_are_not_skipped);
+async fn commits_out_of_sequence_order_are_not_skipped(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &[]).await;
     let relay = InProcess::start(parse(&toml));
     // A long transaction takes the lower sequence value, and commits last.
     let mut slow = connect(&db.url).await;
@@ -180,9 +187,9 @@ async fn commits_out_of_sequence_order_are_not_skipped(kind: Kind) {
     db.drop_db().await;
 }
 
-both_brokers!(per_aggregate_order_under_concurrent_writers);
-async fn per_aggregate_order_under_concurrent_writers(kind: Kind) {
-    let (db, broker, toml) = setup(kind, &["account"], "[source]\nbatch_size = 50").await;
+every_mode!(per_aggregate_order_under_concurrent_writers);
+async fn per_aggregate_order_under_concurrent_writers(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["account"], &[("source.batch_size", "50")]).await;
     db.client
         .batch_execute(
             "CREATE TABLE accounts (id text PRIMARY KEY, version int NOT NULL);
@@ -250,8 +257,8 @@ async fn per_aggregate_order_under_concurrent_writers(kind: Kind) {
     db.drop_db().await;
 }
 
-both_brokers!(a_missing_destination_keeps_rows_unsent_until_it_exists);
-async fn a_missing_destination_keeps_rows_unsent_until_it_exists(kind: Kind) {
+every_mode!(a_missing_destination_keeps_rows_unsent_until_it_exists);
+async fn a_missing_destination_keeps_rows_unsent_until_it_exists(mode: Mode, kind: Kind) {
     // Kafka: the "late" topic is not created yet. RabbitMQ: the exchange is not declared yet.
     let db = TestDb::new().await;
     let (sink, late_rabbit, kafka) = match kind {
@@ -265,7 +272,7 @@ async fn a_missing_destination_keeps_rows_unsent_until_it_exists(kind: Kind) {
             (r.sink_toml(), Some(r), None)
         }
     };
-    let toml = base_toml(&db.url, &sink);
+    let toml = with_mode(&base_toml(&db.url, &sink), mode);
     db.migrate(&parse(&toml)).await;
     let late = ids(3);
     for id in &late {
@@ -315,11 +322,18 @@ async fn a_missing_destination_keeps_rows_unsent_until_it_exists(kind: Kind) {
     db.drop_db().await;
 }
 
-both_brokers!(bad_rows_are_refused_and_other_aggregates_flow);
-async fn bad_rows_are_refused_and_other_aggregates_flow(kind: Kind) {
-    let extra = "[source]\nbatch_size = 10";
-    let (db, broker, toml) = setup(kind, &["order"], extra).await;
-    let toml = toml.replace("[sink]", "[sink]\nmessage_max_bytes = 10000");
+every_mode!(bad_rows_are_refused_and_other_aggregates_flow);
+async fn bad_rows_are_refused_and_other_aggregates_flow(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(
+        mode,
+        kind,
+        &["order"],
+        &[
+            ("source.batch_size", "10"),
+            ("sink.message_max_bytes", "10000"),
+        ],
+    )
+    .await;
     let bad = [
         // An aggregate_type that makes an invalid topic / exchange-safe but invalid Kafka name.
         (

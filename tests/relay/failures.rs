@@ -71,11 +71,11 @@ async fn insert_many(db: &TestDb, n: usize, aggregate: &str) -> Vec<String> {
     strings(&ids)
 }
 
-both_brokers!(broker_outage_leaves_rows_unsent_then_recovers);
-async fn broker_outage_leaves_rows_unsent_then_recovers(kind: Kind) {
+every_mode!(broker_outage_leaves_rows_unsent_then_recovers);
+async fn broker_outage_leaves_rows_unsent_then_recovers(mode: Mode, kind: Kind) {
     let broker = CutBroker::new(kind).await;
     let db = TestDb::new().await;
-    let toml = base_toml(&db.url, &broker.sink);
+    let toml = with_mode(&base_toml(&db.url, &broker.sink), mode);
     db.migrate(&parse(&toml)).await;
 
     // Unreachable from the start: the relay waits and retries, marks nothing.
@@ -129,9 +129,9 @@ fn assert_first_deliveries_in_order(got: &[Received], expected: &[String]) {
     );
 }
 
-both_brokers!(graceful_restart_resumes_without_loss);
-async fn graceful_restart_resumes_without_loss(kind: Kind) {
-    let (db, broker, toml) = setup(kind, &["order"], "").await;
+every_mode!(graceful_restart_resumes_without_loss);
+async fn graceful_restart_resumes_without_loss(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &[]).await;
     let relay = InProcess::start(parse(&toml));
     let before = insert_many(&db, 30, "a").await;
     broker.inbox().wait_ids(&before, WAIT).await;
@@ -147,10 +147,10 @@ async fn graceful_restart_resumes_without_loss(kind: Kind) {
     db.drop_db().await;
 }
 
-both_brokers!(killed_relay_loses_nothing);
-async fn killed_relay_loses_nothing(kind: Kind) {
-    let (db, broker, toml) = setup(kind, &["order"], "").await;
-    let toml = toml.replace("[relay]\n", "[relay]\nmax_in_flight = 200\n");
+every_mode!(killed_relay_loses_nothing);
+async fn killed_relay_loses_nothing(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &[]).await;
+    let toml = set(&toml, "relay.max_in_flight", "200");
     let writer_db = db.url.clone();
     let writer = tokio::spawn(async move {
         let c = connect(&writer_db).await;
@@ -208,7 +208,7 @@ async fn killed_relay_loses_nothing(kind: Kind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_and_exits_zero() {
-    let (db, broker, toml) = setup(Kind::Rabbit, &[], "").await;
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
     let ids = insert_many(&db, 200, "a").await;
     let mut child = ChildRelay::start(&toml);
     broker.inbox().wait_len(1, WAIT).await;
@@ -242,9 +242,9 @@ async fn sigterm_drains_in_flight_and_exits_zero() {
     db.drop_db().await;
 }
 
-both_brokers!(standby_takes_over_when_the_active_instance_dies);
-async fn standby_takes_over_when_the_active_instance_dies(kind: Kind) {
-    let (db, broker, toml) = setup(kind, &["order"], "").await;
+every_mode!(standby_takes_over_when_the_active_instance_dies);
+async fn standby_takes_over_when_the_active_instance_dies(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &[]).await;
     let first = InProcess::start(parse(&toml));
     let before = insert_many(&db, 20, "a").await;
     broker.inbox().wait_ids(&before, WAIT).await;
@@ -265,9 +265,9 @@ async fn standby_takes_over_when_the_active_instance_dies(kind: Kind) {
     db.drop_db().await;
 }
 
-both_brokers!(terminated_database_sessions_are_survived);
-async fn terminated_database_sessions_are_survived(kind: Kind) {
-    let (db, broker, toml) = setup(kind, &["order"], "").await;
+every_mode!(terminated_database_sessions_are_survived);
+async fn terminated_database_sessions_are_survived(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &[]).await;
     let relay = InProcess::start(parse(&toml));
     let first = insert_many(&db, 10, "a").await;
     broker.inbox().wait_ids(&first, WAIT).await;
@@ -294,7 +294,7 @@ async fn terminated_database_sessions_are_survived(kind: Kind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notify_wakes_the_relay_long_before_the_poll_interval() {
-    let (db, broker, toml) = setup(Kind::Rabbit, &[], "").await;
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
     let toml = toml.replace("poll_interval = \"200ms\"", "poll_interval = \"60s\"");
     let relay = InProcess::start(parse(&toml));
     // Let the first (empty) poll happen, so only a wake-up can bring the next.

@@ -77,15 +77,7 @@ impl TestDb {
     /// Creates the default outbox table through `migrate` (the public contract).
     pub async fn migrate(&self, config: &Config) {
         let mut client = connect(&self.url).await;
-        let opts = outbox_relay::outbox::migrate::MigrateOptions {
-            table: config.outbox.table.clone(),
-            columns: config.outbox.columns.clone(),
-            notify_channel: outbox_relay::source::polling::notify_channel(
-                &config.source.polling,
-                &config.outbox.table,
-            ),
-            mark_existing_sent: false,
-        };
+        let opts = outbox_relay::outbox::migrate::MigrateOptions::from_config(config, false);
         let steps = outbox_relay::outbox::migrate::plan(&client, &opts)
             .await
             .expect("plan migration");
@@ -130,6 +122,40 @@ impl TestDb {
             ))
             .await;
     }
+}
+
+pub async fn drop_database(name: &str) {
+    let admin = connect(&pg_admin_url()).await;
+    let _ = admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1",
+            &[&name],
+        )
+        .await;
+    // A terminated walsender lets go of its slot a moment later.
+    for _ in 0..50 {
+        let dropped = admin
+            .query_one(
+                "SELECT count(pg_drop_replication_slot(slot_name)) FROM pg_replication_slots WHERE database = $1 AND NOT active",
+                &[&name],
+            )
+            .await;
+        let left: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_replication_slots WHERE database = $1",
+                &[&name],
+            )
+            .await
+            .map(|r| r.get(0))
+            .unwrap_or(0);
+        if dropped.is_ok() && left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .await;
 }
 
 /// Waits until `check` returns `Some`, polling; panics with `what` after `limit`.
@@ -321,27 +347,113 @@ impl Broker {
     }
 }
 
-/// Generates one test per broker from `async fn $name(kind: Kind)`.
+/// Generates one polling test per broker from `async fn $case(mode: Mode, kind: Kind)`.
 #[macro_export]
 macro_rules! both_brokers {
     ($case:ident) => {
         mod $case {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn kafka() {
-                super::$case($crate::support::Kind::Kafka).await
+                super::$case($crate::support::Mode::Polling, $crate::support::Kind::Kafka).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn rabbitmq() {
-                super::$case($crate::support::Kind::Rabbit).await
+                super::$case(
+                    $crate::support::Mode::Polling,
+                    $crate::support::Kind::Rabbit,
+                )
+                .await
             }
         }
     };
 }
 
-pub async fn setup(kind: Kind, aggregate_types: &[&str], extra: &str) -> (TestDb, Broker, String) {
+/// Generates one test per source mode and broker from `async fn $case(mode: Mode, kind: Kind)`.
+#[macro_export]
+macro_rules! every_mode {
+    ($case:ident) => {
+        mod $case {
+            mod polling {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn kafka() {
+                    super::super::$case(
+                        $crate::support::Mode::Polling,
+                        $crate::support::Kind::Kafka,
+                    )
+                    .await
+                }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn rabbitmq() {
+                    super::super::$case(
+                        $crate::support::Mode::Polling,
+                        $crate::support::Kind::Rabbit,
+                    )
+                    .await
+                }
+            }
+            mod cdc {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn kafka() {
+                    super::super::$case($crate::support::Mode::Cdc, $crate::support::Kind::Kafka)
+                        .await
+                }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn rabbitmq() {
+                    super::super::$case($crate::support::Mode::Cdc, $crate::support::Kind::Rabbit)
+                        .await
+                }
+            }
+        }
+    };
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Polling,
+    Cdc,
+}
+
+/// Sets `section.key = value` in a TOML text (inserting under the section's
+/// header, or adding the section).
+pub fn set(toml: &str, key: &str, value: &str) -> String {
+    let (section, leaf) = key.rsplit_once('.').expect("a dotted key");
+    let header = format!("\n[{section}]\n");
+    match toml.find(&header) {
+        Some(at) => {
+            let after = at + header.len();
+            format!("{}{leaf} = {value}\n{}", &toml[..after], &toml[after..])
+        }
+        None => format!("{toml}\n[{section}]\n{leaf} = {value}\n"),
+    }
+}
+
+/// The source mode's settings, with quick CDC status updates for tests.
+pub fn with_mode(toml: &str, mode: Mode) -> String {
+    match mode {
+        Mode::Polling => toml.to_owned(),
+        Mode::Cdc => {
+            let t = set(toml, "source.mode", "\"cdc\"");
+            let t = set(&t, "source.cdc.status_interval", "\"200ms\"");
+            // Slot names are cluster-wide: one per test.
+            set(&t, "source.cdc.slot", &format!("\"{}\"", unique("slot_")))
+        }
+    }
+}
+
+/// A database, a broker and a migrated outbox for one test; `sets` are extra
+/// `("section.key", "toml value")` settings.
+pub async fn setup(
+    mode: Mode,
+    kind: Kind,
+    aggregate_types: &[&str],
+    sets: &[(&str, &str)],
+) -> (TestDb, Broker, String) {
     let db = TestDb::new().await;
     let broker = Broker::new(kind, aggregate_types).await;
-    let toml = format!("{}\n{extra}", base_toml(&db.url, &broker.sink_toml()));
+    let mut toml = with_mode(&base_toml(&db.url, &broker.sink_toml()), mode);
+    for (k, v) in sets {
+        toml = set(&toml, k, v);
+    }
     db.migrate(&parse(&toml)).await;
     (db, broker, toml)
 }

@@ -1,0 +1,283 @@
+//! Which WAL position may be reported to PostgreSQL as flushed.
+//!
+//! The reader registers every transaction it streams, in commit order, and
+//! every outbox event in it; the acker confirms events once the broker
+//! confirmed them (and the rows were marked). The flushed position is the
+//! end LSN of the last transaction that is complete (its Commit seen) and
+//! whose events, and every earlier transaction's, are all confirmed. With no
+//! transaction outstanding, the position follows the server's WAL end from
+//! keepalives, so an idle outbox on a busy server does not pin WAL.
+//!
+//! Events confirmed in transactions not yet flushed are remembered (up to a
+//! cap), so that when the stream restarts from the flushed position they are
+//! skipped instead of sent twice.
+
+use crate::source::replication::Lsn;
+use std::collections::{BTreeSet, VecDeque};
+
+/// Where an event sits in the stream: its transaction's commit LSN and its
+/// index in the transaction (for rows from the start-up table read, the
+/// pseudo-transaction [`CATCH_UP`] and the row's `relay_seq`). The same event
+/// streamed again gets the same position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CdcPosition {
+    pub commit_lsn: Lsn,
+    pub index: u64,
+    /// The row's `relay_seq`, used to mark it sent.
+    pub seq: Option<i64>,
+}
+
+/// The commit LSN of the start-up table read, which precedes every streamed transaction.
+pub const CATCH_UP: Lsn = Lsn(0);
+
+#[derive(Debug)]
+struct Tx {
+    commit_lsn: Lsn,
+    /// Known once the Commit message arrived.
+    end_lsn: Option<Lsn>,
+    total: u64,
+    confirmed: u64,
+}
+
+impl Tx {
+    fn complete(&self) -> bool {
+        self.end_lsn.is_some() && self.confirmed >= self.total
+    }
+}
+
+/// Progress shared by the CDC reader and acker.
+#[derive(Debug)]
+pub struct Progress {
+    flushed: Lsn,
+    txs: VecDeque<Tx>,
+    confirmed_ahead: BTreeSet<(Lsn, u64)>,
+    ahead_cap: usize,
+    /// The server's WAL end from the latest keepalive.
+    server_end: Lsn,
+}
+
+impl Progress {
+    /// `ahead_cap`: confirmed-but-unflushed events remembered at most.
+    pub fn new(flushed: Lsn, ahead_cap: usize) -> Self {
+        Progress {
+            flushed,
+            txs: VecDeque::new(),
+            confirmed_ahead: BTreeSet::new(),
+            ahead_cap,
+            server_end: flushed,
+        }
+    }
+
+    /// The position to report as flushed.
+    pub fn flushed(&self) -> Lsn {
+        self.flushed
+    }
+
+    /// Nothing read is waiting for the broker.
+    pub fn idle(&self) -> bool {
+        self.txs.is_empty()
+    }
+
+    /// The stream restarts from [`Progress::flushed`]: forget the transactions
+    /// read since (they come again), keep the confirmations to skip them.
+    /// `slot_flushed` is the slot's own confirmed position, which may be ahead
+    /// if a status update went out before a restart.
+    pub fn restart(&mut self, slot_flushed: Lsn) {
+        self.txs.clear();
+        self.flushed = self.flushed.max(slot_flushed);
+        self.server_end = self.flushed;
+        let flushed = self.flushed;
+        // The start-up table read is redone from the rows still unsent.
+        self.confirmed_ahead.retain(|(lsn, _)| *lsn > flushed);
+    }
+
+    /// A transaction starts (Begin, or the start-up table read).
+    pub fn begin(&mut self, commit_lsn: Lsn) {
+        self.txs.push_back(Tx {
+            commit_lsn,
+            end_lsn: None,
+            total: 0,
+            confirmed: 0,
+        });
+    }
+
+    /// An event of the current transaction was read. Returns `false` when it
+    /// was already confirmed before a restart: the caller skips it.
+    pub fn event(&mut self, pos: &CdcPosition) -> bool {
+        let already = self.confirmed_ahead.contains(&(pos.commit_lsn, pos.index));
+        if let Some(tx) = self.txs.back_mut() {
+            tx.total += 1;
+            if already {
+                tx.confirmed += 1;
+            }
+        }
+        !already
+    }
+
+    /// The current transaction ended at `end_lsn`.
+    pub fn commit(&mut self, end_lsn: Lsn) {
+        if let Some(tx) = self.txs.back_mut() {
+            tx.end_lsn = Some(end_lsn);
+        }
+        self.advance();
+    }
+
+    /// The broker confirmed the event (and its row was marked).
+    pub fn confirm(&mut self, pos: &CdcPosition) {
+        let Some(tx) = self.txs.iter_mut().find(|t| t.commit_lsn == pos.commit_lsn) else {
+            return; // from before a restart: it will be read, and skipped, again
+        };
+        tx.confirmed += 1;
+        if self.confirmed_ahead.len() < self.ahead_cap {
+            self.confirmed_ahead.insert((pos.commit_lsn, pos.index));
+        }
+        self.advance();
+    }
+
+    /// A keepalive reported the server's WAL end.
+    pub fn server_end(&mut self, lsn: Lsn) {
+        self.server_end = self.server_end.max(lsn);
+        if self.txs.is_empty() {
+            self.flushed = self.flushed.max(self.server_end);
+        }
+    }
+
+    fn advance(&mut self) {
+        while self.txs.front().is_some_and(Tx::complete) {
+            let Some(tx) = self.txs.pop_front() else {
+                break;
+            };
+            if let Some(end) = tx.end_lsn {
+                self.flushed = self.flushed.max(end);
+            }
+            // Its confirmations are no longer needed for skipping.
+            let lsn = tx.commit_lsn;
+            let rest = self.confirmed_ahead.split_off(&(lsn, u64::MAX));
+            self.confirmed_ahead.retain(|(l, _)| *l != lsn);
+            self.confirmed_ahead.extend(rest);
+        }
+        if self.txs.is_empty() {
+            self.flushed = self.flushed.max(self.server_end);
+        }
+    }
+
+    /// Transactions read and not yet flushed (for metrics and tests).
+    pub fn outstanding(&self) -> usize {
+        self.txs.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pos(lsn: u64, index: u64) -> CdcPosition {
+        CdcPosition {
+            commit_lsn: Lsn(lsn),
+            index,
+            seq: None,
+        }
+    }
+
+    #[test]
+    fn flushes_only_complete_confirmed_prefixes() {
+        let mut p = Progress::new(Lsn(10), 100);
+        p.begin(Lsn(100));
+        assert!(p.event(&pos(100, 0)));
+        assert!(p.event(&pos(100, 1)));
+        p.commit(Lsn(110));
+        p.begin(Lsn(200));
+        assert!(p.event(&pos(200, 0)));
+        p.commit(Lsn(210));
+        // The later transaction confirms first: nothing may be flushed yet.
+        p.confirm(&pos(200, 0));
+        assert_eq!(p.flushed(), Lsn(10));
+        p.confirm(&pos(100, 1));
+        assert_eq!(p.flushed(), Lsn(10));
+        p.confirm(&pos(100, 0));
+        assert_eq!(
+            p.flushed(),
+            Lsn(210),
+            "both transactions complete, in order"
+        );
+        assert!(p.idle());
+    }
+
+    #[test]
+    fn a_transaction_is_not_flushed_before_its_commit_arrives() {
+        let mut p = Progress::new(Lsn(0), 100);
+        p.begin(Lsn(100));
+        p.event(&pos(100, 0));
+        p.confirm(&pos(100, 0));
+        assert_eq!(p.flushed(), Lsn(0), "a large transaction still streaming");
+        p.server_end(Lsn(5000));
+        assert_eq!(
+            p.flushed(),
+            Lsn(0),
+            "keepalives do not move past unfinished work"
+        );
+        p.commit(Lsn(120));
+        assert_eq!(
+            p.flushed(),
+            Lsn(5000),
+            "complete, and then idle: the keepalive's end counts"
+        );
+    }
+
+    #[test]
+    fn empty_transactions_and_idle_keepalives_advance() {
+        let mut p = Progress::new(Lsn(0), 100);
+        p.begin(Lsn(50));
+        p.commit(Lsn(60));
+        assert_eq!(p.flushed(), Lsn(60));
+        p.server_end(Lsn(900));
+        assert_eq!(p.flushed(), Lsn(900));
+        p.server_end(Lsn(800));
+        assert_eq!(p.flushed(), Lsn(900), "never backwards");
+    }
+
+    #[test]
+    fn after_a_restart_confirmed_events_are_skipped() {
+        let mut p = Progress::new(Lsn(0), 100);
+        p.begin(Lsn(100));
+        p.event(&pos(100, 0));
+        p.event(&pos(100, 1));
+        p.commit(Lsn(110));
+        p.begin(Lsn(200));
+        p.event(&pos(200, 0));
+        p.commit(Lsn(210));
+        p.confirm(&pos(100, 1)); // 100/0 is held back (refused)
+        p.confirm(&pos(200, 0));
+        p.restart(Lsn(0));
+        assert_eq!(p.flushed(), Lsn(0));
+        // The stream replays both transactions.
+        p.begin(Lsn(100));
+        assert!(p.event(&pos(100, 0)), "the refused event is sent again");
+        assert!(!p.event(&pos(100, 1)), "the confirmed one is skipped");
+        p.commit(Lsn(110));
+        p.begin(Lsn(200));
+        assert!(!p.event(&pos(200, 0)));
+        p.commit(Lsn(210));
+        assert_eq!(p.flushed(), Lsn(0));
+        p.confirm(&pos(100, 0));
+        assert_eq!(p.flushed(), Lsn(210));
+        assert!(
+            p.confirmed_ahead.is_empty(),
+            "flushed transactions forget their confirmations"
+        );
+    }
+
+    #[test]
+    fn the_skip_memory_is_capped() {
+        let mut p = Progress::new(Lsn(0), 2);
+        p.begin(Lsn(100));
+        for i in 0..5 {
+            p.event(&pos(100, i));
+        }
+        for i in 1..5 {
+            p.confirm(&pos(100, i));
+        }
+        assert_eq!(p.confirmed_ahead.len(), 2);
+        assert_eq!(p.outstanding(), 1);
+    }
+}

@@ -1,0 +1,199 @@
+//! Slot and publication: inspection, creation, and the checks that say what
+//! to fix (`wal_level`, free slots, the REPLICATION privilege, ownership).
+
+use crate::db::{DbError, error_text};
+use crate::outbox::{TableName, quote_ident, quote_literal};
+use crate::source::replication::Lsn;
+use tokio_postgres::Client;
+
+/// What `pg_replication_slots` says about a slot.
+#[derive(Debug, Clone)]
+pub struct SlotInfo {
+    pub plugin: Option<String>,
+    pub database: Option<String>,
+    pub logical: bool,
+    /// `reserved`, `extended`, `unreserved` or `lost`.
+    pub wal_status: Option<String>,
+    pub confirmed_flush: Option<Lsn>,
+    pub active: bool,
+    /// WAL the slot keeps from removal: `pg_current_wal_lsn() - restart_lsn`.
+    pub retained_bytes: Option<i64>,
+    /// `pg_current_wal_lsn() - confirmed_flush_lsn`.
+    pub lag_bytes: Option<i64>,
+}
+
+fn q(context: &str, e: tokio_postgres::Error) -> DbError {
+    DbError::query(context, e)
+}
+
+pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, DbError> {
+    let row = client
+        .query_opt(
+            "SELECT plugin::text, database::text, slot_type = 'logical', wal_status,
+                    confirmed_flush_lsn::text, active,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| q("reading pg_replication_slots", e))?;
+    Ok(row.map(|r| SlotInfo {
+        plugin: r.get(0),
+        database: r.get(1),
+        logical: r.get(2),
+        wal_status: r.get(3),
+        confirmed_flush: r.get::<_, Option<String>>(4).and_then(|s| s.parse().ok()),
+        active: r.get(5),
+        retained_bytes: r.get(6),
+        lag_bytes: r.get(7),
+    }))
+}
+
+/// Problems that make the slot unusable for this database, each with its fix.
+pub fn slot_problems(info: &SlotInfo, slot: &str, database: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    if !info.logical || info.plugin.as_deref() != Some("pgoutput") {
+        out.push(format!(
+            "replication slot {slot:?} is not a logical pgoutput slot (plugin {:?}); choose another source.cdc.slot or drop it",
+            info.plugin.as_deref().unwrap_or("none")
+        ));
+    }
+    if info.database.as_deref().is_some_and(|d| d != database) {
+        out.push(format!(
+            "replication slot {slot:?} belongs to database {:?}, not {database:?}; choose another source.cdc.slot",
+            info.database.as_deref().unwrap_or("?")
+        ));
+    }
+    if info.wal_status.as_deref() == Some("lost") {
+        out.push(lost_slot_message(slot));
+    }
+    out
+}
+
+/// The specific error for a slot whose WAL was removed, with the recovery.
+pub fn lost_slot_message(slot: &str) -> String {
+    format!(
+        "replication slot {slot:?} is lost: PostgreSQL removed WAL it still needed (max_slot_wal_keep_size was exceeded while the relay was behind or down). \
+         Nothing is lost from the outbox: unsent rows are still in the table. To recover, drop the slot \
+         (SELECT pg_drop_replication_slot('{slot}');) and start the relay: it creates a new slot and first publishes the unsent rows from the table"
+    )
+}
+
+pub async fn wal_level(client: &Client) -> Result<String, DbError> {
+    Ok(client
+        .query_one("SHOW wal_level", &[])
+        .await
+        .map_err(|e| q("reading wal_level", e))?
+        .get(0))
+}
+
+pub fn wal_level_problem(level: &str) -> Option<String> {
+    (level != "logical").then(|| {
+        format!(
+            "wal_level is {level:?}, but CDC needs \"logical\": run ALTER SYSTEM SET wal_level = logical; and restart PostgreSQL \
+             (on a managed service, enable logical replication in its settings), or use source.mode = \"polling\""
+        )
+    })
+}
+
+/// `Some(true)` when the publication exists and publishes the table's inserts,
+/// `Some(false)` when it exists without doing so, `None` when it does not exist.
+pub async fn publication_covers(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<Option<bool>, DbError> {
+    let row = client
+        .query_opt(
+            "SELECT p.pubinsert,
+                    EXISTS (SELECT 1 FROM pg_publication_tables t
+                            WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
+             FROM pg_publication p WHERE p.pubname = $1",
+            &[&publication, &table.schema, &table.name],
+        )
+        .await
+        .map_err(|e| q("reading pg_publication", e))?;
+    Ok(row.map(|r| r.get::<_, bool>(0) && r.get::<_, bool>(1)))
+}
+
+/// Whether the current role may create slots and stream (REPLICATION or superuser).
+pub async fn can_replicate(client: &Client) -> Result<bool, DbError> {
+    Ok(client
+        .query_one(
+            "SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
+            &[],
+        )
+        .await
+        .map_err(|e| q("reading the role's privileges", e))?
+        .get(0))
+}
+
+/// Free replication slots (`max_replication_slots` minus those in use).
+pub async fn free_slots(client: &Client) -> Result<i64, DbError> {
+    Ok(client
+        .query_one(
+            "SELECT current_setting('max_replication_slots')::bigint - (SELECT count(*) FROM pg_replication_slots)",
+            &[],
+        )
+        .await
+        .map_err(|e| q("counting replication slots", e))?
+        .get(0))
+}
+
+/// `wal_sender_timeout` in milliseconds (0: disabled).
+pub async fn wal_sender_timeout_ms(client: &Client) -> Result<i64, DbError> {
+    Ok(client
+        .query_one(
+            "SELECT setting::bigint FROM pg_settings WHERE name = 'wal_sender_timeout'",
+            &[],
+        )
+        .await
+        .map_err(|e| q("reading wal_sender_timeout", e))?
+        .get(0))
+}
+
+/// Creates the slot; returns its consistent point. Must run outside a
+/// transaction that wrote anything.
+pub async fn create_slot(client: &Client, slot: &str) -> Result<Lsn, String> {
+    let row = client
+        .query_one("SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')", &[&slot])
+        .await
+        .map_err(|e| {
+            let hint = match e.code().map(|c| c.code()) {
+                Some("42501") => "; the relay's role needs the REPLICATION attribute (ALTER ROLE ... REPLICATION)",
+                Some("53400") => "; all replication slots are in use: raise max_replication_slots or drop an unused slot",
+                Some("55000") => "; wal_level must be logical",
+                _ => "",
+            };
+            format!("cannot create replication slot {slot:?}: {}{hint}", error_text(&e))
+        })?;
+    let lsn: String = row.get(0);
+    lsn.parse()
+        .map_err(|e| format!("slot {slot:?} created at an unreadable LSN: {e}"))
+}
+
+/// The SQL that creates the publication, or adds the table to an existing one.
+pub fn publication_sql(publication: &str, table: &TableName, exists: bool) -> String {
+    if exists {
+        format!(
+            "ALTER PUBLICATION {} ADD TABLE {}",
+            quote_ident(publication),
+            table.quoted()
+        )
+    } else {
+        format!(
+            "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
+            quote_ident(publication),
+            table.quoted()
+        )
+    }
+}
+
+/// The SQL that creates the slot (shown by `migrate --dry-run`).
+pub fn slot_sql(slot: &str) -> String {
+    format!(
+        "SELECT pg_create_logical_replication_slot({}, 'pgoutput')",
+        quote_literal(slot)
+    )
+}

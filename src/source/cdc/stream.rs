@@ -1,0 +1,265 @@
+//! The streaming half of the CDC reader: pgoutput messages in, outbox events
+//! out, progress registered, status updates sent.
+
+use super::progress::{CdcPosition, Progress};
+use crate::outbox::{RawRow, ResolvedColumns, SEQ_COLUMN, TableName};
+use crate::source::replication::Lsn;
+use crate::source::replication::pgoutput::{
+    self, LogicalMessage, MessageKind, RelationCache, TupleValue,
+};
+use crate::source::replication::protocol::{ReplicationMessage, ReplicationStream};
+use crate::source::{SourceError, SourcedEvent};
+use chrono::{DateTime, Utc};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use tokio::time::Instant;
+
+/// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
+const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
+
+/// Where each contract column sits in the outbox relation's tuples.
+struct OutboxColumns {
+    relation_id: u32,
+    /// In [`RawRow`] order; `None` for absent optional columns.
+    contract: [Option<usize>; 8],
+    seq: Option<usize>,
+}
+
+struct CurrentTx {
+    commit_lsn: Lsn,
+    next_index: u64,
+    commit_time: DateTime<Utc>,
+    /// Its rows were already read from the table at start-up.
+    skip: bool,
+}
+
+/// Transactions whose rows the start-up table read already produced: skipped
+/// in the stream until it passes `until`.
+pub struct SkipRead {
+    pub xids: HashSet<u32>,
+    pub until: Lsn,
+}
+
+pub struct Streaming {
+    pub stream: ReplicationStream,
+    relations: RelationCache,
+    outbox: Option<OutboxColumns>,
+    tx: Option<CurrentTx>,
+    skip: Option<SkipRead>,
+    /// Highest position received (the "write" position of status updates).
+    received: Lsn,
+    pub next_status: Instant,
+    pub last_message: Instant,
+    warned: HashSet<MessageKind>,
+}
+
+/// What handling one message asks of the reader.
+pub enum Step {
+    Continue,
+    /// A transaction ended: a good moment to hand over what was read.
+    Committed,
+}
+
+impl Streaming {
+    pub fn new(stream: ReplicationStream, skip: Option<SkipRead>, start: Lsn) -> Self {
+        let now = Instant::now();
+        Streaming {
+            stream,
+            relations: RelationCache::new(),
+            outbox: None,
+            tx: None,
+            skip,
+            received: start,
+            next_status: now,
+            last_message: now,
+            warned: HashSet::new(),
+        }
+    }
+
+    /// Sends a status update: flushed = what [`Progress`] allows; a reply is
+    /// always requested, so the server's keepalives keep coming (liveness,
+    /// and the WAL end an idle slot can advance to).
+    pub async fn send_status(
+        &mut self,
+        progress: &Mutex<Progress>,
+        interval: std::time::Duration,
+    ) -> Result<(), SourceError> {
+        let flushed = lock(progress).flushed();
+        let write = self.received.max(flushed);
+        self.stream
+            .send_standby_status(write, flushed, flushed, true)
+            .await?;
+        self.next_status = Instant::now() + interval;
+        Ok(())
+    }
+
+    /// Handles one message from the server.
+    pub fn handle(
+        &mut self,
+        message: ReplicationMessage,
+        table: &TableName,
+        columns: &ResolvedColumns,
+        progress: &Mutex<Progress>,
+        out: &mut Vec<SourcedEvent<CdcPosition>>,
+    ) -> Result<(bool, Step), SourceError> {
+        self.last_message = Instant::now();
+        match message {
+            ReplicationMessage::PrimaryKeepalive {
+                wal_end,
+                reply_requested,
+                ..
+            } => {
+                self.received = self.received.max(wal_end);
+                if self.tx.is_none() {
+                    lock(progress).server_end(wal_end);
+                }
+                Ok((reply_requested, Step::Continue))
+            }
+            ReplicationMessage::XLogData { data, .. } => {
+                let message = pgoutput::decode(data)?;
+                self.logical(message, table, columns, progress, out)
+                    .map(|s| (false, s))
+            }
+        }
+    }
+
+    fn logical(
+        &mut self,
+        message: LogicalMessage,
+        table: &TableName,
+        columns: &ResolvedColumns,
+        progress: &Mutex<Progress>,
+        out: &mut Vec<SourcedEvent<CdcPosition>>,
+    ) -> Result<Step, SourceError> {
+        match message {
+            LogicalMessage::Begin(b) => {
+                let skip = self
+                    .skip
+                    .as_ref()
+                    .is_some_and(|s| b.final_lsn < s.until && s.xids.contains(&b.xid));
+                lock(progress).begin(b.final_lsn);
+                let micros = b.commit_time_micros.saturating_add(PG_EPOCH_OFFSET_MICROS);
+                self.tx = Some(CurrentTx {
+                    commit_lsn: b.final_lsn,
+                    next_index: 0,
+                    commit_time: DateTime::from_timestamp_micros(micros).unwrap_or_else(Utc::now),
+                    skip,
+                });
+                Ok(Step::Continue)
+            }
+            LogicalMessage::Commit(c) => {
+                lock(progress).commit(c.end_lsn);
+                self.received = self.received.max(c.end_lsn);
+                self.tx = None;
+                if self.skip.as_ref().is_some_and(|s| c.end_lsn >= s.until) {
+                    self.skip = None; // past the start-up read: nothing more to skip
+                }
+                Ok(Step::Committed)
+            }
+            LogicalMessage::Relation(r) => {
+                if r.namespace == table.schema && r.name == table.name {
+                    let mut contract = [None; 8];
+                    for (slot, name) in contract.iter_mut().zip(columns.in_row_order()) {
+                        if let Some(name) = name {
+                            *slot = Some(r.column_index(name).ok_or_else(|| {
+                                SourceError::Setup(format!(
+                                    "the replicated table {table} has no column {name:?}; check [outbox.columns]"
+                                ))
+                            })?);
+                        }
+                    }
+                    self.outbox = Some(OutboxColumns {
+                        relation_id: r.id,
+                        contract,
+                        seq: r.column_index(SEQ_COLUMN),
+                    });
+                }
+                self.relations.apply(r);
+                Ok(Step::Continue)
+            }
+            LogicalMessage::Insert(insert) => {
+                let Some(cols) = self
+                    .outbox
+                    .as_ref()
+                    .filter(|c| c.relation_id == insert.relation_id)
+                else {
+                    return Ok(Step::Continue);
+                };
+                let Some(tx) = self.tx.as_mut() else {
+                    return Err(SourceError::Stream(
+                        "an Insert arrived outside a transaction".into(),
+                    ));
+                };
+                if tx.skip {
+                    return Ok(Step::Continue);
+                }
+                let text = |i: Option<usize>| match i.and_then(|i| insert.tuple.get(i)) {
+                    Some(TupleValue::Text(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+                    _ => None,
+                };
+                let c = cols.contract;
+                let raw = RawRow {
+                    id: text(c[0]),
+                    aggregate_type: text(c[1]),
+                    aggregate_id: text(c[2]),
+                    event_type: text(c[3]),
+                    event_version: text(c[4]),
+                    payload: text(c[5]),
+                    headers: text(c[6]),
+                    created_at: text(c[7]),
+                };
+                let position = CdcPosition {
+                    commit_lsn: tx.commit_lsn,
+                    index: tx.next_index,
+                    seq: text(cols.seq).and_then(|s| s.parse().ok()),
+                };
+                tx.next_index += 1;
+                if lock(progress).event(&position) {
+                    out.push(SourcedEvent {
+                        position,
+                        event: raw.decode(tx.commit_time),
+                    });
+                }
+                Ok(Step::Continue)
+            }
+            LogicalMessage::Update(u) => Ok(self.ignored(MessageKind::Update, u.relation_id)),
+            LogicalMessage::Delete(d) => Ok(self.ignored(MessageKind::Delete, d.relation_id)),
+            LogicalMessage::Truncate(_) => {
+                self.warn_once(MessageKind::Truncate);
+                Ok(Step::Continue)
+            }
+            LogicalMessage::Origin(_) | LogicalMessage::Type(_) | LogicalMessage::Message(_) => {
+                Ok(Step::Continue)
+            }
+        }
+    }
+
+    /// Updates and deletes of outbox rows are not events (the publication
+    /// should carry inserts only); they are reported once and ignored.
+    fn ignored(&mut self, kind: MessageKind, relation_id: u32) -> Step {
+        if self
+            .outbox
+            .as_ref()
+            .is_some_and(|c| c.relation_id == relation_id)
+        {
+            self.warn_once(kind);
+        }
+        Step::Continue
+    }
+
+    fn warn_once(&mut self, kind: MessageKind) {
+        if self.warned.insert(kind) {
+            tracing::warn!(
+                change = %kind,
+                "the publication sends a {kind} of the outbox table; only inserts are events, so it is ignored (create the publication WITH (publish = 'insert'))"
+            );
+        }
+    }
+}
+
+/// Locks the shared progress; a poisoned lock (a panic elsewhere) still holds valid data.
+pub fn lock(progress: &Mutex<Progress>) -> std::sync::MutexGuard<'_, Progress> {
+    progress.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub type SharedProgress = Arc<Mutex<Progress>>;
