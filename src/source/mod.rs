@@ -56,6 +56,9 @@ pub enum SourceError {
     /// The stream stalled or ended; reconnecting helps.
     #[error("{0}")]
     Stream(String),
+    /// Another process streams from the slot (SQLSTATE 55006): wait as a standby.
+    #[error("replication slot {0:?} is in use by another process; waiting for it to be released")]
+    SlotBusy(String),
     /// Slot, publication or server settings need an operator; the message says what to do.
     #[error("{0}")]
     Setup(String),
@@ -70,7 +73,7 @@ impl SourceError {
             }
             SourceError::Table(_) => false,
             SourceError::Replication(e) => e.is_retryable(),
-            SourceError::Stream(_) => true,
+            SourceError::Stream(_) | SourceError::SlotBusy(_) => true,
             SourceError::Decode(_) | SourceError::Setup(_) => false,
         }
     }

@@ -5,6 +5,7 @@
 #[macro_use]
 mod support;
 
+mod cdc;
 mod cli;
 mod delivery;
 mod failures;

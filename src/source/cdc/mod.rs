@@ -192,6 +192,11 @@ impl CdcReader {
                 if let Some(first) = problems.into_iter().next() {
                     return Err(SourceError::Setup(first));
                 }
+                if info.active {
+                    // Checked before the start-up read, so nothing is published
+                    // while another process owns the stream.
+                    return Err(SourceError::SlotBusy(s.slot.clone()));
+                }
                 info.confirmed_flush.unwrap_or_default()
             }
             None if s.create_slot => {

@@ -8,6 +8,7 @@
 #![allow(dead_code)]
 
 pub mod brokers;
+pub mod pg;
 pub mod proxy;
 
 use brokers::{Inbox, KafkaTopics, RabbitExchange};

@@ -1,0 +1,425 @@
+//! What only the CDC source has: slots, WAL retention, start-up reads,
+//! large transactions, server restarts, and their errors.
+
+use crate::support::brokers::{KafkaTopics, Received};
+use crate::support::pg::PrivatePg;
+use crate::support::*;
+use serde_json::json;
+use std::collections::HashSet;
+use std::time::Duration;
+use uuid::Uuid;
+
+fn cdc_toml(db_url: &str, sink: &str) -> String {
+    with_mode(&base_toml(db_url, sink), Mode::Cdc)
+}
+
+fn slot_of(toml: &str) -> String {
+    let line = toml
+        .lines()
+        .find(|l| l.starts_with("slot = "))
+        .expect("a slot line");
+    line.trim_start_matches("slot = ")
+        .trim_matches('"')
+        .to_owned()
+}
+
+async fn slot_lag(db: &TestDb, slot: &str) -> Option<i64> {
+    db.client
+        .query_opt(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .and_then(|r| r.get(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_written_before_the_slot_existed_are_published_once() {
+    let db = TestDb::new().await;
+    let broker = KafkaTopics::new();
+    broker.create("order").await;
+    // The table exists (migrated for polling, so no slot yet) and has events.
+    let polling = base_toml(&db.url, &broker.sink_toml());
+    db.migrate(&parse(&polling)).await;
+    let early: Vec<String> = strings(&ids(25));
+    for id in &early {
+        db.insert(id.parse().unwrap(), "order", "a", json!({}))
+            .await;
+    }
+    let toml = cdc_toml(&db.url, &broker.sink_toml());
+    let slot = slot_of(&toml);
+    db.migrate(&parse(&toml)).await; // adds the publication and the slot
+    assert!(
+        slot_lag(&db, &slot).await.is_some(),
+        "migrate created the slot"
+    );
+    let relay = InProcess::start(parse(&toml));
+    broker.inbox.wait_ids(&early, WAIT).await;
+    let late: Vec<String> = strings(&ids(25));
+    for id in &late {
+        db.insert(id.parse().unwrap(), "order", "a", json!({}))
+            .await;
+    }
+    let got = broker.inbox.wait_ids(&late, WAIT).await;
+    assert_eq!(
+        got.len(),
+        50,
+        "the start-up read and the stream do not overlap"
+    );
+    let order: Vec<String> = got.iter().map(Received::event_id).collect();
+    assert_eq!(
+        order,
+        [early, late].concat(),
+        "one aggregate, in commit order"
+    );
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_transaction_is_streamed_in_bounded_batches() {
+    let db = TestDb::new().await;
+    let broker = KafkaTopics::new();
+    broker.create("bulk").await;
+    let toml = set(
+        &cdc_toml(&db.url, &broker.sink_toml()),
+        "relay.max_in_flight",
+        "1000",
+    );
+    let slot = slot_of(&toml);
+    db.migrate(&parse(&toml)).await;
+    let relay = InProcess::start(parse(&toml));
+    let n = 50_000;
+    db.client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'bulk', 'agg' || (g % 100), 'Imported', jsonb_build_object('n', g)
+             FROM generate_series(1, $1) g",
+            &[&n],
+        )
+        .await
+        .unwrap();
+    let got = broker
+        .inbox
+        .wait_len(n as usize, Duration::from_secs(180))
+        .await;
+    let unique: HashSet<String> = got.iter().map(Received::event_id).collect();
+    assert_eq!(unique.len(), n as usize);
+    wait_for(WAIT, "the slot to pass the transaction", || async {
+        (slot_lag(&db, &slot).await.unwrap_or(i64::MAX) < 1024 * 1024).then_some(())
+    })
+    .await;
+    wait_for(WAIT, "all rows marked", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_outbox_on_a_busy_database_does_not_pin_wal() {
+    let db = TestDb::new().await;
+    let broker = KafkaTopics::new();
+    broker.create("order").await;
+    let toml = cdc_toml(&db.url, &broker.sink_toml());
+    let slot = slot_of(&toml);
+    db.migrate(&parse(&toml)).await;
+    let relay = InProcess::start(parse(&toml));
+    let id = Uuid::new_v4();
+    db.insert(id, "order", "a", json!({})).await;
+    broker.inbox.wait_ids(&[id.to_string()], WAIT).await;
+    // An hour of other traffic, compressed: ~48 MiB of WAL the outbox has no part in.
+    db.client
+        .batch_execute("CREATE TABLE busy (id bigserial, pad text)")
+        .await
+        .unwrap();
+    for _ in 0..12 {
+        db.client
+            .batch_execute(
+                "INSERT INTO busy (pad) SELECT repeat('x', 1000) FROM generate_series(1, 4000)",
+            )
+            .await
+            .unwrap();
+    }
+    let lag = wait_for(WAIT, "the idle slot to follow the WAL", || async {
+        let lag = slot_lag(&db, &slot).await.unwrap_or(i64::MAX);
+        (lag < 2 * 1024 * 1024).then_some(lag)
+    })
+    .await;
+    assert!(lag < 2 * 1024 * 1024, "retained {lag} bytes");
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+async fn flushed(
+    app: &tokio_postgres::Client,
+    slot: String,
+) -> outbox_relay::source::replication::Lsn {
+    let lsn: String = app
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    lsn.parse().unwrap()
+}
+
+/// Migrates a private cluster's database the way `outbox-relay migrate` does.
+async fn migrate_at(url: &str, config: &outbox_relay::config::Config) {
+    let mut c = connect(url).await;
+    let opts = outbox_relay::outbox::migrate::MigrateOptions::from_config(config, false);
+    let steps = outbox_relay::outbox::migrate::plan(&c, &opts)
+        .await
+        .unwrap();
+    outbox_relay::outbox::migrate::apply(&mut c, &steps)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_heartbeat_moves_the_slot_of_an_idle_database() {
+    let pg = PrivatePg::start(&["wal_level = logical"]);
+    let admin = connect(&pg.url("postgres")).await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    let app = connect(&pg.url("app")).await;
+    let broker = KafkaTopics::new();
+    let toml = set(
+        &cdc_toml(&pg.url("app"), &broker.sink_toml()),
+        "source.cdc.heartbeat_interval",
+        "\"1s\"",
+    );
+    let slot = slot_of(&toml);
+    let config = parse(&toml);
+    migrate_at(&pg.url("app"), &config).await;
+    let relay = InProcess::start(config);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let first = flushed(&app, slot.clone()).await;
+    // Nothing else happens in this cluster: only the heartbeat writes WAL.
+    let moved = wait_for(
+        Duration::from_secs(20),
+        "the slot to move on heartbeats",
+        || {
+            let app = &app;
+            let slot = slot.clone();
+            async move {
+                let now = flushed(app, slot).await;
+                (now > first).then_some(now)
+            }
+        },
+    )
+    .await;
+    assert!(moved > first);
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_restart_mid_stream_loses_nothing() {
+    let pg = PrivatePg::start(&["wal_level = logical"]);
+    let admin = connect(&pg.url("postgres")).await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    let broker = KafkaTopics::new();
+    broker.create("order").await;
+    let toml = cdc_toml(&pg.url("app"), &broker.sink_toml());
+    let config = parse(&toml);
+    migrate_at(&pg.url("app"), &config).await;
+    let relay = InProcess::start(config);
+    // A writer that reconnects through the restart and records what committed.
+    let url = pg.url("app");
+    let writer = tokio::spawn(async move {
+        let mut committed = Vec::new();
+        let mut client: Option<tokio_postgres::Client> = None;
+        let start = std::time::Instant::now();
+        let mut i = 0;
+        while committed.len() < 300 && start.elapsed() < Duration::from_secs(60) {
+            if client.as_ref().is_none_or(|c| c.is_closed()) {
+                client = match tokio_postgres::connect(&url, tokio_postgres::NoTls).await {
+                    Ok((c, conn)) => {
+                        tokio::spawn(conn);
+                        Some(c)
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+            }
+            let id = Uuid::new_v4();
+            let ok = client
+                .as_ref()
+                .unwrap()
+                .execute(
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', 'a', 'E', $2)",
+                    &[&id, &json!({"i": i})],
+                )
+                .await
+                .is_ok();
+            if ok {
+                committed.push(id.to_string());
+            }
+            i += 1;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        committed
+    });
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    pg.restart();
+    let committed = writer.await.unwrap();
+    assert!(committed.len() >= 300);
+    let got = broker
+        .inbox
+        .wait_ids(&committed, Duration::from_secs(60))
+        .await;
+    // One aggregate: its first deliveries follow commit order.
+    let mut seen = HashSet::new();
+    let firsts: Vec<String> = got
+        .iter()
+        .map(Received::event_id)
+        .filter(|id| seen.insert(id.clone()))
+        .collect();
+    assert_eq!(firsts, committed);
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_level_replica_is_refused_with_the_fix() {
+    let pg = PrivatePg::start(&["wal_level = replica"]);
+    let admin = connect(&pg.url("postgres")).await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    let sink = format!(
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
+        amqp_url()
+    );
+    let toml = cdc_toml(&pg.url("app"), &sink);
+    let dir = std::env::temp_dir().join(unique("outbox-relay-cdc-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("relay.toml");
+    std::fs::write(&path, &toml).unwrap();
+    let path = path.to_str().unwrap();
+    let (code, out, err) = run_cli(&["migrate", "--config", path], &[]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("wal_level is \"replica\"")
+            && err.contains("ALTER SYSTEM SET wal_level = logical"),
+        "{err}"
+    );
+    let (code, out, _) = run_cli(&["check", "--config", path], &[]);
+    assert_eq!(code, 1);
+    assert!(out.contains("[FAIL] wal_level"), "{out}");
+    assert!(out.contains("[FAIL] publication"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_slot_is_named_and_recovery_loses_nothing() {
+    // Tiny WAL segments and retention, so a slot can be lost in seconds.
+    let pg = PrivatePg::start_with(
+        &["--wal-segsize=1"],
+        &[
+            "wal_level = logical",
+            "max_slot_wal_keep_size = 1MB",
+            "min_wal_size = 2MB",
+            "max_wal_size = 4MB",
+        ],
+    );
+    let admin = connect(&pg.url("postgres")).await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    let app = connect(&pg.url("app")).await;
+    let broker = KafkaTopics::new();
+    broker.create("order").await;
+    let toml = cdc_toml(&pg.url("app"), &broker.sink_toml());
+    let slot = slot_of(&toml);
+    let config = parse(&toml);
+    migrate_at(&pg.url("app"), &config).await;
+    // Events arrive while no relay runs; then enough WAL passes for the slot to be lost.
+    let waiting: Vec<String> = strings(&ids(10));
+    for id in &waiting {
+        app.execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', 'a', 'E', '{}')",
+            &[&id.parse::<Uuid>().unwrap()],
+        )
+        .await
+        .unwrap();
+    }
+    app.batch_execute("CREATE TABLE filler (pad text)")
+        .await
+        .unwrap();
+    wait_for(Duration::from_secs(60), "the slot to be lost", || async {
+        app.batch_execute("INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 3000); SELECT pg_switch_wal(); CHECKPOINT;")
+            .await
+            .unwrap();
+        let status: Option<String> = app
+            .query_one("SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
+            .await
+            .unwrap()
+            .get(0);
+        (status.as_deref() == Some("lost")).then_some(())
+    })
+    .await;
+    let dir = std::env::temp_dir().join(unique("outbox-relay-cdc-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("relay.toml");
+    std::fs::write(&path, &toml).unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
+    assert_eq!(code, 1);
+    assert!(
+        out.contains("is lost") && out.contains("pg_drop_replication_slot"),
+        "{out}"
+    );
+    // The documented recovery: drop the slot; the relay makes a new one and
+    // publishes the unsent rows from the table first.
+    app.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .unwrap();
+    let relay = InProcess::start(config);
+    let got = broker.inbox.wait_ids(&waiting, WAIT).await;
+    assert_eq!(got.len(), waiting.len());
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_busy_with_another_process_is_waited_for() {
+    use outbox_relay::source::replication::protocol::{ReplicationClient, publication_names};
+    let db = TestDb::new().await;
+    let broker = KafkaTopics::new();
+    broker.create("order").await;
+    let toml = cdc_toml(&db.url, &broker.sink_toml());
+    let slot = slot_of(&toml);
+    let config = parse(&toml);
+    db.migrate(&config).await;
+    // Another process streams from the slot (a stale session, an operator's tool).
+    let pg = outbox_relay::db::pg_config(&config.database).unwrap();
+    let other = ReplicationClient::connect(&pg, &config.database.tls())
+        .await
+        .unwrap();
+    let publication = config.source.cdc.publication_name(&config.outbox.table);
+    let names = publication_names(&[&publication]);
+    let stream = other
+        .start_logical_replication(
+            &slot,
+            Default::default(),
+            &[("proto_version", "1"), ("publication_names", &names)],
+        )
+        .await
+        .unwrap();
+    let id = Uuid::new_v4();
+    db.insert(id, "order", "a", json!({})).await;
+    let relay = InProcess::start(config);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        broker.inbox.len(),
+        0,
+        "the relay waits while the slot is busy (55006)"
+    );
+    assert_eq!(
+        db.unsent().await,
+        1,
+        "nothing is read from the table either"
+    );
+    drop(stream);
+    broker.inbox.wait_ids(&[id.to_string()], WAIT).await;
+    relay.stop().await;
+    db.drop_db().await;
+}
