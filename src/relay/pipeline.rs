@@ -388,11 +388,24 @@ async fn drive_reader<R: Reader>(
     }
 }
 
+/// Crash-injection hook for the test suite: `OUTBOX_RELAY_FAILPOINT=abort-before-ack:N`
+/// aborts the process just before the N-th acknowledgement, i.e. after the
+/// broker confirmed messages and before their rows are marked (or their WAL
+/// position reported): the most dangerous moment to crash.
+fn abort_before_ack_countdown() -> Option<u32> {
+    std::env::var("OUTBOX_RELAY_FAILPOINT")
+        .ok()?
+        .strip_prefix("abort-before-ack:")?
+        .parse()
+        .ok()
+}
+
 /// Records confirmed positions, merging queued commands into one statement.
 async fn drive_acker<A: Acker>(
     mut acker: A,
     mut rx: mpsc::Receiver<AckCommand<A::Position>>,
 ) -> Result<(), SourceError> {
+    let mut countdown = abort_before_ack_countdown();
     loop {
         let first = match tokio::time::timeout(ACKER_HEARTBEAT, rx.recv()).await {
             Ok(Some(cmd)) => cmd,
@@ -415,6 +428,18 @@ async fn drive_acker<A: Acker>(
             } else {
                 None
             };
+        }
+        if let Some(n) = countdown.as_mut()
+            && !positions.is_empty()
+        {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                eprintln!(
+                    "failpoint abort-before-ack: aborting with {} confirmed, unrecorded events",
+                    positions.len()
+                );
+                std::process::abort();
+            }
         }
         acker.ack(positions).await?;
         for done in flushes {

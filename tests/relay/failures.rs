@@ -308,3 +308,37 @@ async fn notify_wakes_the_relay_long_before_the_poll_interval() {
     relay.stop().await;
     db.drop_db().await;
 }
+
+every_mode!(a_crash_after_confirmation_before_marking_loses_nothing);
+async fn a_crash_after_confirmation_before_marking_loses_nothing(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &[]).await;
+    let first = insert_many(&db, 40, "a").await;
+    // The relay aborts right after the broker confirmed some events, before it records them.
+    let mut child =
+        ChildRelay::start_with_env(&toml, &[("OUTBOX_RELAY_FAILPOINT", "abort-before-ack:1")]);
+    let status = child
+        .wait_exit(WAIT)
+        .expect("the failpoint aborts the relay");
+    assert!(!status.success(), "aborted: {status:?}");
+    // Some events were confirmed before the crash (the consumer may see them a moment later).
+    broker.inbox().wait_len(1, WAIT).await;
+    assert!(
+        db.unsent().await > 0,
+        "and some confirmed events were never marked"
+    );
+    let second = insert_many(&db, 10, "a").await;
+    let mut child = ChildRelay::start(&toml);
+    let all = [first, second].concat();
+    let got = broker.inbox().wait_ids(&all, WAIT).await;
+    wait_for(WAIT, "all rows marked", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    assert_first_deliveries_in_order(&got, &all);
+    assert!(
+        got.len() - all.len() <= 200 + 500,
+        "duplicates stay within the window and a batch"
+    );
+    assert_eq!(child.terminate().code(), Some(0));
+    db.drop_db().await;
+}

@@ -214,6 +214,10 @@ pub struct ChildRelay {
 
 impl ChildRelay {
     pub fn start(config_toml: &str) -> ChildRelay {
+        Self::start_with_env(config_toml, &[])
+    }
+
+    pub fn start_with_env(config_toml: &str, envs: &[(&str, &str)]) -> ChildRelay {
         let dir = std::env::temp_dir().join(unique("outbox-relay-test-"));
         std::fs::create_dir_all(&dir).unwrap();
         let config_path = dir.join("relay.toml");
@@ -222,11 +226,24 @@ impl ChildRelay {
             .args(["run", "--config"])
             .arg(&config_path)
             .env("RUST_LOG", "outbox_relay=info,warn")
+            .envs(envs.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start outbox-relay");
         ChildRelay { child, config_path }
+    }
+
+    /// Waits for the process to exit by itself; `None` if it is still running after `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
     }
 
     pub fn kill(&mut self) {
