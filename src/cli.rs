@@ -1,6 +1,8 @@
 //! Command-line interface: `run`, `migrate`, `check`.
 
 use crate::config::{self, Config};
+use crate::dead_letter::admin::{self, Target};
+use crate::outbox::inspect;
 use crate::outbox::migrate::{self, MigrateOptions};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -49,6 +51,72 @@ pub enum Command {
     /// Validate the configuration, connect to the database and the broker, verify the
     /// table, columns and privileges, and print a report. Exits non-zero on any problem.
     Check(ConfigArg),
+    /// Inspect and resolve dead letters: events the broker kept refusing.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// List dead letters, oldest first (open ones unless --all).
+    List {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Only this aggregate's.
+        #[arg(long)]
+        aggregate: Option<String>,
+        /// Include redriven and dropped ones.
+        #[arg(long)]
+        all: bool,
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// One JSON object per line instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put dead letters back into the outbox, in order, to be published again
+    /// (with the rows of their aggregates still waiting behind them).
+    Redrive {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        target: TargetArgs,
+    },
+    /// Give up on dead letters: they are marked dropped (kept for the record),
+    /// and their aggregates resume.
+    Drop {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        target: TargetArgs,
+    },
+}
+
+/// Which dead letters: exactly one of these.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+pub struct TargetArgs {
+    /// One event, by its id.
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Every open dead letter of one aggregate.
+    #[arg(long)]
+    pub aggregate: Option<String>,
+    /// Every open dead letter.
+    #[arg(long)]
+    pub all: bool,
+}
+
+impl TargetArgs {
+    fn target(&self) -> Target {
+        match (&self.id, &self.aggregate) {
+            (Some(id), _) => Target::Id(id.clone()),
+            (_, Some(a)) => Target::Aggregate(a.clone()),
+            _ => Target::All,
+        }
+    }
 }
 
 /// Exit codes: 0 success, 1 failure at runtime or a failed check, 2 bad configuration.
@@ -99,6 +167,108 @@ pub async fn main(cli: Cli) -> ExitCode {
             };
             crate::check::run(&config).await
         }
+        Command::Dlq { command } => run_dlq(command).await,
+    }
+}
+
+async fn run_dlq(command: DlqCommand) -> ExitCode {
+    let path = match &command {
+        DlqCommand::List { config, .. }
+        | DlqCommand::Redrive { config, .. }
+        | DlqCommand::Drop { config, .. } => &config.config,
+    };
+    let config = match load(path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let fail = |e: &dyn std::fmt::Display| {
+        eprintln!("error: {e}");
+        ExitCode::from(EXIT_FAILURE)
+    };
+    let mut client = match crate::db::connect(&config.database, None).await {
+        Ok(c) => c,
+        Err(e) => return fail(&e),
+    };
+    let table = &config.outbox.table;
+    let dlq = config.dead_letter.table_name(table);
+    match command {
+        DlqCommand::List {
+            aggregate,
+            all,
+            limit,
+            json,
+            ..
+        } => match admin::list(&client, &dlq, aggregate.as_deref(), all, limit).await {
+            Ok(entries) => {
+                print_entries(&entries, json);
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(&e),
+        },
+        DlqCommand::Drop { target, .. } => {
+            match admin::drop(&mut client, &dlq, &target.target()).await {
+                Ok(n) => {
+                    println!("dropped {n} dead letter(s)");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
+        DlqCommand::Redrive { target, .. } => {
+            let info = match inspect::table_info(&client, table).await {
+                Ok(Some(info)) => info,
+                Ok(None) => return fail(&format!("table {table} does not exist")),
+                Err(e) => return fail(&crate::db::error_text(&e)),
+            };
+            let columns = config.outbox.columns.resolve(&info.names());
+            let outbox = admin::Outbox {
+                table,
+                columns: &columns,
+                info: &info,
+            };
+            match admin::redrive(&mut client, &dlq, &outbox, &target.target()).await {
+                Ok((letters, held)) => {
+                    println!(
+                        "redrove {letters} dead letter(s) and {held} waiting row(s); the relay publishes them in order"
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
+    }
+}
+
+fn print_entries(entries: &[admin::Entry], json: bool) {
+    if json {
+        for e in entries {
+            println!("{}", serde_json::to_string(e).unwrap_or_default());
+        }
+        return;
+    }
+    if entries.is_empty() {
+        println!("no dead letters");
+        return;
+    }
+    println!(
+        "{:<38} {:<16} {:<20} {:<18} {:>8}  {:<20} reason",
+        "event id", "aggregate type", "aggregate id", "event type", "attempts", "dead-lettered at"
+    );
+    for e in entries {
+        let status = match &e.resolution {
+            Some(r) => format!(" [{r}]"),
+            None => String::new(),
+        };
+        println!(
+            "{:<38} {:<16} {:<20} {:<18} {:>8}  {:<20} {}{status}",
+            e.id,
+            e.aggregate_type.as_deref().unwrap_or("-"),
+            e.aggregate_id.as_deref().unwrap_or("-"),
+            e.event_type.as_deref().unwrap_or("-"),
+            e.attempts,
+            e.dead_lettered_at.format("%Y-%m-%d %H:%M:%S"),
+            e.reason
+        );
     }
 }
 

@@ -15,6 +15,7 @@ pub mod check;
 pub mod cli;
 pub mod config;
 pub mod db;
+pub mod dead_letter;
 pub mod envelope;
 pub mod outbox;
 pub mod relay;

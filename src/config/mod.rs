@@ -56,6 +56,8 @@ pub struct Config {
     #[serde(default)]
     pub relay: RelayConfig,
     #[serde(default)]
+    pub dead_letter: DeadLetterConfig,
+    #[serde(default)]
     pub log: LogConfig,
 }
 
@@ -307,6 +309,65 @@ impl Default for RelayConfig {
     }
 }
 
+/// What happens to the later events of an aggregate whose event was dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
+pub enum HoldPolicy {
+    /// They are dead-lettered after it, in order, so a redrive replays the
+    /// aggregate in order and the rest of the outbox moves on.
+    #[default]
+    Follow,
+    /// They stay unsent in the outbox until the dead letter is redriven or
+    /// dropped (polling only: CDC cannot hold the stream for one aggregate).
+    Wait,
+}
+
+keyword_enum!(HoldPolicy { Follow = "follow", Wait = "wait" });
+
+/// `[dead_letter]`: where events go that the broker keeps refusing.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLetterConfig {
+    /// Move an event to the dead-letter table after `max_attempts` refusals.
+    /// When off, a refused event is retried forever.
+    #[serde(default = "defaults::yes")]
+    pub enabled: bool,
+    /// Default: `<outbox table>_dead_letters`, in the outbox's schema.
+    #[serde(default)]
+    pub table: Option<TableName>,
+    #[serde(default = "defaults::max_attempts")]
+    pub max_attempts: u32,
+    #[serde(default)]
+    pub aggregate: HoldPolicy,
+    /// How often the relay looks for dead letters redriven or dropped by an operator.
+    #[serde(default = "defaults::dead_letter_refresh", with = "humantime_serde")]
+    pub refresh_interval: Duration,
+}
+
+impl Default for DeadLetterConfig {
+    fn default() -> Self {
+        DeadLetterConfig {
+            enabled: true,
+            table: None,
+            max_attempts: defaults::max_attempts(),
+            aggregate: HoldPolicy::default(),
+            refresh_interval: defaults::dead_letter_refresh(),
+        }
+    }
+}
+
+impl DeadLetterConfig {
+    pub fn table_name(&self, outbox: &TableName) -> TableName {
+        self.table.clone().unwrap_or_else(|| {
+            let mut name = format!("{}_dead_letters", outbox.name);
+            while name.len() > 63 {
+                name.remove(0);
+            }
+            TableName::new(&outbox.schema, &name)
+        })
+    }
+}
+
 /// How an event is laid out in the broker message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(try_from = "String")]
@@ -392,6 +453,12 @@ pub mod defaults {
     }
     pub fn poll_interval() -> Duration {
         Duration::from_secs(1)
+    }
+    pub fn max_attempts() -> u32 {
+        5
+    }
+    pub fn dead_letter_refresh() -> Duration {
+        Duration::from_secs(5)
     }
     pub fn status_interval() -> Duration {
         Duration::from_secs(10)

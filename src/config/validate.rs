@@ -184,6 +184,23 @@ impl Config {
                 "\"none\" needs source.mode = \"cdc\": the polling source relies on marking to know what was sent",
             );
         }
+        let d = &self.dead_letter;
+        c.range("dead_letter.max_attempts", d.max_attempts, 1, 1000);
+        c.duration(
+            "dead_letter.refresh_interval",
+            d.refresh_interval,
+            100 * MS,
+            HOUR,
+        );
+        if d.aggregate == super::HoldPolicy::Wait && s.mode == super::SourceMode::Cdc {
+            c.problem(
+                "dead_letter.aggregate",
+                "\"wait\" needs source.mode = \"polling\": with CDC, held events would keep the slot from advancing; use \"follow\"",
+            );
+        }
+        if d.table.as_ref() == Some(&self.outbox.table) {
+            c.problem("dead_letter.table", "must not be the outbox table itself");
+        }
         let r = &self.relay;
         c.range("relay.max_in_flight", r.max_in_flight, 1, 100_000);
         if let Some(n) = r.max_in_flight_per_aggregate {

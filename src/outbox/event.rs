@@ -47,6 +47,8 @@ pub struct RowError {
     pub id: Option<String>,
     pub aggregate_id: Option<String>,
     pub reason: String,
+    /// The row as read.
+    pub raw: Option<Box<RawRow>>,
 }
 
 impl fmt::Display for RowError {
@@ -63,57 +65,97 @@ impl std::error::Error for RowError {}
 /// Headers larger than this are refused: they travel with every message.
 pub const MAX_HEADERS_BYTES: usize = 64 * 1024;
 
+/// What checking a row produces besides the strings it keeps: the version,
+/// the headers and the time.
+type Checked = (i32, Vec<(String, String)>, DateTime<Utc>);
+
 impl RawRow {
     /// Decodes the row. `fallback_time` stands in for an absent `created_at`
-    /// (the commit time in CDC, the read time when polling).
+    /// (the commit time in CDC, the read time when polling). A refused row
+    /// comes back inside the error, so it can be dead-lettered as it was read.
     pub fn decode(self, fallback_time: DateTime<Utc>) -> Result<OutboxEvent, RowError> {
-        let id = self.id.clone();
-        let aggregate_id = self.aggregate_id.clone();
-        let fail = |reason: String| RowError {
-            id: id.clone(),
-            aggregate_id: aggregate_id.clone(),
-            reason,
+        let checked = match self.check(fallback_time) {
+            Ok(c) => c,
+            Err(reason) => {
+                return Err(RowError {
+                    id: self.id.clone(),
+                    aggregate_id: self.aggregate_id.clone(),
+                    reason,
+                    raw: Some(Box::new(self)),
+                });
+            }
         };
-        let required = |value: Option<String>, column: &str| match value {
-            Some(v) if !v.trim().is_empty() => Ok(v),
-            Some(_) => Err(fail(format!("{column} is empty"))),
-            None => Err(fail(format!("{column} is NULL"))),
-        };
-        let id = required(self.id, "id")?;
-        let aggregate_type = required(self.aggregate_type, "aggregate_type")?;
-        let aggregate_id = required(self.aggregate_id, "aggregate_id")?;
-        let event_type = required(self.event_type, "event_type")?;
-        let event_version = match self.event_version {
-            None => 1,
-            Some(v) => v
-                .trim()
-                .parse::<i32>()
-                .map_err(|_| fail(format!("event_version {v:?} is not an integer")))?,
-        };
-        let payload = self
-            .payload
-            .ok_or_else(|| fail("payload is NULL".into()))
-            .and_then(|p| {
-                RawValue::from_string(p).map_err(|e| fail(format!("payload is not JSON: {e}")))
-            })?;
-        let headers = match self.headers {
-            None => Vec::new(),
-            Some(h) => parse_headers(&h).map_err(fail)?,
-        };
-        let created_at = match self.created_at {
-            None => fallback_time,
-            Some(t) => parse_timestamp(&t).map_err(fail)?,
-        };
+        let (event_version, headers, created_at) = checked;
+        // Every field was checked above; the fallbacks below cannot be reached.
+        let payload = RawValue::from_string(self.payload.unwrap_or_default()).unwrap_or_default();
         Ok(OutboxEvent {
-            id,
-            aggregate_type,
-            aggregate_id,
-            event_type,
+            id: self.id.unwrap_or_default(),
+            aggregate_type: self.aggregate_type.unwrap_or_default(),
+            aggregate_id: self.aggregate_id.unwrap_or_default(),
+            event_type: self.event_type.unwrap_or_default(),
             event_version,
             payload,
             headers,
             created_at,
         })
+    }
+
+    /// Validates without taking the row apart.
+    fn check(&self, fallback_time: DateTime<Utc>) -> Result<Checked, String> {
+        let required = |value: &Option<String>, column: &str| match value {
+            Some(v) if !v.trim().is_empty() => Ok(()),
+            Some(_) => Err(format!("{column} is empty")),
+            None => Err(format!("{column} is NULL")),
+        };
+        required(&self.id, "id")?;
+        required(&self.aggregate_type, "aggregate_type")?;
+        required(&self.aggregate_id, "aggregate_id")?;
+        required(&self.event_type, "event_type")?;
+        let event_version = match &self.event_version {
+            None => 1,
+            Some(v) => v
+                .trim()
+                .parse::<i32>()
+                .map_err(|_| format!("event_version {v:?} is not an integer"))?,
+        };
+        match &self.payload {
+            None => return Err("payload is NULL".into()),
+            Some(p) => {
+                serde_json::from_str::<&RawValue>(p)
+                    .map_err(|e| format!("payload is not JSON: {e}"))?;
+            }
+        }
+        let headers = match &self.headers {
+            None => Vec::new(),
+            Some(h) => parse_headers(h)?,
+        };
+        let created_at = match &self.created_at {
+            None => fallback_time,
+            Some(t) => parse_timestamp(t)?,
+        };
+        Ok((event_version, headers, created_at))
+    }
+}
+
+impl OutboxEvent {
+    /// The event's values as text again, for the dead-letter table.
+    pub fn to_raw(&self) -> RawRow {
+        let headers = serde_json::Value::Object(
+            self.headers
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+                .collect(),
+        );
+        RawRow {
+            id: Some(self.id.clone()),
+            aggregate_type: Some(self.aggregate_type.clone()),
+            aggregate_id: Some(self.aggregate_id.clone()),
+            event_type: Some(self.event_type.clone()),
+            event_version: Some(self.event_version.to_string()),
+            payload: Some(self.payload.get().to_owned()),
+            headers: Some(headers.to_string()),
+            created_at: Some(self.created_at.to_rfc3339()),
+        }
     }
 }
 

@@ -23,6 +23,8 @@ pub struct MigrateOptions {
     pub mark_existing_sent: bool,
     /// The publication and slot, in CDC mode.
     pub cdc: Option<CdcObjects>,
+    /// The dead-letter table, when dead-lettering is on.
+    pub dead_letters: Option<TableName>,
 }
 
 /// The replication objects of the CDC source.
@@ -50,6 +52,10 @@ impl MigrateOptions {
                 publication: config.source.cdc.publication_name(table),
                 slot: config.source.cdc.slot_name(table),
             }),
+            dead_letters: config
+                .dead_letter
+                .enabled
+                .then(|| config.dead_letter.table_name(table)),
         }
     }
 }
@@ -139,6 +145,18 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     }
     if let Some(channel) = &opts.notify_channel {
         steps.extend(notify_trigger(client, opts, channel).await?);
+    }
+    if let Some(dlq) = &opts.dead_letters
+        && table_info(client, dlq).await?.is_none()
+    {
+        for (i, sql) in crate::dead_letter::create_sql(dlq).into_iter().enumerate() {
+            let what = if i == 0 {
+                "create the dead-letter table"
+            } else {
+                "index its open dead letters"
+            };
+            steps.push(Step::new(format!("{what} {dlq}"), sql));
+        }
     }
     if let Some(cdc) = &opts.cdc {
         steps.extend(cdc_steps(client, &opts.table, cdc).await?);

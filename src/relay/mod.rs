@@ -11,6 +11,7 @@
 mod backoff;
 mod pipeline;
 pub mod scheduler;
+mod tasks;
 
 pub use backoff::Backoff;
 pub use pipeline::{PipelineError, Settings};
@@ -22,6 +23,7 @@ use crate::outbox::inspect::{self, TableProblem};
 use crate::sink::{AnySink, SinkError};
 use crate::source::cdc::{self, CdcAcker, CdcReader, Progress, SharedProgress};
 use crate::source::polling::{PollingAcker, PollingReader};
+use crate::source::record::RowRecorder;
 use crate::source::replication::Lsn;
 use crate::source::{SourceError, ownership_key};
 use scheduler::Blocks;
@@ -123,13 +125,26 @@ async fn run_once(
             .or(config.sink.default_in_flight_per_aggregate()),
         confirm_timeout: config.relay.confirm_timeout,
         shutdown_timeout: config.relay.shutdown_timeout,
+        dead_letter: config
+            .dead_letter
+            .enabled
+            .then_some(pipeline::DeadLetterSettings {
+                max_attempts: config.dead_letter.max_attempts,
+                policy: config.dead_letter.aggregate,
+                refresh_interval: config.dead_letter.refresh_interval,
+            }),
     };
+    let dead_letters = config
+        .dead_letter
+        .enabled
+        .then(|| config.dead_letter.table_name(table));
+    let recorder = RowRecorder::new(owner, table, config.relay.mark, dead_letters.as_ref()).await?;
     match config.source.mode {
         SourceMode::Polling => {
             let reader =
                 PollingReader::connect(&config.database, table, &columns, &config.source.polling)
                     .await?;
-            let acker = PollingAcker::new(owner, table, config.relay.mark).await?;
+            let acker = PollingAcker::new(recorder);
             let sink = AnySink::connect(&config.sink).await?;
             tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events");
             pipeline::run(reader, acker, sink, &envelope, &settings, blocks, shutdown).await?;
@@ -138,7 +153,7 @@ async fn run_once(
         }
         SourceMode::Cdc => {
             let reader = CdcReader::connect(config, &columns, progress.clone()).await?;
-            let acker = CdcAcker::new(owner, table, config.relay.mark, progress.clone()).await?;
+            let acker = CdcAcker::new(recorder, progress.clone());
             let sink = AnySink::connect(&config.sink).await?;
             tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events from the replication slot");
             pipeline::run(reader, acker, sink, &envelope, &settings, blocks, shutdown).await?;

@@ -3,16 +3,28 @@
 //!
 //! Three tasks: the reader fills a small channel with batches; this loop
 //! sends events to the broker through the [`Scheduler`], keeping up to
-//! `max_in_flight` unconfirmed; the acker records confirmed positions in
-//! batches. Progress is recorded only for confirmed messages, so whatever
-//! ends a run, the next run re-reads from the last recorded point.
+//! `max_in_flight` unconfirmed; the acker records confirmed positions (and
+//! dead letters) in order. Progress is recorded only for confirmed messages
+//! and written dead letters, so whatever ends a run, the next run re-reads
+//! from the last recorded point.
+//!
+//! A refused event blocks its aggregate and is retried with backoff; after
+//! `dead_letter.max_attempts` refusals it is dead-lettered, and the
+//! aggregate's later events follow it there or wait in the outbox, per
+//! `dead_letter.aggregate`, until an operator redrives or drops it.
 
-use super::scheduler::{Admission, Blocks, Scheduler};
+use super::scheduler::{Admission, Blocks, MAX_BLOCKED_AGGREGATES, Scheduler};
+use super::tasks::{AckCommand, drive_acker, drive_reader, flush, joined, task_error};
+use crate::config::HoldPolicy;
+use crate::dead_letter::DeadLetter;
 use crate::envelope::Envelope;
+use crate::outbox::{OutboxEvent, RawRow};
 use crate::sink::{Confirmation, Sink, SinkError};
-use crate::source::{Acker, Reader, SourceError, SourcedEvent};
+use crate::source::{Acker, Reader, RowPosition, SourceError, SourcedEvent};
+use chrono::Utc;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
@@ -20,11 +32,6 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
-
-/// Most positions recorded by one acknowledgement statement.
-const MAX_ACK_BATCH: usize = 5_000;
-/// How often an idle acker checks that it still holds ownership.
-const ACKER_HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// Why a run ended early.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +54,14 @@ impl PipelineError {
     }
 }
 
+/// Dead-lettering, when on.
+#[derive(Debug, Clone)]
+pub struct DeadLetterSettings {
+    pub max_attempts: u32,
+    pub policy: HoldPolicy,
+    pub refresh_interval: Duration,
+}
+
 /// Tunables of a run.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -55,19 +70,11 @@ pub struct Settings {
     pub per_aggregate: Option<usize>,
     pub confirm_timeout: Duration,
     pub shutdown_timeout: Duration,
+    pub dead_letter: Option<DeadLetterSettings>,
 }
 
-struct Batch<P> {
-    epoch: u64,
-    events: Vec<SourcedEvent<P>>,
-}
-
-enum AckCommand<P> {
-    Ack(Vec<P>),
-    Flush(oneshot::Sender<()>),
-}
-
-type Done<P> = (P, String, String, Result<(), SinkError>);
+/// A confirmation on its way back: the position, the event, the outcome.
+type Done<P> = (P, OutboxEvent, Result<(), SinkError>);
 type InFlight<P> = Pin<Box<dyn Future<Output = Done<P>> + Send>>;
 
 struct Run<'a, P, K> {
@@ -78,8 +85,11 @@ struct Run<'a, P, K> {
     scheduler: Scheduler<P>,
     in_flight: FuturesUnordered<InFlight<P>>,
     pending_acks: Vec<P>,
+    /// Dead letters to hand to the acker, in order.
+    pending_letters: Vec<DeadLetter<P>>,
     /// Intake is closed while draining for shutdown or for a rewind.
     intake_closed: bool,
+    warned_full: bool,
 }
 
 /// Runs until `shutdown` (then drains and returns `Ok`) or a failure.
@@ -106,7 +116,9 @@ where
         rewind_rx,
     )));
     let (ack_tx, ack_rx) = mpsc::channel(4);
-    let mut acker_task = AbortOnDropHandle::new(tokio::spawn(drive_acker(acker, ack_rx)));
+    let (resolved_tx, mut resolved_rx) = mpsc::channel(16);
+    let mut acker_task =
+        AbortOnDropHandle::new(tokio::spawn(drive_acker(acker, ack_rx, resolved_tx)));
     let mut run = Run {
         settings,
         sink,
@@ -115,14 +127,41 @@ where
         scheduler: Scheduler::new(settings.per_aggregate),
         in_flight: FuturesUnordered::new(),
         pending_acks: Vec::new(),
+        pending_letters: Vec::new(),
         intake_closed: false,
+        warned_full: false,
     };
     let mut epoch = 0u64;
     let mut rewinding = false;
     let mut drain_deadline: Option<Instant> = None;
+    // Aggregates dead-lettered earlier (by this or another instance) stay
+    // blocked: known before the first event is admitted.
+    let refresh_every = settings.dead_letter.as_ref().map(|d| d.refresh_interval);
+    if refresh_every.is_some() {
+        let (tx, rx) = oneshot::channel();
+        let open = match ack_tx.send(AckCommand::OpenDeadLetters(tx)).await {
+            Ok(()) => rx.await.ok(),
+            Err(_) => None,
+        };
+        let Some(open) = open else {
+            return Err(task_error(&mut acker_task, "acker").await);
+        };
+        if !open.is_empty() {
+            tracing::warn!(
+                aggregates = open.len(),
+                "aggregates with open dead letters are held back; see `outbox-relay dlq list`"
+            );
+        }
+        run.blocks.set_dead(open);
+    }
+    let mut refresh: Option<oneshot::Receiver<HashSet<String>>> = None;
+    let mut next_refresh = refresh_every.map(|d| Instant::now() + d);
 
     let result = loop {
-        if run.scheduler.in_flight() == 0 && run.pending_acks.is_empty() {
+        if run.scheduler.in_flight() == 0
+            && run.pending_acks.is_empty()
+            && run.pending_letters.is_empty()
+        {
             if drain_deadline.is_some() {
                 break flush(&ack_tx).await;
             }
@@ -139,8 +178,9 @@ where
                 run.intake_closed = false;
             }
         }
-        let intake = !run.intake_closed && run.scheduler.used() < settings.max_in_flight;
+        let intake = !run.intake_closed && run.has_room();
         let expiry = run.blocks.next_expiry().filter(|_| !run.intake_closed);
+        let has_work = !run.pending_acks.is_empty() || !run.pending_letters.is_empty();
         tokio::select! {
             biased;
             // 1. Shutdown: stop reading, drain what is in flight.
@@ -152,7 +192,7 @@ where
             // 2. The drain took too long: record what was confirmed and stop.
             _ = sleep_until_opt(drain_deadline) => {
                 tracing::warn!(unconfirmed = run.scheduler.in_flight(), "shutdown timeout reached; unconfirmed events will be re-sent on the next start");
-                run.push_acks(&ack_tx).await;
+                run.push_pending(&ack_tx).await;
                 break flush(&ack_tx).await;
             }
             // 3. Confirmations.
@@ -161,19 +201,44 @@ where
                     break Err(e);
                 }
             }
-            // 4. Hand confirmed positions to the acker.
-            permit = ack_tx.reserve(), if !run.pending_acks.is_empty() => match permit {
-                Ok(p) => p.send(AckCommand::Ack(std::mem::take(&mut run.pending_acks))),
+            // 4. Hand confirmed positions and dead letters to the acker, in order.
+            permit = ack_tx.reserve(), if has_work => match permit {
+                Ok(p) => p.send(run.next_command()),
                 Err(_) => break Err(task_error(&mut acker_task, "acker").await),
             },
-            // 5. A block expired: drain, then re-read so the aggregate's events come back in order.
+            // 5. Operators resolved dead letters (seen by the acker, or by the refresh).
+            Some(resolved) = resolved_rx.recv() => {
+                if run.resolve(resolved) && !rewinding {
+                    rewinding = true;
+                    run.close_intake();
+                }
+            }
+            Ok(open) = wait_refresh(&mut refresh), if refresh.is_some() => {
+                refresh = None;
+                let gone = run.blocks.resolve_missing(&open);
+                if !gone.is_empty() && !rewinding {
+                    tracing::info!(aggregates = gone.len(), "dead letters redriven or dropped; their aggregates resume");
+                    rewinding = true;
+                    run.close_intake();
+                }
+            }
+            // Only dead aggregates need watching.
+            _ = sleep_until_opt(next_refresh), if refresh.is_none() && run.blocks.has_dead() => {
+                let (tx, rx) = oneshot::channel();
+                if ack_tx.send(AckCommand::OpenDeadLetters(tx)).await.is_err() {
+                    break Err(task_error(&mut acker_task, "acker").await);
+                }
+                refresh = Some(rx);
+                next_refresh = refresh_every.map(|d| Instant::now() + d);
+            }
+            // 6. A block expired: drain, then re-read so the aggregate's events come back in order.
             _ = sleep_until_opt(expiry), if !rewinding => {
                 let released = run.blocks.release_expired(Instant::now());
                 tracing::info!(aggregates = released, "retrying refused events");
                 rewinding = true;
                 run.close_intake();
             }
-            // 6. New events.
+            // 7. New events.
             batch = batch_rx.recv(), if intake => match batch {
                 Some(b) if b.epoch == epoch => {
                     if let Err(e) = run.admit(b.events).await {
@@ -183,13 +248,13 @@ where
                 Some(_) => {} // read before the last rewind; it will be read again
                 None => break Err(task_error(&mut reader_task, "reader").await),
             },
-            // 7. The acker failed (e.g. lost its connection, and with it ownership).
+            // 8. The acker failed (e.g. lost its connection, and with it ownership).
             res = &mut acker_task => break Err(joined(res, "acker")),
         }
     };
     if result.is_err() {
         // Record what the broker confirmed before giving up, to spare re-sends.
-        run.push_acks(&ack_tx).await;
+        run.push_pending(&ack_tx).await;
         let _ = tokio::time::timeout(Duration::from_secs(5), flush(&ack_tx)).await;
     }
     // Let the reader close (report its final position) after the last acknowledgement.
@@ -201,15 +266,63 @@ where
     result
 }
 
+async fn wait_refresh(
+    rx: &mut Option<oneshot::Receiver<HashSet<String>>>,
+) -> Result<HashSet<String>, ()> {
+    match rx {
+        Some(rx) => rx.await.map_err(|_| ()),
+        None => std::future::pending().await,
+    }
+}
+
 impl<P, K> Run<'_, P, K>
 where
-    P: Clone + Send + 'static,
+    P: Clone + Send + Sync + RowPosition + 'static,
     K: Sink,
 {
+    fn has_room(&mut self) -> bool {
+        if self.blocks.len() >= MAX_BLOCKED_AGGREGATES {
+            if !self.warned_full {
+                tracing::error!(
+                    aggregates = self.blocks.len(),
+                    "too many blocked aggregates; reading pauses until some are resolved (see `outbox-relay dlq list`)"
+                );
+                self.warned_full = true;
+            }
+            return false;
+        }
+        self.warned_full = false;
+        self.scheduler.used() < self.settings.max_in_flight
+    }
+
     fn close_intake(&mut self) {
         self.intake_closed = true;
         // Parked events are unsent and unrecorded: they are read again later.
         self.scheduler.clear_parked();
+    }
+
+    /// The acker's next command: dead letters go before later acknowledgements
+    /// only in the order they arose, so both are sent as they are, letters first
+    /// (a letter never depends on a later acknowledgement).
+    fn next_command(&mut self) -> AckCommand<P> {
+        if !self.pending_letters.is_empty() {
+            AckCommand::DeadLetter(std::mem::take(&mut self.pending_letters))
+        } else {
+            AckCommand::Ack(std::mem::take(&mut self.pending_acks))
+        }
+    }
+
+    /// Aggregates whose dead letters were resolved: unblock; true if any was blocked.
+    fn resolve(&mut self, aggregates: HashSet<String>) -> bool {
+        let mut any = false;
+        for a in aggregates {
+            any |= self.blocks.is_blocked(&a);
+            self.blocks.resolve(&a);
+        }
+        if any {
+            tracing::info!("dead letters were redriven or dropped; their aggregates resume");
+        }
+        any
     }
 
     async fn admit(&mut self, events: Vec<SourcedEvent<P>>) -> Result<(), PipelineError> {
@@ -217,15 +330,39 @@ where
             match self.scheduler.admit(event, self.blocks) {
                 Admission::Send(e) => self.dispatch(e).await?,
                 Admission::Parked => {}
-                Admission::Deferred(e) => {
-                    tracing::debug!(
-                        aggregate_id = e.aggregate_id(),
-                        "aggregate blocked; event deferred"
-                    );
-                }
+                Admission::Deferred(e) => self.defer(e),
             }
         }
         Ok(())
+    }
+
+    /// An event of a blocked aggregate: it waits in the outbox, or follows a
+    /// dead letter of its aggregate into the dead-letter table.
+    fn defer(&mut self, event: SourcedEvent<P>) {
+        let aggregate = event.aggregate_id().to_owned();
+        let follows = match (
+            &self.settings.dead_letter,
+            self.blocks.dead_event(&aggregate),
+        ) {
+            (Some(d), Some(first)) if d.policy == HoldPolicy::Follow => first.to_owned(),
+            _ => {
+                tracing::debug!(aggregate_id = %aggregate, "aggregate blocked; event deferred");
+                return;
+            }
+        };
+        let (raw, id) = raw_of(&event);
+        tracing::warn!(event_id = %id, aggregate_id = %aggregate, follows = %follows, "event follows an earlier dead letter of its aggregate");
+        let now = Utc::now();
+        self.pending_letters.push(DeadLetter {
+            seq: event.position.seq(),
+            position: event.position,
+            raw,
+            reason: format!("follows dead-lettered event {follows} of its aggregate"),
+            attempts: 0,
+            first_failed_at: now,
+            last_failed_at: now,
+            follows: Some(follows),
+        });
     }
 
     async fn dispatch(&mut self, sourced: SourcedEvent<P>) -> Result<(), PipelineError> {
@@ -233,7 +370,8 @@ where
         let event = match sourced.event {
             Ok(e) => e,
             Err(bad) => {
-                self.reject(&aggregate, bad.id.as_deref(), bad.reason);
+                let raw = bad.raw.map(|r| *r).unwrap_or_default();
+                self.reject(sourced.position, &aggregate, raw, bad.reason);
                 return Ok(());
             }
         };
@@ -243,25 +381,22 @@ where
                 self.scheduler.sent(&aggregate);
                 let timeout = self.settings.confirm_timeout;
                 let position = sourced.position;
-                let id = event.id;
                 self.in_flight.push(Box::pin(async move {
                     let result = confirm_within(confirmation, timeout).await;
-                    (position, aggregate, id, result)
+                    (position, event, result)
                 }));
                 Ok(())
             }
             Err(SinkError::Rejected(reason)) => {
-                self.reject(&aggregate, Some(&event.id), reason);
+                self.reject(sourced.position, &aggregate, event.to_raw(), reason);
                 Ok(())
             }
             Err(e) => Err(e.into()),
         }
     }
 
-    async fn complete(
-        &mut self,
-        (position, aggregate, id, result): Done<P>,
-    ) -> Result<(), PipelineError> {
+    async fn complete(&mut self, (position, event, result): Done<P>) -> Result<(), PipelineError> {
+        let aggregate = event.aggregate_id.clone();
         match result {
             Ok(()) => {
                 self.pending_acks.push(position);
@@ -272,41 +407,87 @@ where
                 Ok(())
             }
             Err(SinkError::Rejected(reason)) => {
-                self.scheduler.drop_parked(&aggregate);
+                // Parked events go first (reject takes them), so none is released here.
+                self.reject(position, &aggregate, event.to_raw(), reason);
                 self.scheduler.finished(&aggregate);
-                self.reject(&aggregate, Some(&id), reason);
                 Ok(())
             }
             Err(e) => Err(e.into()),
         }
     }
 
-    /// The event cannot be published now: hold its aggregate back, keep the row unsent.
-    fn reject(&mut self, aggregate: &str, event_id: Option<&str>, reason: String) {
-        let dropped = self.scheduler.drop_parked(aggregate);
+    /// The event cannot be published now: hold its aggregate back and retry
+    /// later, or, after `max_attempts`, dead-letter it.
+    fn reject(&mut self, position: P, aggregate: &str, raw: RawRow, reason: String) {
+        let parked = self.scheduler.drop_parked(aggregate);
+        let event_id = raw.id.clone();
         let block = self
             .blocks
-            .block(aggregate, event_id, reason, Instant::now());
+            .block(aggregate, event_id.as_deref(), reason, Instant::now());
+        let (attempts, first_failed_at, reason) =
+            (block.attempts, block.first_failed_at, block.reason.clone());
         let retry_in = block
             .until
             .map(|t| t.saturating_duration_since(Instant::now()))
             .unwrap_or_default();
+        let give_up = self
+            .settings
+            .dead_letter
+            .as_ref()
+            .is_some_and(|d| attempts >= d.max_attempts);
+        if !give_up {
+            tracing::warn!(
+                event_id = event_id.as_deref().unwrap_or("?"),
+                aggregate_id = aggregate,
+                attempts,
+                retry_in = ?retry_in,
+                held_back = parked.len(),
+                reason = %reason,
+                "event refused; its aggregate waits, other aggregates continue"
+            );
+            return;
+        }
         tracing::warn!(
-            event_id = event_id.unwrap_or("?"),
+            event_id = event_id.as_deref().unwrap_or("?"),
             aggregate_id = aggregate,
-            attempts = block.attempts,
-            retry_in = ?retry_in,
-            held_back = dropped,
-            reason = %block.reason,
-            "event refused; its aggregate waits, other aggregates continue"
+            attempts,
+            reason = %reason,
+            "event dead-lettered after repeated refusals; see `outbox-relay dlq list`"
         );
+        self.blocks.mark_dead(aggregate);
+        self.pending_letters.push(DeadLetter {
+            seq: position.seq(),
+            position,
+            raw,
+            reason,
+            attempts,
+            first_failed_at,
+            last_failed_at: Utc::now(),
+            follows: None,
+        });
+        for e in parked {
+            self.defer(e);
+        }
     }
 
-    async fn push_acks(&mut self, ack_tx: &mpsc::Sender<AckCommand<P>>) {
-        if !self.pending_acks.is_empty() {
-            let acks = std::mem::take(&mut self.pending_acks);
-            let _ = ack_tx.send(AckCommand::Ack(acks)).await;
+    async fn push_pending(&mut self, ack_tx: &mpsc::Sender<AckCommand<P>>) {
+        while !self.pending_letters.is_empty() || !self.pending_acks.is_empty() {
+            let cmd = self.next_command();
+            if ack_tx.send(cmd).await.is_err() {
+                return;
+            }
         }
+    }
+}
+
+/// The row of an event as read, for a dead letter.
+fn raw_of<P>(event: &SourcedEvent<P>) -> (RawRow, String) {
+    match &event.event {
+        Ok(e) => (e.to_raw(), e.id.clone()),
+        Err(bad) => (
+            bad.raw.as_deref().cloned().unwrap_or_default(),
+            bad.id.clone().unwrap_or_else(|| "?".into()),
+        ),
     }
 }
 
@@ -320,130 +501,9 @@ async fn confirm_within(confirmation: Confirmation, timeout: Duration) -> Result
     }
 }
 
-async fn sleep_until_opt(at: Option<Instant>) {
+pub(super) async fn sleep_until_opt(at: Option<Instant>) {
     match at {
         Some(t) => tokio::time::sleep_until(t).await,
         None => std::future::pending().await,
-    }
-}
-
-async fn flush<P>(ack_tx: &mpsc::Sender<AckCommand<P>>) -> Result<(), PipelineError> {
-    let (tx, rx) = oneshot::channel();
-    ack_tx
-        .send(AckCommand::Flush(tx))
-        .await
-        .map_err(|_| PipelineError::TaskLost("acker"))?;
-    rx.await.map_err(|_| PipelineError::TaskLost("acker"))
-}
-
-fn joined(
-    res: Result<Result<(), SourceError>, tokio::task::JoinError>,
-    name: &'static str,
-) -> PipelineError {
-    match res {
-        Ok(Ok(())) => PipelineError::TaskLost(name),
-        Ok(Err(e)) => e.into(),
-        Err(_) => PipelineError::TaskLost(name),
-    }
-}
-
-async fn task_error(
-    task: &mut AbortOnDropHandle<Result<(), SourceError>>,
-    name: &'static str,
-) -> PipelineError {
-    match tokio::time::timeout(Duration::from_secs(5), task).await {
-        Ok(res) => joined(res, name),
-        Err(_) => PipelineError::TaskLost(name),
-    }
-}
-
-/// Reads batches into the channel; a rewind command resets the reader and
-/// tags later batches with the new epoch.
-async fn drive_reader<R: Reader>(
-    mut reader: R,
-    batch_size: usize,
-    tx: mpsc::Sender<Batch<R::Position>>,
-    mut rewinds: mpsc::Receiver<u64>,
-) -> Result<(), SourceError> {
-    let mut epoch = 0;
-    loop {
-        let events = tokio::select! {
-            biased;
-            cmd = rewinds.recv() => match cmd {
-                Some(e) => { reader.rewind(); epoch = e; continue; }
-                None => { reader.close().await; return Ok(()); }
-            },
-            events = reader.next_batch(batch_size) => events?,
-        };
-        tokio::select! {
-            biased;
-            cmd = rewinds.recv() => match cmd {
-                Some(e) => { reader.rewind(); epoch = e; }
-                None => { reader.close().await; return Ok(()); }
-            },
-            sent = tx.send(Batch { epoch, events }) => if sent.is_err() { return Ok(()) },
-            // Waiting for room (backpressure): let the reader keep its connection alive.
-            failed = reader.maintain() => failed?,
-        }
-    }
-}
-
-/// Crash-injection hook for the test suite: `OUTBOX_RELAY_FAILPOINT=abort-before-ack:N`
-/// aborts the process just before the N-th acknowledgement, i.e. after the
-/// broker confirmed messages and before their rows are marked (or their WAL
-/// position reported): the most dangerous moment to crash.
-fn abort_before_ack_countdown() -> Option<u32> {
-    std::env::var("OUTBOX_RELAY_FAILPOINT")
-        .ok()?
-        .strip_prefix("abort-before-ack:")?
-        .parse()
-        .ok()
-}
-
-/// Records confirmed positions, merging queued commands into one statement.
-async fn drive_acker<A: Acker>(
-    mut acker: A,
-    mut rx: mpsc::Receiver<AckCommand<A::Position>>,
-) -> Result<(), SourceError> {
-    let mut countdown = abort_before_ack_countdown();
-    loop {
-        let first = match tokio::time::timeout(ACKER_HEARTBEAT, rx.recv()).await {
-            Ok(Some(cmd)) => cmd,
-            Ok(None) => return Ok(()),
-            Err(_) => {
-                acker.heartbeat().await?;
-                continue;
-            }
-        };
-        let mut positions = Vec::new();
-        let mut flushes = Vec::new();
-        let mut next = Some(first);
-        while let Some(cmd) = next {
-            match cmd {
-                AckCommand::Ack(p) => positions.extend(p),
-                AckCommand::Flush(done) => flushes.push(done),
-            }
-            next = if positions.len() < MAX_ACK_BATCH {
-                rx.try_recv().ok()
-            } else {
-                None
-            };
-        }
-        if let Some(n) = countdown.as_mut()
-            && !positions.is_empty()
-        {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                eprintln!(
-                    "failpoint abort-before-ack: aborting with {} confirmed, unrecorded events",
-                    positions.len()
-                );
-                std::process::abort();
-            }
-        }
-        acker.ack(positions).await?;
-        for done in flushes {
-            let _ = done.send(());
-        }
     }
 }

@@ -9,11 +9,13 @@
 //!
 //! Blocks outlive a pipeline restart (the relay keeps [`Blocks`] across
 //! reconnects), so a refused event is retried on its own schedule rather than
-//! at every reconnect.
+//! at every reconnect. An aggregate whose event went to the dead-letter table
+//! stays blocked ("dead") until an operator redrives or drops the dead letter.
 
 use super::backoff;
 use crate::source::SourcedEvent;
-use std::collections::{HashMap, VecDeque};
+use chrono::{DateTime, Utc};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -27,7 +29,15 @@ pub struct Block {
     pub attempts: u32,
     /// `Some` while waiting; `None` once released for a retry.
     pub until: Option<Instant>,
+    /// When this event was first refused.
+    pub first_failed_at: DateTime<Utc>,
+    /// Dead-lettered: blocked until an operator acts, never retried.
+    pub dead: bool,
 }
+
+/// Blocked or dead aggregates the relay keeps track of, at most; past this
+/// the relay stops reading until some are resolved.
+pub const MAX_BLOCKED_AGGREGATES: usize = 100_000;
 
 /// Blocked aggregates, shared by successive pipelines.
 #[derive(Debug)]
@@ -54,9 +64,11 @@ impl Blocks {
         reason: String,
         now: Instant,
     ) -> &Block {
-        let attempts = match self.map.get(aggregate) {
-            Some(b) if b.event_id.as_deref() == event_id => b.attempts.saturating_add(1),
-            _ => 1,
+        let (attempts, first_failed_at) = match self.map.get(aggregate) {
+            Some(b) if b.event_id.as_deref() == event_id => {
+                (b.attempts.saturating_add(1), b.first_failed_at)
+            }
+            _ => (1, Utc::now()),
         };
         let delay = backoff::jittered(self.base, self.max, attempts).max(self.base / 2);
         self.map.insert(
@@ -66,6 +78,8 @@ impl Blocks {
                 reason,
                 attempts,
                 until: Some(now + delay),
+                first_failed_at,
+                dead: false,
             },
         );
         &self.map[aggregate]
@@ -73,19 +87,92 @@ impl Blocks {
 
     /// True when events of `aggregate` must wait.
     pub fn is_blocked(&self, aggregate: &str) -> bool {
-        self.map.get(aggregate).is_some_and(|b| b.until.is_some())
+        self.map
+            .get(aggregate)
+            .is_some_and(|b| b.dead || b.until.is_some())
+    }
+
+    /// The id of the dead-lettered event blocking `aggregate`, if it is dead.
+    pub fn dead_event(&self, aggregate: &str) -> Option<&str> {
+        self.map
+            .get(aggregate)
+            .filter(|b| b.dead)
+            .map(|b| b.event_id.as_deref().unwrap_or(""))
+    }
+
+    /// The aggregate's event went to the dead-letter table.
+    pub fn mark_dead(&mut self, aggregate: &str) {
+        if let Some(b) = self.map.get_mut(aggregate) {
+            b.dead = true;
+            b.until = None;
+        }
+    }
+
+    /// Aggregates with open dead letters (at start-up, from the table).
+    pub fn set_dead(&mut self, aggregates: impl IntoIterator<Item = String>) {
+        for a in aggregates {
+            self.map.entry(a).or_insert_with(|| Block {
+                event_id: None,
+                reason: "open dead letter".into(),
+                attempts: 0,
+                until: None,
+                first_failed_at: Utc::now(),
+                dead: true,
+            });
+        }
+    }
+
+    /// Dead aggregates no longer in `open`: an operator redrove or dropped
+    /// their dead letters. They are unblocked and returned.
+    pub fn resolve_missing(&mut self, open: &HashSet<String>) -> Vec<String> {
+        let gone: Vec<String> = self
+            .map
+            .iter()
+            .filter(|(a, b)| b.dead && !open.contains(*a))
+            .map(|(a, _)| a.clone())
+            .collect();
+        for a in &gone {
+            self.map.remove(a);
+        }
+        gone
+    }
+
+    /// Unblocks an aggregate at once.
+    pub fn resolve(&mut self, aggregate: &str) {
+        self.map.remove(aggregate);
+    }
+
+    pub fn has_dead(&self) -> bool {
+        self.map.values().any(|b| b.dead)
+    }
+
+    /// Aggregates tracked (blocked, released for retry, or dead).
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
     }
 
     /// An event of the aggregate was confirmed: its history ends.
     pub fn clear(&mut self, aggregate: &str) {
-        if self.map.get(aggregate).is_some_and(|b| b.until.is_none()) {
+        if self
+            .map
+            .get(aggregate)
+            .is_some_and(|b| b.until.is_none() && !b.dead)
+        {
             self.map.remove(aggregate);
         }
     }
 
-    /// The earliest time a block expires.
+    /// The earliest time a block expires (dead aggregates do not expire).
     pub fn next_expiry(&self) -> Option<Instant> {
-        self.map.values().filter_map(|b| b.until).min()
+        self.map
+            .values()
+            .filter(|b| !b.dead)
+            .filter_map(|b| b.until)
+            .min()
     }
 
     /// Releases every block that expired by `now`; returns how many.
@@ -198,11 +285,11 @@ impl<P> Scheduler<P> {
         next
     }
 
-    /// Drops the aggregate's parked events (its block defers them); returns how many.
-    pub fn drop_parked(&mut self, aggregate: &str) -> usize {
-        let n = self.parked.remove(aggregate).map_or(0, |q| q.len());
-        self.parked_total -= n;
-        n
+    /// Takes the aggregate's parked events out, in order (its block defers them).
+    pub fn drop_parked(&mut self, aggregate: &str) -> VecDeque<SourcedEvent<P>> {
+        let q = self.parked.remove(aggregate).unwrap_or_default();
+        self.parked_total -= q.len();
+        q
     }
 
     /// Drops every parked event (before a rewind re-reads them).
@@ -224,6 +311,7 @@ mod tests {
                 id: Some(pos.to_string()),
                 aggregate_id: Some(aggregate.into()),
                 reason: "test".into(),
+                raw: None,
             }),
         }
     }

@@ -13,8 +13,9 @@
 
 pub mod cdc;
 pub mod polling;
+pub mod record;
 pub mod replication;
-mod rows;
+pub(crate) mod rows;
 
 use crate::db::DbError;
 use crate::outbox::{OutboxEvent, RowError, TableName};
@@ -79,9 +80,21 @@ impl SourceError {
     }
 }
 
+/// A position that may name an outbox row.
+pub trait RowPosition {
+    /// The row's `relay_seq`, when the position names one.
+    fn seq(&self) -> Option<i64>;
+}
+
+impl RowPosition for i64 {
+    fn seq(&self) -> Option<i64> {
+        Some(*self)
+    }
+}
+
 /// Reads events. See the module docs for the contract.
 pub trait Reader: Send + 'static {
-    type Position: Clone + Debug + Eq + Hash + Send + Sync + 'static;
+    type Position: Clone + Debug + Eq + Hash + Send + Sync + RowPosition + 'static;
 
     /// Waits until events are available and returns up to `max` of them, in order.
     ///
@@ -115,12 +128,25 @@ pub trait Reader: Send + 'static {
 
 /// Records progress. Called only with positions whose messages the broker confirmed.
 pub trait Acker: Send + 'static {
-    type Position: Send + 'static;
+    type Position: Send + Sync + 'static;
 
     fn ack(
         &mut self,
         positions: Vec<Self::Position>,
     ) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Moves events to the dead-letter table; their positions then count as
+    /// done. Returns the aggregates found to have no open dead letter any
+    /// more (their followers were not written: the relay publishes them).
+    fn dead_letter(
+        &mut self,
+        letters: Vec<crate::dead_letter::DeadLetter<Self::Position>>,
+    ) -> impl Future<Output = Result<std::collections::HashSet<String>, SourceError>> + Send;
+
+    /// Aggregates with a dead letter nobody redrove or dropped yet.
+    fn open_dead_letters(
+        &mut self,
+    ) -> impl Future<Output = Result<std::collections::HashSet<String>, SourceError>> + Send;
 
     /// Called when idle: fails when the acker can no longer record progress
     /// (its connection, and with it ownership, is gone).

@@ -31,15 +31,17 @@
 //! snapshot and reads every unsent row. Wake-ups come from the insert
 //! trigger's NOTIFY, with `poll_interval` as the fallback.
 
+use super::record::RowRecorder;
 use super::rows::{read_row, select_list};
 use super::{Acker, Reader, SourceError, SourcedEvent};
-use crate::config::{MarkMode, PollingConfig};
+use crate::config::PollingConfig;
 use crate::db::DbError;
+use crate::dead_letter::DeadLetter;
 use crate::outbox::{
-    RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, mark_sql,
-    quote_ident,
+    RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident,
 };
 use chrono::Utc;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -227,25 +229,12 @@ impl Reader for PollingReader {
 /// holds the ownership lock: if that connection is lost, so is the lock, and
 /// this acker can no longer mark anything (fencing).
 pub struct PollingAcker {
-    client: Client,
-    statement: Statement,
+    recorder: RowRecorder,
 }
 
 impl PollingAcker {
-    pub async fn new(
-        client: Client,
-        table: &TableName,
-        mark: MarkMode,
-    ) -> Result<Self, SourceError> {
-        // Validation refuses `mark = "none"` for polling; update is the safe reading of it.
-        let sql = mark_sql(table, mark)
-            .or_else(|| mark_sql(table, MarkMode::Update))
-            .unwrap_or_default();
-        let statement = client
-            .prepare(&sql)
-            .await
-            .map_err(|e| DbError::query("preparing the mark-sent statement", e))?;
-        Ok(PollingAcker { client, statement })
+    pub fn new(recorder: RowRecorder) -> Self {
+        PollingAcker { recorder }
     }
 }
 
@@ -253,21 +242,21 @@ impl Acker for PollingAcker {
     type Position = i64;
 
     async fn ack(&mut self, positions: Vec<i64>) -> Result<(), SourceError> {
-        if positions.is_empty() {
-            return Ok(());
-        }
-        self.client
-            .execute(&self.statement, &[&positions])
-            .await
-            .map_err(|e| DbError::query("marking rows sent", e))?;
-        Ok(())
+        self.recorder.mark(&positions).await
+    }
+
+    async fn dead_letter(
+        &mut self,
+        letters: Vec<DeadLetter<i64>>,
+    ) -> Result<HashSet<String>, SourceError> {
+        Ok(self.recorder.dead_letter(&letters).await?.1)
+    }
+
+    async fn open_dead_letters(&mut self) -> Result<HashSet<String>, SourceError> {
+        self.recorder.open_dead_letters().await
     }
 
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
-        self.client
-            .simple_query("SELECT 1")
-            .await
-            .map_err(|e| DbError::query("checking the ownership connection", e))?;
-        Ok(())
+        self.recorder.heartbeat().await
     }
 }

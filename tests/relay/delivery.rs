@@ -272,7 +272,12 @@ async fn a_missing_destination_keeps_rows_unsent_until_it_exists(mode: Mode, kin
             (r.sink_toml(), Some(r), None)
         }
     };
-    let toml = with_mode(&base_toml(&db.url, &sink), mode);
+    // Retried until the destination exists (not dead-lettered: that has its own tests).
+    let toml = set(
+        &with_mode(&base_toml(&db.url, &sink), mode),
+        "dead_letter.enabled",
+        "false",
+    );
     db.migrate(&parse(&toml)).await;
     let late = ids(3);
     for id in &late {
@@ -331,6 +336,8 @@ async fn bad_rows_are_refused_and_other_aggregates_flow(mode: Mode, kind: Kind) 
         &[
             ("source.batch_size", "10"),
             ("sink.message_max_bytes", "10000"),
+            // Held and retried (dead-lettering has its own tests).
+            ("dead_letter.enabled", "false"),
         ],
     )
     .await;

@@ -30,11 +30,13 @@ mod stream;
 pub use progress::{CdcPosition, Progress};
 pub use stream::SharedProgress;
 
+use super::record::RowRecorder;
 use super::rows::{read_row, select_list};
 use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::{Config, DatabaseConfig, MarkMode};
 use crate::db::DbError;
-use crate::outbox::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, mark_sql};
+use crate::dead_letter::DeadLetter;
+use crate::outbox::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 use crate::source::replication::Lsn;
 use crate::source::replication::protocol::{ReplicationClient, publication_names};
 use progress::CATCH_UP;
@@ -461,32 +463,13 @@ impl Reader for CdcReader {
 /// Marks confirmed rows (when marking) on the ownership connection, then
 /// confirms their positions so the flushed WAL position can advance.
 pub struct CdcAcker {
-    client: Client,
-    mark: Option<Statement>,
+    recorder: RowRecorder,
     progress: SharedProgress,
 }
 
 impl CdcAcker {
-    pub async fn new(
-        client: Client,
-        table: &TableName,
-        mark: MarkMode,
-        progress: SharedProgress,
-    ) -> Result<Self, SourceError> {
-        let mark = match mark_sql(table, mark) {
-            Some(sql) => Some(
-                client
-                    .prepare(&sql)
-                    .await
-                    .map_err(|e| DbError::query("preparing the mark-sent statement", e))?,
-            ),
-            None => None,
-        };
-        Ok(CdcAcker {
-            client,
-            mark,
-            progress,
-        })
+    pub fn new(recorder: RowRecorder, progress: SharedProgress) -> Self {
+        CdcAcker { recorder, progress }
     }
 }
 
@@ -494,15 +477,8 @@ impl Acker for CdcAcker {
     type Position = CdcPosition;
 
     async fn ack(&mut self, positions: Vec<CdcPosition>) -> Result<(), SourceError> {
-        if let Some(mark) = &self.mark {
-            let seqs: Vec<i64> = positions.iter().filter_map(|p| p.seq).collect();
-            if !seqs.is_empty() {
-                self.client
-                    .execute(mark, &[&seqs])
-                    .await
-                    .map_err(|e| DbError::query("marking rows sent", e))?;
-            }
-        }
+        let seqs: Vec<i64> = positions.iter().filter_map(|p| p.seq).collect();
+        self.recorder.mark(&seqs).await?;
         let mut progress = lock(&self.progress);
         for p in &positions {
             progress.confirm(p);
@@ -510,11 +486,30 @@ impl Acker for CdcAcker {
         Ok(())
     }
 
+    async fn dead_letter(
+        &mut self,
+        letters: Vec<DeadLetter<CdcPosition>>,
+    ) -> Result<HashSet<String>, SourceError> {
+        let (written, resolved) = self.recorder.dead_letter(&letters).await?;
+        // A dead letter is as durable as a delivery: its position is done.
+        let mut progress = lock(&self.progress);
+        for i in written {
+            progress.confirm(&letters[i].position);
+        }
+        Ok(resolved)
+    }
+
+    async fn open_dead_letters(&mut self) -> Result<HashSet<String>, SourceError> {
+        self.recorder.open_dead_letters().await
+    }
+
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
-        self.client
-            .simple_query("SELECT 1")
-            .await
-            .map_err(|e| DbError::query("checking the ownership connection", e))?;
-        Ok(())
+        self.recorder.heartbeat().await
+    }
+}
+
+impl super::RowPosition for CdcPosition {
+    fn seq(&self) -> Option<i64> {
+        self.seq
     }
 }

@@ -1,0 +1,173 @@
+//! The pipeline's two helper tasks: the reader, filling a small channel with
+//! batches, and the acker, recording progress in order.
+
+use super::pipeline::PipelineError;
+use crate::dead_letter::DeadLetter;
+use crate::source::{Acker, Reader, SourceError, SourcedEvent};
+use std::collections::HashSet;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::task::AbortOnDropHandle;
+
+/// Most positions recorded by one acknowledgement statement.
+const MAX_ACK_BATCH: usize = 5_000;
+/// How often an idle acker checks that it still holds ownership.
+const ACKER_HEARTBEAT: Duration = Duration::from_secs(2);
+
+pub struct Batch<P> {
+    pub epoch: u64,
+    pub events: Vec<SourcedEvent<P>>,
+}
+
+/// Work for the acker, carried out in the order sent.
+pub enum AckCommand<P> {
+    Ack(Vec<P>),
+    DeadLetter(Vec<DeadLetter<P>>),
+    OpenDeadLetters(oneshot::Sender<HashSet<String>>),
+    /// Answered once everything sent before it is recorded.
+    Flush(oneshot::Sender<()>),
+}
+
+pub async fn flush<P>(ack_tx: &mpsc::Sender<AckCommand<P>>) -> Result<(), PipelineError> {
+    let (tx, rx) = oneshot::channel();
+    ack_tx
+        .send(AckCommand::Flush(tx))
+        .await
+        .map_err(|_| PipelineError::TaskLost("acker"))?;
+    rx.await.map_err(|_| PipelineError::TaskLost("acker"))
+}
+
+pub fn joined(
+    res: Result<Result<(), SourceError>, tokio::task::JoinError>,
+    name: &'static str,
+) -> PipelineError {
+    match res {
+        Ok(Ok(())) => PipelineError::TaskLost(name),
+        Ok(Err(e)) => e.into(),
+        Err(_) => PipelineError::TaskLost(name),
+    }
+}
+
+pub async fn task_error(
+    task: &mut AbortOnDropHandle<Result<(), SourceError>>,
+    name: &'static str,
+) -> PipelineError {
+    match tokio::time::timeout(Duration::from_secs(5), task).await {
+        Ok(res) => joined(res, name),
+        Err(_) => PipelineError::TaskLost(name),
+    }
+}
+
+/// Reads batches into the channel; a rewind command resets the reader and
+/// tags later batches with the new epoch.
+pub async fn drive_reader<R: Reader>(
+    mut reader: R,
+    batch_size: usize,
+    tx: mpsc::Sender<Batch<R::Position>>,
+    mut rewinds: mpsc::Receiver<u64>,
+) -> Result<(), SourceError> {
+    let mut epoch = 0;
+    loop {
+        let events = tokio::select! {
+            biased;
+            cmd = rewinds.recv() => match cmd {
+                Some(e) => { reader.rewind(); epoch = e; continue; }
+                None => { reader.close().await; return Ok(()); }
+            },
+            events = reader.next_batch(batch_size) => events?,
+        };
+        tokio::select! {
+            biased;
+            cmd = rewinds.recv() => match cmd {
+                Some(e) => { reader.rewind(); epoch = e; }
+                None => { reader.close().await; return Ok(()); }
+            },
+            sent = tx.send(Batch { epoch, events }) => if sent.is_err() { return Ok(()) },
+            // Waiting for room (backpressure): let the reader keep its connection alive.
+            failed = reader.maintain() => failed?,
+        }
+    }
+}
+
+/// Crash-injection hook for the test suite: `OUTBOX_RELAY_FAILPOINT=abort-before-ack:N`
+/// aborts the process just before the N-th acknowledgement, i.e. after the
+/// broker confirmed messages and before their rows are marked (or their WAL
+/// position reported): the most dangerous moment to crash.
+fn abort_before_ack_countdown() -> Option<u32> {
+    std::env::var("OUTBOX_RELAY_FAILPOINT")
+        .ok()?
+        .strip_prefix("abort-before-ack:")?
+        .parse()
+        .ok()
+}
+
+/// Records progress in command order, merging consecutive acknowledgements
+/// into one statement. Aggregates whose dead letters turned out resolved are
+/// reported on `resolved`.
+pub async fn drive_acker<A: Acker>(
+    mut acker: A,
+    mut rx: mpsc::Receiver<AckCommand<A::Position>>,
+    resolved: mpsc::Sender<HashSet<String>>,
+) -> Result<(), SourceError> {
+    let mut countdown = abort_before_ack_countdown();
+    let mut positions = Vec::new();
+    loop {
+        let first = match tokio::time::timeout(ACKER_HEARTBEAT, rx.recv()).await {
+            Ok(Some(cmd)) => cmd,
+            Ok(None) => return Ok(()),
+            Err(_) => {
+                acker.heartbeat().await?;
+                continue;
+            }
+        };
+        let mut flushes = Vec::new();
+        let mut next = Some(first);
+        while let Some(cmd) = next {
+            match cmd {
+                AckCommand::Ack(p) => positions.extend(p),
+                AckCommand::Flush(done) => flushes.push(done),
+                AckCommand::DeadLetter(letters) => {
+                    record(&mut acker, &mut positions, &mut countdown).await?;
+                    let found = acker.dead_letter(letters).await?;
+                    if !found.is_empty() {
+                        let _ = resolved.send(found).await;
+                    }
+                }
+                AckCommand::OpenDeadLetters(reply) => {
+                    record(&mut acker, &mut positions, &mut countdown).await?;
+                    let _ = reply.send(acker.open_dead_letters().await?);
+                }
+            }
+            next = if positions.len() < MAX_ACK_BATCH {
+                rx.try_recv().ok()
+            } else {
+                None
+            };
+        }
+        record(&mut acker, &mut positions, &mut countdown).await?;
+        for done in flushes {
+            let _ = done.send(());
+        }
+    }
+}
+
+async fn record<A: Acker>(
+    acker: &mut A,
+    positions: &mut Vec<A::Position>,
+    countdown: &mut Option<u32>,
+) -> Result<(), SourceError> {
+    if positions.is_empty() {
+        return Ok(());
+    }
+    if let Some(n) = countdown.as_mut() {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            eprintln!(
+                "failpoint abort-before-ack: aborting with {} confirmed, unrecorded events",
+                positions.len()
+            );
+            std::process::abort();
+        }
+    }
+    acker.ack(std::mem::take(positions)).await
+}
