@@ -270,7 +270,7 @@ fn insert_sql(outbox: &Outbox<'_>) -> (String, Vec<usize>) {
                 .unwrap_or_else(|| "text".into());
             present.push(i);
             names.push(quote_ident(c));
-            values.push(format!("CAST(${} AS {ty})", present.len()));
+            values.push(format!("CAST(${}::text AS {ty})", present.len()));
         }
     }
     let sql = format!(

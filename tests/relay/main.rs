@@ -7,5 +7,6 @@ mod support;
 
 mod cdc;
 mod cli;
+mod dead_letters;
 mod delivery;
 mod failures;

@@ -258,6 +258,19 @@ impl RabbitExchange {
         )
         .await
         .expect("declare exchange");
+        self.bind("#").await;
+    }
+
+    /// A consumer on an exchange that already exists (e.g. `amq.direct`),
+    /// through a fresh queue bound with `binding`.
+    pub async fn bind_existing(exchange: &str, binding: &str) -> RabbitExchange {
+        let r = Self::with_name(exchange, false).await;
+        r.bind(binding).await;
+        r
+    }
+
+    async fn bind(&self, binding: &str) {
+        let ch = self._connection.create_channel().await.unwrap();
         let queue = ch
             .queue_declare(
                 "".into(),
@@ -272,7 +285,7 @@ impl RabbitExchange {
         ch.queue_bind(
             queue.name().clone(),
             self.exchange.as_str().into(),
-            "#".into(),
+            binding.into(),
             QueueBindOptions::default(),
             FieldTable::default(),
         )

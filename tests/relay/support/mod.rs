@@ -431,18 +431,26 @@ pub enum Mode {
     Cdc,
 }
 
-/// Sets `section.key = value` in a TOML text (inserting under the section's
-/// header, or adding the section).
+/// Sets `section.key = value` in a TOML text: replaces the key if the
+/// section has it, inserts it under the section's header otherwise, or adds
+/// the section.
 pub fn set(toml: &str, key: &str, value: &str) -> String {
     let (section, leaf) = key.rsplit_once('.').expect("a dotted key");
-    let header = format!("\n[{section}]\n");
-    match toml.find(&header) {
-        Some(at) => {
-            let after = at + header.len();
-            format!("{}{leaf} = {value}\n{}", &toml[..after], &toml[after..])
-        }
-        None => format!("{toml}\n[{section}]\n{leaf} = {value}\n"),
+    let header = format!("[{section}]");
+    let mut lines: Vec<String> = toml.lines().map(str::to_owned).collect();
+    let Some(start) = lines.iter().position(|l| l.trim() == header) else {
+        return format!("{toml}\n{header}\n{leaf} = {value}\n");
+    };
+    let end = lines[start + 1..]
+        .iter()
+        .position(|l| l.trim_start().starts_with('['))
+        .map_or(lines.len(), |i| start + 1 + i);
+    let line = format!("{leaf} = {value}");
+    match (start + 1..end).find(|&i| lines[i].split('=').next().is_some_and(|k| k.trim() == leaf)) {
+        Some(i) => lines[i] = line,
+        None => lines.insert(start + 1, line),
     }
+    lines.join("\n") + "\n"
 }
 
 /// The source mode's settings, with quick CDC status updates for tests.

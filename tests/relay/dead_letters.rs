@@ -1,0 +1,299 @@
+//! Poison events: dead-lettered with their reason, never dropped; their
+//! aggregate follows them or waits; other aggregates flow; `dlq` resolves them.
+
+use crate::support::brokers::Received;
+use crate::support::*;
+use serde_json::{Value, json};
+use std::time::Duration;
+use uuid::Uuid;
+
+/// Quick retries and dead-lettering after two refusals; a 4 KB message limit.
+fn poison_settings(policy: &'static str) -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("dead_letter.max_attempts", "2"),
+        ("dead_letter.aggregate", policy),
+        ("dead_letter.refresh_interval", "\"300ms\""),
+        ("relay.reject_retry_base", "\"100ms\""),
+        ("relay.reject_retry_max", "\"200ms\""),
+        ("sink.message_max_bytes", "4000"),
+    ]
+}
+
+async fn insert_big(db: &TestDb, id: Uuid, aggregate: &str) {
+    db.client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES ($1, 'order', $2, 'Big', jsonb_build_object('x', repeat('x', 8000)))",
+            &[&id, &aggregate],
+        )
+        .await
+        .unwrap();
+}
+
+fn config_file(toml: &str) -> String {
+    let dir = std::env::temp_dir().join(unique("outbox-relay-dlq-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("relay.toml");
+    std::fs::write(&path, toml).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+fn dlq_list(path: &str) -> Vec<Value> {
+    let (code, out, err) = run_cli(&["dlq", "list", "--config", path, "--json"], &[]);
+    assert_eq!(code, 0, "{err}");
+    out.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+every_mode!(a_poison_event_is_dead_lettered_and_its_aggregate_follows);
+async fn a_poison_event_is_dead_lettered_and_its_aggregate_follows(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &poison_settings("\"follow\"")).await;
+    let path = config_file(&toml);
+    let poison = Uuid::new_v4();
+    insert_big(&db, poison, "P").await;
+    let followers = ids(3);
+    for id in &followers {
+        db.insert(*id, "order", "P", json!({})).await;
+    }
+    let others = ids(10);
+    for (i, id) in others.iter().enumerate() {
+        db.insert(*id, "order", &format!("g{i}"), json!({})).await;
+    }
+    let relay = InProcess::start(parse(&toml));
+    broker.inbox().wait_ids(&strings(&others), WAIT).await;
+    let letters = wait_for(
+        WAIT,
+        "the poison event and its followers in the dead-letter table",
+        || {
+            let path = path.clone();
+            async move {
+                let l = dlq_list(&path);
+                (l.len() == 4).then_some(l)
+            }
+        },
+    )
+    .await;
+    let ids_in_dlq: Vec<&str> = letters.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    let expected: Vec<String> = std::iter::once(poison.to_string())
+        .chain(strings(&followers))
+        .collect();
+    assert_eq!(ids_in_dlq, expected, "dead-lettered in order");
+    assert!(
+        letters[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("sink.message_max_bytes"),
+        "{}",
+        letters[0]
+    );
+    assert_eq!(letters[0]["attempts"], 2);
+    assert!(
+        letters[1]["reason"]
+            .as_str()
+            .unwrap()
+            .contains(&poison.to_string())
+    );
+    assert_eq!(
+        db.unsent().await,
+        0,
+        "dead-lettered rows are no longer pending"
+    );
+    // Not one of the aggregate's events was published out of order.
+    let got: Vec<String> = broker
+        .inbox()
+        .snapshot()
+        .iter()
+        .map(Received::event_id)
+        .collect();
+    for id in &expected {
+        assert!(!got.contains(id));
+    }
+    // The operator raises the limit and redrives the aggregate: all four, in order.
+    relay.stop().await;
+    let toml = toml.replace("message_max_bytes = 4000", "message_max_bytes = 100000");
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(
+        &["dlq", "redrive", "--config", &path, "--aggregate", "P"],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("redrove 4 dead letter(s)"), "{out}");
+    let relay = InProcess::start(parse(&toml));
+    let got = broker.inbox().wait_ids(&expected, WAIT).await;
+    let order: Vec<String> = got
+        .iter()
+        .map(Received::event_id)
+        .filter(|id| expected.contains(id))
+        .collect();
+    assert_eq!(order, expected, "redriven in order");
+    assert!(dlq_list(&path).is_empty(), "nothing left open");
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+both_brokers!(with_wait_later_events_stay_in_the_outbox_until_the_dead_letter_is_dropped);
+async fn with_wait_later_events_stay_in_the_outbox_until_the_dead_letter_is_dropped(
+    mode: Mode,
+    kind: Kind,
+) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &poison_settings("\"wait\"")).await;
+    let path = config_file(&toml);
+    let poison = Uuid::new_v4();
+    insert_big(&db, poison, "P").await;
+    let followers = ids(3);
+    for id in &followers {
+        db.insert(*id, "order", "P", json!({})).await;
+    }
+    let relay = InProcess::start(parse(&toml));
+    wait_for(WAIT, "the poison event dead-lettered", || {
+        let path = path.clone();
+        async move { (dlq_list(&path).len() == 1).then_some(()) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        db.unsent().await,
+        3,
+        "the followers wait, unsent, in the outbox"
+    );
+    assert_eq!(broker.inbox().len(), 0);
+    // Redriving one later event alone would break the order: refused.
+    let (code, _, err) = run_cli(
+        &[
+            "dlq",
+            "redrive",
+            "--config",
+            &path,
+            "--id",
+            &Uuid::new_v4().to_string(),
+        ],
+        &[],
+    );
+    assert_eq!(code, 1);
+    assert!(err.contains("no open dead letter"), "{err}");
+    // The operator gives up on the poison event: the others flow, in order.
+    let (code, out, err) = run_cli(
+        &[
+            "dlq",
+            "drop",
+            "--config",
+            &path,
+            "--id",
+            &poison.to_string(),
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let got = broker.inbox().wait_ids(&strings(&followers), WAIT).await;
+    let order: Vec<String> = got.iter().map(Received::event_id).collect();
+    assert_eq!(order, strings(&followers));
+    let all = run_cli(&["dlq", "list", "--config", &path, "--all"], &[]).1;
+    assert!(
+        all.contains("[dropped]"),
+        "dropped dead letters stay on record: {all}"
+    );
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_message_is_a_refusal_not_a_delivery() {
+    // A queue bound only to order.* keys: an invoice event has no route.
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[
+            ("dead_letter.max_attempts", "1"),
+            ("sink.routing_key", "\"{aggregate_type}\""),
+        ],
+    )
+    .await;
+    let Broker::Rabbit(r) = &broker else {
+        unreachable!()
+    };
+    let toml = toml.replace(
+        &format!("exchange = \"{}\"", r.exchange),
+        "exchange = \"amq.direct\"",
+    );
+    let bound = crate::support::brokers::RabbitExchange::bind_existing("amq.direct", "order").await;
+    let routed = Uuid::new_v4();
+    db.insert(routed, "order", "a", json!({})).await;
+    let unroutable = Uuid::new_v4();
+    db.insert(unroutable, "invoice", "b", json!({})).await;
+    let relay = InProcess::start(parse(&toml));
+    bound.inbox.wait_ids(&[routed.to_string()], WAIT).await;
+    let path = config_file(&toml);
+    let letters = wait_for(WAIT, "the unroutable event dead-lettered", || {
+        let path = path.clone();
+        async move {
+            let l = dlq_list(&path);
+            (!l.is_empty()).then_some(l)
+        }
+    })
+    .await;
+    assert_eq!(letters[0]["id"], unroutable.to_string());
+    assert!(
+        letters[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("unroutable"),
+        "{}",
+        letters[0]
+    );
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_while_the_relay_runs_publishes_in_order() {
+    for mode in [Mode::Polling, Mode::Cdc] {
+        // The "late" topic does not exist yet: its events are refused, then dead-lettered.
+        let (db, broker, toml) = setup(
+            mode,
+            Kind::Kafka,
+            &["order"],
+            &poison_settings("\"follow\""),
+        )
+        .await;
+        let path = config_file(&toml);
+        let late = ids(4);
+        for id in &late {
+            db.insert(*id, "late", "L", json!({})).await;
+        }
+        let relay = InProcess::start(parse(&toml));
+        wait_for(WAIT, "the late events dead-lettered", || {
+            let path = path.clone();
+            async move { (dlq_list(&path).len() == 4).then_some(()) }
+        })
+        .await;
+        // Another event of the aggregate arrives while it is dead: it follows.
+        let after = Uuid::new_v4();
+        db.insert(after, "late", "L", json!({})).await;
+        wait_for(WAIT, "the newcomer to follow", || {
+            let path = path.clone();
+            async move { (dlq_list(&path).len() == 5).then_some(()) }
+        })
+        .await;
+        let Broker::Kafka(k) = &broker else {
+            unreachable!()
+        };
+        k.create("late").await;
+        let (code, out, err) = run_cli(&["dlq", "redrive", "--config", &path, "--all"], &[]);
+        assert_eq!(code, 0, "{out}{err}");
+        let expected: Vec<String> = strings(&late)
+            .into_iter()
+            .chain([after.to_string()])
+            .collect();
+        let got = broker.inbox().wait_ids(&expected, WAIT).await;
+        let order: Vec<String> = got.iter().map(Received::event_id).collect();
+        assert_eq!(order, expected, "{mode:?}: redriven in order while running");
+        // And the aggregate is alive again.
+        let next = Uuid::new_v4();
+        db.insert(next, "late", "L", json!({})).await;
+        broker.inbox().wait_ids(&[next.to_string()], WAIT).await;
+        relay.stop().await;
+        db.drop_db().await;
+    }
+}
