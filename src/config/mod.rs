@@ -290,6 +290,11 @@ pub struct RelayConfig {
     /// How long the standby waits between attempts to become the active instance.
     #[serde(default = "defaults::standby_poll", with = "humantime_serde")]
     pub standby_poll: Duration,
+    /// Virtual shards (polling only): the outbox is split by a hash of
+    /// `aggregate_id`, and running instances share the shards evenly, each
+    /// aggregate staying on one owner.
+    #[serde(default = "defaults::shards")]
+    pub shards: u32,
 }
 
 impl Default for RelayConfig {
@@ -305,6 +310,7 @@ impl Default for RelayConfig {
             reject_retry_base: defaults::reject_retry_base(),
             reject_retry_max: defaults::reject_retry_max(),
             standby_poll: defaults::standby_poll(),
+            shards: defaults::shards(),
         }
     }
 }
@@ -486,6 +492,9 @@ pub mod defaults {
     }
     pub fn standby_poll() -> Duration {
         Duration::from_secs(2)
+    }
+    pub fn shards() -> u32 {
+        1
     }
     pub fn ce_source() -> String {
         "outbox-relay".into()

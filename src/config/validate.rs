@@ -233,6 +233,13 @@ impl Config {
             100 * MS,
             10 * 60 * SEC,
         );
+        c.range("relay.shards", r.shards, 1, 256);
+        if r.shards > 1 && s.mode == super::SourceMode::Cdc {
+            c.problem(
+                "relay.shards",
+                "shards need source.mode = \"polling\": a replication slot is one ordered stream with one reader",
+            );
+        }
     }
 }
 

@@ -11,6 +11,7 @@
 mod backoff;
 mod pipeline;
 pub mod scheduler;
+pub mod shards;
 mod tasks;
 
 pub use backoff::Backoff;
@@ -27,10 +28,12 @@ use crate::source::record::RowRecorder;
 use crate::source::replication::Lsn;
 use crate::source::{SourceError, ownership_key};
 use scheduler::Blocks;
+use shards::{Balance, Shard};
 use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 /// Why a run of the relay stopped.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +73,27 @@ impl RelayError {
 /// (at error level with what to fix when it will not pass by itself) and
 /// retried after a jittered, growing delay.
 pub async fn run(config: &Config, shutdown: CancellationToken) {
+    if config.relay.shards > 1 {
+        shards::run(config, shutdown).await;
+    } else {
+        supervise(config, Shard::whole(), Balance::unlimited(), shutdown).await;
+    }
+}
+
+/// How a run ended without an error.
+enum Stop {
+    Shutdown,
+    /// The shard was given back to balance the load between instances.
+    Released,
+}
+
+/// Owns and relays one shard (or the whole outbox) until `shutdown`.
+pub(crate) async fn supervise(
+    config: &Config,
+    shard: Shard,
+    balance: Arc<Balance>,
+    shutdown: CancellationToken,
+) {
     let relay = &config.relay;
     let mut blocks = Blocks::new(relay.reject_retry_base, relay.reject_retry_max);
     // What the CDC source has confirmed survives reconnects, so a restarted
@@ -79,14 +103,25 @@ pub async fn run(config: &Config, shutdown: CancellationToken) {
     let mut backoff = Backoff::new(relay.retry_base, relay.retry_max);
     loop {
         let started = Instant::now();
-        let result = run_once(config, &mut blocks, &progress, &shutdown).await;
+        let result = run_once(config, shard, &balance, &mut blocks, &progress, &shutdown).await;
         if shutdown.is_cancelled() {
             if let Err(e) = result {
                 tracing::warn!(error = %e, "stopped with an error during shutdown");
             }
             return;
         }
-        let Err(e) = result else { return };
+        let e = match result {
+            Ok(Stop::Shutdown) => return,
+            Ok(Stop::Released) => {
+                // Give the other instances a moment to take the shard.
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(relay.standby_poll * 3) => {}
+                }
+                continue;
+            }
+            Err(e) => e,
+        };
         if started.elapsed() > relay.retry_max {
             backoff.reset();
         }
@@ -105,13 +140,59 @@ pub async fn run(config: &Config, shutdown: CancellationToken) {
 
 async fn run_once(
     config: &Config,
+    shard: Shard,
+    balance: &Arc<Balance>,
+    blocks: &mut Blocks,
+    progress: &SharedProgress,
+    shutdown: &CancellationToken,
+) -> Result<Stop, RelayError> {
+    let Some(owner) = acquire_ownership(config, shard, balance, shutdown).await? else {
+        return Ok(Stop::Shutdown);
+    };
+    balance.acquired();
+    // Gives the shard back when this instance holds more than its share.
+    let run_token = shutdown.child_token();
+    let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (token, released, balance, every) = (
+            run_token.clone(),
+            released.clone(),
+            balance.clone(),
+            config.relay.standby_poll,
+        );
+        AbortOnDropHandle::new(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if balance.should_release() {
+                    released.store(true, std::sync::atomic::Ordering::SeqCst);
+                    tracing::info!(
+                        shard = shard.index,
+                        "giving this shard back to balance the instances"
+                    );
+                    token.cancel();
+                    return;
+                }
+            }
+        }))
+    };
+    let result = relay_owned(config, shard, owner, blocks, progress, &run_token).await;
+    drop(watcher);
+    if released.load(std::sync::atomic::Ordering::SeqCst) {
+        return result.map(|()| Stop::Released);
+    }
+    balance.released();
+    result.map(|()| Stop::Shutdown)
+}
+
+/// Relays while holding ownership (the `owner` session).
+async fn relay_owned(
+    config: &Config,
+    shard: Shard,
+    owner: Client,
     blocks: &mut Blocks,
     progress: &SharedProgress,
     shutdown: &CancellationToken,
 ) -> Result<(), RelayError> {
-    let Some(owner) = acquire_ownership(config, shutdown).await? else {
-        return Ok(());
-    };
     let table = &config.outbox.table;
     let columns =
         inspect::resolve_table(&owner, table, &config.outbox.columns, config.relay.mark).await?;
@@ -141,9 +222,14 @@ async fn run_once(
     let recorder = RowRecorder::new(owner, table, config.relay.mark, dead_letters.as_ref()).await?;
     match config.source.mode {
         SourceMode::Polling => {
-            let reader =
-                PollingReader::connect(&config.database, table, &columns, &config.source.polling)
-                    .await?;
+            let reader = PollingReader::connect(
+                &config.database,
+                table,
+                &columns,
+                &config.source.polling,
+                shard,
+            )
+            .await?;
             let acker = PollingAcker::new(recorder);
             let sink = AnySink::connect(&config.sink).await?;
             tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events");
@@ -163,16 +249,25 @@ async fn run_once(
     }
 }
 
-/// Connects and waits until this instance holds the outbox's advisory lock.
-/// Returns `None` on shutdown.
+/// Connects and waits until this instance holds the shard's advisory lock
+/// (and its share allows one more). Returns `None` on shutdown.
 pub async fn acquire_ownership(
     config: &Config,
+    shard: Shard,
+    balance: &Balance,
     shutdown: &CancellationToken,
 ) -> Result<Option<Client>, RelayError> {
-    let key = ownership_key(&config.outbox.table);
+    let key = shard.lock_key(&ownership_key(&config.outbox.table));
     let client = crate::db::connect(&config.database, None).await?;
     let mut announced = false;
     loop {
+        if !balance.may_acquire() {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(None),
+                _ = tokio::time::sleep(config.relay.standby_poll) => {}
+            }
+            continue;
+        }
         let locked: bool = client
             .query_one(
                 "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
@@ -184,7 +279,7 @@ pub async fn acquire_ownership(
         if locked {
             return Ok(Some(client));
         }
-        if !announced {
+        if !announced && shard.count == 1 {
             tracing::info!(table = %config.outbox.table, "standby: another instance is active; waiting to take over");
             announced = true;
         }

@@ -13,14 +13,44 @@ use super::{Confirmation, Sink, SinkError};
 use crate::config::{RabbitMqConfig, redact_url};
 use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
+use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation as Ack, Connection, ConnectionProperties, ExchangeKind,
 };
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+/// Returned (unroutable) messages by message id, until their own confirmation
+/// claims them. Bounded: a new sink (connection) starts empty, and each entry
+/// belongs to an unconfirmed message of this connection.
+#[derive(Clone, Default)]
+struct Returns(Arc<Mutex<HashMap<String, String>>>);
+
+impl Returns {
+    fn file(&self, returned: &BasicReturnMessage) {
+        let id = returned
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.to_string())
+            .unwrap_or_default();
+        let why = format!("{} {}", returned.reply_code, returned.reply_text);
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, why);
+    }
+
+    fn take(&self, id: &str) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(id)
+    }
+}
 
 pub struct RabbitMqSink {
+    returns: Returns,
     connection: Connection,
     /// Publishing channel, in confirm mode.
     channel: Channel,
@@ -74,6 +104,7 @@ impl RabbitMqSink {
             .await
             .map_err(|e| unavailable("enabling publisher confirms", e))?;
         Ok(RabbitMqSink {
+            returns: Returns::default(),
             connection,
             channel,
             admin: None,
@@ -191,16 +222,31 @@ impl Sink for RabbitMqSink {
             )
             .await
             .map_err(|e| unavailable("publish", e))?;
+        let returns = self.returns.clone();
+        let id = message.id;
         Ok(Box::pin(async move {
-            match confirm.await {
-                Ok(Ack::Ack(None)) => Ok(()),
-                Ok(Ack::Ack(Some(returned))) => Err(SinkError::Rejected(format!(
-                    "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({} {}); bind a queue or change sink.routing_key",
-                    returned.reply_code, returned.reply_text
-                ))),
-                Ok(Ack::Nack(_)) => Err(SinkError::Rejected(
-                    "RabbitMQ refused the message (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it".into(),
-                )),
+            let outcome = confirm.await;
+            // lapin hands a basic.return to whichever confirmation completes
+            // next, not necessarily the returned message's own: file it under
+            // the message id it names. RabbitMQ sends a message's return before
+            // its ack, and confirmations are processed in completion order, so
+            // the return is filed before the message's own ack is looked at.
+            if let Ok(Ack::Ack(Some(r)) | Ack::Nack(Some(r))) = &outcome {
+                returns.file(r);
+            }
+            match outcome {
+                Ok(Ack::Ack(_)) => match returns.take(&id) {
+                    None => Ok(()),
+                    Some(why) => Err(SinkError::Rejected(format!(
+                        "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({why}); bind a queue or change sink.routing_key"
+                    ))),
+                },
+                Ok(Ack::Nack(_)) => {
+                    returns.take(&id);
+                    Err(SinkError::Rejected(
+                        "RabbitMQ refused the message (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it".into(),
+                    ))
+                }
                 Ok(Ack::NotRequested) => Err(SinkError::Unavailable(
                     "the channel is not in confirm mode".into(),
                 )),

@@ -40,6 +40,7 @@ use crate::dead_letter::DeadLetter;
 use crate::outbox::{
     RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident,
 };
+use crate::relay::shards::Shard;
 use chrono::Utc;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -87,6 +88,7 @@ impl PollingReader {
         table: &TableName,
         columns: &ResolvedColumns,
         polling: &PollingConfig,
+        shard: Shard,
     ) -> Result<Self, SourceError> {
         let wakeups = Arc::new(Notify::new());
         let client = crate::db::connect(db, Some(wakeups.clone())).await?;
@@ -98,18 +100,22 @@ impl PollingReader {
         }
         let t = table.quoted();
         let cols = select_list(columns);
+        let shard = shard
+            .condition(&quote_ident(&columns.aggregate_id))
+            .map(|c| format!(" AND {c}"))
+            .unwrap_or_default();
         let first_page = format!(
             "WITH snap AS (SELECT pg_current_snapshot() AS cur)
              SELECT snap.cur::text, e.* FROM snap LEFT JOIN LATERAL (
                  SELECT {cols} FROM {t}
-                 WHERE {SENT_AT_COLUMN} IS NULL
+                 WHERE {SENT_AT_COLUMN} IS NULL{shard}
                    AND ($1::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $1::text::pg_snapshot))
                  ORDER BY {SEQ_COLUMN} LIMIT $2
              ) e ON true"
         );
         let next_page = format!(
             "SELECT {cols} FROM {t}
-             WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1
+             WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1{shard}
                AND pg_visible_in_snapshot({XID_COLUMN}, $2::text::pg_snapshot)
                AND ($3::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $3::text::pg_snapshot))
              ORDER BY {SEQ_COLUMN} LIMIT $4"

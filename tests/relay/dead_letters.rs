@@ -218,12 +218,19 @@ async fn an_unroutable_message_is_a_refusal_not_a_delivery() {
         "exchange = \"amq.direct\"",
     );
     let bound = crate::support::brokers::RabbitExchange::bind_existing("amq.direct", "order").await;
-    let routed = Uuid::new_v4();
-    db.insert(routed, "order", "a", json!({})).await;
+    // Interleaved, so returns and acks of neighbours cross.
+    let mut routed_ids = Vec::new();
     let unroutable = Uuid::new_v4();
-    db.insert(unroutable, "invoice", "b", json!({})).await;
+    for i in 0..20 {
+        let id = Uuid::new_v4();
+        db.insert(id, "order", &format!("a{i}"), json!({})).await;
+        routed_ids.push(id.to_string());
+        if i == 10 {
+            db.insert(unroutable, "invoice", "b", json!({})).await;
+        }
+    }
     let relay = InProcess::start(parse(&toml));
-    bound.inbox.wait_ids(&[routed.to_string()], WAIT).await;
+    bound.inbox.wait_ids(&routed_ids, WAIT).await;
     let path = config_file(&toml);
     let letters = wait_for(WAIT, "the unroutable event dead-lettered", || {
         let path = path.clone();

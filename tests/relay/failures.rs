@@ -342,3 +342,80 @@ async fn a_crash_after_confirmation_before_marking_loses_nothing(mode: Mode, kin
     assert_eq!(child.terminate().code(), Some(0));
     db.drop_db().await;
 }
+
+/// Shard locks held per instance (told apart by their application_name).
+async fn shard_owners(db: &TestDb) -> HashMap<String, i64> {
+    db.client
+        .query(
+            "SELECT a.application_name, count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND a.datname = current_database()
+               AND a.application_name LIKE 'relay-%'
+             GROUP BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_share_shards_evenly_and_take_over_a_dead_ones() {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Kafka,
+        &["order"],
+        &[("relay.shards", "4")],
+    )
+    .await;
+    let a = InProcess::start(parse(&set(
+        &toml,
+        "database.application_name",
+        "\"relay-a\"",
+    )));
+    wait_for(WAIT, "the first instance to take every shard", || async {
+        (shard_owners(&db).await.get("relay-a") == Some(&4)).then_some(())
+    })
+    .await;
+    let b = InProcess::start(parse(&set(
+        &toml,
+        "database.application_name",
+        "\"relay-b\"",
+    )));
+    let split = wait_for(WAIT, "the shards to be shared two and two", || async {
+        let owners = shard_owners(&db).await;
+        (owners.get("relay-a") == Some(&2) && owners.get("relay-b") == Some(&2)).then_some(owners)
+    })
+    .await;
+    assert_eq!(split.len(), 2);
+    // Events over many aggregates: each delivered once, in order per aggregate.
+    let mut expected: HashMap<String, Vec<String>> = HashMap::new();
+    for i in 0..200 {
+        let id = Uuid::new_v4();
+        let agg = format!("agg{}", i % 40);
+        db.insert(id, "order", &agg, json!({"i": i})).await;
+        expected.entry(agg).or_default().push(id.to_string());
+    }
+    let all: Vec<String> = expected.values().flatten().cloned().collect();
+    let got = broker.inbox().wait_ids(&all, WAIT).await;
+    assert_eq!(got.len(), 200, "no duplicates between instances");
+    for (agg, ids) in &expected {
+        let order: Vec<String> = got
+            .iter()
+            .map(Received::event_id)
+            .filter(|id| ids.contains(id))
+            .collect();
+        assert_eq!(&order, ids, "{agg} in order");
+    }
+    // One instance dies: the other takes all four shards and carries on.
+    a.abort();
+    wait_for(WAIT, "the survivor to take every shard", || async {
+        (shard_owners(&db).await.get("relay-b") == Some(&4)).then_some(())
+    })
+    .await;
+    let more = insert_many(&db, 20, "agg7").await;
+    broker.inbox().wait_ids(&more, WAIT).await;
+    b.stop().await;
+    db.drop_db().await;
+}

@@ -1,0 +1,234 @@
+//! Virtual shards: several instances sharing one (polling) outbox.
+//!
+//! The outbox is split by a hash of `aggregate_id` into `relay.shards`
+//! parts; each part has its own ownership lock and pipeline, so an aggregate
+//! is always published by one owner, in order. Instances count each other
+//! through member locks (two-key advisory locks, visible in `pg_locks`) and
+//! aim for an even share, ceil(shards / instances): one that holds more
+//! releases the extra shards (draining them first) and one that holds fewer
+//! takes free ones. When an instance dies, its sessions and locks go, and
+//! the others take its shards within `relay.standby_poll` or two.
+
+use crate::config::Config;
+use crate::db::DbError;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use tokio::task::JoinSet;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+
+/// Member slots available (instances beyond this wait as standbys).
+const MEMBER_SLOTS: i32 = 256;
+
+/// The part of the outbox one pipeline owns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub index: u32,
+    pub count: u32,
+}
+
+impl Shard {
+    pub fn whole() -> Shard {
+        Shard { index: 0, count: 1 }
+    }
+
+    /// The advisory-lock key for this shard of `base` (the whole outbox keeps `base`).
+    pub fn lock_key(&self, base: &str) -> String {
+        if self.count <= 1 {
+            base.to_owned()
+        } else {
+            format!("{base}:shard:{}/{}", self.index, self.count)
+        }
+    }
+
+    /// The SQL condition selecting this shard's rows by their aggregate id
+    /// column (already quoted), or `None` for the whole outbox.
+    pub fn condition(&self, aggregate_id_column: &str) -> Option<String> {
+        (self.count > 1).then(|| {
+            format!(
+                "(hashtextextended({aggregate_id_column}::text, 0) & 9223372036854775807) % {} = {}",
+                self.count, self.index
+            )
+        })
+    }
+}
+
+/// How many shards this instance holds, and how many it should.
+#[derive(Debug)]
+pub struct Balance {
+    target: AtomicUsize,
+    owned: AtomicUsize,
+}
+
+impl Balance {
+    /// One instance owning everything (no sharding).
+    pub fn unlimited() -> Arc<Balance> {
+        Arc::new(Balance {
+            target: AtomicUsize::new(usize::MAX),
+            owned: AtomicUsize::new(0),
+        })
+    }
+
+    fn new(target: usize) -> Arc<Balance> {
+        Arc::new(Balance {
+            target: AtomicUsize::new(target),
+            owned: AtomicUsize::new(0),
+        })
+    }
+
+    /// May this instance take one more shard?
+    pub fn may_acquire(&self) -> bool {
+        self.owned.load(Ordering::SeqCst) < self.target.load(Ordering::SeqCst)
+    }
+
+    pub fn acquired(&self) {
+        self.owned.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub fn released(&self) {
+        let _ = self
+            .owned
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
+    /// Claims the duty to give one shard back when over target; at most
+    /// `owned - target` callers get `true`.
+    pub fn should_release(&self) -> bool {
+        let target = self.target.load(Ordering::SeqCst);
+        self.owned
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n > target).then(|| n - 1)
+            })
+            .is_ok()
+    }
+
+    pub fn owned(&self) -> usize {
+        self.owned.load(Ordering::SeqCst)
+    }
+}
+
+/// Runs one supervised pipeline per shard, balanced with other instances.
+pub async fn run(config: &Config, shutdown: CancellationToken) {
+    let count = config.relay.shards;
+    let balance = Balance::new(count as usize);
+    // Both are aborted when this future is dropped, like a single-pipeline relay.
+    let _members = AbortOnDropHandle::new(tokio::spawn(count_members(
+        config.clone(),
+        balance.clone(),
+        shutdown.clone(),
+    )));
+    let mut workers = JoinSet::new();
+    for index in 0..count {
+        let (config, balance, shutdown) = (config.clone(), balance.clone(), shutdown.clone());
+        let shard = Shard { index, count };
+        workers.spawn(async move { super::supervise(&config, shard, balance, shutdown).await });
+    }
+    while workers.join_next().await.is_some() {}
+}
+
+/// Holds a member lock and keeps the target share up to date.
+async fn count_members(config: Config, balance: Arc<Balance>, shutdown: CancellationToken) {
+    let base = crate::source::ownership_key(&config.outbox.table);
+    let count = config.relay.shards as usize;
+    loop {
+        match member_session(&config, &base).await {
+            Ok((client, slot)) => {
+                tracing::info!(
+                    member = slot,
+                    shards = count,
+                    "sharing the outbox's shards with other instances"
+                );
+                loop {
+                    match live_members(&client, &base).await {
+                        Ok(live) => {
+                            let target = count.div_ceil(live.max(1));
+                            balance.target.store(target, Ordering::SeqCst);
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "lost the member session; reconnecting");
+                            break;
+                        }
+                    }
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(config.relay.standby_poll) => {}
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot register as a member; retrying"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(config.relay.standby_poll) => {}
+        }
+    }
+}
+
+async fn member_session(config: &Config, base: &str) -> Result<(Client, i32), DbError> {
+    let client = crate::db::connect(&config.database, None).await?;
+    for slot in 0..MEMBER_SLOTS {
+        let locked: bool = client
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtext($1), $2)",
+                &[&base, &slot],
+            )
+            .await
+            .map_err(|e| DbError::query("taking a member lock", e))?
+            .get(0);
+        if locked {
+            return Ok((client, slot));
+        }
+    }
+    Err(DbError::Connect {
+        target: base.to_owned(),
+        message: format!("all {MEMBER_SLOTS} member slots are taken"),
+        retryable: true,
+    })
+}
+
+async fn live_members(client: &Client, base: &str) -> Result<usize, DbError> {
+    let n: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_locks
+             WHERE locktype = 'advisory' AND objsubid = 2 AND granted
+               AND classid = hashtext($1)::oid AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            &[&base],
+        )
+        .await
+        .map_err(|e| DbError::query("counting relay instances", e))?
+        .get(0);
+    Ok(usize::try_from(n).unwrap_or(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balance_gives_back_only_the_excess() {
+        let b = Balance::new(4);
+        for _ in 0..4 {
+            assert!(b.may_acquire());
+            b.acquired();
+        }
+        assert!(!b.may_acquire());
+        b.target.store(2, Ordering::SeqCst);
+        assert!(b.should_release());
+        assert!(b.should_release());
+        assert!(
+            !b.should_release(),
+            "only owned - target shards are given back"
+        );
+        assert_eq!(b.owned(), 2);
+    }
+
+    #[test]
+    fn shard_conditions_and_keys() {
+        assert_eq!(Shard::whole().condition("\"aggregate_id\""), None);
+        assert_eq!(Shard::whole().lock_key("k"), "k");
+        let s = Shard { index: 2, count: 4 };
+        assert_eq!(s.lock_key("k"), "k:shard:2/4");
+        assert!(s.condition("\"a\"").unwrap().ends_with("% 4 = 2"));
+    }
+}
