@@ -1,67 +1,13 @@
 //! Failures the relay must survive without losing an event: broker outages,
 //! restarts, crashes, lost database sessions, a second instance.
 
-use crate::support::brokers::{KafkaTopics, RabbitExchange, Received};
-use crate::support::proxy::{PrivateKafka, Proxy};
+use crate::support::brokers::Received;
+use crate::support::proxy::CutBroker;
 use crate::support::*;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use uuid::Uuid;
-
-/// A broker reached through a proxy the test can cut.
-struct CutBroker {
-    proxy_of: ProxyOwner,
-    inbox: crate::support::brokers::Inbox,
-    sink: String,
-    _kafka: Option<KafkaTopics>,
-    _rabbit: Option<RabbitExchange>,
-}
-
-enum ProxyOwner {
-    Kafka(PrivateKafka),
-    Rabbit(Proxy),
-}
-
-impl CutBroker {
-    async fn new(kind: Kind) -> CutBroker {
-        match kind {
-            Kind::Kafka => {
-                let k = PrivateKafka::start(true).await;
-                let topics = KafkaTopics::with_brokers(&k.brokers());
-                topics.create("order").await;
-                CutBroker {
-                    inbox: topics.inbox.clone(),
-                    sink: topics.sink_toml(),
-                    proxy_of: ProxyOwner::Kafka(k),
-                    _kafka: Some(topics),
-                    _rabbit: None,
-                }
-            }
-            Kind::Rabbit => {
-                let r = RabbitExchange::new().await;
-                let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap(), true).await;
-                let sink = r
-                    .sink_toml()
-                    .replace("127.0.0.1:5672", &format!("127.0.0.1:{}", proxy.port));
-                CutBroker {
-                    inbox: r.inbox.clone(),
-                    sink,
-                    proxy_of: ProxyOwner::Rabbit(proxy),
-                    _kafka: None,
-                    _rabbit: Some(r),
-                }
-            }
-        }
-    }
-
-    fn proxy(&self) -> &Proxy {
-        match &self.proxy_of {
-            ProxyOwner::Kafka(k) => &k.proxy,
-            ProxyOwner::Rabbit(p) => p,
-        }
-    }
-}
 
 async fn insert_many(db: &TestDb, n: usize, aggregate: &str) -> Vec<String> {
     let ids = ids(n);

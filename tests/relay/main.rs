@@ -6,6 +6,7 @@
 mod support;
 
 mod cdc;
+mod chaos;
 mod cli;
 mod dead_letters;
 mod delivery;

@@ -122,3 +122,57 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// A broker reached through a proxy the test can cut.
+pub struct CutBroker {
+    proxy_of: ProxyOwner,
+    pub inbox: super::brokers::Inbox,
+    pub sink: String,
+    _kafka: Option<super::brokers::KafkaTopics>,
+    _rabbit: Option<super::brokers::RabbitExchange>,
+}
+
+enum ProxyOwner {
+    Kafka(PrivateKafka),
+    Rabbit(Proxy),
+}
+
+impl CutBroker {
+    pub async fn new(kind: super::Kind) -> CutBroker {
+        match kind {
+            super::Kind::Kafka => {
+                let k = PrivateKafka::start(true).await;
+                let topics = super::brokers::KafkaTopics::with_brokers(&k.brokers());
+                topics.create("order").await;
+                CutBroker {
+                    inbox: topics.inbox.clone(),
+                    sink: topics.sink_toml(),
+                    proxy_of: ProxyOwner::Kafka(k),
+                    _kafka: Some(topics),
+                    _rabbit: None,
+                }
+            }
+            super::Kind::Rabbit => {
+                let r = super::brokers::RabbitExchange::new().await;
+                let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap(), true).await;
+                let sink = r
+                    .sink_toml()
+                    .replace("127.0.0.1:5672", &format!("127.0.0.1:{}", proxy.port));
+                CutBroker {
+                    inbox: r.inbox.clone(),
+                    sink,
+                    proxy_of: ProxyOwner::Rabbit(proxy),
+                    _kafka: None,
+                    _rabbit: Some(r),
+                }
+            }
+        }
+    }
+
+    pub fn proxy(&self) -> &Proxy {
+        match &self.proxy_of {
+            ProxyOwner::Kafka(k) => &k.proxy,
+            ProxyOwner::Rabbit(p) => p,
+        }
+    }
+}
