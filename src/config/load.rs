@@ -103,7 +103,12 @@ fn describe(e: config::ConfigError) -> String {
                 }
                 _ => String::new(),
             };
-            format!("{key}{from}: {}", describe(*error))
+            let inner = describe(*error);
+            // A nested key reported by a hand-written deserializer (the sink).
+            match inner.split_once(super::sink::PATH_SEPARATOR) {
+                Some((path, message)) => format!("{key}.{path}{from}: {message}"),
+                None => format!("{key}{from}: {inner}"),
+            }
         }
         config::ConfigError::At { error, .. } => describe(*error),
         config::ConfigError::Type {

@@ -205,3 +205,79 @@ fn the_readme_documents_every_key() {
     }
     assert!(checked > 40, "only {checked} keys found");
 }
+
+/// Sets a dotted key in a TOML table, creating sections as needed.
+fn set_key(table: &mut toml::Table, key: &str, value: toml::Value) {
+    let mut parts: Vec<&str> = key.split('.').collect();
+    let leaf = parts.pop().unwrap();
+    let mut t = table;
+    for p in parts {
+        t = t
+            .entry(p)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .unwrap();
+    }
+    t.insert(leaf.to_owned(), value);
+}
+
+#[test]
+fn every_key_of_the_wrong_type_is_refused_by_name() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    for file in ["reference.toml", "polling-rabbitmq.toml"] {
+        let text = std::fs::read_to_string(root.join(file)).unwrap();
+        for key in keys_of(&text) {
+            if key == "sink.type" {
+                continue; // chooses the variant; covered by sink_values_are_checked
+            }
+            let mut table: toml::Table = toml::from_str(&text).unwrap();
+            set_key(
+                &mut table,
+                &key,
+                toml::Value::Array(vec![1.into(), 2.into()]),
+            );
+            let broken = toml::to_string(&table).unwrap();
+            let e = load_str(&broken).expect_err(&format!("{key} = [1, 2] must be refused"));
+            let shown = e.to_string();
+            // A map key (sink.properties) is reported by its entry.
+            assert!(
+                shown.contains(&key),
+                "{file}: the error for {key} does not name it: {shown}"
+            );
+        }
+    }
+}
+
+#[test]
+fn numeric_keys_out_of_range_are_refused_by_name() {
+    let base: toml::Table = toml::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/reference.toml"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let cases: [(&str, toml::Value); 10] = [
+        ("source.batch_size", 0.into()),
+        ("source.batch_size", 1_000_000.into()),
+        ("relay.max_in_flight", 0.into()),
+        ("relay.shards", 0.into()),
+        ("dead_letter.max_attempts", 0.into()),
+        ("sink.message_max_bytes", 10.into()),
+        ("relay.confirm_timeout", "1ms".into()),
+        ("source.polling.poll_interval", "0s".into()),
+        ("database.connect_timeout", "2h".into()),
+        ("source.cdc.status_interval", "1ms".into()),
+    ];
+    for (key, value) in cases {
+        let mut table = base.clone();
+        set_key(&mut table, key, value.clone());
+        let e = load_str(&toml::to_string(&table).unwrap())
+            .expect_err(&format!("{key} = {value} must be refused"))
+            .to_string();
+        assert!(
+            e.contains(&format!("{key}: ")) && e.contains("out of range"),
+            "{key} = {value}: {e}"
+        );
+    }
+}
