@@ -19,6 +19,8 @@ enum Mark {
 #[derive(Default)]
 struct Report {
     lines: Vec<(Mark, String, String)>,
+    /// `(aggregate_type, event_type)` of unsent events, to check their destinations.
+    pending_kinds: Vec<(String, String)>,
 }
 
 impl Report {
@@ -198,6 +200,17 @@ async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut
         ),
         Err(e) => r.add(Mark::Warn, "backlog", db::error_text(&e)),
     }
+    let c = &config.outbox.columns;
+    let kinds = format!(
+        "SELECT DISTINCT {}::text, {}::text FROM {} WHERE {} IS NULL LIMIT 20",
+        crate::outbox::quote_ident(&c.aggregate_type),
+        crate::outbox::quote_ident(&c.event_type),
+        config.outbox.table.quoted(),
+        crate::outbox::SENT_AT_COLUMN
+    );
+    if let Ok(rows) = client.query(&kinds, &[]).await {
+        r.pending_kinds = rows.iter().map(|row| (row.get(0), row.get(1))).collect();
+    }
 }
 
 async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
@@ -286,15 +299,41 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
     }
 }
 
+/// The destinations events would go to: the one fixed destination, or those
+/// of the events waiting now.
+async fn check_destinations(sink: &mut AnySink, r: &mut Report) {
+    let kinds = if sink.fixed_destination() {
+        vec![(String::new(), String::new())]
+    } else {
+        std::mem::take(&mut r.pending_kinds)
+    };
+    if kinds.is_empty() {
+        r.add(
+            Mark::Ok,
+            "destinations",
+            "named per event by the templates; no unsent event to check one for now",
+        );
+    }
+    for (aggregate_type, event_type) in kinds {
+        match sink.check_destination(&aggregate_type, &event_type).await {
+            Ok(d) => r.add(Mark::Ok, "destination", format!("{d} exists")),
+            Err(e) => r.add(Mark::Fail, "destination", e.to_string()),
+        }
+    }
+}
+
 async fn check_broker(config: &Config, r: &mut Report) {
     match AnySink::connect(&config.sink).await {
         Ok(mut sink) => {
             match sink.probe().await {
-                Ok(()) => r.add(
-                    Mark::Ok,
-                    "broker",
-                    format!("{} reachable", config.sink.kind()),
-                ),
+                Ok(()) => {
+                    r.add(
+                        Mark::Ok,
+                        "broker",
+                        format!("{} reachable", config.sink.kind()),
+                    );
+                    check_destinations(&mut sink, r).await;
+                }
                 Err(e) => r.add(Mark::Fail, "broker", e.to_string()),
             }
             sink.close().await;

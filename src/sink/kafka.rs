@@ -83,10 +83,10 @@ impl KafkaSink {
         Ok(sink)
     }
 
-    fn route(&self, event: &OutboxEvent) -> Result<String, SinkError> {
+    fn route(&self, aggregate_type: &str, event_type: &str) -> Result<String, SinkError> {
         let topic = self.topic.render(|f| match f {
-            Field::AggregateType => &event.aggregate_type,
-            Field::EventType => &event.event_type,
+            Field::AggregateType => aggregate_type,
+            Field::EventType => event_type,
         });
         destination::kafka_topic(&topic).map_err(SinkError::Rejected)?;
         Ok(topic)
@@ -182,7 +182,7 @@ impl Sink for KafkaSink {
         event: &OutboxEvent,
         message: Message,
     ) -> Result<Confirmation, SinkError> {
-        let topic = self.route(event)?;
+        let topic = self.route(&event.aggregate_type, &event.event_type)?;
         let size = message.size();
         if size > self.max_bytes {
             return Err(SinkError::Rejected(format!(
@@ -246,6 +246,20 @@ impl Sink for KafkaSink {
                     METADATA_TIMEOUT.as_secs()
                 ))
             })
+    }
+
+    async fn check_destination(
+        &mut self,
+        aggregate_type: &str,
+        event_type: &str,
+    ) -> Result<String, SinkError> {
+        let topic = self.route(aggregate_type, event_type)?;
+        self.ensure_topic(&topic).await?;
+        Ok(format!("topic {topic}"))
+    }
+
+    fn fixed_destination(&self) -> bool {
+        self.topic.is_fixed()
     }
 
     async fn close(self) {

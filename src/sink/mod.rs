@@ -74,6 +74,17 @@ pub trait Sink: Send {
     /// Checks that the broker is reachable and the sink can publish; for `check` and readiness.
     fn probe(&mut self) -> impl Future<Output = Result<(), SinkError>> + Send;
 
+    /// Renders the destination of events of this kind and checks that it
+    /// exists (topic, exchange); returns it for display. For `check`.
+    fn check_destination(
+        &mut self,
+        aggregate_type: &str,
+        event_type: &str,
+    ) -> impl Future<Output = Result<String, SinkError>> + Send;
+
+    /// True when every event goes to one destination (no placeholder in the templates).
+    fn fixed_destination(&self) -> bool;
+
     /// Closes connections; unconfirmed messages are abandoned (their rows stay unsent).
     fn close(self) -> impl Future<Output = ()> + Send;
 }
@@ -111,6 +122,24 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.probe().await,
             AnySink::RabbitMq(s) => s.probe().await,
+        }
+    }
+
+    async fn check_destination(
+        &mut self,
+        aggregate_type: &str,
+        event_type: &str,
+    ) -> Result<String, SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.check_destination(aggregate_type, event_type).await,
+            AnySink::RabbitMq(s) => s.check_destination(aggregate_type, event_type).await,
+        }
+    }
+
+    fn fixed_destination(&self) -> bool {
+        match self {
+            AnySink::Kafka(s) => s.fixed_destination(),
+            AnySink::RabbitMq(s) => s.fixed_destination(),
         }
     }
 

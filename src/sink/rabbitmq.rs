@@ -255,6 +255,30 @@ impl Sink for RabbitMqSink {
         }))
     }
 
+    async fn check_destination(
+        &mut self,
+        aggregate_type: &str,
+        event_type: &str,
+    ) -> Result<String, SinkError> {
+        let render = |t: &Template| {
+            t.render(|f| match f {
+                Field::AggregateType => aggregate_type,
+                Field::EventType => event_type,
+            })
+        };
+        let (exchange, routing_key) = (render(&self.exchange), render(&self.routing_key));
+        destination::rabbitmq_exchange(&exchange).map_err(SinkError::Rejected)?;
+        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::Rejected)?;
+        self.ensure_exchange(&exchange).await?;
+        Ok(format!(
+            "exchange {exchange:?} (routing key {routing_key:?}; whether a queue is bound shows when publishing)"
+        ))
+    }
+
+    fn fixed_destination(&self) -> bool {
+        self.exchange.is_fixed() && self.routing_key.is_fixed()
+    }
+
     async fn probe(&mut self) -> Result<(), SinkError> {
         if self.connection.status().connected() && self.channel.status().connected() {
             Ok(())

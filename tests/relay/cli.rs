@@ -144,3 +144,129 @@ fn every_command_explains_itself() {
     let (_, out, _) = run_cli(&["migrate", "--help"], &[]);
     assert!(out.contains("--dry-run"), "{out}");
 }
+
+#[tokio::test]
+async fn check_names_a_missing_topic_for_waiting_events() {
+    let db = TestDb::new().await;
+    let topics = crate::support::brokers::KafkaTopics::new();
+    topics.create("order").await;
+    let path = write_config(&base_toml(&db.url, &topics.sink_toml()));
+    let path = path.to_str().unwrap();
+    run_cli(&["migrate", "--config", path], &[]);
+    db.insert(uuid::Uuid::new_v4(), "order", "a", serde_json::json!({}))
+        .await;
+    db.insert(uuid::Uuid::new_v4(), "invoice", "b", serde_json::json!({}))
+        .await;
+    let (code, out, _) = run_cli(&["check", "--config", path], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "[ok  ] destination    topic {} exists",
+            topics.topic("order")
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains("[FAIL] destination")
+            && out.contains(&format!(
+                "topic \"{}\" does not exist",
+                topics.topic("invoice")
+            )),
+        "{out}"
+    );
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn check_reports_wrong_credentials_and_wrong_column_types() {
+    let pg = crate::support::pg::PrivatePg::start_with(
+        &["--auth-host=scram-sha-256", "--auth-local=trust"],
+        &["password_encryption = 'scram-sha-256'"],
+    );
+    let admin = connect(&pg.socket_conninfo("postgres")).await;
+    admin
+        .batch_execute("ALTER ROLE postgres PASSWORD 'right'")
+        .await
+        .unwrap();
+    let wrong_db = format!("postgres://postgres:wrong@127.0.0.1:{}/postgres", pg.port);
+    let sink = format!(
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
+        amqp_url().replace("guest:guest", "guest:not-the-password")
+    );
+    let path = write_config(&base_toml(&wrong_db, &sink));
+    let (code, out, err) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
+    assert_eq!(code, 1);
+    assert!(
+        out.contains("[FAIL] database") && out.contains("password authentication failed"),
+        "{out}"
+    );
+    assert!(
+        out.contains("check the user and password"),
+        "the fix is named: {out}"
+    );
+    assert!(
+        out.contains("[FAIL] broker") && out.contains("refused the credentials"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("not-the-password")
+            && !err.contains("not-the-password")
+            && !out.contains("wrong@"),
+        "{out}{err}"
+    );
+
+    // A column of the wrong type, on the shared cluster.
+    let db = TestDb::new().await;
+    let path = write_config(&base_toml(&db.url, &rabbit_sink()));
+    let path = path.to_str().unwrap();
+    run_cli(&["migrate", "--config", path], &[]);
+    db.client
+        .batch_execute(
+            "ALTER TABLE outbox DROP COLUMN payload; ALTER TABLE outbox ADD COLUMN payload integer",
+        )
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", path], &[]);
+    assert_eq!(code, 1);
+    assert!(
+        out.contains(
+            "column \"payload\" (outbox.columns.payload) is integer, expected jsonb, json or text"
+        ),
+        "{out}"
+    );
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn check_names_a_missing_publication_and_slot() {
+    let db = TestDb::new().await;
+    let polling = base_toml(&db.url, &rabbit_sink());
+    let path = write_config(&polling);
+    run_cli(&["migrate", "--config", path.to_str().unwrap()], &[]);
+    let cdc = set(
+        &set(&polling, "source.mode", "\"cdc\""),
+        "source.cdc.create_slot",
+        "false",
+    );
+    let cdc = set(&cdc, "source.cdc.slot", &format!("\"{}\"", unique("slot_")));
+    let path = write_config(&cdc);
+    let (code, out, _) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
+    assert_eq!(code, 1);
+    assert!(out.contains("[ok  ] wal_level"), "{out}");
+    assert!(
+        out.contains("[FAIL] publication")
+            && out.contains("does not exist; run `outbox-relay migrate`"),
+        "{out}"
+    );
+    assert!(
+        out.contains("[FAIL] slot") && out.contains("does not exist; run `outbox-relay migrate`"),
+        "{out}"
+    );
+    // migrate fixes both; check passes.
+    let (code, out, err) = run_cli(&["migrate", "--config", path.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, _) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("[ok  ] slot"), "{out}");
+    db.drop_db().await;
+}

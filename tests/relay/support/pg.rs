@@ -142,6 +142,15 @@ impl PrivatePg {
         run_as_owner(&self.bin.join("pg_ctl"), &all);
     }
 
+    /// A libpq key/value string over the Unix socket (trust even when TCP needs a password).
+    pub fn socket_conninfo(&self, db: &str) -> String {
+        format!(
+            "host={} port={} user=postgres dbname={db}",
+            self.dir.display(),
+            self.port
+        )
+    }
+
     pub fn url(&self, db: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
     }
