@@ -223,7 +223,7 @@ async fn chaos(mode: Mode, kind: Kind) {
         w.await.unwrap();
     }
 
-    let ledger = ledger.lock().unwrap();
+    let ledger = std::mem::take(&mut *ledger.lock().unwrap());
     let committed: Vec<String> = ledger.committed.keys().cloned().collect();
     eprintln!(
         "chaos: {} committed, {} rolled back, {} unknown; waiting for delivery",
