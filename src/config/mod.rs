@@ -58,7 +58,69 @@ pub struct Config {
     #[serde(default)]
     pub dead_letter: DeadLetterConfig,
     #[serde(default)]
+    pub retention: RetentionConfig,
+    #[serde(default)]
+    pub http: HttpConfig,
+    #[serde(default)]
     pub log: LogConfig,
+}
+
+/// `[retention]`: the scheduled cleanup of sent rows and resolved dead letters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionConfig {
+    /// Run the cleanup on a schedule inside `run` (one instance at a time).
+    #[serde(default = "defaults::yes")]
+    pub enabled: bool,
+    /// Time between two cleanups.
+    #[serde(default = "defaults::retention_interval", with = "humantime_serde")]
+    pub interval: Duration,
+    /// Sent rows older than this (by `relay_sent_at`) are deleted.
+    #[serde(default = "defaults::sent_window", with = "humantime_serde")]
+    pub sent_window: Duration,
+    /// Redriven or dropped dead letters older than this (by when they were
+    /// resolved) are deleted; open dead letters are never deleted.
+    #[serde(default = "defaults::dead_letter_window", with = "humantime_serde")]
+    pub dead_letter_window: Duration,
+    /// Rows deleted per statement.
+    #[serde(default = "defaults::retention_batch")]
+    pub batch_size: usize,
+    /// Pause between two batches, so cleanup never holds long locks or floods WAL.
+    #[serde(default = "defaults::retention_pause", with = "humantime_serde")]
+    pub pause: Duration,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            enabled: true,
+            interval: defaults::retention_interval(),
+            sent_window: defaults::sent_window(),
+            dead_letter_window: defaults::dead_letter_window(),
+            batch_size: defaults::retention_batch(),
+            pause: defaults::retention_pause(),
+        }
+    }
+}
+
+/// `[http]`: `/metrics` (Prometheus), `/healthz` and `/readyz`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    #[serde(default = "defaults::yes")]
+    pub enabled: bool,
+    /// `host:port` to listen on; keep it on a private interface.
+    #[serde(default = "defaults::http_address")]
+    pub address: String,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            enabled: true,
+            address: defaults::http_address(),
+        }
+    }
 }
 
 /// `[database]`: the PostgreSQL database holding the outbox.
@@ -459,6 +521,24 @@ pub mod defaults {
     }
     pub fn poll_interval() -> Duration {
         Duration::from_secs(1)
+    }
+    pub fn retention_interval() -> Duration {
+        Duration::from_secs(60)
+    }
+    pub fn sent_window() -> Duration {
+        Duration::from_secs(7 * 24 * 3600)
+    }
+    pub fn dead_letter_window() -> Duration {
+        Duration::from_secs(30 * 24 * 3600)
+    }
+    pub fn retention_batch() -> usize {
+        1000
+    }
+    pub fn retention_pause() -> Duration {
+        Duration::from_millis(100)
+    }
+    pub fn http_address() -> String {
+        "127.0.0.1:9187".into()
     }
     pub fn max_attempts() -> u32 {
         5

@@ -184,6 +184,15 @@ impl Config {
                 "\"none\" needs source.mode = \"cdc\": the polling source relies on marking to know what was sent",
             );
         }
+        let t = &self.retention;
+        c.duration("retention.interval", t.interval, SEC, 24 * HOUR);
+        c.duration("retention.sent_window", t.sent_window, Duration::ZERO, 3650 * 24 * HOUR);
+        c.duration("retention.dead_letter_window", t.dead_letter_window, Duration::ZERO, 3650 * 24 * HOUR);
+        c.range("retention.batch_size", t.batch_size, 1, 100_000);
+        c.duration("retention.pause", t.pause, Duration::ZERO, 60 * SEC);
+        if self.http.enabled && self.http.address.parse::<std::net::SocketAddr>().is_err() {
+            c.problem("http.address", "must be an IP address and port, like 127.0.0.1:9187");
+        }
         let d = &self.dead_letter;
         c.range("dead_letter.max_attempts", d.max_attempts, 1, 1000);
         c.duration(
