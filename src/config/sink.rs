@@ -4,6 +4,7 @@ use super::{Secret, SecretUrl};
 use crate::envelope::Template;
 use serde::Deserialize;
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// `[sink]`, chosen by `type = "kafka"` or `type = "rabbitmq"`.
@@ -100,10 +101,117 @@ pub struct KafkaConfig {
     pub linger: Duration,
     #[serde(default = "defaults::client_id")]
     pub client_id: String,
+    /// How the relay talks to the brokers (`security.protocol`).
+    #[serde(default)]
+    pub security_protocol: SecurityProtocol,
+    /// `sasl.mechanism`, with a `sasl_*` protocol; `PLAIN` when unset.
+    #[serde(default)]
+    pub sasl_mechanism: Option<SaslMechanism>,
+    /// `sasl.username`.
+    #[serde(default)]
+    pub sasl_username: Option<String>,
+    /// `sasl.password`.
+    #[serde(default)]
+    pub sasl_password: Option<Secret>,
+    /// CA bundle (PEM) the brokers' certificates must chain to (`ssl.ca.location`);
+    /// the system's CAs when unset.
+    #[serde(default)]
+    pub ssl_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for brokers that ask for one (`ssl.certificate.location`).
+    #[serde(default)]
+    pub ssl_cert: Option<PathBuf>,
+    /// Private key (PEM) of `ssl_cert` (`ssl.key.location`).
+    #[serde(default)]
+    pub ssl_key: Option<PathBuf>,
     /// Any other librdkafka property, passed through as is (e.g. `compression.type`).
-    /// Properties the relay's guarantees depend on cannot be overridden here.
+    /// Properties the relay's guarantees depend on, and those the keys above
+    /// set, cannot be given here.
     #[serde(default)]
     pub properties: BTreeMap<String, Secret>,
+}
+
+impl KafkaConfig {
+    /// librdkafka properties set from a typed key, with that key; they cannot
+    /// be given in `properties` too.
+    pub const TYPED_PROPERTIES: &[(&str, &str)] = &[
+        ("security.protocol", "sink.security_protocol"),
+        ("sasl.mechanism", "sink.sasl_mechanism"),
+        ("sasl.mechanisms", "sink.sasl_mechanism"),
+        ("sasl.username", "sink.sasl_username"),
+        ("sasl.password", "sink.sasl_password"),
+        ("ssl.ca.location", "sink.ssl_ca"),
+        ("ssl.certificate.location", "sink.ssl_cert"),
+        ("ssl.key.location", "sink.ssl_key"),
+    ];
+}
+
+/// `sink.security_protocol`, librdkafka's `security.protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
+pub enum SecurityProtocol {
+    #[default]
+    Plaintext,
+    Ssl,
+    SaslPlaintext,
+    SaslSsl,
+}
+
+super::keyword_enum!(SecurityProtocol {
+    Plaintext = "plaintext",
+    Ssl = "ssl",
+    SaslPlaintext = "sasl_plaintext",
+    SaslSsl = "sasl_ssl",
+});
+
+impl SecurityProtocol {
+    /// The value of librdkafka's `security.protocol`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SecurityProtocol::Plaintext => "plaintext",
+            SecurityProtocol::Ssl => "ssl",
+            SecurityProtocol::SaslPlaintext => "sasl_plaintext",
+            SecurityProtocol::SaslSsl => "sasl_ssl",
+        }
+    }
+
+    pub fn uses_tls(self) -> bool {
+        matches!(self, SecurityProtocol::Ssl | SecurityProtocol::SaslSsl)
+    }
+
+    pub fn uses_sasl(self) -> bool {
+        matches!(
+            self,
+            SecurityProtocol::SaslPlaintext | SecurityProtocol::SaslSsl
+        )
+    }
+}
+
+/// `sink.sasl_mechanism`: the SASL mechanisms that authenticate with a user name
+/// and a password.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
+pub enum SaslMechanism {
+    #[default]
+    Plain,
+    ScramSha256,
+    ScramSha512,
+}
+
+super::keyword_enum!(SaslMechanism {
+    Plain = "PLAIN",
+    ScramSha256 = "SCRAM-SHA-256",
+    ScramSha512 = "SCRAM-SHA-512",
+});
+
+impl SaslMechanism {
+    /// The value of librdkafka's `sasl.mechanism`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SaslMechanism::Plain => "PLAIN",
+            SaslMechanism::ScramSha256 => "SCRAM-SHA-256",
+            SaslMechanism::ScramSha512 => "SCRAM-SHA-512",
+        }
+    }
 }
 
 /// `[sink]` with `type = "rabbitmq"`.
@@ -127,6 +235,16 @@ pub struct RabbitMqConfig {
     /// Largest message body the relay sends (RabbitMQ's own `max_message_size` defaults to 128 MiB).
     #[serde(default = "defaults::rabbitmq_message_max_bytes")]
     pub message_max_bytes: usize,
+    /// CA certificates (PEM) trusted for an `amqps://` broker's certificate, in
+    /// addition to the system's.
+    #[serde(default)]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM, chain after the leaf) for brokers that ask for one.
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM, unencrypted) of `tls_cert`.
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
 }
 
 pub mod defaults {

@@ -23,6 +23,7 @@
 //! producer that never reorders on retry; RabbitMQ: one channel). Duplicates
 //! arise only from re-sending after `Unavailable` or a restart.
 
+mod amqps;
 mod kafka;
 mod rabbitmq;
 

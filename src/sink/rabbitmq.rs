@@ -8,8 +8,10 @@
 //! too. Exchanges are checked (or declared) on a second channel before first
 //! use, because publishing to a missing exchange would close the publishing
 //! channel and make every unconfirmed message's fate unknown.
+//!
+//! `amqps://` is set up and its failures explained in [`super::amqps`].
 
-use super::{Confirmation, Sink, SinkError};
+use super::{Confirmation, Sink, SinkError, amqps};
 use crate::config::{RabbitMqConfig, redact_url};
 use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
@@ -77,24 +79,35 @@ fn short(s: &str, what: &str) -> Result<ShortString, SinkError> {
     })
 }
 
+/// Tells what the operator must fix (credentials, certificates) from what
+/// may pass by itself (the broker down, the network).
+async fn connect_error(config: &RabbitMqConfig, shown: &str, e: &lapin::Error) -> SinkError {
+    let text = e.to_string();
+    if text.contains("ACCESS_REFUSED") || text.contains("403") {
+        return SinkError::Fatal(format!(
+            "RabbitMQ at {shown} refused the credentials: {text}; check the user and password in sink.url"
+        ));
+    }
+    if let Some(problem) = amqps::diagnose(config, shown).await {
+        return problem;
+    }
+    SinkError::Unavailable(format!(
+        "cannot connect to RabbitMQ at {shown}: {text}; check sink.url and that the broker is up"
+    ))
+}
+
 impl RabbitMqSink {
     pub async fn connect(config: &RabbitMqConfig) -> Result<Self, SinkError> {
         let shown = redact_url(config.url.expose());
         let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
-        let connection = Connection::connect(config.url.expose(), props)
-            .await
-            .map_err(|e| {
-                let text = e.to_string();
-                if text.contains("ACCESS_REFUSED") || text.contains("403") {
-                    SinkError::Fatal(format!(
-                        "RabbitMQ at {shown} refused the credentials: {text}; check the user and password in sink.url"
-                    ))
-                } else {
-                    SinkError::Unavailable(format!(
-                        "cannot connect to RabbitMQ at {shown}: {text}; check sink.url and that the broker is up"
-                    ))
-                }
-            })?;
+        let tls = amqps::tls_config(config)?;
+        let runtime = lapin::runtime::default_runtime()
+            .map_err(|e| SinkError::Fatal(format!("no runtime for the RabbitMQ client: {e}")))?;
+        let connection =
+            match Connection::connect_with_config(config.url.expose(), props, tls, runtime).await {
+                Ok(c) => c,
+                Err(e) => return Err(connect_error(config, &shown, &e).await),
+            };
         let channel = connection
             .create_channel()
             .await
