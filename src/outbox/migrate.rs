@@ -105,6 +105,44 @@ fn unsent_index(table: &TableName) -> String {
     table.derived("outbox_relay_unsent")
 }
 
+/// The partial index on `relay_sent_at` of sent rows, which retention reads through.
+pub fn sent_index(table: &TableName) -> String {
+    table.derived("outbox_relay_sent")
+}
+
+/// `CREATE INDEX` unless the index exists; `CONCURRENTLY` on an existing
+/// table, so writers are not blocked while it builds.
+async fn index_step(
+    client: &Client,
+    table: &TableName,
+    existing_table: bool,
+    index: &str,
+    definition: &str,
+    purpose: &str,
+) -> Result<Option<Step>, MigrateError> {
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[&format!(
+                "{}.{}",
+                quote_ident(&table.schema),
+                quote_ident(index)
+            )],
+        )
+        .await?
+        .get(0);
+    Ok((!exists).then(|| Step {
+        description: format!("create index {index} ({purpose})"),
+        sql: format!(
+            "CREATE INDEX {}IF NOT EXISTS {} ON {} {definition}",
+            if existing_table { "CONCURRENTLY " } else { "" },
+            quote_ident(index),
+            table.quoted(),
+        ),
+        outside_transaction: existing_table,
+    }))
+}
+
 fn trigger_name() -> &'static str {
     "outbox_relay_notify"
 }
@@ -116,33 +154,33 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         None => vec![create_table(opts)],
         Some(info) => alter_table(info, opts)?,
     };
+    let existing = info.is_some();
     let index = unsent_index(&opts.table);
-    let index_exists: bool = client
-        .query_one(
-            "SELECT to_regclass($1) IS NOT NULL",
-            &[&format!(
-                "{}.{}",
-                quote_ident(&opts.table.schema),
-                quote_ident(&index)
-            )],
+    steps.extend(
+        index_step(
+            client,
+            &opts.table,
+            existing,
+            &index,
+            &format!("({SEQ_COLUMN}) WHERE {SENT_AT_COLUMN} IS NULL"),
+            "unsent rows in order",
         )
-        .await?
-        .get(0);
-    if !index_exists {
-        let concurrently = info.is_some();
-        steps.push(Step {
-            description: format!("create index {index} (unsent rows in order)"),
-            sql: format!(
-                "CREATE INDEX {}IF NOT EXISTS {} ON {} ({}) WHERE {} IS NULL",
-                if concurrently { "CONCURRENTLY " } else { "" },
-                quote_ident(&index),
-                opts.table.quoted(),
-                SEQ_COLUMN,
-                SENT_AT_COLUMN
-            ),
-            outside_transaction: concurrently,
-        });
-    }
+        .await?,
+    );
+    // Retention finds the oldest sent rows through it, a batch at a time,
+    // instead of scanning the whole table for every batch.
+    let index = sent_index(&opts.table);
+    steps.extend(
+        index_step(
+            client,
+            &opts.table,
+            existing,
+            &index,
+            &format!("({SENT_AT_COLUMN}) WHERE {SENT_AT_COLUMN} IS NOT NULL"),
+            "sent rows by age, for retention",
+        )
+        .await?,
+    );
     if let Some(channel) = &opts.notify_channel {
         steps.extend(notify_trigger(client, opts, channel).await?);
     }

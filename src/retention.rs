@@ -1,0 +1,483 @@
+//! Retention: the scheduled cleanup of sent outbox rows and resolved dead
+//! letters.
+//!
+//! Only rows the relay marked sent (`relay_sent_at` set) before
+//! `retention.sent_window` are deleted, and only dead letters an operator
+//! redrove or dropped before `retention.dead_letter_window`. An unsent row or
+//! an open dead letter is never deleted, whatever its age: the condition is in
+//! every DELETE, not only in the query that picks the rows. The cutoffs are
+//! taken once per run from the server's clock.
+//!
+//! Rows go in batches of `retention.batch_size`, one statement each (so each
+//! batch is its own short transaction), with `retention.pause` between them:
+//! row locks last milliseconds and WAL is written at a bounded rate. Rows are
+//! picked `FOR UPDATE SKIP LOCKED`
+//! (<https://www.postgresql.org/docs/current/sql-select.html#SQL-FOR-UPDATE-SHARE>),
+//! so the cleanup never waits for a session working on one of them; a skipped
+//! row is taken by a later run.
+//!
+//! Sent rows are found through `migrate`'s partial index on `relay_sent_at`
+//! (oldest first, stopping after one batch) and deleted by `ctid`, a TID scan:
+//! nothing else indexes the sent rows of every outbox (`relay_seq` is indexed
+//! only while unsent, and an adopted table's id may have no index at all).
+//! A row's `ctid` changes only when the row is updated or moved, and the row is
+//! locked by the statement that reads and deletes it
+//! (<https://www.postgresql.org/docs/current/ddl-system-columns.html>).
+//! Without the index (a table `migrate` has not updated yet) the cleanup still
+//! works, scanning in any order, and its report says to run `migrate`.
+//!
+//! One instance cleans at a time: the run holds a session advisory lock
+//! (<https://www.postgresql.org/docs/current/explicit-locking.html#ADVISORY-LOCKS>)
+//! whose key differs from the ownership lock's, so the cleanup does not depend
+//! on which instance publishes. Another instance finds it taken and skips its
+//! run. A run repeated (after a crash, or from cron beside `run`) is harmless:
+//! it deletes what is still eligible.
+
+use crate::config::{Config, MarkMode};
+use crate::db::DbError;
+use crate::outbox::migrate::sent_index;
+use crate::outbox::{SENT_AT_COLUMN, TableName, quote_ident};
+use crate::relay::Backoff;
+use crate::telemetry::metrics::PipelineMetrics;
+use chrono::{DateTime, Utc};
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+
+mod report;
+
+pub use report::{Cleanup, Report, Skip};
+
+/// Longest wait for a table lock: the cleanup gives way to DDL (such as
+/// `migrate`) and tries again at the next run instead of queueing writers
+/// behind it.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The first scheduled run comes after this, or after one interval when that
+/// is shorter, so a relay restarted more often than `retention.interval`
+/// still cleans.
+pub const FIRST_RUN_DELAY: Duration = Duration::from_secs(10);
+
+/// After shutdown, how long a batch already sent to the server may take
+/// before the run is abandoned (the server then finishes or rolls back that
+/// one statement by itself).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
+
+/// Why a cleanup failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RetentionError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error("table {0} does not exist; run outbox-relay migrate, or set outbox.table")]
+    MissingTable(TableName),
+    #[error("the relay's column {SENT_AT_COLUMN:?} is missing from {0}; run outbox-relay migrate")]
+    MissingColumn(TableName),
+}
+
+impl RetentionError {
+    /// True when the next run may succeed by itself.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            RetentionError::Db(e) => e.is_retryable(),
+            RetentionError::MissingTable(_) | RetentionError::MissingColumn(_) => false,
+        }
+    }
+}
+
+/// The key of the session advisory lock held while cleaning `table`.
+pub fn lock_key(table: &TableName) -> String {
+    format!("{}:retention", crate::source::ownership_key(table))
+}
+
+/// A connection for the cleanup: `database.*`, plus a short `lock_timeout`.
+pub async fn connect(config: &Config) -> Result<Client, RetentionError> {
+    let client = crate::db::connect(&config.database, None).await?;
+    client
+        .batch_execute(&format!("SET lock_timeout = {}", LOCK_TIMEOUT.as_millis()))
+        .await
+        .map_err(|e| DbError::query("setting lock_timeout", e))?;
+    Ok(client)
+}
+
+/// Runs one cleanup on `client` and reports it; see the module docs. With
+/// `dry_run`, counts what would be deleted and deletes nothing (and takes no
+/// lock). When another instance is cleaning, returns at once with
+/// [`Report::is_busy`].
+pub async fn once(
+    client: &Client,
+    config: &Config,
+    dry_run: bool,
+) -> Result<Report, RetentionError> {
+    once_until(client, config, dry_run, &CancellationToken::new()).await
+}
+
+/// [`once`], stopping between two batches when `stop` is cancelled (the
+/// report then says `interrupted`).
+pub async fn once_until(
+    client: &Client,
+    config: &Config,
+    dry_run: bool,
+    stop: &CancellationToken,
+) -> Result<Report, RetentionError> {
+    let started = Instant::now();
+    let r = &config.retention;
+    let mut report = Report {
+        dry_run,
+        outbox: Cleanup::Skipped(Skip::Busy),
+        dead_letters: Cleanup::Skipped(Skip::Busy),
+        interrupted: false,
+        duration: Duration::ZERO,
+        sent_window: r.sent_window,
+        dead_letter_window: r.dead_letter_window,
+        hint: None,
+    };
+    let key = lock_key(&config.outbox.table);
+    if !dry_run && !advisory(client, "pg_try_advisory_lock", &key).await? {
+        report.duration = started.elapsed();
+        return Ok(report);
+    }
+    let result = clean(client, config, dry_run, stop, &mut report).await;
+    if !dry_run {
+        let unlocked = advisory(client, "pg_advisory_unlock", &key).await;
+        // A failed query has the better message; the lock goes with the session anyway.
+        result?;
+        unlocked?;
+    } else {
+        result?;
+    }
+    report.duration = started.elapsed();
+    Ok(report)
+}
+
+async fn advisory(client: &Client, function: &str, key: &str) -> Result<bool, RetentionError> {
+    Ok(client
+        .query_one(
+            &format!("SELECT {function}(hashtextextended($1, 0))"),
+            &[&key],
+        )
+        .await
+        .map_err(|e| DbError::query("taking or releasing the retention lock", e))?
+        .get(0))
+}
+
+/// Cleans both tables into `report`.
+async fn clean(
+    client: &Client,
+    config: &Config,
+    dry_run: bool,
+    stop: &CancellationToken,
+    report: &mut Report,
+) -> Result<(), RetentionError> {
+    let table = &config.outbox.table;
+    let (sent_cutoff, letters_cutoff): (DateTime<Utc>, DateTime<Utc>) = {
+        let row = client
+            .query_one(
+                "SELECT now() - make_interval(secs => $1), now() - make_interval(secs => $2)",
+                &[
+                    &config.retention.sent_window.as_secs_f64(),
+                    &config.retention.dead_letter_window.as_secs_f64(),
+                ],
+            )
+            .await
+            .map_err(|e| DbError::query("reading the server's clock", e))?;
+        (row.get(0), row.get(1))
+    };
+    let batches = Batches::new(config, dry_run);
+    report.outbox = match config.relay.mark {
+        MarkMode::Delete => Cleanup::Skipped(Skip::MarkDelete),
+        MarkMode::None => Cleanup::Skipped(Skip::MarkNone),
+        MarkMode::Update => {
+            let indexed = check_outbox(client, table).await?;
+            if !indexed {
+                report.hint = Some(format!(
+                    "index {} is missing, so every batch scans the table: run outbox-relay migrate",
+                    sent_index(table)
+                ));
+            }
+            let target = Target::sent_rows(table, indexed);
+            let (cleanup, interrupted) = batches.run(client, &target, sent_cutoff, stop).await?;
+            report.interrupted = interrupted;
+            cleanup
+        }
+    };
+    report.dead_letters = if !config.dead_letter.enabled {
+        Cleanup::Skipped(Skip::DeadLettersOff)
+    } else if report.interrupted {
+        Cleanup::Done {
+            rows: 0,
+            batches: 0,
+        }
+    } else {
+        let dlq = config.dead_letter.table_name(table);
+        if exists(client, &dlq).await? {
+            let target = Target::dead_letters(&dlq);
+            let (cleanup, interrupted) = batches.run(client, &target, letters_cutoff, stop).await?;
+            report.interrupted = interrupted;
+            cleanup
+        } else {
+            Cleanup::Skipped(Skip::NoDeadLetterTable(dlq))
+        }
+    };
+    Ok(())
+}
+
+async fn exists(client: &Client, table: &TableName) -> Result<bool, RetentionError> {
+    Ok(client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.quoted()])
+        .await
+        .map_err(|e| DbError::query(format!("looking up table {table}"), e))?
+        .get(0))
+}
+
+/// Checks that the outbox exists and has `relay_sent_at` (so a failure
+/// later is not a setup problem in disguise); returns whether the index of
+/// sent rows exists.
+async fn check_outbox(client: &Client, table: &TableName) -> Result<bool, RetentionError> {
+    let index = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(&sent_index(table))
+    );
+    let row = client
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL,
+                    EXISTS (SELECT 1 FROM pg_attribute
+                            WHERE attrelid = to_regclass($1) AND attname = $2 AND NOT attisdropped),
+                    to_regclass($3) IS NOT NULL",
+            &[&table.quoted(), &SENT_AT_COLUMN, &index],
+        )
+        .await
+        .map_err(|e| DbError::query(format!("looking up table {table}"), e))?;
+    match (row.get(0), row.get(1)) {
+        (false, _) => Err(RetentionError::MissingTable(table.clone())),
+        (true, false) => Err(RetentionError::MissingColumn(table.clone())),
+        (true, true) => Ok(row.get(2)),
+    }
+}
+
+/// The statements of one table: `$1` is the cutoff, `$2` the batch size.
+struct Target {
+    what: String,
+    delete: String,
+    count: String,
+}
+
+impl Target {
+    /// Oldest first through the index; without it, in any order, so a scan
+    /// stops after one batch instead of sorting every eligible row.
+    fn sent_rows(table: &TableName, indexed: bool) -> Target {
+        let t = table.quoted();
+        let eligible = format!("{SENT_AT_COLUMN} IS NOT NULL AND {SENT_AT_COLUMN} < $1");
+        let order = if indexed {
+            format!("ORDER BY {SENT_AT_COLUMN} ")
+        } else {
+            String::new()
+        };
+        Target {
+            what: format!("deleting sent rows from {table}"),
+            delete: format!(
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                     SELECT ctid FROM {t} WHERE {eligible}
+                     {order}LIMIT $2 FOR UPDATE SKIP LOCKED))
+                   AND {eligible}"
+            ),
+            count: format!("SELECT count(*) FROM {t} WHERE {eligible}"),
+        }
+    }
+
+    fn dead_letters(table: &TableName) -> Target {
+        let t = table.quoted();
+        let eligible = "resolution IS NOT NULL AND resolved_at < $1";
+        Target {
+            what: format!("deleting resolved dead letters from {table}"),
+            // The primary key gives the order; dead-letter tables stay small.
+            delete: format!(
+                "DELETE FROM {t} WHERE dead_letter_id = ANY(ARRAY(
+                     SELECT dead_letter_id FROM {t} WHERE {eligible}
+                     ORDER BY dead_letter_id LIMIT $2 FOR UPDATE SKIP LOCKED))
+                   AND {eligible}"
+            ),
+            count: format!("SELECT count(*) FROM {t} WHERE {eligible}"),
+        }
+    }
+}
+
+/// How a run deletes: `batch_size` rows per statement, `pause` between statements.
+struct Batches {
+    size: u64,
+    pause: Duration,
+    dry_run: bool,
+}
+
+impl Batches {
+    fn new(config: &Config, dry_run: bool) -> Self {
+        Batches {
+            size: config.retention.batch_size.max(1) as u64,
+            pause: config.retention.pause,
+            dry_run,
+        }
+    }
+
+    /// Deletes (or counts) `target`'s rows older than `cutoff`; the flag is
+    /// true when `stop` ended it early.
+    async fn run(
+        &self,
+        client: &Client,
+        target: &Target,
+        cutoff: DateTime<Utc>,
+        stop: &CancellationToken,
+    ) -> Result<(Cleanup, bool), RetentionError> {
+        let failed = |e| DbError::query(target.what.clone(), e);
+        if self.dry_run {
+            let rows: i64 = client
+                .query_one(&target.count, &[&cutoff])
+                .await
+                .map_err(failed)?
+                .get(0);
+            let rows = rows.max(0) as u64;
+            let batches = rows.div_ceil(self.size);
+            return Ok((Cleanup::Done { rows, batches }, false));
+        }
+        let statement = client.prepare(&target.delete).await.map_err(failed)?;
+        let limit = i64::try_from(self.size).unwrap_or(i64::MAX);
+        let (mut rows, mut batches) = (0, 0);
+        loop {
+            let deleted = client
+                .execute(&statement, &[&cutoff, &limit])
+                .await
+                .map_err(failed)?;
+            if deleted > 0 {
+                rows += deleted;
+                batches += 1;
+            }
+            // A short batch means the table is done (or the rest is locked
+            // by someone else, and waits for the next run).
+            if deleted < self.size {
+                return Ok((Cleanup::Done { rows, batches }, false));
+            }
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => return Ok((Cleanup::Done { rows, batches }, true)),
+                _ = tokio::time::sleep(self.pause) => {}
+            }
+        }
+    }
+}
+
+/// Runs the cleanup every `retention.interval` until `shutdown`, on a
+/// connection of its own, at most one instance at a time. Failures are
+/// logged and retried with backoff; they never end it. Returns at once when
+/// `retention.enabled` is false or there is nothing it could ever delete.
+pub async fn run_scheduled(
+    config: &Config,
+    metrics: Option<PipelineMetrics>,
+    shutdown: CancellationToken,
+) {
+    let r = &config.retention;
+    let pipeline = config.name.as_str();
+    if !r.enabled {
+        tracing::debug!(pipeline, "retention disabled");
+        return;
+    }
+    if config.relay.mark != MarkMode::Update && !config.dead_letter.enabled {
+        tracing::info!(pipeline, mark = ?config.relay.mark, "retention has nothing to clean: sent rows are not kept and dead-lettering is off");
+        return;
+    }
+    tracing::info!(pipeline, interval = ?r.interval, sent_window = ?r.sent_window, dead_letter_window = ?r.dead_letter_window, "retention scheduled");
+    let mut backoff = Backoff::new(
+        config.relay.retry_base,
+        config.relay.retry_max.min(r.interval),
+    );
+    let mut wait = r.interval.min(FIRST_RUN_DELAY);
+    loop {
+        // 1. shutdown, 2. the next run.
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+        let run = async {
+            let client = connect(config).await?;
+            once_until(&client, config, false, &shutdown).await
+        };
+        let abandoned = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        };
+        // 1. a batch that outlives the shutdown grace, 2. the run.
+        let result = tokio::select! {
+            biased;
+            _ = abandoned => {
+                tracing::debug!(pipeline, "retention abandoned at shutdown");
+                return;
+            }
+            result = run => result,
+        };
+        wait = r.interval;
+        match result {
+            Ok(report) if report.is_busy() => {
+                tracing::debug!(pipeline, "retention skipped: another instance is cleaning");
+            }
+            Ok(report) => {
+                backoff.reset();
+                log_report(pipeline, &report);
+                if let Some(m) = &metrics {
+                    m.retention_outbox.increment(report.outbox.rows());
+                    m.retention_dead_letters
+                        .increment(report.dead_letters.rows());
+                }
+            }
+            Err(e) => {
+                wait = backoff.next_delay();
+                if e.is_retryable() {
+                    tracing::warn!(pipeline, error = %e, attempt = backoff.attempts(), retry_in = ?wait, "retention cleanup failed; retrying");
+                } else {
+                    tracing::error!(pipeline, error = %e, attempt = backoff.attempts(), retry_in = ?wait, "retention cleanup cannot work until this is fixed; retrying");
+                }
+            }
+        }
+        if shutdown.is_cancelled() {
+            return;
+        }
+    }
+}
+
+/// At info when rows were deleted, else at debug (a quiet outbox would log
+/// the same line every interval).
+fn log_report(pipeline: &str, report: &Report) {
+    if let Some(hint) = &report.hint {
+        tracing::warn!(pipeline, hint = %hint, "retention is slow");
+    }
+    let (outbox, letters) = (report.outbox.rows(), report.dead_letters.rows());
+    let batches = match report.outbox {
+        Cleanup::Done { batches, .. } => batches,
+        Cleanup::Skipped(_) => 0,
+    };
+    let took_ms = report.duration.as_millis() as u64;
+    if outbox + letters > 0 || report.interrupted {
+        tracing::info!(
+            pipeline,
+            sent_rows = outbox,
+            batches,
+            dead_letters = letters,
+            took_ms,
+            interrupted = report.interrupted,
+            "retention cleanup done"
+        );
+    } else {
+        tracing::debug!(pipeline, took_ms, summary = %report, "retention cleanup found nothing to delete");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lock_is_not_the_ownership_lock() {
+        let t = TableName::new("public", "outbox");
+        assert_ne!(lock_key(&t), crate::source::ownership_key(&t));
+        assert!(lock_key(&t).ends_with(":retention"));
+    }
+}
