@@ -1,4 +1,4 @@
-//! Command-line interface: `run`, `migrate`, `check`.
+//! Command-line interface: `run`, `migrate`, `check`, `status`, `dlq`, `retention`.
 
 use crate::config::{self, Config};
 use crate::dead_letter::admin::{self, Target};
@@ -28,6 +28,9 @@ pub struct ConfigArg {
     /// The TOML configuration file.
     #[arg(long, short, env = "OUTBOX_RELAY_CONFIG", value_name = "FILE")]
     pub config: PathBuf,
+    /// Act on this pipeline only (a [pipelines.<name>] of the file).
+    #[arg(long, value_name = "NAME")]
+    pub pipeline: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -51,10 +54,39 @@ pub enum Command {
     /// Validate the configuration, connect to the database and the broker, verify the
     /// table, columns and privileges, and print a report. Exits non-zero on any problem.
     Check(ConfigArg),
+    /// Is it working, and how far behind is it? The active instance, backlog, oldest
+    /// unsent event, dead letters, last publish and replication slot, per pipeline.
+    Status {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// One JSON object per pipeline instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Inspect and resolve dead letters: events the broker kept refusing.
     Dlq {
         #[command(subcommand)]
         command: DlqCommand,
+    },
+    /// Delete sent rows and resolved dead letters older than their retention
+    /// windows ([retention]), once, and print what was deleted.
+    #[command(
+        long_about = "Delete sent rows and resolved dead letters older than their retention windows \
+                      ([retention] sent_window, dead_letter_window), in batches, and print what was \
+                      deleted. Unsent rows and open dead letters are never deleted. Skips when another \
+                      instance is cleaning. `run` already schedules this every retention.interval; \
+                      this command is for operators and cron."
+    )]
+    Retention {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Run one cleanup now and exit. Required: this command has no daemon mode,
+        /// since `run` schedules the cleanup itself.
+        #[arg(long, required = true)]
+        once: bool,
+        /// Count what would be deleted, and delete nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -123,21 +155,65 @@ impl TargetArgs {
 pub const EXIT_FAILURE: u8 = 1;
 pub const EXIT_CONFIG: u8 = 2;
 
-fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
-    config::load(path).map_err(|e| {
+/// The pipelines of the file, or the one `--pipeline` names.
+fn load_all(arg: &ConfigArg) -> Result<Vec<Config>, ExitCode> {
+    let all = config::load(&arg.config).map_err(|e| {
         eprintln!("error: {e}");
         ExitCode::from(EXIT_CONFIG)
+    })?;
+    match &arg.pipeline {
+        None => Ok(all),
+        Some(name) => {
+            let names: Vec<String> = all.iter().map(|c| c.name.clone()).collect();
+            match all.into_iter().find(|c| &c.name == name) {
+                Some(c) => Ok(vec![c]),
+                None => {
+                    eprintln!(
+                        "error: {} has no pipeline {name:?}; it has: {}",
+                        arg.config.display(),
+                        names.join(", ")
+                    );
+                    Err(ExitCode::from(EXIT_CONFIG))
+                }
+            }
+        }
+    }
+}
+
+/// The one pipeline a command acts on (the file's only one, or `--pipeline`).
+fn load(arg: &ConfigArg) -> Result<Config, ExitCode> {
+    let mut all = load_all(arg)?;
+    if all.len() > 1 {
+        let names: Vec<&str> = all.iter().map(|c| c.name.as_str()).collect();
+        eprintln!(
+            "error: {} defines {} pipelines ({}); this command acts on one: choose it with --pipeline",
+            arg.config.display(),
+            all.len(),
+            names.join(", ")
+        );
+        return Err(ExitCode::from(EXIT_CONFIG));
+    }
+    Ok(all.remove(0))
+}
+
+/// Prints a header before each pipeline's output when there are several.
+fn each(configs: &[Config]) -> impl Iterator<Item = &Config> {
+    let several = configs.len() > 1;
+    configs.iter().inspect(move |c| {
+        if several {
+            println!("== pipeline {} ==", c.name);
+        }
     })
 }
 
 pub async fn main(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Run(arg) => {
-            let config = match load(&arg.config) {
+            let configs = match load_all(&arg) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            crate::telemetry::init(&config.log);
+            crate::telemetry::init(&configs[0].log);
             let shutdown = match crate::shutdown::on_signals() {
                 Ok(t) => t,
                 Err(e) => {
@@ -145,39 +221,75 @@ pub async fn main(cli: Cli) -> ExitCode {
                     return ExitCode::from(EXIT_FAILURE);
                 }
             };
-            tracing::info!(version = env!("CARGO_PKG_VERSION"), config = %arg.config.display(), "outbox-relay starting");
-            crate::relay::run(&config, shutdown).await;
-            ExitCode::SUCCESS
+            tracing::info!(version = env!("CARGO_PKG_VERSION"), config = %arg.config.display(), pipelines = configs.len(), "outbox-relay starting");
+            match crate::daemon::run(configs, shutdown).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start");
+                    eprintln!("error: {e}");
+                    ExitCode::from(EXIT_FAILURE)
+                }
+            }
         }
         Command::Migrate {
             config,
             dry_run,
             mark_existing_sent,
         } => {
-            let config = match load(&config.config) {
+            let configs = match load_all(&config) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            run_migrate(&config, dry_run, mark_existing_sent).await
+            let mut code = ExitCode::SUCCESS;
+            for c in each(&configs) {
+                let result = run_migrate(c, dry_run, mark_existing_sent).await;
+                if result != ExitCode::SUCCESS {
+                    code = result;
+                }
+            }
+            code
         }
         Command::Check(arg) => {
-            let config = match load(&arg.config) {
+            let configs = match load_all(&arg) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            crate::check::run(&config).await
+            let mut code = ExitCode::SUCCESS;
+            for c in each(&configs) {
+                let result = crate::check::run(c).await;
+                if result != ExitCode::SUCCESS {
+                    code = result;
+                }
+            }
+            code
+        }
+        Command::Status { config, json } => {
+            let configs = match load_all(&config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            crate::status::command(&configs, json).await
         }
         Command::Dlq { command } => run_dlq(command).await,
+        Command::Retention {
+            config, dry_run, ..
+        } => {
+            let config = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            run_retention(&config, dry_run).await
+        }
     }
 }
 
 async fn run_dlq(command: DlqCommand) -> ExitCode {
-    let path = match &command {
+    let arg = match &command {
         DlqCommand::List { config, .. }
         | DlqCommand::Redrive { config, .. }
-        | DlqCommand::Drop { config, .. } => &config.config,
+        | DlqCommand::Drop { config, .. } => config,
     };
-    let config = match load(path) {
+    let config = match load(arg) {
         Ok(c) => c,
         Err(code) => return code,
     };
@@ -235,6 +347,23 @@ async fn run_dlq(command: DlqCommand) -> ExitCode {
                 }
                 Err(e) => fail(&e),
             }
+        }
+    }
+}
+
+async fn run_retention(config: &Config, dry_run: bool) -> ExitCode {
+    let report = match crate::retention::connect(config).await {
+        Ok(client) => crate::retention::once(&client, config, dry_run).await,
+        Err(e) => Err(e),
+    };
+    match report {
+        Ok(report) => {
+            println!("{report}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(EXIT_FAILURE)
         }
     }
 }

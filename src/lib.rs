@@ -9,17 +9,21 @@
 //!   the acker that records progress.
 //! - [`sink`]: Kafka and RabbitMQ, with the delivery contract.
 //! - [`relay`]: ownership, the pipeline between source and sink, retries.
+//! - [`retention`]: the scheduled cleanup of sent rows and resolved dead letters.
 //! - [`check`], [`cli`], [`shutdown`], [`telemetry`]: the binary's edges.
 
 pub mod check;
 pub mod cli;
 pub mod config;
+pub mod daemon;
 pub mod db;
 pub mod dead_letter;
 pub mod envelope;
 pub mod outbox;
 pub mod relay;
+pub mod retention;
 pub mod shutdown;
 pub mod sink;
 pub mod source;
+pub mod status;
 pub mod telemetry;

@@ -12,9 +12,9 @@ mod secret;
 mod sink;
 mod validate;
 
-pub use load::{ConfigError, load, load_str};
+pub use load::{ConfigError, DEFAULT_PIPELINE, load, load_all_str, load_str};
 pub use secret::{Secret, SecretUrl, redact_url};
-pub use sink::{KafkaConfig, RabbitMqConfig, SinkConfig};
+pub use sink::{KafkaConfig, RabbitMqConfig, SaslMechanism, SecurityProtocol, SinkConfig};
 
 use crate::db::tls::{SslMode, TlsOptions};
 use crate::outbox::{ColumnMap, TableName};
@@ -40,11 +40,16 @@ macro_rules! keyword_enum {
         }
     };
 }
+pub(crate) use keyword_enum;
 
-/// The whole configuration file.
+/// The configuration of one pipeline: one outbox to one broker, with the
+/// process-wide sections (`log`, `http`) alongside.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// The pipeline's name (`default`, or its `[pipelines.<name>]` key): a metrics label.
+    #[serde(skip)]
+    pub name: String,
     pub database: DatabaseConfig,
     #[serde(default)]
     pub outbox: OutboxConfig,
@@ -112,6 +117,10 @@ pub struct HttpConfig {
     /// `host:port` to listen on; keep it on a private interface.
     #[serde(default = "defaults::http_address")]
     pub address: String,
+    /// How often the gauges read from the database (backlog, dead letters,
+    /// slot) are refreshed.
+    #[serde(default = "defaults::sample_interval", with = "humantime_serde")]
+    pub sample_interval: Duration,
 }
 
 impl Default for HttpConfig {
@@ -119,6 +128,7 @@ impl Default for HttpConfig {
         HttpConfig {
             enabled: true,
             address: defaults::http_address(),
+            sample_interval: defaults::sample_interval(),
         }
     }
 }
@@ -536,6 +546,9 @@ pub mod defaults {
     }
     pub fn retention_pause() -> Duration {
         Duration::from_millis(100)
+    }
+    pub fn sample_interval() -> Duration {
+        Duration::from_secs(15)
     }
     pub fn http_address() -> String {
         "127.0.0.1:9187".into()

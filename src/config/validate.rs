@@ -186,12 +186,31 @@ impl Config {
         }
         let t = &self.retention;
         c.duration("retention.interval", t.interval, SEC, 24 * HOUR);
-        c.duration("retention.sent_window", t.sent_window, Duration::ZERO, 3650 * 24 * HOUR);
-        c.duration("retention.dead_letter_window", t.dead_letter_window, Duration::ZERO, 3650 * 24 * HOUR);
+        c.duration(
+            "retention.sent_window",
+            t.sent_window,
+            Duration::ZERO,
+            3650 * 24 * HOUR,
+        );
+        c.duration(
+            "retention.dead_letter_window",
+            t.dead_letter_window,
+            Duration::ZERO,
+            3650 * 24 * HOUR,
+        );
         c.range("retention.batch_size", t.batch_size, 1, 100_000);
         c.duration("retention.pause", t.pause, Duration::ZERO, 60 * SEC);
+        c.duration(
+            "http.sample_interval",
+            self.http.sample_interval,
+            100 * MS,
+            HOUR,
+        );
         if self.http.enabled && self.http.address.parse::<std::net::SocketAddr>().is_err() {
-            c.problem("http.address", "must be an IP address and port, like 127.0.0.1:9187");
+            c.problem(
+                "http.address",
+                "must be an IP address and port, like 127.0.0.1:9187",
+            );
         }
         let d = &self.dead_letter;
         c.range("dead_letter.max_attempts", d.max_attempts, 1, 1000);
@@ -276,7 +295,89 @@ fn check_kafka(c: &mut Checker, k: &KafkaConfig) {
                 &format!("sink.properties.{key}"),
                 "is set by the relay because its delivery guarantee depends on it; remove it (see the sink keys for the ones you can tune)",
             );
+        } else if let Some((_, typed)) =
+            KafkaConfig::TYPED_PROPERTIES.iter().find(|(p, _)| p == key)
+        {
+            c.problem(
+                &format!("sink.properties.{key}"),
+                format!("is set from a sink key; use {typed} instead"),
+            );
         }
+    }
+    check_kafka_security(c, k);
+}
+
+/// SASL keys need a `sasl_*` protocol, SSL keys an `ssl` one, and SASL needs
+/// its user name and password.
+fn check_kafka_security(c: &mut Checker, k: &KafkaConfig) {
+    let protocol = k.security_protocol;
+    if !protocol.uses_sasl() {
+        for (key, set) in [
+            ("sink.sasl_mechanism", k.sasl_mechanism.is_some()),
+            ("sink.sasl_username", k.sasl_username.is_some()),
+            ("sink.sasl_password", k.sasl_password.is_some()),
+        ] {
+            if set {
+                c.problem(
+                    key,
+                    format!(
+                        "is only used with sink.security_protocol sasl_plaintext or sasl_ssl, not {}",
+                        protocol.as_str()
+                    ),
+                );
+            }
+        }
+    } else {
+        let mechanism = k.sasl_mechanism.unwrap_or_default().as_str();
+        if k.sasl_username.as_deref().is_none_or(str::is_empty) {
+            c.problem(
+                "sink.sasl_username",
+                format!("is required by SASL mechanism {mechanism}"),
+            );
+        }
+        if k.sasl_password.as_ref().is_none_or(|p| p.is_empty()) {
+            c.problem(
+                "sink.sasl_password",
+                format!("is required by SASL mechanism {mechanism}"),
+            );
+        }
+    }
+    if !protocol.uses_tls() {
+        for (key, set) in [
+            ("sink.ssl_ca", k.ssl_ca.is_some()),
+            ("sink.ssl_cert", k.ssl_cert.is_some()),
+            ("sink.ssl_key", k.ssl_key.is_some()),
+        ] {
+            if set {
+                c.problem(
+                    key,
+                    format!(
+                        "is only used with sink.security_protocol ssl or sasl_ssl, not {}",
+                        protocol.as_str()
+                    ),
+                );
+            }
+        }
+    }
+    both_or_neither(
+        c,
+        ("sink.ssl_cert", k.ssl_cert.is_some()),
+        ("sink.ssl_key", k.ssl_key.is_some()),
+    );
+}
+
+/// A client certificate and its key go together.
+fn both_or_neither(c: &mut Checker, cert: (&str, bool), key: (&str, bool)) {
+    if cert.1 != key.1 {
+        let (present, missing) = if cert.1 {
+            (cert.0, key.0)
+        } else {
+            (key.0, cert.0)
+        };
+        c.problem(
+            present,
+            format!("is set but {missing} is not: a client certificate needs both"),
+        );
     }
 }
 
@@ -313,5 +414,24 @@ fn check_rabbitmq(c: &mut Checker, r: &RabbitMqConfig) {
         r.message_max_bytes,
         1_000,
         512 * 1024 * 1024,
+    );
+    // An unparseable URL is reported above, not blamed on these keys.
+    let plain = url::Url::parse(r.url.expose()).is_ok_and(|u| u.scheme() != "amqps");
+    for (key, set) in [
+        ("sink.tls_ca", r.tls_ca.is_some()),
+        ("sink.tls_cert", r.tls_cert.is_some()),
+        ("sink.tls_key", r.tls_key.is_some()),
+    ] {
+        if set && plain {
+            c.problem(
+                key,
+                "is only used with amqps://; change sink.url to amqps:// (RabbitMQ's TLS port, 5671 by default) or remove it",
+            );
+        }
+    }
+    both_or_neither(
+        c,
+        ("sink.tls_cert", r.tls_cert.is_some()),
+        ("sink.tls_key", r.tls_key.is_some()),
     );
 }

@@ -27,6 +27,8 @@ use crate::source::polling::{PollingAcker, PollingReader};
 use crate::source::record::RowRecorder;
 use crate::source::replication::Lsn;
 use crate::source::{SourceError, ownership_key};
+use crate::telemetry::PipelineTelemetry;
+use crate::telemetry::health::PipelineHealth;
 use scheduler::Blocks;
 use shards::{Balance, Shard};
 use std::sync::{Arc, Mutex};
@@ -73,10 +75,26 @@ impl RelayError {
 /// (at error level with what to fix when it will not pass by itself) and
 /// retried after a jittered, growing delay.
 pub async fn run(config: &Config, shutdown: CancellationToken) {
+    run_observed(config, PipelineTelemetry::new(config), shutdown).await;
+}
+
+/// As [`run`], reporting health and metrics through `telemetry`.
+pub async fn run_observed(
+    config: &Config,
+    telemetry: PipelineTelemetry,
+    shutdown: CancellationToken,
+) {
     if config.relay.shards > 1 {
-        shards::run(config, shutdown).await;
+        shards::run(config, telemetry, shutdown).await;
     } else {
-        supervise(config, Shard::whole(), Balance::unlimited(), shutdown).await;
+        supervise(
+            config,
+            Shard::whole(),
+            Balance::unlimited(),
+            telemetry,
+            shutdown,
+        )
+        .await;
     }
 }
 
@@ -92,6 +110,7 @@ pub(crate) async fn supervise(
     config: &Config,
     shard: Shard,
     balance: Arc<Balance>,
+    telemetry: PipelineTelemetry,
     shutdown: CancellationToken,
 ) {
     let relay = &config.relay;
@@ -103,7 +122,16 @@ pub(crate) async fn supervise(
     let mut backoff = Backoff::new(relay.retry_base, relay.retry_max);
     loop {
         let started = Instant::now();
-        let result = run_once(config, shard, &balance, &mut blocks, &progress, &shutdown).await;
+        let result = run_once(
+            config,
+            shard,
+            &balance,
+            &telemetry,
+            &mut blocks,
+            &progress,
+            &shutdown,
+        )
+        .await;
         if shutdown.is_cancelled() {
             if let Err(e) = result {
                 tracing::warn!(error = %e, "stopped with an error during shutdown");
@@ -122,6 +150,8 @@ pub(crate) async fn supervise(
             }
             Err(e) => e,
         };
+        telemetry.health.failing(&e.to_string());
+        telemetry.metrics.restarts.increment(1);
         if started.elapsed() > relay.retry_max {
             backoff.reset();
         }
@@ -142,14 +172,18 @@ async fn run_once(
     config: &Config,
     shard: Shard,
     balance: &Arc<Balance>,
+    telemetry: &PipelineTelemetry,
     blocks: &mut Blocks,
     progress: &SharedProgress,
     shutdown: &CancellationToken,
 ) -> Result<Stop, RelayError> {
-    let Some(owner) = acquire_ownership(config, shard, balance, shutdown).await? else {
+    let Some(owner) =
+        acquire_ownership(config, shard, balance, &telemetry.health, shutdown).await?
+    else {
         return Ok(Stop::Shutdown);
     };
     balance.acquired();
+    telemetry.health.acquired();
     // Gives the shard back when this instance holds more than its share.
     let run_token = shutdown.child_token();
     let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -175,8 +209,20 @@ async fn run_once(
             }
         }))
     };
-    let result = relay_owned(config, shard, owner, blocks, progress, &run_token).await;
+    let result = relay_owned(
+        config, shard, owner, telemetry, blocks, progress, &run_token,
+    )
+    .await;
     drop(watcher);
+    telemetry.health.released();
+    telemetry
+        .metrics
+        .active
+        .set(if telemetry.health.is_active() {
+            1.0
+        } else {
+            0.0
+        });
     if released.load(std::sync::atomic::Ordering::SeqCst) {
         return result.map(|()| Stop::Released);
     }
@@ -189,15 +235,21 @@ async fn relay_owned(
     config: &Config,
     shard: Shard,
     owner: Client,
+    telemetry: &PipelineTelemetry,
     blocks: &mut Blocks,
     progress: &SharedProgress,
     shutdown: &CancellationToken,
 ) -> Result<(), RelayError> {
+    telemetry.metrics.active.set(1.0);
     let table = &config.outbox.table;
     let columns =
         inspect::resolve_table(&owner, table, &config.outbox.columns, config.relay.mark).await?;
     let envelope = Envelope::new(&config.envelope);
     let settings = Settings {
+        probe_interval: config
+            .relay
+            .standby_poll
+            .max(std::time::Duration::from_secs(1)),
         batch_size: config.source.batch_size,
         max_in_flight: config.relay.max_in_flight,
         per_aggregate: config
@@ -220,6 +272,11 @@ async fn relay_owned(
         .enabled
         .then(|| config.dead_letter.table_name(table));
     let recorder = RowRecorder::new(owner, table, config.relay.mark, dead_letters.as_ref()).await?;
+    let cx = pipeline::Context {
+        envelope: &envelope,
+        settings: &settings,
+        telemetry,
+    };
     match config.source.mode {
         SourceMode::Polling => {
             let reader = PollingReader::connect(
@@ -233,7 +290,7 @@ async fn relay_owned(
             let acker = PollingAcker::new(recorder);
             let sink = AnySink::connect(&config.sink).await?;
             tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events");
-            pipeline::run(reader, acker, sink, &envelope, &settings, blocks, shutdown).await?;
+            pipeline::run(reader, acker, sink, cx, blocks, shutdown).await?;
             tracing::info!("stopped cleanly");
             Ok(())
         }
@@ -242,7 +299,7 @@ async fn relay_owned(
             let acker = CdcAcker::new(recorder, progress.clone());
             let sink = AnySink::connect(&config.sink).await?;
             tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events from the replication slot");
-            pipeline::run(reader, acker, sink, &envelope, &settings, blocks, shutdown).await?;
+            pipeline::run(reader, acker, sink, cx, blocks, shutdown).await?;
             tracing::info!("stopped cleanly");
             Ok(())
         }
@@ -255,6 +312,7 @@ pub async fn acquire_ownership(
     config: &Config,
     shard: Shard,
     balance: &Balance,
+    health: &PipelineHealth,
     shutdown: &CancellationToken,
 ) -> Result<Option<Client>, RelayError> {
     let key = shard.lock_key(&ownership_key(&config.outbox.table));
@@ -279,6 +337,8 @@ pub async fn acquire_ownership(
         if locked {
             return Ok(Some(client));
         }
+        // The database answers and another instance is active: a healthy standby.
+        health.healthy();
         if !announced && shard.count == 1 {
             tracing::info!(table = %config.outbox.table, "standby: another instance is active; waiting to take over");
             announced = true;

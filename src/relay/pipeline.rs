@@ -21,6 +21,8 @@ use crate::envelope::Envelope;
 use crate::outbox::{OutboxEvent, RawRow};
 use crate::sink::{Confirmation, Sink, SinkError};
 use crate::source::{Acker, Reader, RowPosition, SourceError, SourcedEvent};
+use crate::telemetry::PipelineTelemetry;
+use crate::telemetry::metrics::Failure;
 use chrono::Utc;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -65,6 +67,8 @@ pub struct DeadLetterSettings {
 /// Tunables of a run.
 #[derive(Debug, Clone)]
 pub struct Settings {
+    /// How often the broker connection is checked while nothing else would notice its loss.
+    pub probe_interval: Duration,
     pub batch_size: usize,
     pub max_in_flight: usize,
     pub per_aggregate: Option<usize>,
@@ -79,6 +83,7 @@ type InFlight<P> = Pin<Box<dyn Future<Output = Done<P>> + Send>>;
 
 struct Run<'a, P, K> {
     settings: &'a Settings,
+    telemetry: &'a PipelineTelemetry,
     sink: K,
     envelope: &'a Envelope,
     blocks: &'a mut Blocks,
@@ -92,13 +97,19 @@ struct Run<'a, P, K> {
     warned_full: bool,
 }
 
+/// What a run reads its settings from and reports to.
+pub struct Context<'a> {
+    pub envelope: &'a Envelope,
+    pub settings: &'a Settings,
+    pub telemetry: &'a PipelineTelemetry,
+}
+
 /// Runs until `shutdown` (then drains and returns `Ok`) or a failure.
 pub async fn run<R, A, K>(
     reader: R,
     acker: A,
     sink: K,
-    envelope: &Envelope,
-    settings: &Settings,
+    cx: Context<'_>,
     blocks: &mut Blocks,
     shutdown: &CancellationToken,
 ) -> Result<(), PipelineError>
@@ -107,6 +118,11 @@ where
     A: Acker<Position = R::Position>,
     K: Sink,
 {
+    let Context {
+        envelope,
+        settings,
+        telemetry,
+    } = cx;
     let (batch_tx, mut batch_rx) = mpsc::channel(2);
     let (rewind_tx, rewind_rx) = mpsc::channel(4);
     let mut reader_task = AbortOnDropHandle::new(tokio::spawn(drive_reader(
@@ -121,6 +137,7 @@ where
         AbortOnDropHandle::new(tokio::spawn(drive_acker(acker, ack_rx, resolved_tx)));
     let mut run = Run {
         settings,
+        telemetry,
         sink,
         envelope,
         blocks,
@@ -156,6 +173,7 @@ where
     }
     let mut refresh: Option<oneshot::Receiver<HashSet<String>>> = None;
     let mut next_refresh = refresh_every.map(|d| Instant::now() + d);
+    let mut next_probe = Instant::now() + settings.probe_interval;
 
     let result = loop {
         if run.scheduler.in_flight() == 0
@@ -178,6 +196,9 @@ where
                 run.intake_closed = false;
             }
         }
+        let in_flight = run.scheduler.in_flight();
+        telemetry.metrics.in_flight.set(in_flight as f64);
+        telemetry.health.set_in_flight(in_flight);
         let intake = !run.intake_closed && run.has_room();
         let expiry = run.blocks.next_expiry().filter(|_| !run.intake_closed);
         let has_work = !run.pending_acks.is_empty() || !run.pending_letters.is_empty();
@@ -250,8 +271,23 @@ where
             },
             // 8. The acker failed (e.g. lost its connection, and with it ownership).
             res = &mut acker_task => break Err(joined(res, "acker")),
+            // 9. An idle broker connection can die unnoticed: look now and then.
+            _ = tokio::time::sleep_until(next_probe) => {
+                next_probe = Instant::now() + settings.probe_interval;
+                if let Err(e) = run.sink.probe().await {
+                    break Err(e.into());
+                }
+            }
         }
     };
+    if let Err(e) = &result
+        && e.is_retryable()
+    {
+        // Their fate is unknown: they will be sent again.
+        telemetry
+            .metrics
+            .failed(Failure::Unavailable, run.scheduler.in_flight() as u64);
+    }
     if result.is_err() {
         // Record what the broker confirmed before giving up, to spare re-sends.
         run.push_pending(&ack_tx).await;
@@ -308,7 +344,12 @@ where
         if !self.pending_letters.is_empty() {
             AckCommand::DeadLetter(std::mem::take(&mut self.pending_letters))
         } else {
-            AckCommand::Ack(std::mem::take(&mut self.pending_acks))
+            let acks = std::mem::take(&mut self.pending_acks);
+            let m = &self.telemetry.metrics;
+            m.published.increment(acks.len() as u64);
+            m.last_publish
+                .set(Utc::now().timestamp_millis() as f64 / 1000.0);
+            AckCommand::Ack(acks)
         }
     }
 
@@ -326,6 +367,10 @@ where
     }
 
     async fn admit(&mut self, events: Vec<SourcedEvent<P>>) -> Result<(), PipelineError> {
+        self.telemetry
+            .metrics
+            .batch_size
+            .record(events.len() as f64);
         for event in events {
             match self.scheduler.admit(event, self.blocks) {
                 Admission::Send(e) => self.dispatch(e).await?,
@@ -353,6 +398,7 @@ where
         let (raw, id) = raw_of(&event);
         tracing::warn!(event_id = %id, aggregate_id = %aggregate, follows = %follows, "event follows an earlier dead letter of its aggregate");
         let now = Utc::now();
+        self.telemetry.metrics.dead_lettered.increment(1);
         self.pending_letters.push(DeadLetter {
             seq: event.position.seq(),
             position: event.position,
@@ -399,6 +445,15 @@ where
         let aggregate = event.aggregate_id.clone();
         match result {
             Ok(()) => {
+                self.telemetry.health.progress();
+                let latency = (Utc::now() - event.created_at)
+                    .num_microseconds()
+                    .unwrap_or(0)
+                    .max(0);
+                self.telemetry
+                    .metrics
+                    .commit_to_confirm
+                    .record(latency as f64 / 1e6);
                 self.pending_acks.push(position);
                 self.blocks.clear(&aggregate);
                 if let Some(next) = self.scheduler.finished(&aggregate) {
@@ -419,6 +474,7 @@ where
     /// The event cannot be published now: hold its aggregate back and retry
     /// later, or, after `max_attempts`, dead-letter it.
     fn reject(&mut self, position: P, aggregate: &str, raw: RawRow, reason: String) {
+        self.telemetry.metrics.failed(Failure::Refused, 1);
         let parked = self.scheduler.drop_parked(aggregate);
         let event_id = raw.id.clone();
         let block = self
@@ -455,6 +511,7 @@ where
             "event dead-lettered after repeated refusals; see `outbox-relay dlq list`"
         );
         self.blocks.mark_dead(aggregate);
+        self.telemetry.metrics.dead_lettered.increment(1);
         self.pending_letters.push(DeadLetter {
             seq: position.seq(),
             position,

@@ -109,7 +109,11 @@ impl Balance {
 }
 
 /// Runs one supervised pipeline per shard, balanced with other instances.
-pub async fn run(config: &Config, shutdown: CancellationToken) {
+pub async fn run(
+    config: &Config,
+    telemetry: crate::telemetry::PipelineTelemetry,
+    shutdown: CancellationToken,
+) {
     let count = config.relay.shards;
     let balance = Balance::new(count as usize);
     // Both are aborted when this future is dropped, like a single-pipeline relay.
@@ -121,8 +125,11 @@ pub async fn run(config: &Config, shutdown: CancellationToken) {
     let mut workers = JoinSet::new();
     for index in 0..count {
         let (config, balance, shutdown) = (config.clone(), balance.clone(), shutdown.clone());
+        let telemetry = telemetry.clone();
         let shard = Shard { index, count };
-        workers.spawn(async move { super::supervise(&config, shard, balance, shutdown).await });
+        workers.spawn(async move {
+            super::supervise(&config, shard, balance, telemetry, shutdown).await
+        });
     }
     while workers.join_next().await.is_some() {}
 }

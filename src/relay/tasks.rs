@@ -74,7 +74,7 @@ pub async fn drive_reader<R: Reader>(
                 Some(e) => { reader.rewind(); epoch = e; continue; }
                 None => { reader.close().await; return Ok(()); }
             },
-            events = reader.next_batch(batch_size) => events?,
+            events = read_batch(&mut reader, batch_size) => events?,
         };
         tokio::select! {
             biased;
@@ -87,6 +87,21 @@ pub async fn drive_reader<R: Reader>(
             failed = reader.maintain() => failed?,
         }
     }
+}
+
+/// One read, in a span with its size and duration (debug level).
+async fn read_batch<R: Reader>(
+    reader: &mut R,
+    batch_size: usize,
+) -> Result<Vec<SourcedEvent<R::Position>>, SourceError> {
+    let started = std::time::Instant::now();
+    let events = reader.next_batch(batch_size).await?;
+    tracing::debug!(
+        events = events.len(),
+        read_ms = started.elapsed().as_millis() as u64,
+        "batch read"
+    );
+    Ok(events)
 }
 
 /// Crash-injection hook for the test suite: `OUTBOX_RELAY_FAILPOINT=abort-before-ack:N`
@@ -169,5 +184,13 @@ async fn record<A: Acker>(
             std::process::abort();
         }
     }
-    acker.ack(std::mem::take(positions)).await
+    let started = std::time::Instant::now();
+    let n = positions.len();
+    acker.ack(std::mem::take(positions)).await?;
+    tracing::debug!(
+        events = n,
+        record_ms = started.elapsed().as_millis() as u64,
+        "batch recorded"
+    );
+    Ok(())
 }

@@ -231,7 +231,52 @@ async fn chaos(mode: Mode, kind: Kind) {
         ledger.rolled_back.len(),
         ledger.unknown.len()
     );
-    let got = inbox.wait_ids(&committed, Duration::from_secs(180)).await;
+    let got = match inbox
+        .try_wait_ids(&committed, Duration::from_secs(180))
+        .await
+    {
+        Ok(got) => got,
+        Err(missing) => {
+            // Tell a relay that lost events from one that is slow or stuck.
+            let app = connect(&url).await;
+            let ids: Vec<Uuid> = missing.iter().map(|m| m.parse().unwrap()).collect();
+            let rows = app
+                .query(
+                    "SELECT id::text, relay_sent_at IS NOT NULL, relay_seq FROM outbox WHERE id = ANY($1) ORDER BY relay_seq LIMIT 10",
+                    &[&ids],
+                )
+                .await
+                .unwrap();
+            let states: Vec<String> = rows
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{} sent={} seq={}",
+                        r.get::<_, String>(0),
+                        r.get::<_, bool>(1),
+                        r.get::<_, i64>(2)
+                    )
+                })
+                .collect();
+            let unsent = app
+                .query_one(
+                    "SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0);
+            let slot = app
+                .query_opt("SELECT active, confirmed_flush_lsn::text, pg_current_wal_lsn()::text FROM pg_replication_slots WHERE slot_name = 'chaos'", &[])
+                .await
+                .unwrap()
+                .map(|r| format!("active={} flushed={} wal={}", r.get::<_, bool>(0), r.get::<_, String>(1), r.get::<_, String>(2)));
+            panic!(
+                "{} committed events not delivered (seed {seed}); outbox unsent={unsent}; slot {slot:?}; first missing: {states:?}",
+                missing.len()
+            );
+        }
+    };
     tokio::time::sleep(Duration::from_millis(500)).await;
     let got = if got.len() < inbox.len() {
         inbox.snapshot()

@@ -11,3 +11,6 @@ mod cli;
 mod dead_letters;
 mod delivery;
 mod failures;
+mod operations;
+mod retention;
+mod tls;

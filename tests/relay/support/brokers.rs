@@ -76,6 +76,33 @@ impl Inbox {
         .await
     }
 
+    /// Waits until every id in `ids` was received at least once; on timeout,
+    /// the ids still missing.
+    pub async fn try_wait_ids(
+        &self,
+        ids: &[String],
+        limit: Duration,
+    ) -> Result<Vec<Received>, Vec<String>> {
+        let start = std::time::Instant::now();
+        loop {
+            let got = self.snapshot();
+            let seen: std::collections::HashSet<String> =
+                got.iter().map(|m| m.event_id()).collect();
+            let missing: Vec<String> = ids
+                .iter()
+                .filter(|id| !seen.contains(*id))
+                .cloned()
+                .collect();
+            if missing.is_empty() {
+                return Ok(got);
+            }
+            if start.elapsed() > limit {
+                return Err(missing);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Waits until every id in `ids` was received at least once.
     pub async fn wait_ids(&self, ids: &[String], limit: Duration) -> Vec<Received> {
         wait_for(limit, &format!("{} event ids", ids.len()), || {

@@ -1,0 +1,69 @@
+//! `outbox-relay run`: every pipeline of the configuration, with the HTTP
+//! endpoints, the metrics sampler and the scheduled retention, until shutdown.
+
+use crate::config::Config;
+use crate::telemetry::health::Health;
+use crate::telemetry::{self, PipelineTelemetry};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(
+        "cannot listen on http.address {address}: {source}; choose a free address or set http.enabled = false"
+    )]
+    Listen {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Runs until `shutdown`; every pipeline drains before this returns.
+pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<(), DaemonError> {
+    let Some(first) = configs.first() else {
+        return Ok(());
+    };
+    let health = Arc::new(Health::default());
+    let prometheus = telemetry::metrics::install();
+    let mut tasks = JoinSet::new();
+    if first.http.enabled {
+        let address: SocketAddr = first
+            .http
+            .address
+            .parse()
+            .map_err(|_| DaemonError::Listen {
+                address: first.http.address.clone(),
+                source: std::io::Error::other("not an address"),
+            })?;
+        let server = telemetry::http::bind(address, health.clone(), prometheus, shutdown.clone())
+            .await
+            .map_err(|source| DaemonError::Listen {
+                address: first.http.address.clone(),
+                source,
+            })?;
+        tracing::info!(%address, "serving /metrics, /healthz and /readyz");
+        tasks.spawn(server);
+    }
+    for config in configs {
+        let t = PipelineTelemetry::new(&config);
+        health.register(t.health.clone());
+        tasks.spawn(telemetry::sample(
+            config.clone(),
+            t.clone(),
+            shutdown.clone(),
+        ));
+        {
+            let (config, metrics, token) = (config.clone(), t.metrics.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                crate::retention::run_scheduled(&config, Some(metrics), token).await
+            });
+        }
+        let token = shutdown.clone();
+        tasks.spawn(async move { crate::relay::run_observed(&config, t, token).await });
+    }
+    while tasks.join_next().await.is_some() {}
+    Ok(())
+}

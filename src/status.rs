@@ -1,0 +1,282 @@
+//! What an operator asks first: is it working, and how far behind is it?
+//! One snapshot per pipeline, read from the database, used by
+//! `outbox-relay status` and by the metrics sampler.
+
+use crate::config::{Config, MarkMode, SourceMode};
+use crate::db::DbError;
+use crate::outbox::{SENT_AT_COLUMN, SEQ_COLUMN, quote_ident};
+use crate::source::cdc::setup;
+use crate::source::ownership_key;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use tokio_postgres::Client;
+
+/// The session holding a pipeline's ownership lock.
+#[derive(Debug, Clone, Serialize)]
+pub struct Holder {
+    pub pid: i32,
+    pub application_name: String,
+    pub client_addr: Option<String>,
+    pub since: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SlotStatus {
+    pub name: String,
+    pub exists: bool,
+    pub streaming: bool,
+    pub wal_status: Option<String>,
+    pub retained_wal_bytes: Option<i64>,
+    pub confirmed_lag_bytes: Option<i64>,
+}
+
+/// One pipeline's state.
+#[derive(Debug, Clone, Serialize)]
+pub struct Snapshot {
+    pub pipeline: String,
+    pub mode: &'static str,
+    pub table: String,
+    pub sink: &'static str,
+    /// The active instance, if any holds the ownership lock (whole outbox).
+    pub active: Option<Holder>,
+    /// With shards: how many shard locks are held, of how many.
+    pub shards_owned: Option<(i64, u32)>,
+    pub backlog: i64,
+    pub oldest_unsent_age_seconds: Option<f64>,
+    pub dead_letters: Option<i64>,
+    pub last_publish: Option<DateTime<Utc>>,
+    pub slot: Option<SlotStatus>,
+}
+
+fn q(context: &str) -> impl Fn(tokio_postgres::Error) -> DbError + '_ {
+    move |e| DbError::query(context, e)
+}
+
+pub async fn snapshot(
+    client: &Client,
+    config: &Config,
+    with_last_publish: bool,
+) -> Result<Snapshot, DbError> {
+    let table = &config.outbox.table;
+    let t = table.quoted();
+    let backlog: i64 = client
+        .query_one(
+            &format!("SELECT count(*) FROM {t} WHERE {SENT_AT_COLUMN} IS NULL"),
+            &[],
+        )
+        .await
+        .map_err(q("counting unsent rows"))?
+        .get(0);
+    let columns = crate::outbox::inspect::table_info(client, table)
+        .await
+        .map_err(q("reading the outbox table"))?
+        .map(|info| config.outbox.columns.resolve(&info.names()));
+    let oldest_unsent_age_seconds = match columns.as_ref().and_then(|c| c.created_at.clone()) {
+        Some(created_at) => client
+            .query_opt(
+                &format!(
+                    "SELECT EXTRACT(EPOCH FROM now() - {}::timestamptz)::float8 FROM {t}
+                     WHERE {SENT_AT_COLUMN} IS NULL ORDER BY {SEQ_COLUMN} LIMIT 1",
+                    quote_ident(&created_at)
+                ),
+                &[],
+            )
+            .await
+            .map_err(q("reading the oldest unsent row"))?
+            .map(|r| r.get::<_, f64>(0).max(0.0)),
+        None => None,
+    };
+    let dead_letters = if config.dead_letter.enabled {
+        let dlq = config.dead_letter.table_name(table);
+        client
+            .query_one(
+                &format!(
+                    "SELECT count(*) FROM {} WHERE resolution IS NULL",
+                    dlq.quoted()
+                ),
+                &[],
+            )
+            .await
+            .ok()
+            .map(|r| r.get(0))
+    } else {
+        None
+    };
+    let last_publish = if with_last_publish && config.relay.mark == MarkMode::Update {
+        client
+            .query_one(&format!("SELECT max({SENT_AT_COLUMN}) FROM {t}"), &[])
+            .await
+            .map_err(q("reading the last publish time"))?
+            .get(0)
+    } else {
+        None
+    };
+    let key = ownership_key(table);
+    let active = client
+        .query_opt(
+            "WITH k AS (SELECT hashtextextended($1, 0) AS key)
+             SELECT a.pid, coalesce(a.application_name, ''), a.client_addr::text, a.backend_start
+             FROM pg_locks l JOIN pg_stat_activity a USING (pid), k
+             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND l.classid = ((k.key >> 32) & 4294967295)::oid AND l.objid = (k.key & 4294967295)::oid",
+            &[&key],
+        )
+        .await
+        .map_err(q("looking for the active instance"))?
+        .map(|r| Holder {
+            pid: r.get(0),
+            application_name: r.get(1),
+            client_addr: r.get(2),
+            since: r.get(3),
+        });
+    let shards_owned = if config.relay.shards > 1 {
+        let keys: Vec<String> = (0..config.relay.shards)
+            .map(|i| format!("{key}:shard:{i}/{}", config.relay.shards))
+            .collect();
+        let held: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_locks l, unnest($1::text[]) AS k(name)
+                 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+                   AND l.classid = ((hashtextextended(k.name, 0) >> 32) & 4294967295)::oid
+                   AND l.objid = (hashtextextended(k.name, 0) & 4294967295)::oid",
+                &[&keys],
+            )
+            .await
+            .map_err(q("counting owned shards"))?
+            .get(0);
+        Some((held, config.relay.shards))
+    } else {
+        None
+    };
+    let slot = if config.source.mode == SourceMode::Cdc {
+        let name = config.source.cdc.slot_name(table);
+        let info = setup::slot_info(client, &name).await?;
+        Some(SlotStatus {
+            exists: info.is_some(),
+            streaming: info.as_ref().is_some_and(|i| i.active),
+            wal_status: info.as_ref().and_then(|i| i.wal_status.clone()),
+            retained_wal_bytes: info.as_ref().and_then(|i| i.retained_bytes),
+            confirmed_lag_bytes: info.as_ref().and_then(|i| i.lag_bytes),
+            name,
+        })
+    } else {
+        None
+    };
+    Ok(Snapshot {
+        pipeline: config.name.clone(),
+        mode: match config.source.mode {
+            SourceMode::Polling => "polling",
+            SourceMode::Cdc => "cdc",
+        },
+        table: table.to_string(),
+        sink: config.sink.kind(),
+        active,
+        shards_owned,
+        backlog,
+        oldest_unsent_age_seconds,
+        dead_letters,
+        last_publish,
+        slot,
+    })
+}
+
+/// A readable block for one snapshot.
+pub fn render(s: &Snapshot) -> String {
+    let mut out = format!(
+        "pipeline {} ({} -> {}, table {})\n",
+        s.pipeline, s.mode, s.sink, s.table
+    );
+    let mut line = |k: &str, v: String| out.push_str(&format!("  {k:<22} {v}\n"));
+    match (&s.active, s.shards_owned) {
+        (_, Some((held, n))) => line(
+            "active shards",
+            format!("{held} of {n} owned by running instances"),
+        ),
+        (Some(h), None) => line(
+            "active instance",
+            format!(
+                "pid {} ({}{})",
+                h.pid,
+                if h.application_name.is_empty() {
+                    "?"
+                } else {
+                    &h.application_name
+                },
+                h.client_addr
+                    .as_ref()
+                    .map(|a| format!(" from {a}"))
+                    .unwrap_or_default()
+            ),
+        ),
+        (None, None) => line("active instance", "none: no relay holds this outbox".into()),
+    }
+    line("backlog", format!("{} unsent event(s)", s.backlog));
+    line(
+        "oldest unsent",
+        match s.oldest_unsent_age_seconds {
+            Some(a) => {
+                humantime::format_duration(std::time::Duration::from_secs(a as u64)).to_string()
+                    + " old"
+            }
+            None if s.backlog == 0 => "-".into(),
+            None => "unknown (no created_at column)".into(),
+        },
+    );
+    line(
+        "dead letters",
+        s.dead_letters
+            .map_or("dead-lettering off".into(), |n| format!("{n} open")),
+    );
+    line(
+        "last publish",
+        s.last_publish.map_or("unknown".into(), |t| {
+            t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+        }),
+    );
+    if let Some(slot) = &s.slot {
+        let mib =
+            |b: Option<i64>| b.map_or("?".into(), |b| format!("{:.1} MiB", b as f64 / 1_048_576.0));
+        line(
+            "slot",
+            if slot.exists {
+                format!(
+                    "{}: {}, WAL {}, retains {}, {} behind",
+                    slot.name,
+                    if slot.streaming { "streaming" } else { "idle" },
+                    slot.wal_status.as_deref().unwrap_or("?"),
+                    mib(slot.retained_wal_bytes),
+                    mib(slot.confirmed_lag_bytes)
+                )
+            } else {
+                format!("{} does not exist", slot.name)
+            },
+        );
+    }
+    out
+}
+
+/// `outbox-relay status`: a block (or a JSON object) per pipeline; exit 1 if
+/// the database cannot be read.
+pub async fn command(configs: &[Config], json: bool) -> std::process::ExitCode {
+    let mut failed = false;
+    for config in configs {
+        let snapshot = match crate::db::connect(&config.database, None).await {
+            Ok(client) => snapshot(&client, config, true).await,
+            Err(e) => Err(e),
+        };
+        match snapshot {
+            Ok(s) if json => println!("{}", serde_json::to_string(&s).unwrap_or_default()),
+            Ok(s) => println!("{}", render(&s)),
+            Err(e) => {
+                failed = true;
+                eprintln!("error: pipeline {}: {e}", config.name);
+            }
+        }
+    }
+    if failed {
+        std::process::ExitCode::from(crate::cli::EXIT_FAILURE)
+    } else {
+        std::process::ExitCode::SUCCESS
+    }
+}

@@ -1,0 +1,200 @@
+//! What `/healthz` and `/readyz` report, kept up to date by the relay.
+//!
+//! A pipeline is ready when it relays (it owns its outbox, or some shards)
+//! and is not stalled, or when it waits as a healthy standby; it is not ready
+//! while starting, while failing (database or broker unreachable, a setup
+//! problem), or when confirmations have stopped coming for longer than
+//! `relay.confirm_timeout` with messages in flight.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Debug)]
+pub struct PipelineHealth {
+    pub name: String,
+    started: AtomicBool,
+    owned: AtomicUsize,
+    in_flight: AtomicUsize,
+    /// Milliseconds since `epoch` of the last confirmation (or idle moment).
+    last_progress_ms: AtomicU64,
+    failure: Mutex<Option<String>>,
+    stall_after: Duration,
+    epoch: Instant,
+}
+
+/// A pipeline's state as the endpoints show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Status {
+    pub ready: bool,
+    /// `active`, `standby`, `starting`, `failing: ...`, `stalled: ...`.
+    pub state: String,
+}
+
+impl PipelineHealth {
+    pub fn new(name: &str, stall_after: Duration) -> Arc<Self> {
+        Arc::new(PipelineHealth {
+            name: name.to_owned(),
+            started: AtomicBool::new(false),
+            owned: AtomicUsize::new(0),
+            in_flight: AtomicUsize::new(0),
+            last_progress_ms: AtomicU64::new(0),
+            failure: Mutex::new(None),
+            stall_after,
+            epoch: Instant::now(),
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The database answered and the instance knows its role.
+    pub fn healthy(&self) {
+        self.started.store(true, Ordering::SeqCst);
+        *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    pub fn failing(&self, reason: &str) {
+        *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.to_owned());
+    }
+
+    /// This instance started relaying a shard (or the whole outbox).
+    pub fn acquired(&self) {
+        self.healthy();
+        self.progress();
+        self.owned.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub fn released(&self) {
+        let _ = self
+            .owned
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
+    /// A confirmation arrived, or nothing is in flight.
+    pub fn progress(&self) {
+        self.last_progress_ms
+            .store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    pub fn set_in_flight(&self, n: usize) {
+        if n == 0 {
+            self.progress();
+        }
+        self.in_flight.store(n, Ordering::Relaxed);
+    }
+
+    pub fn is_active(&self) -> bool {
+        self.owned.load(Ordering::SeqCst) > 0
+    }
+
+    pub fn status(&self) -> Status {
+        let not_ready = |state: String| Status {
+            ready: false,
+            state,
+        };
+        if let Some(reason) = self
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return not_ready(format!("failing: {reason}"));
+        }
+        if !self.started.load(Ordering::SeqCst) {
+            return not_ready("starting".into());
+        }
+        if !self.is_active() {
+            return Status {
+                ready: true,
+                state: "standby".into(),
+            };
+        }
+        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        let quiet = Duration::from_millis(
+            self.now_ms()
+                .saturating_sub(self.last_progress_ms.load(Ordering::Relaxed)),
+        );
+        if in_flight > 0 && quiet > self.stall_after {
+            return not_ready(format!(
+                "stalled: {in_flight} event(s) unconfirmed, no confirmation for {}s",
+                quiet.as_secs()
+            ));
+        }
+        Status {
+            ready: true,
+            state: "active".into(),
+        }
+    }
+}
+
+/// Every pipeline of the process.
+#[derive(Debug, Default)]
+pub struct Health {
+    pipelines: Mutex<Vec<Arc<PipelineHealth>>>,
+}
+
+impl Health {
+    pub fn register(&self, pipeline: Arc<PipelineHealth>) {
+        self.pipelines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(pipeline);
+    }
+
+    /// Ready when every pipeline is; one line per pipeline.
+    pub fn readiness(&self) -> (bool, String) {
+        let pipelines = self.pipelines.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ready = !pipelines.is_empty();
+        let mut body = String::new();
+        for p in pipelines.iter() {
+            let s = p.status();
+            ready &= s.ready;
+            body.push_str(&format!("{}: {}\n", p.name, s.state));
+        }
+        (ready, body)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states() {
+        let h = PipelineHealth::new("p", Duration::from_millis(50));
+        assert_eq!(h.status().state, "starting");
+        h.healthy();
+        assert_eq!(
+            h.status(),
+            Status {
+                ready: true,
+                state: "standby".into()
+            }
+        );
+        h.acquired();
+        h.set_in_flight(3);
+        assert_eq!(h.status().state, "active");
+        std::thread::sleep(Duration::from_millis(80));
+        assert!(h.status().state.starts_with("stalled"), "{:?}", h.status());
+        h.progress();
+        assert!(h.status().ready);
+        h.failing("broker unreachable");
+        assert_eq!(
+            h.status(),
+            Status {
+                ready: false,
+                state: "failing: broker unreachable".into()
+            }
+        );
+        h.acquired();
+        assert!(h.status().ready, "acquiring again clears the failure");
+        let all = Health::default();
+        all.register(h.clone());
+        assert!(all.readiness().0);
+        h.failing("x");
+        assert!(!all.readiness().0);
+        assert_eq!(all.readiness().1, "p: failing: x\n");
+    }
+}

@@ -1,0 +1,106 @@
+//! Every metric the relay exports, declared once. Names are `outbox_relay_*`;
+//! labels are bounded (the pipeline name, the broker kind, an outcome, a
+//! table kind), never an aggregate or event id.
+
+use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+
+pub const EVENTS_PUBLISHED: &str = "outbox_relay_events_published_total";
+pub const EVENTS_FAILED: &str = "outbox_relay_events_failed_total";
+pub const EVENTS_DEAD_LETTERED: &str = "outbox_relay_events_dead_lettered_total";
+pub const DEAD_LETTERS: &str = "outbox_relay_dead_letters";
+pub const BACKLOG: &str = "outbox_relay_backlog_events";
+pub const OLDEST_UNSENT_AGE: &str = "outbox_relay_oldest_unsent_age_seconds";
+pub const COMMIT_TO_CONFIRM: &str = "outbox_relay_commit_to_confirm_seconds";
+pub const BATCH_SIZE: &str = "outbox_relay_batch_size";
+pub const IN_FLIGHT: &str = "outbox_relay_in_flight";
+pub const SLOT_RETAINED_WAL: &str = "outbox_relay_slot_retained_wal_bytes";
+pub const SLOT_CONFIRMED_LAG: &str = "outbox_relay_slot_confirmed_lag_bytes";
+pub const RETENTION_DELETED: &str = "outbox_relay_retention_deleted_total";
+pub const ACTIVE: &str = "outbox_relay_active";
+pub const RESTARTS: &str = "outbox_relay_restarts_total";
+pub const LAST_PUBLISH: &str = "outbox_relay_last_publish_timestamp_seconds";
+
+/// Buckets of the latency histogram, in seconds.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+/// Buckets of the batch-size histogram.
+pub const BATCH_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
+];
+
+/// Why an event was not published.
+#[derive(Debug, Clone, Copy)]
+pub enum Failure {
+    /// The broker (or the relay's checks) refused it: held back, retried.
+    Refused,
+    /// The broker could not be reached or did not answer: re-sent.
+    Unavailable,
+}
+
+/// The metric handles of one pipeline, made once.
+#[derive(Clone)]
+pub struct PipelineMetrics {
+    pub published: Counter,
+    refused: Counter,
+    unavailable: Counter,
+    pub dead_lettered: Counter,
+    pub dead_letters: Gauge,
+    pub backlog: Gauge,
+    pub oldest_unsent_age: Gauge,
+    pub commit_to_confirm: Histogram,
+    pub batch_size: Histogram,
+    pub in_flight: Gauge,
+    pub slot_retained_wal: Gauge,
+    pub slot_confirmed_lag: Gauge,
+    pub retention_outbox: Counter,
+    pub retention_dead_letters: Counter,
+    pub active: Gauge,
+    pub restarts: Counter,
+    pub last_publish: Gauge,
+}
+
+impl PipelineMetrics {
+    pub fn new(pipeline: &str, destination: &'static str) -> Self {
+        let p = pipeline.to_owned();
+        PipelineMetrics {
+            published: counter!(EVENTS_PUBLISHED, "pipeline" => p.clone(), "destination" => destination),
+            refused: counter!(EVENTS_FAILED, "pipeline" => p.clone(), "destination" => destination, "outcome" => "refused"),
+            unavailable: counter!(EVENTS_FAILED, "pipeline" => p.clone(), "destination" => destination, "outcome" => "unavailable"),
+            dead_lettered: counter!(EVENTS_DEAD_LETTERED, "pipeline" => p.clone()),
+            dead_letters: gauge!(DEAD_LETTERS, "pipeline" => p.clone()),
+            backlog: gauge!(BACKLOG, "pipeline" => p.clone()),
+            oldest_unsent_age: gauge!(OLDEST_UNSENT_AGE, "pipeline" => p.clone()),
+            commit_to_confirm: histogram!(COMMIT_TO_CONFIRM, "pipeline" => p.clone(), "destination" => destination),
+            batch_size: histogram!(BATCH_SIZE, "pipeline" => p.clone()),
+            in_flight: gauge!(IN_FLIGHT, "pipeline" => p.clone()),
+            slot_retained_wal: gauge!(SLOT_RETAINED_WAL, "pipeline" => p.clone()),
+            slot_confirmed_lag: gauge!(SLOT_CONFIRMED_LAG, "pipeline" => p.clone()),
+            retention_outbox: counter!(RETENTION_DELETED, "pipeline" => p.clone(), "table" => "outbox"),
+            retention_dead_letters: counter!(RETENTION_DELETED, "pipeline" => p.clone(), "table" => "dead_letters"),
+            active: gauge!(ACTIVE, "pipeline" => p.clone()),
+            restarts: counter!(RESTARTS, "pipeline" => p.clone()),
+            last_publish: gauge!(LAST_PUBLISH, "pipeline" => p),
+        }
+    }
+
+    pub fn failed(&self, why: Failure, n: u64) {
+        match why {
+            Failure::Refused => self.refused.increment(n),
+            Failure::Unavailable => self.unavailable.increment(n),
+        }
+    }
+}
+
+/// Installs the Prometheus recorder; the handle renders the text format.
+/// `None` when a recorder is already installed (tests running several relays).
+pub fn install() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(COMMIT_TO_CONFIRM.into()), LATENCY_BUCKETS)
+        .ok()?
+        .set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), BATCH_BUCKETS)
+        .ok()?
+        .install_recorder()
+        .ok()
+}

@@ -1,0 +1,229 @@
+//! What operators see: metrics, readiness, `status`, several pipelines in one process.
+
+use crate::support::brokers::RabbitExchange;
+use crate::support::proxy::{CutBroker, free_port};
+use crate::support::*;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+fn with_http(toml: &str, port: u16) -> String {
+    let t = set(toml, "http.address", &format!("\"127.0.0.1:{port}\""));
+    set(&t, "http.sample_interval", "\"200ms\"")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_scraped_after_a_known_workload() {
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
+    let port = free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    for i in 0..25 {
+        db.insert(Uuid::new_v4(), "order", &format!("a{i}"), json!({}))
+            .await;
+    }
+    broker.inbox().wait_len(25, WAIT).await;
+    let p = "pipeline=\"default\"";
+    let text = wait_for(WAIT, "the metrics to show the workload", || async {
+        let (code, body) = http_get(port, "/metrics").await?;
+        let done = code == 200
+            && metric(
+                &body,
+                &format!("outbox_relay_events_published_total{{destination=\"rabbitmq\",{p}}}"),
+            ) == Some(25.0)
+            && metric(&body, &format!("outbox_relay_backlog_events{{{p}}}")) == Some(0.0);
+        done.then_some(body)
+    })
+    .await;
+    assert_eq!(
+        metric(&text, &format!("outbox_relay_active{{{p}}}")),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, &format!("outbox_relay_in_flight{{{p}}}")),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(&text, &format!("outbox_relay_dead_letters{{{p}}}")),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(
+            &text,
+            &format!(
+                "outbox_relay_commit_to_confirm_seconds_count{{destination=\"rabbitmq\",{p}}}"
+            )
+        ),
+        Some(25.0)
+    );
+    assert!(
+        text.contains("outbox_relay_commit_to_confirm_seconds_bucket"),
+        "a histogram, not a summary"
+    );
+    assert!(
+        !text.contains("aggregate_id") && !text.contains("a1\""),
+        "no id ever becomes a label"
+    );
+    let (code, body) = http_get(port, "/healthz").await.unwrap();
+    assert_eq!((code, body.as_str()), (200, "ok\n"));
+    assert_eq!(relay.terminate().code(), Some(0));
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_flips_when_the_broker_goes_away_and_back() {
+    let broker = CutBroker::new(Kind::Rabbit).await;
+    let db = TestDb::new().await;
+    let toml = base_toml(&db.url, &broker.sink);
+    db.migrate(&parse(&toml)).await;
+    let port = free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let ready = |want: u16, state: &'static str| async move {
+        wait_for(WAIT, &format!("/readyz {want} {state}"), || async {
+            let (code, body) = http_get(port, "/readyz").await?;
+            (code == want && body.contains(state)).then_some(body)
+        })
+        .await
+    };
+    ready(200, "default: active").await;
+    broker.proxy().cut();
+    let body = ready(503, "default: failing").await;
+    assert!(
+        body.contains("RabbitMQ") || body.contains("broker"),
+        "{body}"
+    );
+    broker.proxy().restore();
+    ready(200, "default: active").await;
+    let id = Uuid::new_v4();
+    db.insert(id, "order", "a", json!({})).await;
+    broker.inbox.wait_ids(&[id.to_string()], WAIT).await;
+    // A second instance is a ready standby.
+    let standby_port = free_port();
+    let mut standby = ChildRelay::start(&with_http(&toml, standby_port));
+    wait_for(WAIT, "the standby to report itself", || async {
+        let (code, body) = http_get(standby_port, "/readyz").await?;
+        (code == 200 && body == "default: standby\n").then_some(())
+    })
+    .await;
+    assert_eq!(standby.terminate().code(), Some(0));
+    assert_eq!(relay.terminate().code(), Some(0));
+    db.drop_db().await;
+}
+
+fn status_json(path: &str) -> Vec<Value> {
+    let (code, out, err) = run_cli(&["status", "--config", path, "--json"], &[]);
+    assert_eq!(code, 0, "{err}");
+    out.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn config_file(toml: &str) -> String {
+    let dir = std::env::temp_dir().join(unique("outbox-relay-ops-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("relay.toml");
+    std::fs::write(&path, toml).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_json_matches_a_known_state() {
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
+    let path = config_file(&toml);
+    for i in 0..5 {
+        db.insert(Uuid::new_v4(), "order", &format!("a{i}"), json!({}))
+            .await;
+    }
+    let s = &status_json(&path)[0];
+    assert_eq!(s["pipeline"], "default");
+    assert_eq!(s["mode"], "polling");
+    assert_eq!(s["sink"], "rabbitmq");
+    assert_eq!(s["backlog"], 5);
+    assert_eq!(s["active"], Value::Null, "no relay runs");
+    assert_eq!(s["dead_letters"], 0);
+    assert!(s["oldest_unsent_age_seconds"].as_f64().unwrap() >= 0.0);
+    let text = run_cli(&["status", "--config", &path], &[]).1;
+    assert!(
+        text.contains("backlog") && text.contains("5 unsent event(s)"),
+        "{text}"
+    );
+
+    let relay = InProcess::start(parse(&toml));
+    broker.inbox().wait_len(5, WAIT).await;
+    let s = wait_for(
+        WAIT,
+        "status to show the relay and an empty backlog",
+        || {
+            let path = path.clone();
+            async move {
+                let s = status_json(&path).remove(0);
+                (s["backlog"] == 0 && !s["active"].is_null()).then_some(s)
+            }
+        },
+    )
+    .await;
+    assert_eq!(s["active"]["application_name"], "outbox-relay");
+    assert!(s["last_publish"].is_string(), "{s}");
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_process_relays_several_pipelines() {
+    let db = TestDb::new().await;
+    let orders = RabbitExchange::new().await;
+    let billing = RabbitExchange::new().await;
+    let toml = format!(
+        "{}\n[pipelines.orders.outbox]\ntable = \"public.orders_outbox\"\n\n[pipelines.billing.outbox]\ntable = \"public.billing_outbox\"\n\n[pipelines.billing.sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"{}\"\n",
+        base_toml(&db.url, &orders.sink_toml()),
+        amqp_url(),
+        billing.exchange
+    );
+    let configs = outbox_relay::config::load_all_str(&toml).unwrap();
+    assert_eq!(configs.len(), 2);
+    for c in &configs {
+        db.migrate(c).await;
+    }
+    let port = free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let (o, b) = (Uuid::new_v4(), Uuid::new_v4());
+    for (table, id) in [("orders_outbox", o), ("billing_outbox", b)] {
+        db.client
+            .execute(
+                &format!("INSERT INTO {table} (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'x', 'a', 'E', '{{}}')"),
+                &[&id],
+            )
+            .await
+            .unwrap();
+    }
+    orders.inbox.wait_ids(&[o.to_string()], WAIT).await;
+    billing.inbox.wait_ids(&[b.to_string()], WAIT).await;
+    assert_eq!(
+        orders.inbox.len(),
+        1,
+        "each pipeline to its own destination"
+    );
+    assert_eq!(billing.inbox.len(), 1);
+    let text = wait_for(WAIT, "both pipelines in the metrics", || async {
+        let (_, body) = http_get(port, "/metrics").await?;
+        (body.contains("pipeline=\"orders\"") && body.contains("pipeline=\"billing\""))
+            .then_some(body)
+    })
+    .await;
+    assert_eq!(
+        metric(&text, "outbox_relay_active{pipeline=\"orders\"}"),
+        Some(1.0)
+    );
+    let (_, ready) = http_get(port, "/readyz").await.unwrap();
+    assert!(
+        ready.contains("orders: active") && ready.contains("billing: active"),
+        "{ready}"
+    );
+    let path = config_file(&toml);
+    let names: Vec<String> = status_json(&path)
+        .iter()
+        .map(|s| s["pipeline"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names.len(), 2);
+    assert_eq!(relay.terminate().code(), Some(0));
+    db.drop_db().await;
+}
