@@ -7,7 +7,8 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 fn with_http(toml: &str, port: u16) -> String {
-    let t = set(toml, "http.address", &format!("\"127.0.0.1:{port}\""));
+    let t = set(toml, "http.enabled", "true");
+    let t = set(&t, "http.address", &format!("\"127.0.0.1:{port}\""));
     set(&t, "http.sample_interval", "\"200ms\"")
 }
 

@@ -316,6 +316,10 @@ standby_poll = "200ms"
 confirm_timeout = "10s"
 shutdown_timeout = "10s"
 
+[http]
+# Tests run side by side: a relay serves HTTP only where a test asks (on a free port).
+enabled = false
+
 {sink}
 "#
     )
