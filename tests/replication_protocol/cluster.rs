@@ -13,7 +13,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Instant;
 
-const PREFERRED_PORT: u16 = 55492;
 pub const PLAIN_PASSWORD: &str = "plain-secret";
 pub const MD5_PASSWORD: &str = "md5-secret";
 pub const SCRAM_PASSWORD: &str = "scram-secret";
@@ -82,25 +81,39 @@ impl Cluster {
             "--locale=C".as_ref(),
             "--no-sync".as_ref(),
         ]));
-        let port = free_port();
-        append(&data.join("postgresql.conf"), &server_settings(port, &dir));
         std::fs::write(data.join("pg_hba.conf"), HBA).expect("write pg_hba.conf");
         let log = dir.join("server.log");
-        let start = as_owner(as_root, &pg_ctl)
-            .args([
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-l".as_ref(),
-                log.as_os_str(),
-                "-w".as_ref(),
-                "-t".as_ref(),
-                "60".as_ref(),
-                "start".as_ref(),
-            ])
-            .status();
-        if !start.is_ok_and(|status| status.success()) {
-            let log = std::fs::read_to_string(&log).unwrap_or_default();
-            panic!("the test cluster did not start; its log:\n{log}");
+        let settings = data.join("postgresql.conf");
+        let original = std::fs::read_to_string(&settings).expect("read postgresql.conf");
+        // Test processes run side by side, each with a cluster: a port free a
+        // moment ago may be taken by the time the server binds it; try another.
+        let mut port = 0;
+        for attempt in 1..=5 {
+            port = free_port();
+            std::fs::write(
+                &settings,
+                format!("{original}{}", server_settings(port, &dir)),
+            )
+            .expect("write postgresql.conf");
+            let start = as_owner(as_root, &pg_ctl)
+                .args([
+                    "-D".as_ref(),
+                    data.as_os_str(),
+                    "-l".as_ref(),
+                    log.as_os_str(),
+                    "-w".as_ref(),
+                    "-t".as_ref(),
+                    "60".as_ref(),
+                    "start".as_ref(),
+                ])
+                .status();
+            if start.is_ok_and(|status| status.success()) {
+                break;
+            }
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if attempt == 5 || !text.contains("Address already in use") {
+                panic!("the test cluster did not start; its log:\n{text}");
+            }
         }
         output(
             Command::new(bindir.join("psql"))
@@ -198,18 +211,9 @@ fn output(command: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn append(path: &Path, text: &str) {
-    use std::io::Write;
-    let mut file = std::fs::OpenOptions::new()
-        .append(true)
-        .open(path)
-        .expect("open postgresql.conf");
-    file.write_all(text.as_bytes()).expect("append settings");
-}
-
-/// The agreed port when free (a previous run's cluster may still be stopping), else any.
+/// Any free port.
 fn free_port() -> u16 {
-    let listener = TcpListener::bind(("127.0.0.1", PREFERRED_PORT))
+    let listener = TcpListener::bind(("127.0.0.1", 0))
         .or_else(|_| TcpListener::bind(("127.0.0.1", 0)))
         .expect("a free port");
     listener.local_addr().expect("local address").port()

@@ -169,7 +169,12 @@ impl KafkaTopics {
                 }
                 if m.offset() > *expected && rewound.get(&tp) != Some(expected) {
                     rewound.insert(tp, *expected);
-                    let _ = c.seek(m.topic(), m.partition(), Offset::Beginning, Duration::from_secs(5));
+                    let _ = c.seek(
+                        m.topic(),
+                        m.partition(),
+                        Offset::Beginning,
+                        Duration::from_secs(5),
+                    );
                     continue;
                 }
                 *expected = m.offset() + 1;
