@@ -1,0 +1,98 @@
+//! The sections that run beside the relay: retention, the HTTP endpoints, logging.
+
+use super::defaults;
+use serde::Deserialize;
+use std::time::Duration;
+
+/// `[retention]`: the scheduled cleanup of sent rows and resolved dead letters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionConfig {
+    /// Run the cleanup on a schedule inside `run` (one instance at a time).
+    #[serde(default = "defaults::yes")]
+    pub enabled: bool,
+    /// Time between two cleanups.
+    #[serde(default = "defaults::retention_interval", with = "humantime_serde")]
+    pub interval: Duration,
+    /// Sent rows older than this (by `relay_sent_at`) are deleted.
+    #[serde(default = "defaults::sent_window", with = "humantime_serde")]
+    pub sent_window: Duration,
+    /// Redriven or dropped dead letters older than this (by when they were
+    /// resolved) are deleted; open dead letters are never deleted.
+    #[serde(default = "defaults::dead_letter_window", with = "humantime_serde")]
+    pub dead_letter_window: Duration,
+    /// Rows deleted per statement.
+    #[serde(default = "defaults::retention_batch")]
+    pub batch_size: usize,
+    /// Pause between two batches, so cleanup never holds long locks or floods WAL.
+    #[serde(default = "defaults::retention_pause", with = "humantime_serde")]
+    pub pause: Duration,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            enabled: true,
+            interval: defaults::retention_interval(),
+            sent_window: defaults::sent_window(),
+            dead_letter_window: defaults::dead_letter_window(),
+            batch_size: defaults::retention_batch(),
+            pause: defaults::retention_pause(),
+        }
+    }
+}
+
+/// `[http]`: `/metrics` (Prometheus), `/healthz` and `/readyz`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    #[serde(default = "defaults::yes")]
+    pub enabled: bool,
+    /// `host:port` to listen on; keep it on a private interface.
+    #[serde(default = "defaults::http_address")]
+    pub address: String,
+    /// How often the gauges read from the database (backlog, dead letters,
+    /// slot) are refreshed.
+    #[serde(default = "defaults::sample_interval", with = "humantime_serde")]
+    pub sample_interval: Duration,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            enabled: true,
+            address: defaults::http_address(),
+            sample_interval: defaults::sample_interval(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+super::keyword_enum!(LogFormat { Text = "text", Json = "json" });
+
+/// `[log]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    #[serde(default)]
+    pub format: LogFormat,
+    /// A `tracing` filter such as `info` or `outbox_relay=debug,info`; `RUST_LOG` wins when set.
+    #[serde(default = "defaults::log_level")]
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::default(),
+            level: defaults::log_level(),
+        }
+    }
+}
