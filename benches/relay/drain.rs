@@ -1,0 +1,208 @@
+//! Backlog drain: N events committed while no relay runs, then the relay
+//! started; the time from its spawn to the last row marked sent.
+//!
+//! Before the relay starts, on the same backlog: the database's read
+//! ceiling, and the broker's publish ceiling (on a destination of its own,
+//! removed before the relay starts). Nothing consumes during the drain, so
+//! the benchmark process takes no CPU from the relay.
+
+use crate::ceiling;
+use crate::infra::{Services, bounded};
+use crate::options::{BrokerKind, Mode};
+use crate::process::{Perf, RelayProcess, epoch_micros};
+use crate::report::DrainResult;
+use crate::stage::{Ctx, Stage, create_destination};
+use crate::system::{CpuTimes, wait_quiet};
+use crate::workload::{Shape, backlog_sql, new_tag, relay_messages};
+use anyhow::{Result, anyhow};
+use std::time::{Duration, Instant, SystemTime};
+
+/// Messages published for the broker ceiling, at most: enough for a steady rate.
+const CEILING_MAX: u64 = 200_000;
+
+pub async fn run(
+    ctx: &Ctx,
+    mode: Mode,
+    broker: BrokerKind,
+    shape: Shape,
+    run: usize,
+) -> DrainResult {
+    let events = ctx.plan.events;
+    let mut result = DrainResult::new(mode, broker, shape, events, run);
+    if let Err(e) = measure(ctx, mode, broker, shape, &mut result).await {
+        result.status = format!("failed: {e:#}");
+    }
+    ctx.cleanup.run().await;
+    result
+}
+
+async fn measure(
+    ctx: &Ctx,
+    mode: Mode,
+    broker: BrokerKind,
+    shape: Shape,
+    r: &mut DrainResult,
+) -> Result<()> {
+    let events = ctx.plan.events;
+    let mut stage = Stage::new(ctx, mode, broker).await?;
+    let started = Instant::now();
+    insert_backlog(&stage, shape, events, ctx.plan.aggregates).await?;
+    r.insert_s = Some(started.elapsed().as_secs_f64());
+
+    quiet(ctx, r).await;
+    r.db_read_eps = Some(ceiling::database(&stage.db.url, events).await?);
+    r.db_mark_eps = Some(ceiling::database_mark(&stage.db.url, events).await?);
+    r.broker_eps = Some(broker_ceiling(ctx, broker, shape).await?);
+
+    r.busy_before = quiet(ctx, r).await;
+    let machine = CpuTimes::now();
+    let mut relay = RelayProcess::spawn(&stage.dir, &ctx.plan.relay_env)?;
+    let perf = match &ctx.plan.perf {
+        Some(dir) => Some(Perf::start(dir, &r.label(), relay.pid())?),
+        None => None,
+    };
+    let outcome = wait_drained(ctx, &stage, &mut relay).await;
+    if let Some(perf) = perf {
+        perf.stop().await;
+    }
+    let cpu = relay.cpu_seconds();
+    r.system_busy = machine.and_then(|m| m.busy_since());
+    r.peak_rss_mib = relay.peak_rss_mib();
+    let seen = match outcome {
+        Ok(seen) => seen,
+        Err(e) => {
+            stage.dir.keep = true;
+            finish(&mut relay, r).await;
+            return Err(e);
+        }
+    };
+    let spawned = epoch_micros(relay.spawned_at) as f64 / 1e6;
+    let (first, last) = mark_times(&stage).await?;
+    // With relay.mark = "delete" no row is left to say when: the poll that saw none.
+    let last = last.unwrap_or(epoch_micros(seen) as f64 / 1e6);
+    r.drain_s = Some(last - spawned);
+    r.first_mark_s = first.map(|f| f - spawned);
+    r.events_per_s = Some(events as f64 / (last - spawned));
+    r.cpu_s_per_100k = cpu.map(|c| c / events as f64 * 1e5);
+    let lower = r
+        .db_read_eps
+        .unwrap_or(f64::MAX)
+        .min(r.broker_eps.unwrap_or(f64::MAX));
+    r.ratio = r.events_per_s.map(|eps| eps / lower);
+
+    // The relay may have work left after the last mark (the CDC stream skips
+    // what the start-up read covered); its peak memory includes that.
+    let limit = Duration::from_secs(60 + events / 5_000);
+    match relay.settle(limit).await {
+        Ok(took) => r.settle_s = Some(took.as_secs_f64()),
+        Err(e) => r.notes.push(format!("{e:#}")),
+    }
+    r.peak_rss_settled_mib = relay.peak_rss_mib();
+    finish(&mut relay, r).await;
+    if r.errors > 0 {
+        stage.dir.keep = true;
+    }
+    Ok(())
+}
+
+/// Waits for a quiet machine; returns the last second's busy share.
+async fn quiet(ctx: &Ctx, r: &mut DrainResult) -> Option<f64> {
+    let (waited, busy) = wait_quiet(ctx.plan.quiet_wait).await;
+    r.quiet_wait_s += waited.as_secs_f64();
+    busy
+}
+
+/// Stops the relay and records its exit and the problems it logged.
+async fn finish(relay: &mut RelayProcess, r: &mut DrainResult) {
+    match relay.stop().await {
+        Ok(status) if status.success() => {}
+        Ok(status) => r.notes.push(format!("relay exit: {status}")),
+        Err(e) => r.notes.push(format!("{e:#}")),
+    }
+    (r.warnings, r.errors) = relay.problems();
+    if r.errors > 0
+        && let Some(line) = relay.first_problem()
+    {
+        r.notes.push(line);
+    }
+}
+
+/// Commits the backlog server-side, `shape.tx_events` per transaction, then
+/// VACUUM ANALYZE so the ceiling read and the relay see the same table state.
+async fn insert_backlog(stage: &Stage, shape: Shape, events: u64, aggregates: u32) -> Result<()> {
+    let client = &stage.db.client;
+    client.batch_execute("SET synchronous_commit = off").await?;
+    let tag = new_tag();
+    let limit = Duration::from_secs(120 + events / 1_000);
+    bounded(limit, "inserting the backlog", async {
+        Ok(client
+            .batch_execute(&backlog_sql(tag, 0, events, shape, aggregates))
+            .await?)
+    })
+    .await?;
+    client.batch_execute("RESET synchronous_commit").await?;
+    bounded(limit, "VACUUM ANALYZE of the backlog", async {
+        Ok(client.batch_execute("VACUUM (ANALYZE) outbox").await?)
+    })
+    .await
+}
+
+/// The broker's confirmed-publish rate for this shape's messages, on a
+/// destination removed right after.
+async fn broker_ceiling(ctx: &Ctx, broker: BrokerKind, shape: Shape) -> Result<f64> {
+    let mark = ctx.cleanup.mark();
+    let name = crate::infra::unique("bench_");
+    let messages = relay_messages(shape, ctx.plan.aggregates);
+    let count = ctx.plan.events.min(CEILING_MAX);
+    let services: &Services = &ctx.services;
+    let result = async {
+        create_destination(ctx, broker, &name).await?;
+        match broker {
+            BrokerKind::Kafka => {
+                let topic = crate::process::kafka_topic(&name);
+                ceiling::kafka(services, &topic, &messages, count).await
+            }
+            BrokerKind::Rabbitmq => ceiling::rabbitmq(services, &name, &messages, count).await,
+        }
+    }
+    .await;
+    ctx.cleanup.run_from(mark).await;
+    result
+}
+
+/// Polls until no row is unsent, the relay dies, or the plan's timeout.
+/// Returns when that poll began.
+async fn wait_drained(ctx: &Ctx, stage: &Stage, relay: &mut RelayProcess) -> Result<SystemTime> {
+    let start = Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        relay.ensure_running()?;
+        let polled = SystemTime::now();
+        if stage.db.all_sent().await? {
+            return Ok(polled);
+        }
+        if start.elapsed() > ctx.plan.drain_timeout {
+            return Err(anyhow!(
+                "timeout: rows still unsent after {}s",
+                ctx.plan.drain_timeout.as_secs()
+            ));
+        }
+    }
+}
+
+/// Seconds since the epoch of the first and last `relay_sent_at` (none when rows were deleted).
+async fn mark_times(stage: &Stage) -> Result<(Option<f64>, Option<f64>)> {
+    let row = stage
+        .db
+        .client
+        .query_one(
+            "SELECT extract(epoch FROM min(relay_sent_at))::float8, extract(epoch FROM max(relay_sent_at))::float8, count(*) FILTER (WHERE relay_sent_at IS NULL) FROM outbox",
+            &[],
+        )
+        .await?;
+    let unsent: i64 = row.get(2);
+    if unsent > 0 {
+        return Err(anyhow!("{unsent} rows unsent after the drain"));
+    }
+    Ok((row.get(0), row.get(1)))
+}

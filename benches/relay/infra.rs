@@ -1,0 +1,354 @@
+//! Databases, topics, exchanges and queues of the benchmark's own, and their
+//! removal.
+//!
+//! The services are shared with other users (test suites running in
+//! parallel), so every object has a unique `bench_` name, is registered in
+//! [`Cleanup`] as soon as it exists, and is removed when its scenario ends,
+//! or when the benchmark is interrupted. Replication slots are cluster-wide:
+//! each scenario's slot has a unique name and goes with its database.
+
+use anyhow::{Context, Result, anyhow};
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_postgres::{Client, NoTls};
+
+/// Longest wait for any one setup or cleanup step.
+pub const STEP: Duration = Duration::from_secs(30);
+
+/// Partitions of every benchmark topic (relay and ceiling alike).
+pub const KAFKA_PARTITIONS: i32 = 3;
+
+/// Where the services listen; the test suite's variables override the defaults.
+#[derive(Debug, Clone)]
+pub struct Services {
+    pub pg_admin: String,
+    pub amqp: String,
+    pub kafka: String,
+}
+
+impl Services {
+    pub fn from_env() -> Services {
+        let var =
+            |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.into());
+        Services {
+            pg_admin: var(
+                "OUTBOX_RELAY_TEST_PG",
+                "postgres://postgres@127.0.0.1:55432/postgres",
+            ),
+            amqp: var(
+                "OUTBOX_RELAY_TEST_AMQP",
+                "amqp://guest:guest@127.0.0.1:5672/%2f",
+            ),
+            kafka: var("OUTBOX_RELAY_TEST_KAFKA", "127.0.0.1:9092"),
+        }
+    }
+
+    /// The URL of another database on the same server.
+    pub fn db_url(&self, name: &str) -> String {
+        match self.pg_admin.rsplit_once('/') {
+            Some((base, _)) => format!("{base}/{name}"),
+            None => self.pg_admin.clone(),
+        }
+    }
+}
+
+/// `fut`, or an error naming `what` after `limit`.
+pub async fn bounded<T>(
+    limit: Duration,
+    what: &str,
+    fut: impl Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::time::timeout(limit, fut)
+        .await
+        .map_err(|_| anyhow!("timed out after {}s: {what}", limit.as_secs()))?
+}
+
+pub async fn connect(url: &str) -> Result<Client> {
+    bounded(STEP, "connecting to PostgreSQL", async {
+        let (client, conn) = tokio_postgres::connect(url, NoTls)
+            .await
+            .with_context(|| format!("cannot connect to {url}; did scripts/services.sh run?"))?;
+        tokio::spawn(conn);
+        Ok(client)
+    })
+    .await
+}
+
+/// A unique lowercase name for benchmark objects.
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
+}
+
+/// Something to remove when the scenario ends.
+#[derive(Debug, Clone)]
+enum Resource {
+    Database(String),
+    Topic(String),
+    Queue(String),
+    Exchange(String),
+}
+
+/// What the running scenario created and has not removed yet.
+#[derive(Clone)]
+pub struct Cleanup {
+    services: Services,
+    pending: Arc<Mutex<Vec<Resource>>>,
+}
+
+impl Cleanup {
+    pub fn new(services: &Services) -> Cleanup {
+        Cleanup {
+            services: services.clone(),
+            pending: Arc::default(),
+        }
+    }
+
+    fn add(&self, r: Resource) {
+        self.pending.lock().unwrap().push(r);
+    }
+
+    /// How many resources are registered: a mark for [`Cleanup::run_from`].
+    pub fn mark(&self) -> usize {
+        self.pending.lock().unwrap().len()
+    }
+
+    /// Removes everything registered; failures are reported, not fatal.
+    pub async fn run(&self) {
+        self.run_from(0).await;
+    }
+
+    /// Removes what was registered after `mark`, newest first.
+    pub async fn run_from(&self, mark: usize) {
+        let pending: Vec<Resource> = {
+            let mut all = self.pending.lock().unwrap();
+            let at = mark.min(all.len());
+            all.split_off(at)
+        };
+        for r in pending.into_iter().rev() {
+            let result = match &r {
+                Resource::Database(name) => drop_database(&self.services, name).await,
+                Resource::Topic(name) => delete_topic(&self.services, name).await,
+                Resource::Queue(name) => {
+                    rabbit_admin(&self.services, |ch| async move {
+                        ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                            .await
+                            .map(|_| ())
+                    })
+                    .await
+                }
+                Resource::Exchange(name) => {
+                    rabbit_admin(&self.services, |ch| async move {
+                        ch.exchange_delete(name.as_str().into(), ExchangeDeleteOptions::default())
+                            .await
+                    })
+                    .await
+                }
+            };
+            if let Err(e) = result {
+                eprintln!("bench: cleanup of {r:?} failed: {e:#}");
+            }
+        }
+    }
+}
+
+/// A database of the scenario's own.
+pub struct BenchDb {
+    pub url: String,
+    pub client: Client,
+}
+
+impl BenchDb {
+    pub async fn create(services: &Services, cleanup: &Cleanup) -> Result<BenchDb> {
+        let admin = connect(&services.pg_admin).await?;
+        let name = unique("bench_");
+        bounded(STEP, "CREATE DATABASE", async {
+            admin
+                .batch_execute(&format!("CREATE DATABASE {name}"))
+                .await
+                .context("creating the benchmark database")
+        })
+        .await?;
+        cleanup.add(Resource::Database(name.clone()));
+        let url = services.db_url(&name);
+        let client = connect(&url).await?;
+        Ok(BenchDb { url, client })
+    }
+
+    /// True once no row is left unsent (cheap: the relay's partial index).
+    pub async fn all_sent(&self) -> Result<bool> {
+        let row = self
+            .client
+            .query_one(
+                "SELECT NOT EXISTS (SELECT 1 FROM outbox WHERE relay_sent_at IS NULL)",
+                &[],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+}
+
+/// Ends the database's sessions, drops its (inactive) replication slots, then the database.
+async fn drop_database(services: &Services, name: &str) -> Result<()> {
+    let admin = connect(&services.pg_admin).await?;
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1",
+            &[&name],
+        )
+        .await?;
+    // A terminated WAL sender releases its slot a moment later.
+    let mut left = 0;
+    for _ in 0..100 {
+        let _ = admin
+            .execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1 AND NOT active",
+                &[&name],
+            )
+            .await;
+        left = admin
+            .query_one(
+                "SELECT count(*) FROM pg_replication_slots WHERE database = $1",
+                &[&name],
+            )
+            .await?
+            .get::<_, i64>(0);
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if left > 0 {
+        eprintln!(
+            "bench: {left} replication slot(s) of {name} are still active; dropping the database anyway"
+        );
+    }
+    bounded(STEP, "DROP DATABASE", async {
+        admin
+            .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            .await
+            .context("dropping the benchmark database")
+    })
+    .await
+}
+
+fn kafka_admin(services: &Services) -> Result<AdminClient<DefaultClientContext>> {
+    ClientConfig::new()
+        .set("bootstrap.servers", &services.kafka)
+        .create()
+        .context("creating a Kafka admin client")
+}
+
+/// Creates a topic of [`KAFKA_PARTITIONS`] partitions, registered for removal.
+pub async fn create_topic(services: &Services, cleanup: &Cleanup, name: &str) -> Result<()> {
+    let admin = kafka_admin(services)?;
+    let topic = NewTopic::new(name, KAFKA_PARTITIONS, TopicReplication::Fixed(1));
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let results = bounded(STEP, "creating a Kafka topic", async {
+        Ok(admin.create_topics([&topic], &opts).await?)
+    })
+    .await?;
+    cleanup.add(Resource::Topic(name.to_owned()));
+    for r in results {
+        if let Err((t, code)) = r {
+            return Err(anyhow!("creating topic {t}: {code:?}"));
+        }
+    }
+    Ok(())
+}
+
+async fn delete_topic(services: &Services, name: &str) -> Result<()> {
+    let admin = kafka_admin(services)?;
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let results = bounded(STEP, "deleting a Kafka topic", async {
+        Ok(admin.delete_topics(&[name], &opts).await?)
+    })
+    .await?;
+    for r in results {
+        if let Err((t, code)) = r {
+            return Err(anyhow!("deleting topic {t}: {code:?}"));
+        }
+    }
+    Ok(())
+}
+
+pub async fn rabbit_connect(services: &Services) -> Result<Connection> {
+    bounded(STEP, "connecting to RabbitMQ", async {
+        Connection::connect(&services.amqp, ConnectionProperties::default())
+            .await
+            .with_context(|| format!("cannot connect to RabbitMQ at {}", services.amqp))
+    })
+    .await
+}
+
+async fn rabbit_admin<F, Fut>(services: &Services, op: F) -> Result<()>
+where
+    F: FnOnce(Channel) -> Fut,
+    Fut: Future<Output = lapin::Result<()>>,
+{
+    let conn = rabbit_connect(services).await?;
+    let result = bounded(STEP, "a RabbitMQ cleanup step", async {
+        let ch = conn.create_channel().await?;
+        Ok(op(ch).await?)
+    })
+    .await;
+    let _ = conn.close(200, "bench cleanup".into()).await;
+    result
+}
+
+/// A durable topic exchange with a durable queue bound to every routing key,
+/// both named `name`. The queue expires after an hour unused, so an
+/// interrupted benchmark cannot leave it behind for long.
+pub async fn declare_rabbit(services: &Services, cleanup: &Cleanup, name: &str) -> Result<()> {
+    let conn = rabbit_connect(services).await?;
+    let result = bounded(STEP, "declaring a RabbitMQ exchange and queue", async {
+        let ch = conn.create_channel().await?;
+        ch.exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+        cleanup.add(Resource::Exchange(name.to_owned()));
+        let mut args = FieldTable::default();
+        args.insert("x-expires".into(), AMQPValue::LongInt(3_600_000));
+        ch.queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await?;
+        cleanup.add(Resource::Queue(name.to_owned()));
+        ch.queue_bind(
+            name.into(),
+            name.into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+        Ok(())
+    })
+    .await;
+    let _ = conn.close(200, "bench setup".into()).await;
+    result
+}

@@ -1,0 +1,211 @@
+//! The benchmark's command line, and the plan it resolves to.
+
+use crate::workload::Shape;
+use clap::{Parser, ValueEnum};
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "cargo bench --bench relay --",
+    about = "Measures outbox-relay (the release binary) against the local PostgreSQL, \
+             Kafka-protocol broker and RabbitMQ started by scripts/services.sh: backlog drain \
+             rate against the broker's and the database's own ceilings, commit-to-confirm \
+             latency at fixed rates, CPU and peak RSS. Prints a table and one JSON line per \
+             result; asserts nothing."
+)]
+pub struct Options {
+    /// Tiny sizes and short runs, to check that the benchmark works (CI); the figures mean nothing.
+    #[arg(long)]
+    pub smoke: bool,
+    /// Source modes to measure.
+    #[arg(long, value_delimiter = ',')]
+    pub modes: Option<Vec<Mode>>,
+    /// Brokers to measure.
+    #[arg(long, value_delimiter = ',')]
+    pub brokers: Option<Vec<BrokerKind>>,
+    /// Workload shapes, PAYLOAD_BYTES x EVENTS_PER_TRANSACTION.
+    #[arg(long, value_delimiter = ',', value_name = "BYTESxEVENTS")]
+    pub shapes: Option<Vec<Shape>>,
+    /// Events in the backlog of a drain [default: 200000; smoke: 2000].
+    #[arg(long)]
+    pub events: Option<u64>,
+    /// Steady-state writer rates, events per second [default: 1000,5000; smoke: 200].
+    #[arg(long, value_delimiter = ',')]
+    pub rates: Option<Vec<u32>>,
+    /// Length of each steady-state run in seconds [default: 20; smoke: 3].
+    #[arg(long)]
+    pub seconds: Option<u64>,
+    /// Repeat every measurement K times and report medians.
+    #[arg(long, default_value_t = 1, value_name = "K")]
+    pub runs: usize,
+    /// Drain a backlog of 1,000,000 events (first shape; polling x kafka unless
+    /// --modes/--brokers say otherwise) and report peak RSS. Skips the steady state.
+    #[arg(long)]
+    pub one_million: bool,
+    /// What to measure.
+    #[arg(long, value_delimiter = ',', default_value = "drain,steady")]
+    pub phases: Vec<Phase>,
+    /// Distinct aggregate ids, used in rotation.
+    #[arg(long, default_value_t = 1000)]
+    pub aggregates: u32,
+    /// Longest wait for a drain, in seconds [default: 60 + events / 500].
+    #[arg(long)]
+    pub timeout: Option<u64>,
+    /// Before each measurement, wait up to this many seconds for the machine
+    /// to be quiet (under 35% busy for a second); 0 does not wait.
+    #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+    pub quiet_wait: u64,
+    /// Record `perf` profiles during each measurement into this directory:
+    /// the relay with DWARF call graphs, and the whole machine by process.
+    #[arg(long, value_name = "DIR")]
+    pub perf: Option<PathBuf>,
+    /// Run the relay with this configuration override, e.g.
+    /// OUTBOX_RELAY__SINK__LINGER=20ms (repeatable; for experiments).
+    #[arg(long, value_name = "OUTBOX_RELAY__SECTION__KEY=VALUE", value_parser = relay_env)]
+    pub relay_env: Vec<(String, String)>,
+    /// Also append the JSON lines to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    pub bench: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    Polling,
+    Cdc,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Polling => "polling",
+            Mode::Cdc => "cdc",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BrokerKind {
+    Kafka,
+    Rabbitmq,
+}
+
+impl BrokerKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BrokerKind::Kafka => "kafka",
+            BrokerKind::Rabbitmq => "rabbitmq",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Phase {
+    Drain,
+    Steady,
+}
+
+/// What one invocation measures, with every default applied.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub modes: Vec<Mode>,
+    pub brokers: Vec<BrokerKind>,
+    pub shapes: Vec<Shape>,
+    pub events: u64,
+    pub rates: Vec<u32>,
+    pub seconds: u64,
+    pub runs: usize,
+    pub phases: Vec<Phase>,
+    pub aggregates: u32,
+    pub drain_timeout: Duration,
+    pub one_million: bool,
+    pub smoke: bool,
+    pub quiet_wait: Duration,
+    pub perf: Option<PathBuf>,
+    pub relay_env: Vec<(String, String)>,
+}
+
+impl Options {
+    pub fn plan(&self) -> Plan {
+        let million = self.one_million;
+        let modes = self.modes.clone().unwrap_or_else(|| {
+            if million {
+                vec![Mode::Polling]
+            } else {
+                vec![Mode::Polling, Mode::Cdc]
+            }
+        });
+        let brokers = self.brokers.clone().unwrap_or_else(|| {
+            if million {
+                vec![BrokerKind::Kafka]
+            } else {
+                vec![BrokerKind::Kafka, BrokerKind::Rabbitmq]
+            }
+        });
+        let mut shapes = self.shapes.clone().unwrap_or_else(|| {
+            if self.smoke {
+                vec![Shape::new(256, 1)]
+            } else {
+                Shape::ALL.to_vec()
+            }
+        });
+        if million {
+            shapes.truncate(1);
+        }
+        let events = match (million, self.events, self.smoke) {
+            (true, _, _) => 1_000_000,
+            (false, Some(n), _) => n,
+            (false, None, true) => 2_000,
+            (false, None, false) => 200_000,
+        };
+        let events = events.max(1);
+        let rates = self.rates.clone().unwrap_or_else(|| {
+            if self.smoke {
+                vec![200]
+            } else {
+                vec![1_000, 5_000]
+            }
+        });
+        let rates = rates.into_iter().filter(|r| *r > 0).collect();
+        let seconds = self
+            .seconds
+            .unwrap_or(if self.smoke { 3 } else { 20 })
+            .max(1);
+        let phases = if million {
+            vec![Phase::Drain]
+        } else {
+            self.phases.clone()
+        };
+        Plan {
+            modes,
+            brokers,
+            shapes,
+            events,
+            rates,
+            seconds,
+            runs: self.runs.max(1),
+            phases,
+            aggregates: self.aggregates.max(1),
+            drain_timeout: Duration::from_secs(self.timeout.unwrap_or(60 + events / 500)),
+            one_million: million,
+            smoke: self.smoke,
+            quiet_wait: Duration::from_secs(if self.smoke { 0 } else { self.quiet_wait }),
+            perf: self.perf.clone(),
+            relay_env: self.relay_env.clone(),
+        }
+    }
+}
+
+fn relay_env(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((name, value)) if name.starts_with("OUTBOX_RELAY__") => {
+            Ok((name.to_owned(), value.to_owned()))
+        }
+        _ => Err(format!(
+            "{s:?}: write OUTBOX_RELAY__SECTION__KEY=VALUE, e.g. OUTBOX_RELAY__RELAY__MARK=delete"
+        )),
+    }
+}

@@ -1,0 +1,303 @@
+//! Steady state: a writer commits events at a fixed rate while the relay
+//! runs; latency from each commit to (a) a consumer receiving the message
+//! and (b) the relay marking the row, which it does only after the broker
+//! confirmed it (`relay_sent_at`, the server's clock at the start of the
+//! marking statement).
+//!
+//! The writer is open-loop: transaction *i* is due at `start + i * interval`
+//! whatever happened before, spread over enough connections for the
+//! server's group commit to keep up (each commit waits for a WAL flush).
+//! Its commit time is taken when COMMIT returns.
+
+use crate::infra::{bounded, connect};
+use crate::latency::{KafkaWatcher, Percentiles, RabbitWatcher, Times};
+use crate::options::{BrokerKind, Mode};
+use crate::process::{Perf, RelayProcess, epoch_micros};
+use crate::report::SteadyResult;
+use crate::stage::{Ctx, Stage};
+use crate::system::{CpuTimes, wait_quiet};
+use crate::workload::{INSERT_SQL, Shape, aggregate_id, event_id, new_tag, payload};
+use anyhow::{Result, anyhow};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime};
+
+/// Longest wait, after the writer stops, for the last events to arrive.
+const TAIL: Duration = Duration::from_secs(10);
+
+pub async fn run(
+    ctx: &Ctx,
+    mode: Mode,
+    broker: BrokerKind,
+    shape: Shape,
+    rate: u32,
+    run: usize,
+) -> SteadyResult {
+    let mut result = SteadyResult::new(mode, broker, shape, rate, ctx.plan.seconds, run);
+    if let Err(e) = measure(ctx, mode, broker, shape, &mut result).await {
+        result.status = format!("failed: {e:#}");
+    }
+    ctx.cleanup.run().await;
+    result
+}
+
+async fn measure(
+    ctx: &Ctx,
+    mode: Mode,
+    broker: BrokerKind,
+    shape: Shape,
+    r: &mut SteadyResult,
+) -> Result<()> {
+    let total = u64::from(r.rate) * r.seconds;
+    let mut stage = Stage::new(ctx, mode, broker).await?;
+    let times = Arc::new(Times::new(new_tag(), new_tag(), total));
+    let inbox = stage.inbox(broker);
+    // Consumers stop when dropped, at the end of the scenario.
+    let (_kafka, _rabbit) = match broker {
+        BrokerKind::Kafka => (
+            Some(KafkaWatcher::start(&ctx.services, &inbox, times.clone())?),
+            None,
+        ),
+        BrokerKind::Rabbitmq => (
+            None,
+            Some(RabbitWatcher::start(&ctx.services, &inbox, times.clone()).await?),
+        ),
+    };
+    let mut relay = RelayProcess::spawn(&stage.dir, &ctx.plan.relay_env)?;
+    let outcome = async {
+        warm_up(&stage, &mut relay, &times, ctx.plan.aggregates).await?;
+        let (waited, busy) = wait_quiet(ctx.plan.quiet_wait).await;
+        (r.quiet_wait_s, r.busy_before) = (waited.as_secs_f64(), busy);
+        let perf = match &ctx.plan.perf {
+            Some(dir) => Some(Perf::start(dir, &r.label(), relay.pid())?),
+            None => None,
+        };
+        let machine = CpuTimes::now();
+        let cpu_before = relay.cpu_seconds();
+        let writer = Writer::new(r.rate, shape, ctx.plan.aggregates, total);
+        r.writer_connections = writer.connections;
+        let report = writer.run(&stage.db.url, times.clone()).await?;
+        r.written = report.events;
+        r.achieved_rate = Some(report.events as f64 / report.span.as_secs_f64());
+        r.writer_max_lag_ms = Some(report.max_lag.as_secs_f64() * 1e3);
+        r.tail_s = Some(
+            wait_tail(&stage, &mut relay, &times, report.events)
+                .await
+                .as_secs_f64(),
+        );
+        r.system_busy = machine.and_then(|m| m.busy_since());
+        if let Some(perf) = perf {
+            perf.stop().await;
+        }
+        r.cpu_s_per_100k = match (cpu_before, relay.cpu_seconds()) {
+            (Some(a), Some(b)) if report.events > 0 => Some((b - a) / report.events as f64 * 1e5),
+            _ => None,
+        };
+        Ok::<_, anyhow::Error>(())
+    }
+    .await;
+    r.peak_rss_mib = relay.peak_rss_mib();
+    match relay.stop().await {
+        Ok(status) if status.success() => {}
+        Ok(status) => r.notes.push(format!("relay exit: {status}")),
+        Err(e) => r.notes.push(format!("{e:#}")),
+    }
+    (r.warnings, r.errors) = relay.problems();
+    if r.errors > 0 || outcome.is_err() {
+        stage.dir.keep = true;
+        if let Some(line) = relay.first_problem() {
+            r.notes.push(line);
+        }
+    }
+    outcome?;
+    r.unreceived = r
+        .written
+        .saturating_sub(times.received_count.load(Ordering::Relaxed));
+    r.consumer = Percentiles::of(times.consumer_latencies());
+    let (sent_at, unmarked) = sent_at_latencies(&stage, &times).await?;
+    r.sent_at = Percentiles::of(sent_at);
+    r.unmarked = unmarked;
+    Ok(())
+}
+
+/// One event through the whole path before measuring: connections made,
+/// topic metadata cached, consumer attached.
+async fn warm_up(
+    stage: &Stage,
+    relay: &mut RelayProcess,
+    times: &Times,
+    aggregates: u32,
+) -> Result<()> {
+    stage
+        .db
+        .client
+        .execute(
+            INSERT_SQL,
+            &[
+                &vec![event_id(times.warmup_tag, 0)],
+                &vec![aggregate_id(0, aggregates)],
+                &payload(64),
+            ],
+        )
+        .await?;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(60) {
+        relay.ensure_running()?;
+        if times.warmup_seen.load(Ordering::Relaxed) && stage.db.all_sent().await? {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(anyhow!(
+        "timeout: the warm-up event did not arrive within 60s"
+    ))
+}
+
+/// Waits (bounded) until every event is received and marked; returns how long it took.
+async fn wait_tail(
+    stage: &Stage,
+    relay: &mut RelayProcess,
+    times: &Times,
+    written: u64,
+) -> Duration {
+    let start = Instant::now();
+    while start.elapsed() < TAIL && relay.exited().is_none() {
+        let received = times.received_count.load(Ordering::Relaxed) >= written;
+        if received && stage.db.all_sent().await.unwrap_or(false) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    start.elapsed()
+}
+
+/// commit → `relay_sent_at` for every marked event, and how many are unmarked.
+async fn sent_at_latencies(stage: &Stage, times: &Times) -> Result<(Vec<i64>, u64)> {
+    let rows = stage
+        .db
+        .client
+        .query(
+            "SELECT id, (extract(epoch FROM relay_sent_at) * 1000000)::int8 FROM outbox",
+            &[],
+        )
+        .await?;
+    let mut latencies = Vec::with_capacity(rows.len());
+    let mut unmarked = 0;
+    for row in rows {
+        let (high, seq) = row.get::<_, uuid::Uuid>(0).as_u64_pair();
+        if high != times.tag {
+            continue;
+        }
+        let commit = times
+            .commit
+            .get(seq as usize)
+            .map_or(0, |c| c.load(Ordering::Relaxed));
+        match row.get::<_, Option<i64>>(1) {
+            Some(sent) if commit > 0 => latencies.push(sent - commit),
+            Some(_) => {}
+            None => unmarked += 1,
+        }
+    }
+    Ok((latencies, unmarked))
+}
+
+/// The open-loop writer's plan.
+struct Writer {
+    rate: u32,
+    shape: Shape,
+    aggregates: u32,
+    total: u64,
+    connections: usize,
+}
+
+struct WriterReport {
+    events: u64,
+    /// From the first due time to the last commit.
+    span: Duration,
+    /// Longest delay of a transaction's start behind its due time.
+    max_lag: Duration,
+}
+
+impl Writer {
+    fn new(rate: u32, shape: Shape, aggregates: u32, total: u64) -> Writer {
+        // Each commit waits for a WAL flush (~3.5 ms on this disk, much more
+        // when other users write): enough connections let the server share
+        // one flush among many commits (group commit).
+        let tx_per_s = f64::from(rate) / f64::from(shape.tx_events);
+        let connections = ((tx_per_s / 40.0).ceil() as usize).clamp(1, 48);
+        Writer {
+            rate,
+            shape,
+            aggregates,
+            total,
+            connections,
+        }
+    }
+
+    async fn run(&self, db_url: &str, times: Arc<Times>) -> Result<WriterReport> {
+        let per_tx = u64::from(self.shape.tx_events);
+        let transactions = self.total.div_ceil(per_tx);
+        let interval = Duration::from_secs_f64(per_tx as f64 / f64::from(self.rate));
+        let mut clients = Vec::with_capacity(self.connections);
+        for _ in 0..self.connections {
+            clients.push(connect(db_url).await?);
+        }
+        let payload: Arc<str> = payload(self.shape.payload).into();
+        let start = tokio::time::Instant::now() + Duration::from_millis(100);
+        let planned = Duration::from_secs_f64(self.total as f64 / f64::from(self.rate));
+        let stop_at = start + planned.mul_f64(1.5);
+        let mut tasks = Vec::new();
+        for (w, client) in clients.into_iter().enumerate() {
+            let (times, payload) = (times.clone(), payload.clone());
+            let (total, aggregates, step) = (self.total, self.aggregates, self.connections);
+            tasks.push(tokio::spawn(async move {
+                let insert = client.prepare(INSERT_SQL).await?;
+                let mut max_lag = Duration::ZERO;
+                let mut last = SystemTime::now();
+                for tx in (w as u64..transactions).step_by(step) {
+                    let due = start + interval.mul_f64(tx as f64);
+                    tokio::time::sleep_until(due).await;
+                    if tokio::time::Instant::now() > stop_at {
+                        break; // too far behind: the run reports the rate achieved
+                    }
+                    max_lag = max_lag.max(tokio::time::Instant::now() - due);
+                    let seqs = tx * per_tx..((tx + 1) * per_tx).min(total);
+                    let ids: Vec<uuid::Uuid> =
+                        seqs.clone().map(|s| event_id(times.tag, s)).collect();
+                    let aggs: Vec<String> =
+                        seqs.clone().map(|s| aggregate_id(s, aggregates)).collect();
+                    client.execute(&insert, &[&ids, &aggs, &&*payload]).await?;
+                    last = SystemTime::now();
+                    let at = epoch_micros(last);
+                    for s in seqs {
+                        times.commit[s as usize].store(at, Ordering::Relaxed);
+                    }
+                }
+                Ok::<_, anyhow::Error>((max_lag, last))
+            }));
+        }
+        let start_wall = SystemTime::now() + Duration::from_millis(100);
+        let limit = planned.mul_f64(1.5) + Duration::from_secs(30);
+        let mut report = WriterReport {
+            events: 0,
+            span: Duration::ZERO,
+            max_lag: Duration::ZERO,
+        };
+        let mut last = start_wall;
+        for task in tasks {
+            let (lag, done) =
+                bounded(limit, "the steady-state writer", async { task.await? }).await?;
+            report.max_lag = report.max_lag.max(lag);
+            last = last.max(done);
+        }
+        report.events = times
+            .commit
+            .iter()
+            .filter(|c| c.load(Ordering::Relaxed) > 0)
+            .count() as u64;
+        report.span = last
+            .duration_since(start_wall)
+            .unwrap_or(Duration::from_millis(1));
+        Ok(report)
+    }
+}
