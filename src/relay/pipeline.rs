@@ -171,7 +171,8 @@ where
         }
         run.blocks.set_dead(open);
     }
-    let mut refresh: Option<oneshot::Receiver<HashSet<String>>> = None;
+    // The reply, and the generation of the blocks when it was asked for.
+    let mut refresh: Option<(oneshot::Receiver<HashSet<String>>, u64)> = None;
     let mut next_refresh = refresh_every.map(|d| Instant::now() + d);
     let mut next_probe = Instant::now() + settings.probe_interval;
 
@@ -234,22 +235,24 @@ where
                     run.close_intake();
                 }
             }
-            Ok(open) = wait_refresh(&mut refresh), if refresh.is_some() => {
+            Ok((open, seen)) = wait_refresh(&mut refresh), if refresh.is_some() => {
                 refresh = None;
-                let gone = run.blocks.resolve_missing(&open);
+                let gone = run.blocks.resolve_missing(&open, seen);
                 if !gone.is_empty() && !rewinding {
                     tracing::info!(aggregates = gone.len(), "dead letters redriven or dropped; their aggregates resume");
                     rewinding = true;
                     run.close_intake();
                 }
             }
-            // Only dead aggregates need watching.
-            _ = sleep_until_opt(next_refresh), if refresh.is_none() && run.blocks.has_dead() => {
+            // Only dead aggregates need watching. Dead letters still to be
+            // written go first: the acker answers in order, so the view it
+            // returns includes every aggregate dead by now.
+            _ = sleep_until_opt(next_refresh), if refresh.is_none() && run.blocks.has_dead() && run.pending_letters.is_empty() => {
                 let (tx, rx) = oneshot::channel();
                 if ack_tx.send(AckCommand::OpenDeadLetters(tx)).await.is_err() {
                     break Err(task_error(&mut acker_task, "acker").await);
                 }
-                refresh = Some(rx);
+                refresh = Some((rx, run.blocks.generation()));
                 next_refresh = refresh_every.map(|d| Instant::now() + d);
             }
             // 6. A block expired: drain, then re-read so the aggregate's events come back in order.
@@ -303,10 +306,13 @@ where
 }
 
 async fn wait_refresh(
-    rx: &mut Option<oneshot::Receiver<HashSet<String>>>,
-) -> Result<HashSet<String>, ()> {
+    rx: &mut Option<(oneshot::Receiver<HashSet<String>>, u64)>,
+) -> Result<(HashSet<String>, u64), ()> {
     match rx {
-        Some(rx) => rx.await.map_err(|_| ()),
+        Some((rx, seen)) => {
+            let seen = *seen;
+            rx.await.map(|open| (open, seen)).map_err(|_| ())
+        }
         None => std::future::pending().await,
     }
 }
@@ -475,6 +481,21 @@ where
     /// later, or, after `max_attempts`, dead-letter it.
     fn reject(&mut self, position: P, aggregate: &str, raw: RawRow, reason: String) {
         self.telemetry.metrics.failed(Failure::Refused, 1);
+        if self.blocks.is_dead(aggregate) {
+            // An earlier event of the aggregate is already dead-lettered
+            // (both were in flight): this one follows it, or waits.
+            let id = raw.id.clone();
+            self.defer(SourcedEvent {
+                position,
+                event: Err(crate::outbox::RowError {
+                    id,
+                    aggregate_id: Some(aggregate.to_owned()),
+                    reason,
+                    raw: Some(Box::new(raw)),
+                }),
+            });
+            return;
+        }
         let parked = self.scheduler.drop_parked(aggregate);
         let event_id = raw.id.clone();
         let block = self

@@ -33,6 +33,9 @@ pub struct Block {
     pub first_failed_at: DateTime<Utc>,
     /// Dead-lettered: blocked until an operator acts, never retried.
     pub dead: bool,
+    /// When it became dead ([`Blocks::generation`] at the time), so a view of
+    /// the dead-letter table taken earlier cannot resolve it.
+    pub dead_since: u64,
 }
 
 /// Blocked or dead aggregates the relay keeps track of, at most; past this
@@ -45,6 +48,8 @@ pub struct Blocks {
     map: HashMap<String, Block>,
     base: Duration,
     max: Duration,
+    /// Counts dead-marking events; see [`Block::dead_since`].
+    generation: u64,
 }
 
 impl Blocks {
@@ -53,6 +58,7 @@ impl Blocks {
             map: HashMap::new(),
             base,
             max,
+            generation: 0,
         }
     }
 
@@ -64,6 +70,10 @@ impl Blocks {
         reason: String,
         now: Instant,
     ) -> &Block {
+        // A dead aggregate stays dead, whatever else of it is refused.
+        if self.map.get(aggregate).is_some_and(|b| b.dead) {
+            return &self.map[aggregate];
+        }
         let (attempts, first_failed_at) = match self.map.get(aggregate) {
             Some(b) if b.event_id.as_deref() == event_id => {
                 (b.attempts.saturating_add(1), b.first_failed_at)
@@ -80,6 +90,7 @@ impl Blocks {
                 until: Some(now + delay),
                 first_failed_at,
                 dead: false,
+                dead_since: 0,
             },
         );
         &self.map[aggregate]
@@ -102,33 +113,48 @@ impl Blocks {
 
     /// The aggregate's event went to the dead-letter table.
     pub fn mark_dead(&mut self, aggregate: &str) {
+        self.generation += 1;
         if let Some(b) = self.map.get_mut(aggregate) {
             b.dead = true;
             b.until = None;
+            b.dead_since = self.generation;
         }
     }
 
-    /// Aggregates with open dead letters (at start-up, from the table).
+    /// The current generation: dead blocks marked later have a greater `dead_since`.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Aggregates with open dead letters (from the table): dead, whatever
+    /// state they were in.
     pub fn set_dead(&mut self, aggregates: impl IntoIterator<Item = String>) {
+        self.generation += 1;
         for a in aggregates {
-            self.map.entry(a).or_insert_with(|| Block {
+            let b = self.map.entry(a).or_insert_with(|| Block {
                 event_id: None,
                 reason: "open dead letter".into(),
                 attempts: 0,
                 until: None,
                 first_failed_at: Utc::now(),
                 dead: true,
+                dead_since: 0,
             });
+            b.dead = true;
+            b.until = None;
+            b.dead_since = self.generation;
         }
     }
 
-    /// Dead aggregates no longer in `open`: an operator redrove or dropped
-    /// their dead letters. They are unblocked and returned.
-    pub fn resolve_missing(&mut self, open: &HashSet<String>) -> Vec<String> {
+    /// Dead aggregates no longer in `open` (a view of the dead-letter table
+    /// taken at generation `seen`): an operator redrove or dropped their dead
+    /// letters. They are unblocked and returned. Aggregates that died after
+    /// `seen` are left alone: the view could not know them.
+    pub fn resolve_missing(&mut self, open: &HashSet<String>, seen: u64) -> Vec<String> {
         let gone: Vec<String> = self
             .map
             .iter()
-            .filter(|(a, b)| b.dead && !open.contains(*a))
+            .filter(|(a, b)| b.dead && b.dead_since <= seen && !open.contains(*a))
             .map(|(a, _)| a.clone())
             .collect();
         for a in &gone {
@@ -153,6 +179,10 @@ impl Blocks {
 
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
+    }
+
+    pub fn is_dead(&self, aggregate: &str) -> bool {
+        self.map.get(aggregate).is_some_and(|b| b.dead)
     }
 
     /// An event of the aggregate was confirmed: its history ends.
@@ -390,5 +420,46 @@ mod tests {
         b.clear("a");
         assert_eq!(b.blocked_count(), 0);
         assert!(b.next_expiry().is_none());
+    }
+
+    #[test]
+    fn a_dead_aggregate_stays_dead() {
+        let mut b = blocks();
+        let now = Instant::now();
+        b.block("a", Some("e1"), "refused".into(), now);
+        b.mark_dead("a");
+        // A second in-flight event of the aggregate is refused afterwards.
+        let after = b.block("a", Some("e2"), "refused too".into(), now);
+        assert!(
+            after.dead,
+            "the second refusal must not turn it back into a retry"
+        );
+        assert_eq!(b.next_expiry(), None);
+        b.release_expired(now + Duration::from_secs(3600));
+        assert!(b.is_blocked("a"));
+    }
+
+    #[test]
+    fn the_table_makes_a_retrying_aggregate_dead() {
+        let mut b = blocks();
+        b.block("a", Some("e1"), "refused".into(), Instant::now());
+        b.set_dead(["a".to_owned()]);
+        assert!(b.is_dead("a"));
+        assert_eq!(b.next_expiry(), None);
+    }
+
+    #[test]
+    fn an_older_view_of_the_table_cannot_resolve_a_newer_dead_aggregate() {
+        let mut b = blocks();
+        let now = Instant::now();
+        b.block("x", Some("x1"), "r".into(), now);
+        b.mark_dead("x");
+        let seen = b.generation();
+        // The refresh question went out here; then p dies.
+        b.block("p", Some("p1"), "r".into(), now);
+        b.mark_dead("p");
+        let open: HashSet<String> = HashSet::new(); // the view knows neither
+        assert_eq!(b.resolve_missing(&open, seen), vec!["x".to_owned()]);
+        assert!(b.is_dead("p"), "p died after the view was taken");
     }
 }
