@@ -337,6 +337,7 @@ async fn run_dlq(command: DlqCommand) -> ExitCode {
                 table,
                 columns: &columns,
                 info: &info,
+                mark: config.relay.mark,
             };
             match admin::redrive(&mut client, &dlq, &outbox, &target.target()).await {
                 Ok((letters, held)) => {

@@ -86,6 +86,54 @@ pub async fn list(
         .collect())
 }
 
+/// Takes the per-aggregate locks (sorted, so two commands cannot deadlock)
+/// of every aggregate the target names, before reading its dead letters: a
+/// follower the relay is writing meanwhile is then either seen or told the
+/// aggregate is resolved.
+async fn lock_aggregates(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &TableName,
+    target: &Target,
+) -> Result<(), AdminError> {
+    let aggregates: Vec<String> = match target {
+        Target::Aggregate(a) => vec![a.clone()],
+        Target::Id(id) => tx
+            .query(
+                &format!(
+                    "SELECT DISTINCT aggregate_id FROM {} WHERE id = $1 AND resolution IS NULL",
+                    table.quoted()
+                ),
+                &[id],
+            )
+            .await?
+            .iter()
+            .filter_map(|r| r.get::<_, Option<String>>(0))
+            .collect(),
+        Target::All => tx
+            .query(
+                &format!(
+                    "SELECT DISTINCT aggregate_id FROM {} WHERE resolution IS NULL",
+                    table.quoted()
+                ),
+                &[],
+            )
+            .await?
+            .iter()
+            .filter_map(|r| r.get::<_, Option<String>>(0))
+            .collect(),
+    };
+    let mut aggregates = aggregates;
+    aggregates.sort();
+    for a in aggregates {
+        tx.execute(
+            super::AGGREGATE_LOCK_SQL,
+            &[&super::aggregate_lock_key(table, &a)],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 /// The open dead letters a target names, oldest first: `(dead_letter_id, id, aggregate_id, outbox_seq)`.
 async fn targeted(
     tx: &tokio_postgres::Transaction<'_>,
@@ -140,6 +188,10 @@ pub struct Outbox<'a> {
     pub table: &'a TableName,
     pub columns: &'a ResolvedColumns,
     pub info: &'a TableInfo,
+    /// With `none`, unsent rows cannot be told from published ones, so no
+    /// waiting row goes back with the dead letters (there are none to wait:
+    /// with `mark = "none"` only `follow` applies).
+    pub mark: crate::config::MarkMode,
 }
 
 /// Re-publishes the targeted dead letters (see the module docs); returns how
@@ -151,6 +203,7 @@ pub async fn redrive(
     target: &Target,
 ) -> Result<(usize, usize), AdminError> {
     let tx = client.transaction().await?;
+    lock_aggregates(&tx, dead_letters, target).await?;
     let letters = targeted(&tx, dead_letters, target).await?;
     if let Target::Id(id) = target {
         let Some(first) = letters.first() else {
@@ -191,16 +244,19 @@ pub async fn redrive(
             .map(|l| l.0)
             .collect();
         // The aggregate's rows still unsent come after its dead letters.
-        let held = tx
-            .query(
+        let held = if outbox.mark == crate::config::MarkMode::None {
+            Vec::new()
+        } else {
+            tx.query(
                 &format!(
-                    "SELECT {} FROM {t} WHERE {SENT_AT_COLUMN} IS NULL AND {} = $1 ORDER BY {SEQ_COLUMN}",
+                    "SELECT {} FROM {t} WHERE {SENT_AT_COLUMN} IS NULL AND {}::text = $1 ORDER BY {SEQ_COLUMN} FOR UPDATE",
                     select_list(outbox.columns),
                     quote_ident(&outbox.columns.aggregate_id)
                 ),
                 &[aggregate],
             )
-            .await?;
+            .await?
+        };
         let held: Vec<_> = held.iter().filter_map(|r| read_row(r, 0)).collect();
         let originals: Vec<i64> = letters
             .iter()

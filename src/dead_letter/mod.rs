@@ -75,15 +75,46 @@ pub fn create_sql(table: &TableName) -> Vec<String> {
     ]
 }
 
+/// The transaction-scoped advisory lock that serialises, per aggregate, the
+/// relay writing a follower and an operator redriving or dropping (taken by
+/// both), so neither acts on a view the other is about to change.
+pub const AGGREGATE_LOCK_SQL: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
+
+/// The key of [`AGGREGATE_LOCK_SQL`] for an aggregate of a dead-letter table.
+pub fn aggregate_lock_key(table: &TableName, aggregate: &str) -> String {
+    format!("outbox-relay:dead-letters:{table}:{aggregate}")
+}
+
 /// Writes dead letters and marks their outbox rows, on the ownership connection.
 pub struct Recorder {
+    table: TableName,
     insert: Statement,
     still_open: Statement,
     open: Statement,
+    /// Does the outbox row still exist (a redrive replaces the rows it puts back)?
+    row_exists: Option<Statement>,
+}
+
+/// What writing a set of dead letters did.
+#[derive(Debug, Default)]
+pub struct Written {
+    /// Letters written (indexes into the input).
+    pub written: Vec<usize>,
+    /// Followers not written because an operator had redriven their
+    /// aggregate, including their row: they are accounted for.
+    pub superseded: Vec<usize>,
+    /// Aggregates found with no open dead letter any more.
+    pub resolved: HashSet<String>,
 }
 
 impl Recorder {
-    pub async fn new(client: &Client, table: &TableName) -> Result<Self, tokio_postgres::Error> {
+    /// `outbox`: the outbox table, when redrives may replace its rows (rows
+    /// are marked); `None` when rows are left alone.
+    pub async fn new(
+        client: &Client,
+        table: &TableName,
+        outbox: Option<&TableName>,
+    ) -> Result<Self, tokio_postgres::Error> {
         let t = table.quoted();
         let insert = client
             .prepare(&format!(
@@ -102,35 +133,56 @@ impl Recorder {
                 "SELECT DISTINCT aggregate_id FROM {t} WHERE resolution IS NULL"
             ))
             .await?;
+        let row_exists = match outbox {
+            Some(o) => Some(
+                client
+                    .prepare(&format!(
+                        "SELECT EXISTS (SELECT 1 FROM {} WHERE {} = $1)",
+                        o.quoted(),
+                        crate::outbox::SEQ_COLUMN
+                    ))
+                    .await?,
+            ),
+            None => None,
+        };
         Ok(Recorder {
+            table: table.clone(),
             insert,
             still_open,
             open,
+            row_exists,
         })
     }
 
     /// Writes the letters in one transaction, running `mark` for the rows of
     /// the ones written. A follower whose aggregate no longer has an open
     /// dead letter (an operator redrove or dropped it meanwhile) is not
-    /// written: its aggregate is returned, so the relay publishes it instead.
+    /// written: its aggregate is reported resolved, so the relay publishes it
+    /// instead, unless the redrive already put its row back as a new one.
     pub async fn write<P>(
         &self,
         client: &mut Client,
         letters: &[DeadLetter<P>],
         mark: Option<&Statement>,
-    ) -> Result<(Vec<usize>, HashSet<String>), tokio_postgres::Error> {
+    ) -> Result<Written, tokio_postgres::Error> {
         let tx = client.transaction().await?;
-        let mut written = Vec::new();
-        let mut resolved = HashSet::new();
+        let mut out = Written::default();
+        let mut locked: HashSet<&str> = HashSet::new();
         for (i, l) in letters.iter().enumerate() {
             let aggregate = l.aggregate_id();
-            if resolved.contains(aggregate) {
+            if locked.insert(aggregate) {
+                let key = aggregate_lock_key(&self.table, aggregate);
+                tx.execute(AGGREGATE_LOCK_SQL, &[&key]).await?;
+            }
+            if out.resolved.contains(aggregate) {
+                self.account_follower(&tx, l, i, &mut out).await?;
                 continue;
             }
             if l.follows.is_some() {
                 let open: bool = tx.query_one(&self.still_open, &[&aggregate]).await?.get(0);
                 if !open {
-                    resolved.insert(aggregate.to_owned());
+                    out.resolved.insert(aggregate.to_owned());
+                    self.account_follower(&tx, l, i, &mut out).await?;
                     continue;
                 }
             }
@@ -155,16 +207,33 @@ impl Recorder {
                 ],
             )
             .await?;
-            written.push(i);
+            out.written.push(i);
         }
         if let Some(mark) = mark {
-            let seqs: Vec<i64> = written.iter().filter_map(|&i| letters[i].seq).collect();
+            let seqs: Vec<i64> = out.written.iter().filter_map(|&i| letters[i].seq).collect();
             if !seqs.is_empty() {
                 tx.execute(mark, &[&seqs]).await?;
             }
         }
         tx.commit().await?;
-        Ok((written, resolved))
+        Ok(out)
+    }
+
+    /// A follower not written: superseded when a redrive replaced its row.
+    async fn account_follower<P>(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        letter: &DeadLetter<P>,
+        index: usize,
+        out: &mut Written,
+    ) -> Result<(), tokio_postgres::Error> {
+        if let (Some(exists), Some(seq)) = (&self.row_exists, letter.seq) {
+            let there: bool = tx.query_one(exists, &[&seq]).await?.get(0);
+            if !there {
+                out.superseded.push(index);
+            }
+        }
+        Ok(())
     }
 
     /// Aggregates with a dead letter nobody redrove or dropped yet.

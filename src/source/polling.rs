@@ -255,7 +255,7 @@ impl Acker for PollingAcker {
         &mut self,
         letters: Vec<DeadLetter<i64>>,
     ) -> Result<HashSet<String>, SourceError> {
-        Ok(self.recorder.dead_letter(&letters).await?.1)
+        Ok(self.recorder.dead_letter(&letters).await?.resolved)
     }
 
     async fn open_dead_letters(&mut self) -> Result<HashSet<String>, SourceError> {

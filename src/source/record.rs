@@ -5,7 +5,7 @@
 use super::SourceError;
 use crate::config::MarkMode;
 use crate::db::DbError;
-use crate::dead_letter::{DeadLetter, Recorder};
+use crate::dead_letter::{DeadLetter, Recorder, Written};
 use crate::outbox::{TableName, mark_sql};
 use std::collections::HashSet;
 use tokio_postgres::{Client, Statement};
@@ -34,7 +34,7 @@ impl RowRecorder {
             None => None,
         };
         let dead_letters = match dead_letters {
-            Some(t) => Some(Recorder::new(&client, t).await.map_err(|e| {
+            Some(t) => Some(Recorder::new(&client, t, mark.is_some().then_some(table)).await.map_err(|e| {
                 if e.code().is_some_and(|c| c.code() == "42P01") {
                     SourceError::Setup(format!(
                         "the dead-letter table {t} does not exist; run `outbox-relay migrate` (or set dead_letter.enabled = false)"
@@ -65,14 +65,13 @@ impl RowRecorder {
         Ok(())
     }
 
-    /// Writes dead letters and marks their rows in one transaction. Returns
-    /// the indexes of the letters written and the aggregates found resolved.
+    /// Writes dead letters and marks their rows in one transaction.
     pub async fn dead_letter<P>(
         &mut self,
         letters: &[DeadLetter<P>],
-    ) -> Result<(Vec<usize>, HashSet<String>), SourceError> {
+    ) -> Result<Written, SourceError> {
         let Some(recorder) = &self.dead_letters else {
-            return Ok((Vec::new(), HashSet::new()));
+            return Ok(Written::default());
         };
         recorder
             .write(&mut self.client, letters, self.mark.as_ref())

@@ -490,13 +490,14 @@ impl Acker for CdcAcker {
         &mut self,
         letters: Vec<DeadLetter<CdcPosition>>,
     ) -> Result<HashSet<String>, SourceError> {
-        let (written, resolved) = self.recorder.dead_letter(&letters).await?;
-        // A dead letter is as durable as a delivery: its position is done.
+        let w = self.recorder.dead_letter(&letters).await?;
+        // A dead letter is as durable as a delivery, and a follower whose row
+        // a redrive put back as a new one is accounted for: their positions are done.
         let mut progress = lock(&self.progress);
-        for i in written {
-            progress.confirm(&letters[i].position);
+        for i in w.written.iter().chain(&w.superseded) {
+            progress.confirm(&letters[*i].position);
         }
-        Ok(resolved)
+        Ok(w.resolved)
     }
 
     async fn open_dead_letters(&mut self) -> Result<HashSet<String>, SourceError> {
