@@ -47,7 +47,7 @@ impl Shard {
     pub fn condition(&self, aggregate_id_column: &str) -> Option<String> {
         (self.count > 1).then(|| {
             format!(
-                "(hashtextextended({aggregate_id_column}::text, 0) & 9223372036854775807) % {} = {}",
+                "(hashtextextended(coalesce({aggregate_id_column}::text, ''), 0) & 9223372036854775807) % {} = {}",
                 self.count, self.index
             )
         })
@@ -115,7 +115,8 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let count = config.relay.shards;
-    let balance = Balance::new(count as usize);
+    // Nothing is taken before this instance is a member (see count_members).
+    let balance = Balance::new(0);
     // Both are aborted when this future is dropped, like a single-pipeline relay.
     let _members = AbortOnDropHandle::new(tokio::spawn(count_members(
         config.clone(),
@@ -139,7 +140,7 @@ async fn count_members(config: Config, balance: Arc<Balance>, shutdown: Cancella
     let base = crate::source::ownership_key(&config.outbox.table);
     let count = config.relay.shards as usize;
     loop {
-        match member_session(&config, &base).await {
+        match member_session(&config, &base, count).await {
             Ok((client, slot)) => {
                 tracing::info!(
                     member = slot,
@@ -147,12 +148,14 @@ async fn count_members(config: Config, balance: Arc<Balance>, shutdown: Cancella
                     "sharing the outbox's shards with other instances"
                 );
                 loop {
-                    match live_members(&client, &base).await {
+                    match live_members(&client, &base, count).await {
                         Ok(live) => {
                             let target = count.div_ceil(live.max(1));
                             balance.target.store(target, Ordering::SeqCst);
                         }
                         Err(e) => {
+                            // Without a member session, hold nothing: give every shard back.
+                            balance.target.store(0, Ordering::SeqCst);
                             tracing::warn!(error = %e, "lost the member session; reconnecting");
                             break;
                         }
@@ -163,7 +166,10 @@ async fn count_members(config: Config, balance: Arc<Balance>, shutdown: Cancella
                     }
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "cannot register as a member; retrying"),
+            Err(e) => {
+                balance.target.store(0, Ordering::SeqCst);
+                tracing::warn!(error = %e, "cannot share the outbox's shards yet; retrying");
+            }
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -172,13 +178,65 @@ async fn count_members(config: Config, balance: Arc<Balance>, shutdown: Cancella
     }
 }
 
-async fn member_session(config: &Config, base: &str) -> Result<(Client, i32), DbError> {
+/// The key of the member locks of instances running with `count` shards.
+fn member_key(base: &str, count: usize) -> String {
+    format!("{base}:members:{count}")
+}
+
+/// Registers this instance: a shared lock on the outbox's ownership key (so
+/// no instance without shards can be active at the same time, and the other
+/// way round), a check that no instance runs with another shard count, and a
+/// member slot.
+async fn member_session(
+    config: &Config,
+    base: &str,
+    count: usize,
+) -> Result<(Client, i32), DbError> {
+    let busy = |message: String| DbError::Connect {
+        target: base.to_owned(),
+        message,
+        retryable: true,
+    };
     let client = crate::db::connect(&config.database, None).await?;
+    let shared: bool = client
+        .query_one(
+            "SELECT pg_try_advisory_lock_shared(hashtextextended($1, 0))",
+            &[&base],
+        )
+        .await
+        .map_err(|e| DbError::query("taking the shared ownership lock", e))?
+        .get(0);
+    if !shared {
+        return Err(busy(
+            "an instance without relay.shards is active on this outbox; waiting for it to stop"
+                .into(),
+        ));
+    }
+    let others: Vec<i32> = client
+        .query(
+            "SELECT m FROM generate_series(2, 256) AS m
+             WHERE m <> $2 AND EXISTS (
+                 SELECT 1 FROM pg_locks l
+                 WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+                   AND l.classid = hashtext($1 || ':members:' || m)::oid)",
+            &[&base, &(count as i32)],
+        )
+        .await
+        .map_err(|e| DbError::query("looking for instances with other shard counts", e))?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if let Some(other) = others.first() {
+        return Err(busy(format!(
+            "instances with relay.shards = {other} are running on this outbox; every instance must use the same value (this one has {count})"
+        )));
+    }
+    let key = member_key(base, count);
     for slot in 0..MEMBER_SLOTS {
         let locked: bool = client
             .query_one(
                 "SELECT pg_try_advisory_lock(hashtext($1), $2)",
-                &[&base, &slot],
+                &[&key, &slot],
             )
             .await
             .map_err(|e| DbError::query("taking a member lock", e))?
@@ -187,20 +245,16 @@ async fn member_session(config: &Config, base: &str) -> Result<(Client, i32), Db
             return Ok((client, slot));
         }
     }
-    Err(DbError::Connect {
-        target: base.to_owned(),
-        message: format!("all {MEMBER_SLOTS} member slots are taken"),
-        retryable: true,
-    })
+    Err(busy(format!("all {MEMBER_SLOTS} member slots are taken")))
 }
 
-async fn live_members(client: &Client, base: &str) -> Result<usize, DbError> {
+async fn live_members(client: &Client, base: &str, count: usize) -> Result<usize, DbError> {
     let n: i64 = client
         .query_one(
             "SELECT count(*) FROM pg_locks
              WHERE locktype = 'advisory' AND objsubid = 2 AND granted
                AND classid = hashtext($1)::oid AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-            &[&base],
+            &[&member_key(base, count)],
         )
         .await
         .map_err(|e| DbError::query("counting relay instances", e))?

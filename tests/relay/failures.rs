@@ -294,7 +294,8 @@ async fn shard_owners(db: &TestDb) -> HashMap<String, i64> {
     db.client
         .query(
             "SELECT a.application_name, count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND a.datname = current_database()
+             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ExclusiveLock'
+               AND a.datname = current_database()
                AND a.application_name LIKE 'relay-%'
              GROUP BY 1",
             &[],
@@ -363,5 +364,59 @@ async fn instances_share_shards_evenly_and_take_over_a_dead_ones() {
     let more = insert_many(&db, 20, "agg7").await;
     broker.inbox().wait_ids(&more, WAIT).await;
     b.stop().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_with_different_shard_settings_never_publish_together() {
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Kafka, &["order"], &[]).await;
+    // A whole-outbox instance is active.
+    let whole = InProcess::start(parse(&set(
+        &toml,
+        "database.application_name",
+        "\"relay-whole\"",
+    )));
+    let first = insert_many(&db, 10, "a").await;
+    broker.inbox().wait_ids(&first, WAIT).await;
+    // One with shards starts (a rolling change of relay.shards): it must wait.
+    let sharded = set(
+        &set(&toml, "relay.shards", "4"),
+        "database.application_name",
+        "\"relay-sharded\"",
+    );
+    let four = InProcess::start(parse(&sharded));
+    // And one with another shard count must wait too, even after the whole one stops.
+    let two = InProcess::start(parse(&set(
+        &set(&toml, "relay.shards", "2"),
+        "database.application_name",
+        "\"relay-two\"",
+    )));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let owners = shard_owners(&db).await;
+    assert_eq!(
+        owners.get("relay-sharded"),
+        None,
+        "no shard taken beside a whole-outbox instance: {owners:?}"
+    );
+    assert_eq!(owners.get("relay-two"), None, "{owners:?}");
+    let second = insert_many(&db, 10, "a").await;
+    broker.inbox().wait_ids(&second, WAIT).await;
+    whole.stop().await;
+    // Exactly one shard setting wins; the other keeps waiting.
+    let owners = wait_for(WAIT, "the sharded instances to take over", || async {
+        let o = shard_owners(&db).await;
+        (o.get("relay-sharded") == Some(&4) || o.get("relay-two") == Some(&2)).then_some(o)
+    })
+    .await;
+    assert_eq!(
+        owners.len(),
+        1,
+        "instances with 4 and 2 shards never run together: {owners:?}"
+    );
+    let third = insert_many(&db, 10, "a").await;
+    let got = broker.inbox().wait_ids(&third, WAIT).await;
+    assert_eq!(got.len(), 30, "every event once");
+    four.stop().await;
+    two.stop().await;
     db.drop_db().await;
 }
