@@ -115,8 +115,19 @@ impl Progress {
     }
 
     /// The current transaction ended at `end_lsn`.
+    ///
+    /// A transaction without outbox events that waits behind an unfinished
+    /// one is folded into it (the earlier one now ends where this one does):
+    /// flushing either means flushing both, and a busy server's unrelated
+    /// transactions cannot pile up while the broker is away.
     pub fn commit(&mut self, end_lsn: Lsn) {
-        if let Some(tx) = self.txs.back_mut() {
+        let len = self.txs.len();
+        if len >= 2 && self.txs.back().is_some_and(|t| t.total == 0) {
+            self.txs.pop_back();
+            if let Some(prev) = self.txs.back_mut() {
+                prev.end_lsn = Some(end_lsn);
+            }
+        } else if let Some(tx) = self.txs.back_mut() {
             tx.end_lsn = Some(end_lsn);
         }
         self.advance();
@@ -124,10 +135,11 @@ impl Progress {
 
     /// The broker confirmed the event (and its row was marked).
     pub fn confirm(&mut self, pos: &CdcPosition) {
-        let Some(tx) = self.txs.iter_mut().find(|t| t.commit_lsn == pos.commit_lsn) else {
+        // Transactions are registered in commit order.
+        let Ok(i) = self.txs.binary_search_by_key(&pos.commit_lsn, |t| t.commit_lsn) else {
             return; // from before a restart: it will be read, and skipped, again
         };
-        tx.confirmed += 1;
+        self.txs[i].confirmed += 1;
         if self.confirmed_ahead.len() < self.ahead_cap {
             self.confirmed_ahead.insert((pos.commit_lsn, pos.index));
         }
@@ -143,6 +155,7 @@ impl Progress {
     }
 
     fn advance(&mut self) {
+        let mut last = None;
         while self.txs.front().is_some_and(Tx::complete) {
             let Some(tx) = self.txs.pop_front() else {
                 break;
@@ -150,11 +163,14 @@ impl Progress {
             if let Some(end) = tx.end_lsn {
                 self.flushed = self.flushed.max(end);
             }
-            // Its confirmations are no longer needed for skipping.
-            let lsn = tx.commit_lsn;
-            let rest = self.confirmed_ahead.split_off(&(lsn, u64::MAX));
-            self.confirmed_ahead.retain(|(l, _)| *l != lsn);
-            self.confirmed_ahead.extend(rest);
+            last = Some(tx.commit_lsn);
+        }
+        // The flushed transactions' confirmations are no longer needed for
+        // skipping: drop everything up to the last one, in one cut.
+        if let Some(lsn) = last
+            && self.confirmed_ahead.first().is_some_and(|(l, _)| *l <= lsn)
+        {
+            self.confirmed_ahead = self.confirmed_ahead.split_off(&(Lsn(lsn.0.saturating_add(1)), 0));
         }
         if self.txs.is_empty() {
             self.flushed = self.flushed.max(self.server_end);
@@ -265,6 +281,41 @@ mod tests {
             p.confirmed_ahead.is_empty(),
             "flushed transactions forget their confirmations"
         );
+    }
+
+    #[test]
+    fn empty_transactions_behind_unfinished_work_fold_into_it() {
+        let mut p = Progress::new(Lsn(0), 100);
+        p.begin(Lsn(100));
+        p.event(&pos(100, 0));
+        p.commit(Lsn(110));
+        for i in 0..10_000u64 {
+            p.begin(Lsn(200 + i * 10));
+            p.commit(Lsn(205 + i * 10));
+        }
+        assert_eq!(p.outstanding(), 1, "unrelated transactions do not pile up");
+        assert_eq!(p.flushed(), Lsn(0));
+        p.confirm(&pos(100, 0));
+        assert_eq!(p.flushed(), Lsn(205 + 9_999 * 10), "flushed past all of them");
+        assert!(p.idle());
+    }
+
+    #[test]
+    fn many_transactions_confirmed_out_of_order_all_flush() {
+        let mut p = Progress::new(Lsn(0), 1_000_000);
+        let n = 50_000u64;
+        for i in 0..n {
+            p.begin(Lsn(100 + i * 10));
+            p.event(&pos(100 + i * 10, 0));
+            p.commit(Lsn(105 + i * 10));
+        }
+        // Confirm the second half first (remembered for skipping), then the first.
+        for i in (n / 2..n).chain(0..n / 2) {
+            p.confirm(&pos(100 + i * 10, 0));
+        }
+        assert!(p.idle());
+        assert_eq!(p.flushed(), Lsn(105 + (n - 1) * 10));
+        assert!(p.confirmed_ahead.is_empty());
     }
 
     #[test]
