@@ -285,6 +285,61 @@ async fn a_postgres_restart_mid_stream_loses_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_without_relay_seq_is_refused_while_marking() {
+    let db = TestDb::new().await;
+    let broker = KafkaTopics::new();
+    broker.create("order").await;
+    let toml = cdc_toml(&db.url, &broker.sink_toml());
+    let config = parse(&toml);
+    db.migrate(&config).await;
+    // An operator narrowed the publication to the application's columns.
+    let publication = config.source.cdc.publication_name(&config.outbox.table);
+    db.client
+        .batch_execute(&format!(
+            "ALTER PUBLICATION {publication} SET TABLE outbox \
+             (id, aggregate_type, aggregate_id, event_type, event_version, payload, headers, created_at)"
+        ))
+        .await
+        .unwrap();
+    let port = crate::support::proxy::free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    // Streamed (not read at start-up): inserted once the relay is streaming.
+    let slot = slot_of(&toml);
+    wait_for(WAIT, "the relay to start streaming", || async {
+        let active: bool = db
+            .client
+            .query_one(
+                "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .ok()?
+            .get(0);
+        active.then_some(())
+    })
+    .await;
+    let id = Uuid::new_v4();
+    db.insert(id, "order", "a", json!({})).await;
+    let body = wait_for(WAIT, "readiness to name the missing column", || async {
+        let (code, body) = http_get(port, "/readyz").await?;
+        (code == 503 && body.contains("relay_seq")).then_some(body)
+    })
+    .await;
+    assert!(body.contains("column list"), "says what to fix: {body}");
+    assert_eq!(db.unsent().await, 1, "the row stays unsent");
+    relay.terminate();
+    assert!(
+        !broker
+            .inbox
+            .snapshot()
+            .iter()
+            .any(|r| r.event_id() == id.to_string()),
+        "nothing was published that could not be marked"
+    );
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_level_replica_is_refused_with_the_fix() {
     let pg = PrivatePg::start(&["wal_level = replica"]);
     let admin = connect(&pg.url("postgres")).await;

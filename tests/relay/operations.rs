@@ -6,12 +6,6 @@ use crate::support::*;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-fn with_http(toml: &str, port: u16) -> String {
-    let t = set(toml, "http.enabled", "true");
-    let t = set(&t, "http.address", &format!("\"127.0.0.1:{port}\""));
-    set(&t, "http.sample_interval", "\"200ms\"")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_are_scraped_after_a_known_workload() {
     let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;

@@ -218,9 +218,14 @@ impl CdcReader {
         lock(&self.progress).restart(slot_flushed);
         if self.settings.read_table {
             // One snapshot for the whole read; the WAL position taken with it
-            // bounds which streamed transactions it already covers.
+            // bounds which streamed transactions it already covers. The read
+            // waits while the broker catches up, so a server-wide
+            // idle-in-transaction timeout must not end it.
             self.client
-                .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                .batch_execute(
+                    "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; \
+                     SET LOCAL idle_in_transaction_session_timeout = 0",
+                )
                 .await
                 .map_err(|e| DbError::query("starting the start-up read", e))?;
             self.snapshot_open = true;
@@ -362,7 +367,7 @@ async fn open_stream(
         )
         .await?;
     tracing::info!(slot = %settings.slot, from = %start, "streaming from the replication slot");
-    Ok(Streaming::new(stream, skip, start))
+    Ok(Streaming::new(stream, skip, start, settings.read_table))
 }
 
 impl Reader for CdcReader {
@@ -386,8 +391,10 @@ impl Reader for CdcReader {
                     }
                 }
                 Phase::Streaming(s) => {
-                    let silence = s.last_message + self.silence_limit;
+                    let silence = s.last_message.max(s.paused_at) + self.silence_limit;
+                    // Messages first: after a pause they are waiting unread.
                     let wake = tokio::select! {
+                        biased;
                         message = s.stream.next() => Wake::Message(message),
                         _ = tokio::time::sleep_until(s.next_status) => Wake::Status,
                         _ = tokio::time::sleep_until(silence) => Wake::Silence,
@@ -407,7 +414,9 @@ impl Reader for CdcReader {
                                 &self.progress,
                                 &mut self.pending,
                             )?;
-                            if reply {
+                            // A busy stream still reports on time (the select
+                            // prefers messages).
+                            if reply || Instant::now() >= s.next_status {
                                 s.send_status(&self.progress, self.status_every).await?;
                             }
                             if matches!(step, Step::Committed) && !self.pending.is_empty() {
@@ -452,6 +461,7 @@ impl Reader for CdcReader {
         // would end a silent connection) without reading more.
         match &mut self.phase {
             Phase::Streaming(s) => loop {
+                s.paused_at = Instant::now();
                 tokio::time::sleep_until(s.next_status).await;
                 s.send_status(&self.progress, self.status_every).await?;
             },

@@ -136,7 +136,10 @@ impl Progress {
     /// The broker confirmed the event (and its row was marked).
     pub fn confirm(&mut self, pos: &CdcPosition) {
         // Transactions are registered in commit order.
-        let Ok(i) = self.txs.binary_search_by_key(&pos.commit_lsn, |t| t.commit_lsn) else {
+        let Ok(i) = self
+            .txs
+            .binary_search_by_key(&pos.commit_lsn, |t| t.commit_lsn)
+        else {
             return; // from before a restart: it will be read, and skipped, again
         };
         self.txs[i].confirmed += 1;
@@ -170,7 +173,9 @@ impl Progress {
         if let Some(lsn) = last
             && self.confirmed_ahead.first().is_some_and(|(l, _)| *l <= lsn)
         {
-            self.confirmed_ahead = self.confirmed_ahead.split_off(&(Lsn(lsn.0.saturating_add(1)), 0));
+            self.confirmed_ahead = self
+                .confirmed_ahead
+                .split_off(&(Lsn(lsn.0.saturating_add(1)), 0));
         }
         if self.txs.is_empty() {
             self.flushed = self.flushed.max(self.server_end);
@@ -296,7 +301,11 @@ mod tests {
         assert_eq!(p.outstanding(), 1, "unrelated transactions do not pile up");
         assert_eq!(p.flushed(), Lsn(0));
         p.confirm(&pos(100, 0));
-        assert_eq!(p.flushed(), Lsn(205 + 9_999 * 10), "flushed past all of them");
+        assert_eq!(
+            p.flushed(),
+            Lsn(205 + 9_999 * 10),
+            "flushed past all of them"
+        );
         assert!(p.idle());
     }
 

@@ -50,7 +50,13 @@ pub struct Streaming {
     received: Lsn,
     pub next_status: Instant,
     pub last_message: Instant,
+    /// When the reader last stood still (the relay not taking events):
+    /// messages the server sent meanwhile are still unread, so silence
+    /// counts from here too.
+    pub paused_at: Instant,
     warned: HashSet<MessageKind>,
+    /// Rows are marked by their `relay_seq`, so the stream must carry it.
+    needs_seq: bool,
 }
 
 /// What handling one message asks of the reader.
@@ -61,7 +67,12 @@ pub enum Step {
 }
 
 impl Streaming {
-    pub fn new(stream: ReplicationStream, skip: Option<SkipRead>, start: Lsn) -> Self {
+    pub fn new(
+        stream: ReplicationStream,
+        skip: Option<SkipRead>,
+        start: Lsn,
+        needs_seq: bool,
+    ) -> Self {
         let now = Instant::now();
         Streaming {
             stream,
@@ -72,7 +83,9 @@ impl Streaming {
             received: start,
             next_status: now,
             last_message: now,
+            paused_at: now,
             warned: HashSet::new(),
+            needs_seq,
         }
     }
 
@@ -168,10 +181,19 @@ impl Streaming {
                             })?);
                         }
                     }
+                    let seq = r.column_index(SEQ_COLUMN);
+                    if seq.is_none() && self.needs_seq {
+                        // Without it no row could be marked sent: every one
+                        // would be sent again after each restart.
+                        return Err(SourceError::Setup(format!(
+                            "the publication does not replicate {SEQ_COLUMN} of {table}, which the relay marks rows by; \
+                             include it in the publication's column list (or publish all columns), or set relay.mark = \"none\""
+                        )));
+                    }
                     self.outbox = Some(OutboxColumns {
                         relation_id: r.id,
                         contract,
-                        seq: r.column_index(SEQ_COLUMN),
+                        seq,
                     });
                 }
                 self.relations.apply(r);

@@ -460,6 +460,13 @@ pub fn set(toml: &str, key: &str, value: &str) -> String {
 }
 
 /// The source mode's settings, with quick CDC status updates for tests.
+/// Serves HTTP on `port`, sampling gauges often.
+pub fn with_http(toml: &str, port: u16) -> String {
+    let t = set(toml, "http.enabled", "true");
+    let t = set(&t, "http.address", &format!("\"127.0.0.1:{port}\""));
+    set(&t, "http.sample_interval", "\"200ms\"")
+}
+
 pub fn with_mode(toml: &str, mode: Mode) -> String {
     match mode {
         Mode::Polling => toml.to_owned(),
