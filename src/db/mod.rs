@@ -65,7 +65,7 @@ pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
             c.starts_with("08") // connection exception
                 || c.starts_with("40") // serialization failure, deadlock
                 || c.starts_with("53") // insufficient resources
-                || c.starts_with("57") // operator intervention: shutdown, cancel
+                || (c.starts_with("57") && c != "57P04") // operator intervention: shutdown, cancel (not a dropped database)
                 || c == "55P03" // lock not available
         }
     }

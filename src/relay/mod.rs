@@ -249,7 +249,7 @@ async fn relay_owned(
         probe_interval: config
             .relay
             .standby_poll
-            .max(std::time::Duration::from_secs(1)),
+            .max(std::time::Duration::from_secs(10)),
         batch_size: config.source.batch_size,
         max_in_flight: config.relay.max_in_flight,
         per_aggregate: config

@@ -274,9 +274,13 @@ where
             },
             // 8. The acker failed (e.g. lost its connection, and with it ownership).
             res = &mut acker_task => break Err(joined(res, "acker")),
-            // 9. An idle broker connection can die unnoticed: look now and then.
+            // 9. An idle broker connection can die unnoticed: look now and
+            // then. With messages in flight, confirm_timeout already watches.
             _ = tokio::time::sleep_until(next_probe) => {
                 next_probe = Instant::now() + settings.probe_interval;
+                if run.scheduler.in_flight() > 0 {
+                    continue;
+                }
                 if let Err(e) = run.sink.probe().await {
                     break Err(e.into());
                 }
@@ -428,7 +432,19 @@ where
             }
         };
         let message = self.envelope.build(&event);
-        match self.sink.send(&event, message).await {
+        // Handing a message over is quick unless the broker stopped reading.
+        let sent = tokio::time::timeout(
+            self.settings.confirm_timeout,
+            self.sink.send(&event, message),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(SinkError::Unavailable(format!(
+                "the broker did not take a message within relay.confirm_timeout ({}s)",
+                self.settings.confirm_timeout.as_secs()
+            )))
+        });
+        match sent {
             Ok(confirmation) => {
                 self.scheduler.sent(&aggregate);
                 let timeout = self.settings.confirm_timeout;

@@ -44,7 +44,18 @@ pub fn joined(
     match res {
         Ok(Ok(())) => PipelineError::TaskLost(name),
         Ok(Err(e)) => e.into(),
-        Err(_) => PipelineError::TaskLost(name),
+        Err(e) => {
+            if e.is_panic() {
+                let payload = e.into_panic();
+                let message = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "(no message)".to_owned());
+                tracing::error!(task = name, panic = %message, "a pipeline task panicked; this is a bug, please report it");
+            }
+            PipelineError::TaskLost(name)
+        }
     }
 }
 

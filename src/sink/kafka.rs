@@ -23,6 +23,8 @@ use std::time::{Duration, Instant};
 
 /// How long a metadata request (topic existence, reachability) may take.
 const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
+/// The idle liveness probe's lookup: it holds up the pipeline while it runs.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// librdkafka's own queue bound; larger than any `relay.max_in_flight`, so
 /// the relay's window is the bound that binds.
@@ -288,7 +290,7 @@ impl Sink for KafkaSink {
             )));
         }
         let producer = self.producer.clone();
-        tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, METADATA_TIMEOUT))
+        tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, PROBE_TIMEOUT))
             .await
             .map_err(|e| SinkError::Unavailable(format!("metadata lookup task failed: {e}")))?
             .map(|_| ())
@@ -296,7 +298,7 @@ impl Sink for KafkaSink {
                 SinkError::Unavailable(format!(
                     "cannot reach Kafka at {} within {}s: {e}; check sink.brokers and that the broker is up",
                     self.brokers,
-                    METADATA_TIMEOUT.as_secs()
+                    PROBE_TIMEOUT.as_secs()
                 ))
             })
     }

@@ -4,8 +4,10 @@
 //! One channel in confirm mode carries every message, so they are routed in
 //! the order sent. Messages are persistent and published `mandatory`: an
 //! unroutable message comes back as `basic.return` before its `basic.ack`, and
-//! the relay counts it as refused, not delivered. A `basic.nack` is refused
-//! too. Exchanges are checked (or declared) on a second channel before first
+//! the relay counts it as refused, not delivered. A `basic.nack` (a full
+//! queue with `overflow = reject-publish`, or a broker that could not store
+//! the message) is back-pressure, not a verdict on the event: the relay backs
+//! off and sends it again, it does not dead-letter it. Exchanges are checked (or declared) on a second channel before first
 //! use, because publishing to a missing exchange would close the publishing
 //! channel and make every unconfirmed message's fate unknown.
 //!
@@ -194,6 +196,14 @@ impl Sink for RabbitMqSink {
                 Field::EventType => &event.event_type,
             })
         };
+        if self.connection.status().blocked() {
+            // A memory or disk alarm: RabbitMQ stops reading from publishers,
+            // so a message sent now would only wait for confirm_timeout.
+            return Err(SinkError::Unavailable(format!(
+                "RabbitMQ at {} has blocked publishers (connection.blocked: a memory or disk alarm); waiting for it to clear",
+                self.url
+            )));
+        }
         let exchange = render(&self.exchange);
         let routing_key = render(&self.routing_key);
         destination::rabbitmq_exchange(&exchange).map_err(SinkError::Rejected)?;
@@ -256,8 +266,8 @@ impl Sink for RabbitMqSink {
                 },
                 Ok(Ack::Nack(_)) => {
                     returns.take(&id);
-                    Err(SinkError::Rejected(
-                        "RabbitMQ refused the message (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it".into(),
+                    Err(SinkError::Unavailable(
+                        "RabbitMQ refused the message (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it; retrying".into(),
                     ))
                 }
                 Ok(Ack::NotRequested) => Err(SinkError::Unavailable(
@@ -293,7 +303,12 @@ impl Sink for RabbitMqSink {
     }
 
     async fn probe(&mut self) -> Result<(), SinkError> {
-        if self.connection.status().connected() && self.channel.status().connected() {
+        if self.connection.status().blocked() {
+            Err(SinkError::Unavailable(format!(
+                "RabbitMQ at {} has blocked publishers (a memory or disk alarm)",
+                self.url
+            )))
+        } else if self.connection.status().connected() && self.channel.status().connected() {
             Ok(())
         } else {
             Err(SinkError::Unavailable(format!(

@@ -4,11 +4,23 @@ use crate::config::{LogConfig, LogFormat};
 use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
 
+const QUIET_AMQP_CLIENT: &str = "lapin=error";
+
 /// Installs the global subscriber; a second call does nothing.
 pub fn init(config: &LogConfig) {
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(&config.level))
-        .unwrap_or_else(|_| EnvFilter::new("info"));
+    let (filter, spec) = match std::env::var("RUST_LOG") {
+        Ok(spec) if EnvFilter::try_new(&spec).is_ok() => (EnvFilter::new(&spec), spec),
+        _ => match EnvFilter::try_new(&config.level) {
+            Ok(f) => (f, config.level.clone()),
+            Err(_) => (EnvFilter::new("info"), "info".to_owned()),
+        },
+    };
+    // The AMQP client logs whole messages (event payloads) at warn when a
+    // publish fails; keep payloads out of logs unless asked for by name.
+    let filter = match QUIET_AMQP_CLIENT.parse() {
+        Ok(quiet) if !spec.contains("lapin") => filter.add_directive(quiet),
+        _ => filter,
+    };
     // Colours only on a terminal: not in files, journald or `docker logs`.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
