@@ -117,6 +117,10 @@ async fn measure(
     let (sent_at, unmarked) = sent_at_latencies(&stage, &times).await?;
     r.sent_at = Percentiles::of(sent_at);
     r.unmarked = unmarked;
+    if unmarked > 0 {
+        // Worth a look: every confirmed event should have been marked.
+        stage.dir.keep = true;
+    }
     Ok(())
 }
 
@@ -177,7 +181,7 @@ async fn sent_at_latencies(stage: &Stage, times: &Times) -> Result<(Vec<i64>, u6
         .db
         .client
         .query(
-            "SELECT id, (extract(epoch FROM relay_sent_at) * 1000000)::int8 FROM outbox",
+            "SELECT id, (extract(epoch FROM relay_sent_at) * 1000000)::int8, relay_seq FROM outbox ORDER BY relay_seq",
             &[],
         )
         .await?;
@@ -195,7 +199,15 @@ async fn sent_at_latencies(stage: &Stage, times: &Times) -> Result<(Vec<i64>, u6
         match row.get::<_, Option<i64>>(1) {
             Some(sent) if commit > 0 => latencies.push(sent - commit),
             Some(_) => {}
-            None => unmarked += 1,
+            None => {
+                unmarked += 1;
+                if unmarked <= 20 {
+                    eprintln!(
+                        "bench: unmarked row relay_seq={} event #{seq}",
+                        row.get::<_, i64>(2)
+                    );
+                }
+            }
         }
     }
     Ok((latencies, unmarked))

@@ -10,6 +10,20 @@ use crate::outbox::{TableName, mark_sql};
 use std::collections::HashSet;
 use tokio_postgres::{Client, Statement};
 
+/// How many of the 32-bit transaction ids in `$1` the current snapshot
+/// still sees as running. Each id is widened with the epoch of the
+/// snapshot's `xmax`, or the epoch before when that would put it more than
+/// 2^31 ahead (ids are recent: a running id may be at or past `xmax`).
+const IN_PROGRESS_SQL: &str = "SELECT count(*)::int8 FROM \
+     (SELECT txid_current_snapshot() AS s) q, \
+     LATERAL (SELECT ((txid_snapshot_xmax(q.s) >> 32) << 32) | x AS w FROM unnest($1::int8[]) AS x) f \
+     WHERE NOT txid_visible_in_snapshot(GREATEST(3, CASE WHEN f.w > txid_snapshot_xmax(q.s) + 2147483648 \
+     THEN f.w - 4294967296 ELSE f.w END), q.s)";
+
+/// How long a decoded commit may take to become visible before the stream is
+/// restarted (it takes microseconds; this is a safety net).
+const VISIBLE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub struct RowRecorder {
     client: Client,
     mark: Option<Statement>,
@@ -50,6 +64,45 @@ impl RowRecorder {
             mark,
             dead_letters,
         })
+    }
+
+    /// Waits until the transactions (32-bit ids of recent commits) are
+    /// visible to new snapshots. Logical decoding can hand a commit over
+    /// before the committing session has left the process array, and a row
+    /// that is not visible yet would silently not be marked.
+    pub async fn wait_visible(&self, xids: impl Iterator<Item = u32>) -> Result<(), SourceError> {
+        if self.mark.is_none() {
+            return Ok(());
+        }
+        let xids: Vec<i64> = xids
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .map(i64::from)
+            .collect();
+        if xids.is_empty() {
+            return Ok(());
+        }
+        let started = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_millis(1);
+        loop {
+            let pending: i64 = self
+                .client
+                .query_one(IN_PROGRESS_SQL, &[&xids])
+                .await
+                .map_err(|e| DbError::query("checking that streamed transactions are visible", e))?
+                .get(0);
+            if pending == 0 {
+                return Ok(());
+            }
+            if started.elapsed() > VISIBLE_WAIT {
+                return Err(SourceError::Stream(format!(
+                    "{pending} streamed transaction(s) still not visible after {}s; reconnecting",
+                    VISIBLE_WAIT.as_secs()
+                )));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(std::time::Duration::from_millis(50));
+        }
     }
 
     /// Marks (or deletes) the rows; nothing when rows are left alone.

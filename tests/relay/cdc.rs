@@ -478,3 +478,47 @@ async fn a_slot_busy_with_another_process_is_waited_for() {
     relay.stop().await;
     db.drop_db().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marking_waits_until_a_streamed_transaction_is_visible() {
+    use outbox_relay::config::MarkMode;
+    use outbox_relay::source::record::RowRecorder;
+    let db = TestDb::new().await;
+    let toml = base_toml(
+        &db.url,
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"amqp://127.0.0.1\"\nexchange = \"x\"\n",
+    );
+    let config = parse(&toml);
+    db.migrate(&config).await;
+    // A transaction that is still running stands in for a commit that
+    // decoding has seen and other sessions not yet.
+    let other = connect(&db.url).await;
+    other.batch_execute("BEGIN").await.unwrap();
+    let xid: i64 = other
+        .query_one("SELECT txid_current() % 4294967296", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let recorder = RowRecorder::new(
+        connect(&db.url).await,
+        &config.outbox.table,
+        MarkMode::Update,
+        None,
+    )
+    .await
+    .unwrap();
+    let xid = u32::try_from(xid).unwrap();
+    let waiting = tokio::spawn(async move { recorder.wait_visible([xid].into_iter()).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "does not go on while the transaction runs"
+    );
+    other.batch_execute("COMMIT").await.unwrap();
+    tokio::time::timeout(WAIT, waiting)
+        .await
+        .expect("goes on once it is visible")
+        .unwrap()
+        .unwrap();
+    db.drop_db().await;
+}

@@ -275,6 +275,7 @@ impl CdcReader {
                 commit_lsn: CATCH_UP,
                 index: u64::try_from(seq).unwrap_or_default(),
                 seq: Some(seq),
+                xid: None, // read from a snapshot: visible
             };
             if lock(&self.progress).event(&position) {
                 self.pending.push(SourcedEvent {
@@ -488,6 +489,11 @@ impl Acker for CdcAcker {
 
     async fn ack(&mut self, positions: Vec<CdcPosition>) -> Result<(), SourceError> {
         let seqs: Vec<i64> = positions.iter().filter_map(|p| p.seq).collect();
+        if !seqs.is_empty() {
+            self.recorder
+                .wait_visible(positions.iter().filter_map(|p| p.xid))
+                .await?;
+        }
         self.recorder.mark(&seqs).await?;
         let mut progress = lock(&self.progress);
         for p in &positions {
@@ -500,6 +506,9 @@ impl Acker for CdcAcker {
         &mut self,
         letters: Vec<DeadLetter<CdcPosition>>,
     ) -> Result<HashSet<String>, SourceError> {
+        self.recorder
+            .wait_visible(letters.iter().filter_map(|l| l.position.xid))
+            .await?;
         let w = self.recorder.dead_letter(&letters).await?;
         // A dead letter is as durable as a delivery, and a follower whose row
         // a redrive put back as a new one is accounted for: their positions are done.

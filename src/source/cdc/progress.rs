@@ -25,6 +25,9 @@ pub struct CdcPosition {
     pub index: u64,
     /// The row's `relay_seq`, used to mark it sent.
     pub seq: Option<i64>,
+    /// The inserting transaction's id, for streamed rows: decoding can see a
+    /// commit before other sessions do, so marking waits until it is visible.
+    pub xid: Option<u32>,
 }
 
 /// The commit LSN of the start-up table read, which precedes every streamed transaction.
@@ -197,6 +200,7 @@ mod tests {
             commit_lsn: Lsn(lsn),
             index,
             seq: None,
+            xid: None,
         }
     }
 

@@ -27,6 +27,7 @@ struct OutboxColumns {
 
 struct CurrentTx {
     commit_lsn: Lsn,
+    xid: u32,
     next_index: u64,
     commit_time: DateTime<Utc>,
     /// Its rows were already read from the table at start-up.
@@ -154,6 +155,7 @@ impl Streaming {
                 let micros = b.commit_time_micros.saturating_add(PG_EPOCH_OFFSET_MICROS);
                 self.tx = Some(CurrentTx {
                     commit_lsn: b.final_lsn,
+                    xid: b.xid,
                     next_index: 0,
                     commit_time: DateTime::from_timestamp_micros(micros).unwrap_or_else(Utc::now),
                     skip,
@@ -234,6 +236,7 @@ impl Streaming {
                     commit_lsn: tx.commit_lsn,
                     index: tx.next_index,
                     seq: text(cols.seq).and_then(|s| s.parse().ok()),
+                    xid: Some(tx.xid),
                 };
                 tx.next_index += 1;
                 if lock(progress).event(&position) {
