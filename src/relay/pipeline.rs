@@ -14,7 +14,7 @@
 //! `dead_letter.aggregate`, until an operator redrives or drops it.
 
 use super::scheduler::{Admission, Blocks, MAX_BLOCKED_AGGREGATES, Scheduler};
-use super::tasks::{AckCommand, drive_acker, drive_reader, flush, joined, task_error};
+use super::tasks::{AckCommand, Resolved, drive_acker, drive_reader, flush, joined, task_error};
 use crate::config::HoldPolicy;
 use crate::dead_letter::DeadLetter;
 use crate::envelope::Envelope;
@@ -29,6 +29,7 @@ use futures::stream::FuturesUnordered;
 use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -132,9 +133,9 @@ where
         rewind_rx,
     )));
     let (ack_tx, ack_rx) = mpsc::channel(4);
-    let (resolved_tx, mut resolved_rx) = mpsc::channel(16);
+    let resolved = Arc::new(Resolved::default());
     let mut acker_task =
-        AbortOnDropHandle::new(tokio::spawn(drive_acker(acker, ack_rx, resolved_tx)));
+        AbortOnDropHandle::new(tokio::spawn(drive_acker(acker, ack_rx, resolved.clone())));
     let mut run = Run {
         settings,
         telemetry,
@@ -229,8 +230,8 @@ where
                 Err(_) => break Err(task_error(&mut acker_task, "acker").await),
             },
             // 5. Operators resolved dead letters (seen by the acker, or by the refresh).
-            Some(resolved) = resolved_rx.recv() => {
-                if run.resolve(resolved) && !rewinding {
+            found = resolved.next() => {
+                if run.resolve(found) && !rewinding {
                     rewinding = true;
                     run.close_intake();
                 }
@@ -338,7 +339,10 @@ where
             return false;
         }
         self.warned_full = false;
-        self.scheduler.used() < self.settings.max_in_flight
+        // Confirmed events not yet handed to the acker count too: a slow
+        // database holds reading back instead of growing this queue.
+        self.scheduler.used() + self.pending_acks.len() + self.pending_letters.len()
+            < self.settings.max_in_flight
     }
 
     fn close_intake(&mut self) {

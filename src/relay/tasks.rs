@@ -5,14 +5,46 @@ use super::pipeline::PipelineError;
 use crate::dead_letter::DeadLetter;
 use crate::source::{Acker, Reader, SourceError, SourcedEvent};
 use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio_util::task::AbortOnDropHandle;
 
 /// Most positions recorded by one acknowledgement statement.
 const MAX_ACK_BATCH: usize = 5_000;
 /// How often an idle acker checks that it still holds ownership.
 const ACKER_HEARTBEAT: Duration = Duration::from_secs(2);
+
+/// Aggregates the acker found resolved, waiting for the pipeline: a set
+/// (bounded by the aggregates that exist) and a wake-up, so the acker never
+/// waits on the pipeline while the pipeline waits on it.
+#[derive(Default)]
+pub struct Resolved {
+    aggregates: Mutex<HashSet<String>>,
+    wake: Notify,
+}
+
+impl Resolved {
+    pub fn add(&self, found: HashSet<String>) {
+        self.aggregates
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(found);
+        self.wake.notify_one();
+    }
+
+    /// The aggregates added since the last call; waits for some. Cancel-safe.
+    pub async fn next(&self) -> HashSet<String> {
+        loop {
+            let found =
+                std::mem::take(&mut *self.aggregates.lock().unwrap_or_else(|e| e.into_inner()));
+            if !found.is_empty() {
+                return found;
+            }
+            self.wake.notified().await;
+        }
+    }
+}
 
 pub struct Batch<P> {
     pub epoch: u64,
@@ -133,7 +165,7 @@ fn abort_before_ack_countdown() -> Option<u32> {
 pub async fn drive_acker<A: Acker>(
     mut acker: A,
     mut rx: mpsc::Receiver<AckCommand<A::Position>>,
-    resolved: mpsc::Sender<HashSet<String>>,
+    resolved: Arc<Resolved>,
 ) -> Result<(), SourceError> {
     let mut countdown = abort_before_ack_countdown();
     let mut positions = Vec::new();
@@ -156,7 +188,7 @@ pub async fn drive_acker<A: Acker>(
                     record(&mut acker, &mut positions, &mut countdown).await?;
                     let found = acker.dead_letter(letters).await?;
                     if !found.is_empty() {
-                        let _ = resolved.send(found).await;
+                        resolved.add(found);
                     }
                 }
                 AckCommand::OpenDeadLetters(reply) => {
