@@ -29,8 +29,13 @@ pub async fn run(
 ) -> DrainResult {
     let events = ctx.plan.events;
     let mut result = DrainResult::new(mode, broker, shape, events, run);
-    if let Err(e) = measure(ctx, mode, broker, shape, &mut result).await {
-        result.status = format!("failed: {e:#}");
+    // Whatever hangs, the run goes on: the drain's own limit plus room for
+    // inserting the backlog, the ceilings and cleaning up.
+    let limit = ctx.plan.drain_timeout * 3 + std::time::Duration::from_secs(300);
+    match tokio::time::timeout(limit, measure(ctx, mode, broker, shape, &mut result)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => result.status = format!("failed: {e:#}"),
+        Err(_) => result.status = format!("failed: no result within {}s", limit.as_secs()),
     }
     ctx.cleanup.run().await;
     result

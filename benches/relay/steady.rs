@@ -34,8 +34,13 @@ pub async fn run(
     run: usize,
 ) -> SteadyResult {
     let mut result = SteadyResult::new(mode, broker, shape, rate, ctx.plan.seconds, run);
-    if let Err(e) = measure(ctx, mode, broker, shape, &mut result).await {
-        result.status = format!("failed: {e:#}");
+    // Whatever hangs (a service, a consumer), the run goes on: the writer's
+    // time, the tail and generous room for setting up and cleaning up.
+    let limit = Duration::from_secs(ctx.plan.seconds * 2 + 180);
+    match tokio::time::timeout(limit, measure(ctx, mode, broker, shape, &mut result)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => result.status = format!("failed: {e:#}"),
+        Err(_) => result.status = format!("failed: no result within {}s", limit.as_secs()),
     }
     ctx.cleanup.run().await;
     result
