@@ -304,3 +304,119 @@ async fn a_redrive_while_the_relay_runs_publishes_in_order() {
         db.drop_db().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_is_back_pressure_not_a_dead_letter() {
+    use lapin::options::{
+        BasicAckOptions, BasicGetOptions, ExchangeDeclareOptions, QueueBindOptions,
+        QueueDeclareOptions,
+    };
+    use lapin::types::{AMQPValue, FieldTable, ShortString};
+    use lapin::{Connection, ConnectionProperties, ExchangeKind};
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[
+            // A refusal would be dead-lettered at once.
+            ("dead_letter.max_attempts", "1"),
+            ("relay.retry_max", "\"1s\""),
+        ],
+    )
+    .await;
+    let Broker::Rabbit(r) = &broker else {
+        unreachable!()
+    };
+    // A queue that holds two messages and nacks the rest (reject-publish).
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = connection.create_channel().await.unwrap();
+    let exchange = unique("full");
+    let queue = unique("full");
+    ch.exchange_declare(
+        exchange.as_str().into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(2));
+    args.insert(
+        ShortString::from("x-overflow"),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    ch.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions {
+            auto_delete: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        queue.as_str().into(),
+        exchange.as_str().into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let toml = toml.replace(
+        &format!("exchange = \"{}\"", r.exchange),
+        &format!("exchange = \"{exchange}\""),
+    );
+    let ids: Vec<String> = strings(&ids(5));
+    for (i, id) in ids.iter().enumerate() {
+        db.insert(id.parse().unwrap(), "order", &format!("a{i}"), json!({}))
+            .await;
+    }
+    let relay = InProcess::start(parse(&toml));
+    // Two fit; the other three are refused for now and wait in the outbox.
+    let path = config_file(&toml);
+    wait_for(WAIT, "two events marked, three held", || async {
+        (db.unsent().await == 3).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await; // several retries
+    assert_eq!(db.unsent().await, 3, "nothing more was marked");
+    assert!(
+        dlq_list(&path).is_empty(),
+        "a full queue dead-letters nothing"
+    );
+    // A consumer makes room: everything arrives.
+    let mut got = std::collections::HashSet::new();
+    let deadline = std::time::Instant::now() + WAIT;
+    while got.len() < ids.len() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "all five consumed within {WAIT:?}; got {got:?}"
+        );
+        match ch
+            .basic_get(queue.as_str().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+        {
+            Some(m) => {
+                if let Some(id) = m.delivery.properties.message_id() {
+                    got.insert(id.to_string());
+                }
+                m.delivery.ack(BasicAckOptions::default()).await.unwrap();
+            }
+            None => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    assert_eq!(got, ids.iter().cloned().collect());
+    wait_for(WAIT, "every row marked", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    assert!(dlq_list(&path).is_empty());
+    relay.stop().await;
+    db.drop_db().await;
+}
