@@ -32,10 +32,14 @@ pub async fn run(
     // Whatever hangs, the run goes on: the drain's own limit plus room for
     // inserting the backlog, the ceilings and cleaning up.
     let limit = ctx.plan.drain_timeout * 3 + std::time::Duration::from_secs(300);
-    match tokio::time::timeout(limit, measure(ctx, mode, broker, shape, &mut result)).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => result.status = format!("failed: {e:#}"),
-        Err(_) => result.status = format!("failed: no result within {}s", limit.as_secs()),
+    let outcome = bounded(
+        limit,
+        "the whole measurement",
+        measure(ctx, mode, broker, shape, &mut result),
+    )
+    .await;
+    if let Err(e) = outcome {
+        result.status = format!("failed: {e:#}");
     }
     ctx.cleanup.run().await;
     result

@@ -37,10 +37,14 @@ pub async fn run(
     // Whatever hangs (a service, a consumer), the run goes on: the writer's
     // time, the tail and generous room for setting up and cleaning up.
     let limit = Duration::from_secs(ctx.plan.seconds * 2 + 180);
-    match tokio::time::timeout(limit, measure(ctx, mode, broker, shape, &mut result)).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => result.status = format!("failed: {e:#}"),
-        Err(_) => result.status = format!("failed: no result within {}s", limit.as_secs()),
+    let outcome = bounded(
+        limit,
+        "the whole measurement",
+        measure(ctx, mode, broker, shape, &mut result),
+    )
+    .await;
+    if let Err(e) = outcome {
+        result.status = format!("failed: {e:#}");
     }
     ctx.cleanup.run().await;
     result
