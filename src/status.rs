@@ -118,8 +118,10 @@ pub async fn snapshot(
              SELECT a.pid, coalesce(a.application_name, ''), a.client_addr::text, a.backend_start
              FROM pg_locks l JOIN pg_stat_activity a USING (pid), k
              WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+               AND l.mode = 'ExclusiveLock'
                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-               AND l.classid = ((k.key >> 32) & 4294967295)::oid AND l.objid = (k.key & 4294967295)::oid",
+               AND l.classid = ((k.key >> 32) & 4294967295)::oid AND l.objid = (k.key & 4294967295)::oid
+             LIMIT 1",
             &[&key],
         )
         .await
@@ -138,6 +140,7 @@ pub async fn snapshot(
             .query_one(
                 "SELECT count(*) FROM pg_locks l, unnest($1::text[]) AS k(name)
                  WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                    AND l.classid = ((hashtextextended(k.name, 0) >> 32) & 4294967295)::oid
                    AND l.objid = (hashtextextended(k.name, 0) & 4294967295)::oid",
                 &[&keys],

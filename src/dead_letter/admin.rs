@@ -169,6 +169,7 @@ pub async fn drop(
     target: &Target,
 ) -> Result<usize, AdminError> {
     let tx = client.transaction().await?;
+    lock_aggregates(&tx, table, target).await?;
     let letters = targeted(&tx, table, target).await?;
     let ids: Vec<i64> = letters.iter().map(|l| l.0).collect();
     tx.execute(

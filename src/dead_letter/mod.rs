@@ -167,13 +167,16 @@ impl Recorder {
     ) -> Result<Written, tokio_postgres::Error> {
         let tx = client.transaction().await?;
         let mut out = Written::default();
-        let mut locked: HashSet<&str> = HashSet::new();
+        // Every aggregate of the batch, in one order (the dlq commands sort
+        // too), so two writers cannot wait on each other.
+        let aggregates: std::collections::BTreeSet<&str> =
+            letters.iter().map(|l| l.aggregate_id()).collect();
+        for aggregate in aggregates {
+            let key = aggregate_lock_key(&self.table, aggregate);
+            tx.execute(AGGREGATE_LOCK_SQL, &[&key]).await?;
+        }
         for (i, l) in letters.iter().enumerate() {
             let aggregate = l.aggregate_id();
-            if locked.insert(aggregate) {
-                let key = aggregate_lock_key(&self.table, aggregate);
-                tx.execute(AGGREGATE_LOCK_SQL, &[&key]).await?;
-            }
             if out.resolved.contains(aggregate) {
                 self.account_follower(&tx, l, i, &mut out).await?;
                 continue;

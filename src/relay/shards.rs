@@ -218,6 +218,7 @@ async fn member_session(
              WHERE m <> $2 AND EXISTS (
                  SELECT 1 FROM pg_locks l
                  WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                    AND l.classid = hashtext($1 || ':members:' || m)::oid)",
             &[&base, &(count as i32)],
         )

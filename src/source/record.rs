@@ -20,9 +20,11 @@ const IN_PROGRESS_SQL: &str = "SELECT count(*)::int8 FROM \
      WHERE NOT txid_visible_in_snapshot(GREATEST(3, CASE WHEN f.w > txid_snapshot_xmax(q.s) + 2147483648 \
      THEN f.w - 4294967296 ELSE f.w END), q.s)";
 
-/// How long a decoded commit may take to become visible before the stream is
-/// restarted (it takes microseconds; this is a safety net).
-const VISIBLE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How often a wait for visibility (normally microseconds) is reported.
+const VISIBLE_WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+/// After this long the stream is restarted (and the waiting events are sent
+/// again once visible): a bound on the wait, not an expected case.
+const VISIBLE_GIVE_UP: std::time::Duration = std::time::Duration::from_secs(600);
 
 pub struct RowRecorder {
     client: Client,
@@ -83,6 +85,7 @@ impl RowRecorder {
             return Ok(());
         }
         let started = std::time::Instant::now();
+        let mut next_warning = VISIBLE_WARN_EVERY;
         let mut pause = std::time::Duration::from_millis(1);
         loop {
             let pending: i64 = self
@@ -94,14 +97,25 @@ impl RowRecorder {
             if pending == 0 {
                 return Ok(());
             }
-            if started.elapsed() > VISIBLE_WAIT {
+            // The events are confirmed already: giving up sends them again,
+            // so wait long (reading stays paused behind the acker) and say
+            // why: typically a synchronous standby that does not answer.
+            if started.elapsed() > VISIBLE_GIVE_UP {
                 return Err(SourceError::Stream(format!(
-                    "{pending} streamed transaction(s) still not visible after {}s; reconnecting",
-                    VISIBLE_WAIT.as_secs()
+                    "{pending} committed transaction(s) still not visible after {}s; reconnecting",
+                    VISIBLE_GIVE_UP.as_secs()
                 )));
             }
+            if started.elapsed() > next_warning {
+                tracing::warn!(
+                    transactions = pending,
+                    waited_s = started.elapsed().as_secs(),
+                    "committed transactions are not visible yet (a synchronous standby not answering?); marking waits"
+                );
+                next_warning += VISIBLE_WARN_EVERY;
+            }
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(std::time::Duration::from_millis(50));
+            pause = (pause * 2).min(std::time::Duration::from_millis(100));
         }
     }
 
