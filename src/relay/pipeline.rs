@@ -431,7 +431,7 @@ where
             Ok(e) => e,
             Err(bad) => {
                 let raw = bad.raw.map(|r| *r).unwrap_or_default();
-                self.reject(sourced.position, &aggregate, raw, bad.reason);
+                self.reject(sourced.position, &aggregate, raw, bad.reason, true);
                 return Ok(());
             }
         };
@@ -460,7 +460,11 @@ where
                 Ok(())
             }
             Err(SinkError::Rejected(reason)) => {
-                self.reject(sourced.position, &aggregate, event.to_raw(), reason);
+                self.reject(sourced.position, &aggregate, event.to_raw(), reason, true);
+                Ok(())
+            }
+            Err(SinkError::Busy(reason)) => {
+                self.reject(sourced.position, &aggregate, event.to_raw(), reason, false);
                 Ok(())
             }
             Err(e) => Err(e.into()),
@@ -489,7 +493,12 @@ where
             }
             Err(SinkError::Rejected(reason)) => {
                 // Parked events go first (reject takes them), so none is released here.
-                self.reject(position, &aggregate, event.to_raw(), reason);
+                self.reject(position, &aggregate, event.to_raw(), reason, true);
+                self.scheduler.finished(&aggregate);
+                Ok(())
+            }
+            Err(SinkError::Busy(reason)) => {
+                self.reject(position, &aggregate, event.to_raw(), reason, false);
                 self.scheduler.finished(&aggregate);
                 Ok(())
             }
@@ -498,8 +507,9 @@ where
     }
 
     /// The event cannot be published now: hold its aggregate back and retry
-    /// later, or, after `max_attempts`, dead-letter it.
-    fn reject(&mut self, position: P, aggregate: &str, raw: RawRow, reason: String) {
+    /// later, or, after `max_attempts` refusals that `count`, dead-letter it
+    /// (back-pressure does not count: it is retried for as long as it takes).
+    fn reject(&mut self, position: P, aggregate: &str, raw: RawRow, reason: String, count: bool) {
         self.telemetry.metrics.failed(Failure::Refused, 1);
         if self.blocks.is_dead(aggregate) {
             // An earlier event of the aggregate is already dead-lettered
@@ -527,11 +537,12 @@ where
             .until
             .map(|t| t.saturating_duration_since(Instant::now()))
             .unwrap_or_default();
-        let give_up = self
-            .settings
-            .dead_letter
-            .as_ref()
-            .is_some_and(|d| attempts >= d.max_attempts);
+        let give_up = count
+            && self
+                .settings
+                .dead_letter
+                .as_ref()
+                .is_some_and(|d| attempts >= d.max_attempts);
         if !give_up {
             tracing::warn!(
                 event_id = event_id.as_deref().unwrap_or("?"),

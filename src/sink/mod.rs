@@ -12,8 +12,12 @@
 //!   may the source mark the row sent or acknowledge its WAL position.
 //! - `Err(SinkError::Rejected)` when the broker (or the sink's own checks, before
 //!   anything was sent) refused *this* message: too large, an invalid or
-//!   missing destination, unroutable, negatively acknowledged. Retrying it
-//!   unchanged is not expected to help soon; other messages are unaffected.
+//!   missing destination, unroutable. Retrying it unchanged is not expected to
+//!   help soon; other messages are unaffected.
+//! - `Err(SinkError::Busy)` when the broker turned *this* message away for
+//!   now (RabbitMQ's `basic.nack`: a full queue with `reject-publish`). Like a
+//!   refusal it holds back only its aggregate, but it is retried with backoff
+//!   for as long as it takes and never dead-lettered.
 //! - `Err(SinkError::Unavailable)` when the outcome is unknown: the connection
 //!   died, a timeout passed. The message may or may not have arrived; the relay
 //!   re-sends it (a duplicate, never a loss).
@@ -44,6 +48,10 @@ pub enum SinkError {
     /// This message was refused; the relay holds back its aggregate and retries later.
     #[error("{0}")]
     Rejected(String),
+    /// This message was turned away for now (back-pressure); the relay holds
+    /// back its aggregate and retries, without counting towards dead-lettering.
+    #[error("{0}")]
+    Busy(String),
     /// The outcome is unknown or the broker cannot be reached; the relay reconnects and re-sends.
     #[error("{0}")]
     Unavailable(String),

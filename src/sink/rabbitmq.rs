@@ -6,8 +6,9 @@
 //! unroutable message comes back as `basic.return` before its `basic.ack`, and
 //! the relay counts it as refused, not delivered. A `basic.nack` (a full
 //! queue with `overflow = reject-publish`, or a broker that could not store
-//! the message) is back-pressure, not a verdict on the event: the relay backs
-//! off and sends it again, it does not dead-letter it. Exchanges are checked (or declared) on a second channel before first
+//! the message) is back-pressure, not a verdict on the event: its aggregate
+//! waits and is retried with backoff, other aggregates go on, and it is never
+//! dead-lettered. Exchanges are checked (or declared) on a second channel before first
 //! use, because publishing to a missing exchange would close the publishing
 //! channel and make every unconfirmed message's fate unknown.
 //!
@@ -266,8 +267,8 @@ impl Sink for RabbitMqSink {
                 },
                 Ok(Ack::Nack(_)) => {
                     returns.take(&id);
-                    Err(SinkError::Unavailable(
-                        "RabbitMQ refused the message (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it; retrying".into(),
+                    Err(SinkError::Busy(
+                        "RabbitMQ turned the message away (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it; retrying".into(),
                     ))
                 }
                 Ok(Ack::NotRequested) => Err(SinkError::Unavailable(

@@ -320,7 +320,8 @@ async fn a_full_queue_is_back_pressure_not_a_dead_letter() {
         &[
             // A refusal would be dead-lettered at once.
             ("dead_letter.max_attempts", "1"),
-            ("relay.retry_max", "\"1s\""),
+            ("relay.reject_retry_base", "\"200ms\""),
+            ("relay.reject_retry_max", "\"1s\""),
         ],
     )
     .await;
