@@ -420,3 +420,24 @@ async fn instances_with_different_shard_settings_never_publish_together() {
     two.stop().await;
     db.drop_db().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shard_counts_in_other_databases_do_not_interfere() {
+    // Two services on one server, each with its own database and an outbox of
+    // the same name, sharded differently.
+    let (db_a, broker_a, toml_a) =
+        setup(Mode::Polling, Kind::Rabbit, &[], &[("relay.shards", "4")]).await;
+    let (db_b, broker_b, toml_b) =
+        setup(Mode::Polling, Kind::Rabbit, &[], &[("relay.shards", "2")]).await;
+    // The first is running (registered as a member) before the second starts.
+    let a = InProcess::start(parse(&toml_a));
+    let ids_a = insert_many(&db_a, 20, "a").await;
+    assert_eq!(broker_a.inbox().wait_ids(&ids_a, WAIT).await.len(), 20);
+    let b = InProcess::start(parse(&toml_b));
+    let ids_b = insert_many(&db_b, 20, "b").await;
+    assert_eq!(broker_b.inbox().wait_ids(&ids_b, WAIT).await.len(), 20);
+    a.stop().await;
+    b.stop().await;
+    db_a.drop_db().await;
+    db_b.drop_db().await;
+}
