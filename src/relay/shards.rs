@@ -212,6 +212,17 @@ async fn member_session(
                 .into(),
         ));
     }
+    // Registering is one instance at a time: two starting together with
+    // different shard counts would otherwise both find the other absent. (On
+    // any error below the session ends, and the lock with it.)
+    let registering = format!("{base}:registering");
+    client
+        .execute(
+            "SELECT pg_advisory_lock(hashtextextended($1, 0))",
+            &[&registering],
+        )
+        .await
+        .map_err(|e| DbError::query("waiting to register as a shard member", e))?;
     let others: Vec<i32> = client
         .query(
             "SELECT m FROM generate_series(2, 256) AS m
@@ -243,6 +254,13 @@ async fn member_session(
             .map_err(|e| DbError::query("taking a member lock", e))?
             .get(0);
         if locked {
+            client
+                .execute(
+                    "SELECT pg_advisory_unlock(hashtextextended($1, 0))",
+                    &[&registering],
+                )
+                .await
+                .map_err(|e| DbError::query("registering as a shard member", e))?;
             return Ok((client, slot));
         }
     }
