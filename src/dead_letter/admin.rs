@@ -94,7 +94,7 @@ async fn lock_aggregates(
     tx: &tokio_postgres::Transaction<'_>,
     table: &TableName,
     target: &Target,
-) -> Result<(), AdminError> {
+) -> Result<std::collections::HashSet<String>, AdminError> {
     let aggregates: Vec<String> = match target {
         Target::Aggregate(a) => vec![a.clone()],
         Target::Id(id) => tx
@@ -124,14 +124,28 @@ async fn lock_aggregates(
     };
     let mut aggregates = aggregates;
     aggregates.sort();
-    for a in aggregates {
+    for a in &aggregates {
         tx.execute(
             super::AGGREGATE_LOCK_SQL,
-            &[&super::aggregate_lock_key(table, &a)],
+            &[&super::aggregate_lock_key(table, a)],
         )
         .await?;
     }
-    Ok(())
+    Ok(aggregates.into_iter().collect())
+}
+
+/// The targeted dead letters of the aggregates locked by [`lock_aggregates`]:
+/// an aggregate whose first letter arrived after the locks were taken is left
+/// for the next command.
+async fn targeted_locked(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &TableName,
+    target: &Target,
+) -> Result<Vec<(i64, String, Option<String>, Option<i64>)>, AdminError> {
+    let locked = lock_aggregates(tx, table, target).await?;
+    let mut letters = targeted(tx, table, target).await?;
+    letters.retain(|l| l.2.as_ref().is_none_or(|a| locked.contains(a)));
+    Ok(letters)
 }
 
 /// The open dead letters a target names, oldest first: `(dead_letter_id, id, aggregate_id, outbox_seq)`.
@@ -169,8 +183,7 @@ pub async fn drop(
     target: &Target,
 ) -> Result<usize, AdminError> {
     let tx = client.transaction().await?;
-    lock_aggregates(&tx, table, target).await?;
-    let letters = targeted(&tx, table, target).await?;
+    let letters = targeted_locked(&tx, table, target).await?;
     let ids: Vec<i64> = letters.iter().map(|l| l.0).collect();
     tx.execute(
         &format!(
@@ -204,8 +217,7 @@ pub async fn redrive(
     target: &Target,
 ) -> Result<(usize, usize), AdminError> {
     let tx = client.transaction().await?;
-    lock_aggregates(&tx, dead_letters, target).await?;
-    let letters = targeted(&tx, dead_letters, target).await?;
+    let letters = targeted_locked(&tx, dead_letters, target).await?;
     if let Target::Id(id) = target {
         let Some(first) = letters.first() else {
             return Err(AdminError::Refused(format!(
