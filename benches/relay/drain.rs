@@ -7,7 +7,7 @@
 //! the benchmark process takes no CPU from the relay.
 
 use crate::ceiling;
-use crate::infra::{Services, bounded};
+use crate::infra::{Services, bounded, measurement};
 use crate::options::{BrokerKind, Mode};
 use crate::process::{Perf, RelayProcess, epoch_micros};
 use crate::report::DrainResult;
@@ -32,16 +32,15 @@ pub async fn run(
     // Whatever hangs, the run goes on: the drain's own limit plus room for
     // inserting the backlog, the ceilings and cleaning up.
     let limit = ctx.plan.drain_timeout * 3 + std::time::Duration::from_secs(300);
-    let outcome = bounded(
+    if let Some(failure) = measurement(
+        &ctx.cleanup,
         limit,
-        "the whole measurement",
         measure(ctx, mode, broker, shape, &mut result),
     )
-    .await;
-    if let Err(e) = outcome {
-        result.status = format!("failed: {e:#}");
+    .await
+    {
+        result.status = failure;
     }
-    ctx.cleanup.run().await;
     result
 }
 

@@ -73,6 +73,19 @@ pub async fn bounded<T>(
         .map_err(|_| anyhow!("timed out after {}s: {what}", limit.as_secs()))?
 }
 
+/// Runs one whole measurement within `limit` (whatever hangs, the run goes
+/// on), then removes what it created. Returns the failure, if any, as the
+/// result's status.
+pub async fn measurement(
+    cleanup: &Cleanup,
+    limit: Duration,
+    fut: impl Future<Output = Result<()>>,
+) -> Option<String> {
+    let outcome = bounded(limit, "the whole measurement", fut).await;
+    cleanup.run().await;
+    outcome.err().map(|e| format!("failed: {e:#}"))
+}
+
 pub async fn connect(url: &str) -> Result<Client> {
     bounded(STEP, "connecting to PostgreSQL", async {
         let (client, conn) = tokio_postgres::connect(url, NoTls)

@@ -9,7 +9,7 @@
 //! server's group commit to keep up (each commit waits for a WAL flush).
 //! Its commit time is taken when COMMIT returns.
 
-use crate::infra::{bounded, connect};
+use crate::infra::{bounded, connect, measurement};
 use crate::latency::{KafkaWatcher, Percentiles, RabbitWatcher, Times};
 use crate::options::{BrokerKind, Mode};
 use crate::process::{Perf, RelayProcess, epoch_micros};
@@ -37,16 +37,15 @@ pub async fn run(
     // Whatever hangs (a service, a consumer), the run goes on: the writer's
     // time, the tail and generous room for setting up and cleaning up.
     let limit = Duration::from_secs(ctx.plan.seconds * 2 + 180);
-    let outcome = bounded(
+    if let Some(failure) = measurement(
+        &ctx.cleanup,
         limit,
-        "the whole measurement",
         measure(ctx, mode, broker, shape, &mut result),
     )
-    .await;
-    if let Err(e) = outcome {
-        result.status = format!("failed: {e:#}");
+    .await
+    {
+        result.status = failure;
     }
-    ctx.cleanup.run().await;
     result
 }
 
