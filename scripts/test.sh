@@ -15,9 +15,9 @@ SELECT format('DROP DATABASE IF EXISTS %I WITH (FORCE)', datname) FROM pg_databa
 SQL
 
 cargo fmt --all -- --check
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --all-targets --locked --features failpoints -- -D warnings
 if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --locked --no-fail-fast --failure-output final "$@"
+  cargo nextest run --locked --features failpoints --no-fail-fast --failure-output final "$@"
 else
-  cargo test --locked --no-fail-fast "$@"
+  cargo test --locked --features failpoints --no-fail-fast "$@"
 fi

@@ -129,7 +129,7 @@ pub async fn run(
         let telemetry = telemetry.clone();
         let shard = Shard { index, count };
         workers.spawn(async move {
-            super::supervise(&config, shard, balance, telemetry, shutdown).await
+            super::supervise_shard(&config, shard, balance, telemetry, shutdown).await
         });
     }
     while workers.join_next().await.is_some() {}

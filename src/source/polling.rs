@@ -31,7 +31,7 @@
 //! snapshot and reads every unsent row. Wake-ups come from the insert
 //! trigger's NOTIFY, with `poll_interval` as the fallback.
 
-use super::record::RowRecorder;
+use super::record::{RowRecorder, RowStore};
 use super::rows::{read_row, select_list};
 use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::PollingConfig;
@@ -234,17 +234,17 @@ impl Reader for PollingReader {
 /// Marks confirmed rows, one statement per batch, on the connection that
 /// holds the ownership lock: if that connection is lost, so is the lock, and
 /// this acker can no longer mark anything (fencing).
-pub struct PollingAcker {
-    recorder: RowRecorder,
+pub struct PollingAcker<S = RowRecorder> {
+    recorder: S,
 }
 
-impl PollingAcker {
-    pub fn new(recorder: RowRecorder) -> Self {
+impl<S: RowStore> PollingAcker<S> {
+    pub fn new(recorder: S) -> Self {
         PollingAcker { recorder }
     }
 }
 
-impl Acker for PollingAcker {
+impl<S: RowStore> Acker for PollingAcker<S> {
     type Position = i64;
 
     async fn ack(&mut self, positions: Vec<i64>) -> Result<(), SourceError> {

@@ -1,6 +1,9 @@
 //! Recording progress in the outbox table, shared by both ackers: marking
 //! confirmed rows, writing dead letters, all on the ownership connection (so
 //! an instance that lost ownership records nothing).
+//!
+//! The ackers see this through [`RowStore`]; [`RowRecorder`] is the
+//! PostgreSQL implementation, and the pipeline simulation has an in-memory one.
 
 use super::SourceError;
 use crate::config::MarkMode;
@@ -8,7 +11,34 @@ use crate::db::DbError;
 use crate::dead_letter::{DeadLetter, Recorder, Written};
 use crate::outbox::{TableName, mark_sql};
 use std::collections::HashSet;
+use std::future::Future;
 use tokio_postgres::{Client, Statement};
+
+/// Where an acker records progress. Every call is one round trip on the
+/// session that holds the ownership lock, so each success also proves that
+/// this instance still owned the outbox when the call was made.
+pub trait RowStore: Send + Sync + 'static {
+    /// Waits until the transactions (32-bit ids of recent commits) are
+    /// visible to new snapshots, so their rows can be marked.
+    fn wait_visible(&self, xids: Vec<u32>) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Marks (or deletes) the rows; nothing when rows are left alone.
+    fn mark(&self, seqs: &[i64]) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Writes dead letters and marks their rows in one transaction.
+    fn dead_letter<P: Sync>(
+        &mut self,
+        letters: &[DeadLetter<P>],
+    ) -> impl Future<Output = Result<Written, SourceError>> + Send;
+
+    /// Aggregates with open dead letters.
+    fn open_dead_letters(
+        &self,
+    ) -> impl Future<Output = Result<HashSet<String>, SourceError>> + Send;
+
+    /// One round trip on the ownership session.
+    fn heartbeat(&self) -> impl Future<Output = Result<(), SourceError>> + Send;
+}
 
 /// How many of the 32-bit transaction ids in `$1` the current snapshot
 /// still sees as running. Each id is widened with the epoch of the
@@ -67,16 +97,18 @@ impl RowRecorder {
             dead_letters,
         })
     }
+}
 
-    /// Waits until the transactions (32-bit ids of recent commits) are
-    /// visible to new snapshots. Logical decoding can hand a commit over
-    /// before the committing session has left the process array, and a row
-    /// that is not visible yet would silently not be marked.
-    pub async fn wait_visible(&self, xids: impl Iterator<Item = u32>) -> Result<(), SourceError> {
+impl RowStore for RowRecorder {
+    /// Logical decoding can hand a commit over before the committing session
+    /// has left the process array, and a row that is not visible yet would
+    /// silently not be marked: the wait polls the server's snapshot.
+    async fn wait_visible(&self, xids: Vec<u32>) -> Result<(), SourceError> {
         if self.mark.is_none() {
             return Ok(());
         }
         let xids: Vec<i64> = xids
+            .into_iter()
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
             .map(i64::from)
@@ -119,8 +151,7 @@ impl RowRecorder {
         }
     }
 
-    /// Marks (or deletes) the rows; nothing when rows are left alone.
-    pub async fn mark(&self, seqs: &[i64]) -> Result<(), SourceError> {
+    async fn mark(&self, seqs: &[i64]) -> Result<(), SourceError> {
         if let Some(mark) = &self.mark
             && !seqs.is_empty()
         {
@@ -132,8 +163,7 @@ impl RowRecorder {
         Ok(())
     }
 
-    /// Writes dead letters and marks their rows in one transaction.
-    pub async fn dead_letter<P>(
+    async fn dead_letter<P: Sync>(
         &mut self,
         letters: &[DeadLetter<P>],
     ) -> Result<Written, SourceError> {
@@ -146,8 +176,7 @@ impl RowRecorder {
             .map_err(|e| DbError::query("writing dead letters", e).into())
     }
 
-    /// Aggregates with open dead letters.
-    pub async fn open_dead_letters(&self) -> Result<HashSet<String>, SourceError> {
+    async fn open_dead_letters(&self) -> Result<HashSet<String>, SourceError> {
         match &self.dead_letters {
             Some(r) => r
                 .open_aggregates(&self.client)
@@ -157,7 +186,7 @@ impl RowRecorder {
         }
     }
 
-    pub async fn heartbeat(&self) -> Result<(), SourceError> {
+    async fn heartbeat(&self) -> Result<(), SourceError> {
         self.client
             .simple_query("SELECT 1")
             .await

@@ -482,7 +482,7 @@ async fn a_slot_busy_with_another_process_is_waited_for() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marking_waits_until_a_streamed_transaction_is_visible() {
     use outbox_relay::config::MarkMode;
-    use outbox_relay::source::record::RowRecorder;
+    use outbox_relay::source::record::{RowRecorder, RowStore};
     let db = TestDb::new().await;
     let toml = base_toml(
         &db.url,
@@ -508,7 +508,7 @@ async fn marking_waits_until_a_streamed_transaction_is_visible() {
     .await
     .unwrap();
     let xid = u32::try_from(xid).unwrap();
-    let waiting = tokio::spawn(async move { recorder.wait_visible([xid].into_iter()).await });
+    let waiting = tokio::spawn(async move { recorder.wait_visible(vec![xid]).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         !waiting.is_finished(),

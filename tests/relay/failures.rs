@@ -257,6 +257,11 @@ async fn notify_wakes_the_relay_long_before_the_poll_interval() {
 
 every_mode!(a_crash_after_confirmation_before_marking_loses_nothing);
 async fn a_crash_after_confirmation_before_marking_loses_nothing(mode: Mode, kind: Kind) {
+    if !cfg!(feature = "failpoints") {
+        panic!(
+            "this test injects a crash through the `failpoints` feature: run the suite with --features failpoints (scripts/test.sh does)"
+        );
+    }
     let (db, broker, toml) = setup(mode, kind, &["order"], &[]).await;
     let first = insert_many(&db, 40, "a").await;
     // The relay aborts right after the broker confirmed some events, before it records them.

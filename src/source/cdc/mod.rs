@@ -24,27 +24,25 @@
 //! relay applies backpressure by not reading the stream.
 
 pub mod progress;
+pub mod server;
 pub mod setup;
 mod stream;
 
 pub use progress::{CdcPosition, Progress};
+pub use server::{CdcServer, CdcStream, PgServer, StreamMessage, TableRow, Timing};
 pub use stream::SharedProgress;
 
-use super::record::RowRecorder;
-use super::rows::{read_row, select_list};
+use super::record::{RowRecorder, RowStore};
 use super::{Acker, Reader, SourceError, SourcedEvent};
-use crate::config::{Config, DatabaseConfig, MarkMode};
-use crate::db::DbError;
+use crate::config::{Config, MarkMode};
 use crate::dead_letter::DeadLetter;
-use crate::outbox::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
+use crate::outbox::{ResolvedColumns, TableName};
 use crate::source::replication::Lsn;
-use crate::source::replication::protocol::{ReplicationClient, publication_names};
 use progress::CATCH_UP;
 use std::collections::HashSet;
 use std::time::Duration;
 use stream::{SkipRead, Step, Streaming, lock};
 use tokio::time::Instant;
-use tokio_postgres::{Client, Statement};
 
 /// Confirmed-but-unflushed events remembered for skipping after a restart.
 pub const SKIP_MEMORY: usize = 100_000;
@@ -82,162 +80,79 @@ struct TableRead {
     until: Lsn,
 }
 
-enum Phase {
+enum Phase<S> {
     Start,
     TableRead(TableRead),
-    Streaming(Box<Streaming>),
+    Streaming(Box<Streaming<S>>),
 }
 
-pub struct CdcReader {
-    db: DatabaseConfig,
+/// The CDC source: checks and slot, the start-up read, then the stream.
+pub struct CdcReader<B: CdcServer = PgServer> {
+    server: B,
     table: TableName,
     columns: ResolvedColumns,
     settings: CdcSettings,
     progress: SharedProgress,
-    /// Ordinary connection: checks, the start-up table read, heartbeats.
-    client: Client,
-    table_page: Statement,
-    phase: Phase,
+    phase: Phase<B::Stream>,
     /// Read, not yet handed over (kept across a cancelled call).
     pending: Vec<SourcedEvent<CdcPosition>>,
-    status_every: Duration,
-    silence_limit: Duration,
+    timing: Timing,
     next_heartbeat: Option<Instant>,
-    /// The start-up read's REPEATABLE READ transaction is open.
-    snapshot_open: bool,
 }
 
-/// Column of the 32-bit xid in the start-up read, after `relay_seq` and the 8 contract columns.
-const XID_INDEX: usize = 9;
-
-impl CdcReader {
+impl CdcReader<PgServer> {
     pub async fn connect(
         config: &Config,
         columns: &ResolvedColumns,
         progress: SharedProgress,
     ) -> Result<Self, SourceError> {
-        let client = crate::db::connect(&config.database, None).await?;
-        let table = config.outbox.table.clone();
         let settings = CdcSettings::from_config(config);
-        let sql = format!(
-            "SELECT {}, ({XID_COLUMN}::text::bigint % 4294967296)::bigint FROM {} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1 ORDER BY {SEQ_COLUMN} LIMIT $2",
-            select_list(columns),
-            table.quoted()
-        );
-        let table_page = client
-            .prepare(&sql)
-            .await
-            .map_err(|e| DbError::query("preparing the start-up read", e))?;
-        let timeout_ms = setup::wal_sender_timeout_ms(&client).await?;
-        let (status_every, silence_limit) = if timeout_ms > 0 {
-            let timeout = Duration::from_millis(timeout_ms.unsigned_abs());
-            (
-                settings.status_interval.min(timeout / 2),
-                (timeout * 2).max(Duration::from_secs(10)),
-            )
-        } else {
-            (settings.status_interval, Duration::from_secs(120))
-        };
-        Ok(CdcReader {
-            db: config.database.clone(),
-            table,
+        let (server, timing) = PgServer::connect(
+            &config.database,
+            &config.outbox.table,
+            columns,
+            settings.clone(),
+        )
+        .await?;
+        Ok(CdcReader::new(
+            server,
+            &config.outbox.table,
+            columns,
+            settings,
+            progress,
+            timing,
+        ))
+    }
+}
+
+impl<B: CdcServer> CdcReader<B> {
+    pub fn new(
+        server: B,
+        table: &TableName,
+        columns: &ResolvedColumns,
+        settings: CdcSettings,
+        progress: SharedProgress,
+        timing: Timing,
+    ) -> Self {
+        CdcReader {
+            server,
+            table: table.clone(),
             columns: columns.clone(),
             next_heartbeat: settings.heartbeat_interval.map(|h| Instant::now() + h),
             settings,
             progress,
-            client,
-            table_page,
             phase: Phase::Start,
             pending: Vec::new(),
-            snapshot_open: false,
-            status_every,
-            silence_limit,
-        })
+            timing,
+        }
     }
 
     /// Checks, slot, and the choice of the first phase.
     async fn start(&mut self) -> Result<(), SourceError> {
-        if std::mem::take(&mut self.snapshot_open) {
-            self.client
-                .batch_execute("ROLLBACK")
-                .await
-                .map_err(|e| DbError::query("ending the start-up read", e))?;
-        }
-        let s = &self.settings;
-        if let Some(problem) = setup::wal_level_problem(&setup::wal_level(&self.client).await?) {
-            return Err(SourceError::Setup(problem));
-        }
-        match setup::publication_covers(&self.client, &s.publication, &self.table).await? {
-            Some(true) => {}
-            Some(false) => {
-                return Err(SourceError::Setup(format!(
-                    "publication {:?} does not publish inserts into {}; run `outbox-relay migrate`",
-                    s.publication, self.table
-                )));
-            }
-            None => {
-                return Err(SourceError::Setup(format!(
-                    "publication {:?} does not exist; run `outbox-relay migrate`",
-                    s.publication
-                )));
-            }
-        }
-        let database: String = self
-            .client
-            .query_one("SELECT current_database()::text", &[])
-            .await
-            .map_err(|e| DbError::query("reading the database name", e))?
-            .get(0);
-        let slot_flushed = match setup::slot_info(&self.client, &s.slot).await? {
-            Some(info) => {
-                let problems = setup::slot_problems(&info, &s.slot, &database);
-                if let Some(first) = problems.into_iter().next() {
-                    return Err(SourceError::Setup(first));
-                }
-                if info.active {
-                    // Checked before the start-up read, so nothing is published
-                    // while another process owns the stream.
-                    return Err(SourceError::SlotBusy(s.slot.clone()));
-                }
-                info.confirmed_flush.unwrap_or_default()
-            }
-            None if s.create_slot => {
-                let lsn = setup::create_slot(&self.client, &s.slot)
-                    .await
-                    .map_err(SourceError::Setup)?;
-                tracing::info!(slot = %s.slot, consistent_point = %lsn, "created the replication slot");
-                lsn
-            }
-            None => {
-                return Err(SourceError::Setup(format!(
-                    "replication slot {:?} does not exist; run `outbox-relay migrate` or set source.cdc.create_slot = true",
-                    s.slot
-                )));
-            }
-        };
+        let slot_flushed = self.server.prepare().await?;
         lock(&self.progress).restart(slot_flushed);
         if self.settings.read_table {
-            // One snapshot for the whole read; the WAL position taken with it
-            // bounds which streamed transactions it already covers. The read
-            // waits while the broker catches up, so a server-wide
-            // idle-in-transaction timeout must not end it.
-            self.client
-                .batch_execute(
-                    "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; \
-                     SET LOCAL idle_in_transaction_session_timeout = 0",
-                )
-                .await
-                .map_err(|e| DbError::query("starting the start-up read", e))?;
-            self.snapshot_open = true;
-            let until: String = self
-                .client
-                .query_one("SELECT pg_current_wal_lsn()::text", &[])
-                .await
-                .map_err(|e| DbError::query("starting the start-up read", e))?
-                .get(0);
-            let until = until
-                .parse()
-                .map_err(|e| SourceError::Stream(format!("unreadable WAL position: {e}")))?;
+            let until = self.server.begin_table_read().await?;
             lock(&self.progress).begin(CATCH_UP);
             self.phase = Phase::TableRead(TableRead {
                 cursor: 0,
@@ -245,9 +160,7 @@ impl CdcReader {
                 until,
             });
         } else {
-            self.phase = Phase::Streaming(Box::new(
-                open_stream(&self.db, &self.settings, &self.progress, None).await?,
-            ));
+            self.phase = Phase::Streaming(Box::new(self.open_stream(None).await?));
         }
         Ok(())
     }
@@ -257,39 +170,27 @@ impl CdcReader {
         let Phase::TableRead(read) = &mut self.phase else {
             return Ok(());
         };
-        let limit = i64::try_from(max).unwrap_or(i64::MAX);
-        let rows = self
-            .client
-            .query(&self.table_page, &[&read.cursor, &limit])
-            .await
-            .map_err(|e| DbError::query("reading unsent rows at start-up", e))?;
+        let rows = self.server.table_page(read.cursor, max).await?;
         let now = chrono::Utc::now();
-        for row in &rows {
-            let Some((seq, raw)) = read_row(row, 0) else {
-                continue;
-            };
-            let xid: i64 = row.get(XID_INDEX);
-            read.xids.insert(u32::try_from(xid).unwrap_or_default());
-            read.cursor = seq;
+        let done = rows.len() < max;
+        for row in rows {
+            read.xids.insert(row.xid);
+            read.cursor = row.seq;
             let position = CdcPosition {
                 commit_lsn: CATCH_UP,
-                index: u64::try_from(seq).unwrap_or_default(),
-                seq: Some(seq),
+                index: u64::try_from(row.seq).unwrap_or_default(),
+                seq: Some(row.seq),
                 xid: None, // read from a snapshot: visible
             };
             if lock(&self.progress).event(&position) {
                 self.pending.push(SourcedEvent {
                     position,
-                    event: raw.decode(now),
+                    event: row.raw.decode(now),
                 });
             }
         }
-        if rows.len() < max {
-            self.client
-                .batch_execute("COMMIT")
-                .await
-                .map_err(|e| DbError::query("ending the start-up read", e))?;
-            self.snapshot_open = false;
+        if done {
+            self.server.end_table_read().await?;
             let flushed = {
                 let mut p = lock(&self.progress);
                 let f = p.flushed();
@@ -308,22 +209,29 @@ impl CdcReader {
                 xids: read.xids,
                 until: read.until.max(flushed),
             });
-            self.phase = Phase::Streaming(Box::new(
-                open_stream(&self.db, &self.settings, &self.progress, skip).await?,
-            ));
+            self.phase = Phase::Streaming(Box::new(self.open_stream(skip).await?));
         }
         Ok(())
     }
 
+    /// Starts streaming from the flushed position.
+    async fn open_stream(
+        &mut self,
+        skip: Option<SkipRead>,
+    ) -> Result<Streaming<B::Stream>, SourceError> {
+        let start = lock(&self.progress).flushed();
+        let stream = self.server.stream(start).await?;
+        Ok(Streaming::new(
+            stream,
+            skip,
+            start,
+            self.settings.read_table,
+        ))
+    }
+
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
         if let Some(every) = self.settings.heartbeat_interval {
-            self.client
-                .execute(
-                    "SELECT pg_logical_emit_message(false, 'outbox-relay', 'heartbeat')",
-                    &[],
-                )
-                .await
-                .map_err(|e| DbError::query("writing the heartbeat message", e))?;
+            self.server.heartbeat().await?;
             self.next_heartbeat = Some(Instant::now() + every);
         }
         Ok(())
@@ -344,34 +252,7 @@ async fn sleep_until_opt(at: Option<Instant>) {
     }
 }
 
-/// Opens a replication connection and starts streaming from the flushed position.
-/// (A free function: the reader itself is not `Sync` while it holds a stream.)
-async fn open_stream(
-    db: &DatabaseConfig,
-    settings: &CdcSettings,
-    progress: &SharedProgress,
-    skip: Option<SkipRead>,
-) -> Result<Streaming, SourceError> {
-    let pg = crate::db::pg_config(db)?;
-    let client = ReplicationClient::connect(&pg, &db.tls()).await?;
-    let start = lock(progress).flushed();
-    let names = publication_names(&[&settings.publication]);
-    let stream = client
-        .start_logical_replication(
-            &settings.slot,
-            start,
-            &[
-                ("proto_version", "1"),
-                ("publication_names", &names),
-                ("messages", "true"),
-            ],
-        )
-        .await?;
-    tracing::info!(slot = %settings.slot, from = %start, "streaming from the replication slot");
-    Ok(Streaming::new(stream, skip, start, settings.read_table))
-}
-
-impl Reader for CdcReader {
+impl<B: CdcServer> Reader for CdcReader<B> {
     type Position = CdcPosition;
 
     async fn next_batch(
@@ -392,7 +273,7 @@ impl Reader for CdcReader {
                     }
                 }
                 Phase::Streaming(s) => {
-                    let silence = s.last_message.max(s.paused_at) + self.silence_limit;
+                    let silence = s.last_message.max(s.paused_at) + self.timing.silence_limit;
                     // Messages first: after a pause they are waiting unread.
                     let wake = tokio::select! {
                         biased;
@@ -418,17 +299,21 @@ impl Reader for CdcReader {
                             // A busy stream still reports on time (the select
                             // prefers messages).
                             if reply || Instant::now() >= s.next_status {
-                                s.send_status(&self.progress, self.status_every).await?;
+                                s.send_status(&self.progress, self.timing.status_every)
+                                    .await?;
                             }
                             if matches!(step, Step::Committed) && !self.pending.is_empty() {
                                 return Ok(std::mem::take(&mut self.pending));
                             }
                         }
-                        Wake::Status => s.send_status(&self.progress, self.status_every).await?,
+                        Wake::Status => {
+                            s.send_status(&self.progress, self.timing.status_every)
+                                .await?
+                        }
                         Wake::Silence => {
                             return Err(SourceError::Stream(format!(
                                 "no message from the server for {}s; reconnecting",
-                                self.silence_limit.as_secs()
+                                self.timing.silence_limit.as_secs()
                             )));
                         }
                         Wake::Heartbeat => self.heartbeat().await?,
@@ -448,7 +333,10 @@ impl Reader for CdcReader {
         if let Phase::Streaming(s) = std::mem::replace(&mut self.phase, Phase::Start) {
             let mut s = *s;
             let flushed = lock(&self.progress).flushed();
-            if let Err(e) = s.send_status(&self.progress, self.status_every).await {
+            if let Err(e) = s
+                .send_status(&self.progress, self.timing.status_every)
+                .await
+            {
                 tracing::warn!(error = %e, "could not report the final position; a restart may repeat some events");
             }
             // The server may still be decoding a large transaction: do not wait long.
@@ -464,7 +352,8 @@ impl Reader for CdcReader {
             Phase::Streaming(s) => loop {
                 s.paused_at = Instant::now();
                 tokio::time::sleep_until(s.next_status).await;
-                s.send_status(&self.progress, self.status_every).await?;
+                s.send_status(&self.progress, self.timing.status_every)
+                    .await?;
             },
             _ => std::future::pending().await,
         }
@@ -473,25 +362,25 @@ impl Reader for CdcReader {
 
 /// Marks confirmed rows (when marking) on the ownership connection, then
 /// confirms their positions so the flushed WAL position can advance.
-pub struct CdcAcker {
-    recorder: RowRecorder,
+pub struct CdcAcker<S = RowRecorder> {
+    recorder: S,
     progress: SharedProgress,
 }
 
-impl CdcAcker {
-    pub fn new(recorder: RowRecorder, progress: SharedProgress) -> Self {
+impl<S: RowStore> CdcAcker<S> {
+    pub fn new(recorder: S, progress: SharedProgress) -> Self {
         CdcAcker { recorder, progress }
     }
 }
 
-impl Acker for CdcAcker {
+impl<S: RowStore> Acker for CdcAcker<S> {
     type Position = CdcPosition;
 
     async fn ack(&mut self, positions: Vec<CdcPosition>) -> Result<(), SourceError> {
         let seqs: Vec<i64> = positions.iter().filter_map(|p| p.seq).collect();
         if !seqs.is_empty() {
             self.recorder
-                .wait_visible(positions.iter().filter_map(|p| p.xid))
+                .wait_visible(positions.iter().filter_map(|p| p.xid).collect())
                 .await?;
         }
         self.recorder.mark(&seqs).await?;
@@ -507,7 +396,7 @@ impl Acker for CdcAcker {
         letters: Vec<DeadLetter<CdcPosition>>,
     ) -> Result<HashSet<String>, SourceError> {
         self.recorder
-            .wait_visible(letters.iter().filter_map(|l| l.position.xid))
+            .wait_visible(letters.iter().filter_map(|l| l.position.xid).collect())
             .await?;
         let w = self.recorder.dead_letter(&letters).await?;
         // A dead letter is as durable as a delivery, and a follower whose row

@@ -2,12 +2,12 @@
 //! out, progress registered, status updates sent.
 
 use super::progress::{CdcPosition, Progress};
+use super::server::{CdcStream, StreamMessage};
 use crate::outbox::{RawRow, ResolvedColumns, SEQ_COLUMN, TableName};
 use crate::source::replication::Lsn;
 use crate::source::replication::pgoutput::{
-    self, LogicalMessage, MessageKind, RelationCache, TupleValue,
+    LogicalMessage, MessageKind, RelationCache, TupleValue,
 };
-use crate::source::replication::protocol::{ReplicationMessage, ReplicationStream};
 use crate::source::{SourceError, SourcedEvent};
 use chrono::{DateTime, Utc};
 use std::collections::HashSet;
@@ -41,8 +41,8 @@ pub struct SkipRead {
     pub until: Lsn,
 }
 
-pub struct Streaming {
-    pub stream: ReplicationStream,
+pub struct Streaming<S> {
+    pub stream: S,
     relations: RelationCache,
     outbox: Option<OutboxColumns>,
     tx: Option<CurrentTx>,
@@ -67,13 +67,8 @@ pub enum Step {
     Committed,
 }
 
-impl Streaming {
-    pub fn new(
-        stream: ReplicationStream,
-        skip: Option<SkipRead>,
-        start: Lsn,
-        needs_seq: bool,
-    ) -> Self {
+impl<S: CdcStream> Streaming<S> {
+    pub fn new(stream: S, skip: Option<SkipRead>, start: Lsn, needs_seq: bool) -> Self {
         let now = Instant::now();
         Streaming {
             stream,
@@ -100,9 +95,7 @@ impl Streaming {
     ) -> Result<(), SourceError> {
         let flushed = lock(progress).flushed();
         let write = self.received.max(flushed);
-        self.stream
-            .send_standby_status(write, flushed, flushed, true)
-            .await?;
+        self.stream.send_status(write, flushed).await?;
         self.next_status = Instant::now() + interval;
         Ok(())
     }
@@ -110,7 +103,7 @@ impl Streaming {
     /// Handles one message from the server.
     pub fn handle(
         &mut self,
-        message: ReplicationMessage,
+        message: StreamMessage,
         table: &TableName,
         columns: &ResolvedColumns,
         progress: &Mutex<Progress>,
@@ -118,10 +111,9 @@ impl Streaming {
     ) -> Result<(bool, Step), SourceError> {
         self.last_message = Instant::now();
         match message {
-            ReplicationMessage::PrimaryKeepalive {
+            StreamMessage::Keepalive {
                 wal_end,
                 reply_requested,
-                ..
             } => {
                 self.received = self.received.max(wal_end);
                 if self.tx.is_none() {
@@ -129,11 +121,9 @@ impl Streaming {
                 }
                 Ok((reply_requested, Step::Continue))
             }
-            ReplicationMessage::XLogData { data, .. } => {
-                let message = pgoutput::decode(data)?;
-                self.logical(message, table, columns, progress, out)
-                    .map(|s| (false, s))
-            }
+            StreamMessage::Change(message) => self
+                .logical(message, table, columns, progress, out)
+                .map(|s| (false, s)),
         }
     }
 

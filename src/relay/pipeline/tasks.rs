@@ -1,7 +1,7 @@
 //! The pipeline's two helper tasks: the reader, filling a small channel with
 //! batches, and the acker, recording progress in order.
 
-use super::pipeline::PipelineError;
+use super::PipelineError;
 use crate::dead_letter::DeadLetter;
 use crate::source::{Acker, Reader, SourceError, SourcedEvent};
 use std::collections::HashSet;
@@ -147,16 +147,23 @@ async fn read_batch<R: Reader>(
     Ok(events)
 }
 
-/// Crash-injection hook for the test suite: `OUTBOX_RELAY_FAILPOINT=abort-before-ack:N`
-/// aborts the process just before the N-th acknowledgement, i.e. after the
-/// broker confirmed messages and before their rows are marked (or their WAL
+/// Crash-injection hook for the test suite, compiled only with the
+/// `failpoints` feature: `OUTBOX_RELAY_FAILPOINT=abort-before-ack:N` aborts
+/// the process just before the N-th acknowledgement, i.e. after the broker
+/// confirmed messages and before their rows are marked (or their WAL
 /// position reported): the most dangerous moment to crash.
+#[cfg(feature = "failpoints")]
 fn abort_before_ack_countdown() -> Option<u32> {
     std::env::var("OUTBOX_RELAY_FAILPOINT")
         .ok()?
         .strip_prefix("abort-before-ack:")?
         .parse()
         .ok()
+}
+
+#[cfg(not(feature = "failpoints"))]
+fn abort_before_ack_countdown() -> Option<u32> {
+    None
 }
 
 /// Records progress in command order, merging consecutive acknowledgements
@@ -219,6 +226,7 @@ async fn record<A: Acker>(
     }
     if let Some(n) = countdown.as_mut() {
         *n = n.saturating_sub(1);
+        #[cfg(feature = "failpoints")]
         if *n == 0 {
             eprintln!(
                 "failpoint abort-before-ack: aborting with {} confirmed, unrecorded events",

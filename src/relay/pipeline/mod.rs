@@ -1,0 +1,125 @@
+//! One run of the pipeline: read → publish → confirm → acknowledge, until
+//! shutdown or a failure that needs fresh connections.
+//!
+//! Three tasks: the reader fills a small channel with batches; the loop in
+//! [`Pipeline::serve`] sends events to the broker through the
+//! [`Scheduler`](super::scheduler::Scheduler), keeping up to `max_in_flight`
+//! unconfirmed; the acker records confirmed positions (and dead letters) in
+//! order. Progress is recorded only for confirmed messages and written dead
+//! letters, so whatever ends a run, the next run re-reads from the last
+//! recorded point.
+//!
+//! A refused event blocks its aggregate and is retried with backoff; after
+//! `dead_letter.max_attempts` refusals it is dead-lettered, and the
+//! aggregate's later events follow it there or wait in the outbox, per
+//! `dead_letter.aggregate`, until an operator redrives or drops it.
+//!
+//! - `serve.rs`: the loop, one method per `select!` arm, and the intake state;
+//! - `publish.rs`: what happens to one event (admit, send, confirm, refuse);
+//! - `tasks.rs`: the reader and acker tasks.
+
+mod publish;
+mod serve;
+mod tasks;
+
+use super::scheduler::Blocks;
+use crate::config::HoldPolicy;
+use crate::envelope::Envelope;
+use crate::sink::{Sink, SinkError};
+use crate::source::{Acker, Reader, SourceError};
+use crate::telemetry::PipelineTelemetry;
+use serve::Pipeline;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Why a run ended early.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("broker: {0}")]
+    Sink(#[from] SinkError),
+    #[error("source: {0}")]
+    Source(#[from] SourceError),
+    #[error("{0} task stopped unexpectedly")]
+    TaskLost(&'static str),
+}
+
+impl PipelineError {
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            PipelineError::Sink(e) => e.is_retryable(),
+            PipelineError::Source(e) => e.is_retryable(),
+            PipelineError::TaskLost(_) => true,
+        }
+    }
+}
+
+/// Dead-lettering, when on.
+#[derive(Debug, Clone)]
+pub struct DeadLetterSettings {
+    pub max_attempts: u32,
+    pub policy: HoldPolicy,
+    pub refresh_interval: Duration,
+}
+
+/// Tunables of a run.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// How often the broker connection is checked while nothing else would notice its loss.
+    pub probe_interval: Duration,
+    pub batch_size: usize,
+    pub max_in_flight: usize,
+    pub per_aggregate: Option<usize>,
+    pub confirm_timeout: Duration,
+    pub shutdown_timeout: Duration,
+    pub dead_letter: Option<DeadLetterSettings>,
+}
+
+impl Settings {
+    pub fn from_config(config: &crate::config::Config) -> Self {
+        Settings {
+            probe_interval: config.relay.standby_poll.max(Duration::from_secs(10)),
+            batch_size: config.source.batch_size,
+            max_in_flight: config.relay.max_in_flight,
+            per_aggregate: config
+                .relay
+                .max_in_flight_per_aggregate
+                .or(config.sink.default_in_flight_per_aggregate()),
+            confirm_timeout: config.relay.confirm_timeout,
+            shutdown_timeout: config.relay.shutdown_timeout,
+            dead_letter: config.dead_letter.enabled.then_some(DeadLetterSettings {
+                max_attempts: config.dead_letter.max_attempts,
+                policy: config.dead_letter.aggregate,
+                refresh_interval: config.dead_letter.refresh_interval,
+            }),
+        }
+    }
+}
+
+/// What a run reads its settings from and reports to.
+pub struct Context<'a> {
+    pub envelope: &'a Envelope,
+    pub settings: &'a Settings,
+    pub telemetry: &'a PipelineTelemetry,
+}
+
+/// Runs until `shutdown` (then drains and returns `Ok`) or a failure.
+pub async fn run<R, A, K>(
+    reader: R,
+    acker: A,
+    sink: K,
+    cx: Context<'_>,
+    blocks: &mut Blocks,
+    shutdown: &CancellationToken,
+) -> Result<(), PipelineError>
+where
+    R: Reader,
+    A: Acker<Position = R::Position>,
+    K: Sink,
+{
+    let mut pipeline = Pipeline::start(reader, acker, sink, cx, blocks);
+    let result = match pipeline.load_dead_letters().await {
+        Ok(()) => pipeline.serve(shutdown).await,
+        Err(e) => Err(e),
+    };
+    pipeline.finish(result).await
+}

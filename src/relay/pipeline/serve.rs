@@ -1,0 +1,449 @@
+//! The pipeline's event loop: its state in one struct, one method per arm.
+
+use super::tasks::{
+    AckCommand, Batch, Resolved, drive_acker, drive_reader, flush, joined, task_error,
+};
+use super::{Context, PipelineError, Settings};
+use crate::dead_letter::DeadLetter;
+use crate::envelope::Envelope;
+use crate::outbox::OutboxEvent;
+use crate::relay::scheduler::{Blocks, MAX_BLOCKED_AGGREGATES, Scheduler};
+use crate::sink::{Sink, SinkError};
+use crate::source::{Acker, Reader, RowPosition, SourceError};
+use crate::telemetry::PipelineTelemetry;
+use crate::telemetry::metrics::Failure;
+use chrono::Utc;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+
+/// A confirmation on its way back: the position, the event, the outcome.
+pub(super) type Done<P> = (P, OutboxEvent, Result<(), SinkError>);
+pub(super) type InFlight<P> = Pin<Box<dyn Future<Output = Done<P>> + Send>>;
+
+/// Whether new events are taken, and what happens once nothing is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Intake {
+    /// Reading and publishing.
+    Open,
+    /// Closed until everything sent is confirmed and recorded; then the
+    /// reader starts again from the recorded point (a block expired, or dead
+    /// letters were resolved: the aggregate's events must come back in order).
+    Rewinding,
+    /// Shutting down: confirmations are awaited until `deadline`, then the run ends.
+    Draining { deadline: Instant },
+}
+
+/// A question about open dead letters on its way to the acker.
+struct Refresh {
+    /// How often dead aggregates are looked up (`None`: dead-lettering is off).
+    every: Option<Duration>,
+    next: Option<Instant>,
+    /// The reply, and [`Blocks::generation`] when the question was asked.
+    waiting: Option<(oneshot::Receiver<HashSet<String>>, u64)>,
+}
+
+/// Everything one run holds.
+pub(super) struct Pipeline<'a, P, K> {
+    pub(super) settings: &'a Settings,
+    pub(super) telemetry: &'a PipelineTelemetry,
+    pub(super) envelope: &'a Envelope,
+    pub(super) sink: K,
+    pub(super) blocks: &'a mut Blocks,
+    pub(super) scheduler: Scheduler<P>,
+    pub(super) in_flight: FuturesUnordered<InFlight<P>>,
+    /// Confirmed positions not yet handed to the acker.
+    pub(super) pending_acks: Vec<P>,
+    /// Dead letters to hand to the acker, in order.
+    pub(super) pending_letters: Vec<DeadLetter<P>>,
+    pub(super) intake: Intake,
+    warned_full: bool,
+    epoch: u64,
+    refresh: Refresh,
+    next_probe: Instant,
+    batch_rx: mpsc::Receiver<Batch<P>>,
+    rewind_tx: mpsc::Sender<u64>,
+    ack_tx: mpsc::Sender<AckCommand<P>>,
+    resolved: Arc<Resolved>,
+    reader_task: AbortOnDropHandle<Result<(), SourceError>>,
+    acker_task: AbortOnDropHandle<Result<(), SourceError>>,
+}
+
+impl<'a, P, K> Pipeline<'a, P, K>
+where
+    P: Clone + Send + Sync + RowPosition + 'static,
+    K: Sink,
+{
+    /// Starts the reader and acker tasks.
+    pub(super) fn start<R, A>(
+        reader: R,
+        acker: A,
+        sink: K,
+        cx: Context<'a>,
+        blocks: &'a mut Blocks,
+    ) -> Self
+    where
+        R: Reader<Position = P>,
+        A: Acker<Position = P>,
+    {
+        let Context {
+            envelope,
+            settings,
+            telemetry,
+        } = cx;
+        let (batch_tx, batch_rx) = mpsc::channel(2);
+        let (rewind_tx, rewind_rx) = mpsc::channel(4);
+        let reader_task = AbortOnDropHandle::new(tokio::spawn(drive_reader(
+            reader,
+            settings.batch_size,
+            batch_tx,
+            rewind_rx,
+        )));
+        let (ack_tx, ack_rx) = mpsc::channel(4);
+        let resolved = Arc::new(Resolved::default());
+        let acker_task =
+            AbortOnDropHandle::new(tokio::spawn(drive_acker(acker, ack_rx, resolved.clone())));
+        let every = settings.dead_letter.as_ref().map(|d| d.refresh_interval);
+        Pipeline {
+            settings,
+            telemetry,
+            envelope,
+            sink,
+            blocks,
+            scheduler: Scheduler::new(settings.per_aggregate),
+            in_flight: FuturesUnordered::new(),
+            pending_acks: Vec::new(),
+            pending_letters: Vec::new(),
+            intake: Intake::Open,
+            warned_full: false,
+            epoch: 0,
+            refresh: Refresh {
+                every,
+                next: every.map(|d| Instant::now() + d),
+                waiting: None,
+            },
+            next_probe: Instant::now() + settings.probe_interval,
+            batch_rx,
+            rewind_tx,
+            ack_tx,
+            resolved,
+            reader_task,
+            acker_task,
+        }
+    }
+
+    /// Aggregates dead-lettered earlier (by this or another instance) stay
+    /// blocked: known before the first event is admitted.
+    pub(super) async fn load_dead_letters(&mut self) -> Result<(), PipelineError> {
+        if self.refresh.every.is_none() {
+            return Ok(());
+        }
+        let (tx, rx) = oneshot::channel();
+        let open = match self.ack_tx.send(AckCommand::OpenDeadLetters(tx)).await {
+            Ok(()) => rx.await.ok(),
+            Err(_) => None,
+        };
+        let Some(open) = open else {
+            return Err(task_error(&mut self.acker_task, "acker").await);
+        };
+        if !open.is_empty() {
+            tracing::warn!(
+                aggregates = open.len(),
+                "aggregates with open dead letters are held back; see `outbox-relay dlq list`"
+            );
+        }
+        self.blocks.set_dead(open);
+        Ok(())
+    }
+
+    /// The loop: returns `Ok` after a clean drain, or the failure that ended the run.
+    pub(super) async fn serve(
+        &mut self,
+        shutdown: &CancellationToken,
+    ) -> Result<(), PipelineError> {
+        loop {
+            if self.quiet() {
+                match self.intake {
+                    Intake::Draining { .. } => return flush(&self.ack_tx).await,
+                    Intake::Rewinding => self.rewind().await?,
+                    Intake::Open => {}
+                }
+            }
+            self.report_in_flight();
+            let open = self.intake == Intake::Open;
+            let intake = open && self.has_room();
+            let expiry = self.blocks.next_expiry().filter(|_| open);
+            let deadline = self.intake.deadline();
+            let ask_refresh = self.refresh.waiting.is_none()
+                && self.blocks.has_dead()
+                && self.pending_letters.is_empty();
+            tokio::select! {
+                biased;
+                // 1. Shutdown: stop reading, drain what is in flight.
+                _ = shutdown.cancelled(), if deadline.is_none() => self.begin_shutdown(),
+                // 2. The drain took too long: record what was confirmed and stop.
+                _ = sleep_until_opt(deadline) => return self.drain_timed_out().await,
+                // 3. Confirmations.
+                Some(done) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    self.complete(done).await?
+                }
+                // 4. Hand confirmed positions and dead letters to the acker, in order.
+                permit = self.ack_tx.clone().reserve_owned(), if self.has_work() => match permit {
+                    Ok(p) => { p.send(self.next_command()); }
+                    Err(_) => return Err(task_error(&mut self.acker_task, "acker").await),
+                },
+                // 5. Operators resolved dead letters (seen by the acker, or by the refresh).
+                found = self.resolved.next() => self.resolve(found),
+                Ok((open, seen)) = wait_refresh(&mut self.refresh.waiting), if self.refresh.waiting.is_some() => {
+                    self.refreshed(open, seen)
+                }
+                // Only dead aggregates need watching. Dead letters still to be
+                // written go first: the acker answers in order, so the view it
+                // returns includes every aggregate dead by now.
+                _ = sleep_until_opt(self.refresh.next), if ask_refresh => self.ask_refresh().await?,
+                // 6. A block expired: drain, then re-read so the aggregate's events come back in order.
+                _ = sleep_until_opt(expiry) => self.retry_expired(),
+                // 7. New events.
+                batch = self.batch_rx.recv(), if intake => self.take(batch).await?,
+                // 8. The acker failed (e.g. lost its connection, and with it ownership).
+                res = &mut self.acker_task => return Err(joined(res, "acker")),
+                // 9. An idle broker connection can die unnoticed: look now and
+                // then. With messages in flight, confirm_timeout already watches.
+                _ = tokio::time::sleep_until(self.next_probe) => self.probe().await?,
+            }
+        }
+    }
+
+    /// Records what the broker confirmed, lets the reader close, closes the sink.
+    pub(super) async fn finish(
+        mut self,
+        result: Result<(), PipelineError>,
+    ) -> Result<(), PipelineError> {
+        if let Err(e) = &result
+            && e.is_retryable()
+        {
+            // Their fate is unknown: they will be sent again.
+            self.telemetry
+                .metrics
+                .failed(Failure::Unavailable, self.scheduler.in_flight() as u64);
+        }
+        if result.is_err() {
+            // Record what the broker confirmed before giving up, to spare re-sends.
+            self.push_pending().await;
+            let _ = tokio::time::timeout(Duration::from_secs(5), flush(&self.ack_tx)).await;
+        }
+        let Pipeline {
+            sink,
+            rewind_tx,
+            mut reader_task,
+            ..
+        } = self;
+        // Let the reader close (report its final position) after the last acknowledgement.
+        drop(rewind_tx);
+        if !reader_task.is_finished() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), &mut reader_task).await;
+        }
+        sink.close().await;
+        result
+    }
+
+    /// Nothing unconfirmed, nothing waiting for the acker.
+    fn quiet(&self) -> bool {
+        self.scheduler.in_flight() == 0
+            && self.pending_acks.is_empty()
+            && self.pending_letters.is_empty()
+    }
+
+    fn has_work(&self) -> bool {
+        !self.pending_acks.is_empty() || !self.pending_letters.is_empty()
+    }
+
+    fn report_in_flight(&self) {
+        let in_flight = self.scheduler.in_flight();
+        self.telemetry.metrics.in_flight.set(in_flight as f64);
+        self.telemetry.health.set_in_flight(in_flight);
+    }
+
+    /// Everything sent is confirmed and recorded: re-read from the recorded point.
+    async fn rewind(&mut self) -> Result<(), PipelineError> {
+        flush(&self.ack_tx).await?;
+        self.epoch += 1;
+        if self.rewind_tx.send(self.epoch).await.is_err() {
+            return Err(PipelineError::TaskLost("reader"));
+        }
+        self.intake = Intake::Open;
+        Ok(())
+    }
+
+    /// Stops taking events until a rewind (unless shutting down already).
+    pub(super) fn rewind_later(&mut self) {
+        if self.intake == Intake::Open {
+            self.intake = Intake::Rewinding;
+            // Parked events are unsent and unrecorded: they are read again later.
+            self.scheduler.clear_parked();
+        }
+    }
+
+    fn begin_shutdown(&mut self) {
+        tracing::info!(
+            in_flight = self.scheduler.in_flight(),
+            "shutting down: waiting for broker confirmations"
+        );
+        self.intake = Intake::Draining {
+            deadline: Instant::now() + self.settings.shutdown_timeout,
+        };
+        self.scheduler.clear_parked();
+    }
+
+    async fn drain_timed_out(&mut self) -> Result<(), PipelineError> {
+        tracing::warn!(
+            unconfirmed = self.scheduler.in_flight(),
+            "shutdown timeout reached; unconfirmed events will be re-sent on the next start"
+        );
+        self.push_pending().await;
+        flush(&self.ack_tx).await
+    }
+
+    /// The acker's next command: dead letters go before later acknowledgements
+    /// only in the order they arose, so both are sent as they are, letters first
+    /// (a letter never depends on a later acknowledgement).
+    fn next_command(&mut self) -> AckCommand<P> {
+        if !self.pending_letters.is_empty() {
+            AckCommand::DeadLetter(std::mem::take(&mut self.pending_letters))
+        } else {
+            let acks = std::mem::take(&mut self.pending_acks);
+            let m = &self.telemetry.metrics;
+            m.published.increment(acks.len() as u64);
+            m.last_publish
+                .set(Utc::now().timestamp_millis() as f64 / 1000.0);
+            AckCommand::Ack(acks)
+        }
+    }
+
+    pub(super) async fn push_pending(&mut self) {
+        while self.has_work() {
+            let cmd = self.next_command();
+            if self.ack_tx.send(cmd).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Aggregates whose dead letters were resolved: unblock them, and re-read
+    /// if any was blocked.
+    fn resolve(&mut self, aggregates: HashSet<String>) {
+        let mut any = false;
+        for a in aggregates {
+            any |= self.blocks.is_blocked(&a);
+            self.blocks.resolve(&a);
+        }
+        if any {
+            tracing::info!("dead letters were redriven or dropped; their aggregates resume");
+            self.rewind_later();
+        }
+    }
+
+    /// The refresh's view of the open dead letters arrived.
+    fn refreshed(&mut self, open: HashSet<String>, seen: u64) {
+        self.refresh.waiting = None;
+        let gone = self.blocks.resolve_missing(&open, seen);
+        if !gone.is_empty() && self.intake != Intake::Rewinding {
+            tracing::info!(
+                aggregates = gone.len(),
+                "dead letters redriven or dropped; their aggregates resume"
+            );
+            self.rewind_later();
+        }
+    }
+
+    async fn ask_refresh(&mut self) -> Result<(), PipelineError> {
+        let (tx, rx) = oneshot::channel();
+        if self
+            .ack_tx
+            .send(AckCommand::OpenDeadLetters(tx))
+            .await
+            .is_err()
+        {
+            return Err(task_error(&mut self.acker_task, "acker").await);
+        }
+        self.refresh.waiting = Some((rx, self.blocks.generation()));
+        self.refresh.next = self.refresh.every.map(|d| Instant::now() + d);
+        Ok(())
+    }
+
+    fn retry_expired(&mut self) {
+        let released = self.blocks.release_expired(Instant::now());
+        tracing::info!(aggregates = released, "retrying refused events");
+        self.rewind_later();
+    }
+
+    async fn take(&mut self, batch: Option<Batch<P>>) -> Result<(), PipelineError> {
+        match batch {
+            Some(b) if b.epoch == self.epoch => self.admit(b.events).await,
+            Some(_) => Ok(()), // read before the last rewind; it will be read again
+            None => Err(task_error(&mut self.reader_task, "reader").await),
+        }
+    }
+
+    async fn probe(&mut self) -> Result<(), PipelineError> {
+        self.next_probe = Instant::now() + self.settings.probe_interval;
+        if self.scheduler.in_flight() > 0 {
+            return Ok(());
+        }
+        self.sink.probe().await.map_err(Into::into)
+    }
+
+    pub(super) fn has_room(&mut self) -> bool {
+        if self.blocks.len() >= MAX_BLOCKED_AGGREGATES {
+            if !self.warned_full {
+                tracing::error!(
+                    aggregates = self.blocks.len(),
+                    "too many blocked aggregates; reading pauses until some are resolved (see `outbox-relay dlq list`)"
+                );
+                self.warned_full = true;
+            }
+            return false;
+        }
+        self.warned_full = false;
+        // Confirmed events not yet handed to the acker count too: a slow
+        // database holds reading back instead of growing this queue.
+        self.scheduler.used() + self.pending_acks.len() + self.pending_letters.len()
+            < self.settings.max_in_flight
+    }
+}
+
+impl Intake {
+    fn deadline(&self) -> Option<Instant> {
+        match self {
+            Intake::Draining { deadline } => Some(*deadline),
+            _ => None,
+        }
+    }
+}
+
+async fn wait_refresh(
+    rx: &mut Option<(oneshot::Receiver<HashSet<String>>, u64)>,
+) -> Result<(HashSet<String>, u64), ()> {
+    match rx {
+        Some((rx, seen)) => {
+            let seen = *seen;
+            rx.await.map(|open| (open, seen)).map_err(|_| ())
+        }
+        None => std::future::pending().await,
+    }
+}
+
+pub(crate) async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,125 @@
+//! The real backend: ownership is a PostgreSQL session advisory lock, and a
+//! run connects the configured source (polling or CDC) and broker.
+
+use super::RelayError;
+use super::pipeline::{self, Settings};
+use super::shards::{Balance, Shard};
+use super::supervise::{Backend, Owned};
+use crate::config::{Config, SourceMode};
+use crate::db::DbError;
+use crate::envelope::Envelope;
+use crate::outbox::inspect;
+use crate::sink::AnySink;
+use crate::source::cdc::{CdcAcker, CdcReader};
+use crate::source::ownership_key;
+use crate::source::polling::{PollingAcker, PollingReader};
+use crate::source::record::RowRecorder;
+use crate::telemetry::health::PipelineHealth;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+
+/// PostgreSQL and the configured broker.
+pub struct Postgres<'a> {
+    config: &'a Config,
+}
+
+impl<'a> Postgres<'a> {
+    pub fn new(config: &'a Config) -> Self {
+        Postgres { config }
+    }
+}
+
+impl Backend for Postgres<'_> {
+    type Owner = Client;
+
+    /// Connects and polls the shard's advisory lock every `relay.standby_poll`.
+    async fn acquire(
+        &self,
+        shard: Shard,
+        balance: &Balance,
+        health: &PipelineHealth,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Client>, RelayError> {
+        let config = self.config;
+        let key = shard.lock_key(&ownership_key(&config.outbox.table));
+        let client = crate::db::connect(&config.database, None).await?;
+        let mut announced = false;
+        loop {
+            if !balance.may_acquire() {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(None),
+                    _ = tokio::time::sleep(config.relay.standby_poll) => {}
+                }
+                continue;
+            }
+            let locked: bool = client
+                .query_one(
+                    "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+                    &[&key],
+                )
+                .await
+                .map_err(|e| DbError::query("taking the ownership lock", e))?
+                .get(0);
+            if locked {
+                return Ok(Some(client));
+            }
+            // The database answers and another instance is active: a healthy standby.
+            health.healthy();
+            if !announced && shard.count == 1 {
+                tracing::info!(table = %config.outbox.table, "standby: another instance is active; waiting to take over");
+                announced = true;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(None),
+                _ = tokio::time::sleep(config.relay.standby_poll) => {}
+            }
+        }
+    }
+
+    /// Relays while holding ownership (the `owner` session, which also marks rows).
+    async fn relay(&self, owner: Client, run: Owned<'_>) -> Result<(), RelayError> {
+        let config = self.config;
+        let table = &config.outbox.table;
+        let columns =
+            inspect::resolve_table(&owner, table, &config.outbox.columns, config.relay.mark)
+                .await?;
+        let envelope = Envelope::new(&config.envelope);
+        let settings = Settings::from_config(config);
+        let dead_letters = config
+            .dead_letter
+            .enabled
+            .then(|| config.dead_letter.table_name(table));
+        let recorder =
+            RowRecorder::new(owner, table, config.relay.mark, dead_letters.as_ref()).await?;
+        let cx = pipeline::Context {
+            envelope: &envelope,
+            settings: &settings,
+            telemetry: run.telemetry,
+        };
+        match config.source.mode {
+            SourceMode::Polling => {
+                let reader = PollingReader::connect(
+                    &config.database,
+                    table,
+                    &columns,
+                    &config.source.polling,
+                    run.shard,
+                )
+                .await?;
+                let acker = PollingAcker::new(recorder);
+                let sink = AnySink::connect(&config.sink).await?;
+                tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events");
+                pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+            }
+            SourceMode::Cdc => {
+                let reader = CdcReader::connect(config, &columns, run.progress.clone()).await?;
+                let acker = CdcAcker::new(recorder, run.progress.clone());
+                let sink = AnySink::connect(&config.sink).await?;
+                tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events from the replication slot");
+                pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+            }
+        }
+        tracing::info!("stopped cleanly");
+        Ok(())
+    }
+}

@@ -1,0 +1,199 @@
+//! The supervisor of one shard (or the whole outbox): wait to own it, relay
+//! while owning it, and start over after every failure, with backoff.
+//!
+//! The supervisor only decides *when*; a [`Backend`] does the work: take the
+//! ownership lock, and run a pipeline while it is held. [`super::Postgres`]
+//! is the real backend; the pipeline simulation drives this same supervisor
+//! with an in-memory one.
+
+use super::scheduler::Blocks;
+use super::shards::{Balance, Shard};
+use super::{Backoff, RelayError};
+use crate::config::Config;
+use crate::source::cdc::{self, Progress, SharedProgress};
+use crate::source::replication::Lsn;
+use crate::telemetry::PipelineTelemetry;
+use crate::telemetry::health::PipelineHealth;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+
+/// What a run while owning the outbox keeps across runs, and reports to.
+pub struct Owned<'a> {
+    pub shard: Shard,
+    pub telemetry: &'a PipelineTelemetry,
+    /// Refused and dead aggregates: a refused event keeps its own retry
+    /// schedule across reconnects.
+    pub blocks: &'a mut Blocks,
+    /// What the CDC source has confirmed survives reconnects, so a restarted
+    /// stream skips it instead of sending it twice.
+    pub progress: &'a SharedProgress,
+    pub shutdown: &'a CancellationToken,
+}
+
+/// The outside world of one supervised shard.
+pub trait Backend: Sync {
+    /// Proof of ownership: the session that holds the ownership lock.
+    type Owner: Send;
+
+    /// Waits until this instance owns `shard` (and its share allows one
+    /// more); `None` on shutdown. Reports a healthy standby meanwhile.
+    fn acquire(
+        &self,
+        shard: Shard,
+        balance: &Balance,
+        health: &PipelineHealth,
+        shutdown: &CancellationToken,
+    ) -> impl Future<Output = Result<Option<Self::Owner>, RelayError>> + Send;
+
+    /// Connects the source and the sink and relays until `run.shutdown` or a failure.
+    fn relay(
+        &self,
+        owner: Self::Owner,
+        run: Owned<'_>,
+    ) -> impl Future<Output = Result<(), RelayError>> + Send;
+}
+
+/// How a run ended without an error.
+enum Stop {
+    Shutdown,
+    /// The shard was given back to balance the load between instances.
+    Released,
+}
+
+/// Owns and relays one shard (or the whole outbox) until `shutdown`.
+/// Failures never end it: each is logged (at error level with what to fix
+/// when it will not pass by itself) and retried after a jittered, growing delay.
+pub async fn supervise<B: Backend>(
+    config: &Config,
+    backend: &B,
+    shard: Shard,
+    balance: Arc<Balance>,
+    telemetry: PipelineTelemetry,
+    shutdown: CancellationToken,
+) {
+    let relay = &config.relay;
+    let mut blocks = Blocks::new(relay.reject_retry_base, relay.reject_retry_max);
+    let progress: SharedProgress =
+        Arc::new(Mutex::new(Progress::new(Lsn::default(), cdc::SKIP_MEMORY)));
+    let mut backoff = Backoff::new(relay.retry_base, relay.retry_max);
+    loop {
+        let started = Instant::now();
+        let run = Owned {
+            shard,
+            telemetry: &telemetry,
+            blocks: &mut blocks,
+            progress: &progress,
+            shutdown: &shutdown,
+        };
+        let result = run_once(config, backend, &balance, run).await;
+        if shutdown.is_cancelled() {
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "stopped with an error during shutdown");
+            }
+            return;
+        }
+        let e = match result {
+            Ok(Stop::Shutdown) => return,
+            Ok(Stop::Released) => {
+                // Give the other instances a moment to take the shard.
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(relay.standby_poll * 3) => {}
+                }
+                continue;
+            }
+            Err(e) => e,
+        };
+        telemetry.health.failing(&e.to_string());
+        telemetry.metrics.restarts.increment(1);
+        if started.elapsed() > relay.retry_max {
+            backoff.reset();
+        }
+        let delay = backoff.next_delay();
+        if e.is_retryable() {
+            tracing::warn!(error = %e, attempt = backoff.attempts(), retry_in = ?delay, "relay interrupted; reconnecting");
+        } else {
+            tracing::error!(error = %e, attempt = backoff.attempts(), retry_in = ?delay, "relay cannot work until this is fixed; retrying");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+async fn run_once<B: Backend>(
+    config: &Config,
+    backend: &B,
+    balance: &Arc<Balance>,
+    run: Owned<'_>,
+) -> Result<Stop, RelayError> {
+    let Owned {
+        shard,
+        telemetry,
+        blocks,
+        progress,
+        shutdown,
+    } = run;
+    let Some(owner) = backend
+        .acquire(shard, balance, &telemetry.health, shutdown)
+        .await?
+    else {
+        return Ok(Stop::Shutdown);
+    };
+    balance.acquired();
+    telemetry.health.acquired();
+    // Gives the shard back when this instance holds more than its share.
+    let run_token = shutdown.child_token();
+    let released = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (token, released, balance, every) = (
+            run_token.clone(),
+            released.clone(),
+            balance.clone(),
+            config.relay.standby_poll,
+        );
+        AbortOnDropHandle::new(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if balance.should_release() {
+                    released.store(true, Ordering::SeqCst);
+                    tracing::info!(
+                        shard = shard.index,
+                        "giving this shard back to balance the instances"
+                    );
+                    token.cancel();
+                    return;
+                }
+            }
+        }))
+    };
+    telemetry.metrics.active.set(1.0);
+    let run = Owned {
+        shard,
+        telemetry,
+        blocks,
+        progress,
+        shutdown: &run_token,
+    };
+    let result = backend.relay(owner, run).await;
+    drop(watcher);
+    telemetry.health.released();
+    telemetry
+        .metrics
+        .active
+        .set(if telemetry.health.is_active() {
+            1.0
+        } else {
+            0.0
+        });
+    if released.load(Ordering::SeqCst) {
+        return result.map(|()| Stop::Released);
+    }
+    balance.released();
+    result.map(|()| Stop::Shutdown)
+}

@@ -1,0 +1,334 @@
+//! What the CDC reader asks of PostgreSQL, as a trait: the checks and the
+//! slot, the start-up read of unsent rows, and the replication stream.
+//! [`PgServer`] is the real server; the pipeline simulation drives the same
+//! reader over an in-memory one, so the reader's decisions (what to skip,
+//! what to acknowledge) are the ones the simulation checks.
+
+use super::CdcSettings;
+use super::setup;
+use crate::config::DatabaseConfig;
+use crate::db::DbError;
+use crate::outbox::{RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
+use crate::source::SourceError;
+use crate::source::replication::Lsn;
+use crate::source::replication::pgoutput::{self, LogicalMessage};
+use crate::source::replication::protocol::{
+    ReplicationClient, ReplicationMessage, ReplicationStream, publication_names,
+};
+use crate::source::rows::{read_row, select_list};
+use std::future::Future;
+use std::time::Duration;
+use tokio_postgres::{Client, Statement};
+
+/// One message of the replication stream.
+#[derive(Debug)]
+pub enum StreamMessage {
+    /// The server's WAL end; answer at once when `reply_requested`.
+    Keepalive { wal_end: Lsn, reply_requested: bool },
+    /// A decoded pgoutput message.
+    Change(LogicalMessage),
+}
+
+/// An unsent row from the start-up read.
+#[derive(Debug)]
+pub struct TableRow {
+    pub seq: i64,
+    /// The inserting transaction's 32-bit id (as pgoutput's Begin names it).
+    pub xid: u32,
+    pub raw: RawRow,
+}
+
+/// How often to report, and how long a silent server is tolerated.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub status_every: Duration,
+    pub silence_limit: Duration,
+}
+
+/// The server side of the CDC source.
+pub trait CdcServer: Send + 'static {
+    type Stream: CdcStream;
+
+    /// Checks `wal_level`, the publication and the slot (creating it when
+    /// allowed) and ends a start-up read left open; returns the slot's
+    /// confirmed position.
+    fn prepare(&mut self) -> impl Future<Output = Result<Lsn, SourceError>> + Send;
+
+    /// Opens the start-up read: one snapshot for the whole read; returns the
+    /// WAL position taken with it.
+    fn begin_table_read(&mut self) -> impl Future<Output = Result<Lsn, SourceError>> + Send;
+
+    /// Up to `max` unsent rows with `relay_seq` above `after`, in `relay_seq` order.
+    fn table_page(
+        &mut self,
+        after: i64,
+        max: usize,
+    ) -> impl Future<Output = Result<Vec<TableRow>, SourceError>> + Send;
+
+    fn end_table_read(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Starts streaming from the slot at `from`.
+    fn stream(
+        &mut self,
+        from: Lsn,
+    ) -> impl Future<Output = Result<Self::Stream, SourceError>> + Send;
+
+    /// Writes a tiny logical message so that an idle database's slot moves.
+    fn heartbeat(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send;
+}
+
+/// A replication stream.
+pub trait CdcStream: Send + 'static {
+    /// The next message; `None` once the server ended the stream. Cancel-safe.
+    fn next(&mut self) -> impl Future<Output = Result<Option<StreamMessage>, SourceError>> + Send;
+
+    /// Reports `write` as received and `flushed` as durably handled (the
+    /// slot's confirmed position), asking for a keepalive in reply.
+    fn send_status(
+        &mut self,
+        write: Lsn,
+        flushed: Lsn,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Ends the stream cleanly (bounded by the caller).
+    fn finish(self) -> impl Future<Output = ()> + Send;
+}
+
+/// PostgreSQL: an ordinary connection for checks, the start-up read and
+/// heartbeats; a replication connection per stream.
+pub struct PgServer {
+    db: DatabaseConfig,
+    table: TableName,
+    settings: CdcSettings,
+    client: Client,
+    table_page: Statement,
+    /// The start-up read's REPEATABLE READ transaction is open.
+    snapshot_open: bool,
+}
+
+/// Column of the 32-bit xid in the start-up read, after `relay_seq` and the 8 contract columns.
+const XID_INDEX: usize = 9;
+
+impl PgServer {
+    pub async fn connect(
+        db: &DatabaseConfig,
+        table: &TableName,
+        columns: &ResolvedColumns,
+        settings: CdcSettings,
+    ) -> Result<(Self, Timing), SourceError> {
+        let client = crate::db::connect(db, None).await?;
+        let sql = format!(
+            "SELECT {}, ({XID_COLUMN}::text::bigint % 4294967296)::bigint FROM {} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1 ORDER BY {SEQ_COLUMN} LIMIT $2",
+            select_list(columns),
+            table.quoted()
+        );
+        let table_page = client
+            .prepare(&sql)
+            .await
+            .map_err(|e| DbError::query("preparing the start-up read", e))?;
+        let timeout_ms = setup::wal_sender_timeout_ms(&client).await?;
+        let timing = if timeout_ms > 0 {
+            let timeout = Duration::from_millis(timeout_ms.unsigned_abs());
+            Timing {
+                status_every: settings.status_interval.min(timeout / 2),
+                silence_limit: (timeout * 2).max(Duration::from_secs(10)),
+            }
+        } else {
+            Timing {
+                status_every: settings.status_interval,
+                silence_limit: Duration::from_secs(120),
+            }
+        };
+        Ok((
+            PgServer {
+                db: db.clone(),
+                table: table.clone(),
+                settings,
+                client,
+                table_page,
+                snapshot_open: false,
+            },
+            timing,
+        ))
+    }
+}
+
+impl CdcServer for PgServer {
+    type Stream = PgStream;
+
+    async fn prepare(&mut self) -> Result<Lsn, SourceError> {
+        if std::mem::take(&mut self.snapshot_open) {
+            self.client
+                .batch_execute("ROLLBACK")
+                .await
+                .map_err(|e| DbError::query("ending the start-up read", e))?;
+        }
+        let s = &self.settings;
+        if let Some(problem) = setup::wal_level_problem(&setup::wal_level(&self.client).await?) {
+            return Err(SourceError::Setup(problem));
+        }
+        match setup::publication_covers(&self.client, &s.publication, &self.table).await? {
+            Some(true) => {}
+            Some(false) => {
+                return Err(SourceError::Setup(format!(
+                    "publication {:?} does not publish inserts into {}; run `outbox-relay migrate`",
+                    s.publication, self.table
+                )));
+            }
+            None => {
+                return Err(SourceError::Setup(format!(
+                    "publication {:?} does not exist; run `outbox-relay migrate`",
+                    s.publication
+                )));
+            }
+        }
+        let database: String = self
+            .client
+            .query_one("SELECT current_database()::text", &[])
+            .await
+            .map_err(|e| DbError::query("reading the database name", e))?
+            .get(0);
+        match setup::slot_info(&self.client, &s.slot).await? {
+            Some(info) => {
+                let problems = setup::slot_problems(&info, &s.slot, &database);
+                if let Some(first) = problems.into_iter().next() {
+                    return Err(SourceError::Setup(first));
+                }
+                if info.active {
+                    // Checked before the start-up read, so nothing is published
+                    // while another process owns the stream.
+                    return Err(SourceError::SlotBusy(s.slot.clone()));
+                }
+                Ok(info.confirmed_flush.unwrap_or_default())
+            }
+            None if s.create_slot => {
+                let lsn = setup::create_slot(&self.client, &s.slot)
+                    .await
+                    .map_err(SourceError::Setup)?;
+                tracing::info!(slot = %s.slot, consistent_point = %lsn, "created the replication slot");
+                Ok(lsn)
+            }
+            None => Err(SourceError::Setup(format!(
+                "replication slot {:?} does not exist; run `outbox-relay migrate` or set source.cdc.create_slot = true",
+                s.slot
+            ))),
+        }
+    }
+
+    async fn begin_table_read(&mut self) -> Result<Lsn, SourceError> {
+        // The read waits while the broker catches up, so a server-wide
+        // idle-in-transaction timeout must not end it.
+        self.client
+            .batch_execute(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; \
+                 SET LOCAL idle_in_transaction_session_timeout = 0",
+            )
+            .await
+            .map_err(|e| DbError::query("starting the start-up read", e))?;
+        self.snapshot_open = true;
+        let until: String = self
+            .client
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .map_err(|e| DbError::query("starting the start-up read", e))?
+            .get(0);
+        until
+            .parse()
+            .map_err(|e| SourceError::Stream(format!("unreadable WAL position: {e}")))
+    }
+
+    async fn table_page(&mut self, after: i64, max: usize) -> Result<Vec<TableRow>, SourceError> {
+        let limit = i64::try_from(max).unwrap_or(i64::MAX);
+        let rows = self
+            .client
+            .query(&self.table_page, &[&after, &limit])
+            .await
+            .map_err(|e| DbError::query("reading unsent rows at start-up", e))?;
+        Ok(rows
+            .iter()
+            .filter_map(|row| {
+                let (seq, raw) = read_row(row, 0)?;
+                let xid: i64 = row.get(XID_INDEX);
+                Some(TableRow {
+                    seq,
+                    xid: u32::try_from(xid).unwrap_or_default(),
+                    raw,
+                })
+            })
+            .collect())
+    }
+
+    async fn end_table_read(&mut self) -> Result<(), SourceError> {
+        self.client
+            .batch_execute("COMMIT")
+            .await
+            .map_err(|e| DbError::query("ending the start-up read", e))?;
+        self.snapshot_open = false;
+        Ok(())
+    }
+
+    async fn stream(&mut self, from: Lsn) -> Result<PgStream, SourceError> {
+        let pg = crate::db::pg_config(&self.db)?;
+        let client = ReplicationClient::connect(&pg, &self.db.tls()).await?;
+        let names = publication_names(&[&self.settings.publication]);
+        let stream = client
+            .start_logical_replication(
+                &self.settings.slot,
+                from,
+                &[
+                    ("proto_version", "1"),
+                    ("publication_names", &names),
+                    ("messages", "true"),
+                ],
+            )
+            .await?;
+        tracing::info!(slot = %self.settings.slot, from = %from, "streaming from the replication slot");
+        Ok(PgStream(stream))
+    }
+
+    async fn heartbeat(&mut self) -> Result<(), SourceError> {
+        self.client
+            .execute(
+                "SELECT pg_logical_emit_message(false, 'outbox-relay', 'heartbeat')",
+                &[],
+            )
+            .await
+            .map_err(|e| DbError::query("writing the heartbeat message", e))?;
+        Ok(())
+    }
+}
+
+/// A pgoutput stream on a replication connection.
+pub struct PgStream(ReplicationStream);
+
+impl CdcStream for PgStream {
+    async fn next(&mut self) -> Result<Option<StreamMessage>, SourceError> {
+        Ok(match self.0.next().await? {
+            None => None,
+            Some(ReplicationMessage::PrimaryKeepalive {
+                wal_end,
+                reply_requested,
+                ..
+            }) => Some(StreamMessage::Keepalive {
+                wal_end,
+                reply_requested,
+            }),
+            Some(ReplicationMessage::XLogData { data, .. }) => {
+                Some(StreamMessage::Change(pgoutput::decode(data)?))
+            }
+        })
+    }
+
+    async fn send_status(&mut self, write: Lsn, flushed: Lsn) -> Result<(), SourceError> {
+        self.0
+            .send_standby_status(write, flushed, flushed, true)
+            .await?;
+        Ok(())
+    }
+
+    async fn finish(self) {
+        if let Err(e) = self.0.finish().await {
+            tracing::debug!(error = %e, "ending the replication stream");
+        }
+    }
+}
