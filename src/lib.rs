@@ -23,6 +23,8 @@ pub mod outbox;
 pub mod relay;
 pub mod retention;
 pub mod shutdown;
+#[cfg(test)]
+mod sim;
 pub mod sink;
 pub mod source;
 pub mod status;

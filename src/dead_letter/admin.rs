@@ -7,7 +7,9 @@
 //! design; the relay publishes the new rows like any others.
 
 use crate::outbox::inspect::TableInfo;
-use crate::outbox::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, quote_ident};
+use crate::outbox::{
+    ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident,
+};
 use crate::source::rows::{read_row, select_list};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -197,6 +199,27 @@ pub async fn drop(
     Ok(ids.len())
 }
 
+/// Whether `dlq redrive --id id` may put one event back, given the open
+/// dead letters of its aggregate (event ids, oldest first). A redriven
+/// event goes to the end of the outbox, behind everything its aggregate
+/// has there: it must be the aggregate's only open dead letter, or it would
+/// overtake earlier letters or be overtaken by later ones (which a later
+/// redrive would then publish ahead of it).
+pub fn redrive_one_allowed(id: &str, open: &[String]) -> Result<(), String> {
+    let Some(at) = open.iter().position(|o| o == id) else {
+        return Err(format!("no open dead letter with id {id:?}"));
+    };
+    if open.len() > 1 {
+        let (earlier, later) = (at, open.len() - at - 1);
+        return Err(format!(
+            "{id} is one of {} open dead letters of its aggregate ({earlier} earlier, {later} later); \
+             redrive the aggregate (--aggregate) so that they go back in order",
+            open.len()
+        ));
+    }
+    Ok(())
+}
+
 /// The outbox the events go back into.
 pub struct Outbox<'a> {
     pub table: &'a TableName,
@@ -219,27 +242,7 @@ pub async fn redrive(
     let tx = client.transaction().await?;
     let letters = targeted_locked(&tx, dead_letters, target).await?;
     if let Target::Id(id) = target {
-        let Some(first) = letters.first() else {
-            return Err(AdminError::Refused(format!(
-                "no open dead letter with id {id:?}"
-            )));
-        };
-        // Redriving a later event alone would publish it before earlier ones.
-        let earlier: i64 = tx
-            .query_one(
-                &format!(
-                    "SELECT count(*) FROM {} WHERE resolution IS NULL AND aggregate_id = $1 AND dead_letter_id < $2",
-                    dead_letters.quoted()
-                ),
-                &[&first.2, &first.0],
-            )
-            .await?
-            .get(0);
-        if earlier > 0 {
-            return Err(AdminError::Refused(format!(
-                "{id} has {earlier} earlier open dead letter(s) of its aggregate; redrive the aggregate (--aggregate) or those first"
-            )));
-        }
+        check_alone(&tx, dead_letters, id, &letters).await?;
     }
     let mut aggregates: Vec<Option<String>> = Vec::new();
     for l in &letters {
@@ -247,41 +250,20 @@ pub async fn redrive(
             aggregates.push(l.2.clone());
         }
     }
-    let t = outbox.table.quoted();
     let insert = insert_sql(outbox);
     let mut held_total = 0;
     for aggregate in &aggregates {
-        let mine: Vec<i64> = letters
-            .iter()
-            .filter(|l| &l.2 == aggregate)
-            .map(|l| l.0)
-            .collect();
+        let mine: Vec<&(i64, String, Option<String>, Option<i64>)> =
+            letters.iter().filter(|l| &l.2 == aggregate).collect();
         // The aggregate's rows still unsent come after its dead letters.
-        let held = if outbox.mark == crate::config::MarkMode::None {
-            Vec::new()
-        } else {
-            tx.query(
-                &format!(
-                    "SELECT {} FROM {t} WHERE {SENT_AT_COLUMN} IS NULL AND {}::text = $1 ORDER BY {SEQ_COLUMN} FOR UPDATE",
-                    select_list(outbox.columns),
-                    quote_ident(&outbox.columns.aggregate_id)
-                ),
-                &[aggregate],
-            )
-            .await?
-        };
-        let held: Vec<_> = held.iter().filter_map(|r| read_row(r, 0)).collect();
-        let originals: Vec<i64> = letters
+        let held = unsent_rows(&tx, outbox, aggregate, false).await?;
+        let originals: Vec<i64> = mine
             .iter()
-            .filter(|l| &l.2 == aggregate)
             .filter_map(|l| l.3)
             .chain(held.iter().map(|(seq, _)| *seq))
             .collect();
-        tx.execute(
-            &format!("DELETE FROM {t} WHERE {SEQ_COLUMN} = ANY($1)"),
-            &[&originals],
-        )
-        .await?;
+        delete_rows(&tx, outbox, &originals).await?;
+        let ids: Vec<i64> = mine.iter().map(|l| l.0).collect();
         let stored = tx
             .query(
                 &format!(
@@ -289,7 +271,7 @@ pub async fn redrive(
                      FROM {} WHERE dead_letter_id = ANY($1) ORDER BY dead_letter_id",
                     dead_letters.quoted()
                 ),
-                &[&mine],
+                &[&ids],
             )
             .await?;
         for r in &stored {
@@ -297,19 +279,12 @@ pub async fn redrive(
             insert_row(&tx, &insert, &values).await?;
         }
         for (_, raw) in &held {
-            let values = vec![
-                raw.id.clone(),
-                raw.aggregate_type.clone(),
-                raw.aggregate_id.clone(),
-                raw.event_type.clone(),
-                raw.event_version.clone(),
-                raw.payload.clone(),
-                raw.headers.clone(),
-                raw.created_at.clone(),
-            ];
-            insert_row(&tx, &insert, &values).await?;
+            insert_row(&tx, &insert, &raw_values(raw)).await?;
         }
         held_total += held.len();
+    }
+    if outbox.mark != crate::config::MarkMode::None {
+        held_total += move_late_rows(&tx, outbox, &insert, &aggregates).await?;
     }
     let ids: Vec<i64> = letters.iter().map(|l| l.0).collect();
     tx.execute(
@@ -322,6 +297,154 @@ pub async fn redrive(
     .await?;
     tx.commit().await?;
     Ok((ids.len(), held_total))
+}
+
+/// `--id` redrives only an aggregate's only open dead letter (see [`redrive_one_allowed`]).
+async fn check_alone(
+    tx: &tokio_postgres::Transaction<'_>,
+    dead_letters: &TableName,
+    id: &str,
+    letters: &[(i64, String, Option<String>, Option<i64>)],
+) -> Result<(), AdminError> {
+    let Some(first) = letters.first() else {
+        return Err(AdminError::Refused(format!(
+            "no open dead letter with id {id:?}"
+        )));
+    };
+    let open: Vec<String> = tx
+        .query(
+            &format!(
+                "SELECT id FROM {} WHERE resolution IS NULL AND aggregate_id IS NOT DISTINCT FROM $1 ORDER BY dead_letter_id",
+                dead_letters.quoted()
+            ),
+            &[&first.2],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    redrive_one_allowed(id, &open).map_err(AdminError::Refused)
+}
+
+/// The aggregate's unsent rows, locked, in order; with `others_only`, only
+/// those other transactions wrote (this one's carry its own `relay_xid`).
+async fn unsent_rows(
+    tx: &tokio_postgres::Transaction<'_>,
+    outbox: &Outbox<'_>,
+    aggregate: &Option<String>,
+    others_only: bool,
+) -> Result<Vec<(i64, crate::outbox::RawRow)>, AdminError> {
+    if outbox.mark == crate::config::MarkMode::None {
+        return Ok(Vec::new());
+    }
+    let rows = tx
+        .query(
+            &format!(
+                "SELECT {} FROM {} WHERE {SENT_AT_COLUMN} IS NULL AND {}::text = $1 \
+                 AND (NOT $2 OR {XID_COLUMN} <> pg_current_xact_id()) ORDER BY {SEQ_COLUMN} FOR UPDATE",
+                select_list(outbox.columns),
+                outbox.table.quoted(),
+                quote_ident(&outbox.columns.aggregate_id)
+            ),
+            &[aggregate, &others_only],
+        )
+        .await?;
+    Ok(rows.iter().filter_map(|r| read_row(r, 0)).collect())
+}
+
+async fn delete_rows(
+    tx: &tokio_postgres::Transaction<'_>,
+    outbox: &Outbox<'_>,
+    seqs: &[i64],
+) -> Result<(), AdminError> {
+    tx.execute(
+        &format!(
+            "DELETE FROM {} WHERE {SEQ_COLUMN} = ANY($1)",
+            outbox.table.quoted()
+        ),
+        &[&seqs],
+    )
+    .await?;
+    Ok(())
+}
+
+/// How long a redrive waits for transactions that were writing when it began.
+const WRITERS_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// An application transaction open while the copies were written may hold
+/// rows of the aggregate with smaller `relay_seq`s and commit after the
+/// redrive: readers that order by `relay_seq` (a polling relay's first read
+/// after a rewind, the CDC start-up read) would publish them ahead of the
+/// copies. So the redrive waits for every transaction open after its last
+/// insert (any later one takes larger `relay_seq`s) and moves the
+/// aggregate's rows written by others behind the copies, in their order,
+/// until no transaction was open. Returns how many rows it moved.
+async fn move_late_rows(
+    tx: &tokio_postgres::Transaction<'_>,
+    outbox: &Outbox<'_>,
+    insert: &(String, Vec<usize>),
+    aggregates: &[Option<String>],
+) -> Result<usize, AdminError> {
+    let started = std::time::Instant::now();
+    let mut moved = 0;
+    loop {
+        let running: Vec<i64> = tx
+            .query_one(
+                "SELECT coalesce(array_agg(x::text::int8), '{}') FROM pg_snapshot_xip(pg_current_snapshot()) x \
+                 WHERE x <> pg_current_xact_id()",
+                &[],
+            )
+            .await?
+            .get(0);
+        if running.is_empty() {
+            return Ok(moved);
+        }
+        loop {
+            let open: i64 = tx
+                .query_one(
+                    "SELECT count(*) FROM unnest($1::int8[]) x WHERE pg_xact_status(x::text::xid8) = 'in progress'",
+                    &[&running],
+                )
+                .await?
+                .get(0);
+            if open == 0 {
+                break;
+            }
+            if started.elapsed() > WRITERS_WAIT {
+                return Err(AdminError::Refused(format!(
+                    "{open} transaction(s) writing while the redrive ran are still open after {} s; \
+                     nothing was changed: run the redrive again when they have finished (see pg_stat_activity)",
+                    WRITERS_WAIT.as_secs()
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        for aggregate in aggregates {
+            let late = unsent_rows(tx, outbox, aggregate, true).await?;
+            if late.is_empty() {
+                continue;
+            }
+            let seqs: Vec<i64> = late.iter().map(|(seq, _)| *seq).collect();
+            delete_rows(tx, outbox, &seqs).await?;
+            for (_, raw) in &late {
+                insert_row(tx, insert, &raw_values(raw)).await?;
+            }
+            moved += late.len();
+        }
+    }
+}
+
+fn raw_values(raw: &crate::outbox::RawRow) -> Vec<Option<String>> {
+    vec![
+        raw.id.clone(),
+        raw.aggregate_type.clone(),
+        raw.aggregate_id.clone(),
+        raw.event_type.clone(),
+        raw.event_version.clone(),
+        raw.payload.clone(),
+        raw.headers.clone(),
+        raw.created_at.clone(),
+    ]
 }
 
 /// `INSERT INTO outbox (<present contract columns>) VALUES (CAST($n AS <column type>), ...)`,

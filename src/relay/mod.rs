@@ -9,11 +9,12 @@
 //! (its session was terminated, its network cut) cannot mark rows any more.
 
 mod backoff;
-mod pipeline;
+pub mod blocks;
+pub(crate) mod pipeline;
 mod postgres;
 pub mod scheduler;
 pub mod shards;
-mod supervise;
+pub(crate) mod supervise;
 
 pub use backoff::Backoff;
 pub use pipeline::{PipelineError, Settings};

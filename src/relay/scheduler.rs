@@ -1,331 +1,228 @@
-//! Per-aggregate scheduling: which event may go to the broker now.
+//! Per-aggregate scheduling: which event may go to the broker now, and in
+//! which order the broker's answers are handled.
 //!
-//! Events arrive in source order. An event is sent at once unless its
-//! aggregate already has `per_aggregate` messages unconfirmed (it is parked
-//! behind them, in order) or is blocked because the broker refused one of its
-//! events (it is deferred: dropped from memory, still unsent in the outbox,
-//! and read again when the block expires and the source rewinds). Other
-//! aggregates are never held up by a blocked one.
+//! Events arrive in source order. An aggregate has one message in flight at
+//! a time, unless the sink keeps order within a *lane* even when a message
+//! fails (Kafka: a refused message fails every later one of the same topic
+//! and key, the idempotent producer's gapless guarantee): then several may
+//! be in flight, up to `per_aggregate`, as long as they share the lane. An
+//! event that may not go yet is parked behind its aggregate's, in order; one
+//! whose aggregate is blocked is deferred (dropped from memory, still unsent
+//! in the source, read again after a rewind).
 //!
-//! Blocks outlive a pipeline restart (the relay keeps [`Blocks`] across
-//! reconnects), so a refused event is retried on its own schedule rather than
-//! at every reconnect. An aggregate whose event went to the dead-letter table
-//! stays blocked ("dead") until an operator redrives or drops the dead letter.
+//! Answers of one aggregate are handled in send order, whatever order the
+//! broker gives them in: a refusal is always seen before anything sent
+//! after it, so nothing later is recorded as sent ahead of it, and the
+//! attempt count goes to the right event.
 
-use super::backoff;
+use super::blocks::Blocks;
 use crate::source::SourcedEvent;
-use chrono::{DateTime, Utc};
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::time::Duration;
-use tokio::time::Instant;
-
-/// Why and until when an aggregate is held back.
-#[derive(Debug, Clone)]
-pub struct Block {
-    /// The refused event.
-    pub event_id: Option<String>,
-    pub reason: String,
-    /// Refusals of this event so far.
-    pub attempts: u32,
-    /// `Some` while waiting; `None` once released for a retry.
-    pub until: Option<Instant>,
-    /// When this event was first refused.
-    pub first_failed_at: DateTime<Utc>,
-    /// Dead-lettered: blocked until an operator acts, never retried.
-    pub dead: bool,
-    /// When it became dead ([`Blocks::generation`] at the time), so a view of
-    /// the dead-letter table taken earlier cannot resolve it.
-    pub dead_since: u64,
-}
-
-/// Blocked or dead aggregates the relay keeps track of, at most; past this
-/// the relay stops reading until some are resolved.
-pub const MAX_BLOCKED_AGGREGATES: usize = 100_000;
-
-/// Blocked aggregates, shared by successive pipelines.
-#[derive(Debug)]
-pub struct Blocks {
-    map: HashMap<String, Block>,
-    base: Duration,
-    max: Duration,
-    /// Counts dead-marking events; see [`Block::dead_since`].
-    generation: u64,
-}
-
-impl Blocks {
-    pub fn new(base: Duration, max: Duration) -> Self {
-        Blocks {
-            map: HashMap::new(),
-            base,
-            max,
-            generation: 0,
-        }
-    }
-
-    /// Records a refusal; returns the block (with its attempt count and retry time).
-    pub fn block(
-        &mut self,
-        aggregate: &str,
-        event_id: Option<&str>,
-        reason: String,
-        now: Instant,
-    ) -> &Block {
-        // A dead aggregate stays dead, whatever else of it is refused.
-        if self.map.get(aggregate).is_some_and(|b| b.dead) {
-            return &self.map[aggregate];
-        }
-        let (attempts, first_failed_at) = match self.map.get(aggregate) {
-            Some(b) if b.event_id.as_deref() == event_id => {
-                (b.attempts.saturating_add(1), b.first_failed_at)
-            }
-            _ => (1, Utc::now()),
-        };
-        let delay = backoff::jittered(self.base, self.max, attempts).max(self.base / 2);
-        self.map.insert(
-            aggregate.to_owned(),
-            Block {
-                event_id: event_id.map(str::to_owned),
-                reason,
-                attempts,
-                until: Some(now + delay),
-                first_failed_at,
-                dead: false,
-                dead_since: 0,
-            },
-        );
-        &self.map[aggregate]
-    }
-
-    /// True when events of `aggregate` must wait.
-    pub fn is_blocked(&self, aggregate: &str) -> bool {
-        self.map
-            .get(aggregate)
-            .is_some_and(|b| b.dead || b.until.is_some())
-    }
-
-    /// The id of the dead-lettered event blocking `aggregate`, if it is dead.
-    pub fn dead_event(&self, aggregate: &str) -> Option<&str> {
-        self.map
-            .get(aggregate)
-            .filter(|b| b.dead)
-            .map(|b| b.event_id.as_deref().unwrap_or(""))
-    }
-
-    /// The aggregate's event went to the dead-letter table.
-    pub fn mark_dead(&mut self, aggregate: &str) {
-        self.generation += 1;
-        if let Some(b) = self.map.get_mut(aggregate) {
-            b.dead = true;
-            b.until = None;
-            b.dead_since = self.generation;
-        }
-    }
-
-    /// The current generation: dead blocks marked later have a greater `dead_since`.
-    pub fn generation(&self) -> u64 {
-        self.generation
-    }
-
-    /// Aggregates with open dead letters (from the table): dead, whatever
-    /// state they were in.
-    pub fn set_dead(&mut self, aggregates: impl IntoIterator<Item = String>) {
-        self.generation += 1;
-        for a in aggregates {
-            let b = self.map.entry(a).or_insert_with(|| Block {
-                event_id: None,
-                reason: "open dead letter".into(),
-                attempts: 0,
-                until: None,
-                first_failed_at: Utc::now(),
-                dead: true,
-                dead_since: 0,
-            });
-            b.dead = true;
-            b.until = None;
-            b.dead_since = self.generation;
-        }
-    }
-
-    /// Dead aggregates no longer in `open` (a view of the dead-letter table
-    /// taken at generation `seen`): an operator redrove or dropped their dead
-    /// letters. They are unblocked and returned. Aggregates that died after
-    /// `seen` are left alone: the view could not know them.
-    pub fn resolve_missing(&mut self, open: &HashSet<String>, seen: u64) -> Vec<String> {
-        let gone: Vec<String> = self
-            .map
-            .iter()
-            .filter(|(a, b)| b.dead && b.dead_since <= seen && !open.contains(*a))
-            .map(|(a, _)| a.clone())
-            .collect();
-        for a in &gone {
-            self.map.remove(a);
-        }
-        gone
-    }
-
-    /// Unblocks an aggregate at once.
-    pub fn resolve(&mut self, aggregate: &str) {
-        self.map.remove(aggregate);
-    }
-
-    pub fn has_dead(&self) -> bool {
-        self.map.values().any(|b| b.dead)
-    }
-
-    /// Aggregates tracked (blocked, released for retry, or dead).
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
-    pub fn is_dead(&self, aggregate: &str) -> bool {
-        self.map.get(aggregate).is_some_and(|b| b.dead)
-    }
-
-    /// An event of the aggregate was confirmed: its history ends.
-    pub fn clear(&mut self, aggregate: &str) {
-        if self
-            .map
-            .get(aggregate)
-            .is_some_and(|b| b.until.is_none() && !b.dead)
-        {
-            self.map.remove(aggregate);
-        }
-    }
-
-    /// The earliest time a block expires (dead aggregates do not expire).
-    pub fn next_expiry(&self) -> Option<Instant> {
-        self.map
-            .values()
-            .filter(|b| !b.dead)
-            .filter_map(|b| b.until)
-            .min()
-    }
-
-    /// Releases every block that expired by `now`; returns how many.
-    pub fn release_expired(&mut self, now: Instant) -> usize {
-        let mut n = 0;
-        for b in self.map.values_mut() {
-            if b.until.is_some_and(|t| t <= now) {
-                b.until = None;
-                n += 1;
-            }
-        }
-        n
-    }
-
-    /// Aggregates currently held back.
-    pub fn blocked_count(&self) -> usize {
-        self.map.values().filter(|b| b.until.is_some()).count()
-    }
-}
-
-/// The in-memory part of the window: what is unconfirmed or waiting, per aggregate.
-#[derive(Debug)]
-pub struct Scheduler<P> {
-    per_aggregate: usize,
-    in_flight: HashMap<String, usize>,
-    in_flight_total: usize,
-    parked: HashMap<String, VecDeque<SourcedEvent<P>>>,
-    parked_total: usize,
-}
+use std::collections::{HashMap, VecDeque};
 
 /// What to do with an event that arrived from the source.
 #[derive(Debug)]
 pub enum Admission<P> {
-    /// Send it now.
-    Send(SourcedEvent<P>),
+    /// Send it now, in this lane.
+    Send(SourcedEvent<P>, Option<String>),
     /// It waits behind its aggregate's unconfirmed messages.
     Parked,
-    /// Its aggregate is blocked: it stays unsent in the outbox for later.
+    /// Its aggregate is blocked: it stays unsent in the source for later.
     Deferred(SourcedEvent<P>),
 }
 
-impl<P> Scheduler<P> {
-    /// `per_aggregate`: unconfirmed messages allowed per aggregate (`None`: no limit).
+/// One sent event, and its answer once it came.
+#[derive(Debug)]
+struct Sent<O> {
+    ticket: u64,
+    lane: Option<String>,
+    outcome: Option<O>,
+    /// The answer is a failure: nothing more of the aggregate goes out
+    /// until it is handled (a refusal before sending has no lane to
+    /// protect what follows).
+    failed: bool,
+}
+
+#[derive(Debug)]
+struct Aggregate<P, O> {
+    sent: VecDeque<Sent<O>>,
+    parked: VecDeque<(SourcedEvent<P>, Option<String>)>,
+}
+
+/// The in-memory part of the window: what is unconfirmed or waiting, per
+/// aggregate. `O` is the answer of one send.
+#[derive(Debug)]
+pub struct Scheduler<P, O> {
+    per_aggregate: usize,
+    aggregates: HashMap<String, Aggregate<P, O>>,
+    in_flight: usize,
+    parked: usize,
+    next_ticket: u64,
+}
+
+impl<P, O> Scheduler<P, O> {
+    /// `per_aggregate`: messages of one lane allowed in flight per aggregate (`None`: no limit).
     pub fn new(per_aggregate: Option<usize>) -> Self {
         Scheduler {
             per_aggregate: per_aggregate.unwrap_or(usize::MAX).max(1),
-            in_flight: HashMap::new(),
-            in_flight_total: 0,
-            parked: HashMap::new(),
-            parked_total: 0,
+            aggregates: HashMap::new(),
+            in_flight: 0,
+            parked: 0,
+            next_ticket: 0,
         }
     }
 
-    /// Events in memory: unconfirmed plus parked.
+    /// Events in memory: unanswered plus parked.
     pub fn used(&self) -> usize {
-        self.in_flight_total + self.parked_total
+        self.in_flight + self.parked
     }
 
+    /// Events sent and not yet handled.
     pub fn in_flight(&self) -> usize {
-        self.in_flight_total
+        self.in_flight
     }
 
-    pub fn admit(&mut self, event: SourcedEvent<P>, blocks: &Blocks) -> Admission<P> {
+    /// The aggregate's events sent and not yet handled.
+    pub fn in_flight_of(&self, aggregate: &str) -> usize {
+        self.aggregates.get(aggregate).map_or(0, |a| a.sent.len())
+    }
+
+    fn may_send(&self, a: &Aggregate<P, O>, lane: &Option<String>) -> bool {
+        match a.sent.back() {
+            None => true,
+            Some(last) => {
+                lane.is_some()
+                    && last.lane == *lane
+                    && a.sent.len() < self.per_aggregate
+                    && !a.sent.iter().any(|s| s.failed)
+            }
+        }
+    }
+
+    /// `lane`: the sink's lane for the event (`None`: one at a time).
+    pub fn admit(
+        &mut self,
+        event: SourcedEvent<P>,
+        lane: Option<String>,
+        blocks: &Blocks,
+    ) -> Admission<P> {
         let aggregate = event.aggregate_id();
         if blocks.is_blocked(aggregate) {
             return Admission::Deferred(event);
         }
-        let busy = self.in_flight.get(aggregate).copied().unwrap_or(0) >= self.per_aggregate
-            || self.parked.contains_key(aggregate);
-        if busy {
-            self.parked
-                .entry(aggregate.to_owned())
-                .or_default()
-                .push_back(event);
-            self.parked_total += 1;
-            Admission::Parked
-        } else {
-            Admission::Send(event)
+        let ready = match self.aggregates.get(aggregate) {
+            None => true,
+            Some(a) => a.parked.is_empty() && self.may_send(a, &lane),
+        };
+        if ready {
+            return Admission::Send(event, lane);
+        }
+        let key = aggregate.to_owned();
+        self.aggregates
+            .entry(key)
+            .or_insert_with(|| Aggregate {
+                sent: VecDeque::new(),
+                parked: VecDeque::new(),
+            })
+            .parked
+            .push_back((event, lane));
+        self.parked += 1;
+        Admission::Parked
+    }
+
+    /// The event goes to the broker; its answer is expected under the returned ticket.
+    pub fn sent(&mut self, aggregate: &str, lane: Option<String>) -> u64 {
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        self.aggregates
+            .entry(aggregate.to_owned())
+            .or_insert_with(|| Aggregate {
+                sent: VecDeque::new(),
+                parked: VecDeque::new(),
+            })
+            .sent
+            .push_back(Sent {
+                ticket,
+                lane,
+                outcome: None,
+                failed: false,
+            });
+        self.in_flight += 1;
+        ticket
+    }
+
+    /// The answer to `ticket` came (it is handled in turn, see
+    /// [`Scheduler::next_answer`]); `failed` when it is not a confirmation.
+    pub fn answered(&mut self, aggregate: &str, ticket: u64, outcome: O, failed: bool) {
+        if let Some(s) = self
+            .aggregates
+            .get_mut(aggregate)
+            .and_then(|a| a.sent.iter_mut().find(|s| s.ticket == ticket))
+        {
+            s.outcome = Some(outcome);
+            s.failed = failed;
         }
     }
 
-    /// The event was handed to the broker.
-    pub fn sent(&mut self, aggregate: &str) {
-        *self.in_flight.entry(aggregate.to_owned()).or_default() += 1;
-        self.in_flight_total += 1;
-    }
-
-    /// A message of `aggregate` was confirmed, or its send failed: returns the
-    /// aggregate's next parked event if it may go now.
-    pub fn finished(&mut self, aggregate: &str) -> Option<SourcedEvent<P>> {
-        if let Some(n) = self.in_flight.get_mut(aggregate) {
-            *n -= 1;
-            self.in_flight_total -= 1;
-            if *n == 0 {
-                self.in_flight.remove(aggregate);
-            }
-        }
-        let in_flight = self.in_flight.get(aggregate).copied().unwrap_or(0);
-        if in_flight >= self.per_aggregate {
+    /// The aggregate's oldest answer, once every earlier one was handled.
+    pub fn next_answer(&mut self, aggregate: &str) -> Option<O> {
+        let a = self.aggregates.get_mut(aggregate)?;
+        if a.sent.front().is_none_or(|s| s.outcome.is_none()) {
             return None;
         }
-        let queue = self.parked.get_mut(aggregate)?;
-        let next = queue.pop_front();
-        if queue.is_empty() {
-            self.parked.remove(aggregate);
+        let outcome = a.sent.pop_front().and_then(|s| s.outcome);
+        self.in_flight -= 1;
+        self.forget_if_idle(aggregate);
+        outcome
+    }
+
+    /// The aggregate's next parked event, when it may go now.
+    pub fn next_parked(
+        &mut self,
+        aggregate: &str,
+        blocks: &Blocks,
+    ) -> Option<(SourcedEvent<P>, Option<String>)> {
+        if blocks.is_blocked(aggregate) {
+            return None;
         }
-        if next.is_some() {
-            self.parked_total -= 1;
+        let a = self.aggregates.get(aggregate)?;
+        let (_, lane) = a.parked.front()?;
+        if !self.may_send(a, lane) {
+            return None;
         }
+        let next = self.aggregates.get_mut(aggregate)?.parked.pop_front();
+        self.parked -= 1;
+        self.forget_if_idle(aggregate);
         next
     }
 
     /// Takes the aggregate's parked events out, in order (its block defers them).
-    pub fn drop_parked(&mut self, aggregate: &str) -> VecDeque<SourcedEvent<P>> {
-        let q = self.parked.remove(aggregate).unwrap_or_default();
-        self.parked_total -= q.len();
-        q
+    pub fn drop_parked(&mut self, aggregate: &str) -> Vec<SourcedEvent<P>> {
+        let Some(a) = self.aggregates.get_mut(aggregate) else {
+            return Vec::new();
+        };
+        let out: Vec<_> = a.parked.drain(..).map(|(e, _)| e).collect();
+        self.parked -= out.len();
+        self.forget_if_idle(aggregate);
+        out
     }
 
     /// Drops every parked event (before a rewind re-reads them).
     pub fn clear_parked(&mut self) {
-        self.parked.clear();
-        self.parked_total = 0;
+        for a in self.aggregates.values_mut() {
+            a.parked.clear();
+        }
+        self.aggregates.retain(|_, a| !a.sent.is_empty());
+        self.parked = 0;
+    }
+
+    fn forget_if_idle(&mut self, aggregate: &str) {
+        if self
+            .aggregates
+            .get(aggregate)
+            .is_some_and(|a| a.sent.is_empty() && a.parked.is_empty())
+        {
+            self.aggregates.remove(aggregate);
+        }
     }
 }
 
@@ -333,6 +230,8 @@ impl<P> Scheduler<P> {
 mod tests {
     use super::*;
     use crate::outbox::RowError;
+    use std::time::Duration;
+    use tokio::time::Instant;
 
     fn ev(pos: u32, aggregate: &str) -> SourcedEvent<u32> {
         SourcedEvent {
@@ -350,116 +249,114 @@ mod tests {
         Blocks::new(Duration::from_secs(1), Duration::from_secs(60))
     }
 
+    fn lane(name: &str) -> Option<String> {
+        Some(name.to_owned())
+    }
+
+    /// Admits and, when it may go, sends; returns the ticket.
+    fn go(
+        s: &mut Scheduler<u32, u32>,
+        b: &Blocks,
+        pos: u32,
+        agg: &str,
+        l: Option<String>,
+    ) -> Option<u64> {
+        match s.admit(ev(pos, agg), l, b) {
+            Admission::Send(e, l) => Some(s.sent(e.aggregate_id(), l)),
+            Admission::Parked => None,
+            Admission::Deferred(_) => panic!("not blocked"),
+        }
+    }
+
     #[test]
-    fn one_in_flight_per_aggregate_parks_the_rest_in_order() {
+    fn without_a_lane_one_message_per_aggregate_is_in_flight() {
         let b = blocks();
-        let mut s = Scheduler::new(Some(1));
-        assert!(matches!(s.admit(ev(1, "a"), &b), Admission::Send(_)));
-        s.sent("a");
-        assert!(matches!(s.admit(ev(2, "a"), &b), Admission::Parked));
-        assert!(matches!(s.admit(ev(3, "a"), &b), Admission::Parked));
+        let mut s = Scheduler::new(None);
+        let t1 = go(&mut s, &b, 1, "a", None).unwrap();
+        assert!(go(&mut s, &b, 2, "a", None).is_none(), "parked");
+        assert!(go(&mut s, &b, 3, "a", None).is_none(), "parked");
         assert!(
-            matches!(s.admit(ev(4, "b"), &b), Admission::Send(_)),
+            go(&mut s, &b, 4, "b", None).is_some(),
             "other aggregates flow"
         );
-        s.sent("b");
         assert_eq!(s.used(), 4);
-        let next = s.finished("a").unwrap();
+        s.answered("a", t1, 1, false);
+        assert_eq!(s.next_answer("a"), Some(1));
+        let (next, l) = s.next_parked("a", &b).unwrap();
         assert_eq!(next.position, 2);
-        s.sent("a");
-        assert!(s.finished("b").is_none());
-        assert_eq!(s.finished("a").unwrap().position, 3);
-        s.sent("a");
-        assert!(s.finished("a").is_none());
-        assert_eq!(s.used(), 0);
+        s.sent("a", l);
+        assert!(s.next_parked("a", &b).is_none(), "one at a time");
     }
 
     #[test]
-    fn a_parked_aggregate_stays_parked_until_its_queue_drains() {
+    fn a_lane_allows_several_until_the_route_changes() {
+        let b = blocks();
+        let mut s = Scheduler::new(None);
+        assert!(go(&mut s, &b, 1, "a", lane("t1")).is_some());
+        assert!(go(&mut s, &b, 2, "a", lane("t1")).is_some());
+        assert!(
+            go(&mut s, &b, 3, "a", lane("t2")).is_none(),
+            "another topic waits"
+        );
+        assert!(
+            go(&mut s, &b, 4, "a", lane("t1")).is_none(),
+            "and so does what follows it"
+        );
+        assert_eq!(s.in_flight(), 2);
+    }
+
+    #[test]
+    fn a_failure_waiting_its_turn_stops_the_lane() {
+        let b = blocks();
+        let mut s = Scheduler::new(None);
+        go(&mut s, &b, 1, "a", lane("t")).unwrap();
+        // Refused before it was sent: nothing protects what would follow it.
+        let t2 = go(&mut s, &b, 2, "a", lane("t")).unwrap();
+        s.answered("a", t2, 2, true);
+        assert!(go(&mut s, &b, 3, "a", lane("t")).is_none());
+    }
+
+    #[test]
+    fn per_aggregate_caps_a_lane() {
         let b = blocks();
         let mut s = Scheduler::new(Some(2));
-        assert!(matches!(s.admit(ev(1, "a"), &b), Admission::Send(_)));
-        s.sent("a");
-        assert!(matches!(s.admit(ev(2, "a"), &b), Admission::Send(_)));
-        s.sent("a");
-        assert!(matches!(s.admit(ev(3, "a"), &b), Admission::Parked));
-        // Even with room again, a newcomer must not overtake the parked event.
-        assert_eq!(s.finished("a").unwrap().position, 3);
-        assert!(s.parked.is_empty());
+        assert!(go(&mut s, &b, 1, "a", lane("t")).is_some());
+        assert!(go(&mut s, &b, 2, "a", lane("t")).is_some());
+        assert!(go(&mut s, &b, 3, "a", lane("t")).is_none());
     }
 
     #[test]
-    fn unlimited_sends_everything() {
+    fn answers_are_handled_in_send_order() {
         let b = blocks();
-        let mut s: Scheduler<u32> = Scheduler::new(None);
-        for i in 0..100 {
-            assert!(matches!(s.admit(ev(i, "a"), &b), Admission::Send(_)));
-            s.sent("a");
-        }
-        assert_eq!(s.in_flight(), 100);
-    }
-
-    #[test]
-    fn blocked_aggregates_are_deferred_and_retried_with_growing_delays() {
-        let mut b = blocks();
-        let mut s = Scheduler::new(Some(1));
-        let now = Instant::now();
-        let first = b
-            .block("a", Some("e1"), "too large".into(), now)
-            .until
-            .unwrap();
-        assert!(first > now);
-        assert!(matches!(s.admit(ev(1, "a"), &b), Admission::Deferred(_)));
-        assert!(matches!(s.admit(ev(2, "b"), &b), Admission::Send(_)));
-        assert_eq!(b.next_expiry(), Some(first));
-        assert_eq!(b.release_expired(first), 1);
-        assert!(!b.is_blocked("a"));
-        assert_eq!(b.block("a", Some("e1"), "again".into(), now).attempts, 2);
-        assert_eq!(b.block("a", Some("e2"), "other".into(), now).attempts, 1);
-        b.release_expired(now + Duration::from_secs(3600));
-        b.clear("a");
-        assert_eq!(b.blocked_count(), 0);
-        assert!(b.next_expiry().is_none());
-    }
-
-    #[test]
-    fn a_dead_aggregate_stays_dead() {
-        let mut b = blocks();
-        let now = Instant::now();
-        b.block("a", Some("e1"), "refused".into(), now);
-        b.mark_dead("a");
-        // A second in-flight event of the aggregate is refused afterwards.
-        let after = b.block("a", Some("e2"), "refused too".into(), now);
-        assert!(
-            after.dead,
-            "the second refusal must not turn it back into a retry"
+        let mut s = Scheduler::new(None);
+        let t1 = go(&mut s, &b, 1, "a", lane("t")).unwrap();
+        let t2 = go(&mut s, &b, 2, "a", lane("t")).unwrap();
+        s.answered("a", t2, 2, false);
+        assert_eq!(
+            s.next_answer("a"),
+            None,
+            "the later answer waits for the earlier"
         );
-        assert_eq!(b.next_expiry(), None);
-        b.release_expired(now + Duration::from_secs(3600));
-        assert!(b.is_blocked("a"));
+        s.answered("a", t1, 1, false);
+        assert_eq!(s.next_answer("a"), Some(1));
+        assert_eq!(s.next_answer("a"), Some(2));
+        assert_eq!(s.used(), 0);
+        assert!(s.aggregates.is_empty());
     }
 
     #[test]
-    fn the_table_makes_a_retrying_aggregate_dead() {
+    fn a_blocked_aggregate_is_deferred_and_its_parked_events_dropped() {
         let mut b = blocks();
-        b.block("a", Some("e1"), "refused".into(), Instant::now());
-        b.set_dead(["a".to_owned()]);
-        assert!(b.is_dead("a"));
-        assert_eq!(b.next_expiry(), None);
-    }
-
-    #[test]
-    fn an_older_view_of_the_table_cannot_resolve_a_newer_dead_aggregate() {
-        let mut b = blocks();
-        let now = Instant::now();
-        b.block("x", Some("x1"), "r".into(), now);
-        b.mark_dead("x");
-        let seen = b.generation();
-        // The refresh question went out here; then p dies.
-        b.block("p", Some("p1"), "r".into(), now);
-        b.mark_dead("p");
-        let open: HashSet<String> = HashSet::new(); // the view knows neither
-        assert_eq!(b.resolve_missing(&open, seen), vec!["x".to_owned()]);
-        assert!(b.is_dead("p"), "p died after the view was taken");
+        let mut s = Scheduler::new(None);
+        go(&mut s, &b, 1, "a", None).unwrap();
+        assert!(go(&mut s, &b, 2, "a", None).is_none());
+        b.block("a", Some("1"), "refused".into(), Instant::now(), true);
+        assert!(matches!(
+            s.admit(ev(3, "a"), None, &b),
+            Admission::Deferred(_)
+        ));
+        assert!(s.next_parked("a", &b).is_none());
+        assert_eq!(s.drop_parked("a").len(), 1);
+        assert_eq!(s.used(), 1);
     }
 }

@@ -6,7 +6,7 @@
 //! is the real backend; the pipeline simulation drives this same supervisor
 //! with an in-memory one.
 
-use super::scheduler::Blocks;
+use super::blocks::Blocks;
 use super::shards::{Balance, Shard};
 use super::{Backoff, RelayError};
 use crate::config::Config;

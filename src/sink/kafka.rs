@@ -283,6 +283,12 @@ impl Sink for KafkaSink {
         }
     }
 
+    /// The topic: one partition per key, and a refused message fails every
+    /// later one of its partition (`enable.gapless.guarantee`).
+    fn lane(&self, event: &OutboxEvent) -> Option<String> {
+        self.route(&event.aggregate_type, &event.event_type).ok()
+    }
+
     async fn probe(&mut self) -> Result<(), SinkError> {
         if let Some((code, reason)) = self.producer.client().fatal_error() {
             return Err(SinkError::Unavailable(format!(

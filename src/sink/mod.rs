@@ -26,6 +26,13 @@
 //! that order for each key (Kafka: one partition per key and an idempotent
 //! producer that never reorders on retry; RabbitMQ: one channel). Duplicates
 //! arise only from re-sending after `Unavailable` or a restart.
+//!
+//! Lanes: when [`Sink::lane`] names one, the sink promises more: among
+//! messages of one key in that lane, a refused message fails every later one
+//! (none of them is confirmed), so the relay may keep several of an
+//! aggregate's messages in flight there. Kafka's lane is the topic (with the
+//! aggregate id as key, one partition), kept by the idempotent producer's
+//! gapless guarantee. RabbitMQ has none: each message's outcome stands alone.
 
 mod amqps;
 mod kafka;
@@ -80,6 +87,11 @@ pub trait Sink: Send {
         message: Message,
     ) -> impl Future<Output = Result<Confirmation, SinkError>> + Send;
 
+    /// The lane `event` goes to, when the sink keeps order within it even
+    /// when a message fails (see the module docs); `None` when it does not:
+    /// then an aggregate has one message in flight at a time.
+    fn lane(&self, event: &OutboxEvent) -> Option<String>;
+
     /// Checks that the broker is reachable and the sink can publish; for `check` and readiness.
     fn probe(&mut self) -> impl Future<Output = Result<(), SinkError>> + Send;
 
@@ -124,6 +136,13 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.send(event, message).await,
             AnySink::RabbitMq(s) => s.send(event, message).await,
+        }
+    }
+
+    fn lane(&self, event: &OutboxEvent) -> Option<String> {
+        match self {
+            AnySink::Kafka(s) => s.lane(event),
+            AnySink::RabbitMq(s) => s.lane(event),
         }
     }
 

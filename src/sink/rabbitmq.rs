@@ -303,6 +303,12 @@ impl Sink for RabbitMqSink {
         self.exchange.is_fixed() && self.routing_key.is_fixed()
     }
 
+    /// None: RabbitMQ can refuse one message (nack, unroutable) and accept
+    /// the next, so an aggregate has one message in flight at a time.
+    fn lane(&self, _event: &OutboxEvent) -> Option<String> {
+        None
+    }
+
     async fn probe(&mut self) -> Result<(), SinkError> {
         if self.connection.status().blocked() {
             Err(SinkError::Unavailable(format!(

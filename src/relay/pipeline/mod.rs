@@ -22,7 +22,7 @@ mod publish;
 mod serve;
 mod tasks;
 
-use super::scheduler::Blocks;
+use super::blocks::Blocks;
 use crate::config::HoldPolicy;
 use crate::envelope::Envelope;
 use crate::sink::{Sink, SinkError};

@@ -1,11 +1,11 @@
-//! What happens to one event: admitted, sent, confirmed, refused, deferred
+//! What happens to one event: admitted, sent, answered, refused, deferred
 //! behind its aggregate or dead-lettered.
 
 use super::PipelineError;
-use super::serve::{Done, Pipeline};
+use super::serve::Pipeline;
 use crate::config::HoldPolicy;
 use crate::dead_letter::DeadLetter;
-use crate::outbox::RawRow;
+use crate::outbox::{OutboxEvent, RawRow, RowError};
 use crate::relay::scheduler::Admission;
 use crate::sink::{Confirmation, Sink, SinkError};
 use crate::source::{RowPosition, SourcedEvent};
@@ -13,6 +13,16 @@ use crate::telemetry::metrics::Failure;
 use chrono::Utc;
 use std::time::Duration;
 use tokio::time::Instant;
+
+/// The broker's answer to one send (or the sink's own refusal).
+pub(super) struct Answer<P> {
+    pub position: P,
+    pub event: Result<OutboxEvent, RowError>,
+    pub result: Result<(), SinkError>,
+}
+
+/// An answer on its way back: the aggregate, the scheduler's ticket, the answer.
+pub(super) type Answered<P> = (String, u64, Answer<P>);
 
 impl<P, K> Pipeline<'_, P, K>
 where
@@ -28,18 +38,49 @@ where
             .batch_size
             .record(events.len() as f64);
         for event in events {
-            match self.scheduler.admit(event, self.blocks) {
-                Admission::Send(e) => self.dispatch(e).await?,
+            let lane = event.event.as_ref().ok().and_then(|e| self.sink.lane(e));
+            match self.scheduler.admit(event, lane, self.blocks) {
+                Admission::Send(e, lane) => {
+                    let aggregate = e.aggregate_id().to_owned();
+                    self.dispatch(e, lane).await?;
+                    self.settle(&aggregate).await?;
+                }
                 Admission::Parked => {}
-                Admission::Deferred(e) => self.defer(e),
+                Admission::Deferred(e) => self.defer(e, true),
             }
         }
         Ok(())
     }
 
+    /// An answer arrived: handle the aggregate's answers that are due, in send order.
+    pub(super) async fn answered(
+        &mut self,
+        (aggregate, ticket, answer): Answered<P>,
+    ) -> Result<(), PipelineError> {
+        let failed = answer.result.is_err();
+        self.scheduler.answered(&aggregate, ticket, answer, failed);
+        self.settle(&aggregate).await
+    }
+
+    /// Handles the aggregate's answers in send order, then sends what may go.
+    async fn settle(&mut self, aggregate: &str) -> Result<(), PipelineError> {
+        loop {
+            while let Some(answer) = self.scheduler.next_answer(aggregate) {
+                self.handle(aggregate, answer)?;
+            }
+            let Some((next, lane)) = self.scheduler.next_parked(aggregate, self.blocks) else {
+                return Ok(());
+            };
+            self.dispatch(next, lane).await?;
+        }
+    }
+
     /// An event of a blocked aggregate: it waits in the outbox, or follows a
-    /// dead letter of its aggregate into the dead-letter table.
-    fn defer(&mut self, event: SourcedEvent<P>) {
+    /// dead letter of its aggregate into the dead-letter table. Followers are
+    /// written in order: one that comes after events of its aggregate still
+    /// in flight (`behind_in_flight`) waits for their answers, and is read
+    /// again once they are recorded.
+    fn defer(&mut self, event: SourcedEvent<P>, behind_in_flight: bool) {
         let aggregate = event.aggregate_id().to_owned();
         let follows = match (
             &self.settings.dead_letter,
@@ -51,7 +92,12 @@ where
                 return;
             }
         };
-        let (raw, id) = raw_of(&event);
+        if behind_in_flight && self.scheduler.in_flight_of(&aggregate) > 0 {
+            tracing::debug!(aggregate_id = %aggregate, "a follower waits for the answers to earlier events of its aggregate");
+            self.rewind_later();
+            return;
+        }
+        let (raw, id) = raw_of(&event.event);
         tracing::warn!(event_id = %id, aggregate_id = %aggregate, follows = %follows, "event follows an earlier dead letter of its aggregate");
         let now = Utc::now();
         self.telemetry.metrics.dead_lettered.increment(1);
@@ -67,13 +113,26 @@ where
         });
     }
 
-    async fn dispatch(&mut self, sourced: SourcedEvent<P>) -> Result<(), PipelineError> {
+    /// Hands the event to the sink. A refusal before sending is an answer
+    /// like any other, handled in its turn.
+    async fn dispatch(
+        &mut self,
+        sourced: SourcedEvent<P>,
+        lane: Option<String>,
+    ) -> Result<(), PipelineError> {
         let aggregate = sourced.aggregate_id().to_owned();
+        let ticket = self.scheduler.sent(&aggregate, lane);
+        let position = sourced.position;
         let event = match sourced.event {
             Ok(e) => e,
             Err(bad) => {
-                let raw = bad.raw.map(|r| *r).unwrap_or_default();
-                self.reject(sourced.position, &aggregate, raw, bad.reason, true);
+                let reason = bad.reason.clone();
+                let answer = Answer {
+                    position,
+                    event: Err(bad),
+                    result: Err(SinkError::Rejected(reason)),
+                };
+                self.scheduler.answered(&aggregate, ticket, answer, true);
                 return Ok(());
             }
         };
@@ -92,34 +151,45 @@ where
         });
         match sent {
             Ok(confirmation) => {
-                self.scheduler.sent(&aggregate);
                 let timeout = self.settings.confirm_timeout;
-                let position = sourced.position;
                 self.in_flight.push(Box::pin(async move {
                     let result = confirm_within(confirmation, timeout).await;
-                    (position, event, result)
+                    let answer = Answer {
+                        position,
+                        event: Ok(event),
+                        result,
+                    };
+                    (aggregate, ticket, answer)
                 }));
-                Ok(())
             }
-            Err(SinkError::Rejected(reason)) => {
-                self.reject(sourced.position, &aggregate, event.to_raw(), reason, true);
-                Ok(())
+            Err(e) => {
+                let answer = Answer {
+                    position,
+                    event: Ok(event),
+                    result: Err(e),
+                };
+                self.scheduler.answered(&aggregate, ticket, answer, true);
             }
-            Err(SinkError::Busy(reason)) => {
-                self.reject(sourced.position, &aggregate, event.to_raw(), reason, false);
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
         }
+        Ok(())
     }
 
-    pub(super) async fn complete(
-        &mut self,
-        (position, event, result): Done<P>,
-    ) -> Result<(), PipelineError> {
-        let aggregate = event.aggregate_id.clone();
+    /// One answer, in its aggregate's send order.
+    fn handle(&mut self, aggregate: &str, answer: Answer<P>) -> Result<(), PipelineError> {
+        let Answer {
+            position,
+            event,
+            result,
+        } = answer;
         match result {
             Ok(()) => {
+                let Ok(event) = event else {
+                    return Ok(());
+                };
+                if self.blocks.is_blocked(aggregate) {
+                    // Only a sink that broke its ordering contract answers so.
+                    tracing::error!(event_id = %event.id, aggregate_id = aggregate, "the broker confirmed an event after refusing an earlier one of its aggregate; their order is not kept");
+                }
                 self.telemetry.health.progress();
                 let latency = (Utc::now() - event.created_at)
                     .num_microseconds()
@@ -130,21 +200,17 @@ where
                     .commit_to_confirm
                     .record(latency as f64 / 1e6);
                 self.pending_acks.push(position);
-                self.blocks.clear(&aggregate);
-                if let Some(next) = self.scheduler.finished(&aggregate) {
-                    self.dispatch(next).await?;
-                }
+                self.blocks.clear(aggregate, &event.id);
                 Ok(())
             }
             Err(SinkError::Rejected(reason)) => {
-                // Parked events go first (reject takes them), so none is released here.
-                self.reject(position, &aggregate, event.to_raw(), reason, true);
-                self.scheduler.finished(&aggregate);
+                let (raw, _) = raw_of(&event);
+                self.reject(position, aggregate, raw, reason, true);
                 Ok(())
             }
             Err(SinkError::Busy(reason)) => {
-                self.reject(position, &aggregate, event.to_raw(), reason, false);
-                self.scheduler.finished(&aggregate);
+                let (raw, _) = raw_of(&event);
+                self.reject(position, aggregate, raw, reason, false);
                 Ok(())
             }
             Err(e) => Err(e.into()),
@@ -158,26 +224,37 @@ where
         self.telemetry.metrics.failed(Failure::Refused, 1);
         if self.blocks.is_dead(aggregate) {
             // An earlier event of the aggregate is already dead-lettered
-            // (both were in flight): this one follows it, or waits.
+            // (both were in flight): this one follows it, or waits. Its
+            // answer is handled in order, so everything before it is settled.
             let id = raw.id.clone();
-            self.defer(SourcedEvent {
+            let event = SourcedEvent {
                 position,
-                event: Err(crate::outbox::RowError {
+                event: Err(RowError {
                     id,
                     aggregate_id: Some(aggregate.to_owned()),
                     reason,
                     raw: Some(Box::new(raw)),
                 }),
-            });
+            };
+            self.defer(event, false);
             return;
         }
         let parked = self.scheduler.drop_parked(aggregate);
         let event_id = raw.id.clone();
-        let block = self
-            .blocks
-            .block(aggregate, event_id.as_deref(), reason, Instant::now());
-        let (attempts, first_failed_at, reason) =
-            (block.attempts, block.first_failed_at, block.reason.clone());
+        let (block, new_round) = self.blocks.block(
+            aggregate,
+            event_id.as_deref(),
+            reason.clone(),
+            Instant::now(),
+            count,
+        );
+        if !new_round {
+            // An event behind the refused one, in flight with it: it is
+            // read again with the aggregate's retry.
+            tracing::debug!(event_id = event_id.as_deref().unwrap_or("?"), aggregate_id = aggregate, reason = %reason, "a later event of a refused aggregate was refused too");
+            return;
+        }
+        let (attempts, first_failed_at) = (block.attempts, block.first_failed_at);
         let retry_in = block
             .until
             .map(|t| t.saturating_duration_since(Instant::now()))
@@ -220,14 +297,14 @@ where
             follows: None,
         });
         for e in parked {
-            self.defer(e);
+            self.defer(e, true);
         }
     }
 }
 
-/// The row of an event as read, for a dead letter.
-fn raw_of<P>(event: &SourcedEvent<P>) -> (RawRow, String) {
-    match &event.event {
+/// The row of an event as read, for a dead letter, and its id.
+fn raw_of(event: &Result<OutboxEvent, RowError>) -> (RawRow, String) {
+    match event {
         Ok(e) => (e.to_raw(), e.id.clone()),
         Err(bad) => (
             bad.raw.as_deref().cloned().unwrap_or_default(),

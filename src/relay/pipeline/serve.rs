@@ -1,14 +1,15 @@
 //! The pipeline's event loop: its state in one struct, one method per arm.
 
+use super::publish::{Answer, Answered};
 use super::tasks::{
     AckCommand, Batch, Resolved, drive_acker, drive_reader, flush, joined, task_error,
 };
 use super::{Context, PipelineError, Settings};
 use crate::dead_letter::DeadLetter;
 use crate::envelope::Envelope;
-use crate::outbox::OutboxEvent;
-use crate::relay::scheduler::{Blocks, MAX_BLOCKED_AGGREGATES, Scheduler};
-use crate::sink::{Sink, SinkError};
+use crate::relay::blocks::{Blocks, MAX_BLOCKED_AGGREGATES};
+use crate::relay::scheduler::Scheduler;
+use crate::sink::Sink;
 use crate::source::{Acker, Reader, RowPosition, SourceError};
 use crate::telemetry::PipelineTelemetry;
 use crate::telemetry::metrics::Failure;
@@ -25,9 +26,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-/// A confirmation on its way back: the position, the event, the outcome.
-pub(super) type Done<P> = (P, OutboxEvent, Result<(), SinkError>);
-pub(super) type InFlight<P> = Pin<Box<dyn Future<Output = Done<P>> + Send>>;
+pub(super) type InFlight<P> = Pin<Box<dyn Future<Output = Answered<P>> + Send>>;
 
 /// Whether new events are taken, and what happens once nothing is in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,7 +57,7 @@ pub(super) struct Pipeline<'a, P, K> {
     pub(super) envelope: &'a Envelope,
     pub(super) sink: K,
     pub(super) blocks: &'a mut Blocks,
-    pub(super) scheduler: Scheduler<P>,
+    pub(super) scheduler: Scheduler<P, Answer<P>>,
     pub(super) in_flight: FuturesUnordered<InFlight<P>>,
     /// Confirmed positions not yet handed to the acker.
     pub(super) pending_acks: Vec<P>,
@@ -192,8 +191,8 @@ where
                 // 2. The drain took too long: record what was confirmed and stop.
                 _ = sleep_until_opt(deadline) => return self.drain_timed_out().await,
                 // 3. Confirmations.
-                Some(done) = self.in_flight.next(), if !self.in_flight.is_empty() => {
-                    self.complete(done).await?
+                Some(answer) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    self.answered(answer).await?
                 }
                 // 4. Hand confirmed positions and dead letters to the acker, in order.
                 permit = self.ack_tx.clone().reserve_owned(), if self.has_work() => match permit {

@@ -26,6 +26,7 @@
 pub mod progress;
 pub mod server;
 pub mod setup;
+pub mod snapshot;
 mod stream;
 
 pub use progress::{CdcPosition, Progress};
@@ -37,11 +38,11 @@ use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::{Config, MarkMode};
 use crate::dead_letter::DeadLetter;
 use crate::outbox::{ResolvedColumns, TableName};
-use crate::source::replication::Lsn;
 use progress::CATCH_UP;
+use snapshot::StartupView;
 use std::collections::HashSet;
 use std::time::Duration;
-use stream::{SkipRead, Step, Streaming, lock};
+use stream::{Step, Streaming, lock};
 use tokio::time::Instant;
 
 /// Confirmed-but-unflushed events remembered for skipping after a restart.
@@ -76,8 +77,8 @@ impl CdcSettings {
 
 struct TableRead {
     cursor: i64,
-    xids: HashSet<u32>,
-    until: Lsn,
+    rows: u64,
+    view: StartupView,
 }
 
 enum Phase<S> {
@@ -152,12 +153,12 @@ impl<B: CdcServer> CdcReader<B> {
         let slot_flushed = self.server.prepare().await?;
         lock(&self.progress).restart(slot_flushed);
         if self.settings.read_table {
-            let until = self.server.begin_table_read().await?;
+            let view = self.server.begin_table_read().await?;
             lock(&self.progress).begin(CATCH_UP);
             self.phase = Phase::TableRead(TableRead {
                 cursor: 0,
-                xids: HashSet::new(),
-                until,
+                rows: 0,
+                view,
             });
         } else {
             self.phase = Phase::Streaming(Box::new(self.open_stream(None).await?));
@@ -174,7 +175,7 @@ impl<B: CdcServer> CdcReader<B> {
         let now = chrono::Utc::now();
         let done = rows.len() < max;
         for row in rows {
-            read.xids.insert(row.xid);
+            read.rows += 1;
             read.cursor = row.seq;
             let position = CdcPosition {
                 commit_lsn: CATCH_UP,
@@ -200,14 +201,10 @@ impl<B: CdcServer> CdcReader<B> {
             let Phase::TableRead(read) = std::mem::replace(&mut self.phase, Phase::Start) else {
                 return Ok(());
             };
-            tracing::info!(
-                rows = read.cursor,
-                transactions = read.xids.len(),
-                "start-up read of unsent rows done"
-            );
-            let skip = (!read.xids.is_empty()).then_some(SkipRead {
-                xids: read.xids,
-                until: read.until.max(flushed),
+            tracing::info!(rows = read.rows, "start-up read of unsent rows done");
+            let skip = Some(StartupView {
+                until: read.view.until.max(flushed),
+                ..read.view
             });
             self.phase = Phase::Streaming(Box::new(self.open_stream(skip).await?));
         }
@@ -217,7 +214,7 @@ impl<B: CdcServer> CdcReader<B> {
     /// Starts streaming from the flushed position.
     async fn open_stream(
         &mut self,
-        skip: Option<SkipRead>,
+        skip: Option<StartupView>,
     ) -> Result<Streaming<B::Stream>, SourceError> {
         let start = lock(&self.progress).flushed();
         let stream = self.server.stream(start).await?;

@@ -6,6 +6,7 @@
 
 use super::CdcSettings;
 use super::setup;
+use super::snapshot::{Snapshot, StartupView};
 use crate::config::DatabaseConfig;
 use crate::db::DbError;
 use crate::outbox::{RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
@@ -54,9 +55,10 @@ pub trait CdcServer: Send + 'static {
     /// confirmed position.
     fn prepare(&mut self) -> impl Future<Output = Result<Lsn, SourceError>> + Send;
 
-    /// Opens the start-up read: one snapshot for the whole read; returns the
-    /// WAL position taken with it.
-    fn begin_table_read(&mut self) -> impl Future<Output = Result<Lsn, SourceError>> + Send;
+    /// Opens the start-up read: one snapshot for the whole read; returns it
+    /// with the WAL insert position read just after it was taken.
+    fn begin_table_read(&mut self)
+    -> impl Future<Output = Result<StartupView, SourceError>> + Send;
 
     /// Up to `max` unsent rows with `relay_seq` above `after`, in `relay_seq` order.
     fn table_page(
@@ -215,7 +217,7 @@ impl CdcServer for PgServer {
         }
     }
 
-    async fn begin_table_read(&mut self) -> Result<Lsn, SourceError> {
+    async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
         // The read waits while the broker catches up, so a server-wide
         // idle-in-transaction timeout must not end it.
         self.client
@@ -226,15 +228,25 @@ impl CdcServer for PgServer {
             .await
             .map_err(|e| DbError::query("starting the start-up read", e))?;
         self.snapshot_open = true;
-        let until: String = self
+        // The first statement takes the transaction's snapshot, then reads
+        // the insert position (not the write position: a commit with
+        // synchronous_commit = off is visible before it is written).
+        let row = self
             .client
-            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .query_one(
+                "SELECT pg_current_snapshot()::text, pg_current_wal_insert_lsn()::text",
+                &[],
+            )
             .await
-            .map_err(|e| DbError::query("starting the start-up read", e))?
-            .get(0);
-        until
+            .map_err(|e| DbError::query("starting the start-up read", e))?;
+        let (snapshot, until): (String, String) = (row.get(0), row.get(1));
+        let snapshot = Snapshot::parse(&snapshot).ok_or_else(|| {
+            SourceError::Stream(format!("unreadable snapshot from the server: {snapshot:?}"))
+        })?;
+        let until = until
             .parse()
-            .map_err(|e| SourceError::Stream(format!("unreadable WAL position: {e}")))
+            .map_err(|e| SourceError::Stream(format!("unreadable WAL position: {e}")))?;
+        Ok(StartupView { snapshot, until })
     }
 
     async fn table_page(&mut self, after: i64, max: usize) -> Result<Vec<TableRow>, SourceError> {

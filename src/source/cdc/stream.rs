@@ -3,6 +3,7 @@
 
 use super::progress::{CdcPosition, Progress};
 use super::server::{CdcStream, StreamMessage};
+use super::snapshot::StartupView;
 use crate::outbox::{RawRow, ResolvedColumns, SEQ_COLUMN, TableName};
 use crate::source::replication::Lsn;
 use crate::source::replication::pgoutput::{
@@ -34,19 +35,13 @@ struct CurrentTx {
     skip: bool,
 }
 
-/// Transactions whose rows the start-up table read already produced: skipped
-/// in the stream until it passes `until`.
-pub struct SkipRead {
-    pub xids: HashSet<u32>,
-    pub until: Lsn,
-}
-
 pub struct Streaming<S> {
     pub stream: S,
     relations: RelationCache,
     outbox: Option<OutboxColumns>,
     tx: Option<CurrentTx>,
-    skip: Option<SkipRead>,
+    /// The start-up read's view: transactions it accounts for are skipped.
+    skip: Option<StartupView>,
     /// Highest position received (the "write" position of status updates).
     received: Lsn,
     pub next_status: Instant,
@@ -68,7 +63,7 @@ pub enum Step {
 }
 
 impl<S: CdcStream> Streaming<S> {
-    pub fn new(stream: S, skip: Option<SkipRead>, start: Lsn, needs_seq: bool) -> Self {
+    pub fn new(stream: S, skip: Option<StartupView>, start: Lsn, needs_seq: bool) -> Self {
         let now = Instant::now();
         Streaming {
             stream,
@@ -140,7 +135,7 @@ impl<S: CdcStream> Streaming<S> {
                 let skip = self
                     .skip
                     .as_ref()
-                    .is_some_and(|s| b.final_lsn < s.until && s.xids.contains(&b.xid));
+                    .is_some_and(|s| s.covers(b.xid, b.final_lsn));
                 lock(progress).begin(b.final_lsn);
                 let micros = b.commit_time_micros.saturating_add(PG_EPOCH_OFFSET_MICROS);
                 self.tx = Some(CurrentTx {

@@ -1,0 +1,107 @@
+//! One simulated instance's [`Backend`]: the world's ownership lock, and
+//! pipelines over the world's database and broker.
+
+use super::cdc::SimCdc;
+use super::db::{SimPolling, SimStore};
+use super::sink::SimSink;
+use super::world::{Shared, lock};
+use crate::config::{Config, SourceMode};
+use crate::envelope::Envelope;
+use crate::outbox::ColumnMap;
+use crate::relay::pipeline::{self, Settings};
+use crate::relay::shards::{Balance, Shard};
+use crate::relay::{Backend, Owned, RelayError};
+use crate::source::cdc::{CdcAcker, CdcReader, CdcSettings, Timing};
+use crate::source::polling::PollingAcker;
+use crate::telemetry::health::PipelineHealth;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+pub struct SimBackend {
+    pub world: Shared,
+    pub instance: usize,
+    pub config: Config,
+}
+
+impl Backend for SimBackend {
+    type Owner = u64;
+
+    async fn acquire(
+        &self,
+        _shard: Shard,
+        _balance: &Balance,
+        health: &PipelineHealth,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<u64>, RelayError> {
+        loop {
+            if let Some(reign) = lock(&self.world).try_lock(self.instance) {
+                return Ok(Some(reign));
+            }
+            health.healthy();
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(None),
+                _ = tokio::time::sleep(self.config.relay.standby_poll) => {}
+            }
+        }
+    }
+
+    async fn relay(&self, reign: u64, run: Owned<'_>) -> Result<(), RelayError> {
+        // The ownership session closes with the run, however it ends.
+        let _session = Session {
+            world: self.world.clone(),
+            reign,
+        };
+        let config = &self.config;
+        let settings = Settings::from_config(config);
+        let envelope = Envelope::new(&config.envelope);
+        let store = SimStore::new(self.world.clone(), reign, config.relay.mark);
+        let cx = pipeline::Context {
+            envelope: &envelope,
+            settings: &settings,
+            telemetry: run.telemetry,
+        };
+        let sink = SimSink::connect(&self.world, self.instance, reign)?;
+        match config.source.mode {
+            SourceMode::Polling => {
+                let reader =
+                    SimPolling::new(self.world.clone(), config.source.polling.poll_interval);
+                let acker = PollingAcker::new(store);
+                pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+            }
+            SourceMode::Cdc => {
+                let columns = ColumnMap::default().resolve(&[
+                    "event_version".into(),
+                    "headers".into(),
+                    "created_at".into(),
+                ]);
+                let reader = CdcReader::new(
+                    SimCdc::new(self.world.clone()),
+                    &config.outbox.table,
+                    &columns,
+                    CdcSettings::from_config(config),
+                    run.progress.clone(),
+                    Timing {
+                        status_every: config.source.cdc.status_interval,
+                        silence_limit: Duration::from_secs(60),
+                    },
+                );
+                let acker = CdcAcker::new(store, run.progress.clone());
+                pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The ownership session: closed (and the lock released) when dropped.
+struct Session {
+    world: Shared,
+    reign: u64,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        lock(&self.world).release(self.reign);
+    }
+}

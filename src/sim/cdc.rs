@@ -1,0 +1,235 @@
+//! The simulated server side of CDC: the slot, the start-up read and a
+//! pgoutput stream decoded from the world's WAL. The real [`CdcReader`]
+//! (start-up read, skipping, progress, status updates) runs on top.
+//!
+//! [`CdcReader`]: crate::source::cdc::CdcReader
+
+use super::world::{Row, Shared, lock};
+use crate::source::SourceError;
+use crate::source::cdc::snapshot::StartupView;
+use crate::source::cdc::{CdcServer, CdcStream, StreamMessage, TableRow};
+use crate::source::replication::Lsn;
+use crate::source::replication::pgoutput::{
+    Begin, Commit, Insert, LogicalMessage, Relation, RelationColumn, TupleValue,
+};
+use bytes::Bytes;
+use std::collections::VecDeque;
+use std::time::Duration;
+use tokio::time::Instant;
+
+const RELATION_ID: u32 = 16_384;
+const COLUMNS: [&str; 9] = [
+    "relay_seq",
+    "id",
+    "aggregate_type",
+    "aggregate_id",
+    "event_type",
+    "event_version",
+    "payload",
+    "headers",
+    "created_at",
+];
+const KEEPALIVE: Duration = Duration::from_secs(1);
+
+pub struct SimCdc {
+    world: Shared,
+    /// The start-up read's snapshot: the unsent rows it sees.
+    snapshot: Option<Vec<Row>>,
+}
+
+impl SimCdc {
+    pub fn new(world: Shared) -> Self {
+        SimCdc {
+            world,
+            snapshot: None,
+        }
+    }
+}
+
+impl CdcServer for SimCdc {
+    type Stream = SimStream;
+
+    async fn prepare(&mut self) -> Result<Lsn, SourceError> {
+        self.snapshot = None;
+        let w = lock(&self.world);
+        if w.slot_active.is_some() {
+            return Err(SourceError::SlotBusy("sim".into()));
+        }
+        Ok(w.slot_confirmed)
+    }
+
+    async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
+        let w = lock(&self.world);
+        self.snapshot = Some(w.unsent().cloned().collect());
+        Ok(StartupView {
+            snapshot: w.snapshot(),
+            until: w.insert_lsn(),
+        })
+    }
+
+    async fn table_page(&mut self, after: i64, max: usize) -> Result<Vec<TableRow>, SourceError> {
+        let rows = self.snapshot.as_deref().unwrap_or_default();
+        Ok(rows
+            .iter()
+            .filter(|r| r.seq > after)
+            .take(max)
+            .map(|r| TableRow {
+                seq: r.seq,
+                xid: r.xid as u32,
+                raw: r.raw(),
+            })
+            .collect())
+    }
+
+    async fn end_table_read(&mut self) -> Result<(), SourceError> {
+        self.snapshot = None;
+        Ok(())
+    }
+
+    async fn stream(&mut self, from: Lsn) -> Result<SimStream, SourceError> {
+        let mut w = lock(&self.world);
+        let Some(id) = w.open_stream() else {
+            return Err(SourceError::SlotBusy("sim".into()));
+        };
+        // The server starts at the slot's confirmed position when that is later.
+        let start = from.max(w.slot_confirmed);
+        let pos = w.wal.partition_point(|t| t.commit_lsn < start);
+        w.note(format!("stream {id} from {start}"));
+        Ok(SimStream {
+            world: self.world.clone(),
+            id,
+            pos,
+            buffer: VecDeque::new(),
+            relation_sent: false,
+            next_keepalive: Instant::now() + KEEPALIVE,
+        })
+    }
+
+    async fn heartbeat(&mut self) -> Result<(), SourceError> {
+        Ok(())
+    }
+}
+
+pub struct SimStream {
+    world: Shared,
+    id: u64,
+    /// The next WAL transaction to decode.
+    pos: usize,
+    buffer: VecDeque<StreamMessage>,
+    relation_sent: bool,
+    next_keepalive: Instant,
+}
+
+fn text(s: &str) -> TupleValue {
+    TupleValue::Text(Bytes::from(s.to_owned()))
+}
+
+impl SimStream {
+    /// Decodes the next WAL transaction into the buffer, if there is one.
+    fn decode(&mut self) -> bool {
+        let w = lock(&self.world);
+        let Some(tx) = w.wal.get(self.pos) else {
+            return false;
+        };
+        self.pos += 1;
+        if !self.relation_sent {
+            self.relation_sent = true;
+            self.buffer
+                .push_back(StreamMessage::Change(LogicalMessage::Relation(Relation {
+                    id: RELATION_ID,
+                    namespace: "public".into(),
+                    name: "outbox".into(),
+                    replica_identity: b'd',
+                    columns: COLUMNS
+                        .iter()
+                        .map(|c| RelationColumn {
+                            flags: 0,
+                            name: (*c).into(),
+                            type_oid: 25,
+                            type_modifier: -1,
+                        })
+                        .collect(),
+                })));
+        }
+        self.buffer
+            .push_back(StreamMessage::Change(LogicalMessage::Begin(Begin {
+                final_lsn: tx.commit_lsn,
+                commit_time_micros: 0,
+                xid: tx.xid as u32,
+            })));
+        for r in &tx.rows {
+            let raw = r.raw();
+            let values = [
+                Some(r.seq.to_string()),
+                raw.id,
+                raw.aggregate_type,
+                raw.aggregate_id,
+                raw.event_type,
+                raw.event_version,
+                raw.payload,
+                raw.headers,
+                raw.created_at,
+            ];
+            self.buffer
+                .push_back(StreamMessage::Change(LogicalMessage::Insert(Insert {
+                    relation_id: RELATION_ID,
+                    tuple: values
+                        .iter()
+                        .map(|v| v.as_deref().map(text).unwrap_or(TupleValue::Null))
+                        .collect(),
+                })));
+        }
+        self.buffer
+            .push_back(StreamMessage::Change(LogicalMessage::Commit(Commit {
+                flags: 0,
+                commit_lsn: tx.commit_lsn,
+                end_lsn: tx.end_lsn,
+                commit_time_micros: 0,
+            })));
+        true
+    }
+}
+
+impl CdcStream for SimStream {
+    async fn next(&mut self) -> Result<Option<StreamMessage>, SourceError> {
+        loop {
+            if let Some(m) = self.buffer.pop_front() {
+                return Ok(Some(m));
+            }
+            let notify = lock(&self.world).commit_notify.clone();
+            let woken = notify.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if self.decode() {
+                continue;
+            }
+            tokio::select! {
+                biased;
+                _ = woken => {}
+                _ = tokio::time::sleep_until(self.next_keepalive) => {
+                    self.next_keepalive = Instant::now() + KEEPALIVE;
+                    // What the server has decoded so far: the next
+                    // transaction's commit, or the end of the WAL.
+                    let wal_end = {
+                        let w = lock(&self.world);
+                        w.wal.get(self.pos).map(|t| t.commit_lsn).unwrap_or(w.insert_lsn())
+                    };
+                    return Ok(Some(StreamMessage::Keepalive { wal_end, reply_requested: false }));
+                }
+            }
+        }
+    }
+
+    async fn send_status(&mut self, _write: Lsn, flushed: Lsn) -> Result<(), SourceError> {
+        lock(&self.world).confirm_slot(flushed);
+        Ok(())
+    }
+
+    async fn finish(self) {}
+}
+
+impl Drop for SimStream {
+    fn drop(&mut self) {
+        lock(&self.world).close_stream(self.id);
+    }
+}

@@ -1,0 +1,106 @@
+//! What must hold after a schedule (the online checks, marking and slot
+//! acknowledgement and zombie publishing, are in the world itself).
+
+use super::scenario::Params;
+use super::world::World;
+use crate::config::{HoldPolicy, MarkMode, SourceMode};
+use std::collections::{BTreeMap, BTreeSet};
+
+fn delivered(w: &World) -> BTreeSet<&str> {
+    w.deliveries.iter().map(|d| d.event_id.as_str()).collect()
+}
+
+/// After the faults: every committed event is delivered, dead-lettered (or
+/// dropped), or waits in the outbox behind an open dead letter of its
+/// aggregate (`wait`).
+pub fn quiescent(w: &World, params: &Params) -> bool {
+    if w.txs.values().any(|s| *s == super::world::TxState::Open) {
+        return false;
+    }
+    let got = delivered(w);
+    let open: BTreeSet<&str> = w.open_letters().map(|l| l.event_id.as_str()).collect();
+    let dead: BTreeSet<&str> = w.open_letters().map(|l| l.aggregate.as_str()).collect();
+    w.order.values().flatten().all(|id| {
+        got.contains(id.as_str())
+            || open.contains(id.as_str())
+            || w.events.get(id).is_some_and(|e| e.dropped)
+            || (params.policy == HoldPolicy::Wait
+                && w.events
+                    .get(id)
+                    .is_some_and(|e| dead.contains(e.aggregate.as_str())))
+    })
+}
+
+/// After the cure: every committed event was delivered or dropped.
+pub fn all_delivered(w: &World) -> bool {
+    let got = delivered(w);
+    w.order
+        .values()
+        .flatten()
+        .all(|id| got.contains(id.as_str()) || w.events.get(id).is_some_and(|e| e.dropped))
+}
+
+/// The checks over the whole history.
+pub fn finally(w: &World, params: &Params) -> Vec<String> {
+    let mut out = Vec::new();
+    // Nothing rolled back is published.
+    for d in &w.deliveries {
+        if w.events
+            .get(&d.event_id)
+            .is_some_and(|e| e.aborted && !e.committed)
+        {
+            out.push(format!("{} was rolled back but published", d.event_id));
+        }
+    }
+    // Nothing committed is lost.
+    let got = delivered(w);
+    for id in w.order.values().flatten() {
+        if !got.contains(id.as_str()) && !w.events.get(id).is_some_and(|e| e.dropped) {
+            out.push(format!("{id} was committed but never delivered"));
+        }
+    }
+    // Each aggregate's first deliveries in commit order.
+    let mut first: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, d) in w.deliveries.iter().enumerate() {
+        first.entry(d.event_id.as_str()).or_insert(i);
+    }
+    for (aggregate, ids) in &w.order {
+        let mut last: Option<(&str, usize)> = None;
+        for id in ids {
+            let Some(&at) = first.get(id.as_str()) else {
+                continue;
+            };
+            if let Some((prev, prev_at)) = last
+                && at < prev_at
+            {
+                out.push(format!(
+                    "{aggregate}: {id} was first delivered before {prev}, which was committed earlier"
+                ));
+            }
+            last = Some((id, at));
+        }
+    }
+    // Duplicates only from incidents, each bounded by the window.
+    let duplicates = w.deliveries.len() - first.len();
+    let per_incident = params.max_in_flight as u64 * 2;
+    let bound = u64::from(w.incidents) * per_incident;
+    if duplicates as u64 > bound {
+        out.push(format!(
+            "{duplicates} duplicates, over {} incidents x {per_incident}",
+            w.incidents
+        ));
+    }
+    // Marked modes end with nothing unsent.
+    if params.mark != MarkMode::None {
+        let left: Vec<i64> = w.unsent().map(|r| r.seq).take(5).collect();
+        if !left.is_empty() {
+            out.push(format!(
+                "rows {left:?} are still unsent after every event was delivered and the relay stopped"
+            ));
+        }
+    }
+    if params.mode == SourceMode::Cdc && w.slot_active.is_some() {
+        out.push("a replication stream is still open after every instance stopped".into());
+    }
+    out
+}

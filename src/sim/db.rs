@@ -1,0 +1,391 @@
+//! The simulated database as the relay reaches it: the acker's [`RowStore`]
+//! on the ownership session, and a polling reader.
+//!
+//! The polling reader is a double of the SQL one (ticks bounded by commit
+//! snapshots, unsent rows in `relay_seq` order); the SQL itself is tested
+//! against PostgreSQL.
+
+use super::world::{Resolution, Shared, lock};
+use crate::config::MarkMode;
+use crate::dead_letter::{DeadLetter, Written};
+use crate::source::record::RowStore;
+use crate::source::{Reader, SourceError, SourcedEvent};
+use std::collections::HashSet;
+use std::time::Duration;
+use tokio::time::Instant;
+
+fn lost_session() -> SourceError {
+    SourceError::Stream("sim: the ownership session is gone".into())
+}
+
+/// A statement's round trip: a little latency, then the statement at one
+/// instant, then a little more before the answer arrives.
+async fn latency(world: &Shared) {
+    let d = Duration::from_micros(lock(world).rng.u64(0..3_000));
+    tokio::time::sleep(d).await;
+}
+
+pub struct SimStore {
+    world: Shared,
+    reign: u64,
+    mark: MarkMode,
+}
+
+impl SimStore {
+    pub fn new(world: Shared, reign: u64, mark: MarkMode) -> Self {
+        SimStore { world, reign, mark }
+    }
+
+    async fn statement<T>(
+        &self,
+        f: impl FnOnce(&mut super::world::World) -> T + Send,
+    ) -> Result<T, SourceError> {
+        latency(&self.world).await;
+        let out = {
+            let mut w = lock(&self.world);
+            if !w.owns(self.reign) {
+                return Err(lost_session());
+            }
+            f(&mut w)
+        };
+        latency(&self.world).await;
+        Ok(out)
+    }
+}
+
+fn mark_rows(w: &mut super::world::World, mark: MarkMode, seqs: &[i64], check: bool) {
+    for seq in seqs {
+        let Some(row) = w.rows.get(seq).filter(|r| !r.sent) else {
+            continue;
+        };
+        let id = row.id.clone();
+        if check && !w.deliveries.iter().any(|d| d.event_id == id) {
+            w.violation(format!(
+                "row {seq} (event {id}) marked sent, but the broker never confirmed it"
+            ));
+        }
+        match mark {
+            MarkMode::Update => {
+                if let Some(r) = w.rows.get_mut(seq) {
+                    r.sent = true;
+                }
+            }
+            MarkMode::Delete => {
+                w.rows.remove(seq);
+            }
+            MarkMode::None => {}
+        }
+    }
+}
+
+impl RowStore for SimStore {
+    async fn wait_visible(&self, _xids: Vec<u32>) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    async fn mark(&self, seqs: &[i64]) -> Result<(), SourceError> {
+        if self.mark == MarkMode::None || seqs.is_empty() {
+            return Ok(());
+        }
+        let mark = self.mark;
+        self.statement(|w| mark_rows(w, mark, seqs, true)).await
+    }
+
+    async fn dead_letter<P: Sync>(
+        &mut self,
+        letters: &[DeadLetter<P>],
+    ) -> Result<Written, SourceError> {
+        let mark = self.mark;
+        // The aggregates' locks, held by a redrive in progress.
+        while letters
+            .iter()
+            .any(|l| lock(&self.world).redrive_locks.contains(l.aggregate_id()))
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.statement(|w| {
+            let mut out = Written::default();
+            for (i, l) in letters.iter().enumerate() {
+                let aggregate = l.aggregate_id().to_owned();
+                let follower_resolved = out.resolved.contains(&aggregate)
+                    || (l.follows.is_some() && !w.open_letters().any(|o| o.aggregate == aggregate));
+                if follower_resolved {
+                    out.resolved.insert(aggregate);
+                    // A redrive replaced its row: it is accounted for.
+                    if mark != MarkMode::None && l.seq.is_some_and(|s| !w.rows.contains_key(&s)) {
+                        out.superseded.push(i);
+                    }
+                    continue;
+                }
+                let event_id = l.raw.id.clone().unwrap_or_default();
+                w.note(format!("dead letter: {event_id} of {aggregate}"));
+                w.letters.push(super::world::Letter {
+                    event_id,
+                    seq: l.seq,
+                    aggregate,
+                    raw: l.raw.clone(),
+                    resolution: None,
+                });
+                out.written.push(i);
+            }
+            let seqs: Vec<i64> = out.written.iter().filter_map(|&i| letters[i].seq).collect();
+            mark_rows(w, mark, &seqs, false);
+            out
+        })
+        .await
+    }
+
+    async fn open_dead_letters(&self) -> Result<HashSet<String>, SourceError> {
+        self.statement(|w| w.open_letters().map(|l| l.aggregate.clone()).collect())
+            .await
+    }
+
+    async fn heartbeat(&self) -> Result<(), SourceError> {
+        self.statement(|_| ()).await
+    }
+}
+
+/// A double of the polling reader: ticks bounded by commit snapshots.
+pub struct SimPolling {
+    world: Shared,
+    poll_interval: Duration,
+    /// Commits seen by the previous tick's snapshot; `None` reads every unsent row.
+    prev: Option<usize>,
+    cur: Option<usize>,
+    cursor: i64,
+    idle: bool,
+    next_poll: Instant,
+}
+
+impl SimPolling {
+    pub fn new(world: Shared, poll_interval: Duration) -> Self {
+        SimPolling {
+            world,
+            poll_interval,
+            prev: None,
+            cur: None,
+            cursor: 0,
+            idle: false,
+            next_poll: Instant::now(),
+        }
+    }
+}
+
+impl Reader for SimPolling {
+    type Position = i64;
+
+    async fn next_batch(&mut self, max: usize) -> Result<Vec<SourcedEvent<i64>>, SourceError> {
+        let max = max.max(1);
+        loop {
+            if self.cur.is_none() && self.idle {
+                let notify = lock(&self.world).commit_notify.clone();
+                let woken = notify.notified();
+                tokio::pin!(woken);
+                woken.as_mut().enable();
+                let seen = self.prev.unwrap_or(0);
+                if lock(&self.world).commits.len() <= seen {
+                    tokio::select! {
+                        biased;
+                        _ = woken => {}
+                        _ = tokio::time::sleep_until(self.next_poll) => {}
+                    }
+                }
+                self.idle = false;
+            }
+            latency(&self.world).await;
+            let (snapshot, rows) = {
+                let w = lock(&self.world);
+                let snapshot = self.cur.unwrap_or(w.commits.len());
+                let from = self.prev.unwrap_or(0);
+                let tick: HashSet<u64> = w.commits[from.min(snapshot)..snapshot]
+                    .iter()
+                    .copied()
+                    .collect();
+                let rows: Vec<(i64, crate::outbox::RawRow)> = w
+                    .rows
+                    .range(self.cursor + 1..)
+                    .filter(|(_, r)| !r.sent && tick.contains(&r.xid))
+                    .take(max)
+                    .map(|(seq, r)| (*seq, r.raw()))
+                    .collect();
+                (snapshot, rows)
+            };
+            latency(&self.world).await;
+            if self.cur.is_none() {
+                self.cur = Some(snapshot);
+            }
+            if let Some((seq, _)) = rows.last() {
+                self.cursor = *seq;
+            }
+            if rows.len() < max {
+                self.prev = self.cur.take();
+                self.cursor = 0;
+                if rows.is_empty() {
+                    self.idle = true;
+                    self.next_poll = Instant::now() + self.poll_interval;
+                }
+            }
+            if !rows.is_empty() {
+                let now = chrono::Utc::now();
+                return Ok(rows
+                    .into_iter()
+                    .map(|(seq, raw)| SourcedEvent {
+                        position: seq,
+                        event: raw.decode(now),
+                    })
+                    .collect());
+            }
+        }
+    }
+
+    fn rewind(&mut self) {
+        self.prev = None;
+        self.cur = None;
+        self.cursor = 0;
+        self.idle = false;
+    }
+}
+
+/// `outbox-relay dlq redrive` and `drop`, as one transaction each.
+pub mod admin {
+    use super::*;
+    use crate::dead_letter::admin::Target;
+
+    fn targeted(w: &super::super::world::World, target: &Target) -> Vec<usize> {
+        w.letters
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.resolution.is_none())
+            .filter(|(_, l)| match target {
+                Target::Id(id) => &l.event_id == id,
+                Target::Aggregate(a) => &l.aggregate == a,
+                Target::All => true,
+            })
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    pub fn drop(world: &Shared, target: &Target) -> usize {
+        let mut w = lock(world);
+        let chosen = targeted(&w, target);
+        for &i in &chosen {
+            w.letters[i].resolution = Some(Resolution::Dropped);
+            let id = w.letters[i].event_id.clone();
+            if let Some(e) = w.events.get_mut(&id) {
+                e.dropped = true;
+            }
+        }
+        w.note(format!("dlq drop {target:?}: {} letters", chosen.len()));
+        chosen.len()
+    }
+
+    /// Puts letters back as new rows, in order, followed by the aggregate's
+    /// rows still unsent (when rows are marked); returns `Err` when refused.
+    /// As the SQL redrive does, it holds the aggregates' locks (followers
+    /// wait), waits for the transactions open when its copies were written,
+    /// and moves behind the copies any row of the aggregate they committed
+    /// with a smaller `relay_seq`.
+    pub async fn redrive(world: &Shared, target: &Target, mark: MarkMode) -> Result<usize, String> {
+        let (xid, chosen, aggregates, mut originals) = {
+            let mut w = lock(world);
+            let chosen = targeted(&w, target);
+            if let Target::Id(id) = target {
+                let Some(&first) = chosen.first() else {
+                    return Err(format!("no open dead letter with id {id:?}"));
+                };
+                let aggregate = w.letters[first].aggregate.clone();
+                let open: Vec<String> = w
+                    .open_letters()
+                    .filter(|l| l.aggregate == aggregate)
+                    .map(|l| l.event_id.clone())
+                    .collect();
+                crate::dead_letter::admin::redrive_one_allowed(id, &open)?;
+            }
+            let mut aggregates: Vec<String> = Vec::new();
+            for &i in &chosen {
+                if !aggregates.contains(&w.letters[i].aggregate) {
+                    aggregates.push(w.letters[i].aggregate.clone());
+                }
+            }
+            w.redrive_locks.extend(aggregates.iter().cloned());
+            let xid = w.begin();
+            let mut originals = Vec::new();
+            for aggregate in &aggregates {
+                let mine: Vec<usize> = chosen
+                    .iter()
+                    .copied()
+                    .filter(|&i| &w.letters[i].aggregate == aggregate)
+                    .collect();
+                let held: Vec<super::super::world::Row> = if mark == MarkMode::None {
+                    Vec::new()
+                } else {
+                    w.unsent()
+                        .filter(|r| &r.aggregate == aggregate)
+                        .cloned()
+                        .collect()
+                };
+                originals.extend(mine.iter().filter_map(|&i| w.letters[i].seq));
+                originals.extend(held.iter().map(|r| r.seq));
+                for &i in &mine {
+                    let l = w.letters[i].clone();
+                    let event_type = l.raw.event_type.clone().unwrap_or_default();
+                    let headers = l.raw.headers.clone().unwrap_or_default();
+                    w.insert(xid, &l.event_id, aggregate, &event_type, &headers);
+                }
+                for r in &held {
+                    w.insert(xid, &r.id, aggregate, &r.event_type, &r.headers);
+                }
+            }
+            (xid, chosen, aggregates, originals)
+        };
+        // Rows other transactions wrote meanwhile go behind the copies, until
+        // no transaction was open after the last insert.
+        loop {
+            if mark == MarkMode::None {
+                break;
+            }
+            let running: Vec<u64> = lock(world)
+                .txs
+                .iter()
+                .filter(|(x, s)| **x != xid && **s == super::super::world::TxState::Open)
+                .map(|(x, _)| *x)
+                .collect();
+            if running.is_empty() {
+                break;
+            }
+            while running
+                .iter()
+                .any(|x| lock(world).txs.get(x) == Some(&super::super::world::TxState::Open))
+            {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let mut w = lock(world);
+            for aggregate in &aggregates {
+                let late: Vec<super::super::world::Row> = w
+                    .unsent()
+                    .filter(|r| {
+                        &r.aggregate == aggregate && r.xid != xid && !originals.contains(&r.seq)
+                    })
+                    .cloned()
+                    .collect();
+                for r in &late {
+                    originals.push(r.seq);
+                    w.insert(xid, &r.id, aggregate, &r.event_type, &r.headers);
+                }
+            }
+        }
+        let mut w = lock(world);
+        for seq in &originals {
+            w.rows.remove(seq);
+        }
+        for &i in &chosen {
+            w.letters[i].resolution = Some(Resolution::Redriven);
+        }
+        for a in &aggregates {
+            w.redrive_locks.remove(a);
+        }
+        w.note(format!("dlq redrive {target:?}: {} letters", chosen.len()));
+        w.commit(xid);
+        Ok(chosen.len())
+    }
+}

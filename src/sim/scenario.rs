@@ -1,0 +1,612 @@
+//! One seeded schedule: the settings, the writers, the faults and the
+//! operators, then a calm phase and a cure phase, then the checks.
+
+use super::backend::SimBackend;
+use super::check;
+use super::db::admin;
+use super::world::{BrokerKind, EventFacts, Poison, Shared, World, lock};
+use crate::config::{Config, HoldPolicy, MarkMode, SourceMode};
+use crate::dead_letter::admin::Target;
+use crate::relay::shards::{Balance, Shard};
+use crate::telemetry::PipelineTelemetry;
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// The settings of one schedule.
+#[derive(Debug, Clone)]
+pub struct Params {
+    pub mode: SourceMode,
+    pub mark: MarkMode,
+    pub kafka: bool,
+    pub topic_per_type: bool,
+    pub policy: HoldPolicy,
+    pub dead_letter: bool,
+    pub max_attempts: u32,
+    pub max_in_flight: usize,
+    pub batch_size: usize,
+    pub instances: usize,
+    pub transactions: usize,
+    pub aggregates: usize,
+    pub faults: usize,
+}
+
+impl Params {
+    fn random(rng: &mut fastrand::Rng) -> Self {
+        let mode = if rng.bool() {
+            SourceMode::Polling
+        } else {
+            SourceMode::Cdc
+        };
+        let mark = match (mode, rng.u32(0..3)) {
+            (_, 0) => MarkMode::Update,
+            (_, 1) => MarkMode::Delete,
+            (SourceMode::Cdc, _) => MarkMode::None,
+            _ => MarkMode::Update,
+        };
+        let kafka = rng.bool();
+        Params {
+            mode,
+            mark,
+            kafka,
+            topic_per_type: rng.bool(),
+            policy: if mode == SourceMode::Polling && rng.u32(0..3) == 0 {
+                HoldPolicy::Wait
+            } else {
+                HoldPolicy::Follow
+            },
+            dead_letter: rng.u32(0..8) != 0,
+            max_attempts: rng.u32(1..5),
+            max_in_flight: rng.usize(3..40),
+            batch_size: rng.usize(1..30),
+            instances: rng.usize(1..3),
+            transactions: rng.usize(20..120),
+            aggregates: rng.usize(2..12),
+            faults: rng.usize(0..12),
+        }
+    }
+
+    fn toml(&self) -> String {
+        let sink = if self.kafka {
+            format!(
+                "type = \"kafka\"\nbrokers = \"sim:9092\"\ntopic = \"{}\"",
+                if self.topic_per_type {
+                    "t.{event_type}"
+                } else {
+                    "t"
+                }
+            )
+        } else {
+            format!(
+                "type = \"rabbitmq\"\nurl = \"amqp://sim\"\nexchange = \"x\"\nrouting_key = \"{}\"",
+                if self.topic_per_type {
+                    "{event_type}"
+                } else {
+                    "all"
+                }
+            )
+        };
+        format!(
+            r#"
+[database]
+url = "postgres://sim@sim/sim"
+[source]
+mode = "{mode}"
+batch_size = {batch}
+[source.polling]
+poll_interval = "1s"
+[relay]
+mark = "{mark}"
+max_in_flight = {window}
+confirm_timeout = "2s"
+shutdown_timeout = "5s"
+retry_base = "50ms"
+retry_max = "1s"
+reject_retry_base = "50ms"
+reject_retry_max = "500ms"
+standby_poll = "300ms"
+[dead_letter]
+enabled = {dl}
+max_attempts = {attempts}
+aggregate = "{policy}"
+refresh_interval = "500ms"
+[http]
+enabled = false
+[retention]
+enabled = false
+[sink]
+{sink}
+"#,
+            mode = match self.mode {
+                SourceMode::Polling => "polling",
+                SourceMode::Cdc => "cdc",
+            },
+            batch = self.batch_size,
+            mark = match self.mark {
+                MarkMode::Update => "update",
+                MarkMode::Delete => "delete",
+                MarkMode::None => "none",
+            },
+            window = self.max_in_flight,
+            dl = self.dead_letter,
+            attempts = self.max_attempts,
+            policy = match self.policy {
+                HoldPolicy::Follow => "follow",
+                HoldPolicy::Wait => "wait",
+            },
+        )
+    }
+}
+
+/// Counts over many schedules.
+#[derive(Debug, Default)]
+pub struct Totals {
+    pub schedules: u64,
+    pub events: u64,
+    pub deliveries: u64,
+    pub dead_letters: u64,
+    pub incidents: u64,
+    pub simulated: Duration,
+}
+
+impl Totals {
+    pub fn add(&mut self, t: &Totals) {
+        self.schedules += t.schedules;
+        self.events += t.events;
+        self.deliveries += t.deliveries;
+        self.dead_letters += t.dead_letters;
+        self.incidents += t.incidents;
+        self.simulated += t.simulated;
+    }
+}
+
+impl fmt::Display for Totals {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {:.0} simulated minutes",
+            self.schedules,
+            self.events,
+            self.deliveries,
+            self.dead_letters,
+            self.incidents,
+            self.simulated.as_secs_f64() / 60.0
+        )
+    }
+}
+
+/// Runs schedule `seed`; `Err` is a printable report.
+pub fn run(seed: u64) -> Result<Totals, String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| format!("cannot build a runtime: {e}"))?;
+    // The relay's own jitter draws from this thread's generator.
+    fastrand::seed(seed);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let params = Params::random(&mut rng);
+    let config = crate::config::load_str(&params.toml())
+        .map_err(|e| format!("seed {seed}: the simulated configuration is invalid: {e}"))?;
+    let world: Shared = Arc::new(Mutex::new(World::new(
+        seed,
+        BrokerKind {
+            gapless: params.kafka,
+            topic_per_type: params.topic_per_type,
+        },
+        config.relay.confirm_timeout,
+        params.mark != MarkMode::None,
+    )));
+    let outcome = rt.block_on(drive(seed, rng, params.clone(), config, world.clone()));
+    let w = lock(&world);
+    let mut problems = w.violations.clone();
+    if let Err(e) = &outcome {
+        problems.push(e.clone());
+    }
+    problems.extend(check::finally(&w, &params));
+    if problems.is_empty() {
+        return Ok(Totals {
+            schedules: 1,
+            events: w.order.values().map(|v| v.len() as u64).sum(),
+            deliveries: w.deliveries.len() as u64,
+            dead_letters: w.letters.len() as u64,
+            incidents: u64::from(w.incidents),
+            simulated: outcome.unwrap_or_default(),
+        });
+    }
+    let mut report = format!(
+        "simulation seed {seed} failed ({params:?}):\n  - {}\n  last events:\n",
+        problems.join("\n  - ")
+    );
+    // Replaying one seed prints the whole history.
+    let keep = if std::env::var("OUTBOX_RELAY_SIM_SEED").is_ok() {
+        usize::MAX
+    } else {
+        120
+    };
+    for line in w
+        .log
+        .iter()
+        .rev()
+        .take(keep)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+    {
+        report.push_str("    ");
+        report.push_str(line);
+        report.push('\n');
+    }
+    Err(report)
+}
+
+struct Instance {
+    id: usize,
+    handle: Option<JoinHandle<()>>,
+    token: CancellationToken,
+}
+
+impl Instance {
+    fn start(world: &Shared, config: &Config, id: usize) -> Instance {
+        let token = CancellationToken::new();
+        let backend = SimBackend {
+            world: world.clone(),
+            instance: id,
+            config: config.clone(),
+        };
+        let t = token.clone();
+        let handle = tokio::spawn(async move {
+            let telemetry = PipelineTelemetry::new(&backend.config);
+            crate::relay::supervise::supervise(
+                &backend.config,
+                &backend,
+                Shard::whole(),
+                Balance::unlimited(),
+                telemetry,
+                t,
+            )
+            .await;
+        });
+        lock(world).note(format!("instance {id} starts"));
+        Instance {
+            id,
+            handle: Some(handle),
+            token,
+        }
+    }
+
+    /// SIGKILL: the task stops at whatever await it is in; its sessions and
+    /// connections end.
+    async fn crash(&mut self, world: &Shared) {
+        if let Some(h) = self.handle.take() {
+            h.abort();
+            let _ = h.await;
+        }
+        let mut w = lock(world);
+        w.note(format!("instance {} crashes", self.id));
+        w.incidents += 1;
+        w.kill_conns_of(self.id);
+        w.end_sessions(self.id);
+    }
+
+    /// SIGTERM: drain, record, exit.
+    async fn stop(&mut self, world: &Shared) -> Result<(), String> {
+        self.token.cancel();
+        if let Some(h) = self.handle.take()
+            && tokio::time::timeout(Duration::from_secs(120), h)
+                .await
+                .is_err()
+        {
+            return Err(format!(
+                "instance {} did not stop within 120 s of SIGTERM",
+                self.id
+            ));
+        }
+        let mut w = lock(world);
+        w.note(format!("instance {} stopped", self.id));
+        w.kill_conns_of(self.id);
+        w.end_sessions(self.id);
+        Ok(())
+    }
+}
+
+/// The whole schedule; returns the simulated time it took.
+async fn drive(
+    seed: u64,
+    mut rng: fastrand::Rng,
+    params: Params,
+    config: Config,
+    world: Shared,
+) -> Result<Duration, String> {
+    let started = Instant::now();
+    let broker = tokio::spawn(broker(world.clone()));
+    let mut instances: Vec<Instance> = (0..params.instances)
+        .map(|i| Instance::start(&world, &config, i))
+        .collect();
+    let writers = tokio::spawn(write(
+        world.clone(),
+        fastrand::Rng::with_seed(seed.wrapping_mul(31).wrapping_add(7)),
+        params.clone(),
+    ));
+    for _ in 0..params.faults {
+        tokio::time::sleep(Duration::from_millis(rng.u64(50..2_500))).await;
+        fault(&world, &config, &params, &mut rng, &mut instances).await;
+    }
+    writers
+        .await
+        .map_err(|e| format!("the writers failed: {e}"))?;
+    {
+        let mut w = lock(&world);
+        w.broker_down = false;
+        w.busy_topics.clear();
+        w.note("calm: no more faults".into());
+    }
+    // Calm: every refused event ends in the dead-letter table or is delivered.
+    wait_until(&world, Duration::from_secs(1800), "calm phase", |w| {
+        check::quiescent(w, &params)
+    })
+    .await?;
+    // Cure: the broker takes everything now; operators redrive every letter.
+    {
+        let mut w = lock(&world);
+        w.note("cure: the broker accepts everything; redrive all".into());
+        for e in w.events.values_mut() {
+            e.poison = Poison::None;
+        }
+        // Operators correct the unreadable rows, in the table and in the letters.
+        for l in w.letters.iter_mut() {
+            l.raw.headers = Some("{}".into());
+        }
+        for r in w.rows.values_mut() {
+            r.headers = "{}".into();
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(1800);
+    loop {
+        if lock(&world).open_letters().next().is_some() {
+            let _ = admin::redrive(&world, &Target::All, params.mark).await;
+        }
+        if check::all_delivered(&lock(&world)) {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(
+                "liveness: after the cure and redrives, events were still undelivered after 30 simulated minutes"
+                    .into(),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Let the last marks land, then stop every instance cleanly.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    for i in instances.iter_mut() {
+        i.stop(&world).await?;
+    }
+    broker.abort();
+    Ok(started.elapsed())
+}
+
+async fn wait_until(
+    world: &Shared,
+    limit: Duration,
+    what: &str,
+    done: impl Fn(&World) -> bool,
+) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if done(&lock(world)) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "liveness: the {what} did not settle within {} simulated seconds",
+                limit.as_secs()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The broker: delivers and confirms when due.
+async fn broker(world: Shared) {
+    loop {
+        let (notify, next) = {
+            let w = lock(&world);
+            (w.broker_notify.clone(), w.next_broker_step())
+        };
+        let woken = notify.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        match next {
+            Some(at) if at <= Instant::now() => {}
+            Some(at) => {
+                tokio::select! {
+                    biased;
+                    _ = woken => {}
+                    _ = tokio::time::sleep_until(at) => {}
+                }
+            }
+            None => woken.await,
+        }
+        lock(&world).broker_step(Instant::now());
+    }
+}
+
+/// Applications: transactions over a few aggregates, serialised per aggregate,
+/// some held open (committing out of `relay_seq` order), some rolled back.
+async fn write(world: Shared, mut rng: fastrand::Rng, params: Params) {
+    let busy: Arc<Mutex<BTreeSet<usize>>> = Arc::default();
+    let mut open = Vec::new();
+    let mut n = 0u64;
+    for _ in 0..params.transactions {
+        tokio::time::sleep(Duration::from_millis(rng.u64(0..60))).await;
+        let free: Vec<usize> = {
+            let b = busy.lock().unwrap_or_else(|e| e.into_inner());
+            (0..params.aggregates).filter(|a| !b.contains(a)).collect()
+        };
+        if free.is_empty() {
+            continue;
+        }
+        let mut mine: Vec<usize> = Vec::new();
+        for _ in 0..rng.usize(1..4) {
+            let a = free[rng.usize(0..free.len())];
+            if !mine.contains(&a) {
+                mine.push(a);
+            }
+        }
+        busy.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(mine.iter().copied());
+        let xid = {
+            let mut w = lock(&world);
+            let xid = w.begin();
+            for _ in 0..rng.usize(1..4) {
+                let a = mine[rng.usize(0..mine.len())];
+                n += 1;
+                let id = format!("e{n}");
+                let poison = match rng.u32(0..100) {
+                    0..2 if params.dead_letter => Poison::RefuseAfterSend,
+                    2..3 if params.dead_letter => Poison::RefuseBeforeSend,
+                    3..4 if params.dead_letter => Poison::BadRow,
+                    4..9 => Poison::Flaky(rng.u32(1..4)),
+                    _ => Poison::None,
+                };
+                let headers = if poison == Poison::BadRow {
+                    "[1]"
+                } else {
+                    "{}"
+                };
+                w.events.insert(
+                    id.clone(),
+                    EventFacts {
+                        aggregate: format!("a{a}"),
+                        committed: false,
+                        aborted: false,
+                        poison,
+                        refusals: 0,
+                        dropped: false,
+                    },
+                );
+                let event_type = ["Created", "Changed", "Closed"][rng.usize(0..3)];
+                w.insert(xid, &id, &format!("a{a}"), event_type, headers);
+            }
+            xid
+        };
+        let hold = if rng.u32(0..4) == 0 {
+            Duration::from_millis(rng.u64(0..800))
+        } else {
+            Duration::ZERO
+        };
+        let abort = rng.u32(0..10) == 0;
+        let (shared, busy) = (world.clone(), busy.clone());
+        open.push(tokio::spawn(async move {
+            tokio::time::sleep(hold).await;
+            let mut w = lock(&shared);
+            if abort {
+                w.abort(xid);
+            } else {
+                w.commit(xid);
+            }
+            let mut b = busy.lock().unwrap_or_else(|e| e.into_inner());
+            for a in mine {
+                b.remove(&a);
+            }
+        }));
+        if rng.u32(0..5) == 0 {
+            lock(&world).unrelated_commit();
+        }
+    }
+    for t in open {
+        let _ = t.await;
+    }
+}
+
+/// One fault or operator action.
+async fn fault(
+    world: &Shared,
+    config: &Config,
+    params: &Params,
+    rng: &mut fastrand::Rng,
+    instances: &mut [Instance],
+) {
+    let i = rng.usize(0..instances.len());
+    match rng.u32(0..10) {
+        0 | 1 => {
+            instances[i].crash(world).await;
+            tokio::time::sleep(Duration::from_millis(rng.u64(0..1_500))).await;
+            instances[i] = Instance::start(world, config, instances[i].id);
+        }
+        2 => {
+            // The ownership session ends, the process does not notice yet.
+            let mut w = lock(world);
+            let owner = w.lock_reign.and_then(|r| w.reign_instance.get(&r).copied());
+            if let Some(o) = owner {
+                w.incidents += 1;
+                w.end_sessions(o);
+            }
+        }
+        3 => {
+            let mut w = lock(world);
+            w.note(format!("instance {i} loses its broker connections"));
+            w.incidents += 1;
+            w.kill_conns_of(instances[i].id);
+        }
+        4 => {
+            {
+                let mut w = lock(world);
+                w.note("broker outage".into());
+                w.incidents += 1;
+                w.broker_down = true;
+                w.kill_all_conns();
+            }
+            tokio::time::sleep(Duration::from_millis(rng.u64(200..4_000))).await;
+            let mut w = lock(world);
+            w.broker_down = false;
+            w.note("broker back".into());
+        }
+        5 if !params.kafka => {
+            let topic = lock(world).topic(["Created", "Changed", "Closed"][rng.usize(0..3)]);
+            lock(world).busy_topics.insert(topic.clone());
+            lock(world).note(format!("queue of {topic} full"));
+            tokio::time::sleep(Duration::from_millis(rng.u64(100..3_000))).await;
+            lock(world).busy_topics.remove(&topic);
+        }
+        6 => {
+            lock(world).incidents += 1;
+            if let Err(e) = instances[i].stop(world).await {
+                lock(world).violation(e);
+            }
+            instances[i] = Instance::start(world, config, instances[i].id);
+        }
+        7 | 8 => {
+            let (by_id, by_aggregate) = {
+                let w = lock(world);
+                let open: Vec<_> = w.open_letters().collect();
+                if open.is_empty() {
+                    return;
+                }
+                let l = open[rng.usize(0..open.len())];
+                (l.event_id.clone(), l.aggregate.clone())
+            };
+            let target = match rng.u32(0..3) {
+                0 => Target::Id(by_id),
+                1 => Target::Aggregate(by_aggregate),
+                _ => Target::All,
+            };
+            if rng.u32(0..4) == 0 {
+                admin::drop(world, &target);
+            } else if let Err(refused) = admin::redrive(world, &target, params.mark).await {
+                lock(world).note(format!("redrive refused: {refused}"));
+            }
+        }
+        _ => {
+            for _ in 0..rng.usize(1..20) {
+                lock(world).unrelated_commit();
+            }
+        }
+    }
+}

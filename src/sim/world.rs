@@ -1,0 +1,716 @@
+//! The simulated world every instance shares: one database (transactions,
+//! outbox rows, the WAL, dead letters, the slot, the ownership lock) and one
+//! broker, plus the record of what happened that the checks read.
+//!
+//! Everything is in one struct behind a mutex that is never held across an
+//! await: each database statement and each broker step happens at one
+//! instant of (paused, simulated) time.
+
+use crate::outbox::RawRow;
+use crate::sink::SinkError;
+use crate::source::replication::Lsn;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
+
+pub type Shared = Arc<Mutex<World>>;
+
+pub fn lock(world: &Shared) -> MutexGuard<'_, World> {
+    world.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the broker does with an event, decided when it is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Poison {
+    None,
+    /// Refused by the sink's own checks, before anything is sent (too large).
+    RefuseBeforeSend,
+    /// Refused by the broker after the send (an invalid destination).
+    RefuseAfterSend,
+    /// Refused this many times, then accepted.
+    Flaky(u32),
+    /// The row itself cannot be read (headers that are not an object of strings).
+    BadRow,
+}
+
+/// One outbox row.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub seq: i64,
+    pub id: String,
+    pub aggregate: String,
+    pub event_type: String,
+    pub headers: String,
+    pub xid: u64,
+    pub sent: bool,
+}
+
+impl Row {
+    pub fn raw(&self) -> RawRow {
+        RawRow {
+            id: Some(self.id.clone()),
+            aggregate_type: Some("sim".into()),
+            aggregate_id: Some(self.aggregate.clone()),
+            event_type: Some(self.event_type.clone()),
+            event_version: Some("1".into()),
+            payload: Some("{}".into()),
+            headers: Some(self.headers.clone()),
+            created_at: Some("2026-12-01 00:00:00+00".into()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxState {
+    Open,
+    Committed,
+    Aborted,
+}
+
+/// A committed transaction as logical decoding sees it.
+#[derive(Debug, Clone)]
+pub struct WalTx {
+    pub commit_lsn: Lsn,
+    pub end_lsn: Lsn,
+    pub xid: u64,
+    /// The rows as inserted.
+    pub rows: Vec<Row>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolution {
+    Redriven,
+    Dropped,
+}
+
+#[derive(Debug, Clone)]
+pub struct Letter {
+    pub event_id: String,
+    pub seq: Option<i64>,
+    pub aggregate: String,
+    pub raw: RawRow,
+    pub resolution: Option<Resolution>,
+}
+
+/// What the checks know about an event.
+#[derive(Debug, Clone)]
+pub struct EventFacts {
+    pub aggregate: String,
+    pub committed: bool,
+    pub aborted: bool,
+    pub poison: Poison,
+    /// Refused by the broker so far (for `Flaky`).
+    pub refusals: u32,
+    pub dropped: bool,
+}
+
+/// A message the broker accepted (a delivery consumers see).
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub event_id: String,
+}
+
+struct BrokerMsg {
+    conn: u64,
+    event_id: String,
+    topic: String,
+    key: String,
+    due: Instant,
+    confirm_after: Duration,
+    reply: oneshot::Sender<Result<(), SinkError>>,
+}
+
+struct PendingConfirm {
+    conn: u64,
+    at: Instant,
+    reply: oneshot::Sender<Result<(), SinkError>>,
+    result: Result<(), SinkError>,
+}
+
+/// How the simulated broker behaves.
+#[derive(Debug, Clone, Copy)]
+pub struct BrokerKind {
+    /// Kafka: a refusal after a send fails every later message of the same
+    /// topic and key on that connection (the idempotent producer's gapless
+    /// guarantee), and breaks the connection. RabbitMQ: outcomes are independent.
+    pub gapless: bool,
+    /// Each event type has its own topic.
+    pub topic_per_type: bool,
+}
+
+pub struct World {
+    pub rng: fastrand::Rng,
+    pub broker_kind: BrokerKind,
+    pub confirm_timeout: Duration,
+    pub marks_rows: bool,
+    // The database.
+    next_xid: u64,
+    next_seq: i64,
+    next_lsn: u64,
+    pub txs: BTreeMap<u64, TxState>,
+    /// Rows of committed (and open) transactions, by `relay_seq`.
+    pub rows: BTreeMap<i64, Row>,
+    /// Commit order: the xid of each committed transaction.
+    pub commits: Vec<u64>,
+    /// Each committed xid's place in `commits`.
+    pub commit_pos: BTreeMap<u64, usize>,
+    pub wal: Vec<WalTx>,
+    pub letters: Vec<Letter>,
+    /// Aggregates whose dead-letter lock a redrive holds.
+    pub redrive_locks: BTreeSet<String>,
+    pub slot_confirmed: Lsn,
+    /// The stream currently reading the slot.
+    pub slot_active: Option<u64>,
+    next_stream: u64,
+    /// The ownership lock: the holder's reign (one per acquisition).
+    pub lock_reign: Option<u64>,
+    next_reign: u64,
+    /// Reign of each instance's current ownership session.
+    pub reign_instance: BTreeMap<u64, usize>,
+    pub commit_notify: Arc<Notify>,
+    // The broker.
+    conns: BTreeMap<u64, (usize, bool)>,
+    next_conn: u64,
+    inflight: Vec<BrokerMsg>,
+    confirms: Vec<PendingConfirm>,
+    /// Per topic and key, the latest due time (deliveries stay in order).
+    last_due: BTreeMap<(String, String), Instant>,
+    pub broker_down: bool,
+    pub busy_topics: BTreeSet<String>,
+    pub broker_notify: Arc<Notify>,
+    // What happened.
+    pub events: BTreeMap<String, EventFacts>,
+    /// Per aggregate, its committed events in commit order.
+    pub order: BTreeMap<String, Vec<String>>,
+    pub deliveries: Vec<Delivery>,
+    /// The latest reign that published anything.
+    latest_publishing_reign: u64,
+    /// Crashes, lost connections and sessions, outages, confirm timeouts:
+    /// each may cause up to a window of duplicates.
+    pub incidents: u32,
+    pub violations: Vec<String>,
+    pub log: VecDeque<String>,
+}
+
+/// Lines of history kept for a failure report.
+const LOG_LINES: usize = 20_000;
+
+impl World {
+    pub fn new(
+        seed: u64,
+        broker_kind: BrokerKind,
+        confirm_timeout: Duration,
+        marks_rows: bool,
+    ) -> Self {
+        World {
+            rng: fastrand::Rng::with_seed(seed ^ 0x5eed_0f7e_1a00_u64),
+            broker_kind,
+            confirm_timeout,
+            marks_rows,
+            next_xid: 1000,
+            next_seq: 1,
+            next_lsn: 0x1000,
+            txs: BTreeMap::new(),
+            rows: BTreeMap::new(),
+            commits: Vec::new(),
+            commit_pos: BTreeMap::new(),
+            wal: Vec::new(),
+            letters: Vec::new(),
+            redrive_locks: BTreeSet::new(),
+            slot_confirmed: Lsn(0x1000),
+            slot_active: None,
+            next_stream: 1,
+            lock_reign: None,
+            next_reign: 1,
+            reign_instance: BTreeMap::new(),
+            commit_notify: Arc::new(Notify::new()),
+            conns: BTreeMap::new(),
+            next_conn: 1,
+            inflight: Vec::new(),
+            confirms: Vec::new(),
+            last_due: BTreeMap::new(),
+            broker_down: false,
+            busy_topics: BTreeSet::new(),
+            broker_notify: Arc::new(Notify::new()),
+            events: BTreeMap::new(),
+            order: BTreeMap::new(),
+            deliveries: Vec::new(),
+            latest_publishing_reign: 0,
+            incidents: 0,
+            violations: Vec::new(),
+            log: VecDeque::new(),
+        }
+    }
+
+    pub fn note(&mut self, line: String) {
+        if self.log.len() == LOG_LINES {
+            self.log.pop_front();
+        }
+        self.log.push_back(line);
+    }
+
+    pub fn violation(&mut self, v: String) {
+        self.note(format!("VIOLATION {v}"));
+        self.violations.push(v);
+    }
+
+    // ----- transactions -----
+
+    pub fn begin(&mut self) -> u64 {
+        let xid = self.next_xid;
+        self.next_xid += 1;
+        self.txs.insert(xid, TxState::Open);
+        xid
+    }
+
+    pub fn insert(
+        &mut self,
+        xid: u64,
+        id: &str,
+        aggregate: &str,
+        event_type: &str,
+        headers: &str,
+    ) -> i64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.note(format!(
+            "insert {id} of {aggregate} as row {seq} in xid {xid}"
+        ));
+        self.rows.insert(
+            seq,
+            Row {
+                seq,
+                id: id.to_owned(),
+                aggregate: aggregate.to_owned(),
+                event_type: event_type.to_owned(),
+                headers: headers.to_owned(),
+                xid,
+                sent: false,
+            },
+        );
+        seq
+    }
+
+    /// Commits: the rows become visible and the transaction enters the WAL.
+    pub fn commit(&mut self, xid: u64) {
+        self.txs.insert(xid, TxState::Committed);
+        self.commit_pos.insert(xid, self.commits.len());
+        self.commits.push(xid);
+        let rows: Vec<Row> = self
+            .rows
+            .values()
+            .filter(|r| r.xid == xid)
+            .cloned()
+            .collect();
+        let commit_lsn = Lsn(self.next_lsn);
+        self.next_lsn += 0x40;
+        let end_lsn = Lsn(self.next_lsn);
+        self.next_lsn += 0x10;
+        for r in &rows {
+            if let Some(e) = self.events.get_mut(&r.id)
+                && !e.committed
+            {
+                e.committed = true;
+                self.order
+                    .entry(r.aggregate.clone())
+                    .or_default()
+                    .push(r.id.clone());
+            }
+        }
+        self.note(format!(
+            "commit xid {xid} at {commit_lsn}: {} rows",
+            rows.len()
+        ));
+        self.wal.push(WalTx {
+            commit_lsn,
+            end_lsn,
+            xid,
+            rows,
+        });
+        self.commit_notify.notify_waiters();
+    }
+
+    pub fn abort(&mut self, xid: u64) {
+        self.txs.insert(xid, TxState::Aborted);
+        let gone: Vec<i64> = self
+            .rows
+            .values()
+            .filter(|r| r.xid == xid)
+            .map(|r| r.seq)
+            .collect();
+        for seq in gone {
+            if let Some(r) = self.rows.remove(&seq)
+                && let Some(e) = self.events.get_mut(&r.id)
+            {
+                e.aborted = true;
+            }
+        }
+        self.note(format!("abort xid {xid}"));
+    }
+
+    pub fn committed(&self, xid: u64) -> bool {
+        self.txs.get(&xid) == Some(&TxState::Committed)
+    }
+
+    /// `pg_current_snapshot()`.
+    pub fn snapshot(&self) -> crate::source::cdc::snapshot::Snapshot {
+        let xip: Vec<u64> = self
+            .txs
+            .iter()
+            .filter(|(_, s)| **s == TxState::Open)
+            .map(|(x, _)| *x)
+            .collect();
+        crate::source::cdc::snapshot::Snapshot {
+            xmin: xip.first().copied().unwrap_or(self.next_xid),
+            xmax: self.next_xid,
+            xip,
+        }
+    }
+
+    /// Where the next WAL record goes.
+    pub fn insert_lsn(&self) -> Lsn {
+        Lsn(self.next_lsn)
+    }
+
+    /// A transaction of another table: WAL without outbox rows.
+    pub fn unrelated_commit(&mut self) {
+        let xid = self.begin();
+        self.commit(xid);
+    }
+
+    /// The committed rows not yet marked sent.
+    pub fn unsent(&self) -> impl Iterator<Item = &Row> {
+        self.rows
+            .values()
+            .filter(|r| !r.sent && self.committed(r.xid))
+    }
+
+    // ----- the slot -----
+
+    pub fn open_stream(&mut self) -> Option<u64> {
+        if self.slot_active.is_some() {
+            return None;
+        }
+        let id = self.next_stream;
+        self.next_stream += 1;
+        self.slot_active = Some(id);
+        Some(id)
+    }
+
+    pub fn close_stream(&mut self, id: u64) {
+        if self.slot_active == Some(id) {
+            self.slot_active = None;
+        }
+    }
+
+    /// A status update: the slot's confirmed position moves to `flushed`,
+    /// which must not pass an event nobody has accounted for.
+    pub fn confirm_slot(&mut self, flushed: Lsn) {
+        if flushed <= self.slot_confirmed {
+            return;
+        }
+        let mut problems = Vec::new();
+        for tx in self
+            .wal
+            .iter()
+            .filter(|t| t.end_lsn <= flushed && t.commit_lsn >= self.slot_confirmed)
+        {
+            for r in &tx.rows {
+                if !self.accounted(&r.id) {
+                    problems.push(format!(
+                        "slot confirmed to {flushed} past event {} (xid {}, commit {}), which was neither delivered, dead-lettered nor left unsent in the table",
+                        r.id, tx.xid, tx.commit_lsn
+                    ));
+                }
+            }
+        }
+        for p in problems {
+            self.violation(p);
+        }
+        self.slot_confirmed = flushed;
+    }
+
+    /// The event is safe whatever happens to the WAL before it.
+    fn accounted(&self, id: &str) -> bool {
+        self.deliveries.iter().any(|d| d.event_id == id)
+            || self.letters.iter().any(|l| l.event_id == id)
+            || self.events.get(id).is_some_and(|e| e.dropped)
+            || (self.marks_rows && self.unsent().any(|r| r.id == id))
+    }
+
+    // ----- ownership -----
+
+    pub fn try_lock(&mut self, instance: usize) -> Option<u64> {
+        if self.lock_reign.is_some() {
+            return None;
+        }
+        let reign = self.next_reign;
+        self.next_reign += 1;
+        self.lock_reign = Some(reign);
+        self.reign_instance.insert(reign, instance);
+        self.note(format!(
+            "instance {instance} owns the outbox (reign {reign})"
+        ));
+        Some(reign)
+    }
+
+    pub fn owns(&self, reign: u64) -> bool {
+        self.lock_reign == Some(reign)
+    }
+
+    /// The ownership session of `reign` closes (its connection was dropped).
+    pub fn release(&mut self, reign: u64) {
+        if self.lock_reign == Some(reign) {
+            self.lock_reign = None;
+            self.note(format!("reign {reign} ends"));
+        }
+    }
+
+    /// The instance's ownership session ends (crash, terminated backend).
+    pub fn end_sessions(&mut self, instance: usize) {
+        if let Some(r) = self.lock_reign
+            && self.reign_instance.get(&r) == Some(&instance)
+        {
+            self.lock_reign = None;
+            self.note(format!(
+                "instance {instance} lost its ownership session (reign {r})"
+            ));
+        }
+    }
+
+    // ----- the broker -----
+
+    pub fn connect(&mut self, instance: usize) -> Result<u64, SinkError> {
+        if self.broker_down {
+            return Err(SinkError::Unavailable("sim: the broker is down".into()));
+        }
+        let id = self.next_conn;
+        self.next_conn += 1;
+        self.conns.insert(id, (instance, false));
+        Ok(id)
+    }
+
+    pub fn conn_ok(&self, conn: u64) -> bool {
+        !self.broker_down && self.conns.get(&conn).is_some_and(|(_, broken)| !broken)
+    }
+
+    pub fn topic(&self, event_type: &str) -> String {
+        if self.broker_kind.topic_per_type {
+            format!("t.{event_type}")
+        } else {
+            "t".into()
+        }
+    }
+
+    /// A send: checks, then the message is on its way.
+    pub fn send(
+        &mut self,
+        conn: u64,
+        reign: u64,
+        event_id: &str,
+        key: &str,
+        event_type: &str,
+    ) -> Result<oneshot::Receiver<Result<(), SinkError>>, SinkError> {
+        if !self.conn_ok(conn) {
+            return Err(SinkError::Unavailable("sim: connection lost".into()));
+        }
+        let poison = self.events.get(event_id).map(|e| e.poison);
+        if poison == Some(Poison::RefuseBeforeSend) {
+            return Err(SinkError::Rejected("sim: message too large".into()));
+        }
+        let instance = self.conns.get(&conn).map(|c| c.0).unwrap_or(usize::MAX);
+        if reign < self.latest_publishing_reign {
+            let v = format!(
+                "instance {instance} (reign {reign}) published {event_id} after a newer owner (reign {}) had started publishing",
+                self.latest_publishing_reign
+            );
+            self.violation(v);
+        }
+        self.latest_publishing_reign = self.latest_publishing_reign.max(reign);
+        let topic = self.topic(event_type);
+        let now = Instant::now();
+        let mut due = now + Duration::from_micros(self.rng.u64(200..20_000));
+        let order_key = (topic.clone(), key.to_owned());
+        if let Some(last) = self.last_due.get(&order_key) {
+            due = due.max(*last);
+        }
+        self.last_due.insert(order_key, due);
+        // Now and then a confirmation comes after the relay gave up on it.
+        let confirm_after = if self.rng.u32(0..200) == 0 {
+            self.confirm_timeout + Duration::from_millis(self.rng.u64(1..2000))
+        } else {
+            Duration::from_micros(self.rng.u64(0..30_000))
+        };
+        if due + confirm_after >= now + self.confirm_timeout {
+            self.incidents += 1;
+        }
+        let (tx, rx) = oneshot::channel();
+        self.inflight.push(BrokerMsg {
+            conn,
+            event_id: event_id.to_owned(),
+            topic,
+            key: key.to_owned(),
+            due,
+            confirm_after,
+            reply: tx,
+        });
+        self.note(format!("instance {instance} sends {event_id} ({key})"));
+        self.broker_notify.notify_one();
+        Ok(rx)
+    }
+
+    /// When the broker has something to do next.
+    pub fn next_broker_step(&self) -> Option<Instant> {
+        let a = self.inflight.iter().map(|m| m.due).min();
+        let b = self.confirms.iter().map(|c| c.at).min();
+        match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Delivers (or refuses) what is due and sends due confirmations.
+    pub fn broker_step(&mut self, now: Instant) {
+        while let Some(i) = self
+            .inflight
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.due <= now)
+            .min_by_key(|(_, m)| m.due)
+            .map(|(i, _)| i)
+        {
+            let m = self.inflight.remove(i);
+            let result = self.outcome(&m);
+            if let Err(SinkError::Rejected(_)) = &result
+                && self.broker_kind.gapless
+            {
+                // The producer stops: later messages of this partition fail.
+                let (later, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.inflight)
+                    .into_iter()
+                    .partition(|o| o.conn == m.conn && o.topic == m.topic && o.key == m.key);
+                self.inflight = keep;
+                for o in later {
+                    self.note(format!(
+                        "broker fails {} behind a refused message",
+                        o.event_id
+                    ));
+                    let _ = o
+                        .reply
+                        .send(Err(SinkError::Unavailable("sim: producer fenced".into())));
+                }
+                // The producer is rebuilt: what was in flight on it is ambiguous.
+                if let Some(c) = self.conns.get_mut(&m.conn)
+                    && !c.1
+                {
+                    c.1 = true;
+                    self.incidents += 1;
+                }
+            }
+            self.confirms.push(PendingConfirm {
+                conn: m.conn,
+                at: now + m.confirm_after,
+                reply: m.reply,
+                result,
+            });
+        }
+        let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.confirms)
+            .into_iter()
+            .partition(|c| c.at <= now);
+        self.confirms = keep;
+        for c in due {
+            let _ = c.reply.send(c.result);
+        }
+    }
+
+    fn outcome(&mut self, m: &BrokerMsg) -> Result<(), SinkError> {
+        let Some(facts) = self.events.get_mut(&m.event_id) else {
+            return Err(SinkError::Rejected("sim: unknown event".into()));
+        };
+        let refuse = match facts.poison {
+            Poison::RefuseAfterSend => true,
+            Poison::Flaky(n) if facts.refusals < n => true,
+            _ => false,
+        };
+        if refuse {
+            facts.refusals += 1;
+            self.note(format!("broker refuses {}", m.event_id));
+            return Err(SinkError::Rejected("sim: invalid destination".into()));
+        }
+        if self.busy_topics.contains(&m.topic) {
+            self.note(format!("broker nacks {} (busy)", m.event_id));
+            return Err(SinkError::Busy("sim: queue full".into()));
+        }
+        let instance = self.conns.get(&m.conn).map(|c| c.0).unwrap_or(usize::MAX);
+        self.note(format!(
+            "broker delivers {} ({}) from instance {instance}",
+            m.event_id, m.key
+        ));
+        self.deliveries.push(Delivery {
+            event_id: m.event_id.clone(),
+        });
+        Ok(())
+    }
+
+    /// A connection dies: each message on it may or may not have arrived.
+    pub fn kill_conn(&mut self, conn: u64) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        c.1 = true;
+        let (mut mine, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.inflight)
+            .into_iter()
+            .partition(|m| m.conn == conn);
+        self.inflight = keep;
+        // Confirmations on their way back are lost with the connection.
+        for c in self.confirms.iter_mut().filter(|c| c.conn == conn) {
+            c.result = Err(SinkError::Unavailable("sim: connection lost".into()));
+        }
+        // What was written before the cut arrived, in order; nothing after it.
+        mine.sort_by_key(|m| m.due);
+        let cut = self.rng.usize(0..=mine.len());
+        let mut fenced = BTreeSet::new();
+        for (i, m) in mine.into_iter().enumerate() {
+            let partition = (m.topic.clone(), m.key.clone());
+            if i < cut && !fenced.contains(&partition) {
+                match self.outcome(&m) {
+                    Ok(()) => self.note(format!(
+                        "{} arrived although its connection died",
+                        m.event_id
+                    )),
+                    Err(SinkError::Rejected(_)) if self.broker_kind.gapless => {
+                        fenced.insert(partition);
+                    }
+                    Err(_) => {}
+                }
+            }
+            let _ = m
+                .reply
+                .send(Err(SinkError::Unavailable("sim: connection lost".into())));
+        }
+    }
+
+    pub fn kill_conns_of(&mut self, instance: usize) {
+        let ids: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, (i, broken))| *i == instance && !broken)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.kill_conn(id);
+        }
+    }
+
+    pub fn kill_all_conns(&mut self) {
+        let ids: Vec<u64> = self.conns.keys().copied().collect();
+        for id in ids {
+            self.kill_conn(id);
+        }
+    }
+
+    pub fn open_letters(&self) -> impl Iterator<Item = &Letter> {
+        self.letters.iter().filter(|l| l.resolution.is_none())
+    }
+}
