@@ -301,6 +301,10 @@ pub struct RelayConfig {
     /// How long the standby waits between attempts to become the active instance.
     #[serde(default = "defaults::standby_poll", with = "humantime_serde")]
     pub standby_poll: Duration,
+    /// The owner publishes only within this long of its last round trip on
+    /// the ownership session; a new owner waits this long before publishing.
+    #[serde(default = "defaults::ownership_lease", with = "humantime_serde")]
+    pub ownership_lease: Duration,
     /// Virtual shards (polling only): the outbox is split by a hash of
     /// `aggregate_id`, and running instances share the shards evenly, each
     /// aggregate staying on one owner.
@@ -321,6 +325,7 @@ impl Default for RelayConfig {
             reject_retry_base: defaults::reject_retry_base(),
             reject_retry_max: defaults::reject_retry_max(),
             standby_poll: defaults::standby_poll(),
+            ownership_lease: defaults::ownership_lease(),
             shards: defaults::shards(),
         }
     }
@@ -494,6 +499,9 @@ pub mod defaults {
     }
     pub fn standby_poll() -> Duration {
         Duration::from_secs(2)
+    }
+    pub fn ownership_lease() -> Duration {
+        Duration::from_secs(3)
     }
     pub fn shards() -> u32 {
         1

@@ -261,6 +261,12 @@ impl Config {
             100 * MS,
             10 * 60 * SEC,
         );
+        c.duration(
+            "relay.ownership_lease",
+            r.ownership_lease,
+            500 * MS,
+            10 * 60 * SEC,
+        );
         c.range("relay.shards", r.shards, 1, 256);
         if r.shards > 1 && s.mode == super::SourceMode::Cdc {
             c.problem(

@@ -10,6 +10,7 @@
 
 mod backoff;
 pub mod blocks;
+pub mod lease;
 pub(crate) mod pipeline;
 mod postgres;
 pub mod scheduler;

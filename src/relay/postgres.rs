@@ -5,7 +5,7 @@ use super::RelayError;
 use super::pipeline::{self, Settings};
 use super::shards::{Balance, Shard};
 use super::supervise::{Backend, Owned};
-use crate::config::{Config, SourceMode};
+use crate::config::{Config, MarkMode, SourceMode};
 use crate::db::DbError;
 use crate::envelope::Envelope;
 use crate::outbox::inspect;
@@ -95,6 +95,7 @@ impl Backend for Postgres<'_> {
             envelope: &envelope,
             settings: &settings,
             telemetry: run.telemetry,
+            lease: run.lease.clone(),
         };
         match config.source.mode {
             SourceMode::Polling => {
@@ -113,7 +114,8 @@ impl Backend for Postgres<'_> {
             }
             SourceMode::Cdc => {
                 let reader = CdcReader::connect(config, &columns, run.progress.clone()).await?;
-                let acker = CdcAcker::new(recorder, run.progress.clone());
+                let marks_rows = config.relay.mark != MarkMode::None;
+                let acker = CdcAcker::new(recorder, run.progress.clone(), marks_rows);
                 let sink = AnySink::connect(&config.sink).await?;
                 tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events from the replication slot");
                 pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;

@@ -7,6 +7,7 @@
 //! with an in-memory one.
 
 use super::blocks::Blocks;
+use super::lease::Lease;
 use super::shards::{Balance, Shard};
 use super::{Backoff, RelayError};
 use crate::config::Config;
@@ -31,6 +32,8 @@ pub struct Owned<'a> {
     /// What the CDC source has confirmed survives reconnects, so a restarted
     /// stream skips it instead of sending it twice.
     pub progress: &'a SharedProgress,
+    /// Publishing is fenced by this (see [`super::lease`]).
+    pub lease: Arc<Lease>,
     pub shutdown: &'a CancellationToken,
 }
 
@@ -82,14 +85,14 @@ pub async fn supervise<B: Backend>(
     let mut backoff = Backoff::new(relay.retry_base, relay.retry_max);
     loop {
         let started = Instant::now();
-        let run = Owned {
-            shard,
-            telemetry: &telemetry,
-            blocks: &mut blocks,
-            progress: &progress,
-            shutdown: &shutdown,
-        };
-        let result = run_once(config, backend, &balance, run).await;
+        let result = run_once(
+            config,
+            backend,
+            &balance,
+            (shard, &telemetry, &mut blocks, &progress),
+            &shutdown,
+        )
+        .await;
         if shutdown.is_cancelled() {
             if let Err(e) = result {
                 tracing::warn!(error = %e, "stopped with an error during shutdown");
@@ -126,25 +129,31 @@ pub async fn supervise<B: Backend>(
     }
 }
 
+/// What a run keeps across runs: its shard, telemetry, blocks and CDC progress.
+type Kept<'a> = (
+    Shard,
+    &'a PipelineTelemetry,
+    &'a mut Blocks,
+    &'a SharedProgress,
+);
+
 async fn run_once<B: Backend>(
     config: &Config,
     backend: &B,
     balance: &Arc<Balance>,
-    run: Owned<'_>,
+    (shard, telemetry, blocks, progress): Kept<'_>,
+    shutdown: &CancellationToken,
 ) -> Result<Stop, RelayError> {
-    let Owned {
-        shard,
-        telemetry,
-        blocks,
-        progress,
-        shutdown,
-    } = run;
     let Some(owner) = backend
         .acquire(shard, balance, &telemetry.health, shutdown)
         .await?
     else {
         return Ok(Stop::Shutdown);
     };
+    let lease = Arc::new(Lease::acquired(
+        config.relay.ownership_lease,
+        Instant::now(),
+    ));
     balance.acquired();
     telemetry.health.acquired();
     // Gives the shard back when this instance holds more than its share.
@@ -178,6 +187,7 @@ async fn run_once<B: Backend>(
         telemetry,
         blocks,
         progress,
+        lease,
         shutdown: &run_token,
     };
     let result = backend.relay(owner, run).await;

@@ -60,6 +60,7 @@ impl Backend for SimBackend {
             envelope: &envelope,
             settings: &settings,
             telemetry: run.telemetry,
+            lease: run.lease.clone(),
         };
         let sink = SimSink::connect(&self.world, self.instance, reign)?;
         match config.source.mode {
@@ -86,7 +87,8 @@ impl Backend for SimBackend {
                         silence_limit: Duration::from_secs(60),
                     },
                 );
-                let acker = CdcAcker::new(store, run.progress.clone());
+                let marks_rows = config.relay.mark != crate::config::MarkMode::None;
+                let acker = CdcAcker::new(store, run.progress.clone(), marks_rows);
                 pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
             }
         }

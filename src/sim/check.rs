@@ -82,7 +82,14 @@ pub fn finally(w: &World, params: &Params) -> Vec<String> {
     }
     // Duplicates only from incidents, each bounded by the window.
     let duplicates = w.deliveries.len() - first.len();
-    let per_incident = params.max_in_flight as u64 * 2;
+    // The documented bound: the in-flight window per incident; without
+    // marking, CDC may also repeat what was confirmed since the slot was
+    // last told (at most another window).
+    let per_incident = if params.mark == MarkMode::None {
+        params.max_in_flight as u64 * 2
+    } else {
+        params.max_in_flight as u64
+    };
     let bound = u64::from(w.incidents) * per_incident;
     if duplicates as u64 > bound {
         out.push(format!(

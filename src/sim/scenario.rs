@@ -381,8 +381,16 @@ async fn drive(
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // Let the last marks land, then stop every instance cleanly.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Every row is marked in the end (a restart re-sends what was
+    // confirmed but not marked), then every instance stops cleanly.
+    let marks = params.mark != MarkMode::None;
+    wait_until(
+        &world,
+        Duration::from_secs(600),
+        "marking of delivered rows",
+        |w| !marks || w.unsent().next().is_none(),
+    )
+    .await?;
     for i in instances.iter_mut() {
         i.stop(&world).await?;
     }

@@ -148,8 +148,17 @@ pub trait Acker: Send + 'static {
         &mut self,
     ) -> impl Future<Output = Result<std::collections::HashSet<String>, SourceError>> + Send;
 
-    /// Called when idle: fails when the acker can no longer record progress
-    /// (its connection, and with it ownership, is gone).
+    /// Events the relay leaves unsent in the source for now (their aggregate
+    /// is held back): a source that can read them again from a durable
+    /// record (rows are marked, so the table keeps them unsent) need not
+    /// hold its progress back for them; the others keep them pending.
+    fn release(&mut self, positions: Vec<Self::Position>) {
+        let _ = positions;
+    }
+
+    /// One round trip on the ownership session: fails when the acker can no
+    /// longer record progress (its connection, and with it ownership, is
+    /// gone). Its success renews the ownership lease.
     fn heartbeat(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send {
         async { Ok(()) }
     }

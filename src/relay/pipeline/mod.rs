@@ -100,6 +100,8 @@ pub struct Context<'a> {
     pub envelope: &'a Envelope,
     pub settings: &'a Settings,
     pub telemetry: &'a PipelineTelemetry,
+    /// Nothing is sent while it is not valid.
+    pub lease: std::sync::Arc<super::lease::Lease>,
 }
 
 /// Runs until `shutdown` (then drains and returns `Ok`) or a failure.

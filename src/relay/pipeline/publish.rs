@@ -29,15 +29,13 @@ where
     P: Clone + Send + Sync + RowPosition + 'static,
     K: Sink,
 {
-    pub(super) async fn admit(
-        &mut self,
-        events: Vec<SourcedEvent<P>>,
-    ) -> Result<(), PipelineError> {
-        self.telemetry
-            .metrics
-            .batch_size
-            .record(events.len() as f64);
-        for event in events {
+    /// Admits events of the current batch while the window has room; the
+    /// rest waits for answers to make room.
+    pub(super) async fn admit_waiting(&mut self) -> Result<(), PipelineError> {
+        while self.has_room() {
+            let Some(event) = self.waiting.pop_front() else {
+                return Ok(());
+            };
             let lane = event.event.as_ref().ok().and_then(|e| self.sink.lane(e));
             match self.scheduler.admit(event, lane, self.blocks) {
                 Admission::Send(e, lane) => {
@@ -89,6 +87,7 @@ where
             (Some(d), Some(first)) if d.policy == HoldPolicy::Follow => first.to_owned(),
             _ => {
                 tracing::debug!(aggregate_id = %aggregate, "aggregate blocked; event deferred");
+                self.pending_releases.push(event.position);
                 return;
             }
         };
@@ -120,6 +119,11 @@ where
         sourced: SourcedEvent<P>,
         lane: Option<String>,
     ) -> Result<(), PipelineError> {
+        if !self.lease.valid(Instant::now()) {
+            // Ownership is not proven: send nothing; read it again later.
+            self.rewind_later();
+            return Ok(());
+        }
         let aggregate = sourced.aggregate_id().to_owned();
         let ticket = self.scheduler.sent(&aggregate, lane);
         let position = sourced.position;
@@ -252,6 +256,7 @@ where
             // An event behind the refused one, in flight with it: it is
             // read again with the aggregate's retry.
             tracing::debug!(event_id = event_id.as_deref().unwrap_or("?"), aggregate_id = aggregate, reason = %reason, "a later event of a refused aggregate was refused too");
+            self.pending_releases.push(position);
             return;
         }
         let (attempts, first_failed_at) = (block.attempts, block.first_failed_at);
@@ -275,6 +280,9 @@ where
                 reason = %reason,
                 "event refused; its aggregate waits, other aggregates continue"
             );
+            self.pending_releases.push(position);
+            self.pending_releases
+                .extend(parked.into_iter().map(|e| e.position));
             return;
         }
         tracing::warn!(

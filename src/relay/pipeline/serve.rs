@@ -8,18 +8,21 @@ use super::{Context, PipelineError, Settings};
 use crate::dead_letter::DeadLetter;
 use crate::envelope::Envelope;
 use crate::relay::blocks::{Blocks, MAX_BLOCKED_AGGREGATES};
+use crate::relay::lease::Lease;
 use crate::relay::scheduler::Scheduler;
 use crate::sink::Sink;
+use crate::source::SourcedEvent;
 use crate::source::{Acker, Reader, RowPosition, SourceError};
 use crate::telemetry::PipelineTelemetry;
 use crate::telemetry::metrics::Failure;
 use chrono::Utc;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -64,6 +67,13 @@ pub(super) struct Pipeline<'a, P, K> {
     /// Dead letters to hand to the acker, in order.
     pub(super) pending_letters: Vec<DeadLetter<P>>,
     pub(super) intake: Intake,
+    /// The rest of the current batch, admitted as the window makes room.
+    pub(super) waiting: VecDeque<SourcedEvent<P>>,
+    /// Held-back events whose positions go back to the source.
+    pub(super) pending_releases: Vec<P>,
+    pub(super) lease: Arc<Lease>,
+    /// Handed to the acker and not recorded yet: part of the window.
+    unrecorded: Arc<AtomicUsize>,
     warned_full: bool,
     epoch: u64,
     refresh: Refresh,
@@ -97,6 +107,7 @@ where
             envelope,
             settings,
             telemetry,
+            lease,
         } = cx;
         let (batch_tx, batch_rx) = mpsc::channel(2);
         let (rewind_tx, rewind_rx) = mpsc::channel(4);
@@ -108,8 +119,14 @@ where
         )));
         let (ack_tx, ack_rx) = mpsc::channel(4);
         let resolved = Arc::new(Resolved::default());
-        let acker_task =
-            AbortOnDropHandle::new(tokio::spawn(drive_acker(acker, ack_rx, resolved.clone())));
+        let unrecorded = Arc::new(AtomicUsize::new(0));
+        let acker_task = AbortOnDropHandle::new(tokio::spawn(drive_acker(
+            acker,
+            ack_rx,
+            resolved.clone(),
+            lease.clone(),
+            unrecorded.clone(),
+        )));
         let every = settings.dead_letter.as_ref().map(|d| d.refresh_interval);
         Pipeline {
             settings,
@@ -122,6 +139,10 @@ where
             pending_acks: Vec::new(),
             pending_letters: Vec::new(),
             intake: Intake::Open,
+            waiting: VecDeque::new(),
+            pending_releases: Vec::new(),
+            lease,
+            unrecorded,
             warned_full: false,
             epoch: 0,
             refresh: Refresh {
@@ -176,9 +197,14 @@ where
                     Intake::Open => {}
                 }
             }
+            let open = self.intake == Intake::Open;
+            let fenced = !self.lease.valid(Instant::now());
+            if open && !fenced && !self.waiting.is_empty() {
+                self.admit_waiting().await?;
+            }
             self.report_in_flight();
             let open = self.intake == Intake::Open;
-            let intake = open && self.has_room();
+            let intake = open && !fenced && self.waiting.is_empty() && self.has_room();
             let expiry = self.blocks.next_expiry().filter(|_| open);
             let deadline = self.intake.deadline();
             let ask_refresh = self.refresh.waiting.is_none()
@@ -212,6 +238,9 @@ where
                 _ = sleep_until_opt(expiry) => self.retry_expired(),
                 // 7. New events.
                 batch = self.batch_rx.recv(), if intake => self.take(batch).await?,
+                // The ownership lease ran out (or a new owner waits out the
+                // previous one's): nothing is sent until it is renewed.
+                _ = self.lease.wait_valid(), if fenced && open => {}
                 // 8. The acker failed (e.g. lost its connection, and with it ownership).
                 res = &mut self.acker_task => return Err(joined(res, "acker")),
                 // 9. An idle broker connection can die unnoticed: look now and
@@ -262,7 +291,9 @@ where
     }
 
     fn has_work(&self) -> bool {
-        !self.pending_acks.is_empty() || !self.pending_letters.is_empty()
+        !self.pending_acks.is_empty()
+            || !self.pending_letters.is_empty()
+            || !self.pending_releases.is_empty()
     }
 
     fn report_in_flight(&self) {
@@ -273,6 +304,9 @@ where
 
     /// Everything sent is confirmed and recorded: re-read from the recorded point.
     async fn rewind(&mut self) -> Result<(), PipelineError> {
+        // The reader starts over: what it would have been told to let go of
+        // is read afresh.
+        self.pending_releases.clear();
         flush(&self.ack_tx).await?;
         self.epoch += 1;
         if self.rewind_tx.send(self.epoch).await.is_err() {
@@ -286,8 +320,10 @@ where
     pub(super) fn rewind_later(&mut self) {
         if self.intake == Intake::Open {
             self.intake = Intake::Rewinding;
-            // Parked events are unsent and unrecorded: they are read again later.
+            // Parked and waiting events are unsent and unrecorded: they are
+            // read again later.
             self.scheduler.clear_parked();
+            self.waiting.clear();
         }
     }
 
@@ -300,6 +336,7 @@ where
             deadline: Instant::now() + self.settings.shutdown_timeout,
         };
         self.scheduler.clear_parked();
+        self.waiting.clear();
     }
 
     async fn drain_timed_out(&mut self) -> Result<(), PipelineError> {
@@ -316,9 +353,14 @@ where
     /// (a letter never depends on a later acknowledgement).
     fn next_command(&mut self) -> AckCommand<P> {
         if !self.pending_letters.is_empty() {
-            AckCommand::DeadLetter(std::mem::take(&mut self.pending_letters))
+            let letters = std::mem::take(&mut self.pending_letters);
+            self.unrecorded.fetch_add(letters.len(), Ordering::SeqCst);
+            AckCommand::DeadLetter(letters)
+        } else if !self.pending_releases.is_empty() {
+            AckCommand::Release(std::mem::take(&mut self.pending_releases))
         } else {
             let acks = std::mem::take(&mut self.pending_acks);
+            self.unrecorded.fetch_add(acks.len(), Ordering::SeqCst);
             let m = &self.telemetry.metrics;
             m.published.increment(acks.len() as u64);
             m.last_publish
@@ -386,7 +428,14 @@ where
 
     async fn take(&mut self, batch: Option<Batch<P>>) -> Result<(), PipelineError> {
         match batch {
-            Some(b) if b.epoch == self.epoch => self.admit(b.events).await,
+            Some(b) if b.epoch == self.epoch => {
+                self.telemetry
+                    .metrics
+                    .batch_size
+                    .record(b.events.len() as f64);
+                self.waiting.extend(b.events);
+                self.admit_waiting().await
+            }
             Some(_) => Ok(()), // read before the last rewind; it will be read again
             None => Err(task_error(&mut self.reader_task, "reader").await),
         }
@@ -412,9 +461,12 @@ where
             return false;
         }
         self.warned_full = false;
-        // Confirmed events not yet handed to the acker count too: a slow
-        // database holds reading back instead of growing this queue.
-        self.scheduler.used() + self.pending_acks.len() + self.pending_letters.len()
+        // Confirmed events not yet recorded count too: a slow database
+        // holds reading back instead of growing the acker's queue.
+        self.scheduler.used()
+            + self.pending_acks.len()
+            + self.pending_letters.len()
+            + self.unrecorded.load(Ordering::SeqCst)
             < self.settings.max_in_flight
     }
 }

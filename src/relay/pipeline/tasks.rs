@@ -3,17 +3,18 @@
 
 use super::PipelineError;
 use crate::dead_letter::DeadLetter;
+use crate::relay::lease::Lease;
 use crate::source::{Acker, Reader, SourceError, SourcedEvent};
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::time::Instant;
 use tokio_util::task::AbortOnDropHandle;
 
 /// Most positions recorded by one acknowledgement statement.
 const MAX_ACK_BATCH: usize = 5_000;
-/// How often an idle acker checks that it still holds ownership.
-const ACKER_HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// Aggregates the acker found resolved, waiting for the pipeline: a set
 /// (bounded by the aggregates that exist) and a wake-up, so the acker never
@@ -54,6 +55,8 @@ pub struct Batch<P> {
 /// Work for the acker, carried out in the order sent.
 pub enum AckCommand<P> {
     Ack(Vec<P>),
+    /// Events left unsent in the source (their aggregate is held back).
+    Release(Vec<P>),
     DeadLetter(Vec<DeadLetter<P>>),
     OpenDeadLetters(oneshot::Sender<HashSet<String>>),
     /// Answered once everything sent before it is recorded.
@@ -167,39 +170,49 @@ fn abort_before_ack_countdown() -> Option<u32> {
 }
 
 /// Records progress in command order, merging consecutive acknowledgements
-/// into one statement. Aggregates whose dead letters turned out resolved are
-/// reported on `resolved`.
+/// into one statement, and renews the ownership lease with a heartbeat
+/// every quarter lease. Aggregates whose dead letters turned out resolved
+/// are reported on `resolved`; `unrecorded` counts what was handed over and
+/// is not recorded yet.
 pub async fn drive_acker<A: Acker>(
     mut acker: A,
     mut rx: mpsc::Receiver<AckCommand<A::Position>>,
     resolved: Arc<Resolved>,
+    lease: Arc<Lease>,
+    unrecorded: Arc<AtomicUsize>,
 ) -> Result<(), SourceError> {
     let mut countdown = abort_before_ack_countdown();
     let mut positions = Vec::new();
     loop {
-        let first = match tokio::time::timeout(ACKER_HEARTBEAT, rx.recv()).await {
+        let first = match tokio::time::timeout_at(lease.renew_by(), rx.recv()).await {
             Ok(Some(cmd)) => cmd,
             Ok(None) => return Ok(()),
             Err(_) => {
-                acker.heartbeat().await?;
+                renew(&mut acker, &lease).await?;
                 continue;
             }
         };
+        if Instant::now() >= lease.renew_by() {
+            renew(&mut acker, &lease).await?;
+        }
         let mut flushes = Vec::new();
         let mut next = Some(first);
         while let Some(cmd) = next {
             match cmd {
                 AckCommand::Ack(p) => positions.extend(p),
+                AckCommand::Release(p) => acker.release(p),
                 AckCommand::Flush(done) => flushes.push(done),
                 AckCommand::DeadLetter(letters) => {
-                    record(&mut acker, &mut positions, &mut countdown).await?;
+                    record(&mut acker, &mut positions, &mut countdown, &unrecorded).await?;
+                    let n = letters.len();
                     let found = acker.dead_letter(letters).await?;
+                    unrecorded.fetch_sub(n, Ordering::SeqCst);
                     if !found.is_empty() {
                         resolved.add(found);
                     }
                 }
                 AckCommand::OpenDeadLetters(reply) => {
-                    record(&mut acker, &mut positions, &mut countdown).await?;
+                    record(&mut acker, &mut positions, &mut countdown, &unrecorded).await?;
                     let _ = reply.send(acker.open_dead_letters().await?);
                 }
             }
@@ -209,17 +222,26 @@ pub async fn drive_acker<A: Acker>(
                 None
             };
         }
-        record(&mut acker, &mut positions, &mut countdown).await?;
+        record(&mut acker, &mut positions, &mut countdown, &unrecorded).await?;
         for done in flushes {
             let _ = done.send(());
         }
     }
 }
 
+/// One round trip on the ownership session; the lease runs from when it was sent.
+async fn renew<A: Acker>(acker: &mut A, lease: &Lease) -> Result<(), SourceError> {
+    let sent = Instant::now();
+    acker.heartbeat().await?;
+    lease.renew(sent);
+    Ok(())
+}
+
 async fn record<A: Acker>(
     acker: &mut A,
     positions: &mut Vec<A::Position>,
     countdown: &mut Option<u32>,
+    unrecorded: &AtomicUsize,
 ) -> Result<(), SourceError> {
     if positions.is_empty() {
         return Ok(());
@@ -238,6 +260,7 @@ async fn record<A: Acker>(
     let started = std::time::Instant::now();
     let n = positions.len();
     acker.ack(std::mem::take(positions)).await?;
+    unrecorded.fetch_sub(n, Ordering::SeqCst);
     tracing::debug!(
         events = n,
         record_ms = started.elapsed().as_millis() as u64,

@@ -58,6 +58,10 @@ pub struct CdcSettings {
     pub heartbeat_interval: Option<Duration>,
     /// Rows are marked, so unsent rows can be read from the table at start-up.
     pub read_table: bool,
+    /// Report the flushed position once this many events were confirmed
+    /// since the last report (the in-flight window): without marking, what
+    /// a crash sends again is what the slot was not told.
+    pub report_every: u64,
 }
 
 impl CdcSettings {
@@ -71,6 +75,7 @@ impl CdcSettings {
             status_interval: cdc.status_interval,
             heartbeat_interval: cdc.heartbeat_interval,
             read_table: config.relay.mark != MarkMode::None,
+            report_every: config.relay.max_in_flight as u64,
         }
     }
 }
@@ -235,9 +240,19 @@ impl<B: CdcServer> CdcReader<B> {
     }
 }
 
+/// Enough confirmations since the last report to send one now.
+fn report_due(progress: &SharedProgress, every: u64) -> bool {
+    lock(progress).unreported() >= every
+}
+
+/// How often a paused reader looks whether confirmations are due for a report.
+const REPORT_CHECK: Duration = Duration::from_millis(100);
+
 enum Wake<M> {
     Message(M),
     Status,
+    /// Time to look whether confirmations are due for a report.
+    Report,
     Silence,
     Heartbeat,
 }
@@ -271,11 +286,15 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                 }
                 Phase::Streaming(s) => {
                     let silence = s.last_message.max(s.paused_at) + self.timing.silence_limit;
+                    // Confirmations waiting for a report are looked at now and then.
+                    let report_check = (lock(&self.progress).unreported() > 0)
+                        .then(|| Instant::now() + REPORT_CHECK);
                     // Messages first: after a pause they are waiting unread.
                     let wake = tokio::select! {
                         biased;
                         message = s.stream.next() => Wake::Message(message),
                         _ = tokio::time::sleep_until(s.next_status) => Wake::Status,
+                        _ = sleep_until_opt(report_check) => Wake::Report,
                         _ = tokio::time::sleep_until(silence) => Wake::Silence,
                         _ = sleep_until_opt(self.next_heartbeat) => Wake::Heartbeat,
                     };
@@ -295,7 +314,10 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                             )?;
                             // A busy stream still reports on time (the select
                             // prefers messages).
-                            if reply || Instant::now() >= s.next_status {
+                            if reply
+                                || Instant::now() >= s.next_status
+                                || report_due(&self.progress, self.settings.report_every)
+                            {
                                 s.send_status(&self.progress, self.timing.status_every)
                                     .await?;
                             }
@@ -306,6 +328,12 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                         Wake::Status => {
                             s.send_status(&self.progress, self.timing.status_every)
                                 .await?
+                        }
+                        Wake::Report => {
+                            if report_due(&self.progress, self.settings.report_every) {
+                                s.send_status(&self.progress, self.timing.status_every)
+                                    .await?;
+                            }
                         }
                         Wake::Silence => {
                             return Err(SourceError::Stream(format!(
@@ -344,13 +372,19 @@ impl<B: CdcServer> Reader for CdcReader<B> {
 
     async fn maintain(&mut self) -> Result<(), SourceError> {
         // While the relay is not taking events, keep the server informed (it
-        // would end a silent connection) without reading more.
+        // would end a silent connection) without reading more, and report
+        // confirmations as they pile up.
         match &mut self.phase {
             Phase::Streaming(s) => loop {
                 s.paused_at = Instant::now();
-                tokio::time::sleep_until(s.next_status).await;
-                s.send_status(&self.progress, self.timing.status_every)
-                    .await?;
+                let check = Instant::now() + REPORT_CHECK;
+                tokio::time::sleep_until(s.next_status.min(check)).await;
+                if Instant::now() >= s.next_status
+                    || report_due(&self.progress, self.settings.report_every)
+                {
+                    s.send_status(&self.progress, self.timing.status_every)
+                        .await?;
+                }
             },
             _ => std::future::pending().await,
         }
@@ -362,11 +396,17 @@ impl<B: CdcServer> Reader for CdcReader<B> {
 pub struct CdcAcker<S = RowRecorder> {
     recorder: S,
     progress: SharedProgress,
+    marks_rows: bool,
 }
 
 impl<S: RowStore> CdcAcker<S> {
-    pub fn new(recorder: S, progress: SharedProgress) -> Self {
-        CdcAcker { recorder, progress }
+    /// `marks_rows`: `relay.mark` is `update` or `delete`.
+    pub fn new(recorder: S, progress: SharedProgress, marks_rows: bool) -> Self {
+        CdcAcker {
+            recorder,
+            progress,
+            marks_rows,
+        }
     }
 }
 
@@ -407,6 +447,18 @@ impl<S: RowStore> Acker for CdcAcker<S> {
 
     async fn open_dead_letters(&mut self) -> Result<HashSet<String>, SourceError> {
         self.recorder.open_dead_letters().await
+    }
+
+    /// With rows marked, a held-back row stays unsent in the table and the
+    /// start-up read of the next start or rewind finds it: the slot need not
+    /// wait for it. Without marking the WAL is its only record, so it does.
+    fn release(&mut self, positions: Vec<CdcPosition>) {
+        if self.marks_rows {
+            let mut progress = lock(&self.progress);
+            for p in &positions {
+                progress.release(p);
+            }
+        }
     }
 
     async fn heartbeat(&mut self) -> Result<(), SourceError> {

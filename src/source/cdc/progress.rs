@@ -57,6 +57,8 @@ pub struct Progress {
     ahead_cap: usize,
     /// The server's WAL end from the latest keepalive.
     server_end: Lsn,
+    /// Events confirmed since the flushed position was last reported.
+    unreported: u64,
 }
 
 impl Progress {
@@ -68,12 +70,24 @@ impl Progress {
             confirmed_ahead: BTreeSet::new(),
             ahead_cap,
             server_end: flushed,
+            unreported: 0,
         }
     }
 
     /// The position to report as flushed.
     pub fn flushed(&self) -> Lsn {
         self.flushed
+    }
+
+    /// Events confirmed since [`Progress::reported`]: a restart after a
+    /// crash sends them again unless the flushed position is reported.
+    pub fn unreported(&self) -> u64 {
+        self.unreported
+    }
+
+    /// The flushed position was just reported to the server.
+    pub fn reported(&mut self) {
+        self.unreported = 0;
     }
 
     /// Nothing read is waiting for the broker.
@@ -91,7 +105,7 @@ impl Progress {
         self.server_end = self.flushed;
         let flushed = self.flushed;
         // The start-up table read is redone from the rows still unsent.
-        self.confirmed_ahead.retain(|(lsn, _)| *lsn > flushed);
+        self.confirmed_ahead.retain(|(lsn, _)| *lsn >= flushed);
     }
 
     /// A transaction starts (Begin, or the start-up table read).
@@ -132,24 +146,71 @@ impl Progress {
             }
         } else if let Some(tx) = self.txs.back_mut() {
             tx.end_lsn = Some(end_lsn);
+            let last = self.txs.len() - 1;
+            if last > 0 && self.txs[last].complete() {
+                self.merge_complete(last);
+            }
         }
         self.advance();
     }
 
     /// The broker confirmed the event (and its row was marked).
     pub fn confirm(&mut self, pos: &CdcPosition) {
+        self.unreported += 1;
+        if self.settle(pos) && self.confirmed_ahead.len() < self.ahead_cap {
+            self.confirmed_ahead.insert((pos.commit_lsn, pos.index));
+        }
+        self.advance();
+    }
+
+    /// The event is held back and stays unsent in the table (rows are
+    /// marked), where the next start-up read finds it: it no longer holds
+    /// the flushed position back, and a replay of it is not skipped.
+    pub fn release(&mut self, pos: &CdcPosition) {
+        self.settle(pos);
+        self.advance();
+    }
+
+    /// Counts the event as done in its transaction; false when the
+    /// transaction is not tracked (from before a restart).
+    fn settle(&mut self, pos: &CdcPosition) -> bool {
         // Transactions are registered in commit order.
         let Ok(i) = self
             .txs
             .binary_search_by_key(&pos.commit_lsn, |t| t.commit_lsn)
         else {
-            return; // from before a restart: it will be read, and skipped, again
+            return false; // from before a restart: it will be read, and skipped, again
         };
         self.txs[i].confirmed += 1;
-        if self.confirmed_ahead.len() < self.ahead_cap {
-            self.confirmed_ahead.insert((pos.commit_lsn, pos.index));
+        if i > 0 && self.txs[i].complete() {
+            self.merge_complete(i);
         }
-        self.advance();
+        true
+    }
+
+    /// Complete transactions waiting behind an unfinished one are merged
+    /// with their complete neighbours, so one held-back event keeps a
+    /// bounded tracker (one entry per unfinished transaction, and at most
+    /// one between two of them) while everything after it flows.
+    fn merge_complete(&mut self, i: usize) {
+        let mut i = i;
+        if i > 1 && self.txs[i - 1].complete() {
+            i -= 1;
+            self.absorb_next(i);
+        }
+        if i + 1 < self.txs.len() && self.txs[i + 1].complete() {
+            self.absorb_next(i);
+        }
+    }
+
+    /// `txs[i]` takes over `txs[i + 1]` (both complete).
+    fn absorb_next(&mut self, i: usize) {
+        if let Some(next) = self.txs.remove(i + 1) {
+            let tx = &mut self.txs[i];
+            tx.end_lsn = next.end_lsn.max(tx.end_lsn);
+            tx.total += next.total;
+            tx.confirmed += next.confirmed;
+        }
     }
 
     /// A keepalive reported the server's WAL end.
@@ -329,6 +390,43 @@ mod tests {
         assert!(p.idle());
         assert_eq!(p.flushed(), Lsn(105 + (n - 1) * 10));
         assert!(p.confirmed_ahead.is_empty());
+    }
+
+    #[test]
+    fn one_held_back_event_keeps_the_tracker_bounded() {
+        let mut p = Progress::new(Lsn(0), 1_000_000);
+        p.begin(Lsn(100));
+        p.event(&pos(100, 0)); // held back: never confirmed
+        p.commit(Lsn(105));
+        for i in 1..10_000u64 {
+            let lsn = 100 + i * 10;
+            p.begin(Lsn(lsn));
+            p.event(&pos(lsn, 0));
+            p.commit(Lsn(lsn + 5));
+            p.confirm(&pos(lsn, 0));
+        }
+        assert_eq!(
+            p.outstanding(),
+            2,
+            "the held transaction and one merged run behind it"
+        );
+        assert_eq!(p.flushed(), Lsn(0), "without marking, the WAL waits for it");
+        p.release(&pos(100, 0));
+        assert_eq!(p.flushed(), Lsn(100 + 9_999 * 10 + 5));
+        assert!(p.idle());
+    }
+
+    #[test]
+    fn a_released_event_is_not_skipped_when_replayed() {
+        let mut p = Progress::new(Lsn(0), 100);
+        p.begin(Lsn(100));
+        p.event(&pos(100, 0));
+        p.commit(Lsn(110));
+        p.release(&pos(100, 0));
+        assert_eq!(p.flushed(), Lsn(110));
+        p.restart(Lsn(0));
+        p.begin(Lsn(100));
+        assert!(p.event(&pos(100, 0)), "read again, not skipped");
     }
 
     #[test]

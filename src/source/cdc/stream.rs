@@ -88,7 +88,11 @@ impl<S: CdcStream> Streaming<S> {
         progress: &Mutex<Progress>,
         interval: std::time::Duration,
     ) -> Result<(), SourceError> {
-        let flushed = lock(progress).flushed();
+        let flushed = {
+            let mut p = lock(progress);
+            p.reported();
+            p.flushed()
+        };
         let write = self.received.max(flushed);
         self.stream.send_status(write, flushed).await?;
         self.next_status = Instant::now() + interval;

@@ -1,0 +1,133 @@
+//! Fencing: an owner publishes only while it can prove it still owns the outbox.
+//!
+//! Ownership is a session advisory lock. An instance can lose its session
+//! (terminated backend, network cut) while its reader and broker
+//! connections still work; without fencing it would go on publishing next to
+//! the standby that took the lock over. So publishing is bound to a lease:
+//! every round trip on the ownership session (a mark, a dead letter, a
+//! heartbeat every quarter lease) proves the lock was held when it was sent,
+//! and extends the lease to that moment plus `relay.ownership_lease`. The
+//! pipeline sends nothing once the lease ran out, until a round trip renews it.
+//!
+//! A new owner cannot know when the previous one last renewed, only that it
+//! was before the lock was released, which was before it was acquired. So a
+//! new owner publishes nothing during its first lease (plus a tenth, for
+//! clocks that run at different rates): by then any previous owner's lease
+//! has run out. The cost is that much latency after each start or takeover.
+//! Every instance of an outbox must use the same `relay.ownership_lease`.
+
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+#[derive(Debug)]
+pub struct Lease {
+    duration: Duration,
+    /// Publishing may start (the previous owner's lease has run out).
+    from: Instant,
+    until: Mutex<Instant>,
+    renewed: Notify,
+}
+
+impl Lease {
+    /// The lease of an owner that just took the lock, at `now`.
+    pub fn acquired(duration: Duration, now: Instant) -> Lease {
+        Lease {
+            duration,
+            from: now + duration + duration / 10,
+            until: Mutex::new(now + duration),
+            renewed: Notify::new(),
+        }
+    }
+
+    /// A round trip sent at `sent_at` on the ownership session succeeded.
+    pub fn renew(&self, sent_at: Instant) {
+        let mut until = self.until.lock().unwrap_or_else(|e| e.into_inner());
+        let next = sent_at + self.duration;
+        if next > *until {
+            *until = next;
+            drop(until);
+            self.renewed.notify_waiters();
+        }
+    }
+
+    /// May this instance publish now?
+    pub fn valid(&self, now: Instant) -> bool {
+        now >= self.from && now < self.until()
+    }
+
+    pub fn until(&self) -> Instant {
+        *self.until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// When a heartbeat should renew the lease, unless something else does first.
+    pub fn renew_by(&self) -> Instant {
+        self.until() - self.duration * 3 / 4
+    }
+
+    /// Waits until the lease is valid (for the pipeline while it may not publish).
+    pub async fn wait_valid(&self) {
+        loop {
+            let woken = self.renewed.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let now = Instant::now();
+            if self.valid(now) {
+                return;
+            }
+            if now < self.from {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(self.from) => {}
+                    _ = woken => {}
+                }
+            } else {
+                woken.await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_owner_waits_out_the_previous_lease_then_renews() {
+        let d = Duration::from_secs(3);
+        let start = Instant::now();
+        let lease = Lease::acquired(d, start);
+        assert!(
+            !lease.valid(start),
+            "nothing is published during the first lease"
+        );
+        lease.renew(start + d);
+        assert!(!lease.valid(start + d), "still within the embargo");
+        assert!(lease.valid(start + d + d / 10));
+        assert!(!lease.valid(start + d * 2), "no renewal: expired");
+        let waiter = tokio::spawn(async move {
+            lease.wait_valid().await;
+            Instant::now()
+        });
+        tokio::time::sleep(d * 3).await;
+        assert!(
+            !waiter.is_finished(),
+            "an expired lease waits for a renewal"
+        );
+        waiter.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wait_valid_returns_once_renewed() {
+        let d = Duration::from_secs(1);
+        let lease = std::sync::Arc::new(Lease::acquired(d, Instant::now()));
+        let l = lease.clone();
+        let waiter = tokio::spawn(async move { l.wait_valid().await });
+        tokio::time::sleep(d * 2).await;
+        lease.renew(Instant::now());
+        tokio::time::timeout(Duration::from_millis(10), waiter)
+            .await
+            .expect("renewal wakes the waiter")
+            .unwrap();
+    }
+}
