@@ -2,7 +2,6 @@
 
 use crate::config::{self, Config};
 use crate::dead_letter::admin::{self, Target};
-use crate::outbox::inspect;
 use crate::outbox::migrate::{self, MigrateOptions};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -327,22 +326,11 @@ async fn run_dlq(command: DlqCommand) -> ExitCode {
             }
         }
         DlqCommand::Redrive { target, .. } => {
-            let info = match inspect::table_info(&client, table).await {
-                Ok(Some(info)) => info,
-                Ok(None) => return fail(&format!("table {table} does not exist")),
-                Err(e) => return fail(&crate::db::error_text(&e)),
-            };
-            let columns = config.outbox.columns.resolve(&info.names());
-            let outbox = admin::Outbox {
-                table,
-                columns: &columns,
-                info: &info,
-                mark: config.relay.mark,
-            };
-            match admin::redrive(&mut client, &dlq, &outbox, &target.target()).await {
-                Ok((letters, held)) => {
+            match admin::redrive(&mut client, &dlq, &target.target()).await {
+                Ok(n) => {
                     println!(
-                        "redrove {letters} dead letter(s) and {held} waiting row(s); the relay publishes them in order"
+                        "requested the redrive of {n} dead letter(s); the active relay publishes them in order \
+                         (within dead_letter.refresh_interval), and `dlq list` shows them until then"
                     );
                     ExitCode::SUCCESS
                 }

@@ -7,12 +7,20 @@
 //! of attempts and the first and last failure times. Writing a dead letter
 //! and marking its outbox row happen in one transaction on the ownership
 //! connection, so a dead letter is recorded exactly when the row stops being
-//! pending. `outbox-relay dlq` lists, redrives (re-inserts into the outbox, in
-//! order, as new rows) and drops them.
+//! pending. `outbox-relay dlq` lists, redrives and drops them.
+//!
+//! A redrive is carried out by the active relay: `dlq redrive` only marks
+//! the letters `redrive_requested_at`, and the relay publishes them from this
+//! table, in order, at the point it has reached: everything of the aggregate
+//! it had read so far is delivered or a letter before them, and everything
+//! it has not read yet comes after them. Then the letters are `redriven` and
+//! the aggregate flows again. No copy goes back into the outbox, so no reader
+//! (a polling restart, a replayed WAL) can put one next to its original.
 
 pub mod admin;
 
 use crate::outbox::{RawRow, TableName, quote_ident};
+use crate::source::replication::Lsn;
 use chrono::{DateTime, Utc};
 use std::collections::HashSet;
 use tokio_postgres::{Client, Statement};
@@ -23,6 +31,9 @@ pub struct DeadLetter<P> {
     pub position: P,
     /// The row's `relay_seq`, when known (to mark the outbox row).
     pub seq: Option<i64>,
+    /// Where the event is in the WAL (CDC), so that a replay after a crash
+    /// does not handle it twice.
+    pub wal: Option<(Lsn, u64)>,
     pub raw: RawRow,
     pub reason: String,
     pub attempts: u32,
@@ -38,6 +49,21 @@ impl<P> DeadLetter<P> {
         self.raw.aggregate_id.as_deref().unwrap_or("")
     }
 }
+
+/// A dead letter an operator asked to publish again, as stored.
+#[derive(Debug, Clone)]
+pub struct Requested {
+    pub letter_id: i64,
+    pub raw: RawRow,
+}
+
+/// Columns added after the first release, with their types: `migrate` adds
+/// them to an existing table.
+pub const LATER_COLUMNS: [(&str, &str); 3] = [
+    ("redrive_requested_at", "timestamptz"),
+    ("source_lsn", "pg_lsn"),
+    ("source_index", "bigint"),
+];
 
 /// `CREATE TABLE` and its index, for `migrate`.
 pub fn create_sql(table: &TableName) -> Vec<String> {
@@ -66,13 +92,52 @@ pub fn create_sql(table: &TableName) -> Vec<String> {
     last_failed_at timestamptz NOT NULL,
     dead_lettered_at timestamptz NOT NULL DEFAULT now(),
     resolution text CHECK (resolution IN ('redriven', 'dropped')),
-    resolved_at timestamptz
+    resolved_at timestamptz,
+    redrive_requested_at timestamptz,
+    source_lsn pg_lsn,
+    source_index bigint
 )"
         ),
         format!(
             "CREATE INDEX IF NOT EXISTS {index} ON {t} (aggregate_id, dead_letter_id) WHERE resolution IS NULL"
         ),
     ]
+}
+
+/// Adds the later columns that `existing` (the table's columns) lacks.
+pub fn upgrade_sql(table: &TableName, existing: &[String]) -> Option<String> {
+    let missing: Vec<String> = LATER_COLUMNS
+        .iter()
+        .filter(|(name, _)| !existing.iter().any(|c| c == name))
+        .map(|(name, ty)| format!("ADD COLUMN IF NOT EXISTS {name} {ty}"))
+        .collect();
+    (!missing.is_empty()).then(|| format!("ALTER TABLE {} {}", table.quoted(), missing.join(", ")))
+}
+
+/// WAL positions of events dead-lettered at or after `from` (CDC), which a
+/// replay from `from` must not handle again.
+pub async fn wal_positions_since(
+    client: &Client,
+    table: &TableName,
+    from: Lsn,
+) -> Result<Vec<(Lsn, u64)>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            &format!(
+                "SELECT source_lsn::text, source_index FROM {} WHERE source_lsn >= $1::text::pg_lsn",
+                table.quoted()
+            ),
+            &[&from.to_string()],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .filter_map(|r| {
+            let lsn: Option<String> = r.get(0);
+            let index: Option<i64> = r.get(1);
+            Some((lsn?.parse().ok()?, u64::try_from(index?).ok()?))
+        })
+        .collect())
 }
 
 /// The transaction-scoped advisory lock that serialises, per aggregate, the
@@ -85,14 +150,18 @@ pub fn aggregate_lock_key(table: &TableName, aggregate: &str) -> String {
     format!("outbox-relay:dead-letters:{table}:{aggregate}")
 }
 
-/// Writes dead letters and marks their outbox rows, on the ownership connection.
+/// Writes dead letters and marks their outbox rows, and carries out
+/// requested redrives, on the ownership connection.
 pub struct Recorder {
     table: TableName,
     insert: Statement,
     still_open: Statement,
     open: Statement,
-    /// Does the outbox row still exist (a redrive replaces the rows it puts back)?
-    row_exists: Option<Statement>,
+    extend_requests: Statement,
+    requested: Statement,
+    sent: Statement,
+    refused: Statement,
+    clear_requests: Statement,
 }
 
 /// What writing a set of dead letters did.
@@ -100,65 +169,92 @@ pub struct Recorder {
 pub struct Written {
     /// Letters written (indexes into the input).
     pub written: Vec<usize>,
-    /// Followers not written because an operator had redriven their
-    /// aggregate, including their row: they are accounted for.
-    pub superseded: Vec<usize>,
     /// Aggregates found with no open dead letter any more.
     pub resolved: HashSet<String>,
 }
 
+/// Most requested letters handed to the relay at once.
+pub const REQUESTED_BATCH: i64 = 500;
+
 impl Recorder {
-    /// `outbox`: the outbox table, when redrives may replace its rows (rows
-    /// are marked); `None` when rows are left alone.
+    /// `shard`: an SQL condition on `aggregate_id` selecting the letters
+    /// this pipeline redrives (its shard), or `None` for all.
     pub async fn new(
         client: &Client,
         table: &TableName,
-        outbox: Option<&TableName>,
+        shard: Option<&str>,
     ) -> Result<Self, tokio_postgres::Error> {
         let t = table.quoted();
-        let insert = client
-            .prepare(&format!(
-                "INSERT INTO {t} (id, outbox_seq, aggregate_type, aggregate_id, event_type, event_version,
-                                  payload, headers, created_at, reason, attempts, first_failed_at, last_failed_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
-            ))
-            .await?;
-        let still_open = client
-            .prepare(&format!(
-                "SELECT EXISTS (SELECT 1 FROM {t} WHERE aggregate_id = $1 AND resolution IS NULL)"
-            ))
-            .await?;
-        let open = client
-            .prepare(&format!(
-                "SELECT DISTINCT aggregate_id FROM {t} WHERE resolution IS NULL"
-            ))
-            .await?;
-        let row_exists = match outbox {
-            Some(o) => Some(
-                client
-                    .prepare(&format!(
-                        "SELECT EXISTS (SELECT 1 FROM {} WHERE {} = $1)",
-                        o.quoted(),
-                        crate::outbox::SEQ_COLUMN
-                    ))
-                    .await?,
-            ),
-            None => None,
-        };
+        let shard = shard.map(|c| format!(" AND {c}")).unwrap_or_default();
+        let prepare = |sql: String| async move { client.prepare(&sql).await };
         Ok(Recorder {
             table: table.clone(),
-            insert,
-            still_open,
-            open,
-            row_exists,
+            insert: prepare(format!(
+                "INSERT INTO {t} (id, outbox_seq, aggregate_type, aggregate_id, event_type, event_version,
+                                  payload, headers, created_at, reason, attempts, first_failed_at, last_failed_at,
+                                  source_lsn, source_index)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::text::pg_lsn, $15)"
+            ))
+            .await?,
+            still_open: prepare(format!(
+                "SELECT EXISTS (SELECT 1 FROM {t} WHERE aggregate_id = $1 AND resolution IS NULL)"
+            ))
+            .await?,
+            open: prepare(format!(
+                "SELECT DISTINCT aggregate_id FROM {t} WHERE resolution IS NULL"
+            ))
+            .await?,
+            // A request on an aggregate's oldest open letter covers the
+            // followers the relay wrote after it too: they go back with it.
+            extend_requests: prepare(format!(
+                "UPDATE {t} l SET redrive_requested_at = now()
+                 WHERE l.resolution IS NULL AND l.redrive_requested_at IS NULL{shard}
+                   AND EXISTS (SELECT 1 FROM {t} r WHERE r.resolution IS NULL AND r.redrive_requested_at IS NOT NULL
+                               AND r.aggregate_id IS NOT DISTINCT FROM l.aggregate_id
+                               AND r.dead_letter_id < l.dead_letter_id
+                               AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.resolution IS NULL
+                                               AND e.redrive_requested_at IS NULL
+                                               AND e.aggregate_id IS NOT DISTINCT FROM r.aggregate_id
+                                               AND e.dead_letter_id < r.dead_letter_id))"
+            ))
+            .await?,
+            // A requested letter is published only when no open letter of its
+            // aggregate that nobody asked for comes before it.
+            requested: prepare(format!(
+                "SELECT l.dead_letter_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.event_version,
+                        l.payload, l.headers, l.created_at
+                 FROM {t} l
+                 WHERE l.resolution IS NULL AND l.redrive_requested_at IS NOT NULL{shard}
+                   AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.resolution IS NULL AND e.redrive_requested_at IS NULL
+                                   AND e.aggregate_id IS NOT DISTINCT FROM l.aggregate_id
+                                   AND e.dead_letter_id < l.dead_letter_id)
+                 ORDER BY l.dead_letter_id LIMIT $1"
+            ))
+            .await?,
+            sent: prepare(format!(
+                "UPDATE {t} SET resolution = 'redriven', resolved_at = now()
+                 WHERE dead_letter_id = ANY($1) AND resolution IS NULL"
+            ))
+            .await?,
+            refused: prepare(format!(
+                "UPDATE {t} SET reason = $2, attempts = attempts + $3, last_failed_at = now()
+                 WHERE dead_letter_id = $1"
+            ))
+            .await?,
+            clear_requests: prepare(format!(
+                "UPDATE {t} SET redrive_requested_at = NULL
+                 WHERE resolution IS NULL AND aggregate_id IS NOT DISTINCT FROM
+                       (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)"
+            ))
+            .await?,
         })
     }
 
     /// Writes the letters in one transaction, running `mark` for the rows of
     /// the ones written. A follower whose aggregate no longer has an open
-    /// dead letter (an operator redrove or dropped it meanwhile) is not
-    /// written: its aggregate is reported resolved, so the relay publishes it
-    /// instead, unless the redrive already put its row back as a new one.
+    /// dead letter (an operator dropped it, or the relay published it again,
+    /// meanwhile) is not written: its aggregate is reported resolved, so the
+    /// relay publishes it instead.
     pub async fn write<P>(
         &self,
         client: &mut Client,
@@ -178,19 +274,21 @@ impl Recorder {
         for (i, l) in letters.iter().enumerate() {
             let aggregate = l.aggregate_id();
             if out.resolved.contains(aggregate) {
-                self.account_follower(&tx, l, i, &mut out).await?;
                 continue;
             }
             if l.follows.is_some() {
                 let open: bool = tx.query_one(&self.still_open, &[&aggregate]).await?.get(0);
                 if !open {
                     out.resolved.insert(aggregate.to_owned());
-                    self.account_follower(&tx, l, i, &mut out).await?;
                     continue;
                 }
             }
             let r = &l.raw;
             let attempts = i32::try_from(l.attempts).unwrap_or(i32::MAX);
+            let (lsn, index) = match l.wal {
+                Some((lsn, index)) => (Some(lsn.to_string()), i64::try_from(index).ok()),
+                None => (None, None),
+            };
             tx.execute(
                 &self.insert,
                 &[
@@ -207,6 +305,8 @@ impl Recorder {
                     &attempts,
                     &l.first_failed_at,
                     &l.last_failed_at,
+                    &lsn,
+                    &index,
                 ],
             )
             .await?;
@@ -222,23 +322,6 @@ impl Recorder {
         Ok(out)
     }
 
-    /// A follower not written: superseded when a redrive replaced its row.
-    async fn account_follower<P>(
-        &self,
-        tx: &tokio_postgres::Transaction<'_>,
-        letter: &DeadLetter<P>,
-        index: usize,
-        out: &mut Written,
-    ) -> Result<(), tokio_postgres::Error> {
-        if let (Some(exists), Some(seq)) = (&self.row_exists, letter.seq) {
-            let there: bool = tx.query_one(exists, &[&seq]).await?.get(0);
-            if !there {
-                out.superseded.push(index);
-            }
-        }
-        Ok(())
-    }
-
     /// Aggregates with a dead letter nobody redrove or dropped yet.
     pub async fn open_aggregates(
         &self,
@@ -250,5 +333,58 @@ impl Recorder {
             .iter()
             .filter_map(|r| r.get::<_, Option<String>>(0))
             .collect())
+    }
+
+    /// Letters an operator asked to publish again, oldest first.
+    pub async fn requested(
+        &self,
+        client: &Client,
+    ) -> Result<Vec<Requested>, tokio_postgres::Error> {
+        client.execute(&self.extend_requests, &[]).await?;
+        Ok(client
+            .query(&self.requested, &[&REQUESTED_BATCH])
+            .await?
+            .iter()
+            .map(|r| Requested {
+                letter_id: r.get(0),
+                raw: RawRow {
+                    id: r.get(1),
+                    aggregate_type: r.get(2),
+                    aggregate_id: r.get(3),
+                    event_type: r.get(4),
+                    event_version: r.get(5),
+                    payload: r.get(6),
+                    headers: r.get(7),
+                    created_at: r.get(8),
+                },
+            })
+            .collect())
+    }
+
+    /// The broker confirmed these letters: they are redriven.
+    pub async fn sent(&self, client: &Client, ids: &[i64]) -> Result<(), tokio_postgres::Error> {
+        if !ids.is_empty() {
+            client.execute(&self.sent, &[&ids]).await?;
+        }
+        Ok(())
+    }
+
+    /// The broker refused a redriven letter again: it records why and, when
+    /// the refusal `counts`, its aggregate's requests end (an operator asks
+    /// again once the cause is fixed); back-pressure keeps them for a retry.
+    pub async fn refused(
+        &self,
+        client: &Client,
+        id: i64,
+        reason: &str,
+        counts: bool,
+    ) -> Result<(), tokio_postgres::Error> {
+        client
+            .execute(&self.refused, &[&id, &reason, &i32::from(counts)])
+            .await?;
+        if counts {
+            client.execute(&self.clear_requests, &[&id]).await?;
+        }
+        Ok(())
     }
 }

@@ -184,16 +184,26 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     if let Some(channel) = &opts.notify_channel {
         steps.extend(notify_trigger(client, opts, channel).await?);
     }
-    if let Some(dlq) = &opts.dead_letters
-        && table_info(client, dlq).await?.is_none()
-    {
-        for (i, sql) in crate::dead_letter::create_sql(dlq).into_iter().enumerate() {
-            let what = if i == 0 {
-                "create the dead-letter table"
-            } else {
-                "index its open dead letters"
-            };
-            steps.push(Step::new(format!("{what} {dlq}"), sql));
+    if let Some(dlq) = &opts.dead_letters {
+        match table_info(client, dlq).await? {
+            None => {
+                for (i, sql) in crate::dead_letter::create_sql(dlq).into_iter().enumerate() {
+                    let what = if i == 0 {
+                        "create the dead-letter table"
+                    } else {
+                        "index its open dead letters"
+                    };
+                    steps.push(Step::new(format!("{what} {dlq}"), sql));
+                }
+            }
+            Some(info) => {
+                if let Some(sql) = crate::dead_letter::upgrade_sql(dlq, &info.names()) {
+                    steps.push(Step::new(
+                        format!("add the columns redrives and CDC replays need to {dlq}"),
+                        sql,
+                    ));
+                }
+            }
         }
     }
     if let Some(cdc) = &opts.cdc {

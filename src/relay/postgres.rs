@@ -89,8 +89,14 @@ impl Backend for Postgres<'_> {
             .dead_letter
             .enabled
             .then(|| config.dead_letter.table_name(table));
-        let recorder =
-            RowRecorder::new(owner, table, config.relay.mark, dead_letters.as_ref()).await?;
+        let shard = run.shard.condition("aggregate_id");
+        let recorder = RowRecorder::new(
+            owner,
+            table,
+            config.relay.mark,
+            dead_letters.as_ref().map(|t| (t, shard.as_deref())),
+        )
+        .await?;
         let cx = pipeline::Context {
             envelope: &envelope,
             settings: &settings,

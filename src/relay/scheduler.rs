@@ -15,7 +15,6 @@
 //! after it, so nothing later is recorded as sent ahead of it, and the
 //! attempt count goes to the right event.
 
-use super::blocks::Blocks;
 use crate::source::SourcedEvent;
 use std::collections::{HashMap, VecDeque};
 
@@ -98,17 +97,18 @@ impl<P, O> Scheduler<P, O> {
         }
     }
 
-    /// `lane`: the sink's lane for the event (`None`: one at a time).
+    /// `lane`: the sink's lane for the event (`None`: one at a time);
+    /// `blocked`: its aggregate is held back.
     pub fn admit(
         &mut self,
         event: SourcedEvent<P>,
         lane: Option<String>,
-        blocks: &Blocks,
+        blocked: bool,
     ) -> Admission<P> {
-        let aggregate = event.aggregate_id();
-        if blocks.is_blocked(aggregate) {
+        if blocked {
             return Admission::Deferred(event);
         }
+        let aggregate = event.aggregate_id();
         let ready = match self.aggregates.get(aggregate) {
             None => true,
             Some(a) => a.parked.is_empty() && self.may_send(a, &lane),
@@ -175,13 +175,13 @@ impl<P, O> Scheduler<P, O> {
         outcome
     }
 
-    /// The aggregate's next parked event, when it may go now.
+    /// The aggregate's next parked event, when it may go now (not `blocked`).
     pub fn next_parked(
         &mut self,
         aggregate: &str,
-        blocks: &Blocks,
+        blocked: bool,
     ) -> Option<(SourcedEvent<P>, Option<String>)> {
-        if blocks.is_blocked(aggregate) {
+        if blocked {
             return None;
         }
         let a = self.aggregates.get(aggregate)?;
@@ -230,6 +230,7 @@ impl<P, O> Scheduler<P, O> {
 mod tests {
     use super::*;
     use crate::outbox::RowError;
+    use crate::relay::blocks::Blocks;
     use std::time::Duration;
     use tokio::time::Instant;
 
@@ -261,7 +262,7 @@ mod tests {
         agg: &str,
         l: Option<String>,
     ) -> Option<u64> {
-        match s.admit(ev(pos, agg), l, b) {
+        match s.admit(ev(pos, agg), l, b.is_blocked(agg)) {
             Admission::Send(e, l) => Some(s.sent(e.aggregate_id(), l)),
             Admission::Parked => None,
             Admission::Deferred(_) => panic!("not blocked"),
@@ -282,10 +283,13 @@ mod tests {
         assert_eq!(s.used(), 4);
         s.answered("a", t1, 1, false);
         assert_eq!(s.next_answer("a"), Some(1));
-        let (next, l) = s.next_parked("a", &b).unwrap();
+        let (next, l) = s.next_parked("a", b.is_blocked("a")).unwrap();
         assert_eq!(next.position, 2);
         s.sent("a", l);
-        assert!(s.next_parked("a", &b).is_none(), "one at a time");
+        assert!(
+            s.next_parked("a", b.is_blocked("a")).is_none(),
+            "one at a time"
+        );
     }
 
     #[test]
@@ -352,10 +356,10 @@ mod tests {
         assert!(go(&mut s, &b, 2, "a", None).is_none());
         b.block("a", Some("1"), "refused".into(), Instant::now(), true);
         assert!(matches!(
-            s.admit(ev(3, "a"), None, &b),
+            s.admit(ev(3, "a"), None, b.is_blocked("a")),
             Admission::Deferred(_)
         ));
-        assert!(s.next_parked("a", &b).is_none());
+        assert!(s.next_parked("a", b.is_blocked("a")).is_none());
         assert_eq!(s.drop_parked("a").len(), 1);
         assert_eq!(s.used(), 1);
     }

@@ -108,6 +108,15 @@ impl CdcServer for SimCdc {
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
         Ok(())
     }
+
+    async fn dead_lettered_since(&mut self, from: Lsn) -> Result<Vec<(Lsn, u64)>, SourceError> {
+        Ok(lock(&self.world)
+            .letters
+            .iter()
+            .filter_map(|l| l.wal)
+            .filter(|(lsn, _)| *lsn >= from)
+            .collect())
+    }
 }
 
 pub struct SimStream {

@@ -111,20 +111,19 @@ impl RowStore for SimStore {
                     || (l.follows.is_some() && !w.open_letters().any(|o| o.aggregate == aggregate));
                 if follower_resolved {
                     out.resolved.insert(aggregate);
-                    // A redrive replaced its row: it is accounted for.
-                    if mark != MarkMode::None && l.seq.is_some_and(|s| !w.rows.contains_key(&s)) {
-                        out.superseded.push(i);
-                    }
                     continue;
                 }
                 let event_id = l.raw.id.clone().unwrap_or_default();
                 w.note(format!("dead letter: {event_id} of {aggregate}"));
+                let letter_id = w.letters.len() as i64 + 1;
                 w.letters.push(super::world::Letter {
+                    letter_id,
                     event_id,
-                    seq: l.seq,
                     aggregate,
                     raw: l.raw.clone(),
                     resolution: None,
+                    requested: false,
+                    wal: l.wal,
                 });
                 out.written.push(i);
             }
@@ -142,6 +141,70 @@ impl RowStore for SimStore {
 
     async fn heartbeat(&self) -> Result<(), SourceError> {
         self.statement(|_| ()).await
+    }
+
+    async fn requested_letters(&self) -> Result<Vec<crate::dead_letter::Requested>, SourceError> {
+        self.statement(|w| {
+            // Aggregates whose oldest open letter is requested: the request
+            // covers all their open letters.
+            let mut first: std::collections::BTreeMap<String, bool> = Default::default();
+            for l in w.letters.iter().filter(|l| l.resolution.is_none()) {
+                first.entry(l.aggregate.clone()).or_insert(l.requested);
+            }
+            let mut out = Vec::new();
+            for l in w.letters.iter_mut().filter(|l| l.resolution.is_none()) {
+                if first.get(&l.aggregate) == Some(&true) {
+                    l.requested = true;
+                    out.push(crate::dead_letter::Requested {
+                        letter_id: l.letter_id,
+                        raw: l.raw.clone(),
+                    });
+                }
+            }
+            out.truncate(crate::dead_letter::REQUESTED_BATCH as usize);
+            out
+        })
+        .await
+    }
+
+    async fn letters_sent(&self, ids: &[i64]) -> Result<(), SourceError> {
+        self.statement(|w| {
+            for l in w.letters.iter_mut() {
+                if ids.contains(&l.letter_id) && l.resolution.is_none() {
+                    l.resolution = Some(Resolution::Redriven);
+                    l.requested = false;
+                }
+            }
+            w.note(format!("letters {ids:?} redriven"));
+        })
+        .await
+    }
+
+    async fn letter_refused(
+        &self,
+        id: i64,
+        _reason: &str,
+        counts: bool,
+    ) -> Result<(), SourceError> {
+        self.statement(|w| {
+            let Some(aggregate) = w
+                .letters
+                .iter()
+                .find(|l| l.letter_id == id)
+                .map(|l| l.aggregate.clone())
+            else {
+                return;
+            };
+            w.note(format!("letter {id} refused again (counts: {counts})"));
+            if counts {
+                for l in w.letters.iter_mut() {
+                    if l.aggregate == aggregate && l.resolution.is_none() {
+                        l.requested = false;
+                    }
+                }
+            }
+        })
+        .await
     }
 }
 
@@ -279,113 +342,26 @@ pub mod admin {
         chosen.len()
     }
 
-    /// Puts letters back as new rows, in order, followed by the aggregate's
-    /// rows still unsent (when rows are marked); returns `Err` when refused.
-    /// As the SQL redrive does, it holds the aggregates' locks (followers
-    /// wait), waits for the transactions open when its copies were written,
-    /// and moves behind the copies any row of the aggregate they committed
-    /// with a smaller `relay_seq`.
-    pub async fn redrive(world: &Shared, target: &Target, mark: MarkMode) -> Result<usize, String> {
-        let (xid, chosen, aggregates, mut originals) = {
-            let mut w = lock(world);
-            let chosen = targeted(&w, target);
-            if let Target::Id(id) = target {
-                let Some(&first) = chosen.first() else {
-                    return Err(format!("no open dead letter with id {id:?}"));
-                };
-                let aggregate = w.letters[first].aggregate.clone();
-                let open: Vec<String> = w
-                    .open_letters()
-                    .filter(|l| l.aggregate == aggregate)
-                    .map(|l| l.event_id.clone())
-                    .collect();
-                crate::dead_letter::admin::redrive_one_allowed(id, &open)?;
-            }
-            let mut aggregates: Vec<String> = Vec::new();
-            for &i in &chosen {
-                if !aggregates.contains(&w.letters[i].aggregate) {
-                    aggregates.push(w.letters[i].aggregate.clone());
-                }
-            }
-            w.redrive_locks.extend(aggregates.iter().cloned());
-            let xid = w.begin();
-            let mut originals = Vec::new();
-            for aggregate in &aggregates {
-                let mine: Vec<usize> = chosen
-                    .iter()
-                    .copied()
-                    .filter(|&i| &w.letters[i].aggregate == aggregate)
-                    .collect();
-                let held: Vec<super::super::world::Row> = if mark == MarkMode::None {
-                    Vec::new()
-                } else {
-                    w.unsent()
-                        .filter(|r| &r.aggregate == aggregate)
-                        .cloned()
-                        .collect()
-                };
-                originals.extend(mine.iter().filter_map(|&i| w.letters[i].seq));
-                originals.extend(held.iter().map(|r| r.seq));
-                for &i in &mine {
-                    let l = w.letters[i].clone();
-                    let event_type = l.raw.event_type.clone().unwrap_or_default();
-                    let headers = l.raw.headers.clone().unwrap_or_default();
-                    w.insert(xid, &l.event_id, aggregate, &event_type, &headers);
-                }
-                for r in &held {
-                    w.insert(xid, &r.id, aggregate, &r.event_type, &r.headers);
-                }
-            }
-            (xid, chosen, aggregates, originals)
-        };
-        // Rows other transactions wrote meanwhile go behind the copies, until
-        // no transaction was open after the last insert.
-        loop {
-            if mark == MarkMode::None {
-                break;
-            }
-            let running: Vec<u64> = lock(world)
-                .txs
-                .iter()
-                .filter(|(x, s)| **x != xid && **s == super::super::world::TxState::Open)
-                .map(|(x, _)| *x)
-                .collect();
-            if running.is_empty() {
-                break;
-            }
-            while running
-                .iter()
-                .any(|x| lock(world).txs.get(x) == Some(&super::super::world::TxState::Open))
-            {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            let mut w = lock(world);
-            for aggregate in &aggregates {
-                let late: Vec<super::super::world::Row> = w
-                    .unsent()
-                    .filter(|r| {
-                        &r.aggregate == aggregate && r.xid != xid && !originals.contains(&r.seq)
-                    })
-                    .cloned()
-                    .collect();
-                for r in &late {
-                    originals.push(r.seq);
-                    w.insert(xid, &r.id, aggregate, &r.event_type, &r.headers);
-                }
-            }
-        }
+    /// Asks the relay to publish the targeted letters again.
+    pub fn redrive(world: &Shared, target: &Target) -> Result<usize, String> {
         let mut w = lock(world);
-        for seq in &originals {
-            w.rows.remove(seq);
+        let chosen = targeted(&w, target);
+        if let Target::Id(id) = target {
+            let Some(&first) = chosen.first() else {
+                return Err(format!("no open dead letter with id {id:?}"));
+            };
+            let aggregate = w.letters[first].aggregate.clone();
+            let open: Vec<String> = w
+                .open_letters()
+                .filter(|l| l.aggregate == aggregate)
+                .map(|l| l.event_id.clone())
+                .collect();
+            crate::dead_letter::admin::redrive_one_allowed(id, &open)?;
         }
         for &i in &chosen {
-            w.letters[i].resolution = Some(Resolution::Redriven);
-        }
-        for a in &aggregates {
-            w.redrive_locks.remove(a);
+            w.letters[i].requested = true;
         }
         w.note(format!("dlq redrive {target:?}: {} letters", chosen.len()));
-        w.commit(xid);
         Ok(chosen.len())
     }
 }

@@ -59,7 +59,7 @@ fn seeded_schedules_keep_every_guarantee() {
             Err(report) => {
                 eprintln!("{report}");
                 failures.push(seed);
-                if failures.len() >= 3 {
+                if failures.len() as u64 >= env_u64("OUTBOX_RELAY_SIM_MAX_FAILURES").unwrap_or(3) {
                     break;
                 }
             }

@@ -368,7 +368,7 @@ async fn drive(
     let deadline = Instant::now() + Duration::from_secs(1800);
     loop {
         if lock(&world).open_letters().next().is_some() {
-            let _ = admin::redrive(&world, &Target::All, params.mark).await;
+            let _ = admin::redrive(&world, &Target::All);
         }
         if check::all_delivered(&lock(&world)) {
             break;
@@ -607,7 +607,7 @@ async fn fault(
             };
             if rng.u32(0..4) == 0 {
                 admin::drop(world, &target);
-            } else if let Err(refused) = admin::redrive(world, &target, params.mark).await {
+            } else if let Err(refused) = admin::redrive(world, &target) {
                 lock(world).note(format!("redrive refused: {refused}"));
             }
         }

@@ -87,11 +87,15 @@ pub enum Resolution {
 
 #[derive(Debug, Clone)]
 pub struct Letter {
+    pub letter_id: i64,
     pub event_id: String,
-    pub seq: Option<i64>,
     pub aggregate: String,
     pub raw: RawRow,
     pub resolution: Option<Resolution>,
+    /// An operator asked for a redrive the relay has not carried out yet.
+    pub requested: bool,
+    /// Where the event is in the WAL (CDC).
+    pub wal: Option<(Lsn, u64)>,
 }
 
 /// What the checks know about an event.

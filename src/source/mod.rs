@@ -84,6 +84,12 @@ impl SourceError {
 pub trait RowPosition {
     /// The row's `relay_seq`, when the position names one.
     fn seq(&self) -> Option<i64>;
+
+    /// The event's place in the WAL (commit LSN, index), for events read
+    /// from a replication stream.
+    fn wal(&self) -> Option<(replication::Lsn, u64)> {
+        None
+    }
 }
 
 impl RowPosition for i64 {
@@ -147,6 +153,26 @@ pub trait Acker: Send + 'static {
     fn open_dead_letters(
         &mut self,
     ) -> impl Future<Output = Result<std::collections::HashSet<String>, SourceError>> + Send;
+
+    /// Dead letters an operator asked to publish again, oldest first (see
+    /// [`crate::dead_letter`]).
+    fn requested_letters(
+        &mut self,
+    ) -> impl Future<Output = Result<Vec<crate::dead_letter::Requested>, SourceError>> + Send;
+
+    /// The broker confirmed these redriven letters: they are done.
+    fn letters_sent(
+        &mut self,
+        ids: Vec<i64>,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// The broker refused a redriven letter again.
+    fn letter_refused(
+        &mut self,
+        id: i64,
+        reason: String,
+        counts: bool,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
 
     /// Events the relay leaves unsent in the source for now (their aggregate
     /// is held back): a source that can read them again from a durable

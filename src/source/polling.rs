@@ -262,6 +262,25 @@ impl<S: RowStore> Acker for PollingAcker<S> {
         self.recorder.open_dead_letters().await
     }
 
+    async fn requested_letters(
+        &mut self,
+    ) -> Result<Vec<crate::dead_letter::Requested>, SourceError> {
+        self.recorder.requested_letters().await
+    }
+
+    async fn letters_sent(&mut self, ids: Vec<i64>) -> Result<(), SourceError> {
+        self.recorder.letters_sent(&ids).await
+    }
+
+    async fn letter_refused(
+        &mut self,
+        id: i64,
+        reason: String,
+        counts: bool,
+    ) -> Result<(), SourceError> {
+        self.recorder.letter_refused(id, &reason, counts).await
+    }
+
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
         self.recorder.heartbeat().await
     }

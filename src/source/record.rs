@@ -8,7 +8,7 @@
 use super::SourceError;
 use crate::config::MarkMode;
 use crate::db::DbError;
-use crate::dead_letter::{DeadLetter, Recorder, Written};
+use crate::dead_letter::{DeadLetter, Recorder, Requested, Written};
 use crate::outbox::{TableName, mark_sql};
 use std::collections::HashSet;
 use std::future::Future;
@@ -38,6 +38,21 @@ pub trait RowStore: Send + Sync + 'static {
 
     /// One round trip on the ownership session.
     fn heartbeat(&self) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Dead letters an operator asked to publish again, oldest first.
+    fn requested_letters(&self)
+    -> impl Future<Output = Result<Vec<Requested>, SourceError>> + Send;
+
+    /// The broker confirmed these redriven letters.
+    fn letters_sent(&self, ids: &[i64]) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// The broker refused a redriven letter again (see [`Recorder::refused`]).
+    fn letter_refused(
+        &self,
+        id: i64,
+        reason: &str,
+        counts: bool,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
 }
 
 /// How many of the 32-bit transaction ids in `$1` the current snapshot
@@ -63,12 +78,13 @@ pub struct RowRecorder {
 }
 
 impl RowRecorder {
-    /// `dead_letters`: the dead-letter table, when dead-lettering is on.
+    /// `dead_letters`: the dead-letter table, when dead-lettering is on, and
+    /// an SQL condition on its `aggregate_id` selecting this pipeline's shard.
     pub async fn new(
         client: Client,
         table: &TableName,
         mark: MarkMode,
-        dead_letters: Option<&TableName>,
+        dead_letters: Option<(&TableName, Option<&str>)>,
     ) -> Result<Self, SourceError> {
         let mark = match mark_sql(table, mark) {
             Some(sql) => Some(
@@ -80,13 +96,16 @@ impl RowRecorder {
             None => None,
         };
         let dead_letters = match dead_letters {
-            Some(t) => Some(Recorder::new(&client, t, mark.is_some().then_some(table)).await.map_err(|e| {
-                if e.code().is_some_and(|c| c.code() == "42P01") {
-                    SourceError::Setup(format!(
+            Some((t, shard)) => Some(Recorder::new(&client, t, shard).await.map_err(|e| {
+                match e.code().map(|c| c.code()) {
+                    Some("42P01") => SourceError::Setup(format!(
                         "the dead-letter table {t} does not exist; run `outbox-relay migrate` (or set dead_letter.enabled = false)"
-                    ))
-                } else {
-                    DbError::query("preparing the dead-letter statements", e).into()
+                    )),
+                    Some("42703") => SourceError::Setup(format!(
+                        "the dead-letter table {t} lacks a column this version uses ({}); run `outbox-relay migrate`",
+                        crate::db::error_text(&e)
+                    )),
+                    _ => DbError::query("preparing the dead-letter statements", e).into(),
                 }
             })?),
             None => None,
@@ -191,6 +210,34 @@ impl RowStore for RowRecorder {
             .simple_query("SELECT 1")
             .await
             .map_err(|e| DbError::query("checking the ownership connection", e))?;
+        Ok(())
+    }
+
+    async fn requested_letters(&self) -> Result<Vec<Requested>, SourceError> {
+        match &self.dead_letters {
+            Some(r) => r
+                .requested(&self.client)
+                .await
+                .map_err(|e| DbError::query("reading requested redrives", e).into()),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    async fn letters_sent(&self, ids: &[i64]) -> Result<(), SourceError> {
+        if let Some(r) = &self.dead_letters {
+            r.sent(&self.client, ids)
+                .await
+                .map_err(|e| DbError::query("recording redriven dead letters", e))?;
+        }
+        Ok(())
+    }
+
+    async fn letter_refused(&self, id: i64, reason: &str, counts: bool) -> Result<(), SourceError> {
+        if let Some(r) = &self.dead_letters {
+            r.refused(&self.client, id, reason, counts)
+                .await
+                .map_err(|e| DbError::query("recording a refused redrive", e))?;
+        }
         Ok(())
     }
 }

@@ -26,7 +26,7 @@ use super::blocks::Blocks;
 use crate::config::HoldPolicy;
 use crate::envelope::Envelope;
 use crate::sink::{Sink, SinkError};
-use crate::source::{Acker, Reader, SourceError};
+use crate::source::{Acker, Reader, RowPosition, SourceError};
 use crate::telemetry::PipelineTelemetry;
 use serve::Pipeline;
 use std::time::Duration;
@@ -49,6 +49,23 @@ impl PipelineError {
             PipelineError::Sink(e) => e.is_retryable(),
             PipelineError::Source(e) => e.is_retryable(),
             PipelineError::TaskLost(_) => true,
+        }
+    }
+}
+
+/// Where an event in the pipeline comes from: the source, or a dead letter
+/// an operator asked the relay to publish again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Origin<P> {
+    Source(P),
+    Letter(i64),
+}
+
+impl<P: RowPosition> RowPosition for Origin<P> {
+    fn seq(&self) -> Option<i64> {
+        match self {
+            Origin::Source(p) => p.seq(),
+            Origin::Letter(_) => None,
         }
     }
 }

@@ -1,8 +1,8 @@
 //! What happens to one event: admitted, sent, answered, refused, deferred
 //! behind its aggregate or dead-lettered.
 
-use super::PipelineError;
-use super::serve::Pipeline;
+use super::serve::{Event, Pipeline};
+use super::{Origin, PipelineError};
 use crate::config::HoldPolicy;
 use crate::dead_letter::DeadLetter;
 use crate::outbox::{OutboxEvent, RawRow, RowError};
@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 /// The broker's answer to one send (or the sink's own refusal).
 pub(super) struct Answer<P> {
-    pub position: P,
+    pub position: Origin<P>,
     pub event: Result<OutboxEvent, RowError>,
     pub result: Result<(), SinkError>,
 }
@@ -37,7 +37,10 @@ where
                 return Ok(());
             };
             let lane = event.event.as_ref().ok().and_then(|e| self.sink.lane(e));
-            match self.scheduler.admit(event, lane, self.blocks) {
+            // A redriven letter goes although its aggregate is dead.
+            let blocked = matches!(event.position, Origin::Source(_))
+                && self.blocks.is_blocked(event.aggregate_id());
+            match self.scheduler.admit(event, lane, blocked) {
                 Admission::Send(e, lane) => {
                     let aggregate = e.aggregate_id().to_owned();
                     self.dispatch(e, lane).await?;
@@ -66,7 +69,9 @@ where
             while let Some(answer) = self.scheduler.next_answer(aggregate) {
                 self.handle(aggregate, answer)?;
             }
-            let Some((next, lane)) = self.scheduler.next_parked(aggregate, self.blocks) else {
+            let blocked =
+                self.blocks.is_blocked(aggregate) && !self.redriving.contains_key(aggregate);
+            let Some((next, lane)) = self.scheduler.next_parked(aggregate, blocked) else {
                 return Ok(());
             };
             self.dispatch(next, lane).await?;
@@ -78,8 +83,21 @@ where
     /// written in order: one that comes after events of its aggregate still
     /// in flight (`behind_in_flight`) waits for their answers, and is read
     /// again once they are recorded.
-    fn defer(&mut self, event: SourcedEvent<P>, behind_in_flight: bool) {
+    fn defer(&mut self, event: Event<P>, behind_in_flight: bool) {
         let aggregate = event.aggregate_id().to_owned();
+        let Origin::Source(position) = event.position else {
+            return; // a redriven letter stays in the dead-letter table
+        };
+        if self.redriving.contains_key(&aggregate) {
+            // Its letters are being published: it comes after them, read
+            // again once the aggregate flows.
+            self.pending_releases.push(position);
+            return;
+        }
+        let event = SourcedEvent {
+            position,
+            event: event.event,
+        };
         let follows = match (
             &self.settings.dead_letter,
             self.blocks.dead_event(&aggregate),
@@ -102,6 +120,7 @@ where
         self.telemetry.metrics.dead_lettered.increment(1);
         self.pending_letters.push(DeadLetter {
             seq: event.position.seq(),
+            wal: event.position.wal(),
             position: event.position,
             raw,
             reason: format!("follows dead-lettered event {follows} of its aggregate"),
@@ -116,7 +135,7 @@ where
     /// like any other, handled in its turn.
     async fn dispatch(
         &mut self,
-        sourced: SourcedEvent<P>,
+        sourced: Event<P>,
         lane: Option<String>,
     ) -> Result<(), PipelineError> {
         if !self.lease.valid(Instant::now()) {
@@ -190,6 +209,10 @@ where
                 let Ok(event) = event else {
                     return Ok(());
                 };
+                if let Origin::Letter(_) = position {
+                    self.pending_acks.push(position);
+                    return Ok(());
+                }
                 if self.blocks.is_blocked(aggregate) {
                     // Only a sink that broke its ordering contract answers so.
                     tracing::error!(event_id = %event.id, aggregate_id = aggregate, "the broker confirmed an event after refusing an earlier one of its aggregate; their order is not kept");
@@ -224,15 +247,26 @@ where
     /// The event cannot be published now: hold its aggregate back and retry
     /// later, or, after `max_attempts` refusals that `count`, dead-letter it
     /// (back-pressure does not count: it is retried for as long as it takes).
-    fn reject(&mut self, position: P, aggregate: &str, raw: RawRow, reason: String, count: bool) {
+    fn reject(
+        &mut self,
+        position: Origin<P>,
+        aggregate: &str,
+        raw: RawRow,
+        reason: String,
+        count: bool,
+    ) {
         self.telemetry.metrics.failed(Failure::Refused, 1);
+        let position = match position {
+            Origin::Source(p) => p,
+            Origin::Letter(id) => return self.letter_refused(id, aggregate, reason, count),
+        };
         if self.blocks.is_dead(aggregate) {
             // An earlier event of the aggregate is already dead-lettered
             // (both were in flight): this one follows it, or waits. Its
             // answer is handled in order, so everything before it is settled.
             let id = raw.id.clone();
             let event = SourcedEvent {
-                position,
+                position: Origin::Source(position),
                 event: Err(RowError {
                     id,
                     aggregate_id: Some(aggregate.to_owned()),
@@ -282,7 +316,10 @@ where
             );
             self.pending_releases.push(position);
             self.pending_releases
-                .extend(parked.into_iter().map(|e| e.position));
+                .extend(parked.into_iter().filter_map(|e| match e.position {
+                    Origin::Source(p) => Some(p),
+                    Origin::Letter(_) => None,
+                }));
             return;
         }
         tracing::warn!(
@@ -296,6 +333,7 @@ where
         self.telemetry.metrics.dead_lettered.increment(1);
         self.pending_letters.push(DeadLetter {
             seq: position.seq(),
+            wal: position.wal(),
             position,
             raw,
             reason,
@@ -307,6 +345,32 @@ where
         for e in parked {
             self.defer(e, true);
         }
+    }
+}
+
+impl<P, K> Pipeline<'_, P, K>
+where
+    P: Clone + Send + Sync + RowPosition + 'static,
+    K: Sink,
+{
+    /// A redriven letter was refused again: it stays in the dead-letter
+    /// table with the new reason, its aggregate stays dead, and the rest of
+    /// its redrive is called off (a refusal that counts ends the operator's
+    /// request; back-pressure keeps it, for the next refresh).
+    fn letter_refused(&mut self, id: i64, aggregate: &str, reason: String, counts: bool) {
+        tracing::warn!(
+            letter = id,
+            aggregate_id = aggregate,
+            reason = %reason,
+            "a redriven dead letter was refused again; it stays in the dead-letter table"
+        );
+        self.pending_letter_refusals.push((id, reason, counts));
+        self.waiting.retain(|e| {
+            !(e.aggregate_id() == aggregate && matches!(e.position, Origin::Letter(_)))
+        });
+        self.scheduler.drop_parked(aggregate);
+        // What was held back behind the redrive follows the letter now, in order.
+        self.rewind_later();
     }
 }
 

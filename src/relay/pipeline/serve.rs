@@ -2,9 +2,9 @@
 
 use super::publish::{Answer, Answered};
 use super::tasks::{
-    AckCommand, Batch, Resolved, drive_acker, drive_reader, flush, joined, task_error,
+    AckCommand, Batch, Refreshed, Resolved, drive_acker, drive_reader, flush, joined, task_error,
 };
-use super::{Context, PipelineError, Settings};
+use super::{Context, Origin, PipelineError, Settings};
 use crate::dead_letter::DeadLetter;
 use crate::envelope::Envelope;
 use crate::relay::blocks::{Blocks, MAX_BLOCKED_AGGREGATES};
@@ -18,7 +18,7 @@ use crate::telemetry::metrics::Failure;
 use chrono::Utc;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -30,6 +30,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 pub(super) type InFlight<P> = Pin<Box<dyn Future<Output = Answered<P>> + Send>>;
+
+/// An event in the pipeline: from the source, or a redriven dead letter.
+pub(super) type Event<P> = SourcedEvent<Origin<P>>;
 
 /// Whether new events are taken, and what happens once nothing is in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,8 +52,9 @@ struct Refresh {
     /// How often dead aggregates are looked up (`None`: dead-lettering is off).
     every: Option<Duration>,
     next: Option<Instant>,
-    /// The reply, and [`Blocks::generation`] when the question was asked.
-    waiting: Option<(oneshot::Receiver<HashSet<String>>, u64)>,
+    /// The reply, [`Blocks::generation`] when the question was asked, and
+    /// how many redriven letters had been handed to the acker by then.
+    waiting: Option<(oneshot::Receiver<Refreshed>, u64, u64)>,
 }
 
 /// Everything one run holds.
@@ -60,15 +64,25 @@ pub(super) struct Pipeline<'a, P, K> {
     pub(super) envelope: &'a Envelope,
     pub(super) sink: K,
     pub(super) blocks: &'a mut Blocks,
-    pub(super) scheduler: Scheduler<P, Answer<P>>,
+    pub(super) scheduler: Scheduler<Origin<P>, Answer<P>>,
     pub(super) in_flight: FuturesUnordered<InFlight<P>>,
     /// Confirmed positions not yet handed to the acker.
-    pub(super) pending_acks: Vec<P>,
+    pub(super) pending_acks: Vec<Origin<P>>,
     /// Dead letters to hand to the acker, in order.
     pub(super) pending_letters: Vec<DeadLetter<P>>,
     pub(super) intake: Intake,
-    /// The rest of the current batch, admitted as the window makes room.
-    pub(super) waiting: VecDeque<SourcedEvent<P>>,
+    /// The rest of the current batch (and redriven letters), admitted as
+    /// the window makes room.
+    pub(super) waiting: VecDeque<Event<P>>,
+    /// Redriven letters refused again, for the acker.
+    pub(super) pending_letter_refusals: Vec<(i64, String, bool)>,
+    /// Aggregates whose requested letters are being published: letters
+    /// not yet handed to the acker.
+    pub(super) redriving: HashMap<String, usize>,
+    /// The aggregate of each redriven letter not yet handed to the acker.
+    pub(super) letter_aggregates: HashMap<i64, String>,
+    /// Redriven letters handed to the acker so far.
+    letters_handed: u64,
     /// Held-back events whose positions go back to the source.
     pub(super) pending_releases: Vec<P>,
     pub(super) lease: Arc<Lease>,
@@ -140,6 +154,10 @@ where
             pending_letters: Vec::new(),
             intake: Intake::Open,
             waiting: VecDeque::new(),
+            pending_letter_refusals: Vec::new(),
+            redriving: HashMap::new(),
+            letter_aggregates: HashMap::new(),
+            letters_handed: 0,
             pending_releases: Vec::new(),
             lease,
             unrecorded,
@@ -168,7 +186,7 @@ where
         }
         let (tx, rx) = oneshot::channel();
         let open = match self.ack_tx.send(AckCommand::OpenDeadLetters(tx)).await {
-            Ok(()) => rx.await.ok(),
+            Ok(()) => rx.await.ok().map(|(open, _)| open),
             Err(_) => None,
         };
         let Some(open) = open else {
@@ -207,9 +225,10 @@ where
             let intake = open && !fenced && self.waiting.is_empty() && self.has_room();
             let expiry = self.blocks.next_expiry().filter(|_| open);
             let deadline = self.intake.deadline();
-            let ask_refresh = self.refresh.waiting.is_none()
-                && self.blocks.has_dead()
-                && self.pending_letters.is_empty();
+            // Everything confirmed goes to the acker first: the view it returns
+            // then includes every letter dead, and every letter redriven, by now.
+            let ask_refresh =
+                self.refresh.waiting.is_none() && self.blocks.has_dead() && !self.has_work();
             tokio::select! {
                 biased;
                 // 1. Shutdown: stop reading, drain what is in flight.
@@ -227,8 +246,8 @@ where
                 },
                 // 5. Operators resolved dead letters (seen by the acker, or by the refresh).
                 found = self.resolved.next() => self.resolve(found),
-                Ok((open, seen)) = wait_refresh(&mut self.refresh.waiting), if self.refresh.waiting.is_some() => {
-                    self.refreshed(open, seen)
+                Ok((found, seen, handed)) = wait_refresh(&mut self.refresh.waiting), if self.refresh.waiting.is_some() => {
+                    self.refreshed(found, seen, handed)
                 }
                 // Only dead aggregates need watching. Dead letters still to be
                 // written go first: the acker answers in order, so the view it
@@ -293,6 +312,7 @@ where
     fn has_work(&self) -> bool {
         !self.pending_acks.is_empty()
             || !self.pending_letters.is_empty()
+            || !self.pending_letter_refusals.is_empty()
             || !self.pending_releases.is_empty()
     }
 
@@ -305,8 +325,10 @@ where
     /// Everything sent is confirmed and recorded: re-read from the recorded point.
     async fn rewind(&mut self) -> Result<(), PipelineError> {
         // The reader starts over: what it would have been told to let go of
-        // is read afresh.
+        // is read afresh, and requested letters are fetched again.
         self.pending_releases.clear();
+        self.redriving.clear();
+        self.letter_aggregates.clear();
         flush(&self.ack_tx).await?;
         self.epoch += 1;
         if self.rewind_tx.send(self.epoch).await.is_err() {
@@ -356,6 +378,14 @@ where
             let letters = std::mem::take(&mut self.pending_letters);
             self.unrecorded.fetch_add(letters.len(), Ordering::SeqCst);
             AckCommand::DeadLetter(letters)
+        } else if let Some((id, reason, counts)) = self.pending_letter_refusals.pop() {
+            // The aggregate's redrive ends here (its other letters were dropped).
+            if let Some(aggregate) = self.letter_aggregates.remove(&id) {
+                self.redriving.remove(&aggregate);
+                self.letter_aggregates.retain(|_, a| *a != aggregate);
+            }
+            self.letters_handed += 1;
+            AckCommand::LetterRefused(id, reason, counts)
         } else if !self.pending_releases.is_empty() {
             AckCommand::Release(std::mem::take(&mut self.pending_releases))
         } else {
@@ -365,7 +395,27 @@ where
             m.published.increment(acks.len() as u64);
             m.last_publish
                 .set(Utc::now().timestamp_millis() as f64 / 1000.0);
-            AckCommand::Ack(acks)
+            let mut sources = Vec::with_capacity(acks.len());
+            let mut letters = Vec::new();
+            for a in acks {
+                match a {
+                    Origin::Source(p) => sources.push(p),
+                    Origin::Letter(id) => letters.push(id),
+                }
+            }
+            for id in &letters {
+                self.letters_handed += 1;
+                let Some(aggregate) = self.letter_aggregates.remove(id) else {
+                    continue;
+                };
+                if let Some(n) = self.redriving.get_mut(&aggregate) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.redriving.remove(&aggregate);
+                    }
+                }
+            }
+            AckCommand::Ack(sources, letters)
         }
     }
 
@@ -392,8 +442,8 @@ where
         }
     }
 
-    /// The refresh's view of the open dead letters arrived.
-    fn refreshed(&mut self, open: HashSet<String>, seen: u64) {
+    /// The refresh's view of the dead-letter table arrived.
+    fn refreshed(&mut self, (open, requested): Refreshed, seen: u64, handed: u64) {
         self.refresh.waiting = None;
         let gone = self.blocks.resolve_missing(&open, seen);
         if !gone.is_empty() && self.intake != Intake::Rewinding {
@@ -402,6 +452,45 @@ where
                 "dead letters redriven or dropped; their aggregates resume"
             );
             self.rewind_later();
+        }
+        // A view older than letters handed over since may still list them.
+        if handed == self.letters_handed {
+            self.redrive(requested);
+        }
+    }
+
+    /// Queues the requested letters of dead aggregates not being redriven
+    /// already, in order, ahead of the current batch.
+    fn redrive(&mut self, requested: Vec<crate::dead_letter::Requested>) {
+        if self.intake != Intake::Open {
+            return;
+        }
+        let now = Utc::now();
+        let mut queued: Vec<Event<P>> = Vec::new();
+        let mut started: HashMap<String, usize> = HashMap::new();
+        for r in requested {
+            let aggregate = r.raw.aggregate_id.clone().unwrap_or_default();
+            if self.redriving.contains_key(&aggregate) || !self.blocks.is_dead(&aggregate) {
+                continue;
+            }
+            *started.entry(aggregate.clone()).or_default() += 1;
+            self.letter_aggregates.insert(r.letter_id, aggregate);
+            queued.push(SourcedEvent {
+                position: Origin::Letter(r.letter_id),
+                event: r.raw.decode(now),
+            });
+        }
+        if queued.is_empty() {
+            return;
+        }
+        tracing::info!(
+            letters = queued.len(),
+            aggregates = started.len(),
+            "publishing redriven dead letters"
+        );
+        self.redriving.extend(started);
+        for e in queued.into_iter().rev() {
+            self.waiting.push_front(e);
         }
     }
 
@@ -415,7 +504,7 @@ where
         {
             return Err(task_error(&mut self.acker_task, "acker").await);
         }
-        self.refresh.waiting = Some((rx, self.blocks.generation()));
+        self.refresh.waiting = Some((rx, self.blocks.generation(), self.letters_handed));
         self.refresh.next = self.refresh.every.map(|d| Instant::now() + d);
         Ok(())
     }
@@ -433,7 +522,11 @@ where
                     .metrics
                     .batch_size
                     .record(b.events.len() as f64);
-                self.waiting.extend(b.events);
+                self.waiting
+                    .extend(b.events.into_iter().map(|e| SourcedEvent {
+                        position: Origin::Source(e.position),
+                        event: e.event,
+                    }));
                 self.admit_waiting().await
             }
             Some(_) => Ok(()), // read before the last rewind; it will be read again
@@ -481,12 +574,12 @@ impl Intake {
 }
 
 async fn wait_refresh(
-    rx: &mut Option<(oneshot::Receiver<HashSet<String>>, u64)>,
-) -> Result<(HashSet<String>, u64), ()> {
+    rx: &mut Option<(oneshot::Receiver<Refreshed>, u64, u64)>,
+) -> Result<(Refreshed, u64, u64), ()> {
     match rx {
-        Some((rx, seen)) => {
-            let seen = *seen;
-            rx.await.map(|open| (open, seen)).map_err(|_| ())
+        Some((rx, seen, handed)) => {
+            let (seen, handed) = (*seen, *handed);
+            rx.await.map(|found| (found, seen, handed)).map_err(|_| ())
         }
         None => std::future::pending().await,
     }

@@ -2,7 +2,7 @@
 //! batches, and the acker, recording progress in order.
 
 use super::PipelineError;
-use crate::dead_letter::DeadLetter;
+use crate::dead_letter::{DeadLetter, Requested};
 use crate::relay::lease::Lease;
 use crate::source::{Acker, Reader, SourceError, SourcedEvent};
 use std::collections::HashSet;
@@ -52,13 +52,20 @@ pub struct Batch<P> {
     pub events: Vec<SourcedEvent<P>>,
 }
 
+/// What a refresh of the dead-letter table found: the aggregates with open
+/// letters, and the letters an operator asked to publish again.
+pub type Refreshed = (HashSet<String>, Vec<Requested>);
+
 /// Work for the acker, carried out in the order sent.
 pub enum AckCommand<P> {
-    Ack(Vec<P>),
+    /// Confirmed: source positions to record, and redriven letters.
+    Ack(Vec<P>, Vec<i64>),
     /// Events left unsent in the source (their aggregate is held back).
     Release(Vec<P>),
     DeadLetter(Vec<DeadLetter<P>>),
-    OpenDeadLetters(oneshot::Sender<HashSet<String>>),
+    /// A redriven letter was refused again: its id, why, and whether it counts.
+    LetterRefused(i64, String, bool),
+    OpenDeadLetters(oneshot::Sender<Refreshed>),
     /// Answered once everything sent before it is recorded.
     Flush(oneshot::Sender<()>),
 }
@@ -182,7 +189,7 @@ pub async fn drive_acker<A: Acker>(
     unrecorded: Arc<AtomicUsize>,
 ) -> Result<(), SourceError> {
     let mut countdown = abort_before_ack_countdown();
-    let mut positions = Vec::new();
+    let mut done = Recorded::default();
     loop {
         let first = match tokio::time::timeout_at(lease.renew_by(), rx.recv()).await {
             Ok(Some(cmd)) => cmd,
@@ -199,11 +206,14 @@ pub async fn drive_acker<A: Acker>(
         let mut next = Some(first);
         while let Some(cmd) = next {
             match cmd {
-                AckCommand::Ack(p) => positions.extend(p),
+                AckCommand::Ack(p, l) => {
+                    done.positions.extend(p);
+                    done.letters.extend(l);
+                }
                 AckCommand::Release(p) => acker.release(p),
-                AckCommand::Flush(done) => flushes.push(done),
+                AckCommand::Flush(tx) => flushes.push(tx),
                 AckCommand::DeadLetter(letters) => {
-                    record(&mut acker, &mut positions, &mut countdown, &unrecorded).await?;
+                    done.record(&mut acker, &mut countdown, &unrecorded).await?;
                     let n = letters.len();
                     let found = acker.dead_letter(letters).await?;
                     unrecorded.fetch_sub(n, Ordering::SeqCst);
@@ -211,21 +221,61 @@ pub async fn drive_acker<A: Acker>(
                         resolved.add(found);
                     }
                 }
+                AckCommand::LetterRefused(id, reason, counts) => {
+                    done.record(&mut acker, &mut countdown, &unrecorded).await?;
+                    acker.letter_refused(id, reason, counts).await?;
+                }
                 AckCommand::OpenDeadLetters(reply) => {
-                    record(&mut acker, &mut positions, &mut countdown, &unrecorded).await?;
-                    let _ = reply.send(acker.open_dead_letters().await?);
+                    done.record(&mut acker, &mut countdown, &unrecorded).await?;
+                    let open = acker.open_dead_letters().await?;
+                    let requested = acker.requested_letters().await?;
+                    let _ = reply.send((open, requested));
                 }
             }
-            next = if positions.len() < MAX_ACK_BATCH {
+            next = if done.positions.len() + done.letters.len() < MAX_ACK_BATCH {
                 rx.try_recv().ok()
             } else {
                 None
             };
         }
-        record(&mut acker, &mut positions, &mut countdown, &unrecorded).await?;
-        for done in flushes {
-            let _ = done.send(());
+        done.record(&mut acker, &mut countdown, &unrecorded).await?;
+        for tx in flushes {
+            let _ = tx.send(());
         }
+    }
+}
+
+/// Confirmations gathered for one recording.
+struct Recorded<P> {
+    positions: Vec<P>,
+    letters: Vec<i64>,
+}
+
+impl<P> Default for Recorded<P> {
+    fn default() -> Self {
+        Recorded {
+            positions: Vec::new(),
+            letters: Vec::new(),
+        }
+    }
+}
+
+impl<P: Send + Sync + 'static> Recorded<P> {
+    async fn record<A: Acker<Position = P>>(
+        &mut self,
+        acker: &mut A,
+        countdown: &mut Option<u32>,
+        unrecorded: &AtomicUsize,
+    ) -> Result<(), SourceError> {
+        record(acker, &mut self.positions, countdown, unrecorded).await?;
+        if !self.letters.is_empty() {
+            let n = self.letters.len();
+            acker
+                .letters_sent(std::mem::take(&mut self.letters))
+                .await?;
+            unrecorded.fetch_sub(n, Ordering::SeqCst);
+        }
+        Ok(())
     }
 }
 

@@ -38,6 +38,7 @@ use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::{Config, MarkMode};
 use crate::dead_letter::DeadLetter;
 use crate::outbox::{ResolvedColumns, TableName};
+use crate::source::replication::Lsn;
 use progress::CATCH_UP;
 use snapshot::StartupView;
 use std::collections::HashSet;
@@ -58,6 +59,8 @@ pub struct CdcSettings {
     pub heartbeat_interval: Option<Duration>,
     /// Rows are marked, so unsent rows can be read from the table at start-up.
     pub read_table: bool,
+    /// The dead-letter table, when dead-lettering is on.
+    pub dead_letters: Option<TableName>,
     /// Report the flushed position once this many events were confirmed
     /// since the last report (the in-flight window): without marking, what
     /// a crash sends again is what the slot was not told.
@@ -75,6 +78,10 @@ impl CdcSettings {
             status_interval: cdc.status_interval,
             heartbeat_interval: cdc.heartbeat_interval,
             read_table: config.relay.mark != MarkMode::None,
+            dead_letters: config
+                .dead_letter
+                .enabled
+                .then(|| config.dead_letter.table_name(table)),
             report_every: config.relay.max_in_flight as u64,
         }
     }
@@ -157,6 +164,13 @@ impl<B: CdcServer> CdcReader<B> {
     async fn start(&mut self) -> Result<(), SourceError> {
         let slot_flushed = self.server.prepare().await?;
         lock(&self.progress).restart(slot_flushed);
+        if !self.settings.read_table {
+            // Without marking, the WAL is replayed from the slot: events
+            // already dead-lettered there are not handled again.
+            let from = lock(&self.progress).flushed();
+            let done = self.server.dead_lettered_since(from).await?;
+            lock(&self.progress).remember(&done);
+        }
         if self.settings.read_table {
             let view = self.server.begin_table_read().await?;
             lock(&self.progress).begin(CATCH_UP);
@@ -436,10 +450,9 @@ impl<S: RowStore> Acker for CdcAcker<S> {
             .wait_visible(letters.iter().filter_map(|l| l.position.xid).collect())
             .await?;
         let w = self.recorder.dead_letter(&letters).await?;
-        // A dead letter is as durable as a delivery, and a follower whose row
-        // a redrive put back as a new one is accounted for: their positions are done.
+        // A dead letter is as durable as a delivery: its position is done.
         let mut progress = lock(&self.progress);
-        for i in w.written.iter().chain(&w.superseded) {
+        for i in &w.written {
             progress.confirm(&letters[*i].position);
         }
         Ok(w.resolved)
@@ -461,6 +474,25 @@ impl<S: RowStore> Acker for CdcAcker<S> {
         }
     }
 
+    async fn requested_letters(
+        &mut self,
+    ) -> Result<Vec<crate::dead_letter::Requested>, SourceError> {
+        self.recorder.requested_letters().await
+    }
+
+    async fn letters_sent(&mut self, ids: Vec<i64>) -> Result<(), SourceError> {
+        self.recorder.letters_sent(&ids).await
+    }
+
+    async fn letter_refused(
+        &mut self,
+        id: i64,
+        reason: String,
+        counts: bool,
+    ) -> Result<(), SourceError> {
+        self.recorder.letter_refused(id, &reason, counts).await
+    }
+
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
         self.recorder.heartbeat().await
     }
@@ -469,5 +501,9 @@ impl<S: RowStore> Acker for CdcAcker<S> {
 impl super::RowPosition for CdcPosition {
     fn seq(&self) -> Option<i64> {
         self.seq
+    }
+
+    fn wal(&self) -> Option<(Lsn, u64)> {
+        (self.commit_lsn != CATCH_UP).then_some((self.commit_lsn, self.index))
     }
 }

@@ -108,6 +108,19 @@ impl Progress {
         self.confirmed_ahead.retain(|(lsn, _)| *lsn >= flushed);
     }
 
+    /// Events known to be done (dead-lettered) past the flushed position:
+    /// skipped when the stream replays them.
+    pub fn remember(&mut self, done: &[(Lsn, u64)]) {
+        for d in done {
+            if self.confirmed_ahead.len() >= self.ahead_cap {
+                break;
+            }
+            if d.0 >= self.flushed {
+                self.confirmed_ahead.insert(*d);
+            }
+        }
+    }
+
     /// A transaction starts (Begin, or the start-up table read).
     pub fn begin(&mut self, commit_lsn: Lsn) {
         self.txs.push_back(Tx {

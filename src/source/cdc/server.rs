@@ -77,6 +77,13 @@ pub trait CdcServer: Send + 'static {
 
     /// Writes a tiny logical message so that an idle database's slot moves.
     fn heartbeat(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// WAL positions (commit LSN, index) of events dead-lettered at or after
+    /// `from`: a replay from there must not handle them again.
+    fn dead_lettered_since(
+        &mut self,
+        from: Lsn,
+    ) -> impl Future<Output = Result<Vec<(Lsn, u64)>, SourceError>> + Send;
 }
 
 /// A replication stream.
@@ -307,6 +314,15 @@ impl CdcServer for PgServer {
             .await
             .map_err(|e| DbError::query("writing the heartbeat message", e))?;
         Ok(())
+    }
+
+    async fn dead_lettered_since(&mut self, from: Lsn) -> Result<Vec<(Lsn, u64)>, SourceError> {
+        let Some(table) = &self.settings.dead_letters else {
+            return Ok(Vec::new());
+        };
+        crate::dead_letter::wal_positions_since(&self.client, table, from)
+            .await
+            .map_err(|e| DbError::query("reading dead-lettered WAL positions", e).into())
     }
 }
 
