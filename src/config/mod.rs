@@ -274,9 +274,8 @@ pub struct RelayConfig {
     /// Messages handed to the broker and not yet confirmed, at most.
     #[serde(default = "defaults::max_in_flight")]
     pub max_in_flight: usize,
-    /// Unconfirmed messages per aggregate, at most; default 1 for RabbitMQ
-    /// (strict order even when the broker refuses one message) and unlimited
-    /// for Kafka (the idempotent producer keeps order).
+    /// Unconfirmed messages per aggregate within one Kafka topic, at most
+    /// (`None`: no limit). Elsewhere an aggregate has one at a time.
     #[serde(default)]
     pub max_in_flight_per_aggregate: Option<usize>,
     /// A broker confirmation not received within this is treated as a lost

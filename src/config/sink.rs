@@ -66,18 +66,6 @@ impl SinkConfig {
             SinkConfig::RabbitMq(_) => "rabbitmq",
         }
     }
-
-    /// Default of `relay.max_in_flight_per_aggregate` for this broker.
-    pub fn default_in_flight_per_aggregate(&self) -> Option<usize> {
-        match self {
-            // The idempotent producer (with the gapless guarantee) never lets a
-            // later message of a partition succeed after an earlier one failed.
-            SinkConfig::Kafka(_) => None,
-            // RabbitMQ can refuse one message (nack, unroutable) and accept the
-            // next: one unconfirmed message per aggregate keeps their order.
-            SinkConfig::RabbitMq(_) => Some(1),
-        }
-    }
 }
 
 /// `[sink]` with `type = "kafka"`.

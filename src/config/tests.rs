@@ -42,7 +42,6 @@ fn defaults_apply() {
         panic!()
     };
     assert_eq!(k.topic.as_str(), "outbox.event.{aggregate_type}");
-    assert_eq!(c.sink.default_in_flight_per_aggregate(), None);
 }
 
 #[test]

@@ -96,7 +96,7 @@ mod tests {
     async fn a_new_owner_waits_out_the_previous_lease_then_renews() {
         let d = Duration::from_secs(3);
         let start = Instant::now();
-        let lease = Lease::acquired(d, start);
+        let lease = std::sync::Arc::new(Lease::acquired(d, start));
         assert!(
             !lease.valid(start),
             "nothing is published during the first lease"
@@ -105,11 +105,11 @@ mod tests {
         assert!(!lease.valid(start + d), "still within the embargo");
         assert!(lease.valid(start + d + d / 10));
         assert!(!lease.valid(start + d * 2), "no renewal: expired");
-        let waiter = tokio::spawn(async move {
-            lease.wait_valid().await;
-            Instant::now()
-        });
+        // Once expired, a waiter waits for a renewal, however long.
         tokio::time::sleep(d * 3).await;
+        let l = lease.clone();
+        let waiter = tokio::spawn(async move { l.wait_valid().await });
+        tokio::time::sleep(d * 10).await;
         assert!(
             !waiter.is_finished(),
             "an expired lease waits for a renewal"

@@ -118,7 +118,10 @@ async fn a_poison_event_is_dead_lettered_and_its_aggregate_follows(mode: Mode, k
         &[],
     );
     assert_eq!(code, 0, "{out}{err}");
-    assert!(out.contains("redrove 4 dead letter(s)"), "{out}");
+    assert!(
+        out.contains("requested the redrive of 4 dead letter(s)"),
+        "{out}"
+    );
     let relay = InProcess::start(parse(&toml));
     let got = broker.inbox().wait_ids(&expected, WAIT).await;
     let order: Vec<String> = got

@@ -97,10 +97,7 @@ impl Settings {
             probe_interval: config.relay.standby_poll.max(Duration::from_secs(10)),
             batch_size: config.source.batch_size,
             max_in_flight: config.relay.max_in_flight,
-            per_aggregate: config
-                .relay
-                .max_in_flight_per_aggregate
-                .or(config.sink.default_in_flight_per_aggregate()),
+            per_aggregate: config.relay.max_in_flight_per_aggregate,
             confirm_timeout: config.relay.confirm_timeout,
             shutdown_timeout: config.relay.shutdown_timeout,
             dead_letter: config.dead_letter.enabled.then_some(DeadLetterSettings {

@@ -2,7 +2,8 @@
 
 use super::publish::{Answer, Answered};
 use super::tasks::{
-    AckCommand, Batch, Refreshed, Resolved, drive_acker, drive_reader, flush, joined, task_error,
+    AckCommand, Batch, Refreshed, Resolved, Unrecorded, drive_acker, drive_reader, flush, joined,
+    task_error,
 };
 use super::{Context, Origin, PipelineError, Settings};
 use crate::dead_letter::DeadLetter;
@@ -22,7 +23,6 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -87,7 +87,7 @@ pub(super) struct Pipeline<'a, P, K> {
     pub(super) pending_releases: Vec<P>,
     pub(super) lease: Arc<Lease>,
     /// Handed to the acker and not recorded yet: part of the window.
-    unrecorded: Arc<AtomicUsize>,
+    unrecorded: Arc<Unrecorded>,
     warned_full: bool,
     epoch: u64,
     refresh: Refresh,
@@ -133,7 +133,7 @@ where
         )));
         let (ack_tx, ack_rx) = mpsc::channel(4);
         let resolved = Arc::new(Resolved::default());
-        let unrecorded = Arc::new(AtomicUsize::new(0));
+        let unrecorded = Arc::new(Unrecorded::default());
         let acker_task = AbortOnDropHandle::new(tokio::spawn(drive_acker(
             acker,
             ack_rx,
@@ -222,7 +222,8 @@ where
             }
             self.report_in_flight();
             let open = self.intake == Intake::Open;
-            let intake = open && !fenced && self.waiting.is_empty() && self.has_room();
+            let room = self.has_room();
+            let intake = open && !fenced && self.waiting.is_empty() && room;
             let expiry = self.blocks.next_expiry().filter(|_| open);
             let deadline = self.intake.deadline();
             // Everything confirmed goes to the acker first: the view it returns
@@ -257,6 +258,8 @@ where
                 _ = sleep_until_opt(expiry) => self.retry_expired(),
                 // 7. New events.
                 batch = self.batch_rx.recv(), if intake => self.take(batch).await?,
+                // Recorded events make room in the window.
+                _ = self.unrecorded.recorded_some(), if !room => {}
                 // The ownership lease ran out (or a new owner waits out the
                 // previous one's): nothing is sent until it is renewed.
                 _ = self.lease.wait_valid(), if fenced && open => {}
@@ -376,7 +379,7 @@ where
     fn next_command(&mut self) -> AckCommand<P> {
         if !self.pending_letters.is_empty() {
             let letters = std::mem::take(&mut self.pending_letters);
-            self.unrecorded.fetch_add(letters.len(), Ordering::SeqCst);
+            self.unrecorded.add(letters.len());
             AckCommand::DeadLetter(letters)
         } else if let Some((id, reason, counts)) = self.pending_letter_refusals.pop() {
             // The aggregate's redrive ends here (its other letters were dropped).
@@ -390,7 +393,7 @@ where
             AckCommand::Release(std::mem::take(&mut self.pending_releases))
         } else {
             let acks = std::mem::take(&mut self.pending_acks);
-            self.unrecorded.fetch_add(acks.len(), Ordering::SeqCst);
+            self.unrecorded.add(acks.len());
             let m = &self.telemetry.metrics;
             m.published.increment(acks.len() as u64);
             m.last_publish
@@ -559,7 +562,7 @@ where
         self.scheduler.used()
             + self.pending_acks.len()
             + self.pending_letters.len()
-            + self.unrecorded.load(Ordering::SeqCst)
+            + self.unrecorded.get()
             < self.settings.max_in_flight
     }
 }

@@ -16,6 +16,34 @@ use tokio_util::task::AbortOnDropHandle;
 /// Most positions recorded by one acknowledgement statement.
 const MAX_ACK_BATCH: usize = 5_000;
 
+/// Events handed to the acker and not recorded yet (part of the window),
+/// with a wake-up for the pipeline when some were recorded.
+#[derive(Default)]
+pub struct Unrecorded {
+    count: AtomicUsize,
+    wake: Notify,
+}
+
+impl Unrecorded {
+    pub fn get(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    pub fn add(&self, n: usize) {
+        self.count.fetch_add(n, Ordering::SeqCst);
+    }
+
+    fn recorded(&self, n: usize) {
+        self.count.fetch_sub(n, Ordering::SeqCst);
+        self.wake.notify_one();
+    }
+
+    /// Waits until something was recorded since the last call. Cancel-safe.
+    pub async fn recorded_some(&self) {
+        self.wake.notified().await;
+    }
+}
+
 /// Aggregates the acker found resolved, waiting for the pipeline: a set
 /// (bounded by the aggregates that exist) and a wake-up, so the acker never
 /// waits on the pipeline while the pipeline waits on it.
@@ -186,7 +214,7 @@ pub async fn drive_acker<A: Acker>(
     mut rx: mpsc::Receiver<AckCommand<A::Position>>,
     resolved: Arc<Resolved>,
     lease: Arc<Lease>,
-    unrecorded: Arc<AtomicUsize>,
+    unrecorded: Arc<Unrecorded>,
 ) -> Result<(), SourceError> {
     let mut countdown = abort_before_ack_countdown();
     let mut done = Recorded::default();
@@ -216,7 +244,7 @@ pub async fn drive_acker<A: Acker>(
                     done.record(&mut acker, &mut countdown, &unrecorded).await?;
                     let n = letters.len();
                     let found = acker.dead_letter(letters).await?;
-                    unrecorded.fetch_sub(n, Ordering::SeqCst);
+                    unrecorded.recorded(n);
                     if !found.is_empty() {
                         resolved.add(found);
                     }
@@ -265,7 +293,7 @@ impl<P: Send + Sync + 'static> Recorded<P> {
         &mut self,
         acker: &mut A,
         countdown: &mut Option<u32>,
-        unrecorded: &AtomicUsize,
+        unrecorded: &Unrecorded,
     ) -> Result<(), SourceError> {
         record(acker, &mut self.positions, countdown, unrecorded).await?;
         if !self.letters.is_empty() {
@@ -273,7 +301,7 @@ impl<P: Send + Sync + 'static> Recorded<P> {
             acker
                 .letters_sent(std::mem::take(&mut self.letters))
                 .await?;
-            unrecorded.fetch_sub(n, Ordering::SeqCst);
+            unrecorded.recorded(n);
         }
         Ok(())
     }
@@ -291,7 +319,7 @@ async fn record<A: Acker>(
     acker: &mut A,
     positions: &mut Vec<A::Position>,
     countdown: &mut Option<u32>,
-    unrecorded: &AtomicUsize,
+    unrecorded: &Unrecorded,
 ) -> Result<(), SourceError> {
     if positions.is_empty() {
         return Ok(());
@@ -310,7 +338,7 @@ async fn record<A: Acker>(
     let started = std::time::Instant::now();
     let n = positions.len();
     acker.ack(std::mem::take(positions)).await?;
-    unrecorded.fetch_sub(n, Ordering::SeqCst);
+    unrecorded.recorded(n);
     tracing::debug!(
         events = n,
         record_ms = started.elapsed().as_millis() as u64,

@@ -235,7 +235,7 @@ impl Progress {
     }
 
     fn advance(&mut self) {
-        let mut last = None;
+        let mut popped = false;
         while self.txs.front().is_some_and(Tx::complete) {
             let Some(tx) = self.txs.pop_front() else {
                 break;
@@ -243,16 +243,18 @@ impl Progress {
             if let Some(end) = tx.end_lsn {
                 self.flushed = self.flushed.max(end);
             }
-            last = Some(tx.commit_lsn);
+            popped = true;
         }
         // The flushed transactions' confirmations are no longer needed for
-        // skipping: drop everything up to the last one, in one cut.
-        if let Some(lsn) = last
-            && self.confirmed_ahead.first().is_some_and(|(l, _)| *l <= lsn)
-        {
-            self.confirmed_ahead = self
+        // skipping: every transaction committed before the flushed position
+        // is done (merged ones included); drop them in one cut.
+        if popped
+            && self
                 .confirmed_ahead
-                .split_off(&(Lsn(lsn.0.saturating_add(1)), 0));
+                .first()
+                .is_some_and(|(l, _)| *l < self.flushed)
+        {
+            self.confirmed_ahead = self.confirmed_ahead.split_off(&(self.flushed, 0));
         }
         if self.txs.is_empty() {
             self.flushed = self.flushed.max(self.server_end);

@@ -187,6 +187,10 @@ pub struct InProcess {
 
 impl InProcess {
     pub fn start(config: Config) -> InProcess {
+        // The relay's own log, when debugging a test.
+        if std::env::var("OUTBOX_RELAY_TEST_LOG").is_ok() {
+            outbox_relay::telemetry::init(&config.log);
+        }
         let shutdown = CancellationToken::new();
         let token = shutdown.clone();
         let task = tokio::spawn(async move { outbox_relay::relay::run(&config, token).await });
