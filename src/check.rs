@@ -103,7 +103,12 @@ async fn check_database(config: &Config, r: &mut Report) {
             ),
         ),
         Ok(Some(info)) => {
-            let problems = inspect::verify(&info, &config.outbox.columns, config.relay.mark);
+            let problems = inspect::verify(
+                &info,
+                &config.outbox.columns,
+                config.relay.mark,
+                config.deletes_rows(),
+            );
             if problems.is_empty() {
                 let resolved = config.outbox.columns.resolve(&info.names());
                 let absent: Vec<&str> = [
@@ -125,6 +130,9 @@ async fn check_database(config: &Config, r: &mut Report) {
                     "outbox table",
                     format!("{table}: columns, types and privileges fit{note}"),
                 );
+            }
+            for w in inspect::warnings(&info, &config.outbox.columns) {
+                r.add(Mark::Warn, "outbox table", w);
             }
             for p in problems {
                 r.add(Mark::Fail, "outbox table", p);

@@ -72,6 +72,15 @@ pub struct Config {
     pub log: LogConfig,
 }
 
+impl Config {
+    /// Whether the relay deletes outbox rows: `relay.mark = "delete"`, or
+    /// retention cleaning up marked rows.
+    pub fn deletes_rows(&self) -> bool {
+        self.relay.mark == MarkMode::Delete
+            || (self.relay.mark == MarkMode::Update && self.retention.enabled)
+    }
+}
+
 /// `[database]`: the PostgreSQL database holding the outbox.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

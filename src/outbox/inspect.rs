@@ -24,6 +24,14 @@ pub struct TableInfo {
     pub can_update: bool,
     pub can_delete: bool,
     pub is_owner: bool,
+    /// Columns with a unique index of their own (valid, not partial).
+    pub unique_columns: Vec<String>,
+    /// UPDATE and DELETE work under a publication that replicates them: a
+    /// primary key, `REPLICA IDENTITY FULL` or a replica identity index.
+    pub has_replica_identity: bool,
+    /// Publications of the table that replicate updates or deletes: `(name,
+    /// updates, deletes)`.
+    pub replicating: Vec<(String, bool, bool)>,
 }
 
 impl TableInfo {
@@ -54,6 +62,42 @@ pub async fn table_info(
         .await?;
     let oid: Option<u32> = row.get(0);
     let Some(oid) = oid else { return Ok(None) };
+    let unique_columns = client
+        .query(
+            "SELECT a.attname::text FROM pg_index i
+             JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+             WHERE i.indrelid = $1 AND i.indisunique AND i.indisvalid AND i.indnkeyatts = 1
+               AND i.indpred IS NULL",
+            &[&oid],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let has_replica_identity: bool = client
+        .query_one(
+            "SELECT CASE c.relreplident
+                      WHEN 'f' THEN true
+                      WHEN 'd' THEN EXISTS (SELECT 1 FROM pg_index WHERE indrelid = c.oid AND indisprimary)
+                      WHEN 'i' THEN EXISTS (SELECT 1 FROM pg_index WHERE indrelid = c.oid AND indisreplident)
+                      ELSE false END
+             FROM pg_class c WHERE c.oid = $1",
+            &[&oid],
+        )
+        .await?
+        .get(0);
+    let replicating = client
+        .query(
+            "SELECT p.pubname::text, p.pubupdate, p.pubdelete FROM pg_publication p
+             JOIN pg_publication_tables t ON t.pubname = p.pubname
+             WHERE t.schemaname = $1 AND t.tablename = $2 AND (p.pubupdate OR p.pubdelete)
+             ORDER BY 1",
+            &[&table.schema, &table.name],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
     let rows = client
         .query(
             "SELECT attname::text, format_type(atttypid, atttypmod), attnotnull,
@@ -78,6 +122,9 @@ pub async fn table_info(
         can_update: row.get(2),
         can_delete: row.get(3),
         is_owner: row.get(4),
+        unique_columns,
+        has_replica_identity,
+        replicating,
     }))
 }
 
@@ -90,7 +137,8 @@ fn type_is(type_name: &str, accepted: &[&str]) -> bool {
 
 /// What is wrong with the table for this column map, one message per problem,
 /// each saying what to fix. Empty means the relay can use the table.
-pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode) -> Vec<String> {
+/// `deletes`: the relay deletes rows (`relay.mark = "delete"`, or retention).
+pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode, deletes: bool) -> Vec<String> {
     let mut problems = Vec::new();
     let mut expect = |key: &str, column: &str, accepted: &[&str], what: &str| {
         match info.column(column) {
@@ -186,7 +234,56 @@ pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode) -> Vec<String> 
         ),
         _ => {}
     }
+    if info.column(SEQ_COLUMN).is_some() && !info.unique_columns.iter().any(|c| c == SEQ_COLUMN) {
+        problems.push(format!(
+            "{SEQ_COLUMN} has no unique index: explicit values, copied rows or a reset sequence would let \
+             marking mark an unsent twin; run `outbox-relay migrate` (it builds the index CONCURRENTLY)"
+        ));
+    }
+    problems.extend(replication_problems(info, mark, deletes));
     problems
+}
+
+/// A publication that replicates updates or deletes makes PostgreSQL refuse
+/// them on a table without a replica identity (SQLSTATE 55000): marking rows
+/// sent, or deleting them, would fail every time.
+fn replication_problems(info: &TableInfo, mark: MarkMode, deletes: bool) -> Vec<String> {
+    if info.has_replica_identity {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for (publication, updates, deletes_published) in &info.replicating {
+        let blocked = match (
+            mark == MarkMode::Update && *updates,
+            deletes && *deletes_published,
+        ) {
+            (true, true) => "marking rows sent (UPDATE) and deleting them",
+            (true, false) => "marking rows sent (UPDATE)",
+            (false, true) => "deleting rows (relay.mark = \"delete\" or retention)",
+            (false, false) => continue,
+        };
+        out.push(format!(
+            "publication {publication:?} replicates updates or deletes of the table, which has no replica identity, \
+             so PostgreSQL refuses {blocked} (SQLSTATE 55000); give the table a primary key, \
+             or run ALTER TABLE ... REPLICA IDENTITY FULL, \
+             or let the publication carry inserts only: ALTER PUBLICATION \"{publication}\" SET (publish = 'insert')"
+        ));
+    }
+    out
+}
+
+/// Warnings that do not stop the relay: uniqueness the relay relies on but
+/// cannot enforce by itself on an adopted table.
+pub fn warnings(info: &TableInfo, map: &ColumnMap) -> Vec<String> {
+    let mut out = Vec::new();
+    if info.column(&map.id).is_some() && !info.unique_columns.contains(&map.id) {
+        out.push(format!(
+            "column {:?} (outbox.columns.id) has no unique index: consumers deduplicate by the event id, \
+             so two events with one id would be taken for one; add a unique index on it",
+            map.id
+        ));
+    }
+    out
 }
 
 /// Resolves the column map against the table, or explains why the table is unusable.
@@ -195,6 +292,7 @@ pub async fn resolve_table(
     table: &TableName,
     map: &ColumnMap,
     mark: MarkMode,
+    deletes: bool,
 ) -> Result<ResolvedColumns, TableProblem> {
     let info = table_info(client, table)
         .await
@@ -202,9 +300,12 @@ pub async fn resolve_table(
         .ok_or_else(|| TableProblem::Unusable(vec![format!(
             "table {table} does not exist (or the relay's user cannot see it); run `outbox-relay migrate` or set outbox.table"
         )]))?;
-    let problems = verify(&info, map, mark);
+    let problems = verify(&info, map, mark, deletes);
     if !problems.is_empty() {
         return Err(TableProblem::Unusable(problems));
+    }
+    for w in warnings(&info, map) {
+        tracing::warn!(table = %table, "{w}");
     }
     Ok(map.resolve(&info.names()))
 }

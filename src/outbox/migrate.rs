@@ -105,6 +105,11 @@ fn unsent_index(table: &TableName) -> String {
     table.derived("outbox_relay_unsent")
 }
 
+/// The unique index on `relay_seq`.
+pub fn seq_index(table: &TableName) -> String {
+    table.derived("outbox_relay_seq")
+}
+
 /// The partial index on `relay_sent_at` of sent rows, which retention reads through.
 pub fn sent_index(table: &TableName) -> String {
     table.derived("outbox_relay_sent")
@@ -120,6 +125,28 @@ async fn index_step(
     definition: &str,
     purpose: &str,
 ) -> Result<Option<Step>, MigrateError> {
+    index_step_kind(
+        client,
+        table,
+        existing_table,
+        index,
+        definition,
+        purpose,
+        "",
+    )
+    .await
+}
+
+/// [`index_step`] for an index of `kind` (`""` or `"UNIQUE "`).
+async fn index_step_kind(
+    client: &Client,
+    table: &TableName,
+    existing_table: bool,
+    index: &str,
+    definition: &str,
+    purpose: &str,
+    kind: &str,
+) -> Result<Option<Step>, MigrateError> {
     let exists: bool = client
         .query_one(
             "SELECT to_regclass($1) IS NOT NULL",
@@ -131,15 +158,79 @@ async fn index_step(
         )
         .await?
         .get(0);
-    Ok((!exists).then(|| Step {
+    Ok((!exists).then(|| create_index(table, existing_table, index, definition, purpose, kind)))
+}
+
+/// The step creating an index (concurrently on a table that already exists).
+fn create_index(
+    table: &TableName,
+    existing_table: bool,
+    index: &str,
+    definition: &str,
+    purpose: &str,
+    kind: &str,
+) -> Step {
+    Step {
         description: format!("create index {index} ({purpose})"),
         sql: format!(
-            "CREATE INDEX {}IF NOT EXISTS {} ON {} {definition}",
+            "CREATE {kind}INDEX {}IF NOT EXISTS {} ON {} {definition}",
             if existing_table { "CONCURRENTLY " } else { "" },
             quote_ident(index),
             table.quoted(),
         ),
         outside_transaction: existing_table,
+    }
+}
+
+/// Fails when `relay_seq` repeats: a unique index cannot be built until
+/// each row has its own number, and only the operator can say which twin
+/// keeps it.
+async fn refuse_seq_twins(client: &Client, table: &TableName) -> Result<(), MigrateError> {
+    let twins: Vec<i64> = client
+        .query(
+            &format!(
+                "SELECT {SEQ_COLUMN} FROM {} GROUP BY 1 HAVING count(*) > 1 ORDER BY 1 LIMIT 5",
+                table.quoted()
+            ),
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if twins.is_empty() {
+        return Ok(());
+    }
+    let shown: Vec<String> = twins.iter().map(i64::to_string).collect();
+    Err(MigrateError::Prerequisite(format!(
+        "{table}.{SEQ_COLUMN} repeats values (for example {}), so it cannot get the unique index the relay \
+         needs to name a row: give every twin but one a new number, e.g. \
+         UPDATE {t} SET {SEQ_COLUMN} = DEFAULT WHERE ctid NOT IN (SELECT min(ctid) FROM {t} GROUP BY {SEQ_COLUMN}); \
+         renumbered unsent rows are published after the rows already there. Then run migrate again",
+        shown.join(", "),
+        t = table.quoted(),
+    )))
+}
+
+/// A step dropping `index` when it exists but is invalid (a `CREATE INDEX
+/// CONCURRENTLY` that failed), so it can be built again.
+async fn drop_invalid_index(
+    client: &Client,
+    table: &TableName,
+    index: &str,
+) -> Result<Option<Step>, MigrateError> {
+    let qualified = format!("{}.{}", quote_ident(&table.schema), quote_ident(index));
+    let invalid: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) AND NOT indisvalid)",
+            &[&qualified],
+        )
+        .await?
+        .get(0);
+    Ok(invalid.then(|| Step {
+        description: format!("drop index {index} (an earlier build of it failed)"),
+        sql: format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}"),
+        outside_transaction: true,
     }))
 }
 
@@ -167,6 +258,52 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         )
         .await?,
     );
+    // Marking, redrives and the start-up reads name rows by relay_seq: it
+    // must name one row (explicit values, copied rows or a reset sequence
+    // would make twins).
+    let seq_unique = info
+        .as_ref()
+        .is_some_and(|i| i.unique_columns.iter().any(|c| c == SEQ_COLUMN));
+    if !seq_unique {
+        let index = seq_index(&opts.table);
+        if info
+            .as_ref()
+            .is_some_and(|i| i.column(SEQ_COLUMN).is_some())
+        {
+            refuse_seq_twins(client, &opts.table).await?;
+            // A concurrent build that failed leaves an invalid index behind.
+            if let Some(drop) = drop_invalid_index(client, &opts.table, &index).await? {
+                steps.push(drop);
+            }
+        }
+        let (definition, purpose) = (format!("({SEQ_COLUMN})"), "one row per relay_seq");
+        if steps
+            .last()
+            .is_some_and(|s| s.sql.starts_with("DROP INDEX"))
+        {
+            steps.push(create_index(
+                &opts.table,
+                existing,
+                &index,
+                &definition,
+                purpose,
+                "UNIQUE ",
+            ));
+        } else {
+            steps.extend(
+                index_step_kind(
+                    client,
+                    &opts.table,
+                    existing,
+                    &index,
+                    &definition,
+                    purpose,
+                    "UNIQUE ",
+                )
+                .await?,
+            );
+        }
+    }
     // Retention finds the oldest sent rows through it, a batch at a time,
     // instead of scanning the whole table for every batch.
     let index = sent_index(&opts.table);

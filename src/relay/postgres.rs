@@ -80,9 +80,14 @@ impl Backend for Postgres<'_> {
     async fn relay(&self, owner: Client, run: Owned<'_>) -> Result<(), RelayError> {
         let config = self.config;
         let table = &config.outbox.table;
-        let columns =
-            inspect::resolve_table(&owner, table, &config.outbox.columns, config.relay.mark)
-                .await?;
+        let columns = inspect::resolve_table(
+            &owner,
+            table,
+            &config.outbox.columns,
+            config.relay.mark,
+            config.deletes_rows(),
+        )
+        .await?;
         let envelope = Envelope::new(&config.envelope);
         let settings = Settings::from_config(config);
         let dead_letters = config

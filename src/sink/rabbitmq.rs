@@ -27,13 +27,57 @@ use lapin::{
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-/// Returned (unroutable) messages by message id, until their own confirmation
-/// claims them. Bounded: a new sink (connection) starts empty, and each entry
-/// belongs to an unconfirmed message of this connection.
+/// Unconfirmed messages of the publishing channel, and which of them came
+/// back unroutable.
+///
+/// `basic.return` names no delivery tag, only the message's properties, and
+/// lapin hands it to whichever confirmation completes next. The sink keeps
+/// event ids unique among unconfirmed messages (a second message with an id
+/// already unconfirmed is turned away as back-pressure until the first is
+/// answered), so a return's message id names exactly one delivery tag, and
+/// the return is filed under that tag. RabbitMQ sends a message's return
+/// before its ack, lapin attaches it to a confirmation that completes no
+/// later than the message's own, and confirmations are handled in the order
+/// they complete: the return is filed before the message's own ack is
+/// looked at.
+///
+/// Bounded: a new sink (connection) starts empty, and each entry belongs to
+/// an unconfirmed message of this connection (removed when its confirmation
+/// is answered or dropped).
 #[derive(Clone, Default)]
-struct Returns(Arc<Mutex<HashMap<String, String>>>);
+struct Unconfirmed(Arc<Mutex<Tags>>);
 
-impl Returns {
+#[derive(Default)]
+struct Tags {
+    /// One tag per publish, counted from 1 as the channel's delivery tags are.
+    last: u64,
+    by_id: HashMap<String, u64>,
+    returned: HashMap<u64, String>,
+}
+
+impl Unconfirmed {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Tags> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes the next delivery tag for a message with this id, or `None`
+    /// while another message with the id is unconfirmed.
+    fn publish(&self, id: &str) -> Option<u64> {
+        let mut tags = self.lock();
+        if tags.by_id.contains_key(id) {
+            return None;
+        }
+        tags.last += 1;
+        let tag = tags.last;
+        tags.by_id.insert(id.to_owned(), tag);
+        Some(tag)
+    }
+
+    /// A publish that failed: its connection is done for, so is the message.
+    fn unpublish(&self, id: &str, tag: u64) {
+        self.settle(id, tag);
+    }
+
     fn file(&self, returned: &BasicReturnMessage) {
         let id = returned
             .delivery
@@ -43,19 +87,44 @@ impl Returns {
             .map(|s| s.to_string())
             .unwrap_or_default();
         let why = format!("{} {}", returned.reply_code, returned.reply_text);
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, why);
+        let mut tags = self.lock();
+        match tags.by_id.get(&id).copied() {
+            Some(tag) => {
+                tags.returned.insert(tag, why);
+            }
+            None => tracing::warn!(
+                message_id = %id,
+                "RabbitMQ returned a message that is not unconfirmed on this channel ({why}); ignored"
+            ),
+        }
     }
 
-    fn take(&self, id: &str) -> Option<String> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(id)
+    /// The message's answer is in: forgets it, and says whether it came back.
+    fn settle(&self, id: &str, tag: u64) -> Option<String> {
+        let mut tags = self.lock();
+        if tags.by_id.get(id) == Some(&tag) {
+            tags.by_id.remove(id);
+        }
+        tags.returned.remove(&tag)
+    }
+}
+
+/// Settles a message whose confirmation is dropped unanswered (the relay
+/// gave up on the connection), so its id and tag do not linger.
+struct Settle {
+    unconfirmed: Unconfirmed,
+    id: String,
+    tag: u64,
+}
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        self.unconfirmed.settle(&self.id, self.tag);
     }
 }
 
 pub struct RabbitMqSink {
-    returns: Returns,
+    unconfirmed: Unconfirmed,
     connection: Connection,
     /// Publishing channel, in confirm mode.
     channel: Channel,
@@ -120,7 +189,7 @@ impl RabbitMqSink {
             .await
             .map_err(|e| unavailable("enabling publisher confirms", e))?;
         Ok(RabbitMqSink {
-            returns: Returns::default(),
+            unconfirmed: Unconfirmed::default(),
             connection,
             channel,
             admin: None,
@@ -232,7 +301,14 @@ impl Sink for RabbitMqSink {
             .with_app_id("outbox-relay".into())
             .with_headers(headers);
         self.ensure_exchange(&exchange).await?;
-        let confirm = self
+        let id = message.id;
+        let Some(tag) = self.unconfirmed.publish(&id) else {
+            return Err(SinkError::Busy(format!(
+                "another message with event id {id:?} is unconfirmed; this one waits for its answer \
+                 (the outbox's id column repeats a value: give it a unique index)"
+            )));
+        };
+        let published = self
             .channel
             .basic_publish(
                 short(&exchange, "exchange")?,
@@ -244,33 +320,35 @@ impl Sink for RabbitMqSink {
                 &message.body,
                 properties,
             )
-            .await
-            .map_err(|e| unavailable("publish", e))?;
-        let returns = self.returns.clone();
-        let id = message.id;
+            .await;
+        let confirm = match published {
+            Ok(confirm) => confirm,
+            Err(e) => {
+                self.unconfirmed.unpublish(&id, tag);
+                return Err(unavailable("publish", e));
+            }
+        };
+        let settle = Settle {
+            unconfirmed: self.unconfirmed.clone(),
+            id,
+            tag,
+        };
         Ok(Box::pin(async move {
             let outcome = confirm.await;
-            // lapin hands a basic.return to whichever confirmation completes
-            // next, not necessarily the returned message's own: file it under
-            // the message id it names. RabbitMQ sends a message's return before
-            // its ack, and confirmations are processed in completion order, so
-            // the return is filed before the message's own ack is looked at.
             if let Ok(Ack::Ack(Some(r)) | Ack::Nack(Some(r))) = &outcome {
-                returns.file(r);
+                settle.unconfirmed.file(r);
             }
+            let returned = settle.unconfirmed.settle(&settle.id, settle.tag);
             match outcome {
-                Ok(Ack::Ack(_)) => match returns.take(&id) {
+                Ok(Ack::Ack(_)) => match returned {
                     None => Ok(()),
                     Some(why) => Err(SinkError::Rejected(format!(
                         "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({why}); bind a queue or change sink.routing_key"
                     ))),
                 },
-                Ok(Ack::Nack(_)) => {
-                    returns.take(&id);
-                    Err(SinkError::Busy(
-                        "RabbitMQ turned the message away (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it; retrying".into(),
-                    ))
-                }
+                Ok(Ack::Nack(_)) => Err(SinkError::Busy(
+                    "RabbitMQ turned the message away (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it; retrying".into(),
+                )),
                 Ok(Ack::NotRequested) => Err(SinkError::Unavailable(
                     "the channel is not in confirm mode".into(),
                 )),

@@ -257,6 +257,99 @@ async fn an_unroutable_message_is_a_refusal_not_a_delivery() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returns_are_told_apart_when_an_adopted_table_repeats_ids() {
+    // An adopted table whose id column is not unique: a return names only a
+    // message id, and must still be charged to the right message.
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[
+            ("dead_letter.max_attempts", "1"),
+            ("sink.routing_key", "\"{aggregate_type}\""),
+        ],
+    )
+    .await;
+    let Broker::Rabbit(r) = &broker else {
+        unreachable!()
+    };
+    let toml = toml.replace(
+        &format!("exchange = \"{}\"", r.exchange),
+        "exchange = \"amq.direct\"",
+    );
+    db.client
+        .batch_execute("ALTER TABLE outbox DROP CONSTRAINT outbox_pkey")
+        .await
+        .unwrap();
+    let bound = crate::support::brokers::RabbitExchange::bind_existing("amq.direct", "order").await;
+    // `shared` is an order (routed) and an invoice (unroutable); `twice` is
+    // two unroutable invoices. Routed events in between, so returns and
+    // acks of neighbours cross.
+    let (shared, twice) = (Uuid::new_v4(), Uuid::new_v4());
+    let mut routed = Vec::new();
+    for i in 0..30 {
+        let id = Uuid::new_v4();
+        db.insert(id, "order", &format!("a{i}"), json!({})).await;
+        routed.push(id.to_string());
+        match i {
+            5 => db.insert(shared, "order", "s", json!({})).await,
+            6 => db.insert(shared, "invoice", "b1", json!({})).await,
+            10 | 11 => {
+                db.insert(twice, "invoice", &format!("b{i}"), json!({}))
+                    .await
+            }
+            _ => {}
+        }
+    }
+    routed.push(shared.to_string());
+    let relay = InProcess::start(parse(&toml));
+    let path = config_file(&toml);
+    let letters = wait_for(WAIT, "the three unroutable events dead-lettered", || {
+        let path = path.clone();
+        async move {
+            let l = dlq_list(&path);
+            (l.len() >= 3).then_some(l)
+        }
+    })
+    .await;
+    bound.inbox.wait_ids(&routed, WAIT).await;
+    let mut lettered: Vec<(String, String)> = letters
+        .iter()
+        .map(|l| {
+            (
+                l["id"].as_str().unwrap().to_owned(),
+                l["aggregate_id"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    lettered.sort();
+    let mut expected = vec![
+        (shared.to_string(), "b1".to_owned()),
+        (twice.to_string(), "b10".to_owned()),
+        (twice.to_string(), "b11".to_owned()),
+    ];
+    expected.sort();
+    assert_eq!(lettered, expected);
+    // Everything else was sent, and nothing is left waiting.
+    wait_for(WAIT, "every row marked", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    let received = bound.inbox.snapshot();
+    let shared_copies = received
+        .iter()
+        .filter(|m| m.event_id() == shared.to_string())
+        .count();
+    assert_eq!(shared_copies, 1, "only the routed order reached the queue");
+    assert!(
+        received.iter().all(|m| m.event_id() != twice.to_string()),
+        "neither invoice was routed"
+    );
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_while_the_relay_runs_publishes_in_order() {
     for mode in [Mode::Polling, Mode::Cdc] {
         // The "late" topic does not exist yet: its events are refused, then dead-lettered.

@@ -13,4 +13,5 @@ mod delivery;
 mod failures;
 mod operations;
 mod retention;
+mod schema;
 mod tls;

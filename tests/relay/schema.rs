@@ -1,0 +1,197 @@
+//! What the relay assumes of the outbox table, checked rather than assumed:
+//! `relay_seq` names one row, ids that repeat are told apart, and marking
+//! is not blocked by a publication that replicates updates.
+
+use crate::support::*;
+use serde_json::json;
+use uuid::Uuid;
+
+fn write_config(toml: &str) -> String {
+    let dir = std::env::temp_dir().join(unique("outbox-relay-schema-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("relay.toml");
+    std::fs::write(&path, toml).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+fn rabbit_sink() -> String {
+    format!(
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
+        amqp_url()
+    )
+}
+
+/// Runs the relay until its log says `needle` (it keeps retrying a table it
+/// cannot use, and says why each time); returns the log so far.
+fn run_until_logged(path: &str, needle: &str) -> String {
+    let log = std::path::Path::new(path).with_extension("log");
+    let file = std::fs::File::create(&log).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .args(["run", "--config", path])
+        .env("RUST_LOG", "outbox_relay=info,warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(file)
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains(needle) || start.elapsed() > WAIT {
+            break text;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    text
+}
+
+async fn seq_index_is_unique_and_valid(db: &TestDb) -> bool {
+    db.count(
+        "SELECT count(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+         WHERE c.relname = 'outbox_relay_seq_outbox' AND i.indisunique AND i.indisvalid",
+    )
+    .await
+        == 1
+}
+
+#[tokio::test]
+async fn migrate_makes_relay_seq_unique_and_check_insists_on_it() {
+    let db = TestDb::new().await;
+    let path = write_config(&base_toml(&db.url, &rabbit_sink()));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        seq_index_is_unique_and_valid(&db).await,
+        "a new table gets the index"
+    );
+
+    // A table from before the index (or one whose index was dropped).
+    db.client
+        .batch_execute("DROP INDEX outbox_relay_seq_outbox")
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("[FAIL] outbox table") && out.contains("relay_seq has no unique index"),
+        "{out}"
+    );
+    let log = run_until_logged(&path, "relay_seq has no unique index");
+    assert!(
+        log.contains("cannot work until this is fixed")
+            && log.contains("relay_seq has no unique index"),
+        "{log}"
+    );
+
+    // Twins (an explicit value, a copied row): migrate names them and the fix.
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    db.insert(a, "order", "1", json!({})).await;
+    db.client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, relay_seq)
+             SELECT $1, aggregate_type, aggregate_id, event_type, payload, relay_seq FROM outbox WHERE id = $2",
+            &[&b, &a],
+        )
+        .await
+        .unwrap();
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        err.contains("relay_seq repeats values") && err.contains("SET relay_seq = DEFAULT"),
+        "{err}"
+    );
+    // A concurrent build that failed on the twins leaves an invalid index.
+    let failed = db
+        .client
+        .batch_execute(
+            "CREATE UNIQUE INDEX CONCURRENTLY outbox_relay_seq_outbox ON outbox (relay_seq)",
+        )
+        .await;
+    assert!(failed.is_err(), "the twins make the build fail");
+
+    // The operator renumbers the twin as the message says; migrate drops
+    // the invalid index and builds it again, concurrently.
+    db.client
+        .batch_execute(
+            "UPDATE outbox SET relay_seq = DEFAULT
+             WHERE ctid NOT IN (SELECT min(ctid) FROM outbox GROUP BY relay_seq)",
+        )
+        .await
+        .unwrap();
+    let (code, out, err) = run_cli(&["migrate", "--config", &path, "--dry-run"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("DROP INDEX CONCURRENTLY")
+            && out.contains(
+                "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS \"outbox_relay_seq_outbox\""
+            ),
+        "{out}"
+    );
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(seq_index_is_unique_and_valid(&db).await);
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}");
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn a_publication_that_blocks_marking_is_named_by_check_and_run() {
+    let db = TestDb::new().await;
+    let toml = base_toml(&db.url, &rabbit_sink());
+    let path = write_config(&toml);
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    // An adopted table without a primary key (so no replica identity, and
+    // ids that may repeat), and another tool's publication of every table.
+    let publication = unique("other_tool_");
+    db.client
+        .batch_execute(&format!(
+            "ALTER TABLE outbox DROP CONSTRAINT outbox_pkey;
+             CREATE PUBLICATION {publication} FOR ALL TABLES"
+        ))
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!("publication \"{publication}\""))
+            && out.contains("marking rows sent (UPDATE)")
+            && out.contains("REPLICA IDENTITY FULL")
+            && out.contains("publish = 'insert'"),
+        "{out}"
+    );
+    assert!(
+        out.contains("[warn] outbox table")
+            && out.contains("(outbox.columns.id) has no unique index"),
+        "a repeating id is pointed out: {out}"
+    );
+    let log = run_until_logged(&path, "SQLSTATE 55000");
+    assert!(
+        log.contains(&format!("publication \"{publication}\"")) && log.contains("SQLSTATE 55000"),
+        "{log}"
+    );
+
+    // Any one of the fixes the message names clears it.
+    db.client
+        .batch_execute("ALTER TABLE outbox REPLICA IDENTITY FULL")
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}");
+    db.client
+        .batch_execute(&format!(
+            "ALTER TABLE outbox REPLICA IDENTITY DEFAULT;
+             ALTER PUBLICATION {publication} SET (publish = 'insert')"
+        ))
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}");
+    db.client
+        .batch_execute(&format!("DROP PUBLICATION {publication}"))
+        .await
+        .unwrap();
+    db.drop_db().await;
+}
