@@ -32,6 +32,8 @@ pub struct TableInfo {
     /// Publications of the table that replicate updates or deletes: `(name,
     /// updates, deletes)`.
     pub replicating: Vec<(String, bool, bool)>,
+    /// The table's own (not internal) triggers, by name.
+    pub triggers: Vec<String>,
 }
 
 impl TableInfo {
@@ -98,6 +100,15 @@ pub async fn table_info(
         .iter()
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect();
+    let triggers = client
+        .query(
+            "SELECT tgname::text FROM pg_trigger WHERE tgrelid = $1 AND NOT tgisinternal",
+            &[&oid],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     let rows = client
         .query(
             "SELECT attname::text, format_type(atttypid, atttypmod), attnotnull,
@@ -125,6 +136,7 @@ pub async fn table_info(
         unique_columns,
         has_replica_identity,
         replicating,
+        triggers,
     }))
 }
 
@@ -281,6 +293,18 @@ pub fn warnings(info: &TableInfo, map: &ColumnMap) -> Vec<String> {
             "column {:?} (outbox.columns.id) has no unique index: consumers deduplicate by the event id, \
              so two events with one id would be taken for one; add a unique index on it",
             map.id
+        ));
+    }
+    if !info
+        .triggers
+        .iter()
+        .any(|t| t == super::migrate::WRITE_ONCE_TRIGGER)
+    {
+        out.push(format!(
+            "no trigger keeps unsent events as inserted: an UPDATE of an unsent row would be published \
+             as inserted or as updated depending on how the relay reads it; run `outbox-relay migrate` \
+             to add {}",
+            super::migrate::WRITE_ONCE_TRIGGER
         ));
     }
     out

@@ -195,3 +195,64 @@ async fn a_publication_that_blocks_marking_is_named_by_check_and_run() {
         .unwrap();
     db.drop_db().await;
 }
+
+#[tokio::test]
+async fn unsent_events_are_write_once() {
+    let db = TestDb::new().await;
+    let path = write_config(&base_toml(&db.url, &rabbit_sink()));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let id = Uuid::new_v4();
+    db.insert(id, "order", "1", json!({"v": 1})).await;
+    let refused = db
+        .client
+        .execute(
+            "UPDATE outbox SET payload = '{\"v\": 2}' WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .expect_err("an unsent event cannot be changed");
+    let text = format!("{refused:?}");
+    assert!(
+        text.contains("write-once") && text.contains("insert a new event instead"),
+        "{text}"
+    );
+    // Marking is not an event change; a sent row may be changed.
+    db.client
+        .execute(
+            "UPDATE outbox SET relay_sent_at = now() WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    db.client
+        .execute(
+            "UPDATE outbox SET payload = '{\"v\": 3}' WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+
+    // Without the trigger, check says what is at stake and migrate puts it back.
+    db.client
+        .batch_execute("DROP TRIGGER outbox_relay_write_once ON outbox")
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 0, "a warning, not a failure: {out}");
+    assert!(
+        out.contains("[warn] outbox table")
+            && out.contains("no trigger keeps unsent events as inserted"),
+        "{out}"
+    );
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("create trigger outbox_relay_write_once"),
+        "{out}"
+    );
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(!out.contains("[warn]"), "{out}");
+    db.drop_db().await;
+}

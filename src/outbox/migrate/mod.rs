@@ -3,13 +3,15 @@
 //! again changes nothing; `--dry-run` prints the SQL without running it.
 
 use super::inspect::{TableInfo, table_info};
-use super::{
-    ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident, quote_literal,
-};
+use super::{ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident};
 use crate::config::{Config, SourceMode};
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
 use tokio_postgres::Client;
+
+mod triggers;
+
+pub use triggers::WRITE_ONCE_TRIGGER;
 
 /// What `migrate` should set up.
 #[derive(Debug, Clone)]
@@ -234,10 +236,6 @@ async fn drop_invalid_index(
     }))
 }
 
-fn trigger_name() -> &'static str {
-    "outbox_relay_notify"
-}
-
 /// The steps still needed, in order. Empty when everything is in place.
 pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, MigrateError> {
     let info = table_info(client, &opts.table).await?;
@@ -319,7 +317,16 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         .await?,
     );
     if let Some(channel) = &opts.notify_channel {
-        steps.extend(notify_trigger(client, opts, channel).await?);
+        steps.extend(triggers::notify(client, opts, channel).await?);
+    }
+    if let Some(step) = triggers::write_once(
+        client,
+        &opts.table,
+        &event_columns(info.as_ref(), &opts.columns),
+    )
+    .await?
+    {
+        steps.push(step);
     }
     if let Some(dlq) = &opts.dead_letters {
         match table_info(client, dlq).await? {
@@ -426,6 +433,32 @@ fn create_table(opts: &MigrateOptions) -> Step {
     )
 }
 
+/// The event columns of the table (after `migrate`), which stay as inserted
+/// until the row is sent.
+fn event_columns(info: Option<&TableInfo>, map: &ColumnMap) -> Vec<String> {
+    let names = match info {
+        Some(info) => info.names(),
+        // The table `create_table` makes has every optional column.
+        None => vec![
+            map.event_version
+                .clone()
+                .unwrap_or(super::columns::DEFAULT_EVENT_VERSION.into()),
+            map.headers
+                .clone()
+                .unwrap_or(super::columns::DEFAULT_HEADERS.into()),
+            map.created_at
+                .clone()
+                .unwrap_or(super::columns::DEFAULT_CREATED_AT.into()),
+        ],
+    };
+    map.resolve(&names)
+        .in_row_order()
+        .into_iter()
+        .flatten()
+        .map(str::to_owned)
+        .collect()
+}
+
 fn alter_table(info: &TableInfo, opts: &MigrateOptions) -> Result<Vec<Step>, MigrateError> {
     let c = &opts.columns;
     let missing: Vec<&str> = [
@@ -474,54 +507,6 @@ fn alter_table(info: &TableInfo, opts: &MigrateOptions) -> Result<Vec<Step>, Mig
         }
     }
     Ok(steps)
-}
-
-async fn notify_trigger(
-    client: &Client,
-    opts: &MigrateOptions,
-    channel: &str,
-) -> Result<Vec<Step>, MigrateError> {
-    let schema = quote_ident(&opts.table.schema);
-    let function = format!("{schema}.{}", quote_ident(trigger_name()));
-    // The trigger passes its channel as an argument, so one function serves every table.
-    let current: Option<Vec<u8>> = client
-        .query_opt(
-            "SELECT t.tgargs FROM pg_trigger t
-             WHERE t.tgrelid = to_regclass($1) AND t.tgname = $2 AND NOT t.tgisinternal",
-            &[&opts.table.quoted(), &trigger_name()],
-        )
-        .await?
-        .map(|r| r.get(0));
-    let wanted = format!("{channel}\0");
-    if current.as_deref() == Some(wanted.as_bytes()) {
-        return Ok(Vec::new());
-    }
-    Ok(vec![
-        Step::new(
-            format!("create function {}.{}", opts.table.schema, trigger_name()),
-            format!(
-                "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $fn$
-BEGIN
-    PERFORM pg_notify(TG_ARGV[0], '');
-    RETURN NULL;
-END
-$fn$"
-            ),
-        ),
-        Step::new(
-            format!(
-                "create trigger {} on {} (NOTIFY {channel} once per INSERT statement)",
-                trigger_name(),
-                opts.table
-            ),
-            format!(
-                "CREATE OR REPLACE TRIGGER {} AFTER INSERT ON {} FOR EACH STATEMENT EXECUTE FUNCTION {function}({})",
-                quote_ident(trigger_name()),
-                opts.table.quoted(),
-                quote_literal(channel)
-            ),
-        ),
-    ])
 }
 
 /// Runs the steps: the transactional ones in one transaction, then the others.

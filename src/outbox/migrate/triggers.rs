@@ -1,0 +1,130 @@
+//! The triggers `migrate` installs on the outbox table.
+
+use super::{MigrateError, MigrateOptions, Step};
+use crate::outbox::{SENT_AT_COLUMN, TableName, quote_ident, quote_literal};
+use tokio_postgres::Client;
+
+const NOTIFY_TRIGGER: &str = "outbox_relay_notify";
+
+/// The trigger refusing updates of an unsent row's event columns.
+pub const WRITE_ONCE_TRIGGER: &str = "outbox_relay_write_once";
+
+/// The NOTIFY trigger, when it is missing or names another channel.
+pub(super) async fn notify(
+    client: &Client,
+    opts: &MigrateOptions,
+    channel: &str,
+) -> Result<Vec<Step>, MigrateError> {
+    let schema = quote_ident(&opts.table.schema);
+    let function = format!("{schema}.{}", quote_ident(NOTIFY_TRIGGER));
+    // The trigger passes its channel as an argument, so one function serves every table.
+    let current: Option<Vec<u8>> = client
+        .query_opt(
+            "SELECT t.tgargs FROM pg_trigger t
+             WHERE t.tgrelid = to_regclass($1) AND t.tgname = $2 AND NOT t.tgisinternal",
+            &[&opts.table.quoted(), &NOTIFY_TRIGGER],
+        )
+        .await?
+        .map(|r| r.get(0));
+    let wanted = format!("{channel}\0");
+    if current.as_deref() == Some(wanted.as_bytes()) {
+        return Ok(Vec::new());
+    }
+    Ok(vec![
+        Step::new(
+            format!("create function {}.{}", opts.table.schema, NOTIFY_TRIGGER),
+            format!(
+                "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    PERFORM pg_notify(TG_ARGV[0], '');
+    RETURN NULL;
+END
+$fn$"
+            ),
+        ),
+        Step::new(
+            format!(
+                "create trigger {} on {} (NOTIFY {channel} once per INSERT statement)",
+                NOTIFY_TRIGGER, opts.table
+            ),
+            format!(
+                "CREATE OR REPLACE TRIGGER {} AFTER INSERT ON {} FOR EACH STATEMENT EXECUTE FUNCTION {function}({})",
+                quote_ident(NOTIFY_TRIGGER),
+                opts.table.quoted(),
+                quote_literal(channel)
+            ),
+        ),
+    ])
+}
+
+/// Outbox rows are write-once while unsent. The relay publishes a row as it
+/// was inserted when it streams the WAL (CDC), and as it stands when it
+/// reads the table (polling, CDC start-up reads): an update of an unsent
+/// row's event columns would be published in one form or the other
+/// depending on restarts. The trigger refuses such updates with the fix.
+/// It names the event columns as arguments, not in its definition, so it
+/// does not stand in the way of altering or dropping them; the relay's own
+/// marking (setting `relay_sent_at`) does not run it, and a sent row may be
+/// changed freely.
+pub(super) async fn write_once(
+    client: &Client,
+    table: &TableName,
+    columns: &[String],
+) -> Result<Option<Step>, MigrateError> {
+    let function = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(WRITE_ONCE_TRIGGER)
+    );
+    // Installed already, for the same columns: nothing to do.
+    let current: Option<Vec<u8>> = client
+        .query_opt(
+            "SELECT t.tgargs FROM pg_trigger t
+             WHERE t.tgrelid = to_regclass($1) AND t.tgname = $2 AND NOT t.tgisinternal",
+            &[&table.quoted(), &WRITE_ONCE_TRIGGER],
+        )
+        .await?
+        .map(|r| r.get(0));
+    let wanted: String = columns.iter().map(|c| format!("{c}\0")).collect();
+    if current.as_deref() == Some(wanted.as_bytes()) {
+        return Ok(None);
+    }
+    let message = quote_literal(&format!(
+        "outbox rows are write-once until sent: this UPDATE changes an unsent event of {table}"
+    ));
+    let hint = quote_literal(
+        "insert a new event instead; outbox-relay publishes a row as inserted when it streams \
+         the WAL and as it stands when it reads the table, so an updated event would reach \
+         consumers in one form or the other",
+    );
+    let arguments: Vec<String> = columns.iter().map(|c| quote_literal(c)).collect();
+    Ok(Some(Step::new(
+        format!(
+            "create trigger {WRITE_ONCE_TRIGGER} on {table} (refuses updates of unsent events)"
+        ),
+        format!(
+            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+DECLARE
+    old_row jsonb := to_jsonb(OLD);
+    new_row jsonb := to_jsonb(NEW);
+    i int;
+BEGIN
+    FOR i IN 0 .. TG_NARGS - 1 LOOP
+        IF old_row -> TG_ARGV[i] IS DISTINCT FROM new_row -> TG_ARGV[i] THEN
+            RAISE EXCEPTION USING ERRCODE = 'check_violation', MESSAGE = {message}, HINT = {hint};
+        END IF;
+    END LOOP;
+    RETURN NEW;
+END
+$fn$;
+DROP TRIGGER IF EXISTS {trigger} ON {quoted};
+CREATE TRIGGER {trigger} BEFORE UPDATE ON {quoted} FOR EACH ROW
+    WHEN (OLD.{sent} IS NULL AND NEW.{sent} IS NULL)
+    EXECUTE FUNCTION {function}({arguments})",
+            trigger = quote_ident(WRITE_ONCE_TRIGGER),
+            quoted = table.quoted(),
+            sent = SENT_AT_COLUMN,
+            arguments = arguments.join(", "),
+        ),
+    )))
+}
