@@ -15,6 +15,10 @@
 //! clocks that run at different rates): by then any previous owner's lease
 //! has run out. The cost is that much latency after each start or takeover.
 //! Every instance of an outbox must use the same `relay.ownership_lease`.
+//!
+//! An owner whose lease stayed expired for one more lease gives ownership up
+//! and starts over (a standby, if the lock is taken): its session is gone
+//! without a word, and what else it holds, a CDC slot, must be let go.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -59,6 +63,21 @@ impl Lease {
 
     pub fn until(&self) -> Instant {
         *self.until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Resolves once the lease has stayed expired for one more lease (and
+    /// at least a lease after `since`, when the caller began to watch), with
+    /// how long the ownership session has not answered. The session is
+    /// presumed gone by then; holding on would keep what else the owner
+    /// holds (a replication slot) from the standby that took the lock.
+    pub async fn lost(&self, since: Instant) -> Duration {
+        let give_up = || self.until().max(since) + self.duration;
+        loop {
+            tokio::time::sleep_until(give_up()).await;
+            if Instant::now() >= give_up() {
+                return Instant::now().saturating_duration_since(self.until()) + self.duration;
+            }
+        }
     }
 
     /// When a heartbeat should renew the lease, unless something else does first.
@@ -129,5 +148,27 @@ mod tests {
             .await
             .expect("renewal wakes the waiter")
             .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_owner_gives_up_a_lease_after_it_stayed_expired_for_another() {
+        let d = Duration::from_secs(2);
+        let start = Instant::now();
+        let lease = std::sync::Arc::new(Lease::acquired(d, start));
+        let l = lease.clone();
+        let lost = tokio::spawn(async move { l.lost(start).await });
+        // Renewed at 1.5 s: valid until 3.5 s, given up at 5.5 s.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        lease.renew(Instant::now());
+        tokio::time::sleep(Duration::from_millis(3900)).await;
+        assert!(!lost.is_finished(), "a renewal postpones giving up");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(lost.is_finished());
+        let silent = lost.await.unwrap();
+        assert_eq!(
+            silent,
+            Duration::from_secs(4),
+            "silent since the renewal was sent"
+        );
     }
 }

@@ -11,6 +11,7 @@ mod cli;
 mod dead_letters;
 mod delivery;
 mod failures;
+mod fencing;
 mod operations;
 mod retention;
 mod schema;

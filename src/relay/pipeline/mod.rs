@@ -41,6 +41,14 @@ pub enum PipelineError {
     Source(#[from] SourceError),
     #[error("{0} task stopped unexpectedly")]
     TaskLost(&'static str),
+    /// No round trip on the ownership session succeeded for a lease after
+    /// the lease ran out: the session is presumed gone (a silent network
+    /// partition), and with it ownership.
+    #[error(
+        "the ownership session has not answered for {}s (relay.ownership_lease and as much again): giving ownership up and starting over",
+        .0.as_secs()
+    )]
+    OwnershipUnconfirmed(std::time::Duration),
 }
 
 impl PipelineError {
@@ -48,7 +56,7 @@ impl PipelineError {
         match self {
             PipelineError::Sink(e) => e.is_retryable(),
             PipelineError::Source(e) => e.is_retryable(),
-            PipelineError::TaskLost(_) => true,
+            PipelineError::TaskLost(_) | PipelineError::OwnershipUnconfirmed(_) => true,
         }
     }
 }
@@ -132,10 +140,16 @@ where
     A: Acker<Position = R::Position>,
     K: Sink,
 {
+    let lease = cx.lease.clone();
     let mut pipeline = Pipeline::start(reader, acker, sink, cx, blocks);
-    let result = match pipeline.load_dead_letters().await {
-        Ok(()) => pipeline.serve(shutdown).await,
-        Err(e) => Err(e),
+    // Whatever the loop waits for (the acker, most likely, stuck on the
+    // silent session), a lease that cannot be renewed ends it.
+    let result = tokio::select! {
+        result = async {
+            pipeline.load_dead_letters().await?;
+            pipeline.serve(shutdown).await
+        } => result,
+        silent = lease.lost(tokio::time::Instant::now()) => Err(PipelineError::OwnershipUnconfirmed(silent)),
     };
     pipeline.finish(result).await
 }

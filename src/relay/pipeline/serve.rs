@@ -285,10 +285,15 @@ where
                 .metrics
                 .failed(Failure::Unavailable, self.scheduler.in_flight() as u64);
         }
-        if result.is_err() {
-            // Record what the broker confirmed before giving up, to spare re-sends.
-            self.push_pending().await;
-            let _ = tokio::time::timeout(Duration::from_secs(5), flush(&self.ack_tx)).await;
+        // Record what the broker confirmed before giving up, to spare
+        // re-sends; the acker may be what failed, so not for long (and not
+        // at all when it is stuck on a silent ownership session).
+        if result.is_err() && !matches!(result, Err(PipelineError::OwnershipUnconfirmed(_))) {
+            let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                self.push_pending().await;
+                flush(&self.ack_tx).await
+            })
+            .await;
         }
         let Pipeline {
             sink,

@@ -46,6 +46,10 @@ use std::time::Duration;
 use stream::{Step, Streaming, lock};
 use tokio::time::Instant;
 
+/// How often a busy slot is looked at again, and how often that is logged.
+const SLOT_BUSY_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+const SLOT_BUSY_REMINDER: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Confirmed-but-unflushed events remembered for skipping after a restart.
 pub const SKIP_MEMORY: usize = 100_000;
 
@@ -160,9 +164,33 @@ impl<B: CdcServer> CdcReader<B> {
         }
     }
 
+    /// Checks and the slot's position. A slot still streaming to another
+    /// process (a previous owner on its way out) is waited for here, with
+    /// ownership held: letting go and retrying would let that owner, or any
+    /// other instance, take ownership back meanwhile.
+    async fn prepare(&mut self) -> Result<Lsn, SourceError> {
+        let mut last_said: Option<tokio::time::Instant> = None;
+        loop {
+            match self.server.prepare().await {
+                Err(SourceError::SlotBusy(slot)) => {
+                    let now = tokio::time::Instant::now();
+                    if last_said.is_none_or(|t| now - t >= SLOT_BUSY_REMINDER) {
+                        tracing::warn!(
+                            slot = %slot,
+                            "the replication slot is in use by another process; waiting for it to be released"
+                        );
+                        last_said = Some(now);
+                    }
+                    tokio::time::sleep(SLOT_BUSY_POLL).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Checks, slot, and the choice of the first phase.
     async fn start(&mut self) -> Result<(), SourceError> {
-        let slot_flushed = self.server.prepare().await?;
+        let slot_flushed = self.prepare().await?;
         lock(&self.progress).restart(slot_flushed);
         if !self.settings.read_table {
             // Without marking, the WAL is replayed from the slot: events

@@ -1,15 +1,21 @@
 //! A TCP proxy the tests can cut and restore: the network failing between
-//! the relay and a broker, without touching the broker.
+//! the relay and a broker, without touching the broker. It can also freeze
+//! one connection (a silent partition: nothing passes, nothing is closed).
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+
+type Connections = Arc<Mutex<Vec<(u16, watch::Sender<bool>)>>>;
 
 pub struct Proxy {
     pub port: u16,
     up: Arc<watch::Sender<bool>>,
+    /// Per forwarded connection: the local port of its upstream side (what
+    /// the server sees as the client's port) and its freeze switch.
+    connections: Connections,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -23,6 +29,8 @@ impl Proxy {
     pub fn with_listener(listener: TcpListener, upstream: SocketAddr, up: bool) -> Proxy {
         let port = listener.local_addr().unwrap().port();
         let (tx, rx) = watch::channel(up);
+        let connections = Arc::new(Mutex::new(Vec::new()));
+        let registry = connections.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -33,14 +41,24 @@ impl Proxy {
                     continue;
                 }
                 let mut rx = rx.clone();
+                let registry = registry.clone();
                 tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(upstream).await else {
                         return;
                     };
+                    let (freeze, mut frozen) = watch::channel(false);
+                    let port = server.local_addr().map(|a| a.port()).unwrap_or(0);
+                    registry.lock().unwrap().push((port, freeze));
                     let (mut client, mut server) = (client, server);
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = rx.wait_for(|up| !*up) => {}
+                    let froze = tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => false,
+                        _ = rx.wait_for(|up| !*up) => false,
+                        _ = frozen.wait_for(|f| *f) => true,
+                    };
+                    if froze {
+                        // Nothing passes either way, and both sockets stay
+                        // open until the proxy is cut.
+                        let _ = rx.wait_for(|up| !*up).await;
                     }
                 });
             }
@@ -48,7 +66,22 @@ impl Proxy {
         Proxy {
             port,
             up: Arc::new(tx),
+            connections,
             task,
+        }
+    }
+
+    /// Freezes the connection whose upstream side has local port
+    /// `upstream_port` (the client port the server reports); false if there
+    /// is none.
+    pub fn freeze(&self, upstream_port: u16) -> bool {
+        let connections = self.connections.lock().unwrap();
+        match connections.iter().find(|(p, _)| *p == upstream_port) {
+            Some((_, freeze)) => {
+                freeze.send_replace(true);
+                true
+            }
+            None => false,
         }
     }
 

@@ -1,0 +1,158 @@
+//! One publisher at a time, even when the active instance cannot tell it
+//! lost ownership: its ownership session is silently partitioned away while
+//! its reading session and its broker connection stay up.
+
+use crate::support::proxy::Proxy;
+use crate::support::*;
+use serde_json::json;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+use uuid::Uuid;
+
+const LEASE: &str = "\"2s\"";
+
+/// Inserts an event every few milliseconds, over eight aggregates, until
+/// told to stop; returns the ids inserted.
+fn start_writer(url: String, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<Vec<String>> {
+    tokio::spawn(async move {
+        let client = connect(&url).await;
+        let mut ids = Vec::new();
+        let mut i = 0usize;
+        while !stop.load(Ordering::Relaxed) {
+            let id = Uuid::new_v4();
+            client
+                .execute(
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, 'order', $2, 'Happened', $3)",
+                    &[&id, &format!("a{}", i % 8), &json!({"i": i})],
+                )
+                .await
+                .expect("insert event");
+            ids.push(id.to_string());
+            i += 1;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        ids
+    })
+}
+
+/// The server-side pid and client port of the session holding the
+/// ownership lock in `db`.
+async fn owner_session(db: &TestDb) -> (i32, u16) {
+    wait_for(WAIT, "an instance to hold the ownership lock", || async {
+        db.client
+            .query_opt(
+                "SELECT a.pid, a.client_port FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+                 WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database()",
+                &[],
+            )
+            .await
+            .unwrap()
+            .map(|r| (r.get::<_, i32>(0), r.get::<_, i32>(1) as u16))
+    })
+    .await
+}
+
+every_mode!(a_partitioned_owner_stops_before_the_standby_starts);
+async fn a_partitioned_owner_stops_before_the_standby_starts(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(
+        mode,
+        kind,
+        &["order"],
+        &[
+            ("relay.ownership_lease", LEASE),
+            // The window is not what stops the old owner: the lease is.
+            ("relay.max_in_flight", "20000"),
+        ],
+    )
+    .await;
+    // Instance A reaches PostgreSQL through a proxy; B directly.
+    let pg: std::net::SocketAddr = "127.0.0.1:55432".parse().unwrap();
+    let proxy = Proxy::start(pg, true).await;
+    let toml_a = set(
+        &toml.replace("127.0.0.1:55432", &format!("127.0.0.1:{}", proxy.port)),
+        "envelope.source",
+        "\"relay-a\"",
+    );
+    let toml_b = set(&toml, "envelope.source", "\"relay-b\"");
+    let a = InProcess::start(parse(&toml_a));
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = start_writer(db.url.clone(), stop.clone());
+    let (owner_pid, owner_port) = owner_session(&db).await;
+    wait_for(WAIT, "A to publish", || async {
+        (broker.inbox().len() > 50).then_some(())
+    })
+    .await;
+    let b = InProcess::start(parse(&toml_b));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // A's ownership session goes silent; the server ends it (as its TCP
+    // keepalive would), which frees the lock for B. A hears nothing.
+    assert!(proxy.freeze(owner_port), "A's ownership session is proxied");
+    let ended: bool = db
+        .client
+        .query_one("SELECT pg_terminate_backend($1)", &[&owner_pid])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(ended);
+    let source =
+        |m: &crate::support::brokers::Received| m.json()["source"].as_str().map(str::to_owned);
+    wait_for(WAIT, "B to publish", || async {
+        broker
+            .inbox()
+            .snapshot()
+            .iter()
+            .any(|m| source(m).as_deref() == Some("relay-b"))
+            .then_some(())
+    })
+    .await;
+    // Writes go on a while under B, then everything must arrive.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    let ids = writer.await.unwrap();
+    let received = broker.inbox().wait_ids(&ids, WAIT).await;
+
+    // In arrival order (one queue, or one partition per aggregate: check
+    // each aggregate's sequence), nothing of A's follows B's first.
+    let snapshot = broker.inbox().snapshot();
+    let mut by_key: std::collections::HashMap<String, Vec<String>> = Default::default();
+    for m in &snapshot {
+        let key = match kind {
+            Kind::Rabbit => String::new(),
+            Kind::Kafka => m.key.clone().unwrap_or_default(),
+        };
+        by_key
+            .entry(key)
+            .or_default()
+            .push(source(m).unwrap_or_default());
+    }
+    let mut a_before_b = 0;
+    for (key, sources) in &by_key {
+        let Some(first_b) = sources.iter().position(|s| s == "relay-b") else {
+            continue;
+        };
+        let late_a = sources[first_b..]
+            .iter()
+            .filter(|s| *s == "relay-a")
+            .count();
+        assert_eq!(
+            late_a,
+            0,
+            "key {key:?}: A published {late_a} message(s) after B's first (message {first_b} of {})",
+            sources.len()
+        );
+        a_before_b += sources[..first_b]
+            .iter()
+            .filter(|s| *s == "relay-a")
+            .count();
+    }
+    assert!(a_before_b > 0, "A published before B took over");
+    let unique: std::collections::HashSet<String> = received.iter().map(|m| m.event_id()).collect();
+    assert_eq!(unique.len(), ids.len(), "nothing was lost");
+    b.stop().await;
+    a.abort();
+    drop(proxy);
+    db.drop_db().await;
+}
