@@ -10,6 +10,7 @@ mod chaos;
 mod cli;
 mod dead_letters;
 mod delivery;
+mod duplicates;
 mod failures;
 mod fencing;
 mod operations;
