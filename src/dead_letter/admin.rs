@@ -197,11 +197,10 @@ pub async fn drop(
 }
 
 /// Whether `dlq redrive --id id` may put one event back, given the open
-/// dead letters of its aggregate (event ids, oldest first). A redriven
-/// event goes to the end of the outbox, behind everything its aggregate
-/// has there: it must be the aggregate's only open dead letter, or it would
-/// overtake earlier letters or be overtaken by later ones (which a later
-/// redrive would then publish ahead of it).
+/// dead letters of its aggregate (event ids, oldest first). Alone, a
+/// redriven letter would overtake the aggregate's earlier letters, or leave
+/// its later ones for a redrive that could come after events the aggregate
+/// writes meanwhile: it must be the aggregate's only open dead letter.
 pub fn redrive_one_allowed(id: &str, open: &[String]) -> Result<(), String> {
     let Some(at) = open.iter().position(|o| o == id) else {
         return Err(format!("no open dead letter with id {id:?}"));

@@ -113,6 +113,25 @@ async fn a_poison_event_is_dead_lettered_and_its_aggregate_follows(mode: Mode, k
     relay.stop().await;
     let toml = toml.replace("message_max_bytes = 4000", "message_max_bytes = 100000");
     let path = config_file(&toml);
+    // Redriving the first letter alone, with its followers still open,
+    // would split the aggregate: refused, naming the way that keeps order.
+    let (code, _, err) = run_cli(
+        &[
+            "dlq",
+            "redrive",
+            "--config",
+            &path,
+            "--id",
+            &poison.to_string(),
+        ],
+        &[],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("one of 4 open dead letters of its aggregate (0 earlier, 3 later)")
+            && err.contains("--aggregate"),
+        "{err}"
+    );
     let (code, out, err) = run_cli(
         &["dlq", "redrive", "--config", &path, "--aggregate", "P"],
         &[],
