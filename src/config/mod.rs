@@ -283,6 +283,11 @@ pub struct RelayConfig {
     /// Messages handed to the broker and not yet confirmed, at most.
     #[serde(default = "defaults::max_in_flight")]
     pub max_in_flight: usize,
+    /// Bytes of events read and not yet done with (waiting, in flight, and
+    /// the broker client's copies of unconfirmed messages), at most; one
+    /// event larger than this still goes, alone.
+    #[serde(default = "defaults::max_in_flight_bytes")]
+    pub max_in_flight_bytes: usize,
     /// Unconfirmed messages per aggregate within one Kafka topic, at most
     /// (`None`: no limit). Elsewhere an aggregate has one at a time.
     #[serde(default)]
@@ -324,6 +329,7 @@ impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
             max_in_flight: defaults::max_in_flight(),
+            max_in_flight_bytes: defaults::max_in_flight_bytes(),
             max_in_flight_per_aggregate: None,
             confirm_timeout: defaults::confirm_timeout(),
             mark: MarkMode::default(),
@@ -486,6 +492,9 @@ pub mod defaults {
     }
     pub fn max_in_flight() -> usize {
         2000
+    }
+    pub fn max_in_flight_bytes() -> usize {
+        64 << 20
     }
     pub fn confirm_timeout() -> Duration {
         Duration::from_secs(30)

@@ -231,6 +231,12 @@ impl Config {
         }
         let r = &self.relay;
         c.range("relay.max_in_flight", r.max_in_flight, 1, 100_000);
+        c.range(
+            "relay.max_in_flight_bytes",
+            r.max_in_flight_bytes,
+            1 << 20,
+            16 << 30,
+        );
         if let Some(n) = r.max_in_flight_per_aggregate {
             c.range(
                 "relay.max_in_flight_per_aggregate",

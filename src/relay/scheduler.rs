@@ -235,15 +235,15 @@ mod tests {
     use tokio::time::Instant;
 
     fn ev(pos: u32, aggregate: &str) -> SourcedEvent<u32> {
-        SourcedEvent {
-            position: pos,
-            event: Err(RowError {
+        SourcedEvent::new(
+            pos,
+            Err(RowError {
                 id: Some(pos.to_string()),
                 aggregate_id: Some(aggregate.into()),
                 reason: "test".into(),
                 raw: None,
             }),
-        }
+        )
     }
 
     fn blocks() -> Blocks {

@@ -67,7 +67,12 @@ impl CdcServer for SimCdc {
         })
     }
 
-    async fn table_page(&mut self, after: i64, max: usize) -> Result<Vec<TableRow>, SourceError> {
+    async fn table_page(
+        &mut self,
+        after: i64,
+        max: usize,
+        _max_bytes: usize,
+    ) -> Result<Vec<TableRow>, SourceError> {
         let rows = self.snapshot.as_deref().unwrap_or_default();
         Ok(rows
             .iter()

@@ -237,7 +237,11 @@ impl SimPolling {
 impl Reader for SimPolling {
     type Position = i64;
 
-    async fn next_batch(&mut self, max: usize) -> Result<Vec<SourcedEvent<i64>>, SourceError> {
+    async fn next_batch(
+        &mut self,
+        max: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<SourcedEvent<i64>>, SourceError> {
         let max = max.max(1);
         loop {
             if self.cur.is_none() && self.idle {
@@ -256,7 +260,7 @@ impl Reader for SimPolling {
                 self.idle = false;
             }
             latency(&self.world).await;
-            let (snapshot, rows) = {
+            let (snapshot, rows, found) = {
                 let w = lock(&self.world);
                 let snapshot = self.cur.unwrap_or(w.commits.len());
                 let from = self.prev.unwrap_or(0);
@@ -264,14 +268,25 @@ impl Reader for SimPolling {
                     .iter()
                     .copied()
                     .collect();
-                let rows: Vec<(i64, crate::outbox::RawRow)> = w
+                let page: Vec<(i64, crate::outbox::RawRow)> = w
                     .rows
                     .range(self.cursor + 1..)
                     .filter(|(_, r)| !r.sent && tick.contains(&r.xid))
                     .take(max)
                     .map(|(seq, r)| (*seq, r.raw()))
                     .collect();
-                (snapshot, rows)
+                // As the real query: rows while the payloads before them fit.
+                let found = page.len();
+                let mut before = 0;
+                let rows: Vec<_> = page
+                    .into_iter()
+                    .take_while(|(_, raw)| {
+                        let fits = before < max_bytes;
+                        before += raw.payload.as_ref().map_or(0, String::len);
+                        fits
+                    })
+                    .collect();
+                (snapshot, rows, found)
             };
             latency(&self.world).await;
             if self.cur.is_none() {
@@ -280,7 +295,7 @@ impl Reader for SimPolling {
             if let Some((seq, _)) = rows.last() {
                 self.cursor = *seq;
             }
-            if rows.len() < max {
+            if found < max && rows.len() == found {
                 self.prev = self.cur.take();
                 self.cursor = 0;
                 if rows.is_empty() {
@@ -292,10 +307,7 @@ impl Reader for SimPolling {
                 let now = chrono::Utc::now();
                 return Ok(rows
                     .into_iter()
-                    .map(|(seq, raw)| SourcedEvent {
-                        position: seq,
-                        event: raw.decode(now),
-                    })
+                    .map(|(seq, raw)| SourcedEvent::new(seq, raw.decode(now)))
                     .collect());
             }
         }

@@ -28,6 +28,8 @@ pub struct Params {
     pub dead_letter: bool,
     pub max_attempts: u32,
     pub max_in_flight: usize,
+    /// The byte budget: unbounded in effect, or a few events' worth.
+    pub max_in_flight_bytes: usize,
     pub batch_size: usize,
     pub instances: usize,
     pub transactions: usize,
@@ -67,6 +69,11 @@ impl Params {
             transactions: rng.usize(20..120),
             aggregates: rng.usize(2..12),
             faults: rng.usize(0..12),
+            max_in_flight_bytes: if rng.bool() {
+                64 << 20
+            } else {
+                rng.usize(300..6000)
+            },
         }
     }
 
@@ -190,8 +197,10 @@ pub fn run(seed: u64) -> Result<Totals, String> {
     fastrand::seed(seed);
     let mut rng = fastrand::Rng::with_seed(seed);
     let params = Params::random(&mut rng);
-    let config = crate::config::load_str(&params.toml())
+    let mut config = crate::config::load_str(&params.toml())
         .map_err(|e| format!("seed {seed}: the simulated configuration is invalid: {e}"))?;
+    // Below what a configuration may say, to make a few events fill it.
+    config.relay.max_in_flight_bytes = params.max_in_flight_bytes;
     let world: Shared = Arc::new(Mutex::new(World::new(
         seed,
         BrokerKind {

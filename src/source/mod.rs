@@ -11,6 +11,7 @@
 //! [`Reader::rewind`] or a restart, which is where duplicates come from, and
 //! the only place.
 
+pub mod budget;
 pub mod cdc;
 pub mod polling;
 pub mod record;
@@ -28,9 +29,57 @@ use std::hash::Hash;
 pub struct SourcedEvent<P> {
     pub position: P,
     pub event: Result<OutboxEvent, RowError>,
+    /// The memory it holds against the pipeline's budget (none until the
+    /// reader task charges it).
+    pub charge: budget::Charge,
 }
 
 impl<P> SourcedEvent<P> {
+    pub fn new(position: P, event: Result<OutboxEvent, RowError>) -> Self {
+        SourcedEvent {
+            position,
+            event,
+            charge: budget::Charge::default(),
+        }
+    }
+
+    /// About how much memory the event holds: its text, mostly the payload.
+    pub fn bytes(&self) -> usize {
+        const OVERHEAD: usize = 256;
+        OVERHEAD
+            + match &self.event {
+                Ok(e) => {
+                    e.payload.get().len()
+                        + e.id.len()
+                        + e.aggregate_type.len()
+                        + e.aggregate_id.len()
+                        + e.event_type.len()
+                        + e.headers
+                            .iter()
+                            .map(|(k, v)| k.len() + v.len())
+                            .sum::<usize>()
+                }
+                Err(e) => {
+                    e.reason.len()
+                        + e.raw.as_ref().map_or(0, |r| {
+                            [
+                                &r.id,
+                                &r.aggregate_type,
+                                &r.aggregate_id,
+                                &r.event_type,
+                                &r.event_version,
+                                &r.payload,
+                                &r.headers,
+                                &r.created_at,
+                            ]
+                            .iter()
+                            .map(|f| f.as_ref().map_or(0, String::len))
+                            .sum::<usize>()
+                        })
+                }
+            }
+    }
+
     /// The aggregate the row belongs to, when it could be read at all. Rows
     /// without one are scheduled under the empty key.
     pub fn aggregate_id(&self) -> &str {
@@ -102,13 +151,16 @@ impl RowPosition for i64 {
 pub trait Reader: Send + 'static {
     type Position: Clone + Debug + Eq + Hash + Send + Sync + RowPosition + 'static;
 
-    /// Waits until events are available and returns up to `max` of them, in order.
+    /// Waits until events are available and returns up to `max` of them, in
+    /// order, whose payloads together take no more than `max_bytes` (at
+    /// least one event, however large).
     ///
     /// Cancel-safe: state changes only once a read completes, so a dropped call
     /// loses nothing.
     fn next_batch(
         &mut self,
         max: usize,
+        max_bytes: usize,
     ) -> impl Future<Output = Result<Vec<SourcedEvent<Self::Position>>, SourceError>> + Send;
 
     /// Forgets what was read; the next batch starts again from what is not yet

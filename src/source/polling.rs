@@ -32,7 +32,7 @@
 //! trigger's NOTIFY, with `poll_interval` as the fallback.
 
 use super::record::{RowRecorder, RowStore};
-use super::rows::{read_row, select_list};
+use super::rows::{byte_capped, page_rows, read_row, select_list};
 use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::PollingConfig;
 use crate::db::DbError;
@@ -104,21 +104,30 @@ impl PollingReader {
             .condition(&quote_ident(&columns.aggregate_id))
             .map(|c| format!(" AND {c}"))
             .unwrap_or_default();
-        let first_page = format!(
-            "WITH snap AS (SELECT pg_current_snapshot() AS cur)
-             SELECT snap.cur::text, e.* FROM snap LEFT JOIN LATERAL (
-                 SELECT {cols} FROM {t}
+        let first = byte_capped(
+            &format!(
+                "SELECT {cols} FROM {t}
                  WHERE {SENT_AT_COLUMN} IS NULL{shard}
                    AND ($1::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $1::text::pg_snapshot))
-                 ORDER BY {SEQ_COLUMN} LIMIT $2
-             ) e ON true"
+                 ORDER BY {SEQ_COLUMN} LIMIT $2"
+            ),
+            &columns.payload,
+            "$3",
         );
-        let next_page = format!(
-            "SELECT {cols} FROM {t}
-             WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1{shard}
-               AND pg_visible_in_snapshot({XID_COLUMN}, $2::text::pg_snapshot)
-               AND ($3::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $3::text::pg_snapshot))
-             ORDER BY {SEQ_COLUMN} LIMIT $4"
+        let first_page = format!(
+            "WITH snap AS (SELECT pg_current_snapshot() AS cur)
+             SELECT snap.cur::text, e.* FROM snap LEFT JOIN LATERAL ({first}) e ON true"
+        );
+        let next_page = byte_capped(
+            &format!(
+                "SELECT {cols} FROM {t}
+                 WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1{shard}
+                   AND pg_visible_in_snapshot({XID_COLUMN}, $2::text::pg_snapshot)
+                   AND ($3::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $3::text::pg_snapshot))
+                 ORDER BY {SEQ_COLUMN} LIMIT $4"
+            ),
+            &columns.payload,
+            "$5",
         );
         let prepare = |sql: String| {
             let client = &client;
@@ -143,40 +152,64 @@ impl PollingReader {
         })
     }
 
-    /// Runs one page query; returns the tick's snapshot and the rows.
-    async fn page(&self, max: usize) -> Result<(String, Vec<(i64, RawRow)>), SourceError> {
+    /// Runs one page query; returns the tick's snapshot, the rows, and
+    /// whether more rows may follow in this tick.
+    async fn page(&self, max: usize, max_bytes: usize) -> Result<Page, SourceError> {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
-        let read = |rows: Vec<tokio_postgres::Row>, offset: usize| {
+        let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+        let read = |rows: &[tokio_postgres::Row], offset: usize| {
             rows.iter()
                 .filter_map(|r| read_row(r, offset))
                 .collect::<Vec<_>>()
         };
-        match &self.cur {
+        let (snapshot, rows, offset) = match &self.cur {
             None => {
                 let rows = self
                     .client
-                    .query(&self.first_page, &[&self.prev, &limit])
+                    .query(&self.first_page, &[&self.prev, &limit, &bytes])
                     .await
                     .map_err(|e| DbError::query("reading unsent outbox rows", e))?;
                 let snapshot: String = rows.first().map(|r| r.get(0)).unwrap_or_default();
-                Ok((snapshot, read(rows, 1)))
+                (snapshot, rows, 1)
             }
             Some(cur) => {
                 let rows = self
                     .client
-                    .query(&self.next_page, &[&self.cursor, cur, &self.prev, &limit])
+                    .query(
+                        &self.next_page,
+                        &[&self.cursor, cur, &self.prev, &limit, &bytes],
+                    )
                     .await
                     .map_err(|e| DbError::query("reading unsent outbox rows", e))?;
-                Ok((cur.clone(), read(rows, 0)))
+                (cur.clone(), rows, 0)
             }
-        }
+        };
+        let found = page_rows(&rows);
+        let rows = read(&rows, offset);
+        Ok(Page {
+            // A page cut short by the byte limit has more to come, too.
+            full: found >= max || rows.len() < found,
+            rows,
+            snapshot,
+        })
     }
+}
+
+/// One page of a tick.
+struct Page {
+    snapshot: String,
+    rows: Vec<(i64, RawRow)>,
+    full: bool,
 }
 
 impl Reader for PollingReader {
     type Position = i64;
 
-    async fn next_batch(&mut self, max: usize) -> Result<Vec<SourcedEvent<i64>>, SourceError> {
+    async fn next_batch(
+        &mut self,
+        max: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<SourcedEvent<i64>>, SourceError> {
         let max = max.max(1);
         loop {
             if self.cur.is_none() && self.idle {
@@ -194,7 +227,11 @@ impl Reader for PollingReader {
                 }
                 .into());
             }
-            let (snapshot, rows) = self.page(max).await?;
+            let Page {
+                snapshot,
+                rows,
+                full,
+            } = self.page(max, max_bytes).await?;
             // No await below: the state moves in one step, keeping the call cancel-safe.
             if self.cur.is_none() {
                 self.cur = Some(snapshot);
@@ -202,7 +239,7 @@ impl Reader for PollingReader {
             if let Some((seq, _)) = rows.last() {
                 self.cursor = *seq;
             }
-            if rows.len() < max {
+            if !full {
                 self.prev = self.cur.take();
                 self.cursor = 0;
                 if rows.is_empty() {
@@ -214,10 +251,7 @@ impl Reader for PollingReader {
                 let now = Utc::now();
                 return Ok(rows
                     .into_iter()
-                    .map(|(seq, raw)| SourcedEvent {
-                        position: seq,
-                        event: raw.decode(now),
-                    })
+                    .map(|(seq, raw)| SourcedEvent::new(seq, raw.decode(now)))
                     .collect());
             }
         }

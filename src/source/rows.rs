@@ -38,3 +38,32 @@ pub fn read_row(row: &Row, offset: usize) -> Option<(i64, RawRow)> {
         )
     })
 }
+
+/// Wraps a page query (`SELECT select_list ... ORDER BY relay_seq LIMIT n`)
+/// so that it returns its rows only while their payloads, in order, fit in
+/// the bytes given as parameter `bytes_param` (the first row always), and
+/// adds a trailing column `relay_page_rows`: how many rows the page had
+/// before the cut, which tells a full page from the end of the rows.
+pub fn byte_capped(page: &str, payload: &str, bytes_param: &str) -> String {
+    let size = format!("coalesce(octet_length(page.{}), 0)", quote_ident(payload));
+    format!(
+        "SELECT * FROM (
+             SELECT page.*, count(*) OVER () AS relay_page_rows,
+                    sum({size}) OVER (ORDER BY page.{SEQ_COLUMN} ROWS UNBOUNDED PRECEDING) - {size} AS relay_bytes_before
+             FROM ({page}) page
+         ) sized
+         WHERE relay_bytes_before < {bytes_param}
+         ORDER BY {SEQ_COLUMN}"
+    )
+}
+
+/// The `relay_page_rows` column of a [`byte_capped`] page (0 for no rows).
+pub fn page_rows(rows: &[Row]) -> usize {
+    rows.first()
+        .and_then(|r| {
+            r.try_get::<_, Option<i64>>("relay_page_rows")
+                .ok()
+                .flatten()
+        })
+        .map_or(0, |n| usize::try_from(n).unwrap_or(0))
+}

@@ -13,6 +13,7 @@ pub const OLDEST_UNSENT_AGE: &str = "outbox_relay_oldest_unsent_age_seconds";
 pub const COMMIT_TO_CONFIRM: &str = "outbox_relay_commit_to_confirm_seconds";
 pub const BATCH_SIZE: &str = "outbox_relay_batch_size";
 pub const IN_FLIGHT: &str = "outbox_relay_in_flight";
+pub const IN_FLIGHT_BYTES: &str = "outbox_relay_in_flight_bytes";
 pub const SLOT_RETAINED_WAL: &str = "outbox_relay_slot_retained_wal_bytes";
 pub const SLOT_CONFIRMED_LAG: &str = "outbox_relay_slot_confirmed_lag_bytes";
 pub const RETENTION_DELETED: &str = "outbox_relay_retention_deleted_total";
@@ -51,6 +52,7 @@ pub struct PipelineMetrics {
     pub commit_to_confirm: Histogram,
     pub batch_size: Histogram,
     pub in_flight: Gauge,
+    pub in_flight_bytes: Gauge,
     pub slot_retained_wal: Gauge,
     pub slot_confirmed_lag: Gauge,
     pub retention_outbox: Counter,
@@ -74,6 +76,7 @@ impl PipelineMetrics {
             commit_to_confirm: histogram!(COMMIT_TO_CONFIRM, "pipeline" => p.clone(), "destination" => destination),
             batch_size: histogram!(BATCH_SIZE, "pipeline" => p.clone()),
             in_flight: gauge!(IN_FLIGHT, "pipeline" => p.clone()),
+            in_flight_bytes: gauge!(IN_FLIGHT_BYTES, "pipeline" => p.clone()),
             slot_retained_wal: gauge!(SLOT_RETAINED_WAL, "pipeline" => p.clone()),
             slot_confirmed_lag: gauge!(SLOT_CONFIRMED_LAG, "pipeline" => p.clone()),
             retention_outbox: counter!(RETENTION_DELETED, "pipeline" => p.clone(), "table" => "outbox"),

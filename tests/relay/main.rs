@@ -13,6 +13,7 @@ mod delivery;
 mod duplicates;
 mod failures;
 mod fencing;
+mod memory;
 mod operations;
 mod retention;
 mod schema;

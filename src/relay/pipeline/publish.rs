@@ -8,6 +8,7 @@ use crate::dead_letter::DeadLetter;
 use crate::outbox::{OutboxEvent, RawRow, RowError};
 use crate::relay::scheduler::Admission;
 use crate::sink::{Confirmation, Sink, SinkError};
+use crate::source::budget::Charge;
 use crate::source::{RowPosition, SourcedEvent};
 use crate::telemetry::metrics::Failure;
 use chrono::Utc;
@@ -19,6 +20,9 @@ pub(super) struct Answer<P> {
     pub position: Origin<P>,
     pub event: Result<OutboxEvent, RowError>,
     pub result: Result<(), SinkError>,
+    /// The event's memory (and its message's, while the broker client held
+    /// it), given back once the answer is handled.
+    pub charge: Charge,
 }
 
 /// An answer on its way back: the aggregate, the scheduler's ticket, the answer.
@@ -97,6 +101,7 @@ where
         let event = SourcedEvent {
             position,
             event: event.event,
+            charge: event.charge,
         };
         let follows = match (
             &self.settings.dead_letter,
@@ -145,8 +150,12 @@ where
         }
         let aggregate = sourced.aggregate_id().to_owned();
         let ticket = self.scheduler.sent(&aggregate, lane);
-        let position = sourced.position;
-        let event = match sourced.event {
+        let SourcedEvent {
+            position,
+            event,
+            mut charge,
+        } = sourced;
+        let event = match event {
             Ok(e) => e,
             Err(bad) => {
                 let reason = bad.reason.clone();
@@ -154,12 +163,15 @@ where
                     position,
                     event: Err(bad),
                     result: Err(SinkError::Rejected(reason)),
+                    charge,
                 };
                 self.scheduler.answered(&aggregate, ticket, answer, true);
                 return Ok(());
             }
         };
         let message = self.envelope.build(&event);
+        // The broker client keeps a copy until the broker answers.
+        charge.grow(message.size());
         // Handing a message over is quick unless the broker stopped reading.
         let sent = tokio::time::timeout(
             self.settings.confirm_timeout,
@@ -181,6 +193,7 @@ where
                         position,
                         event: Ok(event),
                         result,
+                        charge,
                     };
                     (aggregate, ticket, answer)
                 }));
@@ -190,6 +203,7 @@ where
                     position,
                     event: Ok(event),
                     result: Err(e),
+                    charge,
                 };
                 self.scheduler.answered(&aggregate, ticket, answer, true);
             }
@@ -203,6 +217,7 @@ where
             position,
             event,
             result,
+            charge: _charge,
         } = answer;
         match result {
             Ok(()) => {
@@ -265,15 +280,15 @@ where
             // (both were in flight): this one follows it, or waits. Its
             // answer is handled in order, so everything before it is settled.
             let id = raw.id.clone();
-            let event = SourcedEvent {
-                position: Origin::Source(position),
-                event: Err(RowError {
+            let event = SourcedEvent::new(
+                Origin::Source(position),
+                Err(RowError {
                     id,
                     aggregate_id: Some(aggregate.to_owned()),
                     reason,
                     raw: Some(Box::new(raw)),
                 }),
-            };
+            );
             self.defer(event, false);
             return;
         }

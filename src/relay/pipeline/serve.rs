@@ -13,6 +13,7 @@ use crate::relay::lease::Lease;
 use crate::relay::scheduler::Scheduler;
 use crate::sink::Sink;
 use crate::source::SourcedEvent;
+use crate::source::budget::Budget;
 use crate::source::{Acker, Reader, RowPosition, SourceError};
 use crate::telemetry::PipelineTelemetry;
 use crate::telemetry::metrics::Failure;
@@ -96,6 +97,8 @@ pub(super) struct Pipeline<'a, P, K> {
     rewind_tx: mpsc::Sender<u64>,
     ack_tx: mpsc::Sender<AckCommand<P>>,
     resolved: Arc<Resolved>,
+    /// Bytes of events read and not yet done with.
+    pub(super) budget: Arc<Budget>,
     reader_task: AbortOnDropHandle<Result<(), SourceError>>,
     acker_task: AbortOnDropHandle<Result<(), SourceError>>,
 }
@@ -125,9 +128,11 @@ where
         } = cx;
         let (batch_tx, batch_rx) = mpsc::channel(2);
         let (rewind_tx, rewind_rx) = mpsc::channel(4);
+        let budget = Budget::new(settings.max_in_flight_bytes);
         let reader_task = AbortOnDropHandle::new(tokio::spawn(drive_reader(
             reader,
             settings.batch_size,
+            budget.clone(),
             batch_tx,
             rewind_rx,
         )));
@@ -161,6 +166,7 @@ where
             pending_releases: Vec::new(),
             lease,
             unrecorded,
+            budget,
             warned_full: false,
             epoch: 0,
             refresh: Refresh {
@@ -327,6 +333,10 @@ where
     fn report_in_flight(&self) {
         let in_flight = self.scheduler.in_flight();
         self.telemetry.metrics.in_flight.set(in_flight as f64);
+        self.telemetry
+            .metrics
+            .in_flight_bytes
+            .set(self.budget.used() as f64);
         self.telemetry.health.set_in_flight(in_flight);
     }
 
@@ -483,10 +493,9 @@ where
             }
             *started.entry(aggregate.clone()).or_default() += 1;
             self.letter_aggregates.insert(r.letter_id, aggregate);
-            queued.push(SourcedEvent {
-                position: Origin::Letter(r.letter_id),
-                event: r.raw.decode(now),
-            });
+            let mut event = SourcedEvent::new(Origin::Letter(r.letter_id), r.raw.decode(now));
+            event.charge = self.budget.charge(event.bytes());
+            queued.push(event);
         }
         if queued.is_empty() {
             return;
@@ -534,6 +543,7 @@ where
                     .extend(b.events.into_iter().map(|e| SourcedEvent {
                         position: Origin::Source(e.position),
                         event: e.event,
+                        charge: e.charge,
                     }));
                 self.admit_waiting().await
             }

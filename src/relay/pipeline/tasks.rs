@@ -4,6 +4,7 @@
 use super::PipelineError;
 use crate::dead_letter::{DeadLetter, Requested};
 use crate::relay::lease::Lease;
+use crate::source::budget::Budget;
 use crate::source::{Acker, Reader, SourceError, SourcedEvent};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -144,19 +145,37 @@ pub async fn task_error(
 pub async fn drive_reader<R: Reader>(
     mut reader: R,
     batch_size: usize,
+    budget: Arc<Budget>,
     tx: mpsc::Sender<Batch<R::Position>>,
     mut rewinds: mpsc::Receiver<u64>,
 ) -> Result<(), SourceError> {
     let mut epoch = 0;
     loop {
+        // Read only while the budget has room, and no more than that.
+        tokio::select! {
+            biased;
+            cmd = rewinds.recv() => match cmd {
+                Some(e) => { reader.rewind(); epoch = e; continue; }
+                None => { reader.close().await; return Ok(()); }
+            },
+            _ = budget.has_room() => {}
+            failed = reader.maintain() => { failed?; }
+        }
         let events = tokio::select! {
             biased;
             cmd = rewinds.recv() => match cmd {
                 Some(e) => { reader.rewind(); epoch = e; continue; }
                 None => { reader.close().await; return Ok(()); }
             },
-            events = read_batch(&mut reader, batch_size) => events?,
+            events = read_batch(&mut reader, batch_size, budget.room().max(1)) => events?,
         };
+        let events = events
+            .into_iter()
+            .map(|mut e| {
+                e.charge = budget.charge(e.bytes());
+                e
+            })
+            .collect();
         tokio::select! {
             biased;
             cmd = rewinds.recv() => match cmd {
@@ -174,9 +193,10 @@ pub async fn drive_reader<R: Reader>(
 async fn read_batch<R: Reader>(
     reader: &mut R,
     batch_size: usize,
+    max_bytes: usize,
 ) -> Result<Vec<SourcedEvent<R::Position>>, SourceError> {
     let started = std::time::Instant::now();
-    let events = reader.next_batch(batch_size).await?;
+    let events = reader.next_batch(batch_size, max_bytes).await?;
     tracing::debug!(
         events = events.len(),
         read_ms = started.elapsed().as_millis() as u64,

@@ -113,6 +113,8 @@ pub struct CdcReader<B: CdcServer = PgServer> {
     phase: Phase<B::Stream>,
     /// Read, not yet handed over (kept across a cancelled call).
     pending: Vec<SourcedEvent<CdcPosition>>,
+    /// The payload bytes of `pending`.
+    pending_bytes: usize,
     timing: Timing,
     next_heartbeat: Option<Instant>,
 }
@@ -160,6 +162,7 @@ impl<B: CdcServer> CdcReader<B> {
             progress,
             phase: Phase::Start,
             pending: Vec::new(),
+            pending_bytes: 0,
             timing,
         }
     }
@@ -214,13 +217,18 @@ impl<B: CdcServer> CdcReader<B> {
     }
 
     /// One page of the start-up read; moves to streaming after the last.
-    async fn table_page(&mut self, max: usize) -> Result<(), SourceError> {
+    fn take_pending(&mut self) -> Vec<SourcedEvent<CdcPosition>> {
+        self.pending_bytes = 0;
+        std::mem::take(&mut self.pending)
+    }
+
+    async fn table_page(&mut self, max: usize, max_bytes: usize) -> Result<(), SourceError> {
         let Phase::TableRead(read) = &mut self.phase else {
             return Ok(());
         };
-        let rows = self.server.table_page(read.cursor, max).await?;
+        let rows = self.server.table_page(read.cursor, max, max_bytes).await?;
         let now = chrono::Utc::now();
-        let done = rows.len() < max;
+        let done = rows.is_empty();
         for row in rows {
             read.rows += 1;
             read.cursor = row.seq;
@@ -231,10 +239,9 @@ impl<B: CdcServer> CdcReader<B> {
                 xid: None, // read from a snapshot: visible
             };
             if lock(&self.progress).event(&position) {
-                self.pending.push(SourcedEvent {
-                    position,
-                    event: row.raw.decode(now),
-                });
+                let event = SourcedEvent::new(position, row.raw.decode(now));
+                self.pending_bytes += event.bytes();
+                self.pending.push(event);
             }
         }
         if done {
@@ -312,18 +319,20 @@ impl<B: CdcServer> Reader for CdcReader<B> {
     async fn next_batch(
         &mut self,
         max: usize,
+        max_bytes: usize,
     ) -> Result<Vec<SourcedEvent<CdcPosition>>, SourceError> {
         let max = max.max(1);
         loop {
-            if self.pending.len() >= max {
-                return Ok(std::mem::take(&mut self.pending));
+            if self.pending.len() >= max || self.pending_bytes >= max_bytes {
+                return Ok(self.take_pending());
             }
             match &mut self.phase {
                 Phase::Start => self.start().await?,
                 Phase::TableRead(_) => {
-                    self.table_page(max - self.pending.len()).await?;
+                    let room = max_bytes.saturating_sub(self.pending_bytes).max(1);
+                    self.table_page(max - self.pending.len(), room).await?;
                     if !self.pending.is_empty() {
-                        return Ok(std::mem::take(&mut self.pending));
+                        return Ok(self.take_pending());
                     }
                 }
                 Phase::Streaming(s) => {
@@ -347,6 +356,7 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                                     "the server ended the replication stream".into(),
                                 ));
                             };
+                            let before = self.pending.len();
                             let (reply, step) = s.handle(
                                 message,
                                 &self.table,
@@ -354,6 +364,10 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                                 &self.progress,
                                 &mut self.pending,
                             )?;
+                            self.pending_bytes += self.pending[before..]
+                                .iter()
+                                .map(SourcedEvent::bytes)
+                                .sum::<usize>();
                             // A busy stream still reports on time (the select
                             // prefers messages).
                             if reply
@@ -364,7 +378,7 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                                     .await?;
                             }
                             if matches!(step, Step::Committed) && !self.pending.is_empty() {
-                                return Ok(std::mem::take(&mut self.pending));
+                                return Ok(self.take_pending());
                             }
                         }
                         Wake::Status => {
@@ -391,7 +405,7 @@ impl<B: CdcServer> Reader for CdcReader<B> {
     }
 
     fn rewind(&mut self) {
-        self.pending.clear();
+        self.take_pending();
         // A start-up read in progress leaves its snapshot open; start() ends it.
         self.phase = Phase::Start;
     }

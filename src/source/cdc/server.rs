@@ -16,7 +16,7 @@ use crate::source::replication::pgoutput::{self, LogicalMessage};
 use crate::source::replication::protocol::{
     ReplicationClient, ReplicationMessage, ReplicationStream, publication_names,
 };
-use crate::source::rows::{read_row, select_list};
+use crate::source::rows::{byte_capped, read_row, select_list};
 use std::future::Future;
 use std::time::Duration;
 use tokio_postgres::{Client, Statement};
@@ -61,10 +61,13 @@ pub trait CdcServer: Send + 'static {
     -> impl Future<Output = Result<StartupView, SourceError>> + Send;
 
     /// Up to `max` unsent rows with `relay_seq` above `after`, in `relay_seq` order.
+    /// Up to `max` unsent rows after `after`, whose payloads take no more
+    /// than `max_bytes` (at least one row); none once the read is through.
     fn table_page(
         &mut self,
         after: i64,
         max: usize,
+        max_bytes: usize,
     ) -> impl Future<Output = Result<Vec<TableRow>, SourceError>> + Send;
 
     fn end_table_read(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send;
@@ -126,10 +129,14 @@ impl PgServer {
         settings: CdcSettings,
     ) -> Result<(Self, Timing), SourceError> {
         let client = crate::db::connect(db, None).await?;
-        let sql = format!(
-            "SELECT {}, ({XID_COLUMN}::text::bigint % 4294967296)::bigint FROM {} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1 ORDER BY {SEQ_COLUMN} LIMIT $2",
-            select_list(columns),
-            table.quoted()
+        let sql = byte_capped(
+            &format!(
+                "SELECT {}, ({XID_COLUMN}::text::bigint % 4294967296)::bigint FROM {} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1 ORDER BY {SEQ_COLUMN} LIMIT $2",
+                select_list(columns),
+                table.quoted()
+            ),
+            &columns.payload,
+            "$3",
         );
         let table_page = client
             .prepare(&sql)
@@ -256,11 +263,17 @@ impl CdcServer for PgServer {
         Ok(StartupView { snapshot, until })
     }
 
-    async fn table_page(&mut self, after: i64, max: usize) -> Result<Vec<TableRow>, SourceError> {
+    async fn table_page(
+        &mut self,
+        after: i64,
+        max: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<TableRow>, SourceError> {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
+        let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
         let rows = self
             .client
-            .query(&self.table_page, &[&after, &limit])
+            .query(&self.table_page, &[&after, &limit, &bytes])
             .await
             .map_err(|e| DbError::query("reading unsent rows at start-up", e))?;
         Ok(rows

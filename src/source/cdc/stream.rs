@@ -229,10 +229,7 @@ impl<S: CdcStream> Streaming<S> {
                 };
                 tx.next_index += 1;
                 if lock(progress).event(&position) {
-                    out.push(SourcedEvent {
-                        position,
-                        event: raw.decode(tx.commit_time),
-                    });
+                    out.push(SourcedEvent::new(position, raw.decode(tx.commit_time)));
                 }
                 Ok(Step::Continue)
             }

@@ -1,0 +1,81 @@
+//! Memory is bounded in bytes, not only in events: 1 MiB payloads through a
+//! relay whose byte budget is a fraction of the backlog, with the process's
+//! peak resident memory measured.
+
+use crate::support::*;
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+const EVENTS: usize = 120;
+const BUDGET_MIB: u64 = 16;
+
+/// The process's peak resident set (VmHWM), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc status");
+    kib * 1024
+}
+
+async fn relays_large_payloads_within_the_byte_budget(mode: Mode) {
+    let budget = (BUDGET_MIB * MIB).to_string();
+    let (db, broker, toml) = setup(
+        mode,
+        Kind::Rabbit,
+        &[],
+        &[
+            ("relay.max_in_flight_bytes", budget.as_str()),
+            ("relay.ownership_lease", "\"1s\""),
+        ],
+    )
+    .await;
+    // The whole backlog is several times the budget.
+    db.client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'order', 'a' || (i % 10), 'Big',
+                    jsonb_build_object('i', i, 'x', repeat('x', 1048576))
+             FROM generate_series(1, $1::int) i",
+            &[&(EVENTS as i32)],
+        )
+        .await
+        .unwrap();
+    let mut child = ChildRelay::start(&toml);
+    broker
+        .inbox()
+        .wait_len(EVENTS, Duration::from_secs(120))
+        .await;
+    wait_for(WAIT, "every row marked", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    let peak = peak_rss(child.pid());
+    println!(
+        "{mode:?}: {EVENTS} events of 1 MiB, budget {BUDGET_MIB} MiB: peak RSS {} MiB",
+        peak / MIB
+    );
+    // The budget counts each event and, while the broker client holds it,
+    // its message: the rest is the process itself and allocator slack.
+    let limit = 2 * BUDGET_MIB * MIB + 64 * MIB;
+    assert!(
+        peak < limit,
+        "peak RSS {} MiB is over {} MiB",
+        peak / MIB,
+        limit / MIB
+    );
+    assert_eq!(child.terminate().code(), Some(0));
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_relays_large_payloads_within_the_byte_budget() {
+    relays_large_payloads_within_the_byte_budget(Mode::Polling).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdc_relays_large_payloads_within_the_byte_budget() {
+    relays_large_payloads_within_the_byte_budget(Mode::Cdc).await;
+}
