@@ -151,7 +151,22 @@ async fn a_partitioned_owner_stops_before_the_standby_starts(mode: Mode, kind: K
     assert!(a_before_b > 0, "A published before B took over");
     let unique: std::collections::HashSet<String> = received.iter().map(|m| m.event_id()).collect();
     assert_eq!(unique.len(), ids.len(), "nothing was lost");
+
+    // A gave ownership up and started over as a standby by itself: once B
+    // stops, A takes over again.
     b.stop().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = start_writer(db.url.clone(), stop.clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let later = writer.await.unwrap();
+    let received = broker.inbox().wait_ids(&later, WAIT).await;
+    assert!(
+        received
+            .iter()
+            .any(|m| later.contains(&m.event_id()) && source(m).as_deref() == Some("relay-a")),
+        "A published again after B stopped"
+    );
     a.abort();
     drop(proxy);
     db.drop_db().await;
