@@ -269,7 +269,7 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
     match setup::slot_info(client, &slot).await {
         Ok(Some(info)) => {
             let problems = setup::slot_problems(&info, &slot, &database);
-            if problems.is_empty() {
+            if problems.is_empty() && !info.is_lost() {
                 let mib = |b: Option<i64>| {
                     b.map_or("?".into(), |b| format!("{:.1} MiB", b as f64 / 1_048_576.0))
                 };
@@ -291,6 +291,21 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
             }
             for p in problems {
                 r.add(Mark::Fail, "slot", p);
+            }
+            if info.is_lost() {
+                let marked = config.relay.mark != crate::config::MarkMode::None;
+                if cdc.recreates_lost_slot(config.relay.mark) {
+                    r.add(
+                        Mark::Warn,
+                        "slot",
+                        format!(
+                            "{slot} is lost (PostgreSQL removed WAL it still needed); `run` drops it, creates a new one \
+                             and publishes the unsent rows from the table first (source.cdc.on_lost_slot = \"recreate\")"
+                        ),
+                    );
+                } else {
+                    r.add(Mark::Fail, "slot", setup::lost_slot_message(&slot, marked));
+                }
             }
         }
         Ok(None) if cdc.create_slot => r.add(

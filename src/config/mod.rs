@@ -194,7 +194,25 @@ pub struct CdcConfig {
     /// even when the database is otherwise idle.
     #[serde(default, with = "humantime_serde")]
     pub heartbeat_interval: Option<Duration>,
+    /// What `run` does when PostgreSQL removed WAL the slot still needed;
+    /// `None`: recreate when rows are marked, stop otherwise.
+    #[serde(default)]
+    pub on_lost_slot: Option<LostSlot>,
 }
+
+/// What the relay does with a lost slot (its WAL removed past
+/// `max_slot_wal_keep_size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub enum LostSlot {
+    /// Drop it, create a new one and publish the unsent rows from the table
+    /// first: nothing is lost while rows are marked.
+    Recreate,
+    /// Fail with the recovery spelled out, until an operator acts.
+    Stop,
+}
+
+keyword_enum!(LostSlot { Recreate = "recreate", Stop = "stop" });
 
 impl Default for CdcConfig {
     fn default() -> Self {
@@ -204,6 +222,7 @@ impl Default for CdcConfig {
             create_slot: true,
             status_interval: defaults::status_interval(),
             heartbeat_interval: None,
+            on_lost_slot: None,
         }
     }
 }
@@ -213,6 +232,15 @@ impl CdcConfig {
         self.slot
             .clone()
             .unwrap_or_else(|| default_replication_name(table))
+    }
+
+    /// Whether `run` recreates a lost slot: as configured, else whenever
+    /// rows are marked (the table then still holds every unsent event).
+    pub fn recreates_lost_slot(&self, mark: MarkMode) -> bool {
+        match self.on_lost_slot {
+            Some(choice) => choice == LostSlot::Recreate,
+            None => mark != MarkMode::None,
+        }
     }
 
     pub fn publication_name(&self, table: &TableName) -> String {

@@ -373,3 +373,23 @@ fn the_sasl_password_never_prints() {
     let e = err(&format!("{sasl}linger = \"soon\"\n"));
     assert!(!e.contains("s3cret"), "{e}");
 }
+
+#[test]
+fn a_lost_slot_is_recreated_only_when_rows_are_marked() {
+    let cdc = format!("{MINIMAL}\n[source]\nmode = \"cdc\"\n");
+    let c = load_str(&cdc).unwrap();
+    assert!(c.source.cdc.recreates_lost_slot(c.relay.mark));
+    let c = load_str(&format!("{cdc}[relay]\nmark = \"none\"\n")).unwrap();
+    assert!(!c.source.cdc.recreates_lost_slot(c.relay.mark));
+    let c = load_str(&format!("{cdc}[source.cdc]\non_lost_slot = \"stop\"\n")).unwrap();
+    assert!(!c.source.cdc.recreates_lost_slot(c.relay.mark));
+    let e = err(&format!(
+        "{cdc}[source.cdc]\non_lost_slot = \"recreate\"\n[relay]\nmark = \"none\"\n"
+    ));
+    assert!(
+        e.contains("source.cdc.on_lost_slot") && e.contains("\"stop\""),
+        "{e}"
+    );
+    let e = err(&format!("{cdc}[source.cdc]\non_lost_slot = \"heal\"\n"));
+    assert!(e.contains("on_lost_slot") && e.contains("recreate"), "{e}");
+}

@@ -178,6 +178,14 @@ impl Config {
                 c.problem(key, "use 1 to 63 characters of a-z, 0-9 and _");
             }
         }
+        if self.relay.mark == super::MarkMode::None
+            && cdc.on_lost_slot == Some(super::LostSlot::Recreate)
+        {
+            c.problem(
+                "source.cdc.on_lost_slot",
+                "\"recreate\" needs relay.mark = \"update\" or \"delete\": with \"none\" the events in the removed WAL exist nowhere else, so a new slot would skip them; use \"stop\"",
+            );
+        }
         if self.relay.mark == super::MarkMode::None && s.mode != super::SourceMode::Cdc {
             c.problem(
                 "relay.mark",

@@ -16,6 +16,7 @@ pub const IN_FLIGHT: &str = "outbox_relay_in_flight";
 pub const IN_FLIGHT_BYTES: &str = "outbox_relay_in_flight_bytes";
 pub const SLOT_RETAINED_WAL: &str = "outbox_relay_slot_retained_wal_bytes";
 pub const SLOT_CONFIRMED_LAG: &str = "outbox_relay_slot_confirmed_lag_bytes";
+pub const SLOTS_RECREATED: &str = "outbox_relay_slots_recreated_total";
 pub const RETENTION_DELETED: &str = "outbox_relay_retention_deleted_total";
 pub const ACTIVE: &str = "outbox_relay_active";
 pub const RESTARTS: &str = "outbox_relay_restarts_total";
@@ -59,6 +60,8 @@ pub struct PipelineMetrics {
     pub retention_dead_letters: Counter,
     pub active: Gauge,
     pub restarts: Counter,
+    /// Lost replication slots dropped and created again (CDC).
+    pub slots_recreated: Counter,
     pub last_publish: Gauge,
 }
 
@@ -83,6 +86,7 @@ impl PipelineMetrics {
             retention_dead_letters: counter!(RETENTION_DELETED, "pipeline" => p.clone(), "table" => "dead_letters"),
             active: gauge!(ACTIVE, "pipeline" => p.clone()),
             restarts: counter!(RESTARTS, "pipeline" => p.clone()),
+            slots_recreated: counter!(SLOTS_RECREATED, "pipeline" => p.clone()),
             last_publish: gauge!(LAST_PUBLISH, "pipeline" => p),
         }
     }

@@ -367,71 +367,179 @@ async fn wal_level_replica_is_refused_with_the_fix() {
     assert!(out.contains("[FAIL] publication"), "{out}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_slot_is_named_and_recovery_loses_nothing() {
-    // Tiny WAL segments and retention, so a slot can be lost in seconds.
-    let pg = PrivatePg::start_with(
-        &["--wal-segsize=1"],
-        &[
-            "wal_level = logical",
-            "max_slot_wal_keep_size = 1MB",
-            "min_wal_size = 2MB",
-            "max_wal_size = 4MB",
-        ],
-    );
-    let admin = connect(&pg.url("postgres")).await;
-    admin.batch_execute("CREATE DATABASE app").await.unwrap();
-    let app = connect(&pg.url("app")).await;
-    let broker = KafkaTopics::new();
-    broker.create("order").await;
-    let toml = cdc_toml(&pg.url("app"), &broker.sink_toml());
-    let slot = slot_of(&toml);
-    let config = parse(&toml);
-    migrate_at(&pg.url("app"), &config).await;
-    // Events arrive while no relay runs; then enough WAL passes for the slot to be lost.
-    let waiting: Vec<String> = strings(&ids(10));
-    for id in &waiting {
-        app.execute(
-            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', 'a', 'E', '{}')",
-            &[&id.parse::<Uuid>().unwrap()],
-        )
-        .await
-        .unwrap();
-    }
-    app.batch_execute("CREATE TABLE filler (pad text)")
-        .await
-        .unwrap();
-    wait_for(Duration::from_secs(60), "the slot to be lost", || async {
-        app.batch_execute("INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 3000); SELECT pg_switch_wal(); CHECKPOINT;")
+/// A private server whose CDC slot for `toml`'s outbox is lost, with ten
+/// events committed while no relay ran.
+struct LostSlot {
+    _pg: PrivatePg,
+    app: tokio_postgres::Client,
+    broker: KafkaTopics,
+    toml: String,
+    slot: String,
+    waiting: Vec<String>,
+}
+
+impl LostSlot {
+    async fn new(relay: &[(&str, &str)]) -> LostSlot {
+        // Tiny WAL segments and retention, so a slot can be lost in seconds.
+        let pg = PrivatePg::start_with(
+            &["--wal-segsize=1"],
+            &[
+                "wal_level = logical",
+                "max_slot_wal_keep_size = 1MB",
+                "min_wal_size = 2MB",
+                "max_wal_size = 4MB",
+            ],
+        );
+        let admin = connect(&pg.url("postgres")).await;
+        admin.batch_execute("CREATE DATABASE app").await.unwrap();
+        let app = connect(&pg.url("app")).await;
+        let broker = KafkaTopics::new();
+        broker.create("order").await;
+        let mut toml = cdc_toml(&pg.url("app"), &broker.sink_toml());
+        for (key, value) in relay {
+            toml = set(&toml, key, value);
+        }
+        let slot = slot_of(&toml);
+        migrate_at(&pg.url("app"), &parse(&toml)).await;
+        // Events arrive while no relay runs; then enough WAL passes for the slot to be lost.
+        let waiting: Vec<String> = strings(&ids(10));
+        for id in &waiting {
+            insert_at(&app, id).await;
+        }
+        app.batch_execute("CREATE TABLE filler (pad text)")
             .await
             .unwrap();
-        let status: Option<String> = app
-            .query_one("SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
-            .await
-            .unwrap()
-            .get(0);
-        (status.as_deref() == Some("lost")).then_some(())
-    })
-    .await;
-    let dir = std::env::temp_dir().join(unique("outbox-relay-cdc-"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("relay.toml");
-    std::fs::write(&path, &toml).unwrap();
-    let (code, out, _) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
-    assert_eq!(code, 1);
+        wait_for(Duration::from_secs(60), "the slot to be lost", || async {
+            app.batch_execute("INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 3000); SELECT pg_switch_wal(); CHECKPOINT;")
+                .await
+                .unwrap();
+            (wal_status(&app, &slot).await.as_deref() == Some("lost")).then_some(())
+        })
+        .await;
+        LostSlot {
+            _pg: pg,
+            app,
+            broker,
+            toml,
+            slot,
+            waiting,
+        }
+    }
+
+    fn check(&self) -> (i32, String) {
+        let dir = std::env::temp_dir().join(unique("outbox-relay-cdc-"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("relay.toml");
+        std::fs::write(&path, &self.toml).unwrap();
+        let (code, out, _) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
+        (code, out)
+    }
+}
+
+async fn insert_at(app: &tokio_postgres::Client, id: &str) {
+    app.execute(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', 'a', 'E', '{}')",
+        &[&id.parse::<Uuid>().unwrap()],
+    )
+    .await
+    .unwrap();
+}
+
+async fn wal_status(app: &tokio_postgres::Client, slot: &str) -> Option<String> {
+    app.query_opt(
+        "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+        &[&slot],
+    )
+    .await
+    .unwrap()
+    .and_then(|r| r.get(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_slot_is_recreated_and_nothing_is_lost() {
+    let lost = LostSlot::new(&[]).await;
+    let (code, out) = lost.check();
+    assert_eq!(
+        code, 0,
+        "a lost slot the relay recreates is a warning: {out}"
+    );
     assert!(
-        out.contains("is lost") && out.contains("pg_drop_replication_slot"),
+        out.contains("[warn] slot") && out.contains("is lost") && out.contains("recreate"),
         "{out}"
     );
-    // The documented recovery: drop the slot; the relay makes a new one and
-    // publishes the unsent rows from the table first.
-    app.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+    let port = crate::support::proxy::free_port();
+    let mut relay = ChildRelay::start(&with_http(&lost.toml, port));
+    let got = lost.broker.inbox.wait_ids(&lost.waiting, WAIT).await;
+    assert_eq!(
+        got.len(),
+        lost.waiting.len(),
+        "the lost WAL's events came from the table"
+    );
+    // The new slot streams: an event committed now arrives too.
+    let later = Uuid::new_v4().to_string();
+    insert_at(&lost.app, &later).await;
+    lost.broker
+        .inbox
+        .wait_ids(std::slice::from_ref(&later), WAIT)
+        .await;
+    assert_ne!(
+        wal_status(&lost.app, &lost.slot).await.as_deref(),
+        Some("lost")
+    );
+    let series = "outbox_relay_slots_recreated_total{pipeline=\"default\"}";
+    wait_for(WAIT, "the metric to count the recreated slot", || async {
+        let (_, body) = http_get(port, "/metrics").await?;
+        (metric(&body, series) == Some(1.0)).then_some(())
+    })
+    .await;
+    relay.terminate();
+    let ids: Vec<String> = lost
+        .broker
+        .inbox
+        .snapshot()
+        .iter()
+        .map(|m| m.event_id())
+        .collect();
+    assert_eq!(ids.len(), 11, "each event once: {ids:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_slot_stops_the_relay_when_told_to_until_it_is_dropped() {
+    let lost = LostSlot::new(&[("source.cdc.on_lost_slot", "\"stop\"")]).await;
+    let (code, out) = lost.check();
+    assert_eq!(code, 1);
+    assert!(
+        out.contains("[FAIL] slot")
+            && out.contains("is lost")
+            && out.contains("pg_drop_replication_slot"),
+        "{out}"
+    );
+    let port = crate::support::proxy::free_port();
+    let mut relay = ChildRelay::start(&with_http(&lost.toml, port));
+    wait_for(WAIT, "readiness to name the lost slot", || async {
+        let (code, body) = http_get(port, "/readyz").await?;
+        (code == 503 && body.contains("is lost")).then_some(())
+    })
+    .await;
+    assert_eq!(
+        lost.broker.inbox.len(),
+        0,
+        "nothing is published from a lost slot"
+    );
+    assert_eq!(
+        wal_status(&lost.app, &lost.slot).await.as_deref(),
+        Some("lost"),
+        "the slot is left alone"
+    );
+    // The documented recovery: drop the slot; the running relay makes a new
+    // one and publishes the unsent rows from the table first.
+    lost.app
+        .execute("SELECT pg_drop_replication_slot($1)", &[&lost.slot])
         .await
         .unwrap();
-    let relay = InProcess::start(config);
-    let got = broker.inbox.wait_ids(&waiting, WAIT).await;
-    assert_eq!(got.len(), waiting.len());
-    relay.stop().await;
+    let got = lost.broker.inbox.wait_ids(&lost.waiting, WAIT).await;
+    assert_eq!(got.len(), lost.waiting.len());
+    relay.terminate();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

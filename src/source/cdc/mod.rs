@@ -63,6 +63,10 @@ pub struct CdcSettings {
     pub heartbeat_interval: Option<Duration>,
     /// Rows are marked, so unsent rows can be read from the table at start-up.
     pub read_table: bool,
+    /// A lost slot is dropped and created again (`source.cdc.on_lost_slot`).
+    pub recreate_lost_slot: bool,
+    /// The pipeline's name, for metrics.
+    pub pipeline: String,
     /// The dead-letter table, when dead-lettering is on.
     pub dead_letters: Option<TableName>,
     /// Report the flushed position once this many events were confirmed
@@ -82,6 +86,8 @@ impl CdcSettings {
             status_interval: cdc.status_interval,
             heartbeat_interval: cdc.heartbeat_interval,
             read_table: config.relay.mark != MarkMode::None,
+            recreate_lost_slot: cdc.recreates_lost_slot(config.relay.mark),
+            pipeline: config.name.clone(),
             dead_letters: config
                 .dead_letter
                 .enabled

@@ -169,6 +169,14 @@ impl PgServer {
     }
 }
 
+impl PgServer {
+    async fn create_slot(&self) -> Result<Lsn, SourceError> {
+        setup::create_slot(&self.client, &self.settings.slot)
+            .await
+            .map_err(SourceError::Setup)
+    }
+}
+
 impl CdcServer for PgServer {
     type Stream = PgStream;
 
@@ -204,23 +212,43 @@ impl CdcServer for PgServer {
             .await
             .map_err(|e| DbError::query("reading the database name", e))?
             .get(0);
-        match setup::slot_info(&self.client, &s.slot).await? {
-            Some(info) => {
-                let problems = setup::slot_problems(&info, &s.slot, &database);
-                if let Some(first) = problems.into_iter().next() {
-                    return Err(SourceError::Setup(first));
-                }
-                if info.active {
-                    // Checked before the start-up read, so nothing is published
-                    // while another process owns the stream.
-                    return Err(SourceError::SlotBusy(s.slot.clone()));
-                }
-                Ok(info.confirmed_flush.unwrap_or_default())
+        let info = setup::slot_info(&self.client, &s.slot).await?;
+        if let Some(info) = &info {
+            let problems = setup::slot_problems(info, &s.slot, &database);
+            if let Some(first) = problems.into_iter().next() {
+                return Err(SourceError::Setup(first));
             }
+            if info.active {
+                // Checked before the start-up read, so nothing is published
+                // while another process owns the stream.
+                return Err(SourceError::SlotBusy(s.slot.clone()));
+            }
+        }
+        match info {
+            Some(info) if info.is_lost() => {
+                if !s.recreate_lost_slot {
+                    return Err(SourceError::Setup(setup::lost_slot_message(
+                        &s.slot,
+                        s.read_table,
+                    )));
+                }
+                // Every event the lost WAL held is an unsent row: the
+                // start-up read that follows a new slot publishes it.
+                setup::drop_slot(&self.client, &s.slot).await?;
+                let lsn = self.create_slot().await?;
+                metrics::counter!(crate::telemetry::metrics::SLOTS_RECREATED, "pipeline" => s.pipeline.clone())
+                    .increment(1);
+                tracing::error!(
+                    slot = %s.slot,
+                    consistent_point = %lsn,
+                    "the replication slot was lost (PostgreSQL removed WAL it still needed; raise max_slot_wal_keep_size \
+                     or keep the relay running): dropped it and created a new one; unsent rows are published from the table first"
+                );
+                Ok(lsn)
+            }
+            Some(info) => Ok(info.confirmed_flush.unwrap_or_default()),
             None if s.create_slot => {
-                let lsn = setup::create_slot(&self.client, &s.slot)
-                    .await
-                    .map_err(SourceError::Setup)?;
+                let lsn = self.create_slot().await?;
                 tracing::info!(slot = %s.slot, consistent_point = %lsn, "created the replication slot");
                 Ok(lsn)
             }

@@ -65,19 +65,45 @@ pub fn slot_problems(info: &SlotInfo, slot: &str, database: &str) -> Vec<String>
             info.database.as_deref().unwrap_or("?")
         ));
     }
-    if info.wal_status.as_deref() == Some("lost") {
-        out.push(lost_slot_message(slot));
-    }
     out
 }
 
+impl SlotInfo {
+    /// PostgreSQL removed WAL the slot still needed: it can never stream again.
+    pub fn is_lost(&self) -> bool {
+        self.wal_status.as_deref() == Some("lost")
+    }
+}
+
 /// The specific error for a slot whose WAL was removed, with the recovery.
-pub fn lost_slot_message(slot: &str) -> String {
-    format!(
-        "replication slot {slot:?} is lost: PostgreSQL removed WAL it still needed (max_slot_wal_keep_size was exceeded while the relay was behind or down). \
-         Nothing is lost from the outbox: unsent rows are still in the table. To recover, drop the slot \
-         (SELECT pg_drop_replication_slot('{slot}');) and start the relay: it creates a new slot and first publishes the unsent rows from the table"
-    )
+/// `marked`: rows are marked, so the table still holds every unsent event.
+pub fn lost_slot_message(slot: &str, marked: bool) -> String {
+    let cause = format!(
+        "replication slot {slot:?} is lost: PostgreSQL removed WAL it still needed (max_slot_wal_keep_size was exceeded while the relay was behind or down)"
+    );
+    if marked {
+        format!(
+            "{cause}. Nothing is lost from the outbox: unsent rows are still in the table. To recover, set \
+             source.cdc.on_lost_slot = \"recreate\" (the default when rows are marked), or drop the slot \
+             (SELECT pg_drop_replication_slot('{slot}');) and start the relay: it creates a new slot and first publishes the unsent rows from the table"
+        )
+    } else {
+        format!(
+            "{cause}. With relay.mark = \"none\" the events in the removed WAL exist nowhere else the relay can read, \
+             so a new slot would skip them: decide which to emit again (the outbox table still shows them unless your \
+             application deletes its rows), then drop the slot (SELECT pg_drop_replication_slot('{slot}');) and start \
+             the relay, which creates a new one at the current position"
+        )
+    }
+}
+
+/// Drops a slot (a lost one, before it is created again).
+pub async fn drop_slot(client: &Client, slot: &str) -> Result<(), DbError> {
+    client
+        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .map_err(|e| q("dropping the lost replication slot", e))?;
+    Ok(())
 }
 
 pub async fn wal_level(client: &Client) -> Result<String, DbError> {
