@@ -8,7 +8,7 @@
 //! and as the relay reads it) is exactly the requested size.
 
 use outbox_relay::config::EnvelopeConfig;
-use outbox_relay::envelope::{Envelope, Message};
+use outbox_relay::envelope::{Binding, Envelope, Message};
 use outbox_relay::outbox::RawRow;
 use std::fmt;
 use std::str::FromStr;
@@ -123,7 +123,8 @@ pub const INSERT_SQL: &str = "INSERT INTO outbox (id, aggregate_type, aggregate_
 /// Messages exactly as the relay builds them for this shape, one per
 /// aggregate, for publishing straight to a broker (the ceiling).
 pub fn relay_messages(shape: Shape, aggregates: u32) -> Vec<Message> {
-    let envelope = Envelope::new(&EnvelopeConfig::default());
+    // Structured mode (the default) is the same for every binding.
+    let envelope = Envelope::new(&EnvelopeConfig::default(), Binding::Kafka);
     let tag = new_tag();
     (0..u64::from(aggregates))
         .map(|seq| {

@@ -3,8 +3,9 @@
 //! The default is CloudEvents 1.0 in JSON structured mode
 //! (<https://github.com/cloudevents/spec/blob/v1.0.2/cloudevents/formats/json-format.md>):
 //! the body is the whole event, with the payload as `data`. Binary mode puts
-//! the payload alone in the body and the attributes in `ce_*` headers, as the
-//! CloudEvents Kafka binding does. Either way the row's own headers travel as
+//! the payload alone in the body and the attributes in headers named as the
+//! broker's CloudEvents binding says: `ce_*` on Kafka, `cloudEvents:*`
+//! (AMQP application properties) on RabbitMQ. Either way the row's own headers travel as
 //! message headers, and `traceparent`/`tracestate` (the distributed tracing
 //! extension) also appear as attributes in structured mode.
 
@@ -80,18 +81,47 @@ struct StructuredEvent<'a> {
     data: &'a RawValue,
 }
 
+/// The CloudEvents protocol binding whose header names binary mode uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Binding {
+    /// The Kafka binding: `ce_` headers.
+    Kafka,
+    /// The AMQP binding: `cloudEvents:` application properties.
+    Amqp,
+}
+
+impl Binding {
+    /// The binding of a sink kind (`SinkConfig::kind`).
+    pub fn of_sink(kind: &str) -> Binding {
+        if kind == "rabbitmq" {
+            Binding::Amqp
+        } else {
+            Binding::Kafka
+        }
+    }
+
+    fn prefix(self) -> &'static str {
+        match self {
+            Binding::Kafka => "ce_",
+            Binding::Amqp => "cloudEvents:",
+        }
+    }
+}
+
 /// Builds messages according to `[envelope]`.
 #[derive(Debug, Clone)]
 pub struct Envelope {
     mode: EnvelopeMode,
     source: String,
+    binding: Binding,
 }
 
 impl Envelope {
-    pub fn new(config: &EnvelopeConfig) -> Self {
+    pub fn new(config: &EnvelopeConfig, binding: Binding) -> Self {
         Envelope {
             mode: config.mode,
             source: config.source.clone(),
+            binding,
         }
     }
 
@@ -137,16 +167,18 @@ impl Envelope {
                 (body, STRUCTURED_CONTENT_TYPE, headers)
             }
             EnvelopeMode::Binary => {
+                let p = self.binding.prefix();
+                let attribute = |name: &str, value: String| (format!("{p}{name}"), value);
                 let headers: Vec<(String, String)> = vec![
                     (header::CONTENT_TYPE.into(), JSON_CONTENT_TYPE.into()),
-                    ("ce_specversion".into(), "1.0".into()),
-                    ("ce_id".into(), event.id.clone()),
-                    ("ce_source".into(), self.source.clone()),
-                    ("ce_type".into(), event.event_type.clone()),
-                    ("ce_subject".into(), event.aggregate_id.clone()),
-                    ("ce_time".into(), time),
-                    ("ce_aggregatetype".into(), event.aggregate_type.clone()),
-                    ("ce_eventversion".into(), event.event_version.to_string()),
+                    attribute("specversion", "1.0".into()),
+                    attribute("id", event.id.clone()),
+                    attribute("source", self.source.clone()),
+                    attribute("type", event.event_type.clone()),
+                    attribute("subject", event.aggregate_id.clone()),
+                    attribute("time", time),
+                    attribute("aggregatetype", event.aggregate_type.clone()),
+                    attribute("eventversion", event.event_version.to_string()),
                 ];
                 (
                     event.payload.get().as_bytes().to_vec(),
@@ -203,10 +235,13 @@ mod tests {
 
     #[test]
     fn structured_mode_is_cloudevents_json() {
-        let env = Envelope::new(&EnvelopeConfig {
-            mode: EnvelopeMode::Structured,
-            source: "/shop".into(),
-        });
+        let env = Envelope::new(
+            &EnvelopeConfig {
+                mode: EnvelopeMode::Structured,
+                source: "/shop".into(),
+            },
+            Binding::Kafka,
+        );
         let m = env.build(&event());
         let body: serde_json::Value = serde_json::from_slice(&m.body).unwrap();
         assert_eq!(
@@ -243,22 +278,34 @@ mod tests {
     }
 
     #[test]
-    fn binary_mode_puts_attributes_in_headers() {
-        let env = Envelope::new(&EnvelopeConfig {
+    fn binary_mode_names_attributes_as_each_binding_does() {
+        let config = EnvelopeConfig {
             mode: EnvelopeMode::Binary,
             source: "/shop".into(),
-        });
-        let m = env.build(&event());
-        assert_eq!(m.body, br#"{"total":12.5}"#);
-        assert!(
-            m.headers
-                .contains(&("ce_type".into(), "OrderPlaced".into()))
-        );
-        assert!(
-            m.headers
-                .contains(&("ce_time".into(), "2026-11-29T15:45:41Z".into()))
-        );
-        assert!(m.headers.iter().any(|(k, _)| k == "traceparent"));
-        assert_eq!(m.content_type, JSON_CONTENT_TYPE);
+        };
+        for (binding, prefix) in [(Binding::Kafka, "ce_"), (Binding::Amqp, "cloudEvents:")] {
+            let m = Envelope::new(&config, binding).build(&event());
+            assert_eq!(m.body, br#"{"total":12.5}"#);
+            let has = |name: &str, value: &str| {
+                m.headers
+                    .contains(&(format!("{prefix}{name}"), value.to_owned()))
+            };
+            assert!(has("type", "OrderPlaced"), "{binding:?}");
+            assert!(has("time", "2026-11-29T15:45:41Z"), "{binding:?}");
+            assert!(has("eventversion", "3"), "{binding:?}");
+            assert!(has("specversion", "1.0"), "{binding:?}");
+            let other = if binding == Binding::Kafka {
+                "cloudEvents:"
+            } else {
+                "ce_"
+            };
+            assert!(
+                !m.headers.iter().any(|(k, _)| k.starts_with(other)),
+                "{binding:?}: {:?}",
+                m.headers
+            );
+            assert!(m.headers.iter().any(|(k, _)| k == "traceparent"));
+            assert_eq!(m.content_type, JSON_CONTENT_TYPE);
+        }
     }
 }

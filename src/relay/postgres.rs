@@ -88,7 +88,10 @@ impl Backend for Postgres<'_> {
             config.deletes_rows(),
         )
         .await?;
-        let envelope = Envelope::new(&config.envelope);
+        let envelope = Envelope::new(
+            &config.envelope,
+            crate::envelope::Binding::of_sink(config.sink.kind()),
+        );
         let settings = Settings::from_config(config);
         let dead_letters = config
             .dead_letter

@@ -54,7 +54,10 @@ impl Backend for SimBackend {
         };
         let config = &self.config;
         let settings = Settings::from_config(config);
-        let envelope = Envelope::new(&config.envelope);
+        let envelope = Envelope::new(
+            &config.envelope,
+            crate::envelope::Binding::of_sink(config.sink.kind()),
+        );
         let store = SimStore::new(self.world.clone(), reign, config.relay.mark);
         let cx = pipeline::Context {
             envelope: &envelope,
