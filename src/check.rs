@@ -102,6 +102,11 @@ async fn check_database(config: &Config, r: &mut Report) {
                 "{table} does not exist or is not visible to this user; run `outbox-relay migrate`"
             ),
         ),
+        Ok(Some(info)) if info.partitioned => r.add(
+            Mark::Fail,
+            "outbox table",
+            inspect::partitioned_problem(table),
+        ),
         Ok(Some(info)) => {
             let problems = inspect::verify(
                 &info,

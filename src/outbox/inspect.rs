@@ -34,6 +34,18 @@ pub struct TableInfo {
     pub replicating: Vec<(String, bool, bool)>,
     /// The table's own (not internal) triggers, by name.
     pub triggers: Vec<String>,
+    /// A partitioned table (`PARTITION BY`), which the relay cannot use.
+    pub partitioned: bool,
+}
+
+/// Why a partitioned table is refused, and what to use instead.
+pub fn partitioned_problem(table: &TableName) -> String {
+    format!(
+        "table {table} is partitioned, which outbox-relay does not support: the relay needs relay_seq \
+         unique on its own (a partitioned table's unique indexes must include the partition key) and \
+         builds its indexes CONCURRENTLY, which partitioned tables refuse; use a plain table, whose sent \
+         rows retention deletes in small batches"
+    )
 }
 
 impl TableInfo {
@@ -58,7 +70,8 @@ pub async fn table_info(
                     CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege(to_regclass($1), 'SELECT') END,
                     CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege(to_regclass($1), 'UPDATE') END,
                     CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege(to_regclass($1), 'DELETE') END,
-                    COALESCE((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass($1)), false)",
+                    COALESCE((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass($1)), false),
+                    COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)",
             &[&qualified],
         )
         .await?;
@@ -137,6 +150,7 @@ pub async fn table_info(
         has_replica_identity,
         replicating,
         triggers,
+        partitioned: row.get(5),
     }))
 }
 
@@ -324,6 +338,9 @@ pub async fn resolve_table(
         .ok_or_else(|| TableProblem::Unusable(vec![format!(
             "table {table} does not exist (or the relay's user cannot see it); run `outbox-relay migrate` or set outbox.table"
         )]))?;
+    if info.partitioned {
+        return Err(TableProblem::Unusable(vec![partitioned_problem(table)]));
+    }
     let problems = verify(&info, map, mark, deletes);
     if !problems.is_empty() {
         return Err(TableProblem::Unusable(problems));

@@ -84,7 +84,7 @@ impl Step {
 /// Why migrate could not plan or apply.
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
-    #[error("{0}")]
+    #[error("{}", crate::db::error_text(.0))]
     Database(#[from] tokio_postgres::Error),
     #[error(
         "table {table} exists but lacks the required column(s) {missing}; map your column names in [outbox.columns]"
@@ -95,7 +95,7 @@ pub enum MigrateError {
     Prerequisite(String),
     #[error("{0}")]
     Source(#[from] crate::db::DbError),
-    #[error("{step}: {source}")]
+    #[error("{step}: {}", crate::db::error_text(.source))]
     Step {
         step: String,
         #[source]
@@ -239,6 +239,11 @@ async fn drop_invalid_index(
 /// The steps still needed, in order. Empty when everything is in place.
 pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, MigrateError> {
     let info = table_info(client, &opts.table).await?;
+    if info.as_ref().is_some_and(|i| i.partitioned) {
+        return Err(MigrateError::Prerequisite(
+            super::inspect::partitioned_problem(&opts.table),
+        ));
+    }
     let mut steps = match &info {
         None => vec![create_table(opts)],
         Some(info) => alter_table(info, opts)?,
