@@ -14,6 +14,7 @@ mod duplicates;
 mod failures;
 mod fencing;
 mod memory;
+mod migrations;
 mod operations;
 mod retention;
 mod schema;

@@ -59,22 +59,34 @@ pub struct TestDb {
     pub name: String,
     pub url: String,
     pub client: Client,
+    /// The cluster's maintenance database, where this one is dropped from.
+    admin_url: String,
 }
 
 impl TestDb {
     pub async fn new() -> TestDb {
-        let admin = connect(&pg_admin_url()).await;
+        Self::new_on(&pg_admin_url()).await
+    }
+
+    /// A database of its own on the cluster of `admin_url` (another PostgreSQL version).
+    pub async fn new_on(admin_url: &str) -> TestDb {
+        let admin = connect(admin_url).await;
         let name = unique("t_");
         admin
             .batch_execute(&format!("CREATE DATABASE {name}"))
             .await
             .expect("create test database");
-        let url = pg_admin_url()
+        let url = admin_url
             .rsplit_once('/')
             .map(|(base, _)| format!("{base}/{name}"))
             .unwrap();
         let client = connect(&url).await;
-        TestDb { name, url, client }
+        TestDb {
+            name,
+            url,
+            client,
+            admin_url: admin_url.to_owned(),
+        }
     }
 
     /// Creates the default outbox table through `migrate` (the public contract).
@@ -117,7 +129,7 @@ impl TestDb {
 
     pub async fn drop_db(self) {
         drop(self.client);
-        let admin = connect(&pg_admin_url()).await;
+        let admin = connect(&self.admin_url).await;
         let _ = admin
             .batch_execute(&format!(
                 "DROP DATABASE IF EXISTS {} WITH (FORCE)",
@@ -125,10 +137,22 @@ impl TestDb {
             ))
             .await;
     }
+
+    /// Drops the database and its replication slots (CDC tests).
+    pub async fn drop_with_slots(self) {
+        let (name, admin) = (self.name.clone(), self.admin_url.clone());
+        drop(self.client);
+        drop_database_on(&admin, &name).await;
+    }
 }
 
 pub async fn drop_database(name: &str) {
-    let admin = connect(&pg_admin_url()).await;
+    drop_database_on(&pg_admin_url(), name).await;
+}
+
+/// [`drop_database`] on the cluster of `admin_url`.
+pub async fn drop_database_on(admin_url: &str, name: &str) {
+    let admin = connect(admin_url).await;
     let _ = admin
         .execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1",
