@@ -194,6 +194,10 @@ pub struct CdcConfig {
     /// even when the database is otherwise idle.
     #[serde(default, with = "humantime_serde")]
     pub heartbeat_interval: Option<Duration>,
+    /// Create the slot as a failover slot (PostgreSQL 17+), which standbys
+    /// with `sync_replication_slots` keep in step so it survives a failover.
+    #[serde(default)]
+    pub failover: bool,
 }
 
 impl Default for CdcConfig {
@@ -204,6 +208,7 @@ impl Default for CdcConfig {
             create_slot: true,
             status_interval: defaults::status_interval(),
             heartbeat_interval: None,
+            failover: false,
         }
     }
 }

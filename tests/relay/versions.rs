@@ -140,3 +140,84 @@ versions! {
     postgres_17 => 17,
     postgres_18 => 18,
 }
+
+async fn slot_failover(db: &TestDb, slot: &str) -> Option<bool> {
+    db.client
+        .query_opt(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .expect("read pg_replication_slots.failover")
+        .map(|r| r.get(0))
+}
+
+/// `source.cdc.failover` creates failover slots on 17, by `migrate` and by `run`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_slots_on_17() {
+    let admin = admin_url(17);
+    check_server_version(&admin, 17).await;
+    let rabbit = RabbitExchange::new().await;
+    let failover = |url: &str| {
+        let toml = with_mode(&base_toml(url, &rabbit.sink_toml()), Mode::Cdc);
+        set(&toml, "source.cdc.failover", "true")
+    };
+    let slot_of = |toml: &str| -> String {
+        let line = toml.lines().find(|l| l.starts_with("slot = ")).unwrap();
+        line.trim_start_matches("slot = ")
+            .trim_matches('"')
+            .to_owned()
+    };
+
+    let by_migrate = TestDb::new_on(&admin).await;
+    let toml = failover(&by_migrate.url);
+    cli_ok(&["migrate", "--config", &write_config(&toml)]);
+    assert_eq!(
+        slot_failover(&by_migrate, &slot_of(&toml)).await,
+        Some(true),
+        "migrate made a failover slot"
+    );
+
+    // The schema from the files, the slot from `run`.
+    let by_run = TestDb::new_on(&admin).await;
+    apply_files(&by_run.client, &files_for(Mode::Cdc)).await;
+    let toml = failover(&by_run.url);
+    let slot = slot_of(&toml);
+    let relay = InProcess::start(parse(&toml));
+    wait_for(WAIT, "run to create the slot", || async {
+        slot_failover(&by_run, &slot).await
+    })
+    .await;
+    assert_eq!(slot_failover(&by_run, &slot).await, Some(true));
+    let sent = insert_events(&by_run, 5).await;
+    rabbit.inbox.wait_ids(&sent, WAIT).await;
+    relay.stop().await;
+    by_migrate.drop_with_slots().await;
+    by_run.drop_with_slots().await;
+}
+
+/// Before 17 a failover slot is refused with the reason, not created without failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_is_refused_before_17() {
+    let admin = admin_url(16);
+    let db = TestDb::new_on(&admin).await;
+    let rabbit = RabbitExchange::new().await;
+    let toml = set(
+        &with_mode(&base_toml(&db.url, &rabbit.sink_toml()), Mode::Cdc),
+        "source.cdc.failover",
+        "true",
+    );
+    let (code, out, err) = run_cli(&["migrate", "--config", &write_config(&toml)], &[]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("source.cdc.failover needs PostgreSQL 17"),
+        "the reason is named: {out}{err}"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()")
+            .await,
+        0,
+        "no slot without failover was made instead"
+    );
+    db.drop_with_slots().await;
+}

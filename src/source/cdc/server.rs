@@ -218,7 +218,7 @@ impl CdcServer for PgServer {
                 Ok(info.confirmed_flush.unwrap_or_default())
             }
             None if s.create_slot => {
-                let lsn = setup::create_slot(&self.client, &s.slot)
+                let lsn = setup::create_slot(&self.client, &s.slot, s.failover)
                     .await
                     .map_err(SourceError::Setup)?;
                 tracing::info!(slot = %s.slot, consistent_point = %lsn, "created the replication slot");
@@ -303,7 +303,10 @@ impl CdcServer for PgServer {
         let pg = crate::db::pg_config(&self.db)?;
         let client = ReplicationClient::connect(&pg, &self.db.tls()).await?;
         let names = publication_names(&[&self.settings.publication]);
-        let mut options = vec![("proto_version", "1"), ("publication_names", names.as_str())];
+        let mut options = vec![
+            ("proto_version", "1"),
+            ("publication_names", names.as_str()),
+        ];
         // pgoutput learned `messages` in PostgreSQL 14 and refuses options it
         // does not know. The relay only skips the messages (its heartbeats
         // move the slot by writing WAL, received or not), so 13 goes without.
@@ -390,7 +393,10 @@ mod version_tests {
     #[test]
     fn major_version_of_server_reports() {
         assert_eq!(major_version(Some("13.23")), Some(13));
-        assert_eq!(major_version(Some("17.10 (Debian 17.10-1.pgdg120+1)")), Some(17));
+        assert_eq!(
+            major_version(Some("17.10 (Debian 17.10-1.pgdg120+1)")),
+            Some(17)
+        );
         assert_eq!(major_version(Some("18beta1")), Some(18));
         assert_eq!(major_version(Some("")), None);
         assert_eq!(major_version(Some("devel")), None);
