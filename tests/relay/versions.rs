@@ -171,12 +171,26 @@ async fn failover_slots_on_17() {
 
     let by_migrate = TestDb::new_on(&admin).await;
     let toml = failover(&by_migrate.url);
-    cli_ok(&["migrate", "--config", &write_config(&toml)]);
+    let path = write_config(&toml);
+    cli_ok(&["migrate", "--config", &path]);
     assert_eq!(
         slot_failover(&by_migrate, &slot_of(&toml)).await,
         Some(true),
         "migrate made a failover slot"
     );
+    let out = cli_ok(&["check", "--config", &path]);
+    assert!(out.contains("is a failover slot"), "{out}");
+    // A slot made without failover is pointed out.
+    let plain = set(&toml, "source.cdc.failover", "false");
+    let plain = set(
+        &plain,
+        "source.cdc.slot",
+        &format!("\"{}\"", unique("slot_")),
+    );
+    cli_ok(&["migrate", "--config", &write_config(&plain)]);
+    let flagged = set(&plain, "source.cdc.failover", "true");
+    let out = cli_ok(&["check", "--config", &write_config(&flagged)]);
+    assert!(out.contains("is not a failover slot"), "{out}");
 
     // The schema from the files, the slot from `run`.
     let by_run = TestDb::new_on(&admin).await;
@@ -207,11 +221,18 @@ async fn failover_is_refused_before_17() {
         "source.cdc.failover",
         "true",
     );
-    let (code, out, err) = run_cli(&["migrate", "--config", &write_config(&toml)], &[]);
+    let path = write_config(&toml);
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(
         err.contains("source.cdc.failover needs PostgreSQL 17"),
         "the reason is named: {out}{err}"
+    );
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("source.cdc.failover needs PostgreSQL 17"),
+        "check names it too: {out}"
     );
     assert_eq!(
         db.count("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()")

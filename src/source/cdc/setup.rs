@@ -208,6 +208,18 @@ pub fn slot_sql(slot: &str, failover: bool) -> String {
     )
 }
 
+/// Whether the slot is a failover slot; `None` when it does not exist. PostgreSQL 17+ only.
+pub async fn slot_failover(client: &Client, slot: &str) -> Result<Option<bool>, String> {
+    client
+        .query_opt(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map(|row| row.map(|r| r.get(0)))
+        .map_err(|e| format!("reading pg_replication_slots.failover: {}", error_text(&e)))
+}
+
 /// Why `source.cdc.failover` cannot be honoured here: failover slots came with PostgreSQL 17.
 pub async fn failover_problem(client: &Client) -> Result<Option<String>, String> {
     let version: String = client
