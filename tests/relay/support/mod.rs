@@ -38,6 +38,14 @@ pub fn kafka_brokers() -> String {
     std::env::var("OUTBOX_RELAY_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
 
+/// The relay binary: the one cargo built for these tests, or
+/// `OUTBOX_RELAY_TEST_BIN` (a copy of it, when a target directory shared by
+/// several checkouts may replace the built one while tests run).
+pub fn relay_bin() -> std::ffi::OsString {
+    std::env::var_os("OUTBOX_RELAY_TEST_BIN")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_outbox-relay").into())
+}
+
 /// A short random name for per-test objects.
 pub fn unique(prefix: &str) -> String {
     format!(
@@ -252,7 +260,7 @@ impl ChildRelay {
         std::fs::create_dir_all(&dir).unwrap();
         let config_path = dir.join("relay.toml");
         std::fs::write(&config_path, config_toml).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        let child = Command::new(relay_bin())
             .args(["run", "--config"])
             .arg(&config_path)
             .env("RUST_LOG", "outbox_relay=info,warn")
@@ -312,7 +320,7 @@ impl Drop for ChildRelay {
 
 /// Runs the binary to completion with arguments; returns (exit code, stdout, stderr).
 pub fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    let mut cmd = Command::new(relay_bin());
     cmd.args(args);
     for (k, v) in envs {
         cmd.env(k, v);
