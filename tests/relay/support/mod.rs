@@ -4,7 +4,10 @@
 //!
 //! The services come from `scripts/services.sh` (the test command starts
 //! them); their addresses can be overridden with `OUTBOX_RELAY_TEST_PG`,
-//! `OUTBOX_RELAY_TEST_AMQP` and `OUTBOX_RELAY_TEST_KAFKA`.
+//! `OUTBOX_RELAY_TEST_AMQP` and `OUTBOX_RELAY_TEST_KAFKA`. The clusters of the
+//! other PostgreSQL versions come from `scripts/pg-versions.sh`
+//! (`OUTBOX_RELAY_TEST_PG<major>`); `OUTBOX_RELAY_TEST_BIN` names the relay
+//! binary to run instead of the one cargo built.
 #![allow(dead_code)]
 
 pub mod brokers;
