@@ -323,9 +323,10 @@ async fn check_failover(client: &tokio_postgres::Client, slot: &str, r: &mut Rep
             Mark::Warn,
             "failover",
             format!(
-                "{slot} is not a failover slot, so it would not survive a failover: drop it while \
-                 the relay is stopped and let `run` or `migrate` create it again, or run \
-                 ALTER_REPLICATION_SLOT {slot} (FAILOVER true) on a replication connection"
+                "{slot} is not a failover slot, so it would not survive a failover: run \
+                 ALTER_REPLICATION_SLOT {slot} (FAILOVER true) on a replication connection \
+                 (dropping it for `run` to create again loses what it had not delivered \
+                 when rows are not marked)"
             ),
         ),
         Ok(None) => r.add(
