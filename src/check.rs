@@ -325,6 +325,37 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         ),
         Err(e) => r.add(Mark::Fail, "slot", e.to_string()),
     }
+    if cdc.failover {
+        check_failover(client, &slot, r).await;
+    }
+}
+
+/// `source.cdc.failover`: the server can make failover slots, and the slot is one.
+async fn check_failover(client: &tokio_postgres::Client, slot: &str, r: &mut Report) {
+    match setup::failover_problem(client).await {
+        Ok(Some(problem)) => return r.add(Mark::Fail, "failover", problem),
+        Err(e) => return r.add(Mark::Fail, "failover", e),
+        Ok(None) => {}
+    }
+    match setup::slot_failover(client, slot).await {
+        Ok(Some(true)) => r.add(Mark::Ok, "failover", format!("{slot} is a failover slot")),
+        Ok(Some(false)) => r.add(
+            Mark::Warn,
+            "failover",
+            format!(
+                "{slot} is not a failover slot, so it would not survive a failover: run \
+                 ALTER_REPLICATION_SLOT {slot} (FAILOVER true) on a replication connection \
+                 (dropping it for `run` to create again loses what it had not delivered \
+                 when rows are not marked)"
+            ),
+        ),
+        Ok(None) => r.add(
+            Mark::Ok,
+            "failover",
+            format!("{slot} will be created as a failover slot"),
+        ),
+        Err(e) => r.add(Mark::Fail, "failover", e),
+    }
 }
 
 /// The destinations events would go to: the one fixed destination, or those

@@ -198,6 +198,10 @@ pub struct CdcConfig {
     /// `None`: recreate when rows are marked, stop otherwise.
     #[serde(default)]
     pub on_lost_slot: Option<LostSlot>,
+    /// Create the slot as a failover slot (PostgreSQL 17+), which standbys
+    /// with `sync_replication_slots` keep in step so it survives a failover.
+    #[serde(default)]
+    pub failover: bool,
 }
 
 /// What the relay does with a lost slot (its WAL removed past
@@ -223,6 +227,7 @@ impl Default for CdcConfig {
             status_interval: defaults::status_interval(),
             heartbeat_interval: None,
             on_lost_slot: None,
+            failover: false,
         }
     }
 }

@@ -25,7 +25,11 @@ async fn migrate_dry_run_changes_nothing_and_migrate_is_idempotent() {
     let (code, out, err) = run_cli(&["migrate", "--config", path, "--dry-run"], &[]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("CREATE TABLE \"public\".\"outbox\""), "{out}");
-    assert!(out.contains("CREATE OR REPLACE TRIGGER"), "{out}");
+    assert!(
+        out.contains("DROP TRIGGER IF EXISTS \"outbox_relay_notify\"")
+            && out.contains("CREATE TRIGGER \"outbox_relay_notify\""),
+        "{out}"
+    );
     assert!(out.contains("dry run"), "{out}");
     assert_eq!(
         db.count("SELECT count(*) FROM pg_tables WHERE tablename = 'outbox'")

@@ -26,7 +26,7 @@ fn rabbit_sink() -> String {
 fn run_until_logged(path: &str, needle: &str) -> String {
     let log = std::path::Path::new(path).with_extension("log");
     let file = std::fs::File::create(&log).unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+    let mut child = std::process::Command::new(crate::support::relay_bin())
         .args(["run", "--config", path])
         .env("RUST_LOG", "outbox_relay=info,warn")
         .stdout(std::process::Stdio::null())

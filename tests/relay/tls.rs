@@ -125,7 +125,7 @@ impl LoggedRelay {
     fn start(node: &RabbitNode, toml: &str) -> LoggedRelay {
         let config = node.file("relay.toml", toml.as_bytes());
         let log = node.file("relay.log", b"");
-        let child = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        let child = Command::new(crate::support::relay_bin())
             .args(["run", "--config"])
             .arg(&config)
             .env("RUST_LOG", "outbox_relay=info,warn")

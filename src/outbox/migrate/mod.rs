@@ -34,6 +34,8 @@ pub struct MigrateOptions {
 pub struct CdcObjects {
     pub publication: String,
     pub slot: String,
+    /// Create the slot as a failover slot (PostgreSQL 17+).
+    pub failover: bool,
 }
 
 impl MigrateOptions {
@@ -53,6 +55,7 @@ impl MigrateOptions {
             cdc: cdc.then(|| CdcObjects {
                 publication: config.source.cdc.publication_name(table),
                 slot: config.source.cdc.slot_name(table),
+                failover: config.source.cdc.failover,
             }),
             dead_letters: config
                 .dead_letter
@@ -393,9 +396,20 @@ async fn cdc_steps(
                 "every replication slot is in use: raise max_replication_slots (restart needed) or drop an unused slot".into(),
             ));
         }
+        if cdc.failover
+            && let Some(problem) = setup::failover_problem(client)
+                .await
+                .map_err(MigrateError::Prerequisite)?
+        {
+            return Err(MigrateError::Prerequisite(problem));
+        }
         steps.push(Step {
-            description: format!("create logical replication slot {} (pgoutput)", cdc.slot),
-            sql: setup::slot_sql(&cdc.slot),
+            description: format!(
+                "create logical replication slot {} (pgoutput{})",
+                cdc.slot,
+                if cdc.failover { ", failover" } else { "" }
+            ),
+            sql: setup::slot_sql(&cdc.slot, cdc.failover),
             outside_transaction: true,
         });
     }

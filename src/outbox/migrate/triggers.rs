@@ -47,11 +47,15 @@ $fn$"
                 "create trigger {} on {} (NOTIFY {channel} once per INSERT statement)",
                 NOTIFY_TRIGGER, opts.table
             ),
+            // Not CREATE OR REPLACE TRIGGER, which needs PostgreSQL 14: the
+            // drop and the create run in migrate's one transaction, so no
+            // insert commits in between without the trigger.
             format!(
-                "CREATE OR REPLACE TRIGGER {} AFTER INSERT ON {} FOR EACH STATEMENT EXECUTE FUNCTION {function}({})",
-                quote_ident(NOTIFY_TRIGGER),
-                opts.table.quoted(),
-                quote_literal(channel)
+                "DROP TRIGGER IF EXISTS {trigger} ON {table};
+CREATE TRIGGER {trigger} AFTER INSERT ON {table} FOR EACH STATEMENT EXECUTE FUNCTION {function}({channel})",
+                trigger = quote_ident(NOTIFY_TRIGGER),
+                table = opts.table.quoted(),
+                channel = quote_literal(channel)
             ),
         ),
     ])

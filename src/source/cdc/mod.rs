@@ -59,6 +59,8 @@ pub struct CdcSettings {
     pub slot: String,
     pub publication: String,
     pub create_slot: bool,
+    /// Create the slot as a failover slot.
+    pub failover: bool,
     pub status_interval: Duration,
     pub heartbeat_interval: Option<Duration>,
     /// Rows are marked, so unsent rows can be read from the table at start-up.
@@ -83,6 +85,7 @@ impl CdcSettings {
             slot: cdc.slot_name(table),
             publication: cdc.publication_name(table),
             create_slot: cdc.create_slot,
+            failover: cdc.failover,
             status_interval: cdc.status_interval,
             heartbeat_interval: cdc.heartbeat_interval,
             read_table: config.relay.mark != MarkMode::None,

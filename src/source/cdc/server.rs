@@ -171,7 +171,7 @@ impl PgServer {
 
 impl PgServer {
     async fn create_slot(&self) -> Result<Lsn, SourceError> {
-        setup::create_slot(&self.client, &self.settings.slot)
+        setup::create_slot(&self.client, &self.settings.slot, self.settings.failover)
             .await
             .map_err(SourceError::Setup)
     }
@@ -331,16 +331,18 @@ impl CdcServer for PgServer {
         let pg = crate::db::pg_config(&self.db)?;
         let client = ReplicationClient::connect(&pg, &self.db.tls()).await?;
         let names = publication_names(&[&self.settings.publication]);
+        let mut options = vec![
+            ("proto_version", "1"),
+            ("publication_names", names.as_str()),
+        ];
+        // pgoutput learned `messages` in PostgreSQL 14 and refuses options it
+        // does not know. The relay only skips the messages (its heartbeats
+        // move the slot by writing WAL, received or not), so 13 goes without.
+        if major_version(client.server_version()).is_none_or(|v| v >= 14) {
+            options.push(("messages", "true"));
+        }
         let stream = client
-            .start_logical_replication(
-                &self.settings.slot,
-                from,
-                &[
-                    ("proto_version", "1"),
-                    ("publication_names", &names),
-                    ("messages", "true"),
-                ],
-            )
+            .start_logical_replication(&self.settings.slot, from, &options)
             .await?;
         tracing::info!(slot = %self.settings.slot, from = %from, "streaming from the replication slot");
         Ok(PgStream(stream))
@@ -399,5 +401,33 @@ impl CdcStream for PgStream {
         if let Err(e) = self.0.finish().await {
             tracing::debug!(error = %e, "ending the replication stream");
         }
+    }
+}
+
+/// The major version in a `server_version` report (`13.23`, `17.10 (Debian ...)`, `18beta1`).
+fn major_version(report: Option<&str>) -> Option<u32> {
+    let digits: String = report?
+        .trim_start()
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::major_version;
+
+    #[test]
+    fn major_version_of_server_reports() {
+        assert_eq!(major_version(Some("13.23")), Some(13));
+        assert_eq!(
+            major_version(Some("17.10 (Debian 17.10-1.pgdg120+1)")),
+            Some(17)
+        );
+        assert_eq!(major_version(Some("18beta1")), Some(18));
+        assert_eq!(major_version(Some("")), None);
+        assert_eq!(major_version(Some("devel")), None);
+        assert_eq!(major_version(None), None);
     }
 }

@@ -181,9 +181,18 @@ pub async fn wal_sender_timeout_ms(client: &Client) -> Result<i64, DbError> {
 
 /// Creates the slot; returns its consistent point. Must run outside a
 /// transaction that wrote anything.
-pub async fn create_slot(client: &Client, slot: &str) -> Result<Lsn, String> {
+pub async fn create_slot(client: &Client, slot: &str, failover: bool) -> Result<Lsn, String> {
+    if failover && let Some(problem) = failover_problem(client).await? {
+        return Err(problem);
+    }
+    let sql = if failover {
+        // Arguments: temporary, two-phase, failover (PostgreSQL 17+).
+        "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+    } else {
+        "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')"
+    };
     let row = client
-        .query_one("SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')", &[&slot])
+        .query_one(sql, &[&slot])
         .await
         .map_err(|e| {
             let hint = match e.code().map(|c| c.code()) {
@@ -217,9 +226,38 @@ pub fn publication_sql(publication: &str, table: &TableName, exists: bool) -> St
 }
 
 /// The SQL that creates the slot (shown by `migrate --dry-run`).
-pub fn slot_sql(slot: &str) -> String {
+pub fn slot_sql(slot: &str, failover: bool) -> String {
     format!(
-        "SELECT pg_create_logical_replication_slot({}, 'pgoutput')",
-        quote_literal(slot)
+        "SELECT pg_create_logical_replication_slot({}, 'pgoutput'{})",
+        quote_literal(slot),
+        if failover { ", false, false, true" } else { "" }
     )
+}
+
+/// Whether the slot is a failover slot; `None` when it does not exist. PostgreSQL 17+ only.
+pub async fn slot_failover(client: &Client, slot: &str) -> Result<Option<bool>, String> {
+    client
+        .query_opt(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map(|row| row.map(|r| r.get(0)))
+        .map_err(|e| format!("reading pg_replication_slots.failover: {}", error_text(&e)))
+}
+
+/// Why `source.cdc.failover` cannot be honoured here: failover slots came with PostgreSQL 17.
+pub async fn failover_problem(client: &Client) -> Result<Option<String>, String> {
+    let version: String = client
+        .query_one("SHOW server_version_num", &[])
+        .await
+        .map_err(|e| format!("reading server_version_num: {}", error_text(&e)))?
+        .get(0);
+    let version: u32 = version.trim().parse().unwrap_or(0);
+    Ok((version < 170_000).then(|| {
+        format!(
+            "source.cdc.failover needs PostgreSQL 17 or later (failover slots); this server is version {version}: \
+             set source.cdc.failover = false, or upgrade"
+        )
+    }))
 }

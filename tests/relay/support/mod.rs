@@ -4,7 +4,10 @@
 //!
 //! The services come from `scripts/services.sh` (the test command starts
 //! them); their addresses can be overridden with `OUTBOX_RELAY_TEST_PG`,
-//! `OUTBOX_RELAY_TEST_AMQP` and `OUTBOX_RELAY_TEST_KAFKA`.
+//! `OUTBOX_RELAY_TEST_AMQP` and `OUTBOX_RELAY_TEST_KAFKA`. The clusters of the
+//! other PostgreSQL versions come from `scripts/pg-versions.sh`
+//! (`OUTBOX_RELAY_TEST_PG<major>`); `OUTBOX_RELAY_TEST_BIN` names the relay
+//! binary to run instead of the one cargo built.
 #![allow(dead_code)]
 
 pub mod brokers;
@@ -38,6 +41,14 @@ pub fn kafka_brokers() -> String {
     std::env::var("OUTBOX_RELAY_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
 
+/// The relay binary: the one cargo built for these tests, or
+/// `OUTBOX_RELAY_TEST_BIN` (a copy of it, when a target directory shared by
+/// several checkouts may replace the built one while tests run).
+pub fn relay_bin() -> std::ffi::OsString {
+    std::env::var_os("OUTBOX_RELAY_TEST_BIN")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_outbox-relay").into())
+}
+
 /// A short random name for per-test objects.
 pub fn unique(prefix: &str) -> String {
     format!(
@@ -59,22 +70,34 @@ pub struct TestDb {
     pub name: String,
     pub url: String,
     pub client: Client,
+    /// The cluster's maintenance database, where this one is dropped from.
+    admin_url: String,
 }
 
 impl TestDb {
     pub async fn new() -> TestDb {
-        let admin = connect(&pg_admin_url()).await;
+        Self::new_on(&pg_admin_url()).await
+    }
+
+    /// A database of its own on the cluster of `admin_url` (another PostgreSQL version).
+    pub async fn new_on(admin_url: &str) -> TestDb {
+        let admin = connect(admin_url).await;
         let name = unique("t_");
         admin
             .batch_execute(&format!("CREATE DATABASE {name}"))
             .await
             .expect("create test database");
-        let url = pg_admin_url()
+        let url = admin_url
             .rsplit_once('/')
             .map(|(base, _)| format!("{base}/{name}"))
             .unwrap();
         let client = connect(&url).await;
-        TestDb { name, url, client }
+        TestDb {
+            name,
+            url,
+            client,
+            admin_url: admin_url.to_owned(),
+        }
     }
 
     /// Creates the default outbox table through `migrate` (the public contract).
@@ -117,7 +140,7 @@ impl TestDb {
 
     pub async fn drop_db(self) {
         drop(self.client);
-        let admin = connect(&pg_admin_url()).await;
+        let admin = connect(&self.admin_url).await;
         let _ = admin
             .batch_execute(&format!(
                 "DROP DATABASE IF EXISTS {} WITH (FORCE)",
@@ -125,10 +148,22 @@ impl TestDb {
             ))
             .await;
     }
+
+    /// Drops the database and its replication slots (CDC tests).
+    pub async fn drop_with_slots(self) {
+        let (name, admin) = (self.name.clone(), self.admin_url.clone());
+        drop(self.client);
+        drop_database_on(&admin, &name).await;
+    }
 }
 
 pub async fn drop_database(name: &str) {
-    let admin = connect(&pg_admin_url()).await;
+    drop_database_on(&pg_admin_url(), name).await;
+}
+
+/// [`drop_database`] on the cluster of `admin_url`.
+pub async fn drop_database_on(admin_url: &str, name: &str) {
+    let admin = connect(admin_url).await;
     let _ = admin
         .execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1",
@@ -228,7 +263,7 @@ impl ChildRelay {
         std::fs::create_dir_all(&dir).unwrap();
         let config_path = dir.join("relay.toml");
         std::fs::write(&config_path, config_toml).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        let child = Command::new(relay_bin())
             .args(["run", "--config"])
             .arg(&config_path)
             .env("RUST_LOG", "outbox_relay=info,warn")
@@ -288,7 +323,7 @@ impl Drop for ChildRelay {
 
 /// Runs the binary to completion with arguments; returns (exit code, stdout, stderr).
 pub fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    let mut cmd = Command::new(relay_bin());
     cmd.args(args);
     for (k, v) in envs {
         cmd.env(k, v);

@@ -1,0 +1,192 @@
+//! The SQL files under `migrations/`, for teams that manage the schema with
+//! their own migration tool: applied in order to an empty database, they
+//! leave what `outbox-relay migrate` makes, and `check` passes.
+
+use crate::support::*;
+use tokio_postgres::Client;
+
+/// The `.sql` files of `migrations/<under>` in name order, as a migration tool applies them.
+fn migration_files(under: &str) -> Vec<(String, String)> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("migrations")
+        .join(under);
+    let mut files: Vec<(String, String)> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "sql"))
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let sql = std::fs::read_to_string(&p).unwrap();
+            (name, sql)
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// Applies the files the way the tools do: each in a transaction of its own.
+pub async fn apply_files(client: &Client, files: &[(String, String)]) {
+    for (name, sql) in files {
+        assert!(
+            !sql.lines().any(|l| l.trim_start().starts_with('\\')),
+            "{name} has a psql meta-command, which migration tools do not understand"
+        );
+        client
+            .batch_execute(&format!("BEGIN;\n{sql}\n;COMMIT;"))
+            .await
+            .unwrap_or_else(|e| panic!("applying {name}: {e:?}"));
+    }
+}
+
+/// The files a database in `mode` needs: the common ones, and the publication in CDC mode.
+pub fn files_for(mode: Mode) -> Vec<(String, String)> {
+    let mut files = migration_files("");
+    assert!(
+        files.len() >= 4,
+        "migrations/ has the outbox, NOTIFY, write-once and dead-letter files: {files:?}"
+    );
+    if mode == Mode::Cdc {
+        files.extend(migration_files("cdc"));
+    }
+    files
+}
+
+/// What the relay depends on in a database's `public` schema and publications,
+/// one line per object, sorted: columns with types, defaults and identity,
+/// constraints, indexes, triggers, function bodies, publications.
+async fn schema_catalog(client: &Client) -> Vec<String> {
+    let rows = client
+        .query(
+            "SELECT 'column ' || c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
+                    || ' not null ' || a.attnotnull || ' identity ' || a.attidentity::text
+                    || ' default ' || coalesce(pg_get_expr(d.adbin, d.adrelid), '-')
+             FROM pg_attribute a
+             JOIN pg_class c ON c.oid = a.attrelid
+             LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+             WHERE c.relnamespace = 'public'::regnamespace AND c.relkind = 'r'
+               AND a.attnum > 0 AND NOT a.attisdropped
+             UNION ALL
+             SELECT 'table ' || relname || ' replica identity ' || relreplident::text
+             FROM pg_class WHERE relnamespace = 'public'::regnamespace AND relkind = 'r'
+             UNION ALL
+             SELECT 'constraint ' || conrelid::regclass::text || ' ' || conname || ' ' || pg_get_constraintdef(oid)
+             FROM pg_constraint WHERE connamespace = 'public'::regnamespace
+             UNION ALL
+             SELECT 'index ' || pg_get_indexdef(i.indexrelid) || ' valid ' || i.indisvalid
+             FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid
+             WHERE c.relnamespace = 'public'::regnamespace
+             UNION ALL
+             SELECT 'trigger ' || pg_get_triggerdef(t.oid) || ' enabled ' || t.tgenabled::text
+             FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+             WHERE c.relnamespace = 'public'::regnamespace AND NOT t.tgisinternal
+             UNION ALL
+             SELECT 'function ' || p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ') '
+                    || pg_get_function_result(p.oid) || ' ' || l.lanname || ' ' || p.prosrc
+             FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang
+             WHERE p.pronamespace = 'public'::regnamespace
+             UNION ALL
+             SELECT 'publication ' || pubname || ' insert ' || pubinsert || ' update ' || pubupdate
+                    || ' delete ' || pubdelete || ' truncate ' || pubtruncate || ' all ' || puballtables
+             FROM pg_publication
+             UNION ALL
+             SELECT 'published ' || pubname || ' ' || schemaname || '.' || tablename
+             FROM pg_publication_tables
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("read the schema catalog");
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
+fn write_config(toml: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(unique("outbox-relay-migrations-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("relay.toml");
+    std::fs::write(&path, toml).unwrap();
+    path
+}
+
+fn rabbit_sink() -> String {
+    format!(
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
+        amqp_url()
+    )
+}
+
+/// Applies the files (twice: they must be safe to run again) to one database
+/// and `outbox-relay migrate` to another; then `check` passes on the first,
+/// `migrate --dry-run` finds nothing left but `left`, and the catalogs agree.
+async fn files_match_migrate(mode: Mode, left: &[&str]) {
+    let by_files = TestDb::new().await;
+    let by_migrate = TestDb::new().await;
+    let files = files_for(mode);
+    apply_files(&by_files.client, &files).await;
+    apply_files(&by_files.client, &files).await;
+
+    let config = |url: &str| with_mode(&base_toml(url, &rabbit_sink()), mode);
+    let files_config = write_config(&config(&by_files.url));
+    let files_config = files_config.to_str().unwrap();
+    let (code, out, err) = run_cli(&["check", "--config", files_config], &[]);
+    assert_eq!(
+        code, 0,
+        "check on the migrated-by-files database: {out}{err}"
+    );
+    assert!(out.contains("all checks passed"), "{out}");
+
+    let (code, out, err) = run_cli(&["migrate", "--config", files_config, "--dry-run"], &[]);
+    assert_eq!(code, 0, "{err}");
+    if left.is_empty() {
+        assert!(
+            out.contains("nothing to do"),
+            "migrate would still do: {out}"
+        );
+    } else {
+        let steps: Vec<&str> = out
+            .lines()
+            .filter(|l| l.starts_with("-- ") && !l.starts_with("-- dry run"))
+            .collect();
+        assert_eq!(steps.len(), left.len(), "migrate would still do: {out}");
+        for (step, wanted) in steps.iter().zip(left) {
+            assert!(
+                step.contains(wanted),
+                "expected {wanted:?}, migrate would do: {out}"
+            );
+        }
+    }
+
+    // The reference: what migrate makes (in CDC mode also a slot, which is not schema).
+    let mut client = connect(&by_migrate.url).await;
+    let opts = outbox_relay::outbox::migrate::MigrateOptions::from_config(
+        &parse(&config(&by_migrate.url)),
+        false,
+    );
+    let steps = outbox_relay::outbox::migrate::plan(&client, &opts)
+        .await
+        .expect("plan");
+    outbox_relay::outbox::migrate::apply(&mut client, &steps)
+        .await
+        .expect("migrate");
+    let made = schema_catalog(&by_migrate.client).await;
+    let from_files = schema_catalog(&by_files.client).await;
+    let missing: Vec<&String> = made.iter().filter(|l| !from_files.contains(l)).collect();
+    let extra: Vec<&String> = from_files.iter().filter(|l| !made.contains(l)).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "the files drift from migrate ({mode:?}):\nonly from migrate:\n{missing:#?}\nonly from the files:\n{extra:#?}"
+    );
+    assert!(made.len() > 30, "the catalog was read: {made:#?}");
+    drop(client);
+    by_files.drop_db().await;
+    by_migrate.drop_with_slots().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_files_make_what_migrate_makes_for_polling() {
+    files_match_migrate(Mode::Polling, &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_files_make_what_migrate_makes_for_cdc_but_the_slot() {
+    files_match_migrate(Mode::Cdc, &["create logical replication slot"]).await;
+}

@@ -1,0 +1,244 @@
+//! Every PostgreSQL major version the README promises, each with a cluster
+//! of its own from `scripts/pg-versions.sh` (`OUTBOX_RELAY_TEST_PG<major>`):
+//! the migration files and `migrate`, polling delivery, CDC delivery, and a
+//! relay killed and restarted without loss. The main suite runs on 15
+//! (`OUTBOX_RELAY_TEST_PG`). A version whose cluster is missing fails.
+
+use crate::migrations::{apply_files, files_for};
+use crate::support::brokers::RabbitExchange;
+use crate::support::*;
+use serde_json::json;
+
+fn admin_url(major: u32) -> String {
+    let var = format!("OUTBOX_RELAY_TEST_PG{major}");
+    std::env::var(&var).unwrap_or_else(|_| {
+        panic!("{var} is not set: run scripts/pg-versions.sh start (scripts/test.sh does) and export what it prints")
+    })
+}
+
+fn write_config(toml: &str) -> String {
+    let dir = std::env::temp_dir().join(unique("outbox-relay-versions-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("relay.toml");
+    std::fs::write(&path, toml).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+fn cli_ok(args: &[&str]) -> String {
+    let (code, out, err) = run_cli(args, &[]);
+    assert_eq!(code, 0, "outbox-relay {args:?}: {out}{err}");
+    out
+}
+
+async fn insert_events(db: &TestDb, n: usize) -> Vec<String> {
+    let ids = strings(&ids(n));
+    for (i, id) in ids.iter().enumerate() {
+        db.insert(id.parse().unwrap(), "order", "a", json!({ "i": i }))
+            .await;
+    }
+    ids
+}
+
+async fn check_server_version(admin: &str, major: u32) {
+    let client = connect(admin).await;
+    let num: String = client
+        .query_one("SHOW server_version_num", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let num: u32 = num.parse().unwrap();
+    assert_eq!(num / 10000, major, "{admin} runs PostgreSQL {num}");
+}
+
+/// The files on an empty database leave nothing for `migrate` to do.
+async fn migration_files_apply(admin: &str) {
+    let db = TestDb::new_on(admin).await;
+    apply_files(&db.client, &files_for(Mode::Polling)).await;
+    let toml = base_toml(&db.url, &RabbitExchange::new().await.sink_toml());
+    let out = cli_ok(&["migrate", "--config", &write_config(&toml), "--dry-run"]);
+    assert!(out.contains("nothing to do"), "after the files: {out}");
+    db.drop_db().await;
+}
+
+/// `migrate` (with its NOTIFY trigger), `check`, and events delivered by polling.
+async fn polling_delivers(admin: &str) {
+    let db = TestDb::new_on(admin).await;
+    let rabbit = RabbitExchange::new().await;
+    let toml = base_toml(&db.url, &rabbit.sink_toml());
+    let path = write_config(&toml);
+    cli_ok(&["migrate", "--config", &path]);
+    let out = cli_ok(&["check", "--config", &path]);
+    assert!(out.contains("all checks passed"), "{out}");
+    let relay = InProcess::start(parse(&toml));
+    let sent = insert_events(&db, 20).await;
+    let got = rabbit.inbox.wait_ids(&sent, WAIT).await;
+    let order: Vec<String> = got.iter().map(|m| m.event_id()).collect();
+    assert_eq!(order, sent, "one aggregate, in insert order");
+    wait_for(WAIT, "every row marked sent", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    relay.stop().await;
+    db.drop_db().await;
+}
+
+/// `migrate` in CDC mode (publication and slot), streaming, and a relay
+/// killed with SIGKILL and started again: everything committed arrives.
+async fn cdc_survives_a_kill(admin: &str) {
+    let db = TestDb::new_on(admin).await;
+    let rabbit = RabbitExchange::new().await;
+    let toml = with_mode(&base_toml(&db.url, &rabbit.sink_toml()), Mode::Cdc);
+    let path = write_config(&toml);
+    cli_ok(&["migrate", "--config", &path]);
+    let out = cli_ok(&["check", "--config", &path]);
+    assert!(out.contains("all checks passed"), "{out}");
+    let mut relay = ChildRelay::start(&toml);
+    let first = insert_events(&db, 20).await;
+    rabbit.inbox.wait_ids(&first, WAIT).await;
+    relay.kill();
+    let second = insert_events(&db, 20).await;
+    let mut relay = ChildRelay::start(&toml);
+    let got = rabbit
+        .inbox
+        .wait_ids(&[first.clone(), second.clone()].concat(), WAIT)
+        .await;
+    // Duplicates are allowed after a kill; first deliveries keep commit order.
+    let mut seen = std::collections::HashSet::new();
+    let firsts: Vec<String> = got
+        .iter()
+        .map(|m| m.event_id())
+        .filter(|id| seen.insert(id.clone()))
+        .collect();
+    assert_eq!(firsts, [first, second].concat());
+    assert!(relay.terminate().success(), "the relay exits 0 on SIGTERM");
+    db.drop_with_slots().await;
+}
+
+async fn supported(major: u32) {
+    let admin = admin_url(major);
+    check_server_version(&admin, major).await;
+    migration_files_apply(&admin).await;
+    polling_delivers(&admin).await;
+    cdc_survives_a_kill(&admin).await;
+}
+
+macro_rules! versions {
+    ($($name:ident => $major:literal),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                supported($major).await
+            }
+        )*
+    };
+}
+
+versions! {
+    postgres_13 => 13,
+    postgres_14 => 14,
+    postgres_16 => 16,
+    postgres_17 => 17,
+    postgres_18 => 18,
+}
+
+async fn slot_failover(db: &TestDb, slot: &str) -> Option<bool> {
+    db.client
+        .query_opt(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .expect("read pg_replication_slots.failover")
+        .map(|r| r.get(0))
+}
+
+/// `source.cdc.failover` creates failover slots on 17, by `migrate` and by `run`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_slots_on_17() {
+    let admin = admin_url(17);
+    check_server_version(&admin, 17).await;
+    let rabbit = RabbitExchange::new().await;
+    let failover = |url: &str| {
+        let toml = with_mode(&base_toml(url, &rabbit.sink_toml()), Mode::Cdc);
+        set(&toml, "source.cdc.failover", "true")
+    };
+    let slot_of = |toml: &str| -> String {
+        let line = toml.lines().find(|l| l.starts_with("slot = ")).unwrap();
+        line.trim_start_matches("slot = ")
+            .trim_matches('"')
+            .to_owned()
+    };
+
+    let by_migrate = TestDb::new_on(&admin).await;
+    let toml = failover(&by_migrate.url);
+    let path = write_config(&toml);
+    cli_ok(&["migrate", "--config", &path]);
+    assert_eq!(
+        slot_failover(&by_migrate, &slot_of(&toml)).await,
+        Some(true),
+        "migrate made a failover slot"
+    );
+    let out = cli_ok(&["check", "--config", &path]);
+    assert!(out.contains("is a failover slot"), "{out}");
+    // A slot made without failover is pointed out.
+    let plain = set(&toml, "source.cdc.failover", "false");
+    let plain = set(
+        &plain,
+        "source.cdc.slot",
+        &format!("\"{}\"", unique("slot_")),
+    );
+    cli_ok(&["migrate", "--config", &write_config(&plain)]);
+    let flagged = set(&plain, "source.cdc.failover", "true");
+    let out = cli_ok(&["check", "--config", &write_config(&flagged)]);
+    assert!(out.contains("is not a failover slot"), "{out}");
+
+    // The schema from the files, the slot from `run`.
+    let by_run = TestDb::new_on(&admin).await;
+    apply_files(&by_run.client, &files_for(Mode::Cdc)).await;
+    let toml = failover(&by_run.url);
+    let slot = slot_of(&toml);
+    let relay = InProcess::start(parse(&toml));
+    wait_for(WAIT, "run to create the slot", || async {
+        slot_failover(&by_run, &slot).await
+    })
+    .await;
+    assert_eq!(slot_failover(&by_run, &slot).await, Some(true));
+    let sent = insert_events(&by_run, 5).await;
+    rabbit.inbox.wait_ids(&sent, WAIT).await;
+    relay.stop().await;
+    by_migrate.drop_with_slots().await;
+    by_run.drop_with_slots().await;
+}
+
+/// Before 17 a failover slot is refused with the reason, not created without failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_is_refused_before_17() {
+    let admin = admin_url(16);
+    let db = TestDb::new_on(&admin).await;
+    let rabbit = RabbitExchange::new().await;
+    let toml = set(
+        &with_mode(&base_toml(&db.url, &rabbit.sink_toml()), Mode::Cdc),
+        "source.cdc.failover",
+        "true",
+    );
+    let path = write_config(&toml);
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("source.cdc.failover needs PostgreSQL 17"),
+        "the reason is named: {out}{err}"
+    );
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("source.cdc.failover needs PostgreSQL 17"),
+        "check names it too: {out}"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()")
+            .await,
+        0,
+        "no slot without failover was made instead"
+    );
+    db.drop_with_slots().await;
+}
