@@ -3,10 +3,11 @@
 #
 #   scripts/quickstart.sh [kafka|rabbitmq]      (default: kafka)
 #
-# Starts the local services (scripts/services.sh), builds the relay and the `tail` example,
-# creates the database outbox_demo and its outbox table (`outbox-relay migrate`), starts the
-# relay with config/polling-<broker>.toml and a consumer, inserts a few events the way an
-# application would, shows them arriving and marked sent, then stops the relay with SIGTERM.
+# Starts PostgreSQL and the chosen broker only (scripts/services.sh start <broker>), builds the
+# relay and the `tail` example, creates the database outbox_demo and its outbox table
+# (`outbox-relay migrate`), starts the relay with config/polling-<broker>.toml and a consumer,
+# inserts a few events the way an application would, shows them arriving and marked sent, then
+# stops the relay with SIGTERM.
 #
 # Running it again is fine: the database, table and topic are reused, and a relay or consumer
 # left by an earlier run is stopped first. Logs and pid files go to
@@ -117,8 +118,12 @@ stop_recorded "$RELAY_PID" "$RELAY" 40
 # So that a failure shows this run's logs only.
 rm -f "$RELAY_LOG" "$TAIL_OUT" "$TAIL_ERR"
 
-step "starting PostgreSQL, RabbitMQ and a Kafka-protocol broker (scripts/services.sh)"
-scripts/services.sh start >/dev/null || fail "scripts/services.sh could not start the services (see its messages above)"
+if [ "$BROKER" = kafka ]; then
+  step "starting PostgreSQL and a Kafka-protocol broker (scripts/services.sh start kafka; the first run builds the broker, about 15 minutes)"
+else
+  step "starting PostgreSQL and RabbitMQ (scripts/services.sh start rabbitmq)"
+fi
+scripts/services.sh start "$BROKER" >/dev/null || fail "scripts/services.sh could not start the services (see its messages above)"
 
 step "building outbox-relay and the tail example (release; the first build takes a few minutes)"
 cargo build --release --bin outbox-relay --example tail || fail "cargo build failed"
