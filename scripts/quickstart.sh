@@ -126,7 +126,7 @@ else
 fi
 scripts/services.sh start "$BROKER" >/dev/null || fail "scripts/services.sh could not start the services (see its messages above)"
 
-step "building outbox-relay and the tail example (release; the first build takes a few minutes)"
+step "building outbox-relay and the tail example (release; the first build takes up to 15 minutes)"
 cargo build --release --bin outbox-relay --example tail || fail "cargo build failed"
 
 step "database $DB on 127.0.0.1:$PG_PORT"
