@@ -3,10 +3,11 @@
 #
 #   scripts/quickstart.sh [kafka|rabbitmq]      (default: kafka)
 #
-# Starts the local services (scripts/services.sh), builds the relay and the `tail` example,
-# creates the database outbox_demo and its outbox table (`outbox-relay migrate`), starts the
-# relay with config/polling-<broker>.toml and a consumer, inserts a few events the way an
-# application would, shows them arriving and marked sent, then stops the relay with SIGTERM.
+# Starts PostgreSQL and the chosen broker only (scripts/services.sh start <broker>), builds the
+# relay and the `tail` example, creates the database outbox_demo and its outbox table
+# (`outbox-relay migrate`), starts the relay with config/polling-<broker>.toml and a consumer,
+# inserts a few events the way an application would, shows them arriving and marked sent, then
+# stops the relay with SIGTERM.
 #
 # Running it again is fine: the database, table and topic are reused, and a relay or consumer
 # left by an earlier run is stopped first. Logs and pid files go to
@@ -33,8 +34,9 @@ DB=outbox_demo
 CONFIG=config/polling-$BROKER.toml
 TOPIC=outbox.event.order # the config's topic template for aggregate type 'order'
 EXCHANGE=outbox          # the config's exchange
-RELAY=target/release/outbox-relay
-TAIL=target/release/examples/tail
+TARGET=${CARGO_TARGET_DIR:-target} # where cargo puts what it builds
+RELAY=$TARGET/release/outbox-relay
+TAIL=$TARGET/release/examples/tail
 RELAY_LOG=$STATE/quickstart-relay.log
 RELAY_PID=$STATE/quickstart-relay.pid
 TAIL_OUT=$STATE/quickstart-tail.out
@@ -117,10 +119,14 @@ stop_recorded "$RELAY_PID" "$RELAY" 40
 # So that a failure shows this run's logs only.
 rm -f "$RELAY_LOG" "$TAIL_OUT" "$TAIL_ERR"
 
-step "starting PostgreSQL, RabbitMQ and a Kafka-protocol broker (scripts/services.sh)"
-scripts/services.sh start >/dev/null || fail "scripts/services.sh could not start the services (see its messages above)"
+if [ "$BROKER" = kafka ]; then
+  step "starting PostgreSQL and a Kafka-protocol broker (scripts/services.sh start kafka; the first run builds the broker, about 15 minutes)"
+else
+  step "starting PostgreSQL and RabbitMQ (scripts/services.sh start rabbitmq)"
+fi
+scripts/services.sh start "$BROKER" >/dev/null || fail "scripts/services.sh could not start the services (see its messages above)"
 
-step "building outbox-relay and the tail example (release; the first build takes a few minutes)"
+step "building outbox-relay and the tail example (release; the first build takes up to 15 minutes)"
 cargo build --release --bin outbox-relay --example tail || fail "cargo build failed"
 
 step "database $DB on 127.0.0.1:$PG_PORT"

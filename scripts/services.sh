@@ -6,6 +6,13 @@
 #   RabbitMQ       the machine's server on 127.0.0.1:5672 (started if down)
 #   Kafka          tansu (a Kafka-protocol broker, in-memory storage) on 127.0.0.1:${OUTBOX_RELAY_KAFKA_PORT:-9092}
 #
+#   scripts/services.sh start               all three (what scripts/test.sh needs)
+#   scripts/services.sh start rabbitmq      PostgreSQL and RabbitMQ only
+#   scripts/services.sh start kafka         PostgreSQL and the Kafka-protocol broker only
+#
+# PostgreSQL is always started. Naming the broker matters on a fresh machine: tansu is built
+# from source the first time (about 15 minutes), which the RabbitMQ path does not need.
+#
 # State lives under ${OUTBOX_RELAY_STATE:-/var/tmp/outbox-relay}. `scripts/services.sh stop` stops
 # what this script started (the machine's RabbitMQ is left running).
 set -euo pipefail
@@ -46,7 +53,9 @@ ensure_packages() {
   local missing=()
   [ -x "$PG_BIN/initdb" ] || missing+=(postgresql)
   command -v psql >/dev/null || missing+=(postgresql-client)
-  command -v rabbitmq-server >/dev/null || missing+=(rabbitmq-server)
+  if [ "$WANT_RABBITMQ" = 1 ]; then
+    command -v rabbitmq-server >/dev/null || missing+=(rabbitmq-server)
+  fi
   # librdkafka (built by rdkafka-sys) needs these headers and tools.
   dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
   dpkg -s zlib1g-dev >/dev/null 2>&1 || missing+=(zlib1g-dev)
@@ -134,19 +143,37 @@ stop_all() {
   log "stopped"
 }
 
+WANT_RABBITMQ=0
+WANT_KAFKA=0
+choose_brokers() { # the arguments after `start`; none means every broker
+  [ $# -gt 0 ] || set -- rabbitmq kafka
+  local b
+  for b in "$@"; do
+    case "$b" in
+      rabbitmq) WANT_RABBITMQ=1 ;;
+      kafka) WANT_KAFKA=1 ;;
+      *) die "unknown broker \"$b\"; usage: $0 start [rabbitmq] [kafka]" ;;
+    esac
+  done
+}
+
 case "${1:-start}" in
   start)
+    shift || true
+    choose_brokers "$@"
     export PATH="$HOME/.cargo/bin:$PATH"
     ensure_packages
     start_postgres
-    start_rabbitmq
-    start_kafka
-    cat <<ENV
-OUTBOX_RELAY_TEST_PG=postgres://postgres@127.0.0.1:$PG_PORT/postgres
-OUTBOX_RELAY_TEST_AMQP=amqp://guest:guest@127.0.0.1:5672/%2f
-OUTBOX_RELAY_TEST_KAFKA=127.0.0.1:$KAFKA_PORT
-ENV
+    echo "OUTBOX_RELAY_TEST_PG=postgres://postgres@127.0.0.1:$PG_PORT/postgres"
+    if [ "$WANT_RABBITMQ" = 1 ]; then
+      start_rabbitmq
+      echo "OUTBOX_RELAY_TEST_AMQP=amqp://guest:guest@127.0.0.1:5672/%2f"
+    fi
+    if [ "$WANT_KAFKA" = 1 ]; then
+      start_kafka
+      echo "OUTBOX_RELAY_TEST_KAFKA=127.0.0.1:$KAFKA_PORT"
+    fi
     ;;
   stop) stop_all ;;
-  *) die "usage: $0 [start|stop]" ;;
+  *) die "usage: $0 start [rabbitmq] [kafka] | $0 stop" ;;
 esac

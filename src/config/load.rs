@@ -1,6 +1,7 @@
 //! Reading the file, applying environment overrides, and reporting errors.
 
 use super::Config;
+use super::collect::{EnvKeys, deserialize_all, locate};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -58,11 +59,20 @@ pub fn load(path: &Path) -> Result<Vec<Config>, ConfigError> {
         path: path.to_owned(),
         source,
     })?;
-    let env = config::Environment::with_prefix(ENV_PREFIX)
-        .prefix_separator(ENV_SEPARATOR)
-        .separator(ENV_SEPARATOR)
-        .try_parsing(true);
-    build(&text, &path.display().to_string(), Some(env))
+    let vars = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect();
+    build(&text, &path.display().to_string(), Some(vars))
+}
+
+/// Like [`load_str`], with these variables as the environment.
+#[cfg(test)]
+pub fn load_str_with_env(text: &str, vars: &[(&str, &str)]) -> Result<Vec<Config>, ConfigError> {
+    let vars = vars
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    build(text, "config", Some(vars))
 }
 
 /// Parses and validates TOML text, without environment overrides; the first
@@ -86,23 +96,39 @@ const GLOBAL_SECTIONS: &[&str] = &["log", "http"];
 fn build(
     text: &str,
     origin: &str,
-    env: Option<config::Environment>,
+    env: Option<config::Map<String, String>>,
 ) -> Result<Vec<Config>, ConfigError> {
+    let env_keys = env.as_ref().map(EnvKeys::new).unwrap_or_default();
     let parse_error =
         |e: config::ConfigError| ConfigError::Parse(format!("{origin}: {}", describe(e)));
     let mut builder = config::Config::builder()
         .add_source(config::File::from_str(text, config::FileFormat::Toml));
-    if let Some(env) = env {
-        builder = builder.add_source(env);
+    if let Some(vars) = env {
+        builder = builder.add_source(
+            config::Environment::with_prefix(ENV_PREFIX)
+                .prefix_separator(ENV_SEPARATOR)
+                .separator(ENV_SEPARATOR)
+                .try_parsing(true)
+                .source(Some(vars)),
+        );
     }
     let merged = builder.build().map_err(parse_error)?;
     let mut root: config::Map<String, config::Value> =
-        merged.clone().try_deserialize().map_err(parse_error)?;
+        merged.try_deserialize().map_err(parse_error)?;
     let Some(pipelines) = root.remove("pipelines") else {
-        let mut config: Config = merged.try_deserialize().map_err(parse_error)?;
-        config.name = DEFAULT_PIPELINE.to_owned();
-        config.validate().map_err(ConfigError::Invalid)?;
-        return Ok(vec![config]);
+        let (config, mut problems) = read_pipeline(root, origin)?;
+        return match config {
+            Some(mut config) if problems.is_empty() => {
+                config.name = DEFAULT_PIPELINE.to_owned();
+                Ok(vec![config])
+            }
+            _ => {
+                for p in &mut problems {
+                    env_keys.annotate(p, None);
+                }
+                Err(ConfigError::Invalid(problems))
+            }
+        };
     };
     let pipelines = pipelines.into_table().map_err(|_| {
         ConfigError::Parse(format!(
@@ -114,6 +140,8 @@ fn build(
             "{origin}: pipelines: is empty; add a [pipelines.<name>] table or remove it"
         )));
     }
+    // By name, so the problems come in the same order every run.
+    let pipelines: std::collections::BTreeMap<_, _> = pipelines.into_iter().collect();
     let mut configs = Vec::new();
     let mut problems = Vec::new();
     for (name, overrides) in pipelines {
@@ -143,18 +171,16 @@ fn build(
             }
         }
         let merged = merge(root.clone(), overrides);
-        let value = config::Value::new(None, config::ValueKind::Table(merged));
-        let mut config: Config = value
-            .try_deserialize()
-            .map_err(|e| ConfigError::Parse(format!("{origin}: {at}: {}", describe(e))))?;
-        config.name = name.clone();
-        if let Err(mut p) = config.validate() {
-            for problem in &mut p {
-                problem.key = format!("{at}: {}", problem.key);
-            }
-            problems.extend(p);
+        let (config, found) = read_pipeline(merged, &format!("{origin}: {at}"))?;
+        for mut problem in found {
+            env_keys.annotate(&mut problem, Some(&name));
+            problem.key = format!("{at}: {}", problem.key);
+            problems.push(problem);
         }
-        configs.push(config);
+        if let Some(mut config) = config {
+            config.name = name.clone();
+            configs.push(config);
+        }
     }
     check_distinct(&configs, &mut problems);
     if problems.is_empty() {
@@ -162,6 +188,25 @@ fn build(
     } else {
         Err(ConfigError::Invalid(problems))
     }
+}
+
+/// Reads and validates one pipeline's table: the values that cannot be read
+/// and those out of range, all of them. `Err` for an error without a key.
+fn read_pipeline(
+    table: config::Map<String, config::Value>,
+    origin: &str,
+) -> Result<(Option<Config>, Vec<Problem>), ConfigError> {
+    let (config, mut problems) = deserialize_all::<Config>(table)
+        .map_err(|message| ConfigError::Parse(format!("{origin}: {message}")))?;
+    if let Some(config) = &config
+        && let Err(found) = config.validate()
+    {
+        // A key already refused was replaced by its default: not its problem.
+        let refused: Vec<String> = problems.iter().map(|p| p.key.clone()).collect();
+        problems.extend(found.into_iter().filter(|p| !refused.contains(&p.key)));
+        problems.sort_by(|a, b| a.key.cmp(&b.key));
+    }
+    Ok((config, problems))
 }
 
 /// Deep-merges `over` into `base`: tables merge key by key, anything else replaces.
@@ -224,32 +269,9 @@ fn check_distinct(configs: &[Config], problems: &mut Vec<Problem>) {
 /// Rewords the config crate's errors so the key comes first, the way the
 /// validation problems read.
 fn describe(e: config::ConfigError) -> String {
-    match e {
-        config::ConfigError::At {
-            error,
-            key: Some(key),
-            origin,
-        } => {
-            let from = match origin {
-                Some(o) if o.contains("environment") || o.starts_with(ENV_PREFIX) => {
-                    " (set in the environment)".to_owned()
-                }
-                _ => String::new(),
-            };
-            let inner = describe(*error);
-            // A nested key reported by a hand-written deserializer (the sink).
-            match inner.split_once(super::sink::PATH_SEPARATOR) {
-                Some((path, message)) => format!("{key}.{path}{from}: {message}"),
-                None => format!("{key}{from}: {inner}"),
-            }
-        }
-        config::ConfigError::At { error, .. } => describe(*error),
-        config::ConfigError::Type {
-            key: Some(key),
-            unexpected,
-            expected,
-            ..
-        } => format!("{key}: expected {expected}, found {unexpected}"),
-        other => other.to_string(),
+    let located = locate(e);
+    match located.key {
+        Some(key) => format!("{key}: {}", located.message),
+        None => located.message,
     }
 }

@@ -7,6 +7,8 @@
 //! key of every problem. Secrets live in [`Secret`]/[`SecretUrl`], which print
 //! as `***`.
 
+mod collect;
+mod duration;
 mod load;
 mod secret;
 mod service;
@@ -90,7 +92,7 @@ pub struct DatabaseConfig {
     /// Overrides the password of `url` (handy from the environment).
     #[serde(default)]
     pub password: Option<Secret>,
-    #[serde(default = "defaults::connect_timeout", with = "humantime_serde")]
+    #[serde(default = "defaults::connect_timeout", with = "duration")]
     pub connect_timeout: Duration,
     #[serde(default = "defaults::application_name")]
     pub application_name: String,
@@ -188,11 +190,11 @@ pub struct CdcConfig {
     pub create_slot: bool,
     /// Longest time between two status updates to the server (also bounded by
     /// half of the server's `wal_sender_timeout`).
-    #[serde(default = "defaults::status_interval", with = "humantime_serde")]
+    #[serde(default = "defaults::status_interval", with = "duration")]
     pub status_interval: Duration,
     /// When set, write a tiny logical message this often so the slot moves on
     /// even when the database is otherwise idle.
-    #[serde(default, with = "humantime_serde")]
+    #[serde(default, with = "duration::option")]
     pub heartbeat_interval: Option<Duration>,
     /// What `run` does when PostgreSQL removed WAL the slot still needed;
     /// `None`: recreate when rows are marked, stop otherwise.
@@ -273,7 +275,7 @@ fn default_replication_name(table: &TableName) -> String {
 #[serde(deny_unknown_fields)]
 pub struct PollingConfig {
     /// Longest wait between two looks at the table when nothing woke the relay.
-    #[serde(default = "defaults::poll_interval", with = "humantime_serde")]
+    #[serde(default = "defaults::poll_interval", with = "duration")]
     pub poll_interval: Duration,
     /// LISTEN for the insert trigger's NOTIFY so new rows are read at once.
     #[serde(default = "defaults::yes")]
@@ -327,29 +329,29 @@ pub struct RelayConfig {
     pub max_in_flight_per_aggregate: Option<usize>,
     /// A broker confirmation not received within this is treated as a lost
     /// connection: the message is re-sent.
-    #[serde(default = "defaults::confirm_timeout", with = "humantime_serde")]
+    #[serde(default = "defaults::confirm_timeout", with = "duration")]
     pub confirm_timeout: Duration,
     #[serde(default)]
     pub mark: MarkMode,
     /// On SIGTERM, how long to wait for in-flight confirmations.
-    #[serde(default = "defaults::shutdown_timeout", with = "humantime_serde")]
+    #[serde(default = "defaults::shutdown_timeout", with = "duration")]
     pub shutdown_timeout: Duration,
     /// First delay after a connection failure; doubles up to `retry_max`, with full jitter.
-    #[serde(default = "defaults::retry_base", with = "humantime_serde")]
+    #[serde(default = "defaults::retry_base", with = "duration")]
     pub retry_base: Duration,
-    #[serde(default = "defaults::retry_max", with = "humantime_serde")]
+    #[serde(default = "defaults::retry_max", with = "duration")]
     pub retry_max: Duration,
     /// First delay before retrying an event the broker refused; doubles up to `reject_retry_max`.
-    #[serde(default = "defaults::reject_retry_base", with = "humantime_serde")]
+    #[serde(default = "defaults::reject_retry_base", with = "duration")]
     pub reject_retry_base: Duration,
-    #[serde(default = "defaults::reject_retry_max", with = "humantime_serde")]
+    #[serde(default = "defaults::reject_retry_max", with = "duration")]
     pub reject_retry_max: Duration,
     /// How long the standby waits between attempts to become the active instance.
-    #[serde(default = "defaults::standby_poll", with = "humantime_serde")]
+    #[serde(default = "defaults::standby_poll", with = "duration")]
     pub standby_poll: Duration,
     /// The owner publishes only within this long of its last round trip on
     /// the ownership session; a new owner waits this long before publishing.
-    #[serde(default = "defaults::ownership_lease", with = "humantime_serde")]
+    #[serde(default = "defaults::ownership_lease", with = "duration")]
     pub ownership_lease: Duration,
     /// Virtual shards (polling only): the outbox is split by a hash of
     /// `aggregate_id`, and running instances share the shards evenly, each
@@ -409,7 +411,7 @@ pub struct DeadLetterConfig {
     #[serde(default)]
     pub aggregate: HoldPolicy,
     /// How often the relay looks for dead letters redriven or dropped by an operator.
-    #[serde(default = "defaults::dead_letter_refresh", with = "humantime_serde")]
+    #[serde(default = "defaults::dead_letter_refresh", with = "duration")]
     pub refresh_interval: Duration,
 }
 

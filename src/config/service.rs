@@ -12,20 +12,20 @@ pub struct RetentionConfig {
     #[serde(default = "defaults::yes")]
     pub enabled: bool,
     /// Time between two cleanups.
-    #[serde(default = "defaults::retention_interval", with = "humantime_serde")]
+    #[serde(default = "defaults::retention_interval", with = "super::duration")]
     pub interval: Duration,
     /// Sent rows older than this (by `relay_sent_at`) are deleted.
-    #[serde(default = "defaults::sent_window", with = "humantime_serde")]
+    #[serde(default = "defaults::sent_window", with = "super::duration")]
     pub sent_window: Duration,
     /// Redriven or dropped dead letters older than this (by when they were
     /// resolved) are deleted; open dead letters are never deleted.
-    #[serde(default = "defaults::dead_letter_window", with = "humantime_serde")]
+    #[serde(default = "defaults::dead_letter_window", with = "super::duration")]
     pub dead_letter_window: Duration,
     /// Rows deleted per statement.
     #[serde(default = "defaults::retention_batch")]
     pub batch_size: usize,
     /// Pause between two batches, so cleanup never holds long locks or floods WAL.
-    #[serde(default = "defaults::retention_pause", with = "humantime_serde")]
+    #[serde(default = "defaults::retention_pause", with = "super::duration")]
     pub pause: Duration,
 }
 
@@ -53,7 +53,7 @@ pub struct HttpConfig {
     pub address: String,
     /// How often the gauges read from the database (backlog, dead letters,
     /// slot) are refreshed.
-    #[serde(default = "defaults::sample_interval", with = "humantime_serde")]
+    #[serde(default = "defaults::sample_interval", with = "super::duration")]
     pub sample_interval: Duration,
 }
 

@@ -82,10 +82,10 @@ pub struct KafkaConfig {
     #[serde(default = "defaults::kafka_message_max_bytes")]
     pub message_max_bytes: usize,
     /// Time librdkafka may spend delivering one message, retries included (`message.timeout.ms`).
-    #[serde(default = "defaults::delivery_timeout", with = "humantime_serde")]
+    #[serde(default = "defaults::delivery_timeout", with = "super::duration")]
     pub delivery_timeout: Duration,
     /// How long librdkafka waits to fill a batch (`linger.ms`).
-    #[serde(default = "defaults::linger", with = "humantime_serde")]
+    #[serde(default = "defaults::linger", with = "super::duration")]
     pub linger: Duration,
     #[serde(default = "defaults::client_id")]
     pub client_id: String,

@@ -393,3 +393,135 @@ fn a_lost_slot_is_recreated_only_when_rows_are_marked() {
     let e = err(&format!("{cdc}[source.cdc]\non_lost_slot = \"heal\"\n"));
     assert!(e.contains("on_lost_slot") && e.contains("recreate"), "{e}");
 }
+
+#[test]
+fn negative_counts_are_all_reported_with_their_ranges_in_key_order() {
+    let text = format!(
+        "{MINIMAL}\n[source]\nbatch_size = -5\n[source.polling]\npoll_interval = \"5 parsecs\"\n\
+         [relay]\nmax_in_flight = -1\nshards = 0\n[dead_letter]\nmax_attempts = -3\n"
+    );
+    let first = err(&text);
+    let lines: Vec<&str> = first.lines().collect();
+    assert_eq!(lines[0], "the configuration has 5 problems:", "{first}");
+    assert_eq!(
+        lines[1..4],
+        [
+            "  - dead_letter.max_attempts: -3 is out of range; use 1 to 1000",
+            "  - relay.max_in_flight: -1 is out of range; use 1 to 100000",
+            "  - relay.shards: 0 is out of range; use 1 to 256",
+        ],
+        "{first}"
+    );
+    assert_eq!(
+        lines[4], "  - source.batch_size: -5 is out of range; use 1 to 10000",
+        "{first}"
+    );
+    assert!(
+        lines[5].starts_with("  - source.polling.poll_interval: "),
+        "{first}"
+    );
+    // The config crate's maps iterate in a different order each run; the report must not.
+    for _ in 0..20 {
+        assert_eq!(err(&text), first);
+    }
+}
+
+#[test]
+fn a_count_that_is_not_a_number_gets_its_range() {
+    let e = err(&format!("{MINIMAL}\n[source]\nbatch_size = \"many\"\n"));
+    assert!(
+        e.contains("source.batch_size: \"many\" is not a whole number; use 1 to 10000"),
+        "{e}"
+    );
+    let e = err(&format!(
+        "{MINIMAL}\n[relay]\nmax_in_flight_per_aggregate = -2\n"
+    ));
+    assert!(
+        e.contains("relay.max_in_flight_per_aggregate: -2 is out of range"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_bad_duration_lists_the_accepted_units() {
+    let e = err(&format!(
+        "{MINIMAL}\n[source.polling]\npoll_interval = \"5 parsecs\"\n"
+    ));
+    assert!(
+        e.contains("source.polling.poll_interval: \"5 parsecs\" is not a duration"),
+        "{e}"
+    );
+    for unit in ["\"500ms\"", "\"30s\"", "\"5m\"", "\"1h\"", "ms, s, m, h"] {
+        assert!(e.contains(unit), "{unit} missing from: {e}");
+    }
+    let e = err(&format!("{MINIMAL}\n[relay]\nconfirm_timeout = 30\n"));
+    assert!(
+        e.contains("relay.confirm_timeout: 30 has no unit") && e.contains("\"30s\""),
+        "{e}"
+    );
+    let e = err(&format!(
+        "{MINIMAL}\n[source.cdc]\nheartbeat_interval = \"often\"\n"
+    ));
+    assert!(
+        e.contains("source.cdc.heartbeat_interval: \"often\" is not a duration"),
+        "{e}"
+    );
+    let c = load_str(&format!(
+        "{MINIMAL}\n[source.cdc]\nheartbeat_interval = \"90s\"\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        c.source.cdc.heartbeat_interval,
+        Some(Duration::from_secs(90))
+    );
+}
+
+#[test]
+fn a_bad_environment_override_names_its_variable() {
+    let file = format!("{MINIMAL}\n[source]\nbatch_size = 100\n");
+    for (value, message) in [
+        ("abc", "\"abc\" is not a whole number; use 1 to 10000"),
+        ("0", "0 is out of range; use 1 to 10000"),
+        ("-5", "-5 is out of range; use 1 to 10000"),
+    ] {
+        let e =
+            super::load::load_str_with_env(&file, &[("OUTBOX_RELAY__SOURCE__BATCH_SIZE", value)])
+                .expect_err("a bad override must be refused")
+                .to_string();
+        assert!(
+            e.contains(&format!(
+                "source.batch_size (set by OUTBOX_RELAY__SOURCE__BATCH_SIZE): {message}"
+            )),
+            "{value}: {e}"
+        );
+    }
+    // A bad value in the file is not blamed on the environment.
+    let e = super::load::load_str_with_env(
+        &format!("{MINIMAL}\n[source]\nbatch_size = 0\n"),
+        &[("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT", "10")],
+    )
+    .expect_err("batch_size = 0 must be refused")
+    .to_string();
+    assert!(
+        e.contains("  - source.batch_size: 0 is out of range"),
+        "{e}"
+    );
+    // A good override applies.
+    let c = super::load::load_str_with_env(&file, &[("OUTBOX_RELAY__SOURCE__BATCH_SIZE", "42")])
+        .unwrap();
+    assert_eq!(c[0].source.batch_size, 42);
+}
+
+#[test]
+fn pipelines_report_every_bad_key_each() {
+    let e = err(&format!(
+        "{MINIMAL}\n[pipelines.b.source]\nbatch_size = -1\n[pipelines.a.relay]\nmax_in_flight = -1\n"
+    ));
+    let a = e
+        .find("pipelines.a: relay.max_in_flight: -1 is out of range")
+        .expect(&e);
+    let b = e
+        .find("pipelines.b: source.batch_size: -1 is out of range")
+        .expect(&e);
+    assert!(a < b, "{e}");
+}

@@ -25,6 +25,25 @@ pub const PROTECTED_KAFKA_PROPERTIES: &[&str] = &[
     "enable.auto.commit",
 ];
 
+/// The allowed range of each integer key: `validate` checks values against
+/// it, and the loader names it for a value that does not even fit the key's
+/// type (a negative count). `sink_type` is `kafka` or `rabbitmq`.
+pub(super) fn integer_range(key: &str, sink_type: Option<&str>) -> Option<(u64, u64)> {
+    Some(match key {
+        "source.batch_size" => (1, 10_000),
+        "retention.batch_size" => (1, 100_000),
+        "dead_letter.max_attempts" => (1, 1000),
+        "relay.max_in_flight" => (1, 100_000),
+        "relay.max_in_flight_bytes" => (1 << 20, 16 << 30),
+        // Its upper bound is relay.max_in_flight; only the type is known here.
+        "relay.max_in_flight_per_aggregate" => (1, 100_000),
+        "relay.shards" => (1, 256),
+        "sink.message_max_bytes" if sink_type == Some("rabbitmq") => (1_000, 512 * 1024 * 1024),
+        "sink.message_max_bytes" => (1_000, 1_000_000_000),
+        _ => return None,
+    })
+}
+
 struct Checker(Vec<Problem>);
 
 impl Checker {
@@ -38,6 +57,13 @@ impl Checker {
     fn range<T: PartialOrd + std::fmt::Display>(&mut self, key: &str, value: T, min: T, max: T) {
         if value < min || value > max {
             self.problem(key, format!("{value} is out of range; use {min} to {max}"));
+        }
+    }
+
+    /// An integer key against its range in [`integer_range`].
+    fn count(&mut self, key: &str, value: u64, sink_type: &str) {
+        if let Some((min, max)) = integer_range(key, Some(sink_type)) {
+            self.range(key, value, min, max);
         }
     }
 
@@ -139,7 +165,8 @@ impl Config {
 
     fn check_source_and_relay(&self, c: &mut Checker) {
         let s = &self.source;
-        c.range("source.batch_size", s.batch_size, 1, 10_000);
+        let sink = self.sink.kind();
+        c.count("source.batch_size", s.batch_size as u64, sink);
         c.duration(
             "source.polling.poll_interval",
             s.polling.poll_interval,
@@ -206,7 +233,7 @@ impl Config {
             Duration::ZERO,
             3650 * 24 * HOUR,
         );
-        c.range("retention.batch_size", t.batch_size, 1, 100_000);
+        c.count("retention.batch_size", t.batch_size as u64, sink);
         c.duration("retention.pause", t.pause, Duration::ZERO, 60 * SEC);
         c.duration(
             "http.sample_interval",
@@ -221,7 +248,7 @@ impl Config {
             );
         }
         let d = &self.dead_letter;
-        c.range("dead_letter.max_attempts", d.max_attempts, 1, 1000);
+        c.count("dead_letter.max_attempts", d.max_attempts.into(), sink);
         c.duration(
             "dead_letter.refresh_interval",
             d.refresh_interval,
@@ -238,12 +265,11 @@ impl Config {
             c.problem("dead_letter.table", "must not be the outbox table itself");
         }
         let r = &self.relay;
-        c.range("relay.max_in_flight", r.max_in_flight, 1, 100_000);
-        c.range(
+        c.count("relay.max_in_flight", r.max_in_flight as u64, sink);
+        c.count(
             "relay.max_in_flight_bytes",
-            r.max_in_flight_bytes,
-            1 << 20,
-            16 << 30,
+            r.max_in_flight_bytes as u64,
+            sink,
         );
         if let Some(n) = r.max_in_flight_per_aggregate {
             c.range(
@@ -281,7 +307,7 @@ impl Config {
             500 * MS,
             10 * 60 * SEC,
         );
-        c.range("relay.shards", r.shards, 1, 256);
+        c.count("relay.shards", r.shards.into(), sink);
         if r.shards > 1 && s.mode == super::SourceMode::Cdc {
             c.problem(
                 "relay.shards",
@@ -298,11 +324,10 @@ fn check_kafka(c: &mut Checker, k: &KafkaConfig) {
     if let Err(e) = destination::check_template_literals(&k.topic, destination::kafka_topic) {
         c.problem("sink.topic", e);
     }
-    c.range(
+    c.count(
         "sink.message_max_bytes",
-        k.message_max_bytes,
-        1_000,
-        1_000_000_000,
+        k.message_max_bytes as u64,
+        "kafka",
     );
     c.duration("sink.delivery_timeout", k.delivery_timeout, SEC, HOUR);
     c.duration("sink.linger", k.linger, Duration::ZERO, 5 * SEC);
@@ -429,11 +454,10 @@ fn check_rabbitmq(c: &mut Checker, r: &RabbitMqConfig) {
             "must be direct, topic, fanout or headers",
         );
     }
-    c.range(
+    c.count(
         "sink.message_max_bytes",
-        r.message_max_bytes,
-        1_000,
-        512 * 1024 * 1024,
+        r.message_max_bytes as u64,
+        "rabbitmq",
     );
     // An unparseable URL is reported above, not blamed on these keys.
     let plain = url::Url::parse(r.url.expose()).is_ok_and(|u| u.scheme() != "amqps");

@@ -127,10 +127,20 @@ impl Backend for Postgres<'_> {
                 pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
             }
             SourceMode::Cdc => {
-                let reader = CdcReader::connect(config, &columns, run.progress.clone()).await?;
+                let mut reader = CdcReader::connect(config, &columns, run.progress.clone()).await?;
                 let marks_rows = config.relay.mark != MarkMode::None;
                 let acker = CdcAcker::new(recorder, run.progress.clone(), marks_rows);
                 let sink = AnySink::connect(&config.sink).await?;
+                // "active" only once the publication and slot are known good;
+                // waiting for a busy slot still gives way to shutdown.
+                tokio::select! {
+                    biased;
+                    _ = run.shutdown.cancelled() => {
+                        tracing::info!("stopped cleanly");
+                        return Ok(());
+                    }
+                    started = reader.begin() => started?,
+                }
                 tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events from the replication slot");
                 pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
             }

@@ -9,15 +9,15 @@
 //! the first unconfirmed message. See
 //! <https://github.com/confluentinc/librdkafka/blob/master/INTRODUCTION.md#idempotent-producer>.
 
+use super::kafka_log::LogContext;
 use super::{Confirmation, Sink, SinkError};
 use crate::config::KafkaConfig;
 use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
-use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use rdkafka::{ClientConfig, ClientContext};
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
@@ -29,31 +29,6 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// librdkafka's own queue bound; larger than any `relay.max_in_flight`, so
 /// the relay's window is the bound that binds.
 const QUEUE_MAX_MESSAGES: &str = "200000";
-
-/// Sends librdkafka's log lines to `tracing`.
-pub struct LogContext;
-
-impl ClientContext for LogContext {
-    fn log(&self, level: RDKafkaLogLevel, facility: &str, message: &str) {
-        // The relay sets enable.gapless.guarantee on purpose; the "experimental"
-        // notice at every start would only teach operators to ignore warnings.
-        if facility == "CONFWARN" && message.contains("gapless") {
-            tracing::debug!(facility, "librdkafka: {message}");
-            return;
-        }
-        match level {
-            RDKafkaLogLevel::Emerg
-            | RDKafkaLogLevel::Alert
-            | RDKafkaLogLevel::Critical
-            | RDKafkaLogLevel::Error => tracing::error!(facility, "librdkafka: {message}"),
-            RDKafkaLogLevel::Warning => tracing::warn!(facility, "librdkafka: {message}"),
-            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
-                tracing::info!(facility, "librdkafka: {message}")
-            }
-            RDKafkaLogLevel::Debug => tracing::debug!(facility, "librdkafka: {message}"),
-        }
-    }
-}
 
 type RelayProducer = FutureProducer<LogContext>;
 
@@ -71,7 +46,7 @@ impl KafkaSink {
     /// Creates the producer and checks that a broker answers.
     pub async fn connect(config: &KafkaConfig) -> Result<Self, SinkError> {
         let producer: RelayProducer = client_config(config)
-            .create_with_context(LogContext)
+            .create_with_context(LogContext::default())
             .map_err(|e| {
                 SinkError::Fatal(format!(
                     "cannot create the Kafka producer: {e}{}",
@@ -387,7 +362,7 @@ mod tests {
     fn a_refused_file_is_reported_by_its_key() {
         let config = kafka("security_protocol = \"ssl\"\nssl_ca = \"/nonexistent/ca.pem\"\n");
         let e = client_config(&config)
-            .create_with_context::<_, RelayProducer>(LogContext)
+            .create_with_context::<_, RelayProducer>(LogContext::default())
             .err()
             .expect("librdkafka refuses a CA file that does not exist");
         assert!(

@@ -36,6 +36,7 @@
 
 mod amqps;
 mod kafka;
+mod kafka_log;
 mod rabbitmq;
 
 pub use kafka::KafkaSink;

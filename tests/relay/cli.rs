@@ -128,8 +128,10 @@ fn bad_configuration_exits_2_naming_the_key() {
     );
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("source.batch_size: 0 is out of range"),
-        "environment overrides are validated: {err}"
+        err.contains(
+            "source.batch_size (set by OUTBOX_RELAY__SOURCE__BATCH_SIZE): 0 is out of range; use 1 to 10000"
+        ),
+        "environment overrides are validated, and blamed on their variable: {err}"
     );
     assert!(!err.contains("s3cret"), "{err}");
 

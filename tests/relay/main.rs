@@ -13,6 +13,7 @@ mod delivery;
 mod duplicates;
 mod failures;
 mod fencing;
+mod logs;
 mod memory;
 mod migrations;
 mod operations;

@@ -200,6 +200,16 @@ impl<B: CdcServer> CdcReader<B> {
         }
     }
 
+    /// Runs the setup checks and opens the slot now rather than at the first
+    /// read, so that a missing publication or slot is reported before the
+    /// relay says it is active.
+    pub async fn begin(&mut self) -> Result<(), SourceError> {
+        if matches!(self.phase, Phase::Start) {
+            self.start().await?;
+        }
+        Ok(())
+    }
+
     /// Checks, slot, and the choice of the first phase.
     async fn start(&mut self) -> Result<(), SourceError> {
         let slot_flushed = self.prepare().await?;

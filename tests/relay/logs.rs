@@ -1,0 +1,131 @@
+//! What the relay's log says at first contact: the relay's own message, not a
+//! library's chatter, and "active" only once events can flow.
+
+use crate::support::*;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Runs `outbox-relay run` at the default log level (no `RUST_LOG`) for at
+/// least `min` and until `done` holds for its log, or `max` has passed;
+/// stops it with SIGTERM and returns the log.
+fn run_and_read_log(
+    config_toml: &str,
+    min: Duration,
+    max: Duration,
+    done: impl Fn(&str) -> bool,
+) -> String {
+    let dir = std::env::temp_dir().join(unique("outbox-relay-logs-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("relay.toml");
+    std::fs::write(&config, config_toml).unwrap();
+    let log_path = dir.join("relay.log");
+    let log_file = std::fs::File::create(&log_path).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .env_remove("RUST_LOG")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(log_file)
+        .spawn()
+        .expect("start outbox-relay");
+    let start = Instant::now();
+    let read = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    while start.elapsed() < max {
+        if start.elapsed() >= min && done(&read()) {
+            break;
+        }
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let stopping = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if stopping.elapsed() > WAIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "relay did not exit within {WAIT:?} of SIGTERM; log:\n{}",
+                read()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    read()
+}
+
+/// A port on which nothing listens.
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+#[tokio::test]
+async fn with_kafka_down_the_log_shows_the_relays_warning_not_librdkafkas_chatter() {
+    let db = TestDb::new().await;
+    let port = closed_port();
+    let toml = base_toml(
+        &db.url,
+        &format!("[sink]\ntype = \"kafka\"\nbrokers = \"127.0.0.1:{port}\"\n"),
+    );
+    db.migrate(&parse(&toml)).await;
+    let warning = format!("cannot reach Kafka at 127.0.0.1:{port}");
+    let log = run_and_read_log(
+        &toml,
+        Duration::from_secs(6),
+        Duration::from_secs(30),
+        |log| log.contains(&warning),
+    );
+    let librdkafka = log.lines().filter(|l| l.contains("librdkafka")).count();
+    // librdkafka reports every connection attempt, dozens a second: over six
+    // seconds that was hundreds of lines around the relay's one warning.
+    assert!(
+        librdkafka <= 3,
+        "{librdkafka} librdkafka lines in the log:\n{log}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains("relay interrupted") && l.contains(&warning)),
+        "the relay's warning is missing:\n{log}"
+    );
+    assert!(
+        log.lines().count() <= 12,
+        "the log is longer than a few lines:\n{log}"
+    );
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn cdc_says_active_only_after_its_setup_checks_pass() {
+    let db = TestDb::new().await;
+    let sink = format!(
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
+        amqp_url()
+    );
+    let polling = base_toml(&db.url, &sink);
+    // The table, but no publication: migrate in polling mode creates none.
+    db.migrate(&parse(&polling)).await;
+    let cdc = set(&polling, "source.mode", "\"cdc\"");
+    let cdc = set(&cdc, "source.cdc.slot", &format!("\"{}\"", unique("slot_")));
+    let setup_error = "does not exist; run `outbox-relay migrate`";
+    let log = run_and_read_log(&cdc, Duration::ZERO, WAIT, |log| log.contains(setup_error));
+    assert!(
+        log.contains("publication") && log.contains(setup_error),
+        "the missing publication is not reported:\n{log}"
+    );
+    assert!(
+        !log.contains("active:"),
+        "the relay said it was active before its setup checks passed:\n{log}"
+    );
+
+    // Once migrate has created the publication, it is active, and says so.
+    db.migrate(&parse(&cdc)).await;
+    let active = "active: relaying events from the replication slot";
+    let log = run_and_read_log(&cdc, Duration::ZERO, WAIT, |log| log.contains(active));
+    assert!(log.contains(active), "{log}");
+    drop_database(&db.name).await;
+}
