@@ -14,6 +14,9 @@ SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_
 SELECT format('DROP DATABASE IF EXISTS %I WITH (FORCE)', datname) FROM pg_database WHERE datname LIKE 't\_%' \gexec
 SQL
 
+# The tools that check the deployment files (tests/deploy.rs); a missing one fails its test.
+scripts/deploy-checks.sh install
+
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked --features failpoints -- -D warnings
 if cargo nextest --version >/dev/null 2>&1; then
