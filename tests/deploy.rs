@@ -592,6 +592,31 @@ fn every_alert_is_unit_tested_firing_and_not_firing() {
 }
 
 #[test]
+fn the_operations_guide_links_the_files_instead_of_copying_them() {
+    let guide = read("docs/operations.md");
+    for file in [
+        "deploy/prometheus/alerts.yml",
+        "deploy/kubernetes",
+        "deploy/systemd/outbox-relay.service",
+        "deploy/grafana/outbox-relay.json",
+    ] {
+        assert!(
+            guide.contains(file),
+            "docs/operations.md does not mention {file}"
+        );
+    }
+    assert!(
+        !guide.contains("- alert: "),
+        "alert rules copied into the guide"
+    );
+    assert!(!guide.contains("[Service]"), "a unit copied into the guide");
+    assert!(
+        !guide.contains("kind: Deployment"),
+        "a manifest copied into the guide"
+    );
+}
+
+#[test]
 fn the_dashboard_uses_only_metrics_the_relay_exports() {
     let dashboard: Value = serde_json::from_str(&read("deploy/grafana/outbox-relay.json"))
         .expect("the dashboard is JSON");
