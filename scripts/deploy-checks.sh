@@ -43,7 +43,8 @@ install_tools() {
     apt_update
     local deb
     deb=$(mktemp -d)
-    chmod 0755 "$deb"
+    # As root, apt downloads as its own user, which must be able to write here.
+    if [ "$(id -u)" -eq 0 ] && id _apt >/dev/null 2>&1; then chown _apt "$deb"; fi
     (cd "$deb" && apt-get download -qq prometheus)
     dpkg-deb -x "$deb"/prometheus_*.deb "$deb/root"
     mkdir -p "$tools/bin"
