@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks of the deployment files under deploy/ (tests/deploy.rs), and the
+# The checks of the deployment files under deploy/ (tests/deploy/), and the
 # tools they run: systemd-analyze, promtool and kubernetes-validate.
 #
 #   scripts/deploy-checks.sh install   install the tools that are missing
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
 
-# Tools not installed system-wide go here (tests/deploy.rs looks here too):
+# Tools not installed system-wide go here (tests/deploy/ looks here too):
 # promtool, and kubernetes-validate in a virtual environment of its own.
 tools=/var/tmp/outbox-relay-tools
 

@@ -14,7 +14,7 @@ SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_
 SELECT format('DROP DATABASE IF EXISTS %I WITH (FORCE)', datname) FROM pg_database WHERE datname LIKE 't\_%' \gexec
 SQL
 
-# The tools that check the deployment files (tests/deploy.rs); a missing one fails its test.
+# The tools that check the deployment files (tests/deploy/); a missing one fails its test.
 scripts/deploy-checks.sh install
 
 cargo fmt --all -- --check
