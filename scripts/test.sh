@@ -20,6 +20,9 @@ SELECT format('DROP DATABASE IF EXISTS %I WITH (FORCE)', datname) FROM pg_databa
 SQL
 done
 
+# The tools that check the deployment files (tests/deploy/); a missing one fails its test.
+scripts/deploy-checks.sh install
+
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked --features failpoints -- -D warnings
 if cargo nextest --version >/dev/null 2>&1; then

@@ -13,6 +13,11 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
+/// The paths served; the deployment files under deploy/ probe and scrape them.
+pub const METRICS_PATH: &str = "/metrics";
+pub const HEALTHZ_PATH: &str = "/healthz";
+pub const READYZ_PATH: &str = "/readyz";
+
 #[derive(Clone)]
 struct Endpoints {
     health: Arc<Health>,
@@ -41,9 +46,9 @@ pub async fn bind(
         });
     }
     let app = Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
+        .route(METRICS_PATH, get(metrics))
+        .route(HEALTHZ_PATH, get(|| async { "ok\n" }))
+        .route(READYZ_PATH, get(readyz))
         .with_state(Endpoints { health, prometheus });
     Ok(async move {
         let served = axum::serve(listener, app)

@@ -22,6 +22,29 @@ pub const ACTIVE: &str = "outbox_relay_active";
 pub const RESTARTS: &str = "outbox_relay_restarts_total";
 pub const LAST_PUBLISH: &str = "outbox_relay_last_publish_timestamp_seconds";
 
+/// Every metric name above, for the checks that dashboards and alert rules
+/// only use what the relay exports.
+pub const ALL: &[&str] = &[
+    EVENTS_PUBLISHED,
+    EVENTS_FAILED,
+    EVENTS_DEAD_LETTERED,
+    DEAD_LETTERS,
+    BACKLOG,
+    OLDEST_UNSENT_AGE,
+    COMMIT_TO_CONFIRM,
+    BATCH_SIZE,
+    IN_FLIGHT,
+    IN_FLIGHT_BYTES,
+    SLOT_RETAINED_WAL,
+    SLOT_CONFIRMED_LAG,
+    RETENTION_DELETED,
+    ACTIVE,
+    RESTARTS,
+    LAST_PUBLISH,
+];
+/// The histograms among them: exported as `_bucket`, `_sum` and `_count` series.
+pub const HISTOGRAMS: &[&str] = &[COMMIT_TO_CONFIRM, BATCH_SIZE];
+
 /// Buckets of the latency histogram, in seconds.
 pub const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,

@@ -5,6 +5,7 @@
 #[macro_use]
 mod support;
 
+mod alert_metrics;
 mod cdc;
 mod chaos;
 mod cli;

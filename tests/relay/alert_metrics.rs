@@ -1,0 +1,188 @@
+//! The gauges the alert rules (deploy/prometheus/alerts.yml) and the dashboard
+//! read, scraped from a running relay while it falls behind: the age of the
+//! oldest unsent event and the WAL a CDC slot retains. And the names the relay
+//! declares are exactly those it exports.
+
+use crate::support::proxy::{CutBroker, free_port};
+use crate::support::*;
+use outbox_relay::telemetry::metrics;
+use serde_json::json;
+use std::collections::BTreeSet;
+use std::time::Instant;
+use uuid::Uuid;
+
+const P: &str = "{pipeline=\"default\"}";
+
+/// The relay's gauge `name` of the default pipeline, from one scrape.
+async fn gauge(port: u16, name: &str) -> Option<f64> {
+    let (code, body) = http_get(port, "/metrics").await?;
+    if code != 200 {
+        return None;
+    }
+    metric(&body, &format!("{name}{P}"))
+}
+
+async fn wait_active(port: u16) {
+    wait_for(WAIT, "the relay to be active", || async {
+        let (code, body) = http_get(port, "/readyz").await?;
+        (code == 200 && body == "default: active\n").then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oldest_unsent_age_grows_while_the_broker_is_unreachable() {
+    let broker = CutBroker::new(Kind::Rabbit).await;
+    let db = TestDb::new().await;
+    let toml = base_toml(&db.url, &broker.sink);
+    db.migrate(&parse(&toml)).await;
+    let port = free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    wait_active(port).await;
+    // The cut comes once the relay publishes (not during its start-up).
+    let warm_up = Uuid::new_v4();
+    db.insert(warm_up, "order", "w", json!({})).await;
+    broker.inbox.wait_ids(&[warm_up.to_string()], WAIT).await;
+    wait_for(WAIT, "a healthy relay to report age 0", || async {
+        (gauge(port, metrics::OLDEST_UNSENT_AGE).await? == 0.0).then_some(())
+    })
+    .await;
+
+    broker.proxy().cut();
+    let cut = Instant::now();
+    let ids = ids(3);
+    for (i, id) in ids.iter().enumerate() {
+        db.insert(*id, "order", &format!("a{i}"), json!({})).await;
+    }
+    let first = wait_for(WAIT, "the age of the unsent rows to show", || async {
+        let backlog = gauge(port, metrics::BACKLOG).await?;
+        let age = gauge(port, metrics::OLDEST_UNSENT_AGE).await?;
+        (backlog == 3.0 && age >= 2.0).then_some(age)
+    })
+    .await;
+    assert!(
+        first <= cut.elapsed().as_secs_f64() + 1.0,
+        "the age ({first}s) is counted from the rows' created_at, after the cut"
+    );
+    wait_for(WAIT, "the age to keep growing", || async {
+        (gauge(port, metrics::OLDEST_UNSENT_AGE).await? >= first + 2.0).then_some(())
+    })
+    .await;
+
+    broker.proxy().restore();
+    wait_for(WAIT, "age and backlog back to 0", || async {
+        let backlog = gauge(port, metrics::BACKLOG).await?;
+        let age = gauge(port, metrics::OLDEST_UNSENT_AGE).await?;
+        (backlog == 0.0 && age == 0.0).then_some(())
+    })
+    .await;
+    broker.inbox.wait_ids(&strings(&ids), WAIT).await;
+    assert_eq!(relay.terminate().code(), Some(0));
+    db.drop_db().await;
+}
+
+/// Random text that compression cannot shrink much, so its WAL is about its size.
+fn incompressible(len: usize) -> String {
+    std::iter::repeat_with(fastrand::alphanumeric)
+        .take(len)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slot_retains_wal_while_cdc_is_behind() {
+    const WRITTEN: usize = 20 * 64 * 1024;
+    // What the rows must at least add to the WAL, allowing for compression.
+    const AT_LEAST: f64 = (WRITTEN / 2) as f64;
+    let broker = CutBroker::new(Kind::Rabbit).await;
+    let db = TestDb::new().await;
+    let toml = with_mode(&base_toml(&db.url, &broker.sink), Mode::Cdc);
+    // Without marking, the slot is the only record of what is unsent, so it
+    // must keep the WAL of every unconfirmed event; the flushed position is
+    // reported every max_in_flight confirmations.
+    let toml = set(&toml, "relay.mark", "\"none\"");
+    let toml = set(&toml, "relay.max_in_flight", "10");
+    db.migrate(&parse(&toml)).await;
+    let port = free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    wait_active(port).await;
+    let warm_up = Uuid::new_v4();
+    db.insert(warm_up, "order", "w", json!({})).await;
+    broker.inbox.wait_ids(&[warm_up.to_string()], WAIT).await;
+    wait_for(WAIT, "the slot gauges to show", || async {
+        gauge(port, metrics::SLOT_RETAINED_WAL).await
+    })
+    .await;
+
+    broker.proxy().cut();
+    let lsn = |sql: &'static str| {
+        let client = &db.client;
+        async move {
+            client
+                .query_one(sql, &[])
+                .await
+                .expect(sql)
+                .get::<_, String>(0)
+        }
+    };
+    let start = lsn("SELECT pg_current_wal_lsn()::text").await;
+    let ids = ids(20);
+    for (i, id) in ids.iter().enumerate() {
+        let blob = incompressible(WRITTEN / 20);
+        db.insert(*id, "order", &format!("a{i}"), json!({ "blob": blob }))
+            .await;
+    }
+    // WAL written since the cut (the cluster's, the rows' included): none of
+    // it can have been confirmed, so the slot keeps all of it.
+    let behind: f64 = db
+        .client
+        .query_one(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8",
+            &[&start],
+        )
+        .await
+        .expect("WAL written since the cut")
+        .get(0);
+    assert!(
+        behind >= AT_LEAST,
+        "{behind} bytes of WAL for {WRITTEN} bytes of rows"
+    );
+    wait_for(WAIT, "the slot to retain the unsent rows' WAL", || async {
+        let retained = gauge(port, metrics::SLOT_RETAINED_WAL).await?;
+        let lag = gauge(port, metrics::SLOT_CONFIRMED_LAG).await?;
+        (retained >= behind && lag >= behind).then_some(())
+    })
+    .await;
+
+    broker.proxy().restore();
+    broker.inbox.wait_ids(&strings(&ids), WAIT).await;
+    wait_for(WAIT, "the confirmed position to catch up", || async {
+        (gauge(port, metrics::SLOT_CONFIRMED_LAG).await? < AT_LEAST).then_some(())
+    })
+    .await;
+
+    // Every name the relay declares is exported, and nothing else.
+    let (_, text) = http_get(port, "/metrics").await.expect("a scrape");
+    let scraped: BTreeSet<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .filter(|n| n.starts_with("outbox_relay_"))
+        .collect();
+    let declared: BTreeSet<String> = metrics::ALL
+        .iter()
+        .flat_map(|name| {
+            if metrics::HISTOGRAMS.contains(name) {
+                ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .map(|s| format!("{name}{s}"))
+                    .collect()
+            } else {
+                vec![(*name).to_owned()]
+            }
+        })
+        .collect();
+    let declared: BTreeSet<&str> = declared.iter().map(String::as_str).collect();
+    assert_eq!(scraped, declared, "{text}");
+    assert_eq!(relay.terminate().code(), Some(0));
+    drop_database(&db.name).await;
+}
