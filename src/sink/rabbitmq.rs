@@ -168,9 +168,26 @@ async fn connect_error(config: &RabbitMqConfig, shown: &str, e: &lapin::Error) -
     ))
 }
 
+/// The longest a connection may take to open with its channel in confirm
+/// mode: a broker that accepts TCP and then says nothing (a half-open
+/// connection, a broker still starting) must not hold the relay forever.
+const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(15);
+
 impl RabbitMqSink {
     pub async fn connect(config: &RabbitMqConfig) -> Result<Self, SinkError> {
         let shown = redact_url(config.url.expose());
+        match tokio::time::timeout(CONNECT_LIMIT, Self::open(config, &shown)).await {
+            Ok(result) => result,
+            Err(_) => Err(SinkError::Unavailable(format!(
+                "RabbitMQ at {shown} did not complete the connection within {}s (the server accepted it and went silent); \
+                 check sink.url points at an AMQP port and that the broker is healthy",
+                CONNECT_LIMIT.as_secs()
+            ))),
+        }
+    }
+
+    async fn open(config: &RabbitMqConfig, shown: &str) -> Result<Self, SinkError> {
+        let shown = shown.to_owned();
         let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
         let tls = amqps::tls_config(config)?;
         let runtime = lapin::runtime::default_runtime()

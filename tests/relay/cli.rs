@@ -105,6 +105,39 @@ async fn check_reports_unreachable_services() {
     db.drop_db().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_accepts_and_goes_silent_is_reported_not_waited_for() {
+    let db = TestDb::new().await;
+    // Accepts connections and never answers: a half-open connection, or a
+    // port that is not an AMQP server's.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let held = std::thread::spawn(move || {
+        let mut open = Vec::new();
+        for stream in silent.incoming().take(4) {
+            open.push(stream);
+        }
+        std::thread::sleep(std::time::Duration::from_secs(60));
+    });
+    let toml = base_toml(
+        &db.url,
+        &format!(
+            "[sink]\ntype = \"rabbitmq\"\nurl = \"amqp://guest:guest@127.0.0.1:{port}/%2f\"\n"
+        ),
+    );
+    let path = write_config(&toml);
+    let started = std::time::Instant::now();
+    let (code, out, _) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("[FAIL] broker") && out.contains("did not complete the connection within 15s"),
+        "{out}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(40));
+    drop(held);
+    db.drop_db().await;
+}
+
 #[test]
 fn bad_configuration_exits_2_naming_the_key() {
     let path = write_config(
