@@ -80,7 +80,10 @@ impl Backend for SimBackend {
                     "created_at".into(),
                 ]);
                 let reader = CdcReader::new(
-                    SimCdc::new(self.world.clone()),
+                    SimCdc::new(
+                        self.world.clone(),
+                        config.source.cdc.recreates_lost_slot(config.relay.mark),
+                    ),
                     &config.outbox.table,
                     &columns,
                     CdcSettings::from_config(config),

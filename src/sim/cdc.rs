@@ -33,14 +33,17 @@ const KEEPALIVE: Duration = Duration::from_secs(1);
 
 pub struct SimCdc {
     world: Shared,
+    /// `source.cdc.on_lost_slot` resolves to recreate.
+    recreate_lost_slot: bool,
     /// The start-up read's snapshot: the unsent rows it sees.
     snapshot: Option<Vec<Row>>,
 }
 
 impl SimCdc {
-    pub fn new(world: Shared) -> Self {
+    pub fn new(world: Shared, recreate_lost_slot: bool) -> Self {
         SimCdc {
             world,
+            recreate_lost_slot,
             snapshot: None,
         }
     }
@@ -51,9 +54,20 @@ impl CdcServer for SimCdc {
 
     async fn prepare(&mut self) -> Result<Lsn, SourceError> {
         self.snapshot = None;
-        let w = lock(&self.world);
+        let mut w = lock(&self.world);
         if w.slot_active.is_some() {
             return Err(SourceError::SlotBusy("sim".into()));
+        }
+        if w.slot_lost {
+            if !self.recreate_lost_slot {
+                return Err(SourceError::Setup("the slot is lost".into()));
+            }
+            // A new slot starts at the current end of the WAL: what the lost
+            // WAL held must come from the start-up read.
+            w.slot_lost = false;
+            w.slot_confirmed = w.insert_lsn();
+            let at = w.slot_confirmed;
+            w.note(format!("lost slot recreated at {at}"));
         }
         Ok(w.slot_confirmed)
     }

@@ -555,6 +555,17 @@ async fn fault(
         0 | 1 => {
             instances[i].crash(world).await;
             tokio::time::sleep(Duration::from_millis(rng.u64(0..1_500))).await;
+            // While no relay streams, WAL the slot needed may be removed
+            // (max_slot_wal_keep_size); with rows marked the relay recreates
+            // the slot and the table holds what the lost WAL did.
+            if params.mode == SourceMode::Cdc && params.mark != MarkMode::None && rng.u32(0..4) == 0
+            {
+                let mut w = lock(world);
+                if w.slot_active.is_none() {
+                    w.note("the slot is lost".into());
+                    w.slot_lost = true;
+                }
+            }
             instances[i] = Instance::start(world, config, instances[i].id);
         }
         2 => {

@@ -165,6 +165,8 @@ pub struct World {
     /// Aggregates whose dead-letter lock a redrive holds.
     pub redrive_locks: BTreeSet<String>,
     pub slot_confirmed: Lsn,
+    /// PostgreSQL removed WAL the slot still needed (`wal_status = lost`).
+    pub slot_lost: bool,
     /// The stream currently reading the slot.
     pub slot_active: Option<u64>,
     next_stream: u64,
@@ -224,6 +226,7 @@ impl World {
             letters: Vec::new(),
             redrive_locks: BTreeSet::new(),
             slot_confirmed: Lsn(0x1000),
+            slot_lost: false,
             slot_active: None,
             next_stream: 1,
             lock_reign: None,
