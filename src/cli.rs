@@ -253,21 +253,26 @@ pub async fn main(cli: Cli) -> ExitCode {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            let mut code = ExitCode::SUCCESS;
+            let mut passed = true;
             for c in each(&configs) {
-                let result = crate::check::run(c).await;
-                if result != ExitCode::SUCCESS {
-                    code = result;
-                }
+                passed &= crate::check::run(c).await;
             }
-            code
+            if passed {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(EXIT_FAILURE)
+            }
         }
         Command::Status { config, json } => {
             let configs = match load_all(&config) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            crate::status::command(&configs, json).await
+            if crate::status::command(&configs, json).await {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(EXIT_FAILURE)
+            }
         }
         Command::Dlq { command } => run_dlq(command).await,
         Command::Retention {

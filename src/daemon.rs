@@ -50,7 +50,7 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
     for config in configs {
         let t = PipelineTelemetry::new(&config);
         health.register(t.health.clone());
-        tasks.spawn(telemetry::sample(
+        tasks.spawn(crate::status::sample(
             config.clone(),
             t.clone(),
             shutdown.clone(),

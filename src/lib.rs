@@ -8,10 +8,12 @@
 //! - [`source`]: the polling reader (and the replication client for CDC), and
 //!   the acker that records progress.
 //! - [`sink`]: Kafka and RabbitMQ, with the delivery contract.
-//! - [`relay`]: ownership, the pipeline between source and sink, retries.
+//! - [`relay`]: ownership, the pipeline between source and sink.
+//! - [`backoff`]: the retry schedule shared by the pipeline and retention.
 //! - [`retention`]: the scheduled cleanup of sent rows and resolved dead letters.
 //! - [`check`], [`cli`], [`shutdown`], [`telemetry`]: the binary's edges.
 
+pub mod backoff;
 pub mod check;
 pub mod cli;
 pub mod config;

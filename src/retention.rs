@@ -33,11 +33,11 @@
 //! run. A run repeated (after a crash, or from cron beside `run`) is harmless:
 //! it deletes what is still eligible.
 
+use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode};
 use crate::db::DbError;
 use crate::outbox::migrate::sent_index;
 use crate::outbox::{SENT_AT_COLUMN, TableName, quote_ident};
-use crate::relay::Backoff;
 use crate::telemetry::metrics::PipelineMetrics;
 use chrono::{DateTime, Utc};
 use std::time::Duration;
@@ -87,7 +87,7 @@ impl RetentionError {
 
 /// The key of the session advisory lock held while cleaning `table`.
 pub fn lock_key(table: &TableName) -> String {
-    format!("{}:retention", crate::source::ownership_key(table))
+    format!("{}:retention", crate::outbox::ownership_key(table))
 }
 
 /// A connection for the cleanup: `database.*`, plus a short `lock_timeout`.
@@ -477,7 +477,7 @@ mod tests {
     #[test]
     fn the_lock_is_not_the_ownership_lock() {
         let t = TableName::new("public", "outbox");
-        assert_ne!(lock_key(&t), crate::source::ownership_key(&t));
+        assert_ne!(lock_key(&t), crate::outbox::ownership_key(&t));
         assert!(lock_key(&t).ends_with(":retention"));
     }
 }

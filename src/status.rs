@@ -4,9 +4,9 @@
 
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::db::DbError;
+use crate::outbox::ownership_key;
 use crate::outbox::{SENT_AT_COLUMN, SEQ_COLUMN, quote_ident};
 use crate::source::cdc::setup;
-use crate::source::ownership_key;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use tokio_postgres::Client;
@@ -261,7 +261,8 @@ pub fn render(s: &Snapshot) -> String {
 
 /// `outbox-relay status`: a block (or a JSON object) per pipeline; exit 1 if
 /// the database cannot be read.
-pub async fn command(configs: &[Config], json: bool) -> std::process::ExitCode {
+/// Prints each pipeline's status; true when every one could be read.
+pub async fn command(configs: &[Config], json: bool) -> bool {
     let mut failed = false;
     for config in configs {
         let snapshot = match crate::db::connect(&config.database, None).await {
@@ -277,9 +278,48 @@ pub async fn command(configs: &[Config], json: bool) -> std::process::ExitCode {
             }
         }
     }
-    if failed {
-        std::process::ExitCode::from(crate::cli::EXIT_FAILURE)
-    } else {
-        std::process::ExitCode::SUCCESS
+    !failed
+}
+
+/// Refreshes the backlog, oldest-unsent, dead-letter and slot gauges until `shutdown`.
+pub async fn sample(
+    config: Config,
+    telemetry: crate::telemetry::PipelineTelemetry,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    let m = &telemetry.metrics;
+    let mut client: Option<tokio_postgres::Client> = None;
+    loop {
+        m.active.set(if telemetry.health.is_active() {
+            1.0
+        } else {
+            0.0
+        });
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = crate::db::connect(&config.database, None).await.ok();
+        }
+        if let Some(c) = &client {
+            match snapshot(c, &config, false).await {
+                Ok(s) => {
+                    m.backlog.set(s.backlog as f64);
+                    m.oldest_unsent_age
+                        .set(s.oldest_unsent_age_seconds.unwrap_or(0.0));
+                    if let Some(n) = s.dead_letters {
+                        m.dead_letters.set(n as f64);
+                    }
+                    if let Some(slot) = s.slot {
+                        m.slot_retained_wal
+                            .set(slot.retained_wal_bytes.unwrap_or(0) as f64);
+                        m.slot_confirmed_lag
+                            .set(slot.confirmed_lag_bytes.unwrap_or(0) as f64);
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "metrics sample failed"),
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(config.http.sample_interval) => {}
+        }
     }
 }

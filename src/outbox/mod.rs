@@ -115,6 +115,12 @@ impl<'de> Deserialize<'de> for TableName {
     }
 }
 
+/// The key of the session advisory lock that makes one instance active per
+/// outbox (the pipeline takes it; `status`, `check` and retention read it).
+pub fn ownership_key(table: &TableName) -> String {
+    format!("outbox-relay:{table}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

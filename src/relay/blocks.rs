@@ -14,7 +14,7 @@
 //! than at every reconnect. An aggregate whose event went to the dead-letter
 //! table stays blocked ("dead") until an operator redrives or drops it.
 
-use super::backoff;
+use crate::backoff;
 use chrono::{DateTime, Utc};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;

@@ -8,7 +8,6 @@
 //! Because marking uses that same session, an instance that lost the lock
 //! (its session was terminated, its network cut) cannot mark rows any more.
 
-mod backoff;
 pub mod blocks;
 pub mod lease;
 pub(crate) mod pipeline;
@@ -17,7 +16,6 @@ pub mod scheduler;
 pub mod shards;
 pub(crate) mod supervise;
 
-pub use backoff::Backoff;
 pub use pipeline::{PipelineError, Settings};
 pub use postgres::Postgres;
 pub use supervise::{Backend, Owned};

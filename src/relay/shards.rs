@@ -137,7 +137,7 @@ pub async fn run(
 
 /// Holds a member lock and keeps the target share up to date.
 async fn count_members(config: Config, balance: Arc<Balance>, shutdown: CancellationToken) {
-    let base = crate::source::ownership_key(&config.outbox.table);
+    let base = crate::outbox::ownership_key(&config.outbox.table);
     let count = config.relay.shards as usize;
     loop {
         match member_session(&config, &base, count).await {

@@ -6,10 +6,11 @@
 //! is the real backend; the pipeline simulation drives this same supervisor
 //! with an in-memory one.
 
+use super::RelayError;
 use super::blocks::Blocks;
 use super::lease::Lease;
 use super::shards::{Balance, Shard};
-use super::{Backoff, RelayError};
+use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::source::cdc::{self, Progress, SharedProgress};
 use crate::source::replication::Lsn;

@@ -19,7 +19,7 @@ pub mod replication;
 pub(crate) mod rows;
 
 use crate::db::DbError;
-use crate::outbox::{OutboxEvent, RowError, TableName};
+use crate::outbox::{OutboxEvent, RowError};
 use std::fmt::Debug;
 use std::future::Future;
 use std::hash::Hash;
@@ -240,9 +240,4 @@ pub trait Acker: Send + 'static {
     fn heartbeat(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send {
         async { Ok(()) }
     }
-}
-
-/// The key of the session advisory lock that makes one instance active per outbox.
-pub fn ownership_key(table: &TableName) -> String {
-    format!("outbox-relay:{table}")
 }

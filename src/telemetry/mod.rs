@@ -39,7 +39,6 @@ pub mod metrics;
 
 use crate::config::Config;
 use std::sync::Arc;
-use tokio_util::sync::CancellationToken;
 
 /// A pipeline's health and metric handles, shared by its tasks.
 #[derive(Clone)]
@@ -53,45 +52,6 @@ impl PipelineTelemetry {
         PipelineTelemetry {
             health: health::PipelineHealth::new(&config.name, config.relay.confirm_timeout),
             metrics: metrics::PipelineMetrics::new(&config.name, config.sink.kind()),
-        }
-    }
-}
-
-/// Refreshes the backlog, oldest-unsent, dead-letter and slot gauges until `shutdown`.
-pub async fn sample(config: Config, telemetry: PipelineTelemetry, shutdown: CancellationToken) {
-    let m = &telemetry.metrics;
-    let mut client: Option<tokio_postgres::Client> = None;
-    loop {
-        m.active.set(if telemetry.health.is_active() {
-            1.0
-        } else {
-            0.0
-        });
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = crate::db::connect(&config.database, None).await.ok();
-        }
-        if let Some(c) = &client {
-            match crate::status::snapshot(c, &config, false).await {
-                Ok(s) => {
-                    m.backlog.set(s.backlog as f64);
-                    m.oldest_unsent_age
-                        .set(s.oldest_unsent_age_seconds.unwrap_or(0.0));
-                    if let Some(n) = s.dead_letters {
-                        m.dead_letters.set(n as f64);
-                    }
-                    if let Some(slot) = s.slot {
-                        m.slot_retained_wal
-                            .set(slot.retained_wal_bytes.unwrap_or(0) as f64);
-                        m.slot_confirmed_lag
-                            .set(slot.confirmed_lag_bytes.unwrap_or(0) as f64);
-                    }
-                }
-                Err(e) => tracing::debug!(error = %e, "metrics sample failed"),
-            }
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(config.http.sample_interval) => {}
         }
     }
 }
