@@ -3,7 +3,8 @@
 //! oldest unsent event and the WAL a CDC slot retains. And the names the relay
 //! declares are exactly those it exports.
 
-use crate::support::proxy::{CutBroker, free_port};
+use crate::kit::free_port;
+use crate::support::proxy::CutBroker;
 use crate::support::*;
 use outbox_relay::telemetry::metrics;
 use serde_json::json;

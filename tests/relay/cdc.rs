@@ -1,8 +1,8 @@
 //! What only the CDC source has: slots, WAL retention, start-up reads,
 //! large transactions, server restarts, and their errors.
 
+use crate::kit::cluster::PrivatePg;
 use crate::support::brokers::{KafkaTopics, Received};
-use crate::support::pg::PrivatePg;
 use crate::support::*;
 use serde_json::json;
 use std::collections::HashSet;
@@ -301,7 +301,7 @@ async fn a_publication_without_relay_seq_is_refused_while_marking() {
         ))
         .await
         .unwrap();
-    let port = crate::support::proxy::free_port();
+    let port = crate::kit::free_port();
     let mut relay = ChildRelay::start(&with_http(&toml, port));
     // Streamed (not read at start-up): inserted once the relay is streaming.
     let slot = slot_of(&toml);
@@ -467,7 +467,7 @@ async fn a_lost_slot_is_recreated_and_nothing_is_lost() {
         out.contains("[warn] slot") && out.contains("is lost") && out.contains("recreate"),
         "{out}"
     );
-    let port = crate::support::proxy::free_port();
+    let port = crate::kit::free_port();
     let mut relay = ChildRelay::start(&with_http(&lost.toml, port));
     let got = lost.broker.inbox.wait_ids(&lost.waiting, WAIT).await;
     assert_eq!(
@@ -514,7 +514,7 @@ async fn a_lost_slot_stops_the_relay_when_told_to_until_it_is_dropped() {
             && out.contains("pg_drop_replication_slot"),
         "{out}"
     );
-    let port = crate::support::proxy::free_port();
+    let port = crate::kit::free_port();
     let mut relay = ChildRelay::start(&with_http(&lost.toml, port));
     wait_for(WAIT, "readiness to name the lost slot", || async {
         let (code, body) = http_get(port, "/readyz").await?;

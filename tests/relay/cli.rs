@@ -83,7 +83,7 @@ async fn check_names_a_missing_table_and_a_missing_column() {
 #[tokio::test]
 async fn check_reports_unreachable_services() {
     let db = TestDb::new().await;
-    let closed = crate::support::proxy::free_port();
+    let closed = crate::kit::free_port();
     let toml = base_toml(
         &format!("postgres://postgres@127.0.0.1:{closed}/nowhere"),
         &format!(
@@ -185,7 +185,7 @@ async fn check_names_a_missing_topic_for_waiting_events() {
 
 #[tokio::test]
 async fn check_reports_wrong_credentials_and_wrong_column_types() {
-    let pg = crate::support::pg::PrivatePg::start_with(
+    let pg = crate::kit::cluster::PrivatePg::start_with(
         &["--auth-host=scram-sha-256", "--auth-local=trust"],
         &["password_encryption = 'scram-sha-256'"],
     );

@@ -1,7 +1,8 @@
 //! What operators see: metrics, readiness, `status`, several pipelines in one process.
 
+use crate::kit::free_port;
 use crate::support::brokers::RabbitExchange;
-use crate::support::proxy::{CutBroker, free_port};
+use crate::support::proxy::CutBroker;
 use crate::support::*;
 use serde_json::{Value, json};
 use uuid::Uuid;

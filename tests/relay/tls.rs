@@ -5,7 +5,7 @@
 //!
 //! Each test boots its own node (about 8 s), so the two run in parallel.
 
-use crate::support::certs::{Ca, Issued};
+use crate::kit::certs::{Ca, Issued};
 use crate::support::rabbit_node::{RabbitNode, ServerTls};
 use crate::support::*;
 use lapin::options::{

@@ -11,8 +11,6 @@
 #![allow(dead_code)]
 
 pub mod brokers;
-pub mod certs;
-pub mod pg;
 pub mod proxy;
 pub mod rabbit_node;
 
@@ -49,13 +47,7 @@ pub fn relay_bin() -> std::ffi::OsString {
         .unwrap_or_else(|| env!("CARGO_BIN_EXE_outbox-relay").into())
 }
 
-/// A short random name for per-test objects.
-pub fn unique(prefix: &str) -> String {
-    format!(
-        "{prefix}{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..12]
-    )
-}
+pub use crate::kit::unique;
 
 pub async fn connect(url: &str) -> Client {
     let (client, conn) = tokio_postgres::connect(url, NoTls)
