@@ -79,7 +79,6 @@ async fn the_oldest_unsent_age_grows_while_the_broker_is_unreachable() {
     .await;
     broker.inbox.wait_ids(&strings(&ids), WAIT).await;
     assert_eq!(relay.terminate().code(), Some(0));
-    db.drop_db().await;
 }
 
 /// Random text that compression cannot shrink much, so its WAL is about its size.
@@ -185,5 +184,4 @@ async fn the_slot_retains_wal_while_cdc_is_behind() {
     let declared: BTreeSet<&str> = declared.iter().map(String::as_str).collect();
     assert_eq!(scraped, declared, "{text}");
     assert_eq!(relay.terminate().code(), Some(0));
-    drop_database(&db.name).await;
 }

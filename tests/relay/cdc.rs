@@ -74,7 +74,6 @@ async fn rows_written_before_the_slot_existed_are_published_once() {
         "one aggregate, in commit order"
     );
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -115,7 +114,6 @@ async fn a_large_transaction_is_streamed_in_bounded_batches() {
     })
     .await;
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -150,7 +148,6 @@ async fn an_idle_outbox_on_a_busy_database_does_not_pin_wal() {
     .await;
     assert!(lag < 2 * 1024 * 1024, "retained {lag} bytes");
     relay.stop().await;
-    db.drop_db().await;
 }
 
 async fn flushed(
@@ -336,7 +333,6 @@ async fn a_publication_without_relay_seq_is_refused_while_marking() {
             .any(|r| r.event_id() == id.to_string()),
         "nothing was published that could not be marked"
     );
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -584,7 +580,6 @@ async fn a_slot_busy_with_another_process_is_waited_for() {
     drop(stream);
     broker.inbox.wait_ids(&[id.to_string()], WAIT).await;
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -628,5 +623,4 @@ async fn marking_waits_until_a_streamed_transaction_is_visible() {
         .expect("goes on once it is visible")
         .unwrap()
         .unwrap();
-    db.drop_db().await;
 }

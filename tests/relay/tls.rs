@@ -284,7 +284,6 @@ async fn the_broker_certificate_is_checked_against_tls_ca() {
         status.success(),
         "SIGTERM while retrying ends cleanly: {status}"
     );
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
