@@ -8,7 +8,6 @@
 //! other PostgreSQL versions come from `scripts/pg-versions.sh`
 //! (`OUTBOX_RELAY_TEST_PG<major>`); `OUTBOX_RELAY_TEST_BIN` names the relay
 //! binary to run instead of the one cargo built.
-#![allow(dead_code)]
 
 pub mod brokers;
 pub mod proxy;
@@ -264,7 +263,6 @@ impl InProcess {
 /// The relay binary as a child process, for tests that kill it.
 pub struct ChildRelay {
     child: Child,
-    pub config_path: std::path::PathBuf,
 }
 
 impl ChildRelay {
@@ -286,7 +284,7 @@ impl ChildRelay {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start outbox-relay");
-        ChildRelay { child, config_path }
+        ChildRelay { child }
     }
 
     /// Waits for the process to exit by itself; `None` if it is still running after `limit`.
