@@ -1,11 +1,13 @@
 //! The replication client and the TLS settings against a real PostgreSQL.
 //!
-//! The binary starts its own throwaway cluster (see `cluster.rs`): one `initdb` under the
-//! temp folder, `wal_level=logical`, TLS on with a CA made here, one role per authentication
-//! method. A watchdog child stops the cluster and deletes its folder when this process exits,
+//! The binary starts its own throwaway cluster (see `cluster.rs`, built on the shared kit in
+//! `tests/kit/`): one `initdb` under the temp folder, `wal_level=logical`, TLS on with a CA
+//! made here, one role per authentication method. A watchdog child stops the cluster and deletes its folder when this process exits,
 //! however it exits. Every test uses its own database and slot, and bounds every wait.
 #[path = "replication_protocol/cluster.rs"]
 mod cluster;
+#[path = "kit/mod.rs"]
+mod kit;
 
 use bytes::Bytes;
 use cluster::{MD5_PASSWORD, PLAIN_PASSWORD, SCRAM_PASSWORD, cluster};
@@ -31,7 +33,7 @@ async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
 }
 
 fn config(user: &str, password: Option<&str>, dbname: &str) -> tokio_postgres::Config {
-    config_on("127.0.0.1", cluster().port, user, password, dbname)
+    config_on("127.0.0.1", cluster().pg.port, user, password, dbname)
 }
 
 fn config_on(
@@ -256,8 +258,8 @@ async fn identify_system_matches_the_cluster() {
 async fn unix_socket_connects() {
     let mut config = tokio_postgres::Config::new();
     config
-        .host_path(&cluster().dir)
-        .port(cluster().port)
+        .host_path(cluster().pg.dir())
+        .port(cluster().pg.port)
         .user("relay_trust")
         .dbname("postgres");
     // sslmode does not apply to Unix sockets, as in libpq.
@@ -435,7 +437,7 @@ async fn a_missing_slot_is_42704_and_hostile_names_stay_names() {
 #[tokio::test]
 async fn verify_full_accepts_the_right_ca_for_ip_and_name() {
     for host in ["127.0.0.1", "localhost"] {
-        let config = config_on(host, cluster().port, "relay_trust", None, "postgres");
+        let config = config_on(host, cluster().pg.port, "relay_trust", None, "postgres");
         let options = tls(SslMode::VerifyFull, Some(cluster().ca()));
         let mut client = connect(&config, &options)
             .await
@@ -467,7 +469,7 @@ async fn verify_full_rejects_a_foreign_ca_with_a_fix() {
 async fn only_verify_full_checks_the_host_name() {
     let mut config = config_on(
         "db.invalid",
-        cluster().port,
+        cluster().pg.port,
         "relay_trust",
         None,
         "postgres",
@@ -514,7 +516,7 @@ async fn tls_refusing_front() -> u16 {
                 let mut first = [0u8; 8];
                 client.read_exact(&mut first).await?;
                 let mut server =
-                    tokio::net::TcpStream::connect(("127.0.0.1", cluster().port)).await?;
+                    tokio::net::TcpStream::connect(("127.0.0.1", cluster().pg.port)).await?;
                 if first == SSL_REQUEST {
                     client.write_all(b"N").await?;
                 } else {
@@ -594,7 +596,7 @@ async fn tokio_postgres_uses_the_same_tls_settings() {
     async fn ssl_via_tokio_postgres(options: TlsOptions) -> Result<bool, tokio_postgres::Error> {
         let mut config = config_on(
             "localhost",
-            cluster().port,
+            cluster().pg.port,
             "relay_scram",
             Some(SCRAM_PASSWORD),
             "postgres",

@@ -3,7 +3,8 @@
 //! oldest unsent event and the WAL a CDC slot retains. And the names the relay
 //! declares are exactly those it exports.
 
-use crate::support::proxy::{CutBroker, free_port};
+use crate::kit::free_port;
+use crate::support::proxy::CutBroker;
 use crate::support::*;
 use outbox_relay::telemetry::metrics;
 use serde_json::json;
@@ -78,7 +79,6 @@ async fn the_oldest_unsent_age_grows_while_the_broker_is_unreachable() {
     .await;
     broker.inbox.wait_ids(&strings(&ids), WAIT).await;
     assert_eq!(relay.terminate().code(), Some(0));
-    db.drop_db().await;
 }
 
 /// Random text that compression cannot shrink much, so its WAL is about its size.
@@ -184,5 +184,4 @@ async fn the_slot_retains_wal_while_cdc_is_behind() {
     let declared: BTreeSet<&str> = declared.iter().map(String::as_str).collect();
     assert_eq!(scraped, declared, "{text}");
     assert_eq!(relay.terminate().code(), Some(0));
-    drop_database(&db.name).await;
 }

@@ -1,8 +1,8 @@
 //! What only the CDC source has: slots, WAL retention, start-up reads,
 //! large transactions, server restarts, and their errors.
 
+use crate::kit::cluster::PrivatePg;
 use crate::support::brokers::{KafkaTopics, Received};
-use crate::support::pg::PrivatePg;
 use crate::support::*;
 use serde_json::json;
 use std::collections::HashSet;
@@ -74,7 +74,6 @@ async fn rows_written_before_the_slot_existed_are_published_once() {
         "one aggregate, in commit order"
     );
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -115,7 +114,6 @@ async fn a_large_transaction_is_streamed_in_bounded_batches() {
     })
     .await;
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -150,7 +148,6 @@ async fn an_idle_outbox_on_a_busy_database_does_not_pin_wal() {
     .await;
     assert!(lag < 2 * 1024 * 1024, "retained {lag} bytes");
     relay.stop().await;
-    db.drop_db().await;
 }
 
 async fn flushed(
@@ -301,7 +298,7 @@ async fn a_publication_without_relay_seq_is_refused_while_marking() {
         ))
         .await
         .unwrap();
-    let port = crate::support::proxy::free_port();
+    let port = crate::kit::free_port();
     let mut relay = ChildRelay::start(&with_http(&toml, port));
     // Streamed (not read at start-up): inserted once the relay is streaming.
     let slot = slot_of(&toml);
@@ -336,7 +333,6 @@ async fn a_publication_without_relay_seq_is_refused_while_marking() {
             .any(|r| r.event_id() == id.to_string()),
         "nothing was published that could not be marked"
     );
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -467,7 +463,7 @@ async fn a_lost_slot_is_recreated_and_nothing_is_lost() {
         out.contains("[warn] slot") && out.contains("is lost") && out.contains("recreate"),
         "{out}"
     );
-    let port = crate::support::proxy::free_port();
+    let port = crate::kit::free_port();
     let mut relay = ChildRelay::start(&with_http(&lost.toml, port));
     let got = lost.broker.inbox.wait_ids(&lost.waiting, WAIT).await;
     assert_eq!(
@@ -514,7 +510,7 @@ async fn a_lost_slot_stops_the_relay_when_told_to_until_it_is_dropped() {
             && out.contains("pg_drop_replication_slot"),
         "{out}"
     );
-    let port = crate::support::proxy::free_port();
+    let port = crate::kit::free_port();
     let mut relay = ChildRelay::start(&with_http(&lost.toml, port));
     wait_for(WAIT, "readiness to name the lost slot", || async {
         let (code, body) = http_get(port, "/readyz").await?;
@@ -584,7 +580,6 @@ async fn a_slot_busy_with_another_process_is_waited_for() {
     drop(stream);
     broker.inbox.wait_ids(&[id.to_string()], WAIT).await;
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -628,5 +623,4 @@ async fn marking_waits_until_a_streamed_transaction_is_visible() {
         .expect("goes on once it is visible")
         .unwrap()
         .unwrap();
-    db.drop_db().await;
 }

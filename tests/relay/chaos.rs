@@ -6,8 +6,8 @@
 //! `OUTBOX_RELAY_CHAOS=large` runs a larger configuration; the default is
 //! sized for CI. The seed is printed; `OUTBOX_RELAY_CHAOS_SEED` replays one.
 
+use crate::kit::cluster::PrivatePg;
 use crate::support::brokers::Received;
-use crate::support::pg::PrivatePg;
 use crate::support::proxy::CutBroker;
 use crate::support::*;
 use serde_json::json;

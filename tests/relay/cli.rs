@@ -47,7 +47,6 @@ async fn migrate_dry_run_changes_nothing_and_migrate_is_idempotent() {
     let (code, out, err) = run_cli(&["check", "--config", path], &[]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("all checks passed"), "{out}");
-    db.drop_db().await;
 }
 
 #[tokio::test]
@@ -77,13 +76,11 @@ async fn check_names_a_missing_table_and_a_missing_column() {
         out.contains("column \"aggregate_id\" (outbox.columns.aggregate_id) does not exist"),
         "{out}"
     );
-    db.drop_db().await;
 }
 
 #[tokio::test]
 async fn check_reports_unreachable_services() {
-    let db = TestDb::new().await;
-    let closed = crate::support::proxy::free_port();
+    let closed = crate::kit::free_port();
     let toml = base_toml(
         &format!("postgres://postgres@127.0.0.1:{closed}/nowhere"),
         &format!(
@@ -102,7 +99,6 @@ async fn check_reports_unreachable_services() {
         !out.contains("s3cret") && !err.contains("s3cret"),
         "no secret in output: {out}{err}"
     );
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -213,12 +209,11 @@ async fn check_names_a_missing_topic_for_waiting_events() {
             )),
         "{out}"
     );
-    db.drop_db().await;
 }
 
 #[tokio::test]
 async fn check_reports_wrong_credentials_and_wrong_column_types() {
-    let pg = crate::support::pg::PrivatePg::start_with(
+    let pg = crate::kit::cluster::PrivatePg::start_with(
         &["--auth-host=scram-sha-256", "--auth-local=trust"],
         &["password_encryption = 'scram-sha-256'"],
     );
@@ -273,7 +268,6 @@ async fn check_reports_wrong_credentials_and_wrong_column_types() {
         ),
         "{out}"
     );
-    db.drop_db().await;
 }
 
 #[tokio::test]
@@ -307,5 +301,4 @@ async fn check_names_a_missing_publication_and_slot() {
     let (code, out, _) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("[ok  ] slot"), "{out}");
-    db.drop_db().await;
 }

@@ -151,7 +151,6 @@ async fn a_poison_event_is_dead_lettered_and_its_aggregate_follows(mode: Mode, k
     assert_eq!(order, expected, "redriven in order");
     assert!(dlq_list(&path).is_empty(), "nothing left open");
     relay.stop().await;
-    db.drop_db().await;
 }
 
 both_brokers!(with_wait_later_events_stay_in_the_outbox_until_the_dead_letter_is_dropped);
@@ -216,7 +215,6 @@ async fn with_wait_later_events_stay_in_the_outbox_until_the_dead_letter_is_drop
         "dropped dead letters stay on record: {all}"
     );
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -272,7 +270,6 @@ async fn an_unroutable_message_is_a_refusal_not_a_delivery() {
         letters[0]
     );
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -365,7 +362,6 @@ async fn returns_are_told_apart_when_an_adopted_table_repeats_ids() {
         "neither invoice was routed"
     );
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -416,7 +412,6 @@ async fn a_redrive_while_the_relay_runs_publishes_in_order() {
         db.insert(next, "late", "L", json!({})).await;
         broker.inbox().wait_ids(&[next.to_string()], WAIT).await;
         relay.stop().await;
-        db.drop_db().await;
     }
 }
 
@@ -534,5 +529,4 @@ async fn a_full_queue_is_back_pressure_not_a_dead_letter() {
     .await;
     assert!(dlq_list(&path).is_empty());
     relay.stop().await;
-    db.drop_db().await;
 }

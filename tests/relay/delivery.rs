@@ -81,7 +81,6 @@ async fn exact_envelope_and_headers(mode: Mode, kind: Kind) {
     })
     .await;
     relay.stop().await;
-    db.drop_db().await;
 }
 
 both_brokers!(binary_mode_carries_the_raw_payload);
@@ -111,7 +110,6 @@ async fn binary_mode_carries_the_raw_payload(mode: Mode, kind: Kind) {
         "one binding's names only"
     );
     relay.stop().await;
-    db.drop_db().await;
 }
 
 every_mode!(rolled_back_rows_are_never_published);
@@ -151,7 +149,6 @@ async fn rolled_back_rows_are_never_published(mode: Mode, kind: Kind) {
     }
     assert_eq!(got.len(), committed.len());
     relay.stop().await;
-    db.drop_db().await;
 }
 
 every_mode!(commits_out_of_sequence_order_are_not_skipped);
@@ -197,7 +194,6 @@ async fn commits_out_of_sequence_order_are_not_skipped(mode: Mode, kind: Kind) {
     })
     .await;
     relay.stop().await;
-    db.drop_db().await;
 }
 
 every_mode!(per_aggregate_order_under_concurrent_writers);
@@ -267,7 +263,6 @@ async fn per_aggregate_order_under_concurrent_writers(mode: Mode, kind: Kind) {
     }
     assert_eq!(seen.len(), total);
     relay.stop().await;
-    db.drop_db().await;
 }
 
 every_mode!(a_missing_destination_keeps_rows_unsent_until_it_exists);
@@ -337,7 +332,6 @@ async fn a_missing_destination_keeps_rows_unsent_until_it_exists(mode: Mode, kin
     })
     .await;
     relay.stop().await;
-    db.drop_db().await;
 }
 
 every_mode!(bad_rows_are_refused_and_other_aggregates_flow);
@@ -426,7 +420,6 @@ async fn bad_rows_are_refused_and_other_aggregates_flow(mode: Mode, kind: Kind) 
     }
     assert_eq!(unsent.len(), unsent_expected.len());
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -504,5 +497,4 @@ async fn a_debezium_style_table_works_through_a_column_mapping() {
     })
     .await;
     relay.stop().await;
-    db.drop_db().await;
 }

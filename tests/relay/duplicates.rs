@@ -79,7 +79,6 @@ async fn sigkills_repeat_at_most_the_window(mark: &str, bound_per_kill: usize) {
         assert!(order.windows(2).all(|w| w[0] < w[1]), "{agg}: {order:?}");
     }
     assert_eq!(child.terminate().code(), Some(0));
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,7 +55,6 @@ async fn broker_outage_leaves_rows_unsent_then_recovers(mode: Mode, kind: Kind) 
     .await;
     assert_first_deliveries_in_order(&got, &[first, second].concat());
     relay.stop().await;
-    db.drop_db().await;
 }
 
 /// Checks that the first delivery of each id follows `expected`'s order.
@@ -90,7 +89,6 @@ async fn graceful_restart_resumes_without_loss(mode: Mode, kind: Kind) {
     assert_eq!(got.len(), 60, "a clean stop and start causes no duplicates");
     assert_first_deliveries_in_order(&got, &[before, during].concat());
     relay.stop().await;
-    db.drop_db().await;
 }
 
 every_mode!(killed_relay_loses_nothing);
@@ -149,7 +147,6 @@ async fn killed_relay_loses_nothing(mode: Mode, kind: Kind) {
         assert!(order.windows(2).all(|w| w[0] < w[1]), "{agg}: {order:?}");
     }
     assert_eq!(child.terminate().code(), Some(0));
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -185,7 +182,6 @@ async fn sigterm_drains_in_flight_and_exits_zero() {
             "{id}: delivered and marked must agree"
         );
     }
-    db.drop_db().await;
 }
 
 every_mode!(standby_takes_over_when_the_active_instance_dies);
@@ -208,7 +204,6 @@ async fn standby_takes_over_when_the_active_instance_dies(mode: Mode, kind: Kind
     let after = insert_many(&db, 20, "a").await;
     broker.inbox().wait_ids(&after, WAIT).await;
     second.stop().await;
-    db.drop_db().await;
 }
 
 every_mode!(terminated_database_sessions_are_survived);
@@ -235,7 +230,6 @@ async fn terminated_database_sessions_are_survived(mode: Mode, kind: Kind) {
     })
     .await;
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -252,7 +246,6 @@ async fn notify_wakes_the_relay_long_before_the_poll_interval() {
         assert!(start.elapsed() < Duration::from_secs(10), "round {round}");
     }
     relay.stop().await;
-    db.drop_db().await;
 }
 
 every_mode!(a_crash_after_confirmation_before_marking_loses_nothing);
@@ -291,7 +284,6 @@ async fn a_crash_after_confirmation_before_marking_loses_nothing(mode: Mode, kin
         "duplicates stay within the window and a batch"
     );
     assert_eq!(child.terminate().code(), Some(0));
-    db.drop_db().await;
 }
 
 /// Shard locks held per instance (told apart by their application_name).
@@ -369,7 +361,6 @@ async fn instances_share_shards_evenly_and_take_over_a_dead_ones() {
     let more = insert_many(&db, 20, "agg7").await;
     broker.inbox().wait_ids(&more, WAIT).await;
     b.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -423,7 +414,6 @@ async fn instances_with_different_shard_settings_never_publish_together() {
     assert_eq!(got.len(), 30, "every event once");
     four.stop().await;
     two.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -443,6 +433,4 @@ async fn shard_counts_in_other_databases_do_not_interfere() {
     assert_eq!(broker_b.inbox().wait_ids(&ids_b, WAIT).await.len(), 20);
     a.stop().await;
     b.stop().await;
-    db_a.drop_db().await;
-    db_b.drop_db().await;
 }

@@ -169,5 +169,4 @@ async fn a_partitioned_owner_stops_before_the_standby_starts(mode: Mode, kind: K
     );
     a.abort();
     drop(proxy);
-    db.drop_db().await;
 }

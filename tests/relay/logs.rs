@@ -96,7 +96,6 @@ async fn with_kafka_down_the_log_shows_the_relays_warning_not_librdkafkas_chatte
         log.lines().count() <= 12,
         "the log is longer than a few lines:\n{log}"
     );
-    db.drop_db().await;
 }
 
 #[tokio::test]
@@ -127,5 +126,4 @@ async fn cdc_says_active_only_after_its_setup_checks_pass() {
     let active = "active: relaying events from the replication slot";
     let log = run_and_read_log(&cdc, Duration::ZERO, WAIT, |log| log.contains(active));
     assert!(log.contains(active), "{log}");
-    drop_database(&db.name).await;
 }

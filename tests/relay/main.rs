@@ -2,6 +2,8 @@
 //! started by `scripts/services.sh`. Each test has its own database, topics
 //! or exchange, and every wait is bounded.
 
+#[path = "../kit/mod.rs"]
+mod kit;
 #[macro_use]
 mod support;
 

@@ -67,7 +67,6 @@ async fn relays_large_payloads_within_the_byte_budget(mode: Mode) {
         limit / MIB
     );
     assert_eq!(child.terminate().code(), Some(0));
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -177,8 +177,6 @@ async fn files_match_migrate(mode: Mode, left: &[&str]) {
     );
     assert!(made.len() > 30, "the catalog was read: {made:#?}");
     drop(client);
-    by_files.drop_db().await;
-    by_migrate.drop_with_slots().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

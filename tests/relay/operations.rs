@@ -1,7 +1,8 @@
 //! What operators see: metrics, readiness, `status`, several pipelines in one process.
 
+use crate::kit::free_port;
 use crate::support::brokers::RabbitExchange;
-use crate::support::proxy::{CutBroker, free_port};
+use crate::support::proxy::CutBroker;
 use crate::support::*;
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -61,7 +62,6 @@ async fn metrics_are_scraped_after_a_known_workload() {
     let (code, body) = http_get(port, "/healthz").await.unwrap();
     assert_eq!((code, body.as_str()), (200, "ok\n"));
     assert_eq!(relay.terminate().code(), Some(0));
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,7 +101,6 @@ async fn readiness_flips_when_the_broker_goes_away_and_back() {
     .await;
     assert_eq!(standby.terminate().code(), Some(0));
     assert_eq!(relay.terminate().code(), Some(0));
-    db.drop_db().await;
 }
 
 fn status_json(path: &str) -> Vec<Value> {
@@ -159,7 +158,6 @@ async fn status_json_matches_a_known_state() {
     assert_eq!(s["active"]["application_name"], "outbox-relay");
     assert!(s["last_publish"].is_string(), "{s}");
     relay.stop().await;
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -220,5 +218,4 @@ async fn one_process_relays_several_pipelines() {
         .collect();
     assert_eq!(names.len(), 2);
     assert_eq!(relay.terminate().code(), Some(0));
-    db.drop_db().await;
 }

@@ -148,7 +148,6 @@ async fn deletes_only_old_sent_rows_while_rows_are_inserted_and_marked() {
         inserted,
         "rows written meanwhile stay"
     );
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -217,7 +216,6 @@ async fn deletes_in_bounded_batches_each_its_own_transaction() {
             batches: 0
         }
     );
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -263,7 +261,6 @@ async fn one_instance_cleans_at_a_time() {
     // The lock was released: a later run is not skipped.
     let later = retention::once(&c2, &config, false).await.unwrap();
     assert!(!later.is_busy(), "{later}");
-    db.drop_db().await;
 }
 
 /// Inserts a dead letter, resolved `resolved_ago` ago (open when `None`).
@@ -322,7 +319,6 @@ async fn dry_run_counts_and_deletes_nothing() {
     assert_eq!(count_of(&db, "old").await, 250);
     assert_eq!(count_of(&db, "old_unsent").await, 10);
     assert_eq!(dead_letter_ids(&db).await.len(), 2);
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,7 +358,6 @@ async fn resolved_dead_letters_go_after_their_own_window_and_open_ones_stay() {
         dead_letter_ids(&db).await,
         vec!["open-old", "resolved-recent"]
     );
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -400,7 +395,6 @@ async fn tables_it_must_not_or_cannot_clean_are_skipped_with_a_note() {
     let e = retention::once(&c, &config, false).await.unwrap_err();
     assert!(e.to_string().contains("outbox-relay migrate"), "{e}");
     assert!(!e.is_retryable());
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -445,7 +439,6 @@ async fn without_its_index_it_still_cleans_and_says_to_migrate() {
     db.migrate(&config).await;
     let report = retention::once(&c, &config, false).await.unwrap();
     assert_eq!(report.hint, None, "{report}");
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -522,7 +515,6 @@ async fn run_scheduled_cleans_and_stops_promptly() {
         .await
         .expect("stops while waiting")
         .unwrap();
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -572,5 +564,4 @@ async fn the_retention_command_prints_a_summary() {
     );
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("error: cannot connect to PostgreSQL"), "{err}");
-    db.drop_db().await;
 }

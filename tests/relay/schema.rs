@@ -133,7 +133,6 @@ async fn migrate_makes_relay_seq_unique_and_check_insists_on_it() {
     assert!(seq_index_is_unique_and_valid(&db).await);
     let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}");
-    db.drop_db().await;
 }
 
 #[tokio::test]
@@ -193,7 +192,6 @@ async fn a_publication_that_blocks_marking_is_named_by_check_and_run() {
         .batch_execute(&format!("DROP PUBLICATION {publication}"))
         .await
         .unwrap();
-    db.drop_db().await;
 }
 
 #[tokio::test]
@@ -254,7 +252,6 @@ async fn unsent_events_are_write_once() {
     let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}");
     assert!(!out.contains("[warn]"), "{out}");
-    db.drop_db().await;
 }
 
 #[tokio::test]
@@ -290,5 +287,4 @@ async fn a_partitioned_outbox_is_refused_with_the_reason() {
         out.contains("[FAIL] outbox table") && out.contains("is partitioned"),
         "{out}"
     );
-    db.drop_db().await;
 }

@@ -5,7 +5,7 @@
 //!
 //! Each test boots its own node (about 8 s), so the two run in parallel.
 
-use crate::support::certs::{Ca, Issued};
+use crate::kit::certs::{Ca, Issued};
 use crate::support::rabbit_node::{RabbitNode, ServerTls};
 use crate::support::*;
 use lapin::options::{
@@ -284,7 +284,6 @@ async fn the_broker_certificate_is_checked_against_tls_ca() {
         status.success(),
         "SIGTERM while retrying ends cleanly: {status}"
     );
-    db.drop_db().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -57,7 +57,6 @@ async fn migration_files_apply(admin: &str) {
     let toml = base_toml(&db.url, &RabbitExchange::new().await.sink_toml());
     let out = cli_ok(&["migrate", "--config", &write_config(&toml), "--dry-run"]);
     assert!(out.contains("nothing to do"), "after the files: {out}");
-    db.drop_db().await;
 }
 
 /// `migrate` (with its NOTIFY trigger), `check`, and events delivered by polling.
@@ -79,7 +78,6 @@ async fn polling_delivers(admin: &str) {
     })
     .await;
     relay.stop().await;
-    db.drop_db().await;
 }
 
 /// `migrate` in CDC mode (publication and slot), streaming, and a relay
@@ -111,7 +109,6 @@ async fn cdc_survives_a_kill(admin: &str) {
         .collect();
     assert_eq!(firsts, [first, second].concat());
     assert!(relay.terminate().success(), "the relay exits 0 on SIGTERM");
-    db.drop_with_slots().await;
 }
 
 async fn supported(major: u32) {
@@ -206,8 +203,6 @@ async fn failover_slots_on_17() {
     let sent = insert_events(&by_run, 5).await;
     rabbit.inbox.wait_ids(&sent, WAIT).await;
     relay.stop().await;
-    by_migrate.drop_with_slots().await;
-    by_run.drop_with_slots().await;
 }
 
 /// Before 17 a failover slot is refused with the reason, not created without failover.
@@ -240,5 +235,4 @@ async fn failover_is_refused_before_17() {
         0,
         "no slot without failover was made instead"
     );
-    db.drop_with_slots().await;
 }

@@ -8,11 +8,8 @@
 //! other PostgreSQL versions come from `scripts/pg-versions.sh`
 //! (`OUTBOX_RELAY_TEST_PG<major>`); `OUTBOX_RELAY_TEST_BIN` names the relay
 //! binary to run instead of the one cargo built.
-#![allow(dead_code)]
 
 pub mod brokers;
-pub mod certs;
-pub mod pg;
 pub mod proxy;
 pub mod rabbit_node;
 
@@ -49,13 +46,7 @@ pub fn relay_bin() -> std::ffi::OsString {
         .unwrap_or_else(|| env!("CARGO_BIN_EXE_outbox-relay").into())
 }
 
-/// A short random name for per-test objects.
-pub fn unique(prefix: &str) -> String {
-    format!(
-        "{prefix}{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..12]
-    )
-}
+pub use crate::kit::unique;
 
 pub async fn connect(url: &str) -> Client {
     let (client, conn) = tokio_postgres::connect(url, NoTls)
@@ -137,33 +128,55 @@ impl TestDb {
         self.count("SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL")
             .await
     }
+}
 
-    pub async fn drop_db(self) {
-        drop(self.client);
-        let admin = connect(&self.admin_url).await;
-        let _ = admin
-            .batch_execute(&format!(
-                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                self.name
-            ))
-            .await;
-    }
+/// How long dropping a test database may take before it is left behind
+/// (named `t_…`, it harms no other test).
+const DROP_WAIT: Duration = Duration::from_secs(30);
 
-    /// Drops the database and its replication slots (CDC tests).
-    pub async fn drop_with_slots(self) {
-        let (name, admin) = (self.name.clone(), self.admin_url.clone());
-        drop(self.client);
-        drop_database_on(&admin, &name).await;
+impl Drop for TestDb {
+    /// Drops the database and its replication slots, when the test passed and
+    /// when it panicked. `drop` cannot await and may run while the test's
+    /// runtime unwinds, so the work gets a thread and a runtime of its own,
+    /// bounded by [`DROP_WAIT`]; failures are ignored, since panicking here
+    /// would abort the test binary.
+    fn drop(&mut self) {
+        let (admin_url, name) = (self.admin_url.clone(), std::mem::take(&mut self.name));
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let dropper = std::thread::Builder::new()
+            .name(format!("drop {name}"))
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                if let Ok(runtime) = runtime {
+                    // The timer is made inside the runtime: it needs its clock.
+                    runtime.block_on(async {
+                        let drop = drop_database_on(&admin_url, &name);
+                        let _ = tokio::time::timeout(DROP_WAIT, drop).await;
+                    });
+                }
+                drop(done);
+            });
+        if dropper.is_ok() {
+            // Disconnected when the thread ends, however it ends.
+            let _ = finished.recv_timeout(DROP_WAIT + Duration::from_secs(1));
+        }
     }
 }
 
-pub async fn drop_database(name: &str) {
-    drop_database_on(&pg_admin_url(), name).await;
-}
-
-/// [`drop_database`] on the cluster of `admin_url`.
-pub async fn drop_database_on(admin_url: &str, name: &str) {
-    let admin = connect(admin_url).await;
+/// Drops database `name` of the cluster of `admin_url` with its replication
+/// slots, ignoring every failure (see [`TestDb`]'s `Drop`).
+async fn drop_database_on(admin_url: &str, name: &str) {
+    let mut config: tokio_postgres::Config = match admin_url.parse() {
+        Ok(config) => config,
+        Err(_) => return,
+    };
+    config.connect_timeout(Duration::from_secs(10));
+    let Ok((admin, conn)) = config.connect(NoTls).await else {
+        return;
+    };
+    tokio::spawn(conn);
     let _ = admin
         .execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1",
@@ -250,7 +263,6 @@ impl InProcess {
 /// The relay binary as a child process, for tests that kill it.
 pub struct ChildRelay {
     child: Child,
-    pub config_path: std::path::PathBuf,
 }
 
 impl ChildRelay {
@@ -272,7 +284,7 @@ impl ChildRelay {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start outbox-relay");
-        ChildRelay { child, config_path }
+        ChildRelay { child }
     }
 
     /// Waits for the process to exit by itself; `None` if it is still running after `limit`.

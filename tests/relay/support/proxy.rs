@@ -113,7 +113,7 @@ impl PrivateKafka {
     pub async fn start(up: bool) -> PrivateKafka {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let advertised = listener.local_addr().unwrap().port();
-        let internal = free_port();
+        let internal = crate::kit::free_port();
         let child = Command::new("tansu")
             .args(["broker", "--storage-engine", "memory://tansu/"])
             .args(["--listener-url", &format!("tcp://127.0.0.1:{internal}")])
@@ -146,14 +146,6 @@ impl Drop for PrivateKafka {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A broker reached through a proxy the test can cut.

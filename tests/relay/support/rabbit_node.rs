@@ -55,9 +55,9 @@ impl RabbitNode {
     pub async fn start(tls: &ServerTls) -> RabbitNode {
         let name = format!("{}@localhost", super::unique("tls-"));
         let (amqp_port, amqps_port, dist_port) = (
-            super::proxy::free_port(),
-            super::proxy::free_port(),
-            super::proxy::free_port(),
+            crate::kit::free_port(),
+            crate::kit::free_port(),
+            crate::kit::free_port(),
         );
         let dir = std::env::temp_dir().join(super::unique("outbox-relay-rabbit-"));
         std::fs::create_dir_all(dir.join("conf.d")).unwrap();
