@@ -2,7 +2,7 @@
 
 use crate::config::{self, Config};
 use crate::dead_letter::admin::{self, Target};
-use crate::outbox::migrate::{self, MigrateOptions};
+use crate::migrate::{self, MigrateOptions};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -3,10 +3,12 @@
 //! after the broker confirmed it.
 //!
 //! - [`config`]: the TOML file, environment overrides, validation.
-//! - [`outbox`]: the table contract, `migrate`, row decoding.
+//! - [`outbox`]: the table contract, row decoding.
+//! - [`migrate`]: `outbox-relay migrate`, the steps it plans and applies.
 //! - [`envelope`]: CloudEvents messages and destination templates.
-//! - [`source`]: the polling reader (and the replication client for CDC), and
-//!   the acker that records progress.
+//! - [`source`]: the polling and CDC readers, and the acker that records
+//!   progress.
+//! - [`replication`]: the replication protocol client and pgoutput decoder.
 //! - [`sink`]: Kafka and RabbitMQ, with the delivery contract.
 //! - [`relay`]: ownership, the pipeline between source and sink.
 //! - [`backoff`]: the retry schedule shared by the pipeline and retention.
@@ -21,8 +23,10 @@ pub mod daemon;
 pub mod db;
 pub mod dead_letter;
 pub mod envelope;
+pub mod migrate;
 pub mod outbox;
 pub mod relay;
+pub mod replication;
 pub mod retention;
 pub mod shutdown;
 #[cfg(test)]

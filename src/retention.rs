@@ -36,7 +36,7 @@
 use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode};
 use crate::db::DbError;
-use crate::outbox::migrate::sent_index;
+use crate::outbox::sent_index;
 use crate::outbox::{SENT_AT_COLUMN, TableName, quote_ident};
 use crate::telemetry::metrics::PipelineMetrics;
 use chrono::{DateTime, Utc};

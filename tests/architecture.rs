@@ -11,39 +11,18 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Edges `from -> to` that lie on a dependency cycle today. Each is work
-/// left for the layering; none may be added.
+/// Edges `from -> to` that lie on a dependency cycle today: configuration
+/// still borrows value types (table names, column maps, templates, TLS
+/// modes) from the modules that read it. Each is work left for the
+/// layering; none may be added.
 const KNOWN_CYCLE_EDGES: &[(&str, &str)] = &[
     ("config", "db"),
     ("config", "envelope"),
     ("config", "outbox"),
     ("db", "config"),
-    ("dead_letter", "outbox"),
-    ("dead_letter", "source"),
     ("envelope", "config"),
     ("envelope", "outbox"),
     ("outbox", "config"),
-    ("outbox", "db"),
-    ("outbox", "dead_letter"),
-    ("outbox", "source"),
-    ("relay", "config"),
-    ("relay", "db"),
-    ("relay", "dead_letter"),
-    ("relay", "envelope"),
-    ("relay", "outbox"),
-    ("relay", "sink"),
-    ("relay", "source"),
-    ("relay", "telemetry"),
-    ("sink", "config"),
-    ("sink", "envelope"),
-    ("sink", "outbox"),
-    ("source", "config"),
-    ("source", "db"),
-    ("source", "dead_letter"),
-    ("source", "outbox"),
-    ("source", "relay"),
-    ("source", "telemetry"),
-    ("telemetry", "config"),
 ];
 
 type Graph = BTreeMap<String, BTreeSet<String>>;

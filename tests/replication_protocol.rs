@@ -14,8 +14,8 @@ use cluster::{MD5_PASSWORD, PLAIN_PASSWORD, SCRAM_PASSWORD, cluster};
 use outbox_relay::db::tls::{
     SslMode, TlsError, TlsOptions, make_tls_connector, tokio_postgres_ssl_mode,
 };
-use outbox_relay::source::replication::Lsn;
-use outbox_relay::source::replication::protocol::{
+use outbox_relay::replication::Lsn;
+use outbox_relay::replication::protocol::{
     ProtocolError, ReplicationClient, ReplicationMessage, ReplicationStream, publication_names,
     quote_identifier,
 };

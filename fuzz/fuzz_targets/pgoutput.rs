@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
-use outbox_relay::source::replication::pgoutput::{LogicalMessage, RelationCache, decode};
+use outbox_relay::replication::pgoutput::{LogicalMessage, RelationCache, decode};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(message) = decode(Bytes::copy_from_slice(data)) else {

@@ -20,7 +20,7 @@
 pub mod admin;
 
 use crate::outbox::{RawRow, TableName, quote_ident};
-use crate::source::replication::Lsn;
+use crate::replication::Lsn;
 use chrono::{DateTime, Utc};
 use std::collections::HashSet;
 use tokio_postgres::{Client, Statement};

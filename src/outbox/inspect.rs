@@ -309,16 +309,12 @@ pub fn warnings(info: &TableInfo, map: &ColumnMap) -> Vec<String> {
             map.id
         ));
     }
-    if !info
-        .triggers
-        .iter()
-        .any(|t| t == super::migrate::WRITE_ONCE_TRIGGER)
-    {
+    if !info.triggers.iter().any(|t| t == super::WRITE_ONCE_TRIGGER) {
         out.push(format!(
             "no trigger keeps unsent events as inserted: an UPDATE of an unsent row would be published \
              as inserted or as updated depending on how the relay reads it; run `outbox-relay migrate` \
              to add {}",
-            super::migrate::WRITE_ONCE_TRIGGER
+            super::WRITE_ONCE_TRIGGER
         ));
     }
     out

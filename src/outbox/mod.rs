@@ -11,13 +11,14 @@
 //!   the polling source which transactions' rows it has already seen;
 //! - `relay_sent_at`: NULL until the broker confirmed the event.
 
-mod columns;
+pub mod columns;
 mod event;
 pub mod inspect;
-pub mod migrate;
+mod shard;
 
 pub use columns::{ColumnMap, ResolvedColumns};
 pub use event::{OutboxEvent, RawRow, RowError};
+pub use shard::Shard;
 
 use serde::Deserialize;
 use std::fmt;
@@ -114,6 +115,16 @@ impl<'de> Deserialize<'de> for TableName {
         TableName::parse(&s).map_err(serde::de::Error::custom)
     }
 }
+
+/// The partial index on `relay_sent_at` of sent rows, which retention reads
+/// through (`migrate` creates it).
+pub fn sent_index(table: &TableName) -> String {
+    table.derived("outbox_relay_sent")
+}
+
+/// The trigger that keeps unsent rows as inserted (`migrate` installs it,
+/// `check` looks for it).
+pub const WRITE_ONCE_TRIGGER: &str = "outbox_relay_write_once";
 
 /// The key of the session advisory lock that makes one instance active per
 /// outbox (the pipeline takes it; `status`, `check` and retention read it).

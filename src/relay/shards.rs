@@ -11,6 +11,7 @@
 
 use crate::config::Config;
 use crate::db::DbError;
+pub use crate::outbox::Shard;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::task::JoinSet;
@@ -20,39 +21,6 @@ use tokio_util::task::AbortOnDropHandle;
 
 /// Member slots available (instances beyond this wait as standbys).
 const MEMBER_SLOTS: i32 = 256;
-
-/// The part of the outbox one pipeline owns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Shard {
-    pub index: u32,
-    pub count: u32,
-}
-
-impl Shard {
-    pub fn whole() -> Shard {
-        Shard { index: 0, count: 1 }
-    }
-
-    /// The advisory-lock key for this shard of `base` (the whole outbox keeps `base`).
-    pub fn lock_key(&self, base: &str) -> String {
-        if self.count <= 1 {
-            base.to_owned()
-        } else {
-            format!("{base}:shard:{}/{}", self.index, self.count)
-        }
-    }
-
-    /// The SQL condition selecting this shard's rows by their aggregate id
-    /// column (already quoted), or `None` for the whole outbox.
-    pub fn condition(&self, aggregate_id_column: &str) -> Option<String> {
-        (self.count > 1).then(|| {
-            format!(
-                "(hashtextextended(coalesce({aggregate_id_column}::text, ''), 0) & 9223372036854775807) % {} = {}",
-                self.count, self.index
-            )
-        })
-    }
-}
 
 /// How many shards this instance holds, and how many it should.
 #[derive(Debug)]

@@ -5,13 +5,13 @@
 //! [`CdcReader`]: crate::source::cdc::CdcReader
 
 use super::world::{Row, Shared, lock};
+use crate::replication::Lsn;
+use crate::replication::pgoutput::{
+    Begin, Commit, Insert, LogicalMessage, Relation, RelationColumn, TupleValue,
+};
 use crate::source::SourceError;
 use crate::source::cdc::snapshot::StartupView;
 use crate::source::cdc::{CdcServer, CdcStream, StreamMessage, TableRow};
-use crate::source::replication::Lsn;
-use crate::source::replication::pgoutput::{
-    Begin, Commit, Insert, LogicalMessage, Relation, RelationColumn, TupleValue,
-};
 use bytes::Bytes;
 use std::collections::VecDeque;
 use std::time::Duration;

@@ -7,8 +7,8 @@
 //! instant of (paused, simulated) time.
 
 use crate::outbox::RawRow;
+use crate::replication::Lsn;
 use crate::sink::SinkError;
-use crate::source::replication::Lsn;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;

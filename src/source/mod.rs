@@ -15,7 +15,6 @@ pub mod budget;
 pub mod cdc;
 pub mod polling;
 pub mod record;
-pub mod replication;
 pub(crate) mod rows;
 
 use crate::db::DbError;
@@ -99,10 +98,10 @@ pub enum SourceError {
     Table(#[from] crate::outbox::inspect::TableProblem),
     /// The replication connection failed.
     #[error("replication: {0}")]
-    Replication(#[from] replication::protocol::ProtocolError),
+    Replication(#[from] crate::replication::protocol::ProtocolError),
     /// The server sent a message the decoder cannot read.
     #[error("replication stream: {0}")]
-    Decode(#[from] replication::pgoutput::DecodeError),
+    Decode(#[from] crate::replication::pgoutput::DecodeError),
     /// The stream stalled or ended; reconnecting helps.
     #[error("{0}")]
     Stream(String),
@@ -136,7 +135,7 @@ pub trait RowPosition {
 
     /// The event's place in the WAL (commit LSN, index), for events read
     /// from a replication stream.
-    fn wal(&self) -> Option<(replication::Lsn, u64)> {
+    fn wal(&self) -> Option<(crate::replication::Lsn, u64)> {
         None
     }
 }

@@ -37,10 +37,10 @@ use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::PollingConfig;
 use crate::db::DbError;
 use crate::dead_letter::DeadLetter;
+use crate::outbox::Shard;
 use crate::outbox::{
     RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident,
 };
-use crate::relay::shards::Shard;
 use chrono::Utc;
 use std::collections::HashSet;
 use std::sync::Arc;

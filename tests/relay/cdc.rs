@@ -150,10 +150,7 @@ async fn an_idle_outbox_on_a_busy_database_does_not_pin_wal() {
     relay.stop().await;
 }
 
-async fn flushed(
-    app: &tokio_postgres::Client,
-    slot: String,
-) -> outbox_relay::source::replication::Lsn {
+async fn flushed(app: &tokio_postgres::Client, slot: String) -> outbox_relay::replication::Lsn {
     let lsn: String = app
         .query_one(
             "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
@@ -168,13 +165,9 @@ async fn flushed(
 /// Migrates a private cluster's database the way `outbox-relay migrate` does.
 async fn migrate_at(url: &str, config: &outbox_relay::config::Config) {
     let mut c = connect(url).await;
-    let opts = outbox_relay::outbox::migrate::MigrateOptions::from_config(config, false);
-    let steps = outbox_relay::outbox::migrate::plan(&c, &opts)
-        .await
-        .unwrap();
-    outbox_relay::outbox::migrate::apply(&mut c, &steps)
-        .await
-        .unwrap();
+    let opts = outbox_relay::migrate::MigrateOptions::from_config(config, false);
+    let steps = outbox_relay::migrate::plan(&c, &opts).await.unwrap();
+    outbox_relay::migrate::apply(&mut c, &steps).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -540,7 +533,7 @@ async fn a_lost_slot_stops_the_relay_when_told_to_until_it_is_dropped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_busy_with_another_process_is_waited_for() {
-    use outbox_relay::source::replication::protocol::{ReplicationClient, publication_names};
+    use outbox_relay::replication::protocol::{ReplicationClient, publication_names};
     let db = TestDb::new().await;
     let broker = KafkaTopics::new();
     broker.create("order").await;

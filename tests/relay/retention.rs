@@ -425,10 +425,8 @@ async fn without_its_index_it_still_cleans_and_says_to_migrate() {
     assert_eq!(count_of(&db, "unsent").await, 10);
 
     // migrate builds it without blocking writers, and the hint goes.
-    let opts = outbox_relay::outbox::migrate::MigrateOptions::from_config(&config, false);
-    let steps = outbox_relay::outbox::migrate::plan(&c, &opts)
-        .await
-        .unwrap();
+    let opts = outbox_relay::migrate::MigrateOptions::from_config(&config, false);
+    let steps = outbox_relay::migrate::plan(&c, &opts).await.unwrap();
     assert_eq!(steps.len(), 1, "{steps:?}");
     assert!(
         steps[0]

@@ -38,7 +38,7 @@ use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::{Config, MarkMode};
 use crate::dead_letter::DeadLetter;
 use crate::outbox::{ResolvedColumns, TableName};
-use crate::source::replication::Lsn;
+use crate::replication::Lsn;
 use progress::CATCH_UP;
 use snapshot::StartupView;
 use std::collections::HashSet;

@@ -12,7 +12,7 @@
 //! cap), so that when the stream restarts from the flushed position they are
 //! skipped instead of sent twice.
 
-use crate::source::replication::Lsn;
+use crate::replication::Lsn;
 use std::collections::{BTreeSet, VecDeque};
 
 /// Where an event sits in the stream: its transaction's commit LSN and its

@@ -10,12 +10,12 @@ use super::snapshot::{Snapshot, StartupView};
 use crate::config::DatabaseConfig;
 use crate::db::DbError;
 use crate::outbox::{RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
-use crate::source::SourceError;
-use crate::source::replication::Lsn;
-use crate::source::replication::pgoutput::{self, LogicalMessage};
-use crate::source::replication::protocol::{
+use crate::replication::Lsn;
+use crate::replication::pgoutput::{self, LogicalMessage};
+use crate::replication::protocol::{
     ReplicationClient, ReplicationMessage, ReplicationStream, publication_names,
 };
+use crate::source::SourceError;
 use crate::source::rows::{byte_capped, read_row, select_list};
 use std::future::Future;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 
 use crate::db::{DbError, error_text};
 use crate::outbox::{TableName, quote_ident, quote_literal};
-use crate::source::replication::Lsn;
+use crate::replication::Lsn;
 use tokio_postgres::Client;
 
 /// What `pg_replication_slots` says about a slot.

@@ -15,7 +15,7 @@
 //! publishing again what was marked before it, and a redrive's originals
 //! from being published next to their copies.
 
-use crate::source::replication::Lsn;
+use crate::replication::Lsn;
 
 /// A `pg_current_snapshot()`: transactions below `xmin` are finished, those
 /// from `xmax` on had not started, and `xip` were running.

@@ -5,10 +5,8 @@ use super::progress::{CdcPosition, Progress};
 use super::server::{CdcStream, StreamMessage};
 use super::snapshot::StartupView;
 use crate::outbox::{RawRow, ResolvedColumns, SEQ_COLUMN, TableName};
-use crate::source::replication::Lsn;
-use crate::source::replication::pgoutput::{
-    LogicalMessage, MessageKind, RelationCache, TupleValue,
-};
+use crate::replication::Lsn;
+use crate::replication::pgoutput::{LogicalMessage, MessageKind, RelationCache, TupleValue};
 use crate::source::{SourceError, SourcedEvent};
 use chrono::{DateTime, Utc};
 use std::collections::HashSet;

@@ -2,16 +2,16 @@
 //! table only what the relay needs. Every step checks first, so running it
 //! again changes nothing; `--dry-run` prints the SQL without running it.
 
-use super::inspect::{TableInfo, table_info};
-use super::{ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident};
 use crate::config::{Config, SourceMode};
+use crate::outbox::inspect::{TableInfo, table_info};
+use crate::outbox::{
+    ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident, sent_index,
+};
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
 use tokio_postgres::Client;
 
 mod triggers;
-
-pub use triggers::WRITE_ONCE_TRIGGER;
 
 /// What `migrate` should set up.
 #[derive(Debug, Clone)]
@@ -113,11 +113,6 @@ fn unsent_index(table: &TableName) -> String {
 /// The unique index on `relay_seq`.
 pub fn seq_index(table: &TableName) -> String {
     table.derived("outbox_relay_seq")
-}
-
-/// The partial index on `relay_sent_at` of sent rows, which retention reads through.
-pub fn sent_index(table: &TableName) -> String {
-    table.derived("outbox_relay_sent")
 }
 
 /// `CREATE INDEX` unless the index exists; `CONCURRENTLY` on an existing
@@ -244,7 +239,7 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     let info = table_info(client, &opts.table).await?;
     if info.as_ref().is_some_and(|i| i.partitioned) {
         return Err(MigrateError::Prerequisite(
-            super::inspect::partitioned_problem(&opts.table),
+            crate::outbox::inspect::partitioned_problem(&opts.table),
         ));
     }
     let mut steps = match &info {
@@ -441,10 +436,13 @@ fn create_table(opts: &MigrateOptions) -> Step {
             aggregate_type = q(&c.aggregate_type),
             aggregate_id = q(&c.aggregate_id),
             event_type = q(&c.event_type),
-            event_version = optional(&c.event_version, super::columns::DEFAULT_EVENT_VERSION),
+            event_version = optional(
+                &c.event_version,
+                crate::outbox::columns::DEFAULT_EVENT_VERSION
+            ),
             payload = q(&c.payload),
-            headers = optional(&c.headers, super::columns::DEFAULT_HEADERS),
-            created_at = optional(&c.created_at, super::columns::DEFAULT_CREATED_AT),
+            headers = optional(&c.headers, crate::outbox::columns::DEFAULT_HEADERS),
+            created_at = optional(&c.created_at, crate::outbox::columns::DEFAULT_CREATED_AT),
             seq = SEQ_COLUMN,
             xid = XID_COLUMN,
             sent = SENT_AT_COLUMN,
@@ -461,13 +459,13 @@ fn event_columns(info: Option<&TableInfo>, map: &ColumnMap) -> Vec<String> {
         None => vec![
             map.event_version
                 .clone()
-                .unwrap_or(super::columns::DEFAULT_EVENT_VERSION.into()),
+                .unwrap_or(crate::outbox::columns::DEFAULT_EVENT_VERSION.into()),
             map.headers
                 .clone()
-                .unwrap_or(super::columns::DEFAULT_HEADERS.into()),
+                .unwrap_or(crate::outbox::columns::DEFAULT_HEADERS.into()),
             map.created_at
                 .clone()
-                .unwrap_or(super::columns::DEFAULT_CREATED_AT.into()),
+                .unwrap_or(crate::outbox::columns::DEFAULT_CREATED_AT.into()),
         ],
     };
     map.resolve(&names)

@@ -1,13 +1,10 @@
 //! The triggers `migrate` installs on the outbox table.
 
 use super::{MigrateError, MigrateOptions, Step};
-use crate::outbox::{SENT_AT_COLUMN, TableName, quote_ident, quote_literal};
+use crate::outbox::{SENT_AT_COLUMN, TableName, WRITE_ONCE_TRIGGER, quote_ident, quote_literal};
 use tokio_postgres::Client;
 
 const NOTIFY_TRIGGER: &str = "outbox_relay_notify";
-
-/// The trigger refusing updates of an unsent row's event columns.
-pub const WRITE_ONCE_TRIGGER: &str = "outbox_relay_write_once";
 
 /// The NOTIFY trigger, when it is missing or names another channel.
 pub(super) async fn notify(
