@@ -137,6 +137,7 @@ pub fn relay_messages(shape: Shape, aggregates: u32) -> Vec<Message> {
                 payload: Some(payload(shape.payload)),
                 headers: Some("{}".into()),
                 created_at: Some("2026-11-29 16:00:00.123456+00".into()),
+                extra: None,
             };
             let event = row
                 .decode(chrono::Utc::now())

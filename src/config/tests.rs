@@ -154,6 +154,51 @@ fn column_mapping_is_checked() {
     assert!(e.contains("outbox.table") || e.contains("a.b.c"), "{e}");
 }
 
+#[test]
+fn extra_columns_are_read_and_checked_by_key() {
+    let ok = load_str(&format!(
+        "{MINIMAL}\n[[outbox.columns.extra]]\ncolumn = \"tenant_id\"\nheader = \"tenant\"\nattribute = \"tenantid\"\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        ok.outbox.columns.extra,
+        vec![crate::outbox::ExtraColumn {
+            column: "tenant_id".into(),
+            header: Some("tenant".into()),
+            attribute: Some("tenantid".into()),
+        }]
+    );
+    let e = err(&format!(
+        "{MINIMAL}
+[[outbox.columns.extra]]
+column = \"tenant_id\"
+attribute = \"Tenant_Id\"
+[[outbox.columns.extra]]
+column = \"region\"
+header = \"event_id\"
+attribute = \"type\"
+[[outbox.columns.extra]]
+column = \"tenant_id\"
+"
+    ));
+    for expected in [
+        "outbox.columns.extra[0].attribute: \"Tenant_Id\" is not a CloudEvents attribute name",
+        "outbox.columns.extra[1].attribute: \"type\" is an attribute the relay sets",
+        "outbox.columns.extra[1].header: \"event_id\" is a header the relay sets",
+        "outbox.columns.extra[2].column: column \"tenant_id\" is already listed in extra[0]",
+        "outbox.columns.extra[2].column: publishes nothing",
+    ] {
+        assert!(e.contains(expected), "{expected:?} not in: {e}");
+    }
+    let e = err(&format!(
+        "{MINIMAL}\n[[outbox.columns.extra]]\ncolumn = \"t\"\nheadr = \"x\"\n"
+    ));
+    assert!(
+        e.contains("outbox.columns.extra") && e.contains("headr"),
+        "{e}"
+    );
+}
+
 /// Dotted keys of a TOML file, including keys in commented-out `# key = value` lines.
 fn keys_of(text: &str) -> Vec<String> {
     fn walk(prefix: &str, table: &toml::Table, out: &mut Vec<String>) {

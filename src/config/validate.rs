@@ -159,6 +159,7 @@ impl Config {
 
     fn check_outbox(&self, c: &mut Checker) {
         for (key, message) in self.outbox.columns.problems() {
+            // `key` is relative to the section.
             c.problem(&format!("outbox.columns.{key}"), message);
         }
     }

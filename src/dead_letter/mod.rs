@@ -59,10 +59,13 @@ pub struct Requested {
 
 /// Columns added after the first release, with their types: `migrate` adds
 /// them to an existing table.
-pub const LATER_COLUMNS: [(&str, &str); 3] = [
+pub const LATER_COLUMNS: [(&str, &str); 4] = [
     ("redrive_requested_at", "timestamptz"),
     ("source_lsn", "pg_lsn"),
     ("source_index", "bigint"),
+    // The `[[outbox.columns.extra]]` values, a JSON object, so a redriven
+    // letter carries them as the original would have.
+    ("extra", "text"),
 ];
 
 /// `CREATE TABLE` and its index, for `migrate`.
@@ -95,7 +98,8 @@ pub fn create_sql(table: &TableName) -> Vec<String> {
     resolved_at timestamptz,
     redrive_requested_at timestamptz,
     source_lsn pg_lsn,
-    source_index bigint
+    source_index bigint,
+    extra text
 )"
         ),
         format!(
@@ -192,8 +196,8 @@ impl Recorder {
             insert: prepare(format!(
                 "INSERT INTO {t} (id, outbox_seq, aggregate_type, aggregate_id, event_type, event_version,
                                   payload, headers, created_at, reason, attempts, first_failed_at, last_failed_at,
-                                  source_lsn, source_index)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::text::pg_lsn, $15)"
+                                  source_lsn, source_index, extra)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::text::pg_lsn, $15, $16)"
             ))
             .await?,
             still_open: prepare(format!(
@@ -222,7 +226,7 @@ impl Recorder {
             // aggregate that nobody asked for comes before it.
             requested: prepare(format!(
                 "SELECT l.dead_letter_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.event_version,
-                        l.payload, l.headers, l.created_at
+                        l.payload, l.headers, l.created_at, l.extra
                  FROM {t} l
                  WHERE l.resolution IS NULL AND l.redrive_requested_at IS NOT NULL{shard}
                    AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.resolution IS NULL AND e.redrive_requested_at IS NULL
@@ -307,6 +311,7 @@ impl Recorder {
                     &l.last_failed_at,
                     &lsn,
                     &index,
+                    &r.extra,
                 ],
             )
             .await?;
@@ -356,6 +361,7 @@ impl Recorder {
                     payload: r.get(6),
                     headers: r.get(7),
                     created_at: r.get(8),
+                    extra: r.get(9),
                 },
             })
             .collect())

@@ -7,7 +7,9 @@
 //! broker's CloudEvents binding says: `ce_*` on Kafka, `cloudEvents:*`
 //! (AMQP application properties) on RabbitMQ. Either way the row's own headers travel as
 //! message headers, and `traceparent`/`tracestate` (the distributed tracing
-//! extension) also appear as attributes in structured mode.
+//! extension) also appear as attributes in structured mode. The
+//! `[[outbox.columns.extra]]` columns add extension attributes (named like
+//! the others in each mode) and plain headers; a NULL value adds neither.
 
 pub mod destination;
 mod template;
@@ -15,9 +17,10 @@ mod template;
 pub use template::{Field, Template, TemplateError};
 
 use crate::config::{EnvelopeConfig, EnvelopeMode};
-use crate::outbox::OutboxEvent;
+use crate::outbox::{ExtraColumn, OutboxEvent};
 use chrono::SecondsFormat;
 use serde::Serialize;
+use serde::ser::SerializeMap;
 use serde_json::value::RawValue;
 
 /// Header names the relay sets in structured mode; a row header of the same
@@ -78,7 +81,25 @@ struct StructuredEvent<'a> {
     traceparent: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tracestate: Option<&'a str>,
+    #[serde(flatten)]
+    extensions: Extensions<'a>,
     data: &'a RawValue,
+}
+
+/// `(name, value)` pairs borrowed from the configuration and the event.
+type Pairs<'a> = Vec<(&'a str, &'a str)>;
+
+/// Extension attributes from extra columns, as members of the document.
+struct Extensions<'a>(Pairs<'a>);
+
+impl Serialize for Extensions<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
 }
 
 /// The CloudEvents protocol binding whose header names binary mode uses.
@@ -114,6 +135,7 @@ pub struct Envelope {
     mode: EnvelopeMode,
     source: String,
     binding: Binding,
+    extra: Vec<ExtraColumn>,
 }
 
 impl Envelope {
@@ -122,7 +144,32 @@ impl Envelope {
             mode: config.mode,
             source: config.source.clone(),
             binding,
+            extra: Vec::new(),
         }
+    }
+
+    /// Publishes these extra columns (`outbox.columns.extra`, validated).
+    pub fn with_extra(mut self, extra: &[ExtraColumn]) -> Self {
+        self.extra = extra.to_vec();
+        self
+    }
+
+    /// `(attribute, value)` and `(header, value)` of the event's extra
+    /// columns that are not NULL.
+    fn extras<'a>(&'a self, event: &'a OutboxEvent) -> (Pairs<'a>, Pairs<'a>) {
+        let (mut attributes, mut headers) = (Vec::new(), Vec::new());
+        for x in &self.extra {
+            let Some((_, value)) = event.extra.iter().find(|(c, _)| *c == x.column) else {
+                continue;
+            };
+            if let Some(a) = &x.attribute {
+                attributes.push((a.as_str(), value.as_str()));
+            }
+            if let Some(h) = &x.header {
+                headers.push((h.as_str(), value.as_str()));
+            }
+        }
+        (attributes, headers)
     }
 
     pub fn build(&self, event: &OutboxEvent) -> Message {
@@ -136,6 +183,7 @@ impl Envelope {
                 .find(|(k, _)| k == name)
                 .map(|(_, v)| v.as_str())
         };
+        let (attributes, extra_headers) = self.extras(event);
         let (body, content_type, mut headers) = match self.mode {
             EnvelopeMode::Structured => {
                 let ce = StructuredEvent {
@@ -150,6 +198,7 @@ impl Envelope {
                     eventversion: event.event_version,
                     traceparent: row_header("traceparent"),
                     tracestate: row_header("tracestate"),
+                    extensions: Extensions(attributes),
                     data: &event.payload,
                 };
                 // Serializing borrowed strings and already-valid JSON cannot fail.
@@ -169,7 +218,7 @@ impl Envelope {
             EnvelopeMode::Binary => {
                 let p = self.binding.prefix();
                 let attribute = |name: &str, value: String| (format!("{p}{name}"), value);
-                let headers: Vec<(String, String)> = vec![
+                let mut headers: Vec<(String, String)> = vec![
                     (header::CONTENT_TYPE.into(), JSON_CONTENT_TYPE.into()),
                     attribute("specversion", "1.0".into()),
                     attribute("id", event.id.clone()),
@@ -180,6 +229,11 @@ impl Envelope {
                     attribute("aggregatetype", event.aggregate_type.clone()),
                     attribute("eventversion", event.event_version.to_string()),
                 ];
+                headers.extend(
+                    attributes
+                        .iter()
+                        .map(|(a, v)| attribute(a, (*v).to_owned())),
+                );
                 (
                     event.payload.get().as_bytes().to_vec(),
                     JSON_CONTENT_TYPE,
@@ -188,14 +242,30 @@ impl Envelope {
             }
         };
         let reserved = headers.len();
-        for (k, v) in &event.headers {
-            if !headers[..reserved]
+        headers.extend(
+            extra_headers
+                .iter()
+                .map(|(h, v)| ((*h).to_owned(), (*v).to_owned())),
+        );
+        // A configured extra header is the column's, even when it is NULL:
+        // a row header cannot stand in for it.
+        let taken = |k: &str| {
+            headers[..reserved]
                 .iter()
                 .any(|(r, _)| r.eq_ignore_ascii_case(k))
-            {
-                headers.push((k.clone(), v.clone()));
-            }
-        }
+                || self
+                    .extra
+                    .iter()
+                    .filter_map(|x| x.header.as_deref())
+                    .any(|h| h.eq_ignore_ascii_case(k))
+        };
+        let row_headers: Vec<(String, String)> = event
+            .headers
+            .iter()
+            .filter(|(k, _)| !taken(k))
+            .cloned()
+            .collect();
+        headers.extend(row_headers);
         Message {
             id: event.id.clone(),
             key: event.aggregate_id.clone(),
@@ -230,6 +300,7 @@ mod tests {
                 ("tenant".into(), "acme".into()),
             ],
             created_at: Utc.with_ymd_and_hms(2026, 11, 29, 15, 45, 41).unwrap(),
+            extra: vec![],
         }
     }
 
@@ -306,6 +377,93 @@ mod tests {
             );
             assert!(m.headers.iter().any(|(k, _)| k == "traceparent"));
             assert_eq!(m.content_type, JSON_CONTENT_TYPE);
+        }
+    }
+
+    fn tenant_columns() -> Vec<ExtraColumn> {
+        vec![
+            ExtraColumn {
+                column: "tenant_id".into(),
+                header: Some("tenant".into()),
+                attribute: Some("tenantid".into()),
+            },
+            ExtraColumn {
+                column: "region".into(),
+                header: None,
+                attribute: Some("region".into()),
+            },
+        ]
+    }
+
+    fn tenant_event() -> OutboxEvent {
+        OutboxEvent {
+            // "region" is NULL: absent; the row's own "tenant" header must not stand in.
+            extra: vec![("tenant_id".into(), "t-42".into())],
+            ..event()
+        }
+    }
+
+    #[test]
+    fn extra_columns_are_attributes_in_the_document_and_headers() {
+        let env = Envelope::new(
+            &EnvelopeConfig {
+                mode: EnvelopeMode::Structured,
+                source: "/shop".into(),
+            },
+            Binding::Kafka,
+        )
+        .with_extra(&tenant_columns());
+        let m = env.build(&tenant_event());
+        let body: serde_json::Value = serde_json::from_slice(&m.body).unwrap();
+        assert_eq!(body["tenantid"], "t-42");
+        assert!(body.get("region").is_none(), "NULL is omitted: {body}");
+        assert_eq!(body["data"], serde_json::json!({"total": 12.5}));
+        let tenant: Vec<&str> = m
+            .headers
+            .iter()
+            .filter(|(k, _)| k == "tenant")
+            .map(|(_, v)| v.as_str())
+            .collect();
+        assert_eq!(tenant, vec!["t-42"], "the column wins over the row header");
+        // NULL: no header, and still no row header of that name.
+        let m = env.build(&OutboxEvent {
+            extra: vec![],
+            ..tenant_event()
+        });
+        assert!(
+            !m.headers.iter().any(|(k, _)| k == "tenant"),
+            "{:?}",
+            m.headers
+        );
+        let body: serde_json::Value = serde_json::from_slice(&m.body).unwrap();
+        assert!(body.get("tenantid").is_none(), "{body}");
+    }
+
+    #[test]
+    fn binary_mode_prefixes_extra_attributes_by_binding() {
+        let config = EnvelopeConfig {
+            mode: EnvelopeMode::Binary,
+            source: "/shop".into(),
+        };
+        for (binding, prefix) in [(Binding::Kafka, "ce_"), (Binding::Amqp, "cloudEvents:")] {
+            let m = Envelope::new(&config, binding)
+                .with_extra(&tenant_columns())
+                .build(&tenant_event());
+            assert!(
+                m.headers
+                    .contains(&(format!("{prefix}tenantid"), "t-42".to_owned())),
+                "{binding:?}: {:?}",
+                m.headers
+            );
+            assert!(
+                m.headers
+                    .contains(&("tenant".to_owned(), "t-42".to_owned()))
+            );
+            assert!(
+                !m.headers.iter().any(|(k, _)| k.ends_with("region")),
+                "{binding:?}: NULL omitted"
+            );
+            assert_eq!(m.body, br#"{"total":12.5}"#);
         }
     }
 }

@@ -468,12 +468,21 @@ fn event_columns(info: Option<&TableInfo>, map: &ColumnMap) -> Vec<String> {
                 .unwrap_or(crate::outbox::columns::DEFAULT_CREATED_AT.into()),
         ],
     };
-    map.resolve(&names)
+    let resolved = map.resolve(&names);
+    let mut columns: Vec<String> = resolved
         .in_row_order()
         .into_iter()
         .flatten()
         .map(str::to_owned)
-        .collect()
+        .collect();
+    // Extra columns are published too, so they stay as inserted as well
+    // (those the table has: `run` and `check` report a missing one).
+    for x in resolved.extra {
+        if names.contains(&x) && !columns.contains(&x) {
+            columns.push(x);
+        }
+    }
+    columns
 }
 
 fn alter_table(info: &TableInfo, opts: &MigrateOptions) -> Result<Vec<Step>, MigrateError> {

@@ -28,6 +28,106 @@ pub struct ColumnMap {
     pub headers: Option<String>,
     #[serde(default)]
     pub created_at: Option<String>,
+    /// More columns carried as message headers and/or CloudEvents
+    /// extension attributes (`[[outbox.columns.extra]]`).
+    #[serde(default)]
+    pub extra: Vec<ExtraColumn>,
+}
+
+/// `[[outbox.columns.extra]]`: one more column of the table, published as a
+/// plain message header, a CloudEvents extension attribute, or both. A NULL
+/// value publishes neither.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExtraColumn {
+    pub column: String,
+    #[serde(default)]
+    pub header: Option<String>,
+    #[serde(default)]
+    pub attribute: Option<String>,
+}
+
+/// Most extra columns: each is a header or attribute on every message.
+pub const MAX_EXTRA_COLUMNS: usize = 32;
+
+/// CloudEvents attributes the relay sets itself, and the names the
+/// specification reserves (`data`, `data_base64`, `dataschema`): an extra
+/// column cannot take them.
+pub const RESERVED_ATTRIBUTES: &[&str] = &[
+    "specversion",
+    "id",
+    "source",
+    "type",
+    "subject",
+    "time",
+    "datacontenttype",
+    "dataschema",
+    "data",
+    "aggregatetype",
+    "eventversion",
+    "traceparent",
+    "tracestate",
+];
+
+/// Header names (and prefixes, compared without case) the relay sets
+/// itself: an extra column cannot take them, so consumers can trust them.
+pub const RESERVED_HEADERS: &[&str] = &[
+    "content-type",
+    "event_id",
+    "event_type",
+    "event_version",
+    "aggregate_type",
+];
+pub const RESERVED_HEADER_PREFIXES: &[&str] = &["ce_", "cloudevents:", "cloudevents_"];
+
+/// What is wrong with a CloudEvents extension attribute name, if anything
+/// (<https://github.com/cloudevents/spec/blob/v1.0.2/cloudevents/spec.md#naming-conventions>).
+pub fn attribute_problem(name: &str) -> Option<String> {
+    if name.is_empty()
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+    {
+        return Some(format!(
+            "{name:?} is not a CloudEvents attribute name: use lowercase letters a-z and digits 0-9 only"
+        ));
+    }
+    if name.len() > 20 {
+        return Some(format!(
+            "{name:?} is {} characters; CloudEvents attribute names should be at most 20, and some SDKs refuse longer ones",
+            name.len()
+        ));
+    }
+    if RESERVED_ATTRIBUTES.contains(&name) {
+        return Some(format!(
+            "{name:?} is an attribute the relay sets or CloudEvents reserves; choose another name"
+        ));
+    }
+    None
+}
+
+/// What is wrong with an extra column's header name, if anything.
+pub fn header_problem(name: &str) -> Option<String> {
+    if name.is_empty() || name.len() > 255 || name.chars().any(char::is_control) {
+        return Some(format!(
+            "{name:?} is not a header name: use 1 to 255 bytes without control characters"
+        ));
+    }
+    let lower = name.to_ascii_lowercase();
+    if RESERVED_HEADERS.contains(&lower.as_str()) {
+        return Some(format!(
+            "{name:?} is a header the relay sets itself; choose another name"
+        ));
+    }
+    if let Some(p) = RESERVED_HEADER_PREFIXES
+        .iter()
+        .find(|p| lower.starts_with(*p))
+    {
+        return Some(format!(
+            "{name:?} starts with {p:?}, which names CloudEvents attributes in binary mode; use `attribute` for an attribute, or another header name"
+        ));
+    }
+    None
 }
 
 mod d {
@@ -59,6 +159,7 @@ impl Default for ColumnMap {
             event_version: None,
             headers: None,
             created_at: None,
+            extra: Vec::new(),
         }
     }
 }
@@ -67,6 +168,19 @@ impl Default for ColumnMap {
 pub const DEFAULT_EVENT_VERSION: &str = "event_version";
 pub const DEFAULT_HEADERS: &str = "headers";
 pub const DEFAULT_CREATED_AT: &str = "created_at";
+
+/// What is wrong with a configured column name, if anything.
+fn column_problem(col: &str) -> Option<String> {
+    if col.is_empty() || col.len() > 63 {
+        return Some("a column name must be 1 to 63 bytes long".to_owned());
+    }
+    if [SEQ_COLUMN, XID_COLUMN, SENT_AT_COLUMN].contains(&col) {
+        return Some(format!(
+            "{col} is a column the relay owns; map a column of your own"
+        ));
+    }
+    None
+}
 
 impl ColumnMap {
     /// `(key, column)` for every column the map names explicitly.
@@ -90,22 +204,74 @@ impl ColumnMap {
         v
     }
 
-    /// Problems with the names themselves, as `(key, message)`.
-    pub fn problems(&self) -> Vec<(&'static str, String)> {
+    /// Problems with the names themselves, as `(key, message)`, the key
+    /// relative to `outbox.columns`.
+    pub fn problems(&self) -> Vec<(String, String)> {
         let mut out = Vec::new();
         let named = self.named();
         for (i, (key, col)) in named.iter().enumerate() {
-            if col.is_empty() || col.len() > 63 {
-                out.push((*key, "a column name must be 1 to 63 bytes long".to_owned()));
-            }
-            if [SEQ_COLUMN, XID_COLUMN, SENT_AT_COLUMN].contains(col) {
+            out.extend(column_problem(col).map(|m| (key.to_string(), m)));
+            if let Some((other, _)) = named[..i].iter().find(|(_, c)| c == col) {
                 out.push((
-                    *key,
-                    format!("{col} is a column the relay owns; map a column of your own"),
+                    key.to_string(),
+                    format!("column {col:?} is already mapped to {other}"),
                 ));
             }
-            if let Some((other, _)) = named[..i].iter().find(|(_, c)| c == col) {
-                out.push((*key, format!("column {col:?} is already mapped to {other}")));
+        }
+        out.extend(self.extra_problems());
+        out
+    }
+
+    /// Problems of `[[outbox.columns.extra]]`, keyed `extra[i].field`.
+    fn extra_problems(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        if self.extra.len() > MAX_EXTRA_COLUMNS {
+            out.push((
+                "extra".to_owned(),
+                format!(
+                    "{} extra columns; at most {MAX_EXTRA_COLUMNS} are allowed",
+                    self.extra.len()
+                ),
+            ));
+        }
+        for (i, x) in self.extra.iter().enumerate() {
+            let key = |field: &str| format!("extra[{i}].{field}");
+            let earlier = &self.extra[..i];
+            out.extend(column_problem(&x.column).map(|m| (key("column"), m)));
+            if let Some(j) = earlier.iter().position(|e| e.column == x.column) {
+                out.push((
+                    key("column"),
+                    format!(
+                        "column {:?} is already listed in extra[{j}]; one entry can set both header and attribute",
+                        x.column
+                    ),
+                ));
+            }
+            if x.header.is_none() && x.attribute.is_none() {
+                out.push((
+                    key("column"),
+                    "publishes nothing; set header, attribute or both".to_owned(),
+                ));
+            }
+            if let Some(h) = &x.header {
+                out.extend(header_problem(h).map(|m| (key("header"), m)));
+                let same =
+                    |e: &ExtraColumn| e.header.as_ref().is_some_and(|o| o.eq_ignore_ascii_case(h));
+                if let Some(j) = earlier.iter().position(same) {
+                    out.push((
+                        key("header"),
+                        format!("header {h:?} is already set by extra[{j}]"),
+                    ));
+                }
+            }
+            if let Some(a) = &x.attribute {
+                out.extend(attribute_problem(a).map(|m| (key("attribute"), m)));
+                if let Some(j) = earlier.iter().position(|e| e.attribute.as_ref() == Some(a)) {
+                    out.push((
+                        key("attribute"),
+                        format!("attribute {a:?} is already set by extra[{j}]"),
+                    ));
+                }
             }
         }
         out
@@ -128,6 +294,7 @@ impl ColumnMap {
             event_version: pick(&self.event_version, DEFAULT_EVENT_VERSION),
             headers: pick(&self.headers, DEFAULT_HEADERS),
             created_at: pick(&self.created_at, DEFAULT_CREATED_AT),
+            extra: self.extra.iter().map(|x| x.column.clone()).collect(),
         }
     }
 }
@@ -143,6 +310,8 @@ pub struct ResolvedColumns {
     pub event_version: Option<String>,
     pub headers: Option<String>,
     pub created_at: Option<String>,
+    /// The `[[outbox.columns.extra]]` columns, in configuration order.
+    pub extra: Vec<String>,
 }
 
 impl ResolvedColumns {
@@ -207,5 +376,85 @@ mod tests {
             p.iter()
                 .any(|(k, m)| *k == "headers" && m.contains("relay owns"))
         );
+    }
+
+    fn extra(column: &str, header: Option<&str>, attribute: Option<&str>) -> ExtraColumn {
+        ExtraColumn {
+            column: column.into(),
+            header: header.map(Into::into),
+            attribute: attribute.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn attribute_names_follow_cloudevents() {
+        for good in ["tenantid", "a", "x2", "abcdefghij0123456789"] {
+            assert_eq!(attribute_problem(good), None, "{good}");
+        }
+        for (bad, expected) in [
+            ("", "lowercase letters"),
+            ("tenant_id", "lowercase letters"),
+            ("Tenant", "lowercase letters"),
+            ("tenant-id", "lowercase letters"),
+            ("abcdefghij01234567890", "at most 20"),
+            ("id", "relay sets"),
+            ("data", "relay sets or CloudEvents reserves"),
+            ("traceparent", "relay sets"),
+        ] {
+            let p = attribute_problem(bad).unwrap_or_default();
+            assert!(p.contains(expected), "{bad:?}: {p}");
+        }
+    }
+
+    #[test]
+    fn header_names_cannot_take_the_relays() {
+        assert_eq!(header_problem("tenant"), None);
+        for (bad, expected) in [
+            ("Content-Type", "relay sets"),
+            ("EVENT_ID", "relay sets"),
+            ("ce_tenant", "starts with"),
+            ("cloudEvents:tenant", "starts with"),
+            ("", "not a header name"),
+            ("a\nb", "not a header name"),
+        ] {
+            let p = header_problem(bad).unwrap_or_default();
+            assert!(p.contains(expected), "{bad:?}: {p}");
+        }
+    }
+
+    #[test]
+    fn extra_columns_are_problems_by_index() {
+        let map = ColumnMap {
+            extra: vec![
+                extra("tenant_id", Some("tenant"), Some("tenantid")),
+                extra("relay_seq", Some("seq"), None),
+                extra("region", Some("TENANT"), Some("tenantid")),
+                extra("nothing", None, None),
+            ],
+            ..ColumnMap::default()
+        };
+        let p = map.problems();
+        let has = |key: &str, text: &str| p.iter().any(|(k, m)| k == key && m.contains(text));
+        assert!(!p.iter().any(|(k, _)| k.starts_with("extra[0]")), "{p:?}");
+        assert!(has("extra[1].column", "relay owns"), "{p:?}");
+        assert!(has("extra[2].header", "already set by extra[0]"), "{p:?}");
+        assert!(
+            has("extra[2].attribute", "already set by extra[0]"),
+            "{p:?}"
+        );
+        assert!(has("extra[3].column", "publishes nothing"), "{p:?}");
+        let many = ColumnMap {
+            extra: (0..=MAX_EXTRA_COLUMNS)
+                .map(|i| extra(&format!("c{i}"), Some(&format!("h{i}")), None))
+                .collect(),
+            ..ColumnMap::default()
+        };
+        assert!(many.problems().iter().any(|(k, _)| k == "extra"));
+        let resolved = ColumnMap {
+            extra: vec![extra("tenant_id", Some("tenant"), None)],
+            ..ColumnMap::default()
+        }
+        .resolve(&[]);
+        assert_eq!(resolved.extra, vec!["tenant_id".to_owned()]);
     }
 }

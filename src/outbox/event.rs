@@ -20,6 +20,9 @@ pub struct RawRow {
     pub payload: Option<String>,
     pub headers: Option<String>,
     pub created_at: Option<String>,
+    /// The `[[outbox.columns.extra]]` columns as a JSON object of their
+    /// text values, NULL ones left out; `None` when none are configured.
+    pub extra: Option<String>,
 }
 
 /// One event, ready to be put in an envelope.
@@ -37,6 +40,9 @@ pub struct OutboxEvent {
     /// The row's `headers` object, in key order.
     pub headers: Vec<(String, String)>,
     pub created_at: DateTime<Utc>,
+    /// The extra columns' values, `(column, value)` by column name; NULL
+    /// ones are absent.
+    pub extra: Vec<(String, String)>,
 }
 
 /// Why a row cannot be published. The row is bad input, not a relay failure:
@@ -67,7 +73,12 @@ pub const MAX_HEADERS_BYTES: usize = 64 * 1024;
 
 /// What checking a row produces besides the strings it keeps: the version,
 /// the headers and the time.
-type Checked = (i32, Vec<(String, String)>, DateTime<Utc>);
+type Checked = (
+    i32,
+    Vec<(String, String)>,
+    DateTime<Utc>,
+    Vec<(String, String)>,
+);
 
 impl RawRow {
     /// Decodes the row. `fallback_time` stands in for an absent `created_at`
@@ -85,7 +96,7 @@ impl RawRow {
                 });
             }
         };
-        let (event_version, headers, created_at) = checked;
+        let (event_version, headers, created_at, extra) = checked;
         // Every field was checked above; the fallbacks below cannot be reached.
         let payload = RawValue::from_string(self.payload.unwrap_or_default()).unwrap_or_default();
         Ok(OutboxEvent {
@@ -97,6 +108,7 @@ impl RawRow {
             payload,
             headers,
             created_at,
+            extra,
         })
     }
 
@@ -133,7 +145,11 @@ impl RawRow {
             None => fallback_time,
             Some(t) => parse_timestamp(t)?,
         };
-        Ok((event_version, headers, created_at))
+        let extra = match &self.extra {
+            None => Vec::new(),
+            Some(x) => parse_extra(x)?,
+        };
+        Ok((event_version, headers, created_at, extra))
     }
 }
 
@@ -155,8 +171,51 @@ impl OutboxEvent {
             payload: Some(self.payload.get().to_owned()),
             headers: Some(headers.to_string()),
             created_at: Some(self.created_at.to_rfc3339()),
+            extra: (!self.extra.is_empty()).then(|| extra_json(&self.extra)),
         }
     }
+}
+
+/// The extra columns' `(column, value)` pairs as a JSON object, the form
+/// [`RawRow::extra`] and the dead-letter table keep them in.
+pub fn extra_json<'a>(pairs: impl IntoIterator<Item = &'a (String, String)>) -> String {
+    serde_json::Value::Object(
+        pairs
+            .into_iter()
+            .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+            .collect(),
+    )
+    .to_string()
+}
+
+/// `extra` must be a JSON object of strings (a null stands for a NULL
+/// column and is left out); it travels with every message, so it is
+/// bounded like the headers.
+fn parse_extra(text: &str) -> Result<Vec<(String, String)>, String> {
+    if text.len() > MAX_HEADERS_BYTES {
+        return Err(format!(
+            "the extra columns' values are {} bytes; at most {MAX_HEADERS_BYTES} are allowed",
+            text.len()
+        ));
+    }
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("extra columns are not JSON: {e}"))?;
+    let serde_json::Value::Object(map) = value else {
+        return Err(format!(
+            "extra columns must be a JSON object of strings, found {}",
+            json_kind(&value)
+        ));
+    };
+    map.into_iter()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, v)| match v {
+            serde_json::Value::String(s) => Ok((k, s)),
+            other => Err(format!(
+                "extra columns must be a JSON object of strings; column {k:?} is {}",
+                json_kind(&other)
+            )),
+        })
+        .collect()
 }
 
 /// `headers` must be a JSON object whose values are all strings.
@@ -243,6 +302,48 @@ mod tests {
             payload: Some(r#"{"total": 12.5}"#.into()),
             headers: Some(r#"{"traceparent": "00-abc-def-01"}"#.into()),
             created_at: Some("2026-11-29 15:45:41.123456+00".into()),
+            extra: None,
+        }
+    }
+
+    #[test]
+    fn extra_columns_decode_and_round_trip_through_the_raw_form() {
+        let r = RawRow {
+            extra: Some(r#"{"tenant_id": "acme", "region": null}"#.into()),
+            ..row()
+        };
+        let e = r.decode(Utc::now()).unwrap();
+        assert_eq!(e.extra, vec![("tenant_id".into(), "acme".into())]);
+        let again = e.to_raw().decode(Utc::now()).unwrap();
+        assert_eq!(again.extra, e.extra);
+        assert_eq!(row().decode(Utc::now()).unwrap().to_raw().extra, None);
+    }
+
+    #[test]
+    fn bad_extra_values_are_refused_with_a_reason() {
+        for (extra, expected) in [
+            ("[]".to_owned(), "found an array"),
+            (r#"{"n": 1}"#.to_owned(), "column \"n\" is a number"),
+            ("{".to_owned(), "not JSON"),
+            (
+                format!(r#"{{"big": "{}"}}"#, "x".repeat(MAX_HEADERS_BYTES)),
+                "bytes; at most",
+            ),
+        ] {
+            let err = RawRow {
+                extra: Some(extra),
+                ..row()
+            }
+            .decode(Utc::now())
+            .unwrap_err();
+            assert!(
+                err.reason.contains(expected),
+                "{err} should contain {expected}"
+            );
+            assert!(
+                err.raw.is_some(),
+                "the row is kept for the dead-letter table"
+            );
         }
     }
 

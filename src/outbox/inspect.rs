@@ -224,6 +224,15 @@ pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode, deletes: bool) 
             expect(key, column, accepted, what);
         }
     }
+    // Any type will do: the value travels as its text form.
+    for (i, x) in map.extra.iter().enumerate() {
+        if info.column(&x.column).is_none() {
+            problems.push(format!(
+                "column {:?} (outbox.columns.extra[{i}].column) does not exist; rename it in [[outbox.columns.extra]] or add it",
+                x.column
+            ));
+        }
+    }
     for (column, accepted, what) in [
         (SEQ_COLUMN, &["bigint"][..], "bigint"),
         (XID_COLUMN, &["xid8"][..], "xid8"),

@@ -16,7 +16,7 @@ mod event;
 pub mod inspect;
 mod shard;
 
-pub use columns::{ColumnMap, ResolvedColumns};
+pub use columns::{ColumnMap, ExtraColumn, ResolvedColumns};
 pub use event::{OutboxEvent, RawRow, RowError};
 pub use shard::Shard;
 

@@ -91,7 +91,8 @@ impl Backend for Postgres<'_> {
         let envelope = Envelope::new(
             &config.envelope,
             crate::envelope::Binding::of_sink(config.sink.kind()),
-        );
+        )
+        .with_extra(&config.outbox.columns.extra);
         let settings = Settings::from_config(config);
         let dead_letters = config
             .dead_letter

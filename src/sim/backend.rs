@@ -57,7 +57,8 @@ impl Backend for SimBackend {
         let envelope = Envelope::new(
             &config.envelope,
             crate::envelope::Binding::of_sink(config.sink.kind()),
-        );
+        )
+        .with_extra(&config.outbox.columns.extra);
         let store = SimStore::new(self.world.clone(), reign, config.relay.mark);
         let cx = pipeline::Context {
             envelope: &envelope,

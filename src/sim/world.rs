@@ -58,6 +58,7 @@ impl Row {
             payload: Some("{}".into()),
             headers: Some(self.headers.clone()),
             created_at: Some("2026-12-01 00:00:00+00".into()),
+            extra: None,
         }
     }
 }

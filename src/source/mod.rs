@@ -55,6 +55,7 @@ impl<P> SourcedEvent<P> {
                         + e.event_type.len()
                         + e.headers
                             .iter()
+                            .chain(&e.extra)
                             .map(|(k, v)| k.len() + v.len())
                             .sum::<usize>()
                 }
@@ -70,6 +71,7 @@ impl<P> SourcedEvent<P> {
                                 &r.payload,
                                 &r.headers,
                                 &r.created_at,
+                                &r.extra,
                             ]
                             .iter()
                             .map(|f| f.as_ref().map_or(0, String::len))

@@ -1,11 +1,16 @@
 //! Reading outbox rows with SQL, shared by the polling reader and the CDC
 //! start-up read: every contract column is selected as text (absent optional
-//! ones as NULL), after `relay_seq`, in [`RawRow`] order.
+//! ones as NULL), after `relay_seq`, in [`RawRow`] order, then the extra
+//! columns as one JSON object (so the list has the same width whatever the
+//! configuration).
 
-use crate::outbox::{RawRow, ResolvedColumns, SEQ_COLUMN, quote_ident};
+use crate::outbox::{RawRow, ResolvedColumns, SEQ_COLUMN, quote_ident, quote_literal};
 use tokio_postgres::Row;
 
-/// `relay_seq, <id>::text, ..., <created_at>::text`.
+/// Columns of [`select_list`] after `relay_seq`.
+pub const ROW_WIDTH: usize = 9;
+
+/// `relay_seq, <id>::text, ..., <created_at>::text, <extra>`.
 pub fn select_list(columns: &ResolvedColumns) -> String {
     let mut list = vec![SEQ_COLUMN.to_owned()];
     for col in columns.in_row_order() {
@@ -14,7 +19,24 @@ pub fn select_list(columns: &ResolvedColumns) -> String {
             None => "NULL::text".to_owned(),
         });
     }
+    list.push(extra_object(&columns.extra));
     list.join(", ")
+}
+
+/// The extra columns as one JSON object of text values, NULL ones left out
+/// (as the CDC reader builds it from a tuple), or NULL when there are none.
+fn extra_object(extra: &[String]) -> String {
+    if extra.is_empty() {
+        return "NULL::text".to_owned();
+    }
+    let pairs: Vec<String> = extra
+        .iter()
+        .map(|c| format!("{}, {}::text", quote_literal(c), quote_ident(c)))
+        .collect();
+    format!(
+        "jsonb_strip_nulls(jsonb_build_object({}))::text",
+        pairs.join(", ")
+    )
 }
 
 /// Reads `relay_seq` and the row at `offset` (where the select list starts);
@@ -34,6 +56,7 @@ pub fn read_row(row: &Row, offset: usize) -> Option<(i64, RawRow)> {
                 payload: text(5),
                 headers: text(6),
                 created_at: text(7),
+                extra: text(8),
             },
         )
     })

@@ -30,7 +30,7 @@ async fn insert_big(db: &TestDb, id: Uuid, aggregate: &str) {
         .unwrap();
 }
 
-fn config_file(toml: &str) -> String {
+pub fn config_file(toml: &str) -> String {
     let dir = std::env::temp_dir().join(unique("outbox-relay-dlq-"));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("relay.toml");
@@ -38,7 +38,7 @@ fn config_file(toml: &str) -> String {
     path.to_str().unwrap().to_owned()
 }
 
-fn dlq_list(path: &str) -> Vec<Value> {
+pub fn dlq_list(path: &str) -> Vec<Value> {
     let (code, out, err) = run_cli(&["dlq", "list", "--config", path, "--json"], &[]);
     assert_eq!(code, 0, "{err}");
     out.lines()

@@ -14,6 +14,7 @@ mod cli;
 mod dead_letters;
 mod delivery;
 mod duplicates;
+mod extra_columns;
 mod failures;
 mod fencing;
 mod logs;

@@ -118,8 +118,8 @@ pub struct PgServer {
     snapshot_open: bool,
 }
 
-/// Column of the 32-bit xid in the start-up read, after `relay_seq` and the 8 contract columns.
-const XID_INDEX: usize = 9;
+/// Column of the 32-bit xid in the start-up read, after `relay_seq` and the row.
+const XID_INDEX: usize = 1 + crate::source::rows::ROW_WIDTH;
 
 impl PgServer {
     pub async fn connect(

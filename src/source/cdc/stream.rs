@@ -21,6 +21,8 @@ struct OutboxColumns {
     relation_id: u32,
     /// In [`RawRow`] order; `None` for absent optional columns.
     contract: [Option<usize>; 8],
+    /// The extra columns: name and position.
+    extra: Vec<(String, usize)>,
     seq: Option<usize>,
 }
 
@@ -160,16 +162,25 @@ impl<S: CdcStream> Streaming<S> {
             }
             LogicalMessage::Relation(r) => {
                 if r.namespace == table.schema && r.name == table.name {
+                    let index = |name: &str| {
+                        r.column_index(name).ok_or_else(|| {
+                            SourceError::Setup(format!(
+                                "the replicated table {table} has no column {name:?}; check [outbox.columns] \
+                                 and the publication's column list"
+                            ))
+                        })
+                    };
                     let mut contract = [None; 8];
                     for (slot, name) in contract.iter_mut().zip(columns.in_row_order()) {
                         if let Some(name) = name {
-                            *slot = Some(r.column_index(name).ok_or_else(|| {
-                                SourceError::Setup(format!(
-                                    "the replicated table {table} has no column {name:?}; check [outbox.columns]"
-                                ))
-                            })?);
+                            *slot = Some(index(name)?);
                         }
                     }
+                    let extra = columns
+                        .extra
+                        .iter()
+                        .map(|name| Ok((name.clone(), index(name)?)))
+                        .collect::<Result<Vec<_>, SourceError>>()?;
                     let seq = r.column_index(SEQ_COLUMN);
                     if seq.is_none() && self.needs_seq {
                         // Without it no row could be marked sent: every one
@@ -182,6 +193,7 @@ impl<S: CdcStream> Streaming<S> {
                     self.outbox = Some(OutboxColumns {
                         relation_id: r.id,
                         contract,
+                        extra,
                         seq,
                     });
                 }
@@ -218,6 +230,7 @@ impl<S: CdcStream> Streaming<S> {
                     payload: text(c[5]),
                     headers: text(c[6]),
                     created_at: text(c[7]),
+                    extra: extra_object(&cols.extra, |i| text(Some(i))),
                 };
                 let position = CdcPosition {
                     commit_lsn: tx.commit_lsn,
@@ -264,6 +277,22 @@ impl<S: CdcStream> Streaming<S> {
             );
         }
     }
+}
+
+/// The extra columns as the polling query builds them: a JSON object of
+/// their text values, NULL ones left out; `None` when there are none.
+fn extra_object(
+    extra: &[(String, usize)],
+    text: impl Fn(usize) -> Option<String>,
+) -> Option<String> {
+    if extra.is_empty() {
+        return None;
+    }
+    let object: serde_json::Map<String, serde_json::Value> = extra
+        .iter()
+        .filter_map(|(name, i)| Some((name.clone(), serde_json::Value::String(text(*i)?))))
+        .collect();
+    Some(serde_json::Value::Object(object).to_string())
 }
 
 /// Locks the shared progress; a poisoned lock (a panic elsewhere) still holds valid data.
