@@ -91,7 +91,6 @@ async fn extra_columns_are_attributes_and_headers(mode: Mode, kind: Kind) {
     })
     .await;
     relay.stop().await;
-    db.drop_with_slots().await;
 }
 
 every_mode!(binary_mode_names_extra_attributes_by_binding);
@@ -122,7 +121,6 @@ async fn binary_mode_names_extra_attributes_by_binding(mode: Mode, kind: Kind) {
     assert_eq!(m.header(&format!("{prefix}region")), None);
     assert_eq!(m.header("tenant"), None);
     relay.stop().await;
-    db.drop_with_slots().await;
 }
 
 every_mode!(a_redriven_dead_letter_keeps_its_extra_values);
@@ -176,12 +174,11 @@ async fn a_redriven_dead_letter_keeps_its_extra_values(mode: Mode, kind: Kind) {
     assert!(m.json().get("region").is_none());
     assert_eq!(m.header("tenant"), Some("t-9"));
     relay.stop().await;
-    db.drop_with_slots().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_names_the_key_of_a_missing_extra_column() {
-    let (db, _broker, toml) = setup(Mode::Polling, Kind::Kafka, &["order"], &[]).await;
+    let (_db, _broker, toml) = setup(Mode::Polling, Kind::Kafka, &["order"], &[]).await;
     let toml =
         format!("{toml}\n[[outbox.columns.extra]]\ncolumn = \"tenant_id\"\nheader = \"tenant\"\n");
     let path = config_file(&toml);
@@ -192,5 +189,4 @@ async fn check_names_the_key_of_a_missing_extra_column() {
         all.contains("column \"tenant_id\" (outbox.columns.extra[0].column) does not exist"),
         "{all}"
     );
-    db.drop_db().await;
 }
