@@ -416,11 +416,7 @@ impl LostSlot {
     }
 
     fn check(&self) -> (i32, String) {
-        let dir = std::env::temp_dir().join(unique("outbox-relay-cdc-"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("relay.toml");
-        std::fs::write(&path, &self.toml).unwrap();
-        let (code, out, _) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
+        let (code, out, _) = run_cli(&["check", "--config", &config_file(&self.toml)], &[]);
         (code, out)
     }
 }

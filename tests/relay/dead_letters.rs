@@ -30,14 +30,6 @@ async fn insert_big(db: &TestDb, id: Uuid, aggregate: &str) {
         .unwrap();
 }
 
-pub fn config_file(toml: &str) -> String {
-    let dir = std::env::temp_dir().join(unique("outbox-relay-dlq-"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("relay.toml");
-    std::fs::write(&path, toml).unwrap();
-    path.to_str().unwrap().to_owned()
-}
-
 pub fn dlq_list(path: &str) -> Vec<Value> {
     let (code, out, err) = run_cli(&["dlq", "list", "--config", path, "--json"], &[]);
     assert_eq!(code, 0, "{err}");

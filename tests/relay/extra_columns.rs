@@ -2,7 +2,7 @@
 //! headers and CloudEvents extension attributes in both source modes, NULL
 //! ones omitted, and kept through a dead letter and its redrive.
 
-use crate::dead_letters::{config_file, dlq_list};
+use crate::dead_letters::dlq_list;
 use crate::support::brokers::Received;
 use crate::support::*;
 use serde_json::json;

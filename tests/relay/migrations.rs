@@ -100,18 +100,7 @@ async fn schema_catalog(client: &Client) -> Vec<String> {
 }
 
 fn write_config(toml: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(unique("outbox-relay-migrations-"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("relay.toml");
-    std::fs::write(&path, toml).unwrap();
-    path
-}
-
-fn rabbit_sink() -> String {
-    format!(
-        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
-        amqp_url()
-    )
+    std::path::PathBuf::from(config_file(toml))
 }
 
 /// Applies the files (twice: they must be safe to run again) to one database

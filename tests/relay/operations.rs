@@ -111,14 +111,6 @@ fn status_json(path: &str) -> Vec<Value> {
         .collect()
 }
 
-fn config_file(toml: &str) -> String {
-    let dir = std::env::temp_dir().join(unique("outbox-relay-ops-"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("relay.toml");
-    std::fs::write(&path, toml).unwrap();
-    path.to_str().unwrap().to_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_json_matches_a_known_state() {
     let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;

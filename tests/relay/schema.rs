@@ -6,21 +6,6 @@ use crate::support::*;
 use serde_json::json;
 use uuid::Uuid;
 
-fn write_config(toml: &str) -> String {
-    let dir = std::env::temp_dir().join(unique("outbox-relay-schema-"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("relay.toml");
-    std::fs::write(&path, toml).unwrap();
-    path.to_str().unwrap().to_owned()
-}
-
-fn rabbit_sink() -> String {
-    format!(
-        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
-        amqp_url()
-    )
-}
-
 /// Runs the relay until its log says `needle` (it keeps retrying a table it
 /// cannot use, and says why each time); returns the log so far.
 fn run_until_logged(path: &str, needle: &str) -> String {
@@ -58,7 +43,7 @@ async fn seq_index_is_unique_and_valid(db: &TestDb) -> bool {
 #[tokio::test]
 async fn migrate_makes_relay_seq_unique_and_check_insists_on_it() {
     let db = TestDb::new().await;
-    let path = write_config(&base_toml(&db.url, &rabbit_sink()));
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(
@@ -139,7 +124,7 @@ async fn migrate_makes_relay_seq_unique_and_check_insists_on_it() {
 async fn a_publication_that_blocks_marking_is_named_by_check_and_run() {
     let db = TestDb::new().await;
     let toml = base_toml(&db.url, &rabbit_sink());
-    let path = write_config(&toml);
+    let path = config_file(&toml);
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
     // An adopted table without a primary key (so no replica identity, and
@@ -197,7 +182,7 @@ async fn a_publication_that_blocks_marking_is_named_by_check_and_run() {
 #[tokio::test]
 async fn unsent_events_are_write_once() {
     let db = TestDb::new().await;
-    let path = write_config(&base_toml(&db.url, &rabbit_sink()));
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
     let id = Uuid::new_v4();
@@ -268,7 +253,7 @@ async fn a_partitioned_outbox_is_refused_with_the_reason() {
         )
         .await
         .unwrap();
-    let path = write_config(&base_toml(&db.url, &rabbit_sink()));
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(

@@ -16,14 +16,6 @@ fn admin_url(major: u32) -> String {
     })
 }
 
-fn write_config(toml: &str) -> String {
-    let dir = std::env::temp_dir().join(unique("outbox-relay-versions-"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("relay.toml");
-    std::fs::write(&path, toml).unwrap();
-    path.to_str().unwrap().to_owned()
-}
-
 fn cli_ok(args: &[&str]) -> String {
     let (code, out, err) = run_cli(args, &[]);
     assert_eq!(code, 0, "outbox-relay {args:?}: {out}{err}");
@@ -55,7 +47,7 @@ async fn migration_files_apply(admin: &str) {
     let db = TestDb::new_on(admin).await;
     apply_files(&db.client, &files_for(Mode::Polling)).await;
     let toml = base_toml(&db.url, &RabbitExchange::new().await.sink_toml());
-    let out = cli_ok(&["migrate", "--config", &write_config(&toml), "--dry-run"]);
+    let out = cli_ok(&["migrate", "--config", &config_file(&toml), "--dry-run"]);
     assert!(out.contains("nothing to do"), "after the files: {out}");
 }
 
@@ -64,7 +56,7 @@ async fn polling_delivers(admin: &str) {
     let db = TestDb::new_on(admin).await;
     let rabbit = RabbitExchange::new().await;
     let toml = base_toml(&db.url, &rabbit.sink_toml());
-    let path = write_config(&toml);
+    let path = config_file(&toml);
     cli_ok(&["migrate", "--config", &path]);
     let out = cli_ok(&["check", "--config", &path]);
     assert!(out.contains("all checks passed"), "{out}");
@@ -86,7 +78,7 @@ async fn cdc_survives_a_kill(admin: &str) {
     let db = TestDb::new_on(admin).await;
     let rabbit = RabbitExchange::new().await;
     let toml = with_mode(&base_toml(&db.url, &rabbit.sink_toml()), Mode::Cdc);
-    let path = write_config(&toml);
+    let path = config_file(&toml);
     cli_ok(&["migrate", "--config", &path]);
     let out = cli_ok(&["check", "--config", &path]);
     assert!(out.contains("all checks passed"), "{out}");
@@ -168,7 +160,7 @@ async fn failover_slots_on_17() {
 
     let by_migrate = TestDb::new_on(&admin).await;
     let toml = failover(&by_migrate.url);
-    let path = write_config(&toml);
+    let path = config_file(&toml);
     cli_ok(&["migrate", "--config", &path]);
     assert_eq!(
         slot_failover(&by_migrate, &slot_of(&toml)).await,
@@ -184,9 +176,9 @@ async fn failover_slots_on_17() {
         "source.cdc.slot",
         &format!("\"{}\"", unique("slot_")),
     );
-    cli_ok(&["migrate", "--config", &write_config(&plain)]);
+    cli_ok(&["migrate", "--config", &config_file(&plain)]);
     let flagged = set(&plain, "source.cdc.failover", "true");
-    let out = cli_ok(&["check", "--config", &write_config(&flagged)]);
+    let out = cli_ok(&["check", "--config", &config_file(&flagged)]);
     assert!(out.contains("is not a failover slot"), "{out}");
 
     // The schema from the files, the slot from `run`.
@@ -216,7 +208,7 @@ async fn failover_is_refused_before_17() {
         "source.cdc.failover",
         "true",
     );
-    let path = write_config(&toml);
+    let path = config_file(&toml);
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(

@@ -622,3 +622,21 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
             .flatten()
     })
 }
+
+/// Writes `toml` to a fresh file and returns its path, for the commands
+/// tests run (`check`, `migrate`, `dlq`, ...).
+pub fn config_file(toml: &str) -> String {
+    let dir = std::env::temp_dir().join(unique("outbox-relay-config-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("relay.toml");
+    std::fs::write(&path, toml).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+/// A `[sink]` section for the test RabbitMQ, publishing to `amq.topic`.
+pub fn rabbit_sink() -> String {
+    format!(
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
+        amqp_url()
+    )
+}
