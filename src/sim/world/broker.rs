@@ -1,0 +1,257 @@
+//! The simulated broker: connections, sends, confirmations in any order,
+//! refusals before and after a send, and lost connections.
+
+use super::*;
+
+/// A message the broker accepted (a delivery consumers see).
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub event_id: String,
+}
+
+pub(super) struct BrokerMsg {
+    conn: u64,
+    event_id: String,
+    topic: String,
+    key: String,
+    due: Instant,
+    confirm_after: Duration,
+    reply: oneshot::Sender<Result<(), SinkError>>,
+}
+
+pub(super) struct PendingConfirm {
+    conn: u64,
+    at: Instant,
+    reply: oneshot::Sender<Result<(), SinkError>>,
+    result: Result<(), SinkError>,
+}
+
+impl World {
+    pub fn connect(&mut self, instance: usize) -> Result<u64, SinkError> {
+        if self.broker_down {
+            return Err(SinkError::Unavailable("sim: the broker is down".into()));
+        }
+        let id = self.next_conn;
+        self.next_conn += 1;
+        self.conns.insert(id, (instance, false));
+        Ok(id)
+    }
+
+    pub fn conn_ok(&self, conn: u64) -> bool {
+        !self.broker_down && self.conns.get(&conn).is_some_and(|(_, broken)| !broken)
+    }
+
+    pub fn topic(&self, event_type: &str) -> String {
+        if self.broker_kind.topic_per_type {
+            format!("t.{event_type}")
+        } else {
+            "t".into()
+        }
+    }
+
+    /// A send: checks, then the message is on its way.
+    pub fn send(
+        &mut self,
+        conn: u64,
+        reign: u64,
+        event_id: &str,
+        key: &str,
+        event_type: &str,
+    ) -> Result<oneshot::Receiver<Result<(), SinkError>>, SinkError> {
+        if !self.conn_ok(conn) {
+            return Err(SinkError::Unavailable("sim: connection lost".into()));
+        }
+        let poison = self.events.get(event_id).map(|e| e.poison);
+        if poison == Some(Poison::RefuseBeforeSend) {
+            return Err(SinkError::Rejected("sim: message too large".into()));
+        }
+        let instance = self.conns.get(&conn).map(|c| c.0).unwrap_or(usize::MAX);
+        if reign < self.latest_publishing_reign {
+            let v = format!(
+                "instance {instance} (reign {reign}) published {event_id} after a newer owner (reign {}) had started publishing",
+                self.latest_publishing_reign
+            );
+            self.violation(v);
+        }
+        self.latest_publishing_reign = self.latest_publishing_reign.max(reign);
+        let topic = self.topic(event_type);
+        let now = Instant::now();
+        let mut due = now + Duration::from_micros(self.rng.u64(200..20_000));
+        let order_key = (topic.clone(), key.to_owned());
+        if let Some(last) = self.last_due.get(&order_key) {
+            due = due.max(*last);
+        }
+        self.last_due.insert(order_key, due);
+        // Now and then a confirmation comes after the relay gave up on it.
+        let confirm_after = if self.rng.u32(0..200) == 0 {
+            self.confirm_timeout + Duration::from_millis(self.rng.u64(1..2000))
+        } else {
+            Duration::from_micros(self.rng.u64(0..30_000))
+        };
+        if due + confirm_after >= now + self.confirm_timeout {
+            self.incidents += 1;
+        }
+        let (tx, rx) = oneshot::channel();
+        self.inflight.push(BrokerMsg {
+            conn,
+            event_id: event_id.to_owned(),
+            topic,
+            key: key.to_owned(),
+            due,
+            confirm_after,
+            reply: tx,
+        });
+        self.note(format!("instance {instance} sends {event_id} ({key})"));
+        self.broker_notify.notify_one();
+        Ok(rx)
+    }
+
+    /// When the broker has something to do next.
+    pub fn next_broker_step(&self) -> Option<Instant> {
+        let a = self.inflight.iter().map(|m| m.due).min();
+        let b = self.confirms.iter().map(|c| c.at).min();
+        match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Delivers (or refuses) what is due and sends due confirmations.
+    pub fn broker_step(&mut self, now: Instant) {
+        while let Some(i) = self
+            .inflight
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.due <= now)
+            .min_by_key(|(_, m)| m.due)
+            .map(|(i, _)| i)
+        {
+            let m = self.inflight.remove(i);
+            let result = self.outcome(&m);
+            if let Err(SinkError::Rejected(_)) = &result
+                && self.broker_kind.gapless
+            {
+                // The producer stops: later messages of this partition fail.
+                let (later, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.inflight)
+                    .into_iter()
+                    .partition(|o| o.conn == m.conn && o.topic == m.topic && o.key == m.key);
+                self.inflight = keep;
+                for o in later {
+                    self.note(format!(
+                        "broker fails {} behind a refused message",
+                        o.event_id
+                    ));
+                    let _ = o
+                        .reply
+                        .send(Err(SinkError::Unavailable("sim: producer fenced".into())));
+                }
+                // The producer is rebuilt: what was in flight on it is ambiguous.
+                if let Some(c) = self.conns.get_mut(&m.conn)
+                    && !c.1
+                {
+                    c.1 = true;
+                    self.incidents += 1;
+                }
+            }
+            self.confirms.push(PendingConfirm {
+                conn: m.conn,
+                at: now + m.confirm_after,
+                reply: m.reply,
+                result,
+            });
+        }
+        let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.confirms)
+            .into_iter()
+            .partition(|c| c.at <= now);
+        self.confirms = keep;
+        for c in due {
+            let _ = c.reply.send(c.result);
+        }
+    }
+
+    fn outcome(&mut self, m: &BrokerMsg) -> Result<(), SinkError> {
+        let Some(facts) = self.events.get_mut(&m.event_id) else {
+            return Err(SinkError::Rejected("sim: unknown event".into()));
+        };
+        let refuse = match facts.poison {
+            Poison::RefuseAfterSend => true,
+            Poison::Flaky(n) if facts.refusals < n => true,
+            _ => false,
+        };
+        if refuse {
+            facts.refusals += 1;
+            self.note(format!("broker refuses {}", m.event_id));
+            return Err(SinkError::Rejected("sim: invalid destination".into()));
+        }
+        if self.busy_topics.contains(&m.topic) {
+            self.note(format!("broker nacks {} (busy)", m.event_id));
+            return Err(SinkError::Busy("sim: queue full".into()));
+        }
+        let instance = self.conns.get(&m.conn).map(|c| c.0).unwrap_or(usize::MAX);
+        self.note(format!(
+            "broker delivers {} ({}) from instance {instance}",
+            m.event_id, m.key
+        ));
+        self.deliveries.push(Delivery {
+            event_id: m.event_id.clone(),
+        });
+        Ok(())
+    }
+
+    /// A connection dies: each message on it may or may not have arrived.
+    pub fn kill_conn(&mut self, conn: u64) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        c.1 = true;
+        let (mut mine, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.inflight)
+            .into_iter()
+            .partition(|m| m.conn == conn);
+        self.inflight = keep;
+        // Confirmations on their way back are lost with the connection.
+        for c in self.confirms.iter_mut().filter(|c| c.conn == conn) {
+            c.result = Err(SinkError::Unavailable("sim: connection lost".into()));
+        }
+        // What was written before the cut arrived, in order; nothing after it.
+        mine.sort_by_key(|m| m.due);
+        let cut = self.rng.usize(0..=mine.len());
+        let mut fenced = BTreeSet::new();
+        for (i, m) in mine.into_iter().enumerate() {
+            let partition = (m.topic.clone(), m.key.clone());
+            if i < cut && !fenced.contains(&partition) {
+                match self.outcome(&m) {
+                    Ok(()) => self.note(format!(
+                        "{} arrived although its connection died",
+                        m.event_id
+                    )),
+                    Err(SinkError::Rejected(_)) if self.broker_kind.gapless => {
+                        fenced.insert(partition);
+                    }
+                    Err(_) => {}
+                }
+            }
+            let _ = m
+                .reply
+                .send(Err(SinkError::Unavailable("sim: connection lost".into())));
+        }
+    }
+
+    pub fn kill_conns_of(&mut self, instance: usize) {
+        let ids: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, (i, broken))| *i == instance && !broken)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.kill_conn(id);
+        }
+    }
+
+    pub fn kill_all_conns(&mut self) {
+        let ids: Vec<u64> = self.conns.keys().copied().collect();
+        for id in ids {
+            self.kill_conn(id);
+        }
+    }
+}
