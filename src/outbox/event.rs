@@ -81,6 +81,24 @@ type Checked = (
 );
 
 impl RawRow {
+    /// The bytes of its text values.
+    pub fn text_len(&self) -> usize {
+        [
+            &self.id,
+            &self.aggregate_type,
+            &self.aggregate_id,
+            &self.event_type,
+            &self.event_version,
+            &self.payload,
+            &self.headers,
+            &self.created_at,
+            &self.extra,
+        ]
+        .iter()
+        .map(|f| f.as_ref().map_or(0, String::len))
+        .sum()
+    }
+
     /// Decodes the row. `fallback_time` stands in for an absent `created_at`
     /// (the commit time in CDC, the read time when polling). A refused row
     /// comes back inside the error, so it can be dead-lettered as it was read.

@@ -59,25 +59,7 @@ impl<P> SourcedEvent<P> {
                             .map(|(k, v)| k.len() + v.len())
                             .sum::<usize>()
                 }
-                Err(e) => {
-                    e.reason.len()
-                        + e.raw.as_ref().map_or(0, |r| {
-                            [
-                                &r.id,
-                                &r.aggregate_type,
-                                &r.aggregate_id,
-                                &r.event_type,
-                                &r.event_version,
-                                &r.payload,
-                                &r.headers,
-                                &r.created_at,
-                                &r.extra,
-                            ]
-                            .iter()
-                            .map(|f| f.as_ref().map_or(0, String::len))
-                            .sum::<usize>()
-                        })
-                }
+                Err(e) => e.reason.len() + e.raw.as_ref().map_or(0, |r| r.text_len()),
             }
     }
 
