@@ -75,10 +75,31 @@ impl CdcServer for SimCdc {
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
         let w = lock(&self.world);
         self.snapshot = Some(w.unsent().cloned().collect());
+        // A simulated commit enters the WAL and becomes visible at once,
+        // so every commit before the insert position is seen.
         Ok(StartupView {
             snapshot: w.snapshot(),
             until: w.insert_lsn(),
+            settled: Some(w.insert_lsn()),
         })
+    }
+
+    fn advance_slot(
+        &mut self,
+        to: Lsn,
+    ) -> impl std::future::Future<Output = Result<Lsn, SourceError>> + Send + 'static {
+        let world = self.world.clone();
+        async move {
+            let mut w = lock(&world);
+            if w.slot_active.is_some() || w.slot_lost {
+                return Err(SourceError::SlotBusy("sim".into()));
+            }
+            let end = to.min(w.insert_lsn());
+            // Checked like a status update: nothing unaccounted for is passed.
+            w.confirm_slot(end);
+            w.note(format!("slot advanced to {end}"));
+            Ok(w.slot_confirmed)
+        }
     }
 
     async fn table_page(

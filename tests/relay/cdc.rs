@@ -2,7 +2,7 @@
 //! large transactions, server restarts, and their errors.
 
 use crate::kit::cluster::PrivatePg;
-use crate::support::brokers::{KafkaTopics, Received};
+use crate::support::brokers::{KafkaTopics, RabbitExchange, Received};
 use crate::support::*;
 use serde_json::json;
 use std::collections::HashSet;
@@ -612,4 +612,115 @@ async fn marking_waits_until_a_streamed_transaction_is_visible() {
         .expect("goes on once it is visible")
         .unwrap()
         .unwrap();
+}
+
+/// Commits `n` events of aggregate `agg` in transactions of `per_tx`; returns their ids in order.
+async fn backlog(db: &TestDb, n: i64, per_tx: i64) -> Vec<String> {
+    let mut ids = Vec::new();
+    for start in (0..n).step_by(per_tx as usize) {
+        let rows = db
+            .client
+            .query(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+                 SELECT gen_random_uuid(), 'order', 'agg', 'Placed', jsonb_build_object('n', g)
+                 FROM generate_series($1::bigint, $2::bigint) g ORDER BY g RETURNING id::text",
+                &[&start, &(start + per_tx - 1).min(n - 1)],
+            )
+            .await
+            .unwrap();
+        ids.extend(rows.iter().map(|r| r.get::<_, String>(0)));
+    }
+    ids
+}
+
+/// Inserts one event in a transaction left open on `other`; returns its id.
+async fn open_insert(other: &tokio_postgres::Client) -> String {
+    other.batch_execute("BEGIN").await.unwrap();
+    other
+        .query_one(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'order', 'straddler', 'Placed', '{}') RETURNING id::text",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// After a backlog, the slot is moved past the WAL the start-up read
+/// covers while the backlog is published (instead of being decoded again
+/// once it is done): its confirmed position passes the backlog while rows
+/// are still unsent. A transaction running across the start, committed
+/// while the relay waits for it, is published from the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slot_skips_a_backlog_while_it_is_published() {
+    let db = TestDb::new().await;
+    let broker = RabbitExchange::new().await;
+    let toml = set(
+        &cdc_toml(&db.url, &broker.sink_toml()),
+        "relay.max_in_flight",
+        "500",
+    );
+    let slot = slot_of(&toml);
+    db.migrate(&parse(&toml)).await;
+    let early = backlog(&db, 2_000, 10).await;
+    let backlog_end: String = db
+        .client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let backlog_end: outbox_relay::replication::Lsn = backlog_end.parse().unwrap();
+    let other = connect(&db.url).await;
+    let straddler = open_insert(&other).await;
+    let relay = InProcess::start(parse(&toml));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    other.batch_execute("COMMIT").await.unwrap();
+    wait_for(WAIT, "the slot to pass the backlog", || async {
+        (flushed(&db.client, slot.clone()).await >= backlog_end).then_some(())
+    })
+    .await;
+    assert!(
+        db.unsent().await > 0,
+        "the slot passed the backlog before it was published, not after"
+    );
+    let late = backlog(&db, 10, 1).await;
+    let mut all = early.clone();
+    all.push(straddler.clone());
+    all.extend(late.iter().cloned());
+    let got = broker.inbox.wait_ids(&all, Duration::from_secs(120)).await;
+    let order: Vec<String> = got
+        .iter()
+        .map(Received::event_id)
+        .filter(|id| *id != straddler)
+        .collect();
+    assert_eq!(order, [early, late].concat(), "once each, in commit order");
+    assert_eq!(got.len(), all.len(), "no duplicates");
+    relay.stop().await;
+}
+
+/// A transaction that runs on for longer than the relay waits keeps the
+/// slot where it is (the stream skips the backlog instead); its event is
+/// published once it commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_transaction_across_the_start_is_not_skipped() {
+    let db = TestDb::new().await;
+    let broker = RabbitExchange::new().await;
+    let toml = cdc_toml(&db.url, &broker.sink_toml());
+    db.migrate(&parse(&toml)).await;
+    let early = backlog(&db, 200, 10).await;
+    let other = connect(&db.url).await;
+    let straddler = open_insert(&other).await;
+    let relay = InProcess::start(parse(&toml));
+    broker.inbox.wait_ids(&early, WAIT).await;
+    // Past the relay's wait for running transactions.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    other.batch_execute("COMMIT").await.unwrap();
+    let late = backlog(&db, 10, 1).await;
+    let mut all = early.clone();
+    all.push(straddler);
+    all.extend(late.iter().cloned());
+    let got = broker.inbox.wait_ids(&all, WAIT).await;
+    assert_eq!(got.len(), all.len(), "every event once");
+    relay.stop().await;
 }

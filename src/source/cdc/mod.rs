@@ -12,7 +12,10 @@
 //!    rows a refused event held back, and recovers from a dropped slot.
 //!    Transactions whose rows this read produced are skipped when the stream
 //!    replays them (matched by xid, until the stream passes the WAL position
-//!    taken with the snapshot).
+//!    taken with the snapshot). Meanwhile the slot is moved past the WAL
+//!    the read accounts for ([`snapshot`]), so that after a backlog the
+//!    server does not decode it all again before new commits reach the
+//!    stream.
 //! 3. Stream from the slot's confirmed position.
 //!
 //! # Acknowledgement
@@ -104,6 +107,22 @@ struct TableRead {
     cursor: i64,
     rows: u64,
     view: StartupView,
+    /// The slot being moved to the view's settled position.
+    advance: Option<Advance>,
+}
+
+/// The slot's move, running beside the start-up read; stopped when dropped
+/// (a rewind or a crash: the server finishes it, and the next start waits
+/// for the slot as for any busy one).
+struct Advance {
+    from: Lsn,
+    task: tokio::task::JoinHandle<Result<Lsn, SourceError>>,
+}
+
+impl Drop for Advance {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 enum Phase<S> {
@@ -223,11 +242,19 @@ impl<B: CdcServer> CdcReader<B> {
         }
         if self.settings.read_table {
             let view = self.server.begin_table_read().await?;
+            let advance = view
+                .settled
+                .filter(|to| *to > slot_flushed)
+                .map(|to| Advance {
+                    from: slot_flushed,
+                    task: tokio::spawn(self.server.advance_slot(to)),
+                });
             lock(&self.progress).begin(CATCH_UP);
             self.phase = Phase::TableRead(TableRead {
                 cursor: 0,
                 rows: 0,
                 view,
+                advance,
             });
         } else {
             self.phase = Phase::Streaming(Box::new(self.open_stream(None).await?));
@@ -264,6 +291,22 @@ impl<B: CdcServer> CdcReader<B> {
             }
         }
         if done {
+            if let Some(advance) = &mut read.advance {
+                // Kept until it ends, so a cancelled call waits for it again.
+                let result = (&mut advance.task).await;
+                let from = advance.from;
+                read.advance = None;
+                match result {
+                    Ok(Ok(to)) => {
+                        lock(&self.progress).skipped_to(to);
+                        tracing::info!(slot = %self.settings.slot, from = %from, to = %to,
+                            "moved the replication slot past the WAL the start-up read covered");
+                    }
+                    Ok(Err(e)) => tracing::warn!(error = %e,
+                        "could not move the replication slot past the start-up read; the stream skips those transactions instead"),
+                    Err(e) => tracing::warn!(error = %e, "moving the replication slot stopped"),
+                }
+            }
             self.server.end_table_read().await?;
             let flushed = {
                 let mut p = lock(&self.progress);

@@ -108,6 +108,15 @@ impl Progress {
         self.confirmed_ahead.retain(|(lsn, _)| *lsn >= flushed);
     }
 
+    /// The slot was moved to `lsn` past WAL the start-up read accounts for:
+    /// nothing before it will be streamed again.
+    pub fn skipped_to(&mut self, lsn: Lsn) {
+        self.flushed = self.flushed.max(lsn);
+        self.server_end = self.server_end.max(self.flushed);
+        let flushed = self.flushed;
+        self.confirmed_ahead.retain(|(l, _)| *l >= flushed);
+    }
+
     /// Events known to be done (dead-lettered) past the flushed position:
     /// skipped when the stream replays them.
     pub fn remember(&mut self, done: &[(Lsn, u64)]) {

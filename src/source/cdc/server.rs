@@ -56,9 +56,19 @@ pub trait CdcServer: Send + 'static {
     fn prepare(&mut self) -> impl Future<Output = Result<Lsn, SourceError>> + Send;
 
     /// Opens the start-up read: one snapshot for the whole read; returns it
-    /// with the WAL insert position read just after it was taken.
+    /// with the WAL insert position read just after it was taken and, when
+    /// it could be established, the settled position (see [`StartupView`]).
     fn begin_table_read(&mut self)
     -> impl Future<Output = Result<StartupView, SourceError>> + Send;
+
+    /// Moves the slot's confirmed position forward to `to` without the
+    /// output plugin, on a connection of its own, so that it runs while the
+    /// start-up read is published. Returns where the slot got to (the server
+    /// does not move it past the WAL it has flushed).
+    fn advance_slot(
+        &mut self,
+        to: Lsn,
+    ) -> impl Future<Output = Result<Lsn, SourceError>> + Send + 'static;
 
     /// Up to `max` unsent rows with `relay_seq` above `after`, in `relay_seq` order.
     /// Up to `max` unsent rows after `after`, whose payloads take no more
@@ -121,6 +131,11 @@ pub struct PgServer {
 /// Column of the 32-bit xid in the start-up read, after `relay_seq` and the row.
 const XID_INDEX: usize = 1 + crate::source::rows::ROW_WIDTH;
 
+/// How long the start-up read waits for transactions running when it began
+/// to end, so that the slot can skip the WAL before it; and how often it looks.
+const SETTLE_WAIT: Duration = Duration::from_secs(2);
+const SETTLE_POLL: Duration = Duration::from_millis(10);
+
 impl PgServer {
     pub async fn connect(
         db: &DatabaseConfig,
@@ -170,6 +185,50 @@ impl PgServer {
 }
 
 impl PgServer {
+    async fn current_snapshot(&self) -> Result<Snapshot, SourceError> {
+        let text: String = self
+            .client
+            .query_one("SELECT pg_current_snapshot()::text", &[])
+            .await
+            .map_err(|e| DbError::query("reading the current snapshot", e))?
+            .get(0);
+        Snapshot::parse(&text).ok_or_else(|| {
+            SourceError::Stream(format!("unreadable snapshot from the server: {text:?}"))
+        })
+    }
+
+    /// The WAL insert position before which every committed transaction has
+    /// ended (left the process array), so that a snapshot taken next sees
+    /// them all; `None` when one ran on for longer than [`SETTLE_WAIT`].
+    async fn settled_position(&self) -> Result<Option<Lsn>, SourceError> {
+        let text: String = self
+            .client
+            .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+            .await
+            .map_err(|e| DbError::query("reading the WAL insert position", e))?
+            .get(0);
+        let position: Lsn = text
+            .parse()
+            .map_err(|e| SourceError::Stream(format!("unreadable WAL position: {e}")))?;
+        // Read after the position: a transaction whose commit record lies
+        // before it had its id by then, so it is finished or listed here.
+        let running = self.current_snapshot().await?.xip;
+        let deadline = tokio::time::Instant::now() + SETTLE_WAIT;
+        loop {
+            let now = self.current_snapshot().await?;
+            if running.iter().all(|x| now.saw_finished(*x)) {
+                return Ok(Some(position));
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::debug!(
+                    "a transaction outlived the wait; the stream skips what the start-up read covered"
+                );
+                return Ok(None);
+            }
+            tokio::time::sleep(SETTLE_POLL).await;
+        }
+    }
+
     async fn create_slot(&self) -> Result<Lsn, SourceError> {
         setup::create_slot(&self.client, &self.settings.slot, self.settings.failover)
             .await
@@ -260,6 +319,7 @@ impl CdcServer for PgServer {
     }
 
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
+        let settled = self.settled_position().await?;
         // The read waits while the broker catches up, so a server-wide
         // idle-in-transaction timeout must not end it.
         self.client
@@ -288,7 +348,38 @@ impl CdcServer for PgServer {
         let until = until
             .parse()
             .map_err(|e| SourceError::Stream(format!("unreadable WAL position: {e}")))?;
-        Ok(StartupView { snapshot, until })
+        Ok(StartupView {
+            snapshot,
+            until,
+            settled,
+        })
+    }
+
+    fn advance_slot(
+        &mut self,
+        to: Lsn,
+    ) -> impl Future<Output = Result<Lsn, SourceError>> + Send + 'static {
+        let db = self.db.clone();
+        let slot = self.settings.slot.clone();
+        async move {
+            let started = std::time::Instant::now();
+            let client = crate::db::connect(&db, None).await?;
+            let text: String = client
+                .query_one(
+                    "SELECT end_lsn::text FROM pg_replication_slot_advance($1, $2::text::pg_lsn)",
+                    &[&slot, &to.to_string()],
+                )
+                .await
+                .map_err(|e| {
+                    DbError::query("moving the replication slot past the start-up read", e)
+                })?
+                .get(0);
+            let reached: Lsn = text
+                .parse()
+                .map_err(|e| SourceError::Stream(format!("unreadable WAL position: {e}")))?;
+            tracing::debug!(slot = %slot, to = %reached, elapsed = ?started.elapsed(), "replication slot moved");
+            Ok(reached)
+        }
     }
 
     async fn table_page(

@@ -14,6 +14,18 @@
 //! This is what keeps a restart (a crash, a reconnect, a rewind) from
 //! publishing again what was marked before it, and a redrive's originals
 //! from being published next to their copies.
+//!
+//! Skipping in the stream still costs the server a full decoding of that
+//! WAL, which after a large backlog takes longer than publishing the
+//! backlog. So the view also names a position, [`StartupView::settled`],
+//! before which *every* committed transaction is one the snapshot saw: the
+//! slot is moved there (PostgreSQL decodes in fast-forward, without the
+//! output plugin) while the start-up read is published, and the stream
+//! starts at it. A commit record is written before the transaction leaves
+//! the process array, so the insert position read just before the snapshot
+//! is not enough: the position is read first, then every transaction still
+//! running at that moment is waited for, and only then is the read's
+//! snapshot taken.
 
 use crate::replication::Lsn;
 
@@ -58,8 +70,13 @@ impl Snapshot {
 
     /// Whether a committed transaction had committed when the snapshot was taken.
     pub fn saw_committed(&self, xid: u32) -> bool {
-        let x = self.widen(xid);
-        x < self.xmin || (x < self.xmax && !self.xip.contains(&x))
+        self.saw_finished(self.widen(xid))
+    }
+
+    /// Whether the transaction (a full id) had ended, committed or not,
+    /// when the snapshot was taken.
+    pub fn saw_finished(&self, xid: u64) -> bool {
+        xid < self.xmin || (xid < self.xmax && !self.xip.contains(&xid))
     }
 }
 
@@ -69,6 +86,11 @@ pub struct StartupView {
     pub snapshot: Snapshot,
     /// The WAL insert position read right after the snapshot was taken.
     pub until: Lsn,
+    /// Every transaction committed before this position was seen committed
+    /// by the snapshot, so the slot may be moved here without decoding the
+    /// WAL before it. `None` when that could not be established (a
+    /// transaction ran on for longer than the relay waits).
+    pub settled: Option<Lsn>,
 }
 
 impl StartupView {
@@ -104,6 +126,7 @@ mod tests {
         let view = StartupView {
             snapshot: Snapshot::parse("100:105:101,103").unwrap(),
             until: Lsn(1000),
+            settled: None,
         };
         assert!(view.covers(99, Lsn(10)), "finished before xmin");
         assert!(view.covers(102, Lsn(10)), "committed between xmin and xmax");
@@ -130,5 +153,19 @@ mod tests {
         assert_eq!(s.widen(u32::MAX - 2), (3 << 32) - 3);
         assert!(s.saw_committed(u32::MAX - 2));
         assert!(!s.saw_committed(12));
+    }
+
+    #[test]
+    fn finished_means_below_xmin_or_known_and_not_running() {
+        let s = Snapshot::parse("100:105:101,103").unwrap();
+        assert!(s.saw_finished(42));
+        assert!(s.saw_finished(102));
+        assert!(s.saw_finished(104));
+        assert!(!s.saw_finished(101));
+        assert!(!s.saw_finished(103));
+        assert!(
+            !s.saw_finished(105),
+            "not started when the snapshot was taken"
+        );
     }
 }

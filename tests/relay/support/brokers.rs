@@ -103,18 +103,18 @@ impl Inbox {
         }
     }
 
-    /// Waits until every id in `ids` was received at least once.
+    /// Waits until every id in `ids` was received at least once; on
+    /// timeout, panics naming what is missing.
     pub async fn wait_ids(&self, ids: &[String], limit: Duration) -> Vec<Received> {
-        wait_for(limit, &format!("{} event ids", ids.len()), || {
-            let inbox = self.clone();
-            async move {
-                let got = inbox.snapshot();
-                let seen: std::collections::HashSet<String> =
-                    got.iter().map(|m| m.event_id()).collect();
-                ids.iter().all(|id| seen.contains(id)).then_some(got)
-            }
-        })
-        .await
+        match self.try_wait_ids(ids, limit).await {
+            Ok(got) => got,
+            Err(missing) => panic!(
+                "timed out after {limit:?} waiting for {} event ids: {} missing, e.g. {:?}",
+                ids.len(),
+                missing.len(),
+                &missing[..missing.len().min(5)]
+            ),
+        }
     }
 }
 
