@@ -1,0 +1,235 @@
+//! `source.mode = "auto"`: polling while the server does not allow CDC, CDC
+//! once it does, and every event once, in order per aggregate, across the
+//! switch. Each test has a private cluster, whose settings it changes.
+
+use crate::kit::cluster::PrivatePg;
+use crate::support::brokers::{RabbitExchange, Received};
+use crate::support::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+use uuid::Uuid;
+
+const AGGREGATES: usize = 4;
+
+fn auto_toml(db_url: &str, sink: &str) -> String {
+    let t = set(&base_toml(db_url, sink), "source.mode", "\"auto\"");
+    let t = set(&t, "source.auto.probe_interval", "\"1s\"");
+    let t = set(&t, "source.cdc.status_interval", "\"200ms\"");
+    set(&t, "source.cdc.slot", &format!("\"{}\"", unique("slot_")))
+}
+
+/// A private cluster with database `app`, migrated for `toml`'s outbox.
+async fn app_database(pg: &PrivatePg, sink: &str) -> (tokio_postgres::Client, String) {
+    let admin = connect(&pg.url("postgres")).await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    let toml = auto_toml(&pg.url("app"), sink);
+    let mut c = connect(&pg.url("app")).await;
+    let opts = outbox_relay::migrate::MigrateOptions::from_config(&parse(&toml), false);
+    let steps = outbox_relay::migrate::plan(&c, &opts).await.unwrap();
+    outbox_relay::migrate::apply(&mut c, &steps).await.unwrap();
+    (c, toml)
+}
+
+/// One committed event: (aggregate, id), in commit order.
+type Committed = Vec<(String, String)>;
+
+/// Commits `n` events, one per transaction, round robin over the aggregates.
+async fn write(app: &tokio_postgres::Client, n: usize, into: &mut Committed) {
+    for _ in 0..n {
+        let aggregate = format!("a{}", into.len() % AGGREGATES);
+        let id = Uuid::new_v4();
+        app.execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'E', '{}')",
+            &[&id, &aggregate],
+        )
+        .await
+        .unwrap();
+        into.push((aggregate, id.to_string()));
+    }
+}
+
+/// A writer committing an event every few milliseconds until stopped.
+struct Writer {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Committed>,
+}
+
+impl Writer {
+    async fn start(url: &str) -> Writer {
+        let app = connect(url).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut committed = Committed::new();
+            while !flag.load(Ordering::SeqCst) {
+                write(&app, 1, &mut committed).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            committed
+        });
+        Writer { stop, task }
+    }
+
+    async fn stop(self) -> Committed {
+        self.stop.store(true, Ordering::SeqCst);
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .expect("the writer stops")
+            .expect("the writer did not panic")
+    }
+}
+
+/// Waits until the relay reads with `mode`, as its metric says.
+async fn wait_reading(port: u16, mode: &str) {
+    let series = format!("outbox_relay_source_mode{{pipeline=\"default\",mode=\"{mode}\"}}");
+    wait_for(WAIT, &format!("the relay to read by {mode}"), || async {
+        let (_, body) = http_get(port, "/metrics").await?;
+        (metric(&body, &series) == Some(1.0)).then_some(())
+    })
+    .await;
+}
+
+async fn unsent(app: &tokio_postgres::Client) -> i64 {
+    app.query_one(
+        "SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// Waits for every committed event and for the table to have none unsent
+/// (so no re-send can still come), then checks each arrived exactly once
+/// and each aggregate's in commit order.
+async fn assert_each_once_in_order(
+    broker: &RabbitExchange,
+    app: &tokio_postgres::Client,
+    committed: &Committed,
+) {
+    let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
+    broker.inbox.wait_ids(&ids, WAIT).await;
+    wait_for(WAIT, "every row marked sent", || async {
+        (unsent(app).await == 0).then_some(())
+    })
+    .await;
+    let got: Vec<String> = broker
+        .inbox
+        .snapshot()
+        .iter()
+        .map(Received::event_id)
+        .collect();
+    assert_eq!(got.len(), committed.len(), "each event exactly once");
+    let aggregate_of: HashMap<&str, &str> = committed
+        .iter()
+        .map(|(a, id)| (id.as_str(), a.as_str()))
+        .collect();
+    for a in 0..AGGREGATES {
+        let a = format!("a{a}");
+        let want: Vec<&str> = committed
+            .iter()
+            .filter(|(x, _)| *x == a)
+            .map(|(_, id)| id.as_str())
+            .collect();
+        let have: Vec<&str> = got
+            .iter()
+            .map(String::as_str)
+            .filter(|id| aggregate_of.get(id) == Some(&a.as_str()))
+            .collect();
+        assert_eq!(have, want, "aggregate {a}: commit order");
+    }
+}
+
+fn status_json(toml: &str) -> serde_json::Value {
+    let (code, out, err) = run_cli(&["status", "--config", &config_file(toml), "--json"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_polls_under_wal_level_replica_and_streams_after_a_restart_with_logical() {
+    let pg = PrivatePg::start(&["wal_level = replica"]);
+    let broker = RabbitExchange::new().await;
+    let (app, toml) = app_database(&pg, &broker.sink_toml()).await;
+    let (code, out, _) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    assert_eq!(code, 0, "polling is a working fallback: {out}");
+    assert!(
+        out.contains("[warn] source") && out.contains("wal_level"),
+        "{out}"
+    );
+
+    let port = crate::kit::free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let mut committed = Committed::new();
+    write(&app, 40, &mut committed).await;
+    wait_reading(port, "polling").await;
+    let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
+    broker.inbox.wait_ids(&ids, WAIT).await;
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["reading"], "polling", "{status}");
+    assert_eq!(status["auto"]["blocked_reason"], "wal_level", "{status}");
+
+    // Everything is marked, so the restart cuts nothing in flight and
+    // every event must arrive exactly once.
+    wait_for(WAIT, "the polled rows marked", || async {
+        (unsent(&app).await == 0).then_some(())
+    })
+    .await;
+    pg.psql("ALTER SYSTEM SET wal_level = logical");
+    pg.restart();
+    let app = connect(&pg.url("app")).await;
+    // Written while the relay reconnects: CDC's start-up read finds them.
+    write(&app, 40, &mut committed).await;
+    wait_reading(port, "cdc").await;
+    // Streamed.
+    write(&app, 40, &mut committed).await;
+    assert_each_once_in_order(&broker, &app, &committed).await;
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["reading"], "cdc", "{status}");
+    assert_eq!(relay.terminate().code(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_one_is() {
+    let pg = PrivatePg::start(&["wal_level = logical", "max_replication_slots = 2"]);
+    let broker = RabbitExchange::new().await;
+    let (app, toml) = app_database(&pg, &broker.sink_toml()).await;
+    // Other users of the server hold every slot.
+    app.batch_execute(
+        "SELECT pg_create_physical_replication_slot('other_a');
+         SELECT pg_create_physical_replication_slot('other_b');",
+    )
+    .await
+    .unwrap();
+
+    let port = crate::kit::free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    wait_reading(port, "polling").await;
+    let writer = Writer::start(&pg.url("app")).await;
+    wait_for(WAIT, "events delivered by polling", || async {
+        (broker.inbox.len() >= 20).then_some(())
+    })
+    .await;
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["reading"], "polling", "{status}");
+    assert_eq!(status["auto"]["blocked_reason"], "no_free_slot", "{status}");
+
+    // A slot is freed while events keep coming: the relay drains what
+    // polling has in flight, then streams.
+    app.batch_execute("SELECT pg_drop_replication_slot('other_a')")
+        .await
+        .unwrap();
+    wait_reading(port, "cdc").await;
+    let at_switch = broker.inbox.len();
+    wait_for(WAIT, "events delivered by CDC", || async {
+        (broker.inbox.len() >= at_switch + 20).then_some(())
+    })
+    .await;
+    let committed = writer.stop().await;
+    assert_each_once_in_order(&broker, &app, &committed).await;
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["reading"], "cdc", "{status}");
+    assert_eq!(relay.terminate().code(), Some(0));
+}
