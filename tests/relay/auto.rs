@@ -233,3 +233,74 @@ async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_on
     assert_eq!(status["auto"]["reading"], "cdc", "{status}");
     assert_eq!(relay.terminate().code(), Some(0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
+    // Tiny WAL segments and retention, so a slot can be lost in seconds.
+    let pg = PrivatePg::start_with(
+        &["--wal-segsize=1"],
+        &[
+            "wal_level = logical",
+            "max_slot_wal_keep_size = 1MB",
+            "min_wal_size = 2MB",
+            "max_wal_size = 4MB",
+        ],
+    );
+    let broker = RabbitExchange::new().await;
+    let (app, toml) = app_database(&pg, &broker.sink_toml()).await;
+    let toml = set(&toml, "source.cdc.on_lost_slot", "\"stop\"");
+    let slot = toml
+        .lines()
+        .find_map(|l| l.strip_prefix("slot = "))
+        .expect("a slot line")
+        .trim_matches('"')
+        .to_owned();
+
+    // A first run creates the slot and streams.
+    let port = crate::kit::free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    wait_reading(port, "cdc").await;
+    let mut committed = Committed::new();
+    write(&app, 20, &mut committed).await;
+    let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
+    broker.inbox.wait_ids(&ids, WAIT).await;
+    assert_eq!(relay.terminate().code(), Some(0));
+
+    // While no relay runs, events arrive and the slot is lost.
+    write(&app, 20, &mut committed).await;
+    app.batch_execute("CREATE TABLE filler (pad text)")
+        .await
+        .unwrap();
+    wait_for(Duration::from_secs(60), "the slot to be lost", || async {
+        app.batch_execute("INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 3000); SELECT pg_switch_wal(); CHECKPOINT;")
+            .await
+            .unwrap();
+        let status: Option<String> = app
+            .query_opt(
+                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .and_then(|r| r.get(0));
+        (status.as_deref() == Some("lost")).then_some(())
+    })
+    .await;
+
+    // on_lost_slot = "stop" keeps the slot for the operator; auto polls meanwhile.
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    wait_reading(port, "polling").await;
+    let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
+    broker.inbox.wait_ids(&ids, WAIT).await;
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["blocked_reason"], "lost_slot", "{status}");
+
+    // The operator drops the slot: the relay creates a new one and streams.
+    app.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .unwrap();
+    wait_reading(port, "cdc").await;
+    write(&app, 20, &mut committed).await;
+    assert_each_once_in_order(&broker, &app, &committed).await;
+    assert_eq!(relay.terminate().code(), Some(0));
+}
