@@ -14,8 +14,9 @@
 //! fix. Only what the relay cannot change and polling can do without makes
 //! it poll: `wal_level` not `logical`, no free replication slot, a role
 //! without the REPLICATION attribute, a lost slot that
-//! `source.cdc.on_lost_slot = "stop"` keeps. A missing publication or a slot
-//! of the wrong kind is a mistake in the setup, reported as in CDC mode.
+//! `source.cdc.on_lost_slot = "stop"` keeps, a missing slot the relay may
+//! not create. A missing publication or a slot of the wrong kind is a
+//! mistake in the setup, reported as in CDC mode.
 
 use super::SourceError;
 use super::cdc::setup;
@@ -44,8 +45,9 @@ impl Reading {
 /// the message that says what to fix.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Blocked {
-    /// `wal_level`, `no_free_slot`, `replication_privilege`, `lost_slot` or
-    /// `slot_creation` (the slot could not be created although it looked possible).
+    /// `wal_level`, `no_free_slot`, `replication_privilege`, `lost_slot`,
+    /// `no_slot` (missing, and `create_slot` off) or `slot_creation` (the
+    /// slot could not be created although it looked possible).
     pub reason: &'static str,
     pub message: String,
 }
@@ -76,8 +78,15 @@ pub async fn probe(client: &Client, config: &Config) -> Result<Reading, DbError>
             setup::lost_slot_message(&slot, config.relay.mark != crate::config::MarkMode::None),
         ),
         Some(_) => Ok(Reading::Cdc),
-        // Without create_slot, CDC mode's own error says what to do.
-        None if !cdc.create_slot => Ok(Reading::Cdc),
+        // migrate leaves the slot to run in auto mode: someone must create it.
+        None if !cdc.create_slot => blocked(
+            "no_slot",
+            format!(
+                "replication slot {slot:?} does not exist and source.cdc.create_slot = false: create it \
+                 ({}) or set source.cdc.create_slot = true",
+                setup::slot_sql(&slot, cdc.failover)
+            ),
+        ),
         None => {
             if setup::free_slots(client).await? <= 0 {
                 return blocked(
