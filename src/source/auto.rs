@@ -66,13 +66,21 @@ pub async fn probe(client: &Client, config: &Config) -> Result<Reading, DbError>
     if let Some(problem) = setup::wal_level_problem(&setup::wal_level(client).await?) {
         return blocked("wal_level", problem);
     }
+    let info = setup::slot_info(client, &slot).await?;
     if !setup::can_replicate(client).await? {
+        let kept = if info.is_some() {
+            format!(" (meanwhile slot {slot:?} keeps WAL from removal)")
+        } else {
+            String::new()
+        };
         return blocked(
             "replication_privilege",
-            "the relay's role lacks the REPLICATION attribute CDC needs: run ALTER ROLE <role> REPLICATION; as a superuser".into(),
+            format!(
+                "the relay's role lacks the REPLICATION attribute CDC needs: run ALTER ROLE <role> REPLICATION; as a superuser{kept}"
+            ),
         );
     }
-    match setup::slot_info(client, &slot).await? {
+    match info {
         Some(info) if info.is_lost() && !cdc.recreates_lost_slot(config.relay.mark) => blocked(
             "lost_slot",
             setup::lost_slot_message(&slot, config.relay.mark != crate::config::MarkMode::None),
