@@ -37,8 +37,13 @@ type Committed = Vec<(String, String)>;
 
 /// Commits `n` events, one per transaction, round robin over the aggregates.
 async fn write(app: &tokio_postgres::Client, n: usize, into: &mut Committed) {
+    write_as(app, "a", n, into).await;
+}
+
+/// As [`write`], for the aggregates named `prefix` and a number.
+async fn write_as(app: &tokio_postgres::Client, prefix: &str, n: usize, into: &mut Committed) {
     for _ in 0..n {
-        let aggregate = format!("a{}", into.len() % AGGREGATES);
+        let aggregate = format!("{prefix}{}", into.len() % AGGREGATES);
         let id = Uuid::new_v4();
         app.execute(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'E', '{}')",
@@ -126,8 +131,9 @@ async fn assert_each_once_in_order(
         .iter()
         .map(|(a, id)| (id.as_str(), a.as_str()))
         .collect();
-    for a in 0..AGGREGATES {
-        let a = format!("a{a}");
+    let aggregates: std::collections::BTreeSet<&str> =
+        committed.iter().map(|(a, _)| a.as_str()).collect();
+    for a in aggregates {
         let want: Vec<&str> = committed
             .iter()
             .filter(|(x, _)| *x == a)
@@ -136,7 +142,7 @@ async fn assert_each_once_in_order(
         let have: Vec<&str> = got
             .iter()
             .map(String::as_str)
-            .filter(|id| aggregate_of.get(id) == Some(&a.as_str()))
+            .filter(|id| aggregate_of.get(id) == Some(&a))
             .collect();
         assert_eq!(have, want, "aggregate {a}: commit order");
     }
@@ -216,18 +222,22 @@ async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_on
     assert_eq!(status["auto"]["reading"], "polling", "{status}");
     assert_eq!(status["auto"]["blocked_reason"], "no_free_slot", "{status}");
 
-    // A slot is freed while events keep coming: the relay drains what
-    // polling has in flight, then streams.
+    // A slot is freed while events keep coming, and a burst keeps polling
+    // busy: the relay drains what it has in flight, then streams, the
+    // burst's rest coming from CDC's start-up read.
     app.batch_execute("SELECT pg_drop_replication_slot('other_a')")
         .await
         .unwrap();
+    let mut burst = Committed::new();
+    write_as(&app, "b", 300, &mut burst).await;
     wait_reading(port, "cdc").await;
     let at_switch = broker.inbox.len();
     wait_for(WAIT, "events delivered by CDC", || async {
         (broker.inbox.len() >= at_switch + 20).then_some(())
     })
     .await;
-    let committed = writer.stop().await;
+    let mut committed = writer.stop().await;
+    committed.extend(burst);
     assert_each_once_in_order(&broker, &app, &committed).await;
     let status = status_json(&toml);
     assert_eq!(status["auto"]["reading"], "cdc", "{status}");
