@@ -314,3 +314,18 @@ async fn auto_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
     assert_each_once_in_order(&broker, &app, &committed).await;
     assert_eq!(relay.terminate().code(), Some(0));
 }
+
+#[test]
+fn auto_with_unmarked_rows_is_refused_as_a_configuration_error() {
+    let toml = set(
+        &auto_toml("postgres://postgres@127.0.0.1:1/none", &rabbit_sink()),
+        "relay.mark",
+        "\"none\"",
+    );
+    let (code, out, err) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("source.mode: \"auto\" needs relay.mark = \"update\" or \"delete\""),
+        "{err}"
+    );
+}
