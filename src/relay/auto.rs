@@ -30,8 +30,9 @@ impl Modes {
         self.last.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A run starts reading with `now`: logs it when it differs from before.
-    pub fn starting(&self, now: &Reading, config: &Config) {
+    /// A run starts reading with `now`: logs it when it differs from
+    /// before (and says whether it did).
+    pub fn starting(&self, now: &Reading, config: &Config) -> bool {
         let mut last = self.last();
         let changed = match (&*last, now) {
             (Some(Reading::Cdc), Reading::Cdc) => false,
@@ -42,6 +43,7 @@ impl Modes {
             announce(last.as_ref(), now, config.source.auto.probe_interval);
         }
         *last = Some(now.clone());
+        changed
     }
 }
 
@@ -128,5 +130,39 @@ pub async fn watch(
                 client = None;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::auto::Blocked;
+
+    fn polling(reason: &'static str) -> Reading {
+        Reading::Polling(Blocked {
+            reason,
+            message: format!("{reason} blocks CDC"),
+        })
+    }
+
+    #[test]
+    fn each_switch_and_each_new_reason_is_announced_once() {
+        let config = crate::config::load_str(
+            "[database]\nurl = \"postgres://u@h/d\"\n[source]\nmode = \"auto\"\n[sink]\ntype = \"kafka\"\nbrokers = \"k:9092\"\n",
+        )
+        .unwrap();
+        let modes = Modes::default();
+        let said: Vec<bool> = [
+            polling("wal_level"),
+            polling("wal_level"),
+            polling("no_free_slot"),
+            Reading::Cdc,
+            Reading::Cdc,
+            polling("lost_slot"),
+        ]
+        .iter()
+        .map(|r| modes.starting(r, &config))
+        .collect();
+        assert_eq!(said, [true, false, true, true, false, true]);
     }
 }
