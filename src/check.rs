@@ -5,6 +5,7 @@ use crate::db;
 use crate::outbox::inspect;
 use crate::outbox::ownership_key;
 use crate::sink::{AnySink, Sink};
+use crate::source::auto::Reading;
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
 
@@ -54,10 +55,7 @@ pub async fn run(config: &Config) -> bool {
         "config",
         format!(
             "valid: {} source, {} sink, table {}",
-            match config.source.mode {
-                SourceMode::Polling => "polling",
-                SourceMode::Cdc => "cdc",
-            },
+            config.source.mode.name(),
             config.sink.kind(),
             config.outbox.table
         ),
@@ -146,7 +144,7 @@ async fn check_database(config: &Config, r: &mut Report) {
         }
     }
     if let Some(channel) = notify_channel(&config.source.polling, table)
-        && config.source.mode == SourceMode::Polling
+        && config.source.mode.may_poll()
     {
         let found = client
             .query_one(
@@ -173,8 +171,10 @@ async fn check_database(config: &Config, r: &mut Report) {
             );
         }
     }
-    if config.source.mode == SourceMode::Cdc {
-        check_cdc(config, &client, r).await;
+    match config.source.mode {
+        SourceMode::Cdc => check_cdc(config, &client, r).await,
+        SourceMode::Auto => check_auto(config, &client, r).await,
+        SourceMode::Polling => {}
     }
     let key = ownership_key(table);
     match client
@@ -327,6 +327,32 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
     }
     if cdc.failover {
         check_failover(client, &slot, r).await;
+    }
+}
+
+/// `source.mode = "auto"`: which way `run` would read now. When CDC is
+/// possible, the CDC checks follow; when not, why, as a warning: polling
+/// works meanwhile.
+async fn check_auto(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
+    match crate::source::auto::probe(client, config).await {
+        Ok(Reading::Cdc) => {
+            r.add(
+                Mark::Ok,
+                "source",
+                "auto: CDC is possible, `run` reads by CDC",
+            );
+            check_cdc(config, client, r).await;
+        }
+        Ok(Reading::Polling(blocked)) => r.add(
+            Mark::Warn,
+            "source",
+            format!(
+                "auto: `run` polls, since CDC is not possible now ({}): {blocked}; it switches to CDC within source.auto.probe_interval ({}) once it is",
+                blocked.reason,
+                humantime::format_duration(config.source.auto.probe_interval)
+            ),
+        ),
+        Err(e) => r.add(Mark::Fail, "source", e.to_string()),
     }
 }
 

@@ -6,6 +6,7 @@ use crate::config::{Config, MarkMode, SourceMode};
 use crate::db::DbError;
 use crate::outbox::ownership_key;
 use crate::outbox::{SENT_AT_COLUMN, SEQ_COLUMN, quote_ident};
+use crate::source::auto::Reading;
 use crate::source::cdc::setup;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -30,6 +31,20 @@ pub struct SlotStatus {
     pub confirmed_lag_bytes: Option<i64>,
 }
 
+/// `source.mode = "auto"`: how the pipeline reads now, and why not by CDC.
+#[derive(Debug, Clone, Serialize)]
+pub struct AutoStatus {
+    /// `cdc` (the slot is streaming), `polling` (an instance is active and
+    /// the slot is not streaming), or `none` (no instance is active).
+    pub reading: &'static str,
+    /// Whether the server allows CDC now.
+    pub cdc_possible: bool,
+    /// What keeps CDC from running (see `source::auto::Blocked`).
+    pub blocked_reason: Option<&'static str>,
+    /// ... and what to fix.
+    pub blocked: Option<String>,
+}
+
 /// One pipeline's state.
 #[derive(Debug, Clone, Serialize)]
 pub struct Snapshot {
@@ -46,6 +61,8 @@ pub struct Snapshot {
     pub dead_letters: Option<i64>,
     pub last_publish: Option<DateTime<Utc>>,
     pub slot: Option<SlotStatus>,
+    /// In auto mode.
+    pub auto: Option<AutoStatus>,
 }
 
 fn q(context: &str) -> impl Fn(tokio_postgres::Error) -> DbError + '_ {
@@ -152,7 +169,7 @@ pub async fn snapshot(
     } else {
         None
     };
-    let slot = if config.source.mode == SourceMode::Cdc {
+    let slot = if config.source.mode.may_use_cdc() {
         let name = config.source.cdc.slot_name(table);
         let info = setup::slot_info(client, &name).await?;
         Some(SlotStatus {
@@ -166,12 +183,29 @@ pub async fn snapshot(
     } else {
         None
     };
+    let auto = if config.source.mode == SourceMode::Auto {
+        let blocked = match crate::source::auto::probe(client, config).await? {
+            Reading::Cdc => None,
+            Reading::Polling(b) => Some(b),
+        };
+        Some(AutoStatus {
+            reading: if slot.as_ref().is_some_and(|s| s.streaming) {
+                "cdc"
+            } else if active.is_some() {
+                "polling"
+            } else {
+                "none"
+            },
+            cdc_possible: blocked.is_none(),
+            blocked_reason: blocked.as_ref().map(|b| b.reason),
+            blocked: blocked.map(|b| b.message),
+        })
+    } else {
+        None
+    };
     Ok(Snapshot {
         pipeline: config.name.clone(),
-        mode: match config.source.mode {
-            SourceMode::Polling => "polling",
-            SourceMode::Cdc => "cdc",
-        },
+        mode: config.source.mode.name(),
         table: table.to_string(),
         sink: config.sink.kind(),
         active,
@@ -181,6 +215,7 @@ pub async fn snapshot(
         dead_letters,
         last_publish,
         slot,
+        auto,
     })
 }
 
@@ -237,6 +272,19 @@ pub fn render(s: &Snapshot) -> String {
             t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
         }),
     );
+    if let Some(auto) = &s.auto {
+        line(
+            "reading by",
+            match (auto.reading, &auto.blocked) {
+                ("none", _) => "nothing: no instance is active".into(),
+                ("cdc", _) => "cdc (the slot is streaming)".into(),
+                (_, Some(blocked)) => format!("polling: CDC is not possible: {blocked}"),
+                (_, None) => {
+                    "polling; CDC is possible, the relay switches at its next probe".into()
+                }
+            },
+        );
+    }
     if let Some(slot) = &s.slot {
         let mib =
             |b: Option<i64>| b.map_or("?".into(), |b| format!("{:.1} MiB", b as f64 / 1_048_576.0));

@@ -249,10 +249,7 @@ fn check_distinct(configs: &[Config], problems: &mut Vec<Problem>) {
                 });
             }
             let slot = |c: &Config| c.source.cdc.slot_name(&c.outbox.table);
-            if a.source.mode == super::SourceMode::Cdc
-                && b.source.mode == super::SourceMode::Cdc
-                && slot(a) == slot(b)
-            {
+            if a.source.mode.may_use_cdc() && b.source.mode.may_use_cdc() && slot(a) == slot(b) {
                 problems.push(Problem {
                     key: format!("pipelines.{}.source.cdc.slot", a.name),
                     message: format!(

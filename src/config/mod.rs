@@ -145,9 +145,34 @@ pub enum SourceMode {
     Polling,
     /// Tail the write-ahead log through a logical replication slot.
     Cdc,
+    /// CDC while the server allows it, polling while it does not (needs
+    /// rows marked, so either reader can pick up where the other stopped).
+    Auto,
 }
 
-keyword_enum!(SourceMode { Polling = "polling", Cdc = "cdc" });
+keyword_enum!(SourceMode { Polling = "polling", Cdc = "cdc", Auto = "auto" });
+
+impl SourceMode {
+    /// The keyword, as written in the configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            SourceMode::Polling => "polling",
+            SourceMode::Cdc => "cdc",
+            SourceMode::Auto => "auto",
+        }
+    }
+
+    /// Whether this mode may read by logical replication (and so needs the
+    /// publication, and the slot name to itself).
+    pub fn may_use_cdc(self) -> bool {
+        matches!(self, SourceMode::Cdc | SourceMode::Auto)
+    }
+
+    /// Whether this mode may poll the table.
+    pub fn may_poll(self) -> bool {
+        matches!(self, SourceMode::Polling | SourceMode::Auto)
+    }
+}
 
 /// `[source]`.
 #[derive(Debug, Clone, Deserialize)]
@@ -162,6 +187,8 @@ pub struct SourceConfig {
     pub polling: PollingConfig,
     #[serde(default)]
     pub cdc: CdcConfig,
+    #[serde(default)]
+    pub auto: AutoConfig,
 }
 
 impl Default for SourceConfig {
@@ -171,6 +198,24 @@ impl Default for SourceConfig {
             batch_size: defaults::batch_size(),
             polling: PollingConfig::default(),
             cdc: CdcConfig::default(),
+            auto: AutoConfig::default(),
+        }
+    }
+}
+
+/// `[source.auto]`: switching between CDC and polling (`source.mode = "auto"`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AutoConfig {
+    /// While polling, how often the relay looks whether CDC has become possible.
+    #[serde(default = "defaults::probe_interval", with = "duration")]
+    pub probe_interval: Duration,
+}
+
+impl Default for AutoConfig {
+    fn default() -> Self {
+        AutoConfig {
+            probe_interval: defaults::probe_interval(),
         }
     }
 }
@@ -522,6 +567,10 @@ pub mod defaults {
     pub fn dead_letter_refresh() -> Duration {
         Duration::from_secs(5)
     }
+    pub fn probe_interval() -> Duration {
+        Duration::from_secs(30)
+    }
+
     pub fn status_interval() -> Duration {
         Duration::from_secs(10)
     }

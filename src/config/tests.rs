@@ -440,6 +440,35 @@ fn a_lost_slot_is_recreated_only_when_rows_are_marked() {
 }
 
 #[test]
+fn auto_mode_needs_marked_rows_and_probes_every_30s_by_default() {
+    let auto = format!("{MINIMAL}\n[source]\nmode = \"auto\"\n");
+    let c = load_str(&auto).unwrap();
+    assert_eq!(c.source.mode, SourceMode::Auto);
+    assert_eq!(c.source.auto.probe_interval, Duration::from_secs(30));
+    let c = load_str(&format!("{auto}[relay]\nmark = \"delete\"\n")).unwrap();
+    assert_eq!(c.relay.mark, MarkMode::Delete);
+
+    let e = err(&format!("{auto}[relay]\nmark = \"none\"\n"));
+    assert!(
+        e.contains("source.mode: \"auto\" needs relay.mark = \"update\" or \"delete\""),
+        "{e}"
+    );
+    // One problem, not a second one about mark = "none" without CDC.
+    assert!(!e.contains("relay.mark:"), "{e}");
+
+    let e = err(&format!("{auto}[source.auto]\nprobe_interval = \"10ms\"\n"));
+    assert!(
+        e.contains("source.auto.probe_interval: ") && e.contains("out of range"),
+        "{e}"
+    );
+    // What CDC refuses, auto refuses too: it may read by CDC.
+    let e = err(&format!("{auto}[relay]\nshards = 2\n"));
+    assert!(e.contains("relay.shards"), "{e}");
+    let e = err(&format!("{auto}[dead_letter]\naggregate = \"wait\"\n"));
+    assert!(e.contains("dead_letter.aggregate"), "{e}");
+}
+
+#[test]
 fn negative_counts_are_all_reported_with_their_ranges_in_key_order() {
     let text = format!(
         "{MINIMAL}\n[source]\nbatch_size = -5\n[source.polling]\npoll_interval = \"5 parsecs\"\n\

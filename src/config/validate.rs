@@ -182,6 +182,18 @@ impl Config {
                 "must be 1 to 63 bytes long",
             );
         }
+        c.duration(
+            "source.auto.probe_interval",
+            s.auto.probe_interval,
+            SEC,
+            HOUR,
+        );
+        if s.mode == super::SourceMode::Auto && self.relay.mark == super::MarkMode::None {
+            c.problem(
+                "source.mode",
+                "\"auto\" needs relay.mark = \"update\" or \"delete\": switching between CDC and polling relies on the table to say what is unsent; use source.mode = \"cdc\" with mark = \"none\"",
+            );
+        }
         let cdc = &s.cdc;
         c.duration(
             "source.cdc.status_interval",
@@ -214,7 +226,7 @@ impl Config {
                 "\"recreate\" needs relay.mark = \"update\" or \"delete\": with \"none\" the events in the removed WAL exist nowhere else, so a new slot would skip them; use \"stop\"",
             );
         }
-        if self.relay.mark == super::MarkMode::None && s.mode != super::SourceMode::Cdc {
+        if self.relay.mark == super::MarkMode::None && s.mode == super::SourceMode::Polling {
             c.problem(
                 "relay.mark",
                 "\"none\" needs source.mode = \"cdc\": the polling source relies on marking to know what was sent",
@@ -256,10 +268,10 @@ impl Config {
             100 * MS,
             HOUR,
         );
-        if d.aggregate == super::HoldPolicy::Wait && s.mode == super::SourceMode::Cdc {
+        if d.aggregate == super::HoldPolicy::Wait && s.mode.may_use_cdc() {
             c.problem(
                 "dead_letter.aggregate",
-                "\"wait\" needs source.mode = \"polling\": with CDC, held events would keep the slot from advancing; use \"follow\"",
+                "\"wait\" needs source.mode = \"polling\": with CDC (also in \"auto\"), held events would keep the slot from advancing; use \"follow\"",
             );
         }
         if d.table.as_ref() == Some(&self.outbox.table) {
@@ -309,7 +321,7 @@ impl Config {
             10 * 60 * SEC,
         );
         c.count("relay.shards", r.shards.into(), sink);
-        if r.shards > 1 && s.mode == super::SourceMode::Cdc {
+        if r.shards > 1 && s.mode.may_use_cdc() {
             c.problem(
                 "relay.shards",
                 "shards need source.mode = \"polling\": a replication slot is one ordered stream with one reader",

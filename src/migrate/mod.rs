@@ -36,26 +36,30 @@ pub struct CdcObjects {
     pub slot: String,
     /// Create the slot as a failover slot (PostgreSQL 17+).
     pub failover: bool,
+    /// Create the slot (CDC mode). In auto mode the relay creates it once
+    /// the server allows CDC, so migrate works whatever `wal_level` is.
+    pub slot_now: bool,
 }
 
 impl MigrateOptions {
     pub fn from_config(config: &Config, mark_existing_sent: bool) -> Self {
         let table = &config.outbox.table;
-        let cdc = config.source.mode == SourceMode::Cdc;
+        let mode = config.source.mode;
         MigrateOptions {
             table: table.clone(),
             columns: config.outbox.columns.clone(),
             // CDC needs no wake-ups: the stream is the wake-up.
-            notify_channel: if cdc {
-                None
-            } else {
+            notify_channel: if mode.may_poll() {
                 notify_channel(&config.source.polling, table)
+            } else {
+                None
             },
             mark_existing_sent,
-            cdc: cdc.then(|| CdcObjects {
+            cdc: mode.may_use_cdc().then(|| CdcObjects {
                 publication: config.source.cdc.publication_name(table),
                 slot: config.source.cdc.slot_name(table),
                 failover: config.source.cdc.failover,
+                slot_now: mode == SourceMode::Cdc,
             }),
             dead_letters: config
                 .dead_letter
@@ -365,7 +369,9 @@ async fn cdc_steps(
     table: &TableName,
     cdc: &CdcObjects,
 ) -> Result<Vec<Step>, MigrateError> {
-    if let Some(problem) = setup::wal_level_problem(&setup::wal_level(client).await?) {
+    if cdc.slot_now
+        && let Some(problem) = setup::wal_level_problem(&setup::wal_level(client).await?)
+    {
         return Err(MigrateError::Prerequisite(problem));
     }
     let mut steps = Vec::new();
@@ -379,7 +385,7 @@ async fn cdc_steps(
             setup::publication_sql(&cdc.publication, table, exists.is_some()),
         )),
     }
-    if setup::slot_info(client, &cdc.slot).await?.is_none() {
+    if cdc.slot_now && setup::slot_info(client, &cdc.slot).await?.is_none() {
         if !setup::can_replicate(client).await? {
             return Err(MigrateError::Prerequisite(format!(
                 "creating replication slot {:?} needs the REPLICATION attribute: run ALTER ROLE <relay role> REPLICATION; as a superuser",

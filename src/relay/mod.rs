@@ -8,6 +8,7 @@
 //! Because marking uses that same session, an instance that lost the lock
 //! (its session was terminated, its network cut) cannot mark rows any more.
 
+mod auto;
 pub mod blocks;
 pub mod lease;
 pub(crate) mod pipeline;
@@ -18,7 +19,7 @@ pub(crate) mod supervise;
 
 pub use pipeline::{PipelineError, Settings};
 pub use postgres::Postgres;
-pub use supervise::{Backend, Owned};
+pub use supervise::{Backend, Owned, RunEnd};
 
 use crate::config::Config;
 use crate::db::DbError;

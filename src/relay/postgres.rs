@@ -1,32 +1,71 @@
 //! The real backend: ownership is a PostgreSQL session advisory lock, and a
-//! run connects the configured source (polling or CDC) and broker.
+//! run connects the configured source (polling, CDC, or in auto mode the one
+//! the server allows now) and broker.
 
 use super::RelayError;
+use super::auto::{self, Modes};
 use super::pipeline::{self, Settings};
 use super::shards::{Balance, Shard};
-use super::supervise::{Backend, Owned};
+use super::supervise::{Backend, Owned, RunEnd};
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::db::DbError;
 use crate::envelope::Envelope;
-use crate::outbox::inspect;
-use crate::outbox::ownership_key;
+use crate::outbox::{ResolvedColumns, inspect, ownership_key};
 use crate::sink::AnySink;
+use crate::source::SourceError;
+use crate::source::auto::{Blocked, Reading, blocked_by, probe};
 use crate::source::cdc::{CdcAcker, CdcReader};
 use crate::source::polling::{PollingAcker, PollingReader};
 use crate::source::record::RowRecorder;
 use crate::telemetry::health::PipelineHealth;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
 /// PostgreSQL and the configured broker.
 pub struct Postgres<'a> {
     config: &'a Config,
+    /// Auto mode: what the runs read with.
+    modes: Modes,
+    /// Auto mode: the backend pid of the last run's ownership session. After
+    /// a switch of source the next run waits for it to end (and release the
+    /// lock) rather than finding the lock taken by itself.
+    previous_owner: Mutex<Option<i32>>,
 }
 
 impl<'a> Postgres<'a> {
     pub fn new(config: &'a Config) -> Self {
-        Postgres { config }
+        Postgres {
+            config,
+            modes: Modes::default(),
+            previous_owner: Mutex::new(None),
+        }
     }
+}
+
+/// How long a new run waits for the previous run's session to end.
+const PREVIOUS_OWNER_WAIT: Duration = Duration::from_secs(10);
+
+/// Waits (bounded) until the backend `pid` has ended.
+async fn wait_ended(client: &Client, pid: i32) -> Result<(), RelayError> {
+    let deadline = tokio::time::Instant::now() + PREVIOUS_OWNER_WAIT;
+    while tokio::time::Instant::now() < deadline {
+        let alive: bool = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)",
+                &[&pid],
+            )
+            .await
+            .map_err(|e| DbError::query("waiting for the previous ownership session", e))?
+            .get(0);
+        if !alive {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
 }
 
 impl Backend for Postgres<'_> {
@@ -43,6 +82,14 @@ impl Backend for Postgres<'_> {
         let config = self.config;
         let key = shard.lock_key(&ownership_key(&config.outbox.table));
         let client = crate::db::connect(&config.database, None).await?;
+        let previous = self
+            .previous_owner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(pid) = previous {
+            wait_ended(&client, pid).await?;
+        }
         let mut announced = false;
         loop {
             if !balance.may_acquire() {
@@ -77,7 +124,46 @@ impl Backend for Postgres<'_> {
     }
 
     /// Relays while holding ownership (the `owner` session, which also marks rows).
-    async fn relay(&self, owner: Client, run: Owned<'_>) -> Result<(), RelayError> {
+    async fn relay(&self, owner: Client, mut run: Owned<'_>) -> Result<RunEnd, RelayError> {
+        let result = self.relay_with(owner, &mut run).await;
+        run.telemetry.metrics.reading(None);
+        result
+    }
+}
+
+/// Why a CDC run did not start: CDC is not possible after all (auto mode
+/// then polls with the recorder back), or another failure.
+enum CdcStart {
+    Blocked(Blocked, Box<RowRecorder>),
+    Failed(RelayError),
+}
+
+impl<E: Into<RelayError>> From<E> for CdcStart {
+    fn from(e: E) -> Self {
+        CdcStart::Failed(e.into())
+    }
+}
+
+/// What every run builds the same way, whatever its source.
+struct Parts {
+    columns: ResolvedColumns,
+    envelope: Envelope,
+    settings: Settings,
+}
+
+impl Parts {
+    fn context<'a>(&'a self, run: &Owned<'a>) -> pipeline::Context<'a> {
+        pipeline::Context {
+            envelope: &self.envelope,
+            settings: &self.settings,
+            telemetry: run.telemetry,
+            lease: run.lease.clone(),
+        }
+    }
+}
+
+impl Postgres<'_> {
+    async fn relay_with(&self, owner: Client, run: &mut Owned<'_>) -> Result<RunEnd, RelayError> {
         let config = self.config;
         let table = &config.outbox.table;
         let columns = inspect::resolve_table(
@@ -88,12 +174,28 @@ impl Backend for Postgres<'_> {
             config.deletes_rows(),
         )
         .await?;
-        let envelope = Envelope::new(
-            &config.envelope,
-            crate::envelope::Binding::of_sink(config.sink.kind()),
-        )
-        .with_extra(&config.outbox.columns.extra);
-        let settings = Settings::from_config(config);
+        // Asked on the ownership session, before it becomes the recorder's.
+        let (reading, pid) = match config.source.mode {
+            SourceMode::Polling => (None, None),
+            SourceMode::Cdc => (Some(Reading::Cdc), None),
+            SourceMode::Auto => {
+                let pid: i32 = owner
+                    .query_one("SELECT pg_backend_pid()", &[])
+                    .await
+                    .map_err(|e| DbError::query("reading the ownership session's pid", e))?
+                    .get(0);
+                (Some(probe(&owner, config).await?), Some(pid))
+            }
+        };
+        let parts = Parts {
+            columns,
+            envelope: Envelope::new(
+                &config.envelope,
+                crate::envelope::Binding::of_sink(config.sink.kind()),
+            )
+            .with_extra(&config.outbox.columns.extra),
+            settings: Settings::from_config(config),
+        };
         let dead_letters = config
             .dead_letter
             .enabled
@@ -106,47 +208,123 @@ impl Backend for Postgres<'_> {
             dead_letters.as_ref().map(|t| (t, shard.as_deref())),
         )
         .await?;
-        let cx = pipeline::Context {
-            envelope: &envelope,
-            settings: &settings,
-            telemetry: run.telemetry,
-            lease: run.lease.clone(),
-        };
-        match config.source.mode {
-            SourceMode::Polling => {
-                let reader = PollingReader::connect(
-                    &config.database,
-                    table,
-                    &columns,
-                    &config.source.polling,
-                    run.shard,
-                )
-                .await?;
-                let acker = PollingAcker::new(recorder);
-                let sink = AnySink::connect(&config.sink).await?;
-                tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events");
-                pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+        let end = match reading {
+            None => self.relay_polling(&parts, recorder, None, run).await?,
+            Some(Reading::Polling(blocked)) => {
+                self.relay_polling(&parts, recorder, Some(blocked), run)
+                    .await?
             }
-            SourceMode::Cdc => {
-                let mut reader = CdcReader::connect(config, &columns, run.progress.clone()).await?;
-                let marks_rows = config.relay.mark != MarkMode::None;
-                let acker = CdcAcker::new(recorder, run.progress.clone(), marks_rows);
-                let sink = AnySink::connect(&config.sink).await?;
-                // "active" only once the publication and slot are known good;
-                // waiting for a busy slot still gives way to shutdown.
-                tokio::select! {
-                    biased;
-                    _ = run.shutdown.cancelled() => {
-                        tracing::info!("stopped cleanly");
-                        return Ok(());
-                    }
-                    started = reader.begin() => started?,
+            Some(Reading::Cdc) => match self.relay_cdc(&parts, recorder, run).await {
+                Ok(end) => end,
+                Err(CdcStart::Failed(e)) => return Err(e),
+                Err(CdcStart::Blocked(blocked, recorder)) => {
+                    self.relay_polling(&parts, *recorder, Some(blocked), run)
+                        .await?
                 }
-                tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events from the replication slot");
-                pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+            },
+        };
+        if end == RunEnd::SwitchSource {
+            *self
+                .previous_owner
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = pid;
+        }
+        Ok(end)
+    }
+
+    /// Streams from the slot. In auto mode, a start that finds CDC
+    /// impossible after all hands the recorder back, to poll with.
+    async fn relay_cdc(
+        &self,
+        parts: &Parts,
+        recorder: RowRecorder,
+        run: &mut Owned<'_>,
+    ) -> Result<RunEnd, CdcStart> {
+        let config = self.config;
+        let table = &config.outbox.table;
+        let fallback = |e: SourceError, recorder: RowRecorder| match blocked_by(&e) {
+            Some(blocked) if config.source.mode == SourceMode::Auto => {
+                CdcStart::Blocked(blocked, Box::new(recorder))
+            }
+            _ => CdcStart::Failed(e.into()),
+        };
+        let mut reader =
+            match CdcReader::connect(config, &parts.columns, run.progress.clone()).await {
+                Ok(reader) => reader,
+                Err(e) => return Err(fallback(e, recorder)),
+            };
+        // "active" only once the publication and slot are known good;
+        // waiting for a busy slot still gives way to shutdown.
+        tokio::select! {
+            biased;
+            _ = run.shutdown.cancelled() => {
+                tracing::info!("stopped cleanly");
+                return Ok(RunEnd::Stopped);
+            }
+            started = reader.begin() => {
+                if let Err(e) = started {
+                    return Err(fallback(e, recorder));
+                }
             }
         }
+        if config.source.mode == SourceMode::Auto {
+            self.modes.starting(&Reading::Cdc, config);
+        }
+        let marks_rows = config.relay.mark != MarkMode::None;
+        let acker = CdcAcker::new(recorder, run.progress.clone(), marks_rows);
+        let sink = AnySink::connect(&config.sink).await?;
+        tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events from the replication slot");
+        run.telemetry.metrics.reading(Some("cdc"));
+        let cx = parts.context(run);
+        pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
         tracing::info!("stopped cleanly");
-        Ok(())
+        Ok(RunEnd::Stopped)
+    }
+
+    /// Polls; in auto mode (`blocked` says why CDC is not possible) until
+    /// the probe finds CDC possible, then drains and asks for a new run.
+    async fn relay_polling(
+        &self,
+        parts: &Parts,
+        recorder: RowRecorder,
+        blocked: Option<Blocked>,
+        run: &mut Owned<'_>,
+    ) -> Result<RunEnd, RelayError> {
+        let config = self.config;
+        let table = &config.outbox.table;
+        let reader = PollingReader::connect(
+            &config.database,
+            table,
+            &parts.columns,
+            &config.source.polling,
+            run.shard,
+        )
+        .await?;
+        let acker = PollingAcker::new(recorder);
+        let sink = AnySink::connect(&config.sink).await?;
+        let Some(blocked) = blocked else {
+            tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events");
+            run.telemetry.metrics.reading(Some("polling"));
+            let cx = parts.context(run);
+            pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+            tracing::info!("stopped cleanly");
+            return Ok(RunEnd::Stopped);
+        };
+        self.modes.starting(&Reading::Polling(blocked), config);
+        tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events by polling");
+        run.telemetry.metrics.reading(Some("polling"));
+        let pipeline_token = run.shutdown.child_token();
+        let switch = AtomicBool::new(false);
+        let cx = parts.context(run);
+        let result = tokio::select! {
+            result = pipeline::run(reader, acker, sink, cx, run.blocks, &pipeline_token) => result,
+            never = auto::watch(config, &self.modes, &pipeline_token, &switch) => match never {},
+        };
+        result?;
+        if switch.load(Ordering::SeqCst) && !run.shutdown.is_cancelled() {
+            return Ok(RunEnd::SwitchSource);
+        }
+        tracing::info!("stopped cleanly");
+        Ok(RunEnd::Stopped)
     }
 }

@@ -58,7 +58,18 @@ pub trait Backend: Sync {
         &self,
         owner: Self::Owner,
         run: Owned<'_>,
-    ) -> impl Future<Output = Result<(), RelayError>> + Send;
+    ) -> impl Future<Output = Result<RunEnd, RelayError>> + Send;
+}
+
+/// How [`Backend::relay`] ended without an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunEnd {
+    /// `run.shutdown` was cancelled, and what was in flight is drained.
+    Stopped,
+    /// The run drained what was in flight and ended to read the outbox
+    /// another way (`source.mode = "auto"` found CDC possible again): start
+    /// the next run at once.
+    SwitchSource,
 }
 
 /// How a run ended without an error.
@@ -66,6 +77,8 @@ enum Stop {
     Shutdown,
     /// The shard was given back to balance the load between instances.
     Released,
+    /// The source is switching: no backoff, this is no failure.
+    Switch,
 }
 
 /// Owns and relays one shard (or the whole outbox) until `shutdown`.
@@ -102,6 +115,7 @@ pub async fn supervise<B: Backend>(
         }
         let e = match result {
             Ok(Stop::Shutdown) => return,
+            Ok(Stop::Switch) => continue,
             Ok(Stop::Released) => {
                 // Give the other instances a moment to take the shard.
                 tokio::select! {
@@ -203,8 +217,11 @@ async fn run_once<B: Backend>(
             0.0
         });
     if released.load(Ordering::SeqCst) {
-        return result.map(|()| Stop::Released);
+        return result.map(|_| Stop::Released);
     }
     balance.released();
-    result.map(|()| Stop::Shutdown)
+    result.map(|end| match end {
+        RunEnd::Stopped => Stop::Shutdown,
+        RunEnd::SwitchSource => Stop::Switch,
+    })
 }

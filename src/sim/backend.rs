@@ -10,7 +10,7 @@ use crate::envelope::Envelope;
 use crate::outbox::ColumnMap;
 use crate::relay::pipeline::{self, Settings};
 use crate::relay::shards::{Balance, Shard};
-use crate::relay::{Backend, Owned, RelayError};
+use crate::relay::{Backend, Owned, RelayError, RunEnd};
 use crate::source::cdc::{CdcAcker, CdcReader, CdcSettings, Timing};
 use crate::source::polling::PollingAcker;
 use crate::telemetry::health::PipelineHealth;
@@ -46,7 +46,7 @@ impl Backend for SimBackend {
         }
     }
 
-    async fn relay(&self, reign: u64, run: Owned<'_>) -> Result<(), RelayError> {
+    async fn relay(&self, reign: u64, run: Owned<'_>) -> Result<RunEnd, RelayError> {
         // The ownership session closes with the run, however it ends.
         let _session = Session {
             world: self.world.clone(),
@@ -74,7 +74,8 @@ impl Backend for SimBackend {
                 let acker = PollingAcker::new(store);
                 pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
             }
-            SourceMode::Cdc => {
+            // The simulated server always allows CDC, so auto reads by CDC.
+            SourceMode::Cdc | SourceMode::Auto => {
                 let columns = ColumnMap::default().resolve(&[
                     "event_version".into(),
                     "headers".into(),
@@ -99,7 +100,7 @@ impl Backend for SimBackend {
                 pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
             }
         }
-        Ok(())
+        Ok(RunEnd::Stopped)
     }
 }
 

@@ -128,10 +128,7 @@ enabled = false
 [sink]
 {sink}
 "#,
-            mode = match self.mode {
-                SourceMode::Polling => "polling",
-                SourceMode::Cdc => "cdc",
-            },
+            mode = self.mode.name(),
             batch = self.batch_size,
             mark = match self.mark {
                 MarkMode::Update => "update",

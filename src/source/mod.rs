@@ -11,6 +11,7 @@
 //! [`Reader::rewind`] or a restart, which is where duplicates come from, and
 //! the only place.
 
+pub mod auto;
 pub mod budget;
 pub mod cdc;
 pub mod polling;

@@ -1,6 +1,6 @@
 //! Every metric the relay exports, declared once. Names are `outbox_relay_*`;
 //! labels are bounded (the pipeline name, the broker kind, an outcome, a
-//! table kind), never an aggregate or event id.
+//! table kind, a source mode), never an aggregate or event id.
 
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 
@@ -21,6 +21,7 @@ pub const RETENTION_DELETED: &str = "outbox_relay_retention_deleted_total";
 pub const ACTIVE: &str = "outbox_relay_active";
 pub const RESTARTS: &str = "outbox_relay_restarts_total";
 pub const LAST_PUBLISH: &str = "outbox_relay_last_publish_timestamp_seconds";
+pub const SOURCE_MODE: &str = "outbox_relay_source_mode";
 
 /// Every metric name above, for the checks that dashboards and alert rules
 /// only use what the relay exports.
@@ -42,6 +43,7 @@ pub const ALL: &[&str] = &[
     ACTIVE,
     RESTARTS,
     LAST_PUBLISH,
+    SOURCE_MODE,
 ];
 /// The histograms among them: exported as `_bucket`, `_sum` and `_count` series.
 pub const HISTOGRAMS: &[&str] = &[COMMIT_TO_CONFIRM, BATCH_SIZE];
@@ -87,6 +89,9 @@ pub struct PipelineMetrics {
     /// Lost replication slots dropped and created again (CDC).
     pub slots_recreated: Counter,
     pub last_publish: Gauge,
+    /// 1 for the way this instance reads the outbox now, by `mode`.
+    reading_cdc: Gauge,
+    reading_polling: Gauge,
 }
 
 impl PipelineMetrics {
@@ -111,8 +116,18 @@ impl PipelineMetrics {
             active: gauge!(ACTIVE, "pipeline" => p.clone()),
             restarts: counter!(RESTARTS, "pipeline" => p.clone()),
             slots_recreated: counter!(SLOTS_RECREATED, "pipeline" => p.clone()),
-            last_publish: gauge!(LAST_PUBLISH, "pipeline" => p),
+            last_publish: gauge!(LAST_PUBLISH, "pipeline" => p.clone()),
+            reading_cdc: gauge!(SOURCE_MODE, "pipeline" => p.clone(), "mode" => "cdc"),
+            reading_polling: gauge!(SOURCE_MODE, "pipeline" => p, "mode" => "polling"),
         }
+    }
+
+    /// The source this instance reads with now (`"cdc"` or `"polling"`), or
+    /// none while it does not relay.
+    pub fn reading(&self, mode: Option<&str>) {
+        let is = |m: &str| if mode == Some(m) { 1.0 } else { 0.0 };
+        self.reading_cdc.set(is("cdc"));
+        self.reading_polling.set(is("polling"));
     }
 
     pub fn failed(&self, why: Failure, n: u64) {

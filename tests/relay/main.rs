@@ -8,6 +8,7 @@ mod kit;
 mod support;
 
 mod alert_metrics;
+mod auto;
 mod cdc;
 mod chaos;
 mod cli;

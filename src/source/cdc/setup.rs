@@ -179,6 +179,13 @@ pub async fn wal_sender_timeout_ms(client: &Client) -> Result<i64, DbError> {
         .get(0))
 }
 
+/// What a failure to create the slot says when no slot was free
+/// (SQLSTATE 53400): `source.mode = "auto"` polls then.
+pub const NO_FREE_SLOT_HINT: &str =
+    "; all replication slots are in use: raise max_replication_slots or drop an unused slot";
+/// ... and when `wal_level` is not `logical` (SQLSTATE 55000).
+pub const WAL_LEVEL_HINT: &str = "; wal_level must be logical";
+
 /// Creates the slot; returns its consistent point. Must run outside a
 /// transaction that wrote anything.
 pub async fn create_slot(client: &Client, slot: &str, failover: bool) -> Result<Lsn, String> {
@@ -191,18 +198,20 @@ pub async fn create_slot(client: &Client, slot: &str, failover: bool) -> Result<
     } else {
         "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')"
     };
-    let row = client
-        .query_one(sql, &[&slot])
-        .await
-        .map_err(|e| {
-            let hint = match e.code().map(|c| c.code()) {
-                Some("42501") => "; the relay's role needs the REPLICATION attribute (ALTER ROLE ... REPLICATION)",
-                Some("53400") => "; all replication slots are in use: raise max_replication_slots or drop an unused slot",
-                Some("55000") => "; wal_level must be logical",
-                _ => "",
-            };
-            format!("cannot create replication slot {slot:?}: {}{hint}", error_text(&e))
-        })?;
+    let row = client.query_one(sql, &[&slot]).await.map_err(|e| {
+        let hint = match e.code().map(|c| c.code()) {
+            Some("42501") => {
+                "; the relay's role needs the REPLICATION attribute (ALTER ROLE ... REPLICATION)"
+            }
+            Some("53400") => NO_FREE_SLOT_HINT,
+            Some("55000") => WAL_LEVEL_HINT,
+            _ => "",
+        };
+        format!(
+            "cannot create replication slot {slot:?}: {}{hint}",
+            error_text(&e)
+        )
+    })?;
     let lsn: String = row.get(0);
     lsn.parse()
         .map_err(|e| format!("slot {slot:?} created at an unreadable LSN: {e}"))

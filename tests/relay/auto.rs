@@ -1,0 +1,331 @@
+//! `source.mode = "auto"`: polling while the server does not allow CDC, CDC
+//! once it does, and every event once, in order per aggregate, across the
+//! switch. Each test has a private cluster, whose settings it changes.
+
+use crate::kit::cluster::PrivatePg;
+use crate::support::brokers::{RabbitExchange, Received};
+use crate::support::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+use uuid::Uuid;
+
+const AGGREGATES: usize = 4;
+
+fn auto_toml(db_url: &str, sink: &str) -> String {
+    let t = set(&base_toml(db_url, sink), "source.mode", "\"auto\"");
+    let t = set(&t, "source.auto.probe_interval", "\"1s\"");
+    let t = set(&t, "source.cdc.status_interval", "\"200ms\"");
+    set(&t, "source.cdc.slot", &format!("\"{}\"", unique("slot_")))
+}
+
+/// A private cluster with database `app`, migrated for `toml`'s outbox.
+async fn app_database(pg: &PrivatePg, sink: &str) -> (tokio_postgres::Client, String) {
+    let admin = connect(&pg.url("postgres")).await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    let toml = auto_toml(&pg.url("app"), sink);
+    let mut c = connect(&pg.url("app")).await;
+    let opts = outbox_relay::migrate::MigrateOptions::from_config(&parse(&toml), false);
+    let steps = outbox_relay::migrate::plan(&c, &opts).await.unwrap();
+    outbox_relay::migrate::apply(&mut c, &steps).await.unwrap();
+    (c, toml)
+}
+
+/// One committed event: (aggregate, id), in commit order.
+type Committed = Vec<(String, String)>;
+
+/// Commits `n` events, one per transaction, round robin over the aggregates.
+async fn write(app: &tokio_postgres::Client, n: usize, into: &mut Committed) {
+    write_as(app, "a", n, into).await;
+}
+
+/// As [`write`], for the aggregates named `prefix` and a number.
+async fn write_as(app: &tokio_postgres::Client, prefix: &str, n: usize, into: &mut Committed) {
+    for _ in 0..n {
+        let aggregate = format!("{prefix}{}", into.len() % AGGREGATES);
+        let id = Uuid::new_v4();
+        app.execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'order', $2, 'E', '{}')",
+            &[&id, &aggregate],
+        )
+        .await
+        .unwrap();
+        into.push((aggregate, id.to_string()));
+    }
+}
+
+/// A writer committing an event every few milliseconds until stopped.
+struct Writer {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Committed>,
+}
+
+impl Writer {
+    async fn start(url: &str) -> Writer {
+        let app = connect(url).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut committed = Committed::new();
+            while !flag.load(Ordering::SeqCst) {
+                write(&app, 1, &mut committed).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            committed
+        });
+        Writer { stop, task }
+    }
+
+    async fn stop(self) -> Committed {
+        self.stop.store(true, Ordering::SeqCst);
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .expect("the writer stops")
+            .expect("the writer did not panic")
+    }
+}
+
+/// Waits until the relay reads with `mode`, as its metric says.
+async fn wait_reading(port: u16, mode: &str) {
+    let series = format!("outbox_relay_source_mode{{pipeline=\"default\",mode=\"{mode}\"}}");
+    wait_for(WAIT, &format!("the relay to read by {mode}"), || async {
+        let (_, body) = http_get(port, "/metrics").await?;
+        (metric(&body, &series) == Some(1.0)).then_some(())
+    })
+    .await;
+}
+
+async fn unsent(app: &tokio_postgres::Client) -> i64 {
+    app.query_one(
+        "SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// Waits for every committed event and for the table to have none unsent
+/// (so no re-send can still come), then checks each arrived exactly once
+/// and each aggregate's in commit order.
+async fn assert_each_once_in_order(
+    broker: &RabbitExchange,
+    app: &tokio_postgres::Client,
+    committed: &Committed,
+) {
+    let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
+    broker.inbox.wait_ids(&ids, WAIT).await;
+    wait_for(WAIT, "every row marked sent", || async {
+        (unsent(app).await == 0).then_some(())
+    })
+    .await;
+    let got: Vec<String> = broker
+        .inbox
+        .snapshot()
+        .iter()
+        .map(Received::event_id)
+        .collect();
+    assert_eq!(got.len(), committed.len(), "each event exactly once");
+    let aggregate_of: HashMap<&str, &str> = committed
+        .iter()
+        .map(|(a, id)| (id.as_str(), a.as_str()))
+        .collect();
+    let aggregates: std::collections::BTreeSet<&str> =
+        committed.iter().map(|(a, _)| a.as_str()).collect();
+    for a in aggregates {
+        let want: Vec<&str> = committed
+            .iter()
+            .filter(|(x, _)| *x == a)
+            .map(|(_, id)| id.as_str())
+            .collect();
+        let have: Vec<&str> = got
+            .iter()
+            .map(String::as_str)
+            .filter(|id| aggregate_of.get(id) == Some(&a))
+            .collect();
+        assert_eq!(have, want, "aggregate {a}: commit order");
+    }
+}
+
+fn status_json(toml: &str) -> serde_json::Value {
+    let (code, out, err) = run_cli(&["status", "--config", &config_file(toml), "--json"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_polls_under_wal_level_replica_and_streams_after_a_restart_with_logical() {
+    let pg = PrivatePg::start(&["wal_level = replica"]);
+    let broker = RabbitExchange::new().await;
+    let (app, toml) = app_database(&pg, &broker.sink_toml()).await;
+    let (code, out, _) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    assert_eq!(code, 0, "polling is a working fallback: {out}");
+    assert!(
+        out.contains("[warn] source") && out.contains("wal_level"),
+        "{out}"
+    );
+
+    let port = crate::kit::free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let mut committed = Committed::new();
+    write(&app, 40, &mut committed).await;
+    wait_reading(port, "polling").await;
+    let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
+    broker.inbox.wait_ids(&ids, WAIT).await;
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["reading"], "polling", "{status}");
+    assert_eq!(status["auto"]["blocked_reason"], "wal_level", "{status}");
+
+    // Everything is marked, so the restart cuts nothing in flight and
+    // every event must arrive exactly once.
+    wait_for(WAIT, "the polled rows marked", || async {
+        (unsent(&app).await == 0).then_some(())
+    })
+    .await;
+    pg.psql("ALTER SYSTEM SET wal_level = logical");
+    pg.restart();
+    let app = connect(&pg.url("app")).await;
+    // Written while the relay reconnects: CDC's start-up read finds them.
+    write(&app, 40, &mut committed).await;
+    wait_reading(port, "cdc").await;
+    // Streamed.
+    write(&app, 40, &mut committed).await;
+    assert_each_once_in_order(&broker, &app, &committed).await;
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["reading"], "cdc", "{status}");
+    assert_eq!(relay.terminate().code(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_one_is() {
+    let pg = PrivatePg::start(&["wal_level = logical", "max_replication_slots = 2"]);
+    let broker = RabbitExchange::new().await;
+    let (app, toml) = app_database(&pg, &broker.sink_toml()).await;
+    // Other users of the server hold every slot.
+    app.batch_execute(
+        "SELECT pg_create_physical_replication_slot('other_a');
+         SELECT pg_create_physical_replication_slot('other_b');",
+    )
+    .await
+    .unwrap();
+
+    let port = crate::kit::free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    wait_reading(port, "polling").await;
+    let writer = Writer::start(&pg.url("app")).await;
+    wait_for(WAIT, "events delivered by polling", || async {
+        (broker.inbox.len() >= 20).then_some(())
+    })
+    .await;
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["reading"], "polling", "{status}");
+    assert_eq!(status["auto"]["blocked_reason"], "no_free_slot", "{status}");
+
+    // A slot is freed while events keep coming, and a burst keeps polling
+    // busy: the relay drains what it has in flight, then streams, the
+    // burst's rest coming from CDC's start-up read.
+    app.batch_execute("SELECT pg_drop_replication_slot('other_a')")
+        .await
+        .unwrap();
+    let mut burst = Committed::new();
+    write_as(&app, "b", 300, &mut burst).await;
+    wait_reading(port, "cdc").await;
+    let at_switch = broker.inbox.len();
+    wait_for(WAIT, "events delivered by CDC", || async {
+        (broker.inbox.len() >= at_switch + 20).then_some(())
+    })
+    .await;
+    let mut committed = writer.stop().await;
+    committed.extend(burst);
+    assert_each_once_in_order(&broker, &app, &committed).await;
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["reading"], "cdc", "{status}");
+    assert_eq!(relay.terminate().code(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
+    // Tiny WAL segments and retention, so a slot can be lost in seconds.
+    let pg = PrivatePg::start_with(
+        &["--wal-segsize=1"],
+        &[
+            "wal_level = logical",
+            "max_slot_wal_keep_size = 1MB",
+            "min_wal_size = 2MB",
+            "max_wal_size = 4MB",
+        ],
+    );
+    let broker = RabbitExchange::new().await;
+    let (app, toml) = app_database(&pg, &broker.sink_toml()).await;
+    let toml = set(&toml, "source.cdc.on_lost_slot", "\"stop\"");
+    let slot = toml
+        .lines()
+        .find_map(|l| l.strip_prefix("slot = "))
+        .expect("a slot line")
+        .trim_matches('"')
+        .to_owned();
+
+    // A first run creates the slot and streams.
+    let port = crate::kit::free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    wait_reading(port, "cdc").await;
+    let mut committed = Committed::new();
+    write(&app, 20, &mut committed).await;
+    let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
+    broker.inbox.wait_ids(&ids, WAIT).await;
+    assert_eq!(relay.terminate().code(), Some(0));
+
+    // While no relay runs, events arrive and the slot is lost.
+    write(&app, 20, &mut committed).await;
+    app.batch_execute("CREATE TABLE filler (pad text)")
+        .await
+        .unwrap();
+    wait_for(Duration::from_secs(60), "the slot to be lost", || async {
+        app.batch_execute("INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 3000); SELECT pg_switch_wal(); CHECKPOINT;")
+            .await
+            .unwrap();
+        let status: Option<String> = app
+            .query_opt(
+                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .and_then(|r| r.get(0));
+        (status.as_deref() == Some("lost")).then_some(())
+    })
+    .await;
+
+    // on_lost_slot = "stop" keeps the slot for the operator; auto polls meanwhile.
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    wait_reading(port, "polling").await;
+    let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
+    broker.inbox.wait_ids(&ids, WAIT).await;
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["blocked_reason"], "lost_slot", "{status}");
+
+    // The operator drops the slot: the relay creates a new one and streams.
+    app.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .unwrap();
+    wait_reading(port, "cdc").await;
+    write(&app, 20, &mut committed).await;
+    assert_each_once_in_order(&broker, &app, &committed).await;
+    assert_eq!(relay.terminate().code(), Some(0));
+}
+
+#[test]
+fn auto_with_unmarked_rows_is_refused_as_a_configuration_error() {
+    let toml = set(
+        &auto_toml("postgres://postgres@127.0.0.1:1/none", &rabbit_sink()),
+        "relay.mark",
+        "\"none\"",
+    );
+    let (code, out, err) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("source.mode: \"auto\" needs relay.mark = \"update\" or \"delete\""),
+        "{err}"
+    );
+}
