@@ -8,6 +8,7 @@ use super::supervise::{Backend, Owned};
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::db::DbError;
 use crate::envelope::Envelope;
+use crate::envelope::routing::Routing;
 use crate::outbox::inspect;
 use crate::outbox::ownership_key;
 use crate::sink::AnySink;
@@ -93,6 +94,7 @@ impl Backend for Postgres<'_> {
             crate::envelope::Binding::of_sink(config.sink.kind()),
         )
         .with_extra(&config.outbox.columns.extra);
+        let routing = Routing::from_columns(&config.outbox.columns);
         let settings = Settings::from_config(config);
         let dead_letters = config
             .dead_letter
@@ -123,7 +125,9 @@ impl Backend for Postgres<'_> {
                 )
                 .await?;
                 let acker = PollingAcker::new(recorder);
-                let sink = AnySink::connect(&config.sink).await?;
+                let sink = AnySink::connect(&config.sink)
+                    .await?
+                    .with_routing(routing.clone());
                 tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events");
                 pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
             }
@@ -131,7 +135,9 @@ impl Backend for Postgres<'_> {
                 let mut reader = CdcReader::connect(config, &columns, run.progress.clone()).await?;
                 let marks_rows = config.relay.mark != MarkMode::None;
                 let acker = CdcAcker::new(recorder, run.progress.clone(), marks_rows);
-                let sink = AnySink::connect(&config.sink).await?;
+                let sink = AnySink::connect(&config.sink)
+                    .await?
+                    .with_routing(routing.clone());
                 // "active" only once the publication and slot are known good;
                 // waiting for a busy slot still gives way to shutdown.
                 tokio::select! {
