@@ -349,6 +349,12 @@ impl Sink for KafkaSink {
         Ok(format!("topic {topic}"))
     }
 
+    async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
+        destination::kafka_topic(name).map_err(SinkError::Rejected)?;
+        self.ensure_topic(name).await?;
+        Ok(format!("topic {name}"))
+    }
+
     fn fixed_destination(&self) -> bool {
         self.topic.is_fixed()
     }

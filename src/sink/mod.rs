@@ -108,6 +108,13 @@ pub trait Sink: Send {
         event_type: &str,
     ) -> impl Future<Output = Result<String, SinkError>> + Send;
 
+    /// Checks that a destination a row names itself (`outbox.columns.destination`)
+    /// is valid and exists; returns it for display. For `check`.
+    fn check_named_destination(
+        &mut self,
+        name: &str,
+    ) -> impl Future<Output = Result<String, SinkError>> + Send;
+
     /// True when every event goes to one destination (no placeholder in the templates).
     fn fixed_destination(&self) -> bool;
 
@@ -177,6 +184,13 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.check_destination(aggregate_type, event_type).await,
             AnySink::RabbitMq(s) => s.check_destination(aggregate_type, event_type).await,
+        }
+    }
+
+    async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.check_named_destination(name).await,
+            AnySink::RabbitMq(s) => s.check_named_destination(name).await,
         }
     }
 

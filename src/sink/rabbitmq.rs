@@ -421,6 +421,12 @@ impl Sink for RabbitMqSink {
         ))
     }
 
+    async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
+        destination::rabbitmq_exchange(name).map_err(SinkError::Rejected)?;
+        self.ensure_exchange(name).await?;
+        Ok(format!("exchange {name:?}"))
+    }
+
     fn fixed_destination(&self) -> bool {
         self.exchange.is_fixed() && self.routing_key.is_fixed()
     }

@@ -280,3 +280,24 @@ async fn check_names_the_key_of_a_missing_routing_column() {
         assert!(all.contains(expected), "{expected:?} not in {all}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_looks_up_the_destinations_rows_name() {
+    let (db, broker, toml) = setup_routing(Mode::Polling, Kind::Rabbit, &[]).await;
+    let elsewhere = Elsewhere::new(&broker).await;
+    let missing = unique("missing_");
+    insert(&db, Uuid::new_v4(), "a", Some(elsewhere.name()), None).await;
+    insert(&db, Uuid::new_v4(), "b", Some(&missing), None).await;
+    let (code, out, err) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    let all = format!("{out}{err}");
+    assert_ne!(code, 0, "{all}");
+    for expected in [
+        format!(
+            "exchange {:?} (named by rows' outbox.columns.destination) exists",
+            elsewhere.name()
+        ),
+        format!("named by rows' outbox.columns.destination: exchange {missing:?} does not exist"),
+    ] {
+        assert!(all.contains(&expected), "{expected:?} not in {all}");
+    }
+}
