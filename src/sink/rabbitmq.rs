@@ -238,8 +238,9 @@ impl RabbitMqSink {
     }
 
     /// The event's exchange and routing key: its routing columns' values,
-    /// else the templates'.
-    fn route(&self, event: &OutboxEvent) -> Result<(String, String), SinkError> {
+    /// else the templates'; and where the routing key came from, for the
+    /// operator to change it.
+    fn route(&self, event: &OutboxEvent) -> Result<(String, String, &'static str), SinkError> {
         let render = |t: &Template| {
             t.render(|f| match f {
                 Field::AggregateType => &event.aggregate_type,
@@ -251,14 +252,17 @@ impl RabbitMqSink {
             .destination(event, destination::rabbitmq_exchange, "sink.exchange")
             .map_err(SinkError::Rejected)?
             .map_or_else(|| render(&self.exchange), str::to_owned);
-        let routing_key = self
+        let own_key = self
             .routing
             .key(event, destination::rabbitmq_routing_key, "sink.routing_key")
-            .map_err(SinkError::Rejected)?
-            .map_or_else(|| render(&self.routing_key), str::to_owned);
+            .map_err(SinkError::Rejected)?;
+        let (routing_key, key_from) = match own_key {
+            Some(k) => (k.to_owned(), "the row's outbox.columns.key value"),
+            None => (render(&self.routing_key), "sink.routing_key"),
+        };
         destination::rabbitmq_exchange(&exchange).map_err(SinkError::Rejected)?;
         destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::Rejected)?;
-        Ok((exchange, routing_key))
+        Ok((exchange, routing_key, key_from))
     }
 
     async fn ensure_exchange(&mut self, exchange: &str) -> Result<(), SinkError> {
@@ -321,7 +325,7 @@ impl Sink for RabbitMqSink {
                 self.url
             )));
         }
-        let (exchange, routing_key) = self.route(event)?;
+        let (exchange, routing_key, key_from) = self.route(event)?;
         let size = message.size();
         if size > self.max_bytes {
             return Err(SinkError::Rejected(format!(
@@ -387,7 +391,7 @@ impl Sink for RabbitMqSink {
                 Ok(Ack::Ack(_)) => match returned {
                     None => Ok(()),
                     Some(why) => Err(SinkError::Rejected(format!(
-                        "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({why}); bind a queue or change sink.routing_key"
+                        "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({why}); bind a queue or change {key_from}"
                     ))),
                 },
                 Ok(Ack::Nack(_)) => Err(SinkError::Busy(
