@@ -4,7 +4,7 @@ use crate::config::{Config, SourceMode};
 use crate::db;
 use crate::outbox::inspect;
 use crate::outbox::ownership_key;
-use crate::sink::{AnySink, Sink};
+use crate::sink::{AnySink, Sink, SinkError};
 use crate::source::auto::Reading;
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
@@ -19,8 +19,11 @@ enum Mark {
 #[derive(Default)]
 struct Report {
     lines: Vec<(Mark, String, String)>,
-    /// `(aggregate_type, event_type)` of unsent events, to check their destinations.
+    /// `(aggregate_type, event_type)` of unsent events that go where the
+    /// templates say, to check their destinations.
     pending_kinds: Vec<(String, String)>,
+    /// Destinations unsent rows name themselves (`outbox.columns.destination`).
+    routed: Vec<String>,
 }
 
 impl Report {
@@ -214,15 +217,31 @@ async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut
         Err(e) => r.add(Mark::Warn, "backlog", db::error_text(&e)),
     }
     let c = &config.outbox.columns;
+    let (table, unsent) = (
+        config.outbox.table.quoted(),
+        format!("{} IS NULL", crate::outbox::SENT_AT_COLUMN),
+    );
+    // Rows that name their own destination do not use the templates'.
+    let own = c.destination.as_deref().map(crate::outbox::quote_ident);
+    let templated = own
+        .as_ref()
+        .map(|d| format!(" AND {d} IS NULL"))
+        .unwrap_or_default();
     let kinds = format!(
-        "SELECT DISTINCT {}::text, {}::text FROM {} WHERE {} IS NULL LIMIT 20",
+        "SELECT DISTINCT {}::text, {}::text FROM {table} WHERE {unsent}{templated} LIMIT 20",
         crate::outbox::quote_ident(&c.aggregate_type),
         crate::outbox::quote_ident(&c.event_type),
-        config.outbox.table.quoted(),
-        crate::outbox::SENT_AT_COLUMN
     );
     if let Ok(rows) = client.query(&kinds, &[]).await {
         r.pending_kinds = rows.iter().map(|row| (row.get(0), row.get(1))).collect();
+    }
+    if let Some(d) = own {
+        let named = format!(
+            "SELECT DISTINCT {d}::text FROM {table} WHERE {unsent} AND {d} IS NOT NULL LIMIT 20"
+        );
+        if let Ok(rows) = client.query(&named, &[]).await {
+            r.routed = rows.iter().map(|row| row.get(0)).collect();
+        }
     }
 }
 
@@ -385,14 +404,15 @@ async fn check_failover(client: &tokio_postgres::Client, slot: &str, r: &mut Rep
 }
 
 /// The destinations events would go to: the one fixed destination, or those
-/// of the events waiting now.
+/// of the events waiting now; and those unsent rows name themselves.
 async fn check_destinations(sink: &mut AnySink, r: &mut Report) {
     let kinds = if sink.fixed_destination() {
         vec![(String::new(), String::new())]
     } else {
         std::mem::take(&mut r.pending_kinds)
     };
-    if kinds.is_empty() {
+    let routed = std::mem::take(&mut r.routed);
+    if kinds.is_empty() && routed.is_empty() {
         r.add(
             Mark::Ok,
             "destinations",
@@ -403,6 +423,18 @@ async fn check_destinations(sink: &mut AnySink, r: &mut Report) {
         match sink.check_destination(&aggregate_type, &event_type).await {
             Ok(d) => r.add(Mark::Ok, "destination", format!("{d} exists")),
             Err(e) => r.add(Mark::Fail, "destination", e.to_string()),
+        }
+    }
+    const NAMED: &str = "named by rows' outbox.columns.destination";
+    for name in routed {
+        let checked = if name.is_empty() {
+            Err(SinkError::Rejected("an empty value".into()))
+        } else {
+            sink.check_named_destination(&name).await
+        };
+        match checked {
+            Ok(d) => r.add(Mark::Ok, "destination", format!("{d} ({NAMED}) exists")),
+            Err(e) => r.add(Mark::Fail, "destination", format!("{NAMED}: {e}")),
         }
     }
 }

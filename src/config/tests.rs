@@ -199,6 +199,31 @@ column = \"tenant_id\"
     );
 }
 
+#[test]
+fn routing_columns_are_read_and_checked_by_key() {
+    let ok = load_str(&format!(
+        "{MINIMAL}\n[outbox.columns]\ndestination = \"topic\"\nkey = \"partition_key\"\n"
+    ))
+    .unwrap();
+    assert_eq!(ok.outbox.columns.destination.as_deref(), Some("topic"));
+    assert_eq!(ok.outbox.columns.key.as_deref(), Some("partition_key"));
+    let absent = load_str(MINIMAL).unwrap();
+    assert_eq!(
+        (absent.outbox.columns.destination, absent.outbox.columns.key),
+        (None, None),
+        "no routing column by default"
+    );
+    let e = err(&format!(
+        "{MINIMAL}\n[outbox.columns]\ndestination = \"relay_seq\"\nkey = \"\"\n"
+    ));
+    for expected in [
+        "outbox.columns.destination: relay_seq is a column the relay owns",
+        "outbox.columns.key: a column name must be 1 to 63 bytes long",
+    ] {
+        assert!(e.contains(expected), "{expected:?} not in: {e}");
+    }
+}
+
 /// Dotted keys of a TOML file, including keys in commented-out `# key = value` lines.
 fn keys_of(text: &str) -> Vec<String> {
     fn walk(prefix: &str, table: &toml::Table, out: &mut Vec<String>) {

@@ -63,8 +63,8 @@ pub const LATER_COLUMNS: [(&str, &str); 4] = [
     ("redrive_requested_at", "timestamptz"),
     ("source_lsn", "pg_lsn"),
     ("source_index", "bigint"),
-    // The `[[outbox.columns.extra]]` values, a JSON object, so a redriven
-    // letter carries them as the original would have.
+    // The `[[outbox.columns.extra]]` and routing columns' values, a JSON
+    // object, so a redriven letter carries them as the original would have.
     ("extra", "text"),
 ];
 

@@ -5,8 +5,15 @@ use super::template::{Field, Template};
 
 /// Kafka topic names: 1 to 249 of `[a-zA-Z0-9._-]`, not `.` or `..`.
 pub fn kafka_topic(name: &str) -> Result<(), String> {
-    if name.is_empty() || name.len() > 249 {
-        return Err(format!("topic {name:?} must be 1 to 249 characters long"));
+    if name.is_empty() {
+        return Err("the topic name is empty; Kafka needs 1 to 249 characters".to_owned());
+    }
+    if name.len() > 249 {
+        // Not quoted: a per-row value may be long.
+        return Err(format!(
+            "topic name of {} characters is over Kafka's 249-character limit",
+            name.len()
+        ));
     }
     if name == "." || name == ".." {
         return Err(format!("topic {name:?} is not allowed"));

@@ -12,6 +12,7 @@
 //! the others in each mode) and plain headers; a NULL value adds neither.
 
 pub mod destination;
+pub mod routing;
 mod template;
 
 pub use template::{Field, Template, TemplateError};
@@ -36,12 +37,14 @@ pub mod header {
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json; charset=utf-8";
 pub const JSON_CONTENT_TYPE: &str = "application/json";
 
-/// A message ready for any broker. The destination is chosen by the sink.
+/// A message ready for any broker. The destination is chosen by the sink,
+/// from its templates or the row's routing columns.
 #[derive(Debug, Clone)]
 pub struct Message {
     /// The event id: Kafka header `event_id`, AMQP `message_id`.
     pub id: String,
-    /// The aggregate id: the Kafka key.
+    /// The aggregate id: the Kafka key, unless the row's key column
+    /// replaces it (see [`routing`]).
     pub key: String,
     pub body: Vec<u8>,
     /// Message headers, relay-set ones first, then the row's.

@@ -32,6 +32,14 @@ pub struct ColumnMap {
     /// extension attributes (`[[outbox.columns.extra]]`).
     #[serde(default)]
     pub extra: Vec<ExtraColumn>,
+    /// A column whose value, when not NULL, is the event's destination
+    /// instead of the configured template's (Kafka topic, RabbitMQ exchange).
+    #[serde(default)]
+    pub destination: Option<String>,
+    /// A column whose value, when not NULL, is the message key instead of
+    /// the aggregate id (Kafka record key, RabbitMQ routing key).
+    #[serde(default)]
+    pub key: Option<String>,
 }
 
 /// `[[outbox.columns.extra]]`: one more column of the table, published as a
@@ -160,6 +168,8 @@ impl Default for ColumnMap {
             headers: None,
             created_at: None,
             extra: Vec::new(),
+            destination: None,
+            key: None,
         }
     }
 }
@@ -219,7 +229,20 @@ impl ColumnMap {
             }
         }
         out.extend(self.extra_problems());
+        for (key, column) in self.routing() {
+            out.extend(column_problem(column).map(|m| (key.to_owned(), m)));
+        }
         out
+    }
+
+    /// `(key, column)` of the routing columns that are set: `destination`,
+    /// `key`. Either may name a contract or extra column too: its value is
+    /// then used twice.
+    pub fn routing(&self) -> Vec<(&'static str, &str)> {
+        [("destination", &self.destination), ("key", &self.key)]
+            .into_iter()
+            .filter_map(|(k, c)| c.as_deref().map(|c| (k, c)))
+            .collect()
     }
 
     /// Problems of `[[outbox.columns.extra]]`, keyed `extra[i].field`.
@@ -294,8 +317,21 @@ impl ColumnMap {
             event_version: pick(&self.event_version, DEFAULT_EVENT_VERSION),
             headers: pick(&self.headers, DEFAULT_HEADERS),
             created_at: pick(&self.created_at, DEFAULT_CREATED_AT),
-            extra: self.extra.iter().map(|x| x.column.clone()).collect(),
+            extra: self.carried(),
         }
+    }
+
+    /// The columns beyond the contract that travel with each row: the extra
+    /// columns, then the routing columns, each once.
+    fn carried(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        let names = self.extra.iter().map(|x| x.column.as_str());
+        for c in names.chain(self.routing().into_iter().map(|(_, c)| c)) {
+            if !out.iter().any(|o| o == c) {
+                out.push(c.to_owned());
+            }
+        }
+        out
     }
 }
 
@@ -310,7 +346,10 @@ pub struct ResolvedColumns {
     pub event_version: Option<String>,
     pub headers: Option<String>,
     pub created_at: Option<String>,
-    /// The `[[outbox.columns.extra]]` columns, in configuration order.
+    /// The columns read besides the contract's, carried in
+    /// [`super::RawRow::extra`]: the `[[outbox.columns.extra]]` columns in
+    /// configuration order, then the routing columns (`destination`, `key`)
+    /// not among them.
     pub extra: Vec<String>,
 }
 
@@ -456,5 +495,41 @@ mod tests {
         }
         .resolve(&[]);
         assert_eq!(resolved.extra, vec!["tenant_id".to_owned()]);
+    }
+
+    #[test]
+    fn routing_columns_travel_once_and_are_checked_by_key() {
+        let map = ColumnMap {
+            extra: vec![extra("topic", Some("topic"), None)],
+            destination: Some("topic".into()),
+            key: Some("partition_key".into()),
+            ..ColumnMap::default()
+        };
+        assert!(map.problems().is_empty(), "{:?}", map.problems());
+        assert_eq!(
+            map.resolve(&[]).extra,
+            vec!["topic".to_owned(), "partition_key".to_owned()],
+            "a routing column that is also an extra column is read once"
+        );
+        assert_eq!(
+            ColumnMap::default().resolve(&[]).extra,
+            Vec::<String>::new()
+        );
+        let bad = ColumnMap {
+            destination: Some("relay_sent_at".into()),
+            key: Some(String::new()),
+            ..ColumnMap::default()
+        };
+        let p = bad.problems();
+        assert!(
+            p.iter()
+                .any(|(k, m)| k == "destination" && m.contains("relay owns")),
+            "{p:?}"
+        );
+        assert!(
+            p.iter()
+                .any(|(k, m)| k == "key" && m.contains("1 to 63 bytes")),
+            "{p:?}"
+        );
     }
 }

@@ -20,8 +20,10 @@ pub struct RawRow {
     pub payload: Option<String>,
     pub headers: Option<String>,
     pub created_at: Option<String>,
-    /// The `[[outbox.columns.extra]]` columns as a JSON object of their
-    /// text values, NULL ones left out; `None` when none are configured.
+    /// The `[[outbox.columns.extra]]` columns and the routing columns
+    /// (`outbox.columns.destination`, `outbox.columns.key`) as a JSON object
+    /// of their text values by column name, NULL ones left out; `None` when
+    /// none are configured.
     pub extra: Option<String>,
 }
 
@@ -40,8 +42,8 @@ pub struct OutboxEvent {
     /// The row's `headers` object, in key order.
     pub headers: Vec<(String, String)>,
     pub created_at: DateTime<Utc>,
-    /// The extra columns' values, `(column, value)` by column name; NULL
-    /// ones are absent.
+    /// The extra and routing columns' values, `(column, value)` by column
+    /// name; NULL ones are absent.
     pub extra: Vec<(String, String)>,
 }
 

@@ -233,6 +233,15 @@ pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode, deletes: bool) 
             ));
         }
     }
+    // Any type will do here too; a value the broker would refuse is the
+    // row's problem, refused when it is published.
+    for (key, column) in map.routing() {
+        if info.column(column).is_none() {
+            problems.push(format!(
+                "column {column:?} (outbox.columns.{key}) does not exist; rename it in [outbox.columns] or add it"
+            ));
+        }
+    }
     for (column, accepted, what) in [
         (SEQ_COLUMN, &["bigint"][..], "bigint"),
         (XID_COLUMN, &["xid8"][..], "xid8"),

@@ -10,6 +10,7 @@ use super::supervise::{Backend, Owned, RunEnd};
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::db::DbError;
 use crate::envelope::Envelope;
+use crate::envelope::routing::Routing;
 use crate::outbox::{ResolvedColumns, inspect, ownership_key};
 use crate::sink::AnySink;
 use crate::source::SourceError;
@@ -148,6 +149,8 @@ impl<E: Into<RelayError>> From<E> for CdcStart {
 struct Parts {
     columns: ResolvedColumns,
     envelope: Envelope,
+    /// Per-row destination and key columns.
+    routing: Routing,
     settings: Settings,
 }
 
@@ -194,6 +197,7 @@ impl Postgres<'_> {
                 crate::envelope::Binding::of_sink(config.sink.kind()),
             )
             .with_extra(&config.outbox.columns.extra),
+            routing: Routing::from_columns(&config.outbox.columns),
             settings: Settings::from_config(config),
         };
         let dead_letters = config
@@ -272,7 +276,9 @@ impl Postgres<'_> {
         }
         let marks_rows = config.relay.mark != MarkMode::None;
         let acker = CdcAcker::new(recorder, run.progress.clone(), marks_rows);
-        let sink = AnySink::connect(&config.sink).await?;
+        let sink = AnySink::connect(&config.sink)
+            .await?
+            .with_routing(parts.routing.clone());
         tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events from the replication slot");
         run.telemetry.metrics.reading(Some("cdc"));
         let cx = parts.context(run);
@@ -301,7 +307,9 @@ impl Postgres<'_> {
         )
         .await?;
         let acker = PollingAcker::new(recorder);
-        let sink = AnySink::connect(&config.sink).await?;
+        let sink = AnySink::connect(&config.sink)
+            .await?
+            .with_routing(parts.routing.clone());
         let Some(blocked) = blocked else {
             tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events");
             run.telemetry.metrics.reading(Some("polling"));

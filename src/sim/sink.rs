@@ -58,6 +58,10 @@ impl Sink for SimSink {
         Ok(lock(&self.world).topic(event_type))
     }
 
+    async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
+        Ok(name.to_owned())
+    }
+
     fn fixed_destination(&self) -> bool {
         !lock(&self.world).broker_kind.topic_per_type
     }

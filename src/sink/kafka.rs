@@ -12,6 +12,7 @@
 use super::kafka_log::LogContext;
 use super::{Confirmation, Sink, SinkError};
 use crate::config::KafkaConfig;
+use crate::envelope::routing::{self, Routing};
 use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
 use rdkafka::ClientConfig;
@@ -36,6 +37,8 @@ pub struct KafkaSink {
     producer: RelayProducer,
     brokers: String,
     topic: Template,
+    /// Per-row topic and key columns, when configured.
+    routing: Routing,
     max_bytes: usize,
     delivery_timeout: Duration,
     /// Topics seen to exist; a missing topic is looked up again on every use.
@@ -57,6 +60,7 @@ impl KafkaSink {
             producer,
             brokers: config.brokers.clone(),
             topic: config.topic.clone(),
+            routing: Routing::default(),
             max_bytes: config.message_max_bytes,
             delivery_timeout: config.delivery_timeout,
             known_topics: HashSet::new(),
@@ -65,13 +69,11 @@ impl KafkaSink {
         Ok(sink)
     }
 
-    fn route(&self, aggregate_type: &str, event_type: &str) -> Result<String, SinkError> {
-        let topic = self.topic.render(|f| match f {
-            Field::AggregateType => aggregate_type,
-            Field::EventType => event_type,
-        });
-        destination::kafka_topic(&topic).map_err(SinkError::Rejected)?;
-        Ok(topic)
+    /// Takes the topic and key of each event from these columns where the
+    /// row has a value (`outbox.columns.destination`, `outbox.columns.key`).
+    pub fn with_routing(mut self, routing: Routing) -> Self {
+        self.routing = routing;
+        self
     }
 
     async fn ensure_topic(&mut self, topic: &str) -> Result<(), SinkError> {
@@ -102,6 +104,55 @@ impl KafkaSink {
         }
         self.known_topics.insert(topic.to_owned());
         Ok(())
+    }
+}
+
+/// The topic the template names for events of this kind.
+fn render(
+    template: &Template,
+    aggregate_type: &str,
+    event_type: &str,
+) -> Result<String, SinkError> {
+    let topic = template.render(|f| match f {
+        Field::AggregateType => aggregate_type,
+        Field::EventType => event_type,
+    });
+    destination::kafka_topic(&topic).map_err(SinkError::Rejected)?;
+    Ok(topic)
+}
+
+/// The event's topic: its destination column's value, else the template's.
+fn topic_of(
+    template: &Template,
+    routing: &Routing,
+    event: &OutboxEvent,
+) -> Result<String, SinkError> {
+    let own = routing
+        .destination(event, destination::kafka_topic, "sink.topic")
+        .map_err(SinkError::Rejected)?;
+    match own {
+        Some(topic) => Ok(topic.to_owned()),
+        None => render(template, &event.aggregate_type, &event.event_type),
+    }
+}
+
+/// The event's key column's value, when it has one (else the aggregate id).
+fn key_of<'a>(routing: &Routing, event: &'a OutboxEvent) -> Result<Option<&'a str>, SinkError> {
+    routing
+        .key(event, routing::any_value, "the aggregate id")
+        .map_err(SinkError::Rejected)
+}
+
+/// Messages of one aggregate keep their order through a refusal only
+/// within one partition: the same topic and the same key. Without a key of
+/// its own an event's key is its aggregate id, the same for all of them.
+/// An event whose topic or key is refused has no lane.
+fn lane_of(template: &Template, routing: &Routing, event: &OutboxEvent) -> Option<String> {
+    let topic = topic_of(template, routing, event).ok()?;
+    match key_of(routing, event).ok()? {
+        None => Some(topic),
+        // A NUL cannot occur in a topic name.
+        Some(key) => Some(format!("{topic}\0{key}")),
     }
 }
 
@@ -210,9 +261,12 @@ impl Sink for KafkaSink {
     async fn send(
         &mut self,
         event: &OutboxEvent,
-        message: Message,
+        mut message: Message,
     ) -> Result<Confirmation, SinkError> {
-        let topic = self.route(&event.aggregate_type, &event.event_type)?;
+        let topic = topic_of(&self.topic, &self.routing, event)?;
+        if let Some(key) = key_of(&self.routing, event)? {
+            key.clone_into(&mut message.key);
+        }
         let size = message.size();
         if size > self.max_bytes {
             return Err(SinkError::Rejected(format!(
@@ -258,10 +312,11 @@ impl Sink for KafkaSink {
         }
     }
 
-    /// The topic: one partition per key, and a refused message fails every
-    /// later one of its partition (`enable.gapless.guarantee`).
+    /// The topic, and the key when a key column sets one: one partition
+    /// per key, and a refused message fails every later one of its
+    /// partition (`enable.gapless.guarantee`).
     fn lane(&self, event: &OutboxEvent) -> Option<String> {
-        self.route(&event.aggregate_type, &event.event_type).ok()
+        lane_of(&self.topic, &self.routing, event)
     }
 
     async fn probe(&mut self) -> Result<(), SinkError> {
@@ -289,9 +344,15 @@ impl Sink for KafkaSink {
         aggregate_type: &str,
         event_type: &str,
     ) -> Result<String, SinkError> {
-        let topic = self.route(aggregate_type, event_type)?;
+        let topic = render(&self.topic, aggregate_type, event_type)?;
         self.ensure_topic(&topic).await?;
         Ok(format!("topic {topic}"))
+    }
+
+    async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
+        destination::kafka_topic(name).map_err(SinkError::Rejected)?;
+        self.ensure_topic(name).await?;
+        Ok(format!("topic {name}"))
     }
 
     fn fixed_destination(&self) -> bool {
@@ -368,6 +429,62 @@ mod tests {
         assert!(
             keys_to_check(&e.to_string()).ends_with("check sink.ssl_ca"),
             "{e}"
+        );
+    }
+
+    fn event(aggregate_id: &str, extra: &[(&str, &str)]) -> OutboxEvent {
+        OutboxEvent {
+            id: "e".into(),
+            aggregate_type: "order".into(),
+            aggregate_id: aggregate_id.into(),
+            event_type: "OrderPlaced".into(),
+            event_version: 1,
+            payload: serde_json::value::RawValue::from_string("{}".into()).unwrap(),
+            headers: vec![],
+            created_at: chrono::Utc::now(),
+            extra: extra
+                .iter()
+                .map(|(c, v)| ((*c).to_owned(), (*v).to_owned()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_lane_follows_each_rows_own_topic_and_key() {
+        let template = Template::parse("outbox.event.{aggregate_type}").unwrap();
+        let routing = Routing::from_columns(&crate::outbox::ColumnMap {
+            destination: Some("topic".into()),
+            key: Some("msg_key".into()),
+            ..Default::default()
+        });
+        let lane = |extra: &[(&str, &str)]| lane_of(&template, &routing, &event("o-1", extra));
+        // NULL columns: the template's topic, keyed by the aggregate id.
+        assert_eq!(lane(&[]).as_deref(), Some("outbox.event.order"));
+        // Two events of one aggregate routed to different topics, or keyed
+        // differently (other partitions), are in different lanes: one at a time.
+        let a = lane(&[("topic", "billing")]);
+        let b = lane(&[("topic", "shipping")]);
+        assert_eq!(a.as_deref(), Some("billing"));
+        assert_ne!(a, b);
+        assert_ne!(a, lane(&[("topic", "billing"), ("msg_key", "k")]));
+        assert_ne!(lane(&[("msg_key", "k1")]), lane(&[("msg_key", "k2")]));
+        assert_eq!(lane(&[("msg_key", "k1")]), lane(&[("msg_key", "k1")]));
+        // A refused value has no lane: the event goes alone, and is refused.
+        assert_eq!(lane(&[("topic", "no spaces")]), None);
+        assert_eq!(lane(&[("msg_key", "")]), None);
+        let e = event("o-1", &[("topic", "no spaces")]);
+        let Err(SinkError::Rejected(why)) = topic_of(&template, &routing, &e) else {
+            panic!("a bad topic value is a refusal");
+        };
+        assert!(
+            why.contains("column \"topic\" (outbox.columns.destination) holds \"no spaces\""),
+            "{why}"
+        );
+        // Without routing columns the lane is the template's topic, as before.
+        let plain = Routing::default();
+        assert_eq!(
+            lane_of(&template, &plain, &e).as_deref(),
+            Some("outbox.event.order")
         );
     }
 }

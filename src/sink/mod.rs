@@ -31,8 +31,11 @@
 //! messages of one key in that lane, a refused message fails every later one
 //! (none of them is confirmed), so the relay may keep several of an
 //! aggregate's messages in flight there. Kafka's lane is the topic (with the
-//! aggregate id as key, one partition), kept by the idempotent producer's
-//! gapless guarantee. RabbitMQ has none: each message's outcome stands alone.
+//! aggregate id as key, one partition; with a key column, the topic and the
+//! row's key), kept by the idempotent producer's gapless guarantee. The
+//! topic is each row's own when a destination column sets one, so events of
+//! an aggregate routed to different topics never share a lane. RabbitMQ has
+//! none: each message's outcome stands alone.
 
 mod amqps;
 mod kafka;
@@ -43,6 +46,7 @@ pub use kafka::KafkaSink;
 pub use rabbitmq::RabbitMqSink;
 
 use crate::envelope::Message;
+use crate::envelope::routing::Routing;
 use crate::outbox::OutboxEvent;
 use std::future::Future;
 use std::pin::Pin;
@@ -104,6 +108,13 @@ pub trait Sink: Send {
         event_type: &str,
     ) -> impl Future<Output = Result<String, SinkError>> + Send;
 
+    /// Checks that a destination a row names itself (`outbox.columns.destination`)
+    /// is valid and exists; returns it for display. For `check`.
+    fn check_named_destination(
+        &mut self,
+        name: &str,
+    ) -> impl Future<Output = Result<String, SinkError>> + Send;
+
     /// True when every event goes to one destination (no placeholder in the templates).
     fn fixed_destination(&self) -> bool;
 
@@ -125,6 +136,17 @@ impl AnySink {
                 AnySink::RabbitMq(Box::new(RabbitMqSink::connect(r).await?))
             }
         })
+    }
+}
+
+impl AnySink {
+    /// Routes each event by its routing columns where the row has values
+    /// (see [`crate::envelope::routing`]).
+    pub fn with_routing(self, routing: Routing) -> Self {
+        match self {
+            AnySink::Kafka(s) => AnySink::Kafka(s.with_routing(routing)),
+            AnySink::RabbitMq(s) => AnySink::RabbitMq(Box::new((*s).with_routing(routing))),
+        }
     }
 }
 
@@ -162,6 +184,13 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.check_destination(aggregate_type, event_type).await,
             AnySink::RabbitMq(s) => s.check_destination(aggregate_type, event_type).await,
+        }
+    }
+
+    async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.check_named_destination(name).await,
+            AnySink::RabbitMq(s) => s.check_named_destination(name).await,
         }
     }
 

@@ -16,6 +16,7 @@
 
 use super::{Confirmation, Sink, SinkError, amqps};
 use crate::config::{RabbitMqConfig, redact_url};
+use crate::envelope::routing::Routing;
 use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
 use lapin::message::BasicReturnMessage;
@@ -133,6 +134,8 @@ pub struct RabbitMqSink {
     url: String,
     exchange: Template,
     routing_key: Template,
+    /// Per-row exchange and routing-key columns, when configured.
+    routing: Routing,
     declare: bool,
     exchange_kind: ExchangeKind,
     max_bytes: usize,
@@ -213,6 +216,7 @@ impl RabbitMqSink {
             url: shown,
             exchange: config.exchange.clone(),
             routing_key: config.routing_key.clone(),
+            routing: Routing::default(),
             declare: config.declare_exchange,
             exchange_kind: match config.exchange_type.as_str() {
                 "direct" => ExchangeKind::Direct,
@@ -223,6 +227,42 @@ impl RabbitMqSink {
             max_bytes: config.message_max_bytes,
             known_exchanges: HashSet::new(),
         })
+    }
+
+    /// Takes the exchange and routing key of each event from these columns
+    /// where the row has a value (`outbox.columns.destination`,
+    /// `outbox.columns.key`).
+    pub fn with_routing(mut self, routing: Routing) -> Self {
+        self.routing = routing;
+        self
+    }
+
+    /// The event's exchange and routing key: its routing columns' values,
+    /// else the templates'; and where the routing key came from, for the
+    /// operator to change it.
+    fn route(&self, event: &OutboxEvent) -> Result<(String, String, &'static str), SinkError> {
+        let render = |t: &Template| {
+            t.render(|f| match f {
+                Field::AggregateType => &event.aggregate_type,
+                Field::EventType => &event.event_type,
+            })
+        };
+        let exchange = self
+            .routing
+            .destination(event, destination::rabbitmq_exchange, "sink.exchange")
+            .map_err(SinkError::Rejected)?
+            .map_or_else(|| render(&self.exchange), str::to_owned);
+        let own_key = self
+            .routing
+            .key(event, destination::rabbitmq_routing_key, "sink.routing_key")
+            .map_err(SinkError::Rejected)?;
+        let (routing_key, key_from) = match own_key {
+            Some(k) => (k.to_owned(), "the row's outbox.columns.key value"),
+            None => (render(&self.routing_key), "sink.routing_key"),
+        };
+        destination::rabbitmq_exchange(&exchange).map_err(SinkError::Rejected)?;
+        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::Rejected)?;
+        Ok((exchange, routing_key, key_from))
     }
 
     async fn ensure_exchange(&mut self, exchange: &str) -> Result<(), SinkError> {
@@ -277,12 +317,6 @@ impl Sink for RabbitMqSink {
         event: &OutboxEvent,
         message: Message,
     ) -> Result<Confirmation, SinkError> {
-        let render = |t: &Template| {
-            t.render(|f| match f {
-                Field::AggregateType => &event.aggregate_type,
-                Field::EventType => &event.event_type,
-            })
-        };
         if self.connection.status().blocked() {
             // A memory or disk alarm: RabbitMQ stops reading from publishers,
             // so a message sent now would only wait for confirm_timeout.
@@ -291,10 +325,7 @@ impl Sink for RabbitMqSink {
                 self.url
             )));
         }
-        let exchange = render(&self.exchange);
-        let routing_key = render(&self.routing_key);
-        destination::rabbitmq_exchange(&exchange).map_err(SinkError::Rejected)?;
-        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::Rejected)?;
+        let (exchange, routing_key, key_from) = self.route(event)?;
         let size = message.size();
         if size > self.max_bytes {
             return Err(SinkError::Rejected(format!(
@@ -360,7 +391,7 @@ impl Sink for RabbitMqSink {
                 Ok(Ack::Ack(_)) => match returned {
                     None => Ok(()),
                     Some(why) => Err(SinkError::Rejected(format!(
-                        "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({why}); bind a queue or change sink.routing_key"
+                        "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({why}); bind a queue or change {key_from}"
                     ))),
                 },
                 Ok(Ack::Nack(_)) => Err(SinkError::Busy(
@@ -392,6 +423,12 @@ impl Sink for RabbitMqSink {
         Ok(format!(
             "exchange {exchange:?} (routing key {routing_key:?}; whether a queue is bound shows when publishing)"
         ))
+    }
+
+    async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
+        destination::rabbitmq_exchange(name).map_err(SinkError::Rejected)?;
+        self.ensure_exchange(name).await?;
+        Ok(format!("exchange {name:?}"))
     }
 
     fn fixed_destination(&self) -> bool {

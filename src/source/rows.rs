@@ -1,8 +1,8 @@
 //! Reading outbox rows with SQL, shared by the polling reader and the CDC
 //! start-up read: every contract column is selected as text (absent optional
 //! ones as NULL), after `relay_seq`, in [`RawRow`] order, then the extra
-//! columns as one JSON object (so the list has the same width whatever the
-//! configuration).
+//! and routing columns as one JSON object (so the list has the same width
+//! whatever the configuration).
 
 use crate::outbox::{RawRow, ResolvedColumns, SEQ_COLUMN, quote_ident, quote_literal};
 use tokio_postgres::Row;

@@ -23,6 +23,7 @@ mod memory;
 mod migrations;
 mod operations;
 mod retention;
+mod routing;
 mod schema;
 mod tls;
 mod versions;

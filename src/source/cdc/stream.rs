@@ -21,7 +21,7 @@ struct OutboxColumns {
     relation_id: u32,
     /// In [`RawRow`] order; `None` for absent optional columns.
     contract: [Option<usize>; 8],
-    /// The extra columns: name and position.
+    /// The extra and routing columns: name and position.
     extra: Vec<(String, usize)>,
     seq: Option<usize>,
 }
