@@ -5,10 +5,15 @@
 //! ceiling, and the broker's publish ceiling (on a destination of its own,
 //! removed before the relay starts). Nothing consumes during the drain, so
 //! the benchmark process takes no CPU from the relay.
+//!
+//! The end of the drain: the last `relay_sent_at` with `relay.mark =
+//! "update"`; with "delete", the 50 ms poll that found no row left; with
+//! "none" (CDC), the 50 ms poll that found every event on the broker.
 
 use crate::ceiling;
-use crate::infra::{Services, bounded, measurement};
-use crate::options::{BrokerKind, Mode};
+use crate::infra::{BrokerCount, Services, bounded, measurement};
+use crate::options::{BrokerKind, Mark, Mode};
+use crate::pgcpu::PgCpu;
 use crate::process::{Perf, RelayProcess, epoch_micros};
 use crate::report::DrainResult;
 use crate::stage::{Ctx, Stage, create_destination};
@@ -25,17 +30,29 @@ pub async fn run(
     mode: Mode,
     broker: BrokerKind,
     shape: Shape,
+    mark: Option<Mark>,
     run: usize,
 ) -> DrainResult {
     let events = ctx.plan.events;
     let mut result = DrainResult::new(mode, broker, shape, events, run);
+    result.mark = mark.map_or_else(
+        || {
+            ctx.plan
+                .relay_env
+                .iter()
+                .rev()
+                .find(|(k, _)| k == crate::stage::MARK_ENV)
+                .map_or("update".to_owned(), |(_, v)| v.to_lowercase())
+        },
+        |m| m.name().to_owned(),
+    );
     // Whatever hangs, the run goes on: the drain's own limit plus room for
     // inserting the backlog, the ceilings and cleaning up.
     let limit = ctx.plan.drain_timeout * 3 + std::time::Duration::from_secs(300);
     if let Some(failure) = measurement(
         &ctx.cleanup,
         limit,
-        measure(ctx, mode, broker, shape, &mut result),
+        measure(ctx, mode, broker, shape, mark, &mut result),
     )
     .await
     {
@@ -49,10 +66,11 @@ async fn measure(
     mode: Mode,
     broker: BrokerKind,
     shape: Shape,
+    mark: Option<Mark>,
     r: &mut DrainResult,
 ) -> Result<()> {
     let events = ctx.plan.events;
-    let mut stage = Stage::new(ctx, mode, broker).await?;
+    let mut stage = Stage::with_mark(ctx, mode, broker, mark).await?;
     let started = Instant::now();
     insert_backlog(&stage, shape, events, ctx.plan.aggregates).await?;
     r.insert_s = Some(started.elapsed().as_secs_f64());
@@ -62,18 +80,36 @@ async fn measure(
     r.db_mark_eps = Some(ceiling::database_mark(&stage.db.url, events).await?);
     r.broker_eps = Some(broker_ceiling(ctx, broker, shape).await?);
 
+    // With mark = "none" nothing in the table changes: the broker says when all arrived.
+    let counter = match (stage.mark().as_str(), broker) {
+        ("none", BrokerKind::Kafka) => {
+            Some(BrokerCount::kafka(&ctx.services, &stage.inbox(broker)).await?)
+        }
+        ("none", BrokerKind::Rabbitmq) => {
+            Some(BrokerCount::rabbitmq(&ctx.services, &stage.inbox(broker)).await?)
+        }
+        _ => None,
+    };
+    r.end_from = match (stage.mark().as_str(), &counter) {
+        (_, Some(_)) => "broker holds every event (50 ms poll)",
+        ("delete", None) => "no row left (50 ms poll)",
+        _ => "last relay_sent_at",
+    };
+
     r.busy_before = quiet(ctx, r).await;
     let machine = CpuTimes::now();
-    let mut relay = RelayProcess::spawn(&stage.dir, &ctx.plan.relay_env)?;
+    let pg = PgCpu::start(&ctx.services, &stage.db.name).await?;
+    let mut relay = RelayProcess::spawn(&stage.dir, &stage.env)?;
     let perf = match &ctx.plan.perf {
         Some(dir) => Some(Perf::start(dir, &r.label(), relay.pid())?),
         None => None,
     };
-    let outcome = wait_drained(ctx, &stage, &mut relay).await;
+    let outcome = wait_drained(ctx, &stage, &mut relay, counter.as_ref()).await;
     if let Some(perf) = perf {
         perf.stop().await;
     }
     let cpu = relay.cpu_seconds();
+    let pg_cpu = pg.totals().await;
     r.system_busy = machine.and_then(|m| m.busy_since());
     r.peak_rss_mib = relay.peak_rss_mib();
     let seen = match outcome {
@@ -85,13 +121,21 @@ async fn measure(
         }
     };
     let spawned = epoch_micros(relay.spawned_at) as f64 / 1e6;
-    let (first, last) = mark_times(&stage).await?;
+    let (first, last) = if counter.is_some() {
+        (None, None)
+    } else {
+        mark_times(&stage).await?
+    };
     // With relay.mark = "delete" no row is left to say when: the poll that saw none.
     let last = last.unwrap_or(epoch_micros(seen) as f64 / 1e6);
     r.drain_s = Some(last - spawned);
     r.first_mark_s = first.map(|f| f - spawned);
     r.events_per_s = Some(events as f64 / (last - spawned));
-    r.cpu_s_per_100k = cpu.map(|c| c / events as f64 * 1e5);
+    let per_100k = |s: f64| s / events as f64 * 1e5;
+    r.cpu_s_per_100k = cpu.map(per_100k);
+    r.pg_cpu_s_per_100k = pg_cpu.map(|t| per_100k(t.relay_s()));
+    r.pg_autovacuum_s_per_100k = pg_cpu.map(|t| per_100k(t.autovacuum_s));
+    r.pg_cpu = pg_cpu;
     let lower = r
         .db_read_eps
         .unwrap_or(f64::MAX)
@@ -105,6 +149,9 @@ async fn measure(
         Ok(took) => r.settle_s = Some(took.as_secs_f64()),
         Err(e) => r.notes.push(format!("{e:#}")),
     }
+    // The whole cost of the backlog, the stream's skipping after the last mark included.
+    r.cpu_settled_s_per_100k = relay.cpu_seconds().map(per_100k);
+    r.pg_cpu_settled_s_per_100k = pg.totals().await.map(|t| per_100k(t.relay_s()));
     r.peak_rss_settled_mib = relay.peak_rss_mib();
     finish(&mut relay, r).await;
     if r.errors > 0 {
@@ -137,7 +184,12 @@ async fn finish(relay: &mut RelayProcess, r: &mut DrainResult) {
 
 /// Commits the backlog server-side, `shape.tx_events` per transaction, then
 /// VACUUM ANALYZE so the ceiling read and the relay see the same table state.
-async fn insert_backlog(stage: &Stage, shape: Shape, events: u64, aggregates: u32) -> Result<()> {
+pub async fn insert_backlog(
+    stage: &Stage,
+    shape: Shape,
+    events: u64,
+    aggregates: u32,
+) -> Result<()> {
     let client = &stage.db.client;
     client.batch_execute("SET synchronous_commit = off").await?;
     let tag = new_tag();
@@ -178,15 +230,30 @@ async fn broker_ceiling(ctx: &Ctx, broker: BrokerKind, shape: Shape) -> Result<f
     result
 }
 
-/// Polls until no row is unsent, the relay dies, or the plan's timeout.
-/// Returns when that poll began.
-async fn wait_drained(ctx: &Ctx, stage: &Stage, relay: &mut RelayProcess) -> Result<SystemTime> {
+/// Polls until no row is unsent (or, with a counter, the broker holds every
+/// event), the relay dies, or the plan's timeout. Returns when that poll began.
+async fn wait_drained(
+    ctx: &Ctx,
+    stage: &Stage,
+    relay: &mut RelayProcess,
+    counter: Option<&BrokerCount>,
+) -> Result<SystemTime> {
     let start = Instant::now();
+    // The poll's time is the result unless the rows carry their relay_sent_at.
+    let every = if counter.is_some() || stage.mark() == "delete" {
+        Duration::from_millis(50)
+    } else {
+        Duration::from_millis(200)
+    };
     loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(every).await;
         relay.ensure_running()?;
         let polled = SystemTime::now();
-        if stage.db.all_sent().await? {
+        let done = match counter {
+            Some(c) => c.count().await? >= ctx.plan.events,
+            None => stage.db.all_sent().await?,
+        };
+        if done {
             return Ok(polled);
         }
         if start.elapsed() > ctx.plan.drain_timeout {
