@@ -156,9 +156,10 @@ async fn measure_all(ctx: &Ctx, report: &mut Report) {
                         );
                         let r = drain::run(ctx, mode, broker, shape, mark, run).await;
                         eprintln!(
-                            "bench:   {} drain/s={:.0} ratio={:.2} rss={:.1}MiB cpu/100k={:.2} pg/100k={:.2}",
+                            "bench:   {} drain/s={:.0} flow/s={:.0} ratio={:.2} rss={:.1}MiB cpu/100k={:.2} pg/100k={:.2}",
                             r.status,
                             r.events_per_s.unwrap_or(f64::NAN),
+                            r.flow_eps.unwrap_or(f64::NAN),
                             r.ratio.unwrap_or(f64::NAN),
                             r.peak_rss_settled_mib.unwrap_or(f64::NAN),
                             r.cpu_s_per_100k.unwrap_or(f64::NAN),

@@ -13,7 +13,10 @@
 //!    marked (bounded by the backlog's drain timeout).
 //!
 //! Latencies (commit → consumer receipt, commit → `relay_sent_at`) are over
-//! the writer's events only. "Behind" is, for each new event committed before
+//! the writer's events only: all of them, and those committed "after the
+//! drain" (after the last backlog event's `relay_sent_at`; in the baseline,
+//! after the relay's first `relay_sent_at`, i.e. once it publishes: a new
+//! owner waits out one ownership lease first). "Behind" is, for each new event committed before
 //! the last backlog event's `relay_sent_at`, how much later than that its own
 //! `relay_sent_at` is (0 when earlier): how long it waited for the backlog.
 
@@ -181,11 +184,21 @@ async fn measure(
         stage.dir.keep = true;
     }
     let spawned = epoch_micros(relay.spawned_at);
-    r.first_new_sent_s = marked
-        .iter()
-        .map(|(_, sent)| *sent)
-        .min()
-        .map(|s| (s - spawned) as f64 / 1e6);
+    let first_new = marked.iter().map(|(_, sent)| *sent).min();
+    r.first_new_sent_s = first_new.map(|s| (s - spawned) as f64 / 1e6);
+    let first_sent: Option<i64> = stage
+        .db
+        .client
+        .query_one(
+            "SELECT (extract(epoch FROM min(relay_sent_at)) * 1000000)::int8 FROM outbox WHERE relay_sent_at >= to_timestamp($1::float8)",
+            &[&(spawned as f64 / 1e6)],
+        )
+        .await?
+        .get(0);
+    r.first_sent_s = first_sent.map(|s| (s - spawned) as f64 / 1e6);
+    // "After the drain": events committed once the backlog was confirmed or,
+    // without one, once the relay confirmed anything (it was publishing).
+    let mut cut = first_sent;
     if backlog.is_some() {
         let row = stage
             .db
@@ -197,6 +210,7 @@ async fn measure(
             .await?;
         let last_backlog: Option<i64> = row.get(0);
         r.backlog_unsent = row.get::<_, i64>(1) as u64;
+        cut = last_backlog;
         if let Some(last) = last_backlog {
             r.backlog_drain_s = Some((last - spawned) as f64 / 1e6);
             let behind: Vec<i64> = marked
@@ -207,6 +221,26 @@ async fn measure(
             r.committed_during_backlog = behind.len() as u64;
             r.behind = Percentiles::of(behind);
         }
+    }
+    if let Some(cut) = cut {
+        r.after_drain_sent_at = Percentiles::of(
+            marked
+                .iter()
+                .filter(|(commit, _)| *commit >= cut)
+                .map(|(commit, sent)| sent - commit)
+                .collect(),
+        );
+        r.after_drain_consumer = Percentiles::of(
+            times
+                .commit
+                .iter()
+                .zip(&times.received)
+                .filter_map(|(c, rcv)| {
+                    let (c, rcv) = (c.load(Ordering::Relaxed), rcv.load(Ordering::Relaxed));
+                    (c >= cut && rcv > 0).then_some(rcv - c)
+                })
+                .collect(),
+        );
     }
     Ok(())
 }

@@ -8,7 +8,11 @@
 //!
 //! The end of the drain: the last `relay_sent_at` with `relay.mark =
 //! "update"`; with "delete", the 50 ms poll that found no row left; with
-//! "none" (CDC), the 50 ms poll that found every event on the broker.
+//! "none" (CDC), the 50 ms poll that found every event on the broker. The
+//! "flow" rate runs from the 50 ms poll that found the first message on the
+//! broker to that end: without the relay's start-up, which includes waiting
+//! out one ownership lease (`relay.ownership_lease`, 3 s by default, plus a
+//! tenth) before a new owner publishes.
 
 use crate::ceiling;
 use crate::infra::{BrokerCount, Services, bounded, measurement};
@@ -80,19 +84,17 @@ async fn measure(
     r.db_mark_eps = Some(ceiling::database_mark(&stage.db.url, events).await?);
     r.broker_eps = Some(broker_ceiling(ctx, broker, shape).await?);
 
-    // With mark = "none" nothing in the table changes: the broker says when all arrived.
-    let counter = match (stage.mark().as_str(), broker) {
-        ("none", BrokerKind::Kafka) => {
-            Some(BrokerCount::kafka(&ctx.services, &stage.inbox(broker)).await?)
-        }
-        ("none", BrokerKind::Rabbitmq) => {
-            Some(BrokerCount::rabbitmq(&ctx.services, &stage.inbox(broker)).await?)
-        }
-        _ => None,
+    // The broker's count of messages: when the first arrived (the relay
+    // publishes nothing during its first ownership lease), and with mark =
+    // "none", where nothing in the table changes, when all did.
+    let counter = match broker {
+        BrokerKind::Kafka => BrokerCount::kafka(&ctx.services, &stage.inbox(broker)).await?,
+        BrokerKind::Rabbitmq => BrokerCount::rabbitmq(&ctx.services, &stage.inbox(broker)).await?,
     };
-    r.end_from = match (stage.mark().as_str(), &counter) {
-        (_, Some(_)) => "broker holds every event (50 ms poll)",
-        ("delete", None) => "no row left (50 ms poll)",
+    let by_broker = stage.mark() == "none";
+    r.end_from = match stage.mark().as_str() {
+        "none" => "broker holds every event (50 ms poll)",
+        "delete" => "no row left (50 ms poll)",
         _ => "last relay_sent_at",
     };
 
@@ -104,7 +106,7 @@ async fn measure(
         Some(dir) => Some(Perf::start(dir, &r.label(), relay.pid())?),
         None => None,
     };
-    let outcome = wait_drained(ctx, &stage, &mut relay, counter.as_ref()).await;
+    let outcome = wait_drained(ctx, &stage, &mut relay, &counter, by_broker).await;
     if let Some(perf) = perf {
         perf.stop().await;
     }
@@ -112,7 +114,7 @@ async fn measure(
     let pg_cpu = pg.totals().await;
     r.system_busy = machine.and_then(|m| m.busy_since());
     r.peak_rss_mib = relay.peak_rss_mib();
-    let seen = match outcome {
+    let (seen, first_on_broker) = match outcome {
         Ok(seen) => seen,
         Err(e) => {
             stage.dir.keep = true;
@@ -121,7 +123,7 @@ async fn measure(
         }
     };
     let spawned = epoch_micros(relay.spawned_at) as f64 / 1e6;
-    let (first, last) = if counter.is_some() {
+    let (first, last) = if by_broker {
         (None, None)
     } else {
         mark_times(&stage).await?
@@ -131,6 +133,11 @@ async fn measure(
     r.drain_s = Some(last - spawned);
     r.first_mark_s = first.map(|f| f - spawned);
     r.events_per_s = Some(events as f64 / (last - spawned));
+    if let Some(at) = first_on_broker {
+        let at = epoch_micros(at) as f64 / 1e6;
+        r.first_on_broker_s = Some(at - spawned);
+        r.flow_eps = Some(events as f64 / (last - at).max(1e-3));
+    }
     let per_100k = |s: f64| s / events as f64 * 1e5;
     r.cpu_s_per_100k = cpu.map(per_100k);
     r.pg_cpu_s_per_100k = pg_cpu.map(|t| per_100k(t.relay_s()));
@@ -230,31 +237,40 @@ async fn broker_ceiling(ctx: &Ctx, broker: BrokerKind, shape: Shape) -> Result<f
     result
 }
 
-/// Polls until no row is unsent (or, with a counter, the broker holds every
-/// event), the relay dies, or the plan's timeout. Returns when that poll began.
+/// Polls until no row is unsent (or, `by_broker`, the broker holds every
+/// event), the relay dies, or the plan's timeout. Returns when that poll
+/// began, and when the first poll that found a message on the broker began.
 async fn wait_drained(
     ctx: &Ctx,
     stage: &Stage,
     relay: &mut RelayProcess,
-    counter: Option<&BrokerCount>,
-) -> Result<SystemTime> {
+    counter: &BrokerCount,
+    by_broker: bool,
+) -> Result<(SystemTime, Option<SystemTime>)> {
     let start = Instant::now();
-    // The poll's time is the result unless the rows carry their relay_sent_at.
-    let every = if counter.is_some() || stage.mark() == "delete" {
-        Duration::from_millis(50)
-    } else {
-        Duration::from_millis(200)
-    };
+    let mut first: Option<SystemTime> = None;
+    let mut last_db_poll = Instant::now();
     loop {
-        tokio::time::sleep(every).await;
+        // 50 ms: the poll's time is a result (the first message; the end
+        // unless the rows carry their relay_sent_at).
+        tokio::time::sleep(Duration::from_millis(50)).await;
         relay.ensure_running()?;
         let polled = SystemTime::now();
-        let done = match counter {
-            Some(c) => c.count().await? >= ctx.plan.events,
-            None => stage.db.all_sent().await?,
-        };
-        if done {
-            return Ok(polled);
+        if first.is_none() || by_broker {
+            let count = counter.count().await?;
+            if first.is_none() && count > 0 {
+                first = Some(polled);
+            }
+            if by_broker && count >= ctx.plan.events {
+                return Ok((polled, first));
+            }
+        }
+        let precise = stage.mark() == "update";
+        if !by_broker && (!precise || last_db_poll.elapsed() >= Duration::from_millis(200)) {
+            last_db_poll = Instant::now();
+            if stage.db.all_sent().await? {
+                return Ok((polled, first));
+            }
         }
         if start.elapsed() > ctx.plan.drain_timeout {
             return Err(anyhow!(

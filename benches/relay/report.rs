@@ -30,6 +30,10 @@ pub struct DrainResult {
     /// Relay spawn → first `relay_sent_at` (start-up, first batch).
     pub first_mark_s: Option<f64>,
     pub events_per_s: Option<f64>,
+    /// Relay spawn → the first poll (every 50 ms) that found a message on the broker.
+    pub first_on_broker_s: Option<f64>,
+    /// Events / (end − `first_on_broker_s`): the rate once the relay publishes.
+    pub flow_eps: Option<f64>,
     pub db_read_eps: Option<f64>,
     pub broker_eps: Option<f64>,
     /// Not part of the ratio: the database's rate of marking rows sent.
@@ -83,6 +87,8 @@ impl DrainResult {
             drain_s: None,
             first_mark_s: None,
             events_per_s: None,
+            first_on_broker_s: None,
+            flow_eps: None,
             db_read_eps: None,
             broker_eps: None,
             db_mark_eps: None,
@@ -260,6 +266,16 @@ pub struct AfterResult {
     pub p99_ratio: Option<f64>,
     /// `consumer.p99_ms` / the same run's baseline's.
     pub consumer_p99_ratio: Option<f64>,
+    /// Commit → `relay_sent_at` of the events committed after the last backlog
+    /// event's `relay_sent_at` (baseline: after the relay's first `relay_sent_at`).
+    pub after_drain_sent_at: Option<Percentiles>,
+    /// Commit → consumer receipt of the same events.
+    pub after_drain_consumer: Option<Percentiles>,
+    /// `after_drain_sent_at.p99_ms` / the same run's baseline's.
+    pub after_drain_p99_ratio: Option<f64>,
+    /// Relay spawn → its first `relay_sent_at` (a new owner publishes nothing
+    /// during its first `relay.ownership_lease`).
+    pub first_sent_s: Option<f64>,
     /// Relay spawn → the last backlog event's `relay_sent_at`.
     pub backlog_drain_s: Option<f64>,
     /// Relay spawn → the first new event's `relay_sent_at`.
@@ -321,6 +337,10 @@ impl AfterResult {
             sent_at: None,
             p99_ratio: None,
             consumer_p99_ratio: None,
+            after_drain_sent_at: None,
+            after_drain_consumer: None,
+            after_drain_p99_ratio: None,
+            first_sent_s: None,
             backlog_drain_s: None,
             first_new_sent_s: None,
             committed_during_backlog: 0,
@@ -354,6 +374,7 @@ impl AfterResult {
         };
         self.p99_ratio = ratio(self.sent_at, baseline.sent_at);
         self.consumer_p99_ratio = ratio(self.consumer, baseline.consumer);
+        self.after_drain_p99_ratio = ratio(self.after_drain_sent_at, baseline.after_drain_sent_at);
     }
 
     fn backlog(&self) -> String {
@@ -529,16 +550,18 @@ pub fn print_tables(report: &Report) {
 fn print_drains(drains: &[DrainResult]) {
     println!(
         "\nBacklog drain (medians of runs; ratio = drain / min(db read, broker publish), per run; \
+         flow = from the first message on the broker (after the relay's start-up and ownership lease); \
          cpu/100k: the relay's CPU s per 100k events, pg/100k: PostgreSQL's serving it)"
     );
     println!(
-        "{:<7} {:<8} {:>9} {:>7} {:<6} | {:>8} {:>8} {:>8} {:>5} | {:>8} | {:>8} {:>7} {:>7} {:>6} {:>7} | {:>4} {:>4} {:>4}",
+        "{:<7} {:<8} {:>9} {:>7} {:<6} | {:>8} {:>8} {:>8} {:>8} {:>5} | {:>8} | {:>8} {:>7} {:>7} {:>6} {:>7} | {:>4} {:>4} {:>4}",
         "mode",
         "broker",
         "shape",
         "events",
         "mark",
         "drain/s",
+        "flow/s",
         "dbread/s",
         "broker/s",
         "ratio",
@@ -555,8 +578,9 @@ fn print_drains(drains: &[DrainResult]) {
     for (key, runs) in groups(drains, DrainResult::key) {
         let m = |f: fn(&DrainResult) -> Option<f64>| median(runs.iter().map(|r| f(r)));
         println!(
-            "{key} | {:>8} {:>8} {:>8} {:>5} | {:>8} | {:>8} {:>7} {:>7} {:>6} {:>7} | {:>4} {:>4} {:>4}",
+            "{key} | {:>8} {:>8} {:>8} {:>8} {:>5} | {:>8} | {:>8} {:>7} {:>7} {:>6} {:>7} | {:>4} {:>4} {:>4}",
             num(m(|r| r.events_per_s), 0),
+            num(m(|r| r.flow_eps), 0),
             num(m(|r| r.db_read_eps), 0),
             num(m(|r| r.broker_eps), 0),
             num(m(|r| r.ratio), 2),
@@ -631,7 +655,7 @@ fn print_marks(drains: &[DrainResult]) {
         return;
     }
     println!(
-        "\nMarking (medians of runs; ratios per run against the same run's mark = none, or update in polling mode; \
+        "\nMarking (flow events/s, medians of runs; ratios of flow rates within each run; \
          cpu in s per 100k events: relay / PostgreSQL serving it / autovacuum on its database)"
     );
     println!(
@@ -640,9 +664,9 @@ fn print_marks(drains: &[DrainResult]) {
         "broker",
         "shape",
         "events",
-        "update/s",
-        "delete/s",
-        "none/s",
+        "update",
+        "delete",
+        "none",
         "update/none",
         "delete/none",
         "delete/update",
@@ -662,7 +686,7 @@ fn print_marks(drains: &[DrainResult]) {
         let ratio = |a: &str, b: &str| {
             median(runs.iter().filter(|r| r.mark == a).map(|x| {
                 let y = runs.iter().find(|y| y.mark == b && y.run == x.run)?;
-                Some(x.events_per_s? / y.events_per_s?)
+                Some(x.flow_eps? / y.flow_eps?)
             }))
         };
         let cpu = |mark: &str| {
@@ -675,9 +699,9 @@ fn print_marks(drains: &[DrainResult]) {
         };
         println!(
             "{key} | {:>8} {:>8} {:>8} | {:>11} {:>11} {:>13} | {:>16} {:>16} {:>16}",
-            num(of("update", |r| r.events_per_s), 0),
-            num(of("delete", |r| r.events_per_s), 0),
-            num(of("none", |r| r.events_per_s), 0),
+            num(of("update", |r| r.flow_eps), 0),
+            num(of("delete", |r| r.flow_eps), 0),
+            num(of("none", |r| r.flow_eps), 0),
             num(ratio("update", "none"), 2),
             num(ratio("delete", "none"), 2),
             num(ratio("delete", "update"), 2),
@@ -691,11 +715,13 @@ fn print_marks(drains: &[DrainResult]) {
 fn print_afters(afters: &[AfterResult]) {
     println!(
         "\nAfter a backlog (medians of runs; the writer started with the relay; latency in ms from COMMIT \
-         returning, its events only; ratio = p99 / p99 of the same run without backlog; behind = how much \
-         later than the last backlog event an event committed during the backlog was confirmed)"
+         returning, its events only; ratio = p99 / p99 of the same run without backlog; after drain = \
+         commit->sent_at of events committed after the last backlog confirmation (baseline: after the \
+         relay's first); pub s = spawn to the first confirmation; behind = how much later than the last \
+         backlog event an event committed during the backlog was confirmed)"
     );
     println!(
-        "{:<7} {:<8} {:>11} {:>6} | {:>27} {:>5} | {:>27} {:>5} | {:>7} {:>6} {:>15} | {:>8} {:>7} {:>7} {:>4} | {:>4} {:>6} {:>6}",
+        "{:<7} {:<8} {:>11} {:>6} | {:>27} {:>5} | {:>27} {:>5} | {:>20} {:>5} | {:>5} {:>7} {:>6} {:>15} | {:>8} {:>7} {:>7} {:>4} | {:>4} {:>6} {:>6}",
         "mode",
         "broker",
         "backlog",
@@ -704,6 +730,9 @@ fn print_afters(afters: &[AfterResult]) {
         "ratio",
         "commit->consumer p50/95/99/max",
         "ratio",
+        "after drain p50/99/max",
+        "ratio",
+        "pub s",
         "drain s",
         "during",
         "behind p99/max",
@@ -718,7 +747,7 @@ fn print_afters(afters: &[AfterResult]) {
     for (key, runs) in groups(afters, AfterResult::key) {
         let m = |f: fn(&AfterResult) -> Option<f64>| median(runs.iter().map(|r| f(r)));
         println!(
-            "{key} {:>6} | {:>6} {:>6} {:>6} {:>6} {:>5} | {:>6} {:>6} {:>6} {:>6} {:>5} | {:>7} {:>6} {:>7} {:>7} | {:>8} {:>7} {:>7} {:>4} | {:>4} {:>6} {:>6}",
+            "{key} {:>6} | {:>6} {:>6} {:>6} {:>6} {:>5} | {:>6} {:>6} {:>6} {:>6} {:>5} | {:>6} {:>6} {:>6} {:>5} | {:>5} {:>7} {:>6} {:>7} {:>7} | {:>8} {:>7} {:>7} {:>4} | {:>4} {:>6} {:>6}",
             num(m(|r| r.achieved_rate), 0),
             num(m(|r| r.sent_at.map(|p| p.p50_ms)), 1),
             num(m(|r| r.sent_at.map(|p| p.p95_ms)), 1),
@@ -730,6 +759,11 @@ fn print_afters(afters: &[AfterResult]) {
             num(m(|r| r.consumer.map(|p| p.p99_ms)), 1),
             num(m(|r| r.consumer.map(|p| p.max_ms)), 0),
             num(m(|r| r.consumer_p99_ratio), 2),
+            num(m(|r| r.after_drain_sent_at.map(|p| p.p50_ms)), 1),
+            num(m(|r| r.after_drain_sent_at.map(|p| p.p99_ms)), 1),
+            num(m(|r| r.after_drain_sent_at.map(|p| p.max_ms)), 0),
+            num(m(|r| r.after_drain_p99_ratio), 2),
+            num(m(|r| r.first_sent_s), 1),
             num(m(|r| r.backlog_drain_s), 2),
             num(m(|r| Some(r.committed_during_backlog as f64)), 0),
             num(m(|r| r.behind.map(|p| p.p99_ms)), 0),
@@ -812,6 +846,12 @@ pub fn print_targets(report: &Report, one_million: bool) {
             let ratio = median(runs.iter().map(|r| r.p99_ratio));
             println!(
                 "{} p99 commit->confirm after a backlog <= 1.2 x without: {key}: {}",
+                verdict(ratio.is_some_and(|x| x <= 1.2)),
+                num(ratio, 2)
+            );
+            let ratio = median(runs.iter().map(|r| r.after_drain_p99_ratio));
+            println!(
+                "{} the same, events committed after the drain: {key}: {}",
                 verdict(ratio.is_some_and(|x| x <= 1.2)),
                 num(ratio, 2)
             );
