@@ -148,6 +148,7 @@ async fn measure(
         .unwrap_or(f64::MAX)
         .min(r.broker_eps.unwrap_or(f64::MAX));
     r.ratio = r.events_per_s.map(|eps| eps / lower);
+    r.flow_ratio = r.flow_eps.map(|eps| eps / lower);
 
     // The relay may have work left after the last mark (the CDC stream skips
     // what the start-up read covered); its peak memory includes that.

@@ -40,6 +40,8 @@ pub struct DrainResult {
     pub db_mark_eps: Option<f64>,
     /// `events_per_s` / min(`db_read_eps`, `broker_eps`).
     pub ratio: Option<f64>,
+    /// `flow_eps` / min(`db_read_eps`, `broker_eps`): without the start-up.
+    pub flow_ratio: Option<f64>,
     /// Relay CPU (user + system) from spawn to the last mark, per 100k events.
     pub cpu_s_per_100k: Option<f64>,
     /// CPU of the PostgreSQL processes serving the relay (sessions and WAL
@@ -93,6 +95,7 @@ impl DrainResult {
             broker_eps: None,
             db_mark_eps: None,
             ratio: None,
+            flow_ratio: None,
             cpu_s_per_100k: None,
             pg_cpu_s_per_100k: None,
             pg_autovacuum_s_per_100k: None,
@@ -791,10 +794,12 @@ pub fn print_targets(report: &Report, one_million: bool) {
     let verdict = |ok: bool| if ok { "met   " } else { "MISSED" };
     for (key, runs) in groups(&report.drains, DrainResult::key) {
         let ratio = median(runs.iter().map(|r| r.ratio));
+        let flow = median(runs.iter().map(|r| r.flow_ratio));
         println!(
-            "{} drain >= 70% of the lower ceiling: {key}: {}",
+            "{} drain >= 70% of the lower ceiling: {key}: {} (flow: {})",
             verdict(ratio.is_some_and(|x| x >= 0.70)),
-            num(ratio, 2)
+            num(ratio, 2),
+            num(flow, 2)
         );
         if one_million {
             let rss = median(
