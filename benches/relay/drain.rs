@@ -93,7 +93,8 @@ async fn measure(
     };
     let by_broker = stage.mark() == "none";
     r.end_from = match stage.mark().as_str() {
-        "none" => "broker holds every event (50 ms poll)",
+        "none" if counter.exact() => "broker holds every event (50 ms poll)",
+        "none" => "last change of the topic's high watermarks (50 ms poll), then read back",
         "delete" => "no row left (50 ms poll)",
         _ => "last relay_sent_at",
     };
@@ -123,6 +124,15 @@ async fn measure(
         }
     };
     let spawned = epoch_micros(relay.spawned_at) as f64 / 1e6;
+    if by_broker && !counter.exact() {
+        let topic = stage.inbox(broker);
+        let held = BrokerCount::read_all(&ctx.services, &topic).await?;
+        if held < events {
+            return Err(anyhow!(
+                "the broker's count stood still for 2s, but the topic holds {held} of {events} events"
+            ));
+        }
+    }
     let (first, last) = if by_broker {
         (None, None)
     } else {
@@ -252,6 +262,11 @@ async fn wait_drained(
     let mut first: Option<SystemTime> = None;
     // Without by_broker the count only times the first message: not worth failing for.
     let mut counting = true;
+    let mut last_count = None;
+    // An inexact count (tansu): the end is its last change, once it has not
+    // moved for STILL; the caller reads the topic back to check it is all there.
+    const STILL: Duration = Duration::from_secs(2);
+    let mut changed: Option<(Instant, SystemTime)> = None;
     let mut last_db_poll = Instant::now();
     loop {
         // 50 ms: the poll's time is a result (the first message; the end
@@ -262,11 +277,23 @@ async fn wait_drained(
         if (first.is_none() && counting) || by_broker {
             match counter.count().await {
                 Ok(count) => {
+                    if last_count != Some(count) {
+                        changed = Some((Instant::now(), polled));
+                    }
+                    last_count = Some(count);
                     if first.is_none() && count > 0 {
                         first = Some(polled);
                     }
                     if by_broker && count >= ctx.plan.events {
                         return Ok((polled, first));
+                    }
+                    if by_broker
+                        && !counter.exact()
+                        && count > 0
+                        && let Some((at, when)) = changed
+                        && at.elapsed() >= STILL
+                    {
+                        return Ok((when, first));
                     }
                 }
                 Err(e) if by_broker => return Err(e),
@@ -284,10 +311,17 @@ async fn wait_drained(
             }
         }
         if start.elapsed() > ctx.plan.drain_timeout {
-            return Err(anyhow!(
-                "timeout: rows still unsent after {}s",
-                ctx.plan.drain_timeout.as_secs()
-            ));
+            return Err(match (by_broker, last_count) {
+                (true, Some(n)) => anyhow!(
+                    "timeout: the broker holds {n} of {} events after {}s",
+                    ctx.plan.events,
+                    ctx.plan.drain_timeout.as_secs()
+                ),
+                _ => anyhow!(
+                    "timeout: rows still unsent after {}s",
+                    ctx.plan.drain_timeout.as_secs()
+                ),
+            });
         }
     }
 }
