@@ -15,6 +15,8 @@
 //! path and modification time are printed first.
 
 // The modules live in benches/relay/ (a crate root's modules would otherwise be its siblings).
+#[path = "relay/after.rs"]
+mod after;
 #[path = "relay/ceiling.rs"]
 mod ceiling;
 #[path = "relay/drain.rs"]
@@ -25,6 +27,8 @@ mod infra;
 mod latency;
 #[path = "relay/options.rs"]
 mod options;
+#[path = "relay/pgcpu.rs"]
+mod pgcpu;
 #[path = "relay/process.rs"]
 mod process;
 #[path = "relay/report.rs"]
@@ -41,7 +45,7 @@ mod workload;
 use anyhow::{Context, Result, anyhow};
 use clap::Parser;
 use infra::{Cleanup, Services, connect, rabbit_connect};
-use options::{Mode, Options, Phase, Plan};
+use options::{Backlog, Mark, Mode, Options, Phase, Plan};
 use report::Report;
 use stage::Ctx;
 use std::process::ExitCode;
@@ -108,29 +112,58 @@ async fn measure_all(ctx: &Ctx, report: &mut Report) {
     } else {
         0
     };
-    let drain_per_run = usize::from(p.phases.contains(&Phase::Drain));
-    let combos = p.modes.len() * p.brokers.len() * p.shapes.len();
-    let total = combos * (drain_per_run + steady_per_run) * p.runs;
+    let drains = |mode: Mode| -> Vec<Option<Mark>> {
+        if !p.phases.contains(&Phase::Drain) {
+            return Vec::new();
+        }
+        p.marks
+            .iter()
+            .copied()
+            .filter(|m| m.is_none_or(|m| m.allowed(mode)))
+            .collect()
+    };
+    let after: Vec<Option<Backlog>> = if p.phases.contains(&Phase::AfterBacklog) {
+        std::iter::once(None)
+            .chain(p.backlogs.iter().copied().map(Some))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    if p.marks.contains(&Some(Mark::None)) && p.modes.contains(&Mode::Polling) {
+        eprintln!("bench: relay.mark = \"none\" needs CDC; polling drains skip it");
+    }
+    let per_run: usize = p
+        .modes
+        .iter()
+        .map(|&mode| {
+            p.brokers.len() * (p.shapes.len() * (drains(mode).len() + steady_per_run) + after.len())
+        })
+        .sum();
+    let total = per_run * p.runs;
     let mut done = 0;
     for run in 1..=p.runs {
         for &mode in &p.modes {
             for &broker in &p.brokers {
                 for &shape in &p.shapes {
-                    if drain_per_run > 0 {
+                    for mark in drains(mode) {
                         done += 1;
                         eprintln!(
-                            "bench: [{done}/{total}] drain {} {} {shape} events={} run {run}",
+                            "bench: [{done}/{total}] drain {} {} {shape} events={}{} run {run}",
                             mode.name(),
                             broker.name(),
-                            p.events
+                            p.events,
+                            mark.map_or(String::new(), |m| format!(" mark={}", m.name()))
                         );
-                        let r = drain::run(ctx, mode, broker, shape, run).await;
+                        let r = drain::run(ctx, mode, broker, shape, mark, run).await;
                         eprintln!(
-                            "bench:   {} drain/s={:.0} ratio={:.2} rss={:.1}MiB",
+                            "bench:   {} drain/s={:.0} flow/s={:.0} ratio={:.2} rss={:.1}MiB cpu/100k={:.2} pg/100k={:.2}",
                             r.status,
                             r.events_per_s.unwrap_or(f64::NAN),
+                            r.flow_eps.unwrap_or(f64::NAN),
                             r.ratio.unwrap_or(f64::NAN),
-                            r.peak_rss_settled_mib.unwrap_or(f64::NAN)
+                            r.peak_rss_settled_mib.unwrap_or(f64::NAN),
+                            r.cpu_s_per_100k.unwrap_or(f64::NAN),
+                            r.pg_cpu_s_per_100k.unwrap_or(f64::NAN)
                         );
                         report.drain(r);
                     }
@@ -144,14 +177,45 @@ async fn measure_all(ctx: &Ctx, report: &mut Report) {
                         );
                         let r = steady::run(ctx, mode, broker, shape, rate, run).await;
                         eprintln!(
-                            "bench:   {} p99 sent_at={:.1}ms consumer={:.1}ms rss={:.1}MiB",
+                            "bench:   {} p99 sent_at={:.1}ms consumer={:.1}ms rss={:.1}MiB pg/100k={:.2}",
                             r.status,
                             r.sent_at.map_or(f64::NAN, |p| p.p99_ms),
                             r.consumer.map_or(f64::NAN, |p| p.p99_ms),
-                            r.peak_rss_mib.unwrap_or(f64::NAN)
+                            r.peak_rss_mib.unwrap_or(f64::NAN),
+                            r.pg_cpu_s_per_100k.unwrap_or(f64::NAN)
                         );
                         report.steady(r);
                     }
+                }
+                let mut baseline: Option<report::AfterResult> = None;
+                for &backlog in &after {
+                    done += 1;
+                    eprintln!(
+                        "bench: [{done}/{total}] after-backlog {} {} backlog={} writer {}/s x{} for {}s run {run}",
+                        mode.name(),
+                        broker.name(),
+                        backlog.map_or("none".into(), |b| b.to_string()),
+                        p.after_rate,
+                        p.after_tx_events,
+                        p.seconds
+                    );
+                    let mut r = after::run(ctx, mode, broker, backlog, run).await;
+                    if let Some(base) = &baseline {
+                        r.against(base);
+                    }
+                    eprintln!(
+                        "bench:   {} p99 sent_at={:.1}ms (x{:.2}) consumer={:.1}ms backlog drain={:.2}s behind max={:.0}ms",
+                        r.status,
+                        r.sent_at.map_or(f64::NAN, |p| p.p99_ms),
+                        r.p99_ratio.unwrap_or(f64::NAN),
+                        r.consumer.map_or(f64::NAN, |p| p.p99_ms),
+                        r.backlog_drain_s.unwrap_or(f64::NAN),
+                        r.behind.map_or(f64::NAN, |p| p.max_ms)
+                    );
+                    if backlog.is_none() {
+                        baseline = Some(r.clone());
+                    }
+                    report.after(r);
                 }
             }
         }
@@ -254,6 +318,11 @@ async fn environment(services: &Services, plan: &Plan) -> Result<serde_json::Val
         "runs": plan.runs,
         "aggregates": plan.aggregates,
         "smoke": plan.smoke,
+        "phases": plan.phases.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>(),
+        "marks": plan.marks.iter().map(|m| m.map_or("default", |m| m.name())).collect::<Vec<_>>(),
+        "backlogs": plan.backlogs.iter().map(|b| b.to_string()).collect::<Vec<_>>(),
+        "after_rate": plan.after_rate,
+        "after_tx_events": plan.after_tx_events,
         "relay_env": plan.relay_env,
     });
     eprintln!(

@@ -5,10 +5,19 @@
 //! ceiling, and the broker's publish ceiling (on a destination of its own,
 //! removed before the relay starts). Nothing consumes during the drain, so
 //! the benchmark process takes no CPU from the relay.
+//!
+//! The end of the drain: the last `relay_sent_at` with `relay.mark =
+//! "update"`; with "delete", the 50 ms poll that found no row left; with
+//! "none" (CDC), the 50 ms poll that found every event on the broker. The
+//! "flow" rate runs from the 50 ms poll that found the first message on the
+//! broker to that end: without the relay's start-up, which includes waiting
+//! out one ownership lease (`relay.ownership_lease`, 3 s by default, plus a
+//! tenth) before a new owner publishes.
 
 use crate::ceiling;
-use crate::infra::{Services, bounded, measurement};
-use crate::options::{BrokerKind, Mode};
+use crate::infra::{BrokerCount, Services, bounded, measurement};
+use crate::options::{BrokerKind, Mark, Mode};
+use crate::pgcpu::PgCpu;
 use crate::process::{Perf, RelayProcess, epoch_micros};
 use crate::report::DrainResult;
 use crate::stage::{Ctx, Stage, create_destination};
@@ -25,17 +34,29 @@ pub async fn run(
     mode: Mode,
     broker: BrokerKind,
     shape: Shape,
+    mark: Option<Mark>,
     run: usize,
 ) -> DrainResult {
     let events = ctx.plan.events;
     let mut result = DrainResult::new(mode, broker, shape, events, run);
+    result.mark = mark.map_or_else(
+        || {
+            ctx.plan
+                .relay_env
+                .iter()
+                .rev()
+                .find(|(k, _)| k == crate::stage::MARK_ENV)
+                .map_or("update".to_owned(), |(_, v)| v.to_lowercase())
+        },
+        |m| m.name().to_owned(),
+    );
     // Whatever hangs, the run goes on: the drain's own limit plus room for
     // inserting the backlog, the ceilings and cleaning up.
     let limit = ctx.plan.drain_timeout * 3 + std::time::Duration::from_secs(300);
     if let Some(failure) = measurement(
         &ctx.cleanup,
         limit,
-        measure(ctx, mode, broker, shape, &mut result),
+        measure(ctx, mode, broker, shape, mark, &mut result),
     )
     .await
     {
@@ -49,10 +70,11 @@ async fn measure(
     mode: Mode,
     broker: BrokerKind,
     shape: Shape,
+    mark: Option<Mark>,
     r: &mut DrainResult,
 ) -> Result<()> {
     let events = ctx.plan.events;
-    let mut stage = Stage::new(ctx, mode, broker).await?;
+    let mut stage = Stage::with_mark(ctx, mode, broker, mark).await?;
     let started = Instant::now();
     insert_backlog(&stage, shape, events, ctx.plan.aggregates).await?;
     r.insert_s = Some(started.elapsed().as_secs_f64());
@@ -62,21 +84,38 @@ async fn measure(
     r.db_mark_eps = Some(ceiling::database_mark(&stage.db.url, events).await?);
     r.broker_eps = Some(broker_ceiling(ctx, broker, shape).await?);
 
+    // The broker's count of messages: when the first arrived (the relay
+    // publishes nothing during its first ownership lease), and with mark =
+    // "none", where nothing in the table changes, when all did.
+    let counter = match broker {
+        BrokerKind::Kafka => BrokerCount::kafka(&ctx.services, &stage.inbox(broker)).await?,
+        BrokerKind::Rabbitmq => BrokerCount::rabbitmq(&ctx.services, &stage.inbox(broker)).await?,
+    };
+    let by_broker = stage.mark() == "none";
+    r.end_from = match stage.mark().as_str() {
+        "none" if counter.exact() => "broker holds every event (50 ms poll)",
+        "none" => "last change of the topic's high watermarks (50 ms poll), then read back",
+        "delete" => "no row left (50 ms poll)",
+        _ => "last relay_sent_at",
+    };
+
     r.busy_before = quiet(ctx, r).await;
     let machine = CpuTimes::now();
-    let mut relay = RelayProcess::spawn(&stage.dir, &ctx.plan.relay_env)?;
+    let pg = PgCpu::start(&ctx.services, &stage.db.name).await?;
+    let mut relay = RelayProcess::spawn(&stage.dir, &stage.env)?;
     let perf = match &ctx.plan.perf {
         Some(dir) => Some(Perf::start(dir, &r.label(), relay.pid())?),
         None => None,
     };
-    let outcome = wait_drained(ctx, &stage, &mut relay).await;
+    let outcome = wait_drained(ctx, &stage, &mut relay, &counter, by_broker).await;
     if let Some(perf) = perf {
         perf.stop().await;
     }
     let cpu = relay.cpu_seconds();
+    let pg_cpu = pg.totals().await;
     r.system_busy = machine.and_then(|m| m.busy_since());
     r.peak_rss_mib = relay.peak_rss_mib();
-    let seen = match outcome {
+    let (seen, first_on_broker) = match outcome {
         Ok(seen) => seen,
         Err(e) => {
             stage.dir.keep = true;
@@ -85,18 +124,41 @@ async fn measure(
         }
     };
     let spawned = epoch_micros(relay.spawned_at) as f64 / 1e6;
-    let (first, last) = mark_times(&stage).await?;
+    if by_broker && !counter.exact() {
+        let topic = stage.inbox(broker);
+        let held = BrokerCount::read_all(&ctx.services, &topic).await?;
+        if held < events {
+            return Err(anyhow!(
+                "the broker's count stood still for 2s, but the topic holds {held} of {events} events"
+            ));
+        }
+    }
+    let (first, last) = if by_broker {
+        (None, None)
+    } else {
+        mark_times(&stage).await?
+    };
     // With relay.mark = "delete" no row is left to say when: the poll that saw none.
     let last = last.unwrap_or(epoch_micros(seen) as f64 / 1e6);
     r.drain_s = Some(last - spawned);
     r.first_mark_s = first.map(|f| f - spawned);
     r.events_per_s = Some(events as f64 / (last - spawned));
-    r.cpu_s_per_100k = cpu.map(|c| c / events as f64 * 1e5);
+    if let Some(at) = first_on_broker {
+        let at = epoch_micros(at) as f64 / 1e6;
+        r.first_on_broker_s = Some(at - spawned);
+        r.flow_eps = Some(events as f64 / (last - at).max(1e-3));
+    }
+    let per_100k = |s: f64| s / events as f64 * 1e5;
+    r.cpu_s_per_100k = cpu.map(per_100k);
+    r.pg_cpu_s_per_100k = pg_cpu.map(|t| per_100k(t.relay_s()));
+    r.pg_autovacuum_s_per_100k = pg_cpu.map(|t| per_100k(t.autovacuum_s));
+    r.pg_cpu = pg_cpu;
     let lower = r
         .db_read_eps
         .unwrap_or(f64::MAX)
         .min(r.broker_eps.unwrap_or(f64::MAX));
     r.ratio = r.events_per_s.map(|eps| eps / lower);
+    r.flow_ratio = r.flow_eps.map(|eps| eps / lower);
 
     // The relay may have work left after the last mark (the CDC stream skips
     // what the start-up read covered); its peak memory includes that.
@@ -105,6 +167,9 @@ async fn measure(
         Ok(took) => r.settle_s = Some(took.as_secs_f64()),
         Err(e) => r.notes.push(format!("{e:#}")),
     }
+    // The whole cost of the backlog, the stream's skipping after the last mark included.
+    r.cpu_settled_s_per_100k = relay.cpu_seconds().map(per_100k);
+    r.pg_cpu_settled_s_per_100k = pg.totals().await.map(|t| per_100k(t.relay_s()));
     r.peak_rss_settled_mib = relay.peak_rss_mib();
     finish(&mut relay, r).await;
     if r.errors > 0 {
@@ -137,7 +202,12 @@ async fn finish(relay: &mut RelayProcess, r: &mut DrainResult) {
 
 /// Commits the backlog server-side, `shape.tx_events` per transaction, then
 /// VACUUM ANALYZE so the ceiling read and the relay see the same table state.
-async fn insert_backlog(stage: &Stage, shape: Shape, events: u64, aggregates: u32) -> Result<()> {
+pub async fn insert_backlog(
+    stage: &Stage,
+    shape: Shape,
+    events: u64,
+    aggregates: u32,
+) -> Result<()> {
     let client = &stage.db.client;
     client.batch_execute("SET synchronous_commit = off").await?;
     let tag = new_tag();
@@ -178,22 +248,80 @@ async fn broker_ceiling(ctx: &Ctx, broker: BrokerKind, shape: Shape) -> Result<f
     result
 }
 
-/// Polls until no row is unsent, the relay dies, or the plan's timeout.
-/// Returns when that poll began.
-async fn wait_drained(ctx: &Ctx, stage: &Stage, relay: &mut RelayProcess) -> Result<SystemTime> {
+/// Polls until no row is unsent (or, `by_broker`, the broker holds every
+/// event), the relay dies, or the plan's timeout. Returns when that poll
+/// began, and when the first poll that found a message on the broker began.
+async fn wait_drained(
+    ctx: &Ctx,
+    stage: &Stage,
+    relay: &mut RelayProcess,
+    counter: &BrokerCount,
+    by_broker: bool,
+) -> Result<(SystemTime, Option<SystemTime>)> {
     let start = Instant::now();
+    let mut first: Option<SystemTime> = None;
+    // Without by_broker the count only times the first message: not worth failing for.
+    let mut counting = true;
+    let mut last_count = None;
+    // An inexact count (tansu): the end is its last change, once it has not
+    // moved for STILL; the caller reads the topic back to check it is all there.
+    const STILL: Duration = Duration::from_secs(2);
+    let mut changed: Option<(Instant, SystemTime)> = None;
+    let mut last_db_poll = Instant::now();
     loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // 50 ms: the poll's time is a result (the first message; the end
+        // unless the rows carry their relay_sent_at).
+        tokio::time::sleep(Duration::from_millis(50)).await;
         relay.ensure_running()?;
         let polled = SystemTime::now();
-        if stage.db.all_sent().await? {
-            return Ok(polled);
+        if (first.is_none() && counting) || by_broker {
+            match counter.count().await {
+                Ok(count) => {
+                    if last_count != Some(count) {
+                        changed = Some((Instant::now(), polled));
+                    }
+                    last_count = Some(count);
+                    if first.is_none() && count > 0 {
+                        first = Some(polled);
+                    }
+                    if by_broker && count >= ctx.plan.events {
+                        return Ok((polled, first));
+                    }
+                    if by_broker
+                        && !counter.exact()
+                        && count > 0
+                        && let Some((at, when)) = changed
+                        && at.elapsed() >= STILL
+                    {
+                        return Ok((when, first));
+                    }
+                }
+                Err(e) if by_broker => return Err(e),
+                Err(e) => {
+                    eprintln!("bench: no flow rate: the broker's message count failed: {e:#}");
+                    counting = false;
+                }
+            }
+        }
+        let precise = stage.mark() == "update";
+        if !by_broker && (!precise || last_db_poll.elapsed() >= Duration::from_millis(200)) {
+            last_db_poll = Instant::now();
+            if stage.db.all_sent().await? {
+                return Ok((polled, first));
+            }
         }
         if start.elapsed() > ctx.plan.drain_timeout {
-            return Err(anyhow!(
-                "timeout: rows still unsent after {}s",
-                ctx.plan.drain_timeout.as_secs()
-            ));
+            return Err(match (by_broker, last_count) {
+                (true, Some(n)) => anyhow!(
+                    "timeout: the broker holds {n} of {} events after {}s",
+                    ctx.plan.events,
+                    ctx.plan.drain_timeout.as_secs()
+                ),
+                _ => anyhow!(
+                    "timeout: rows still unsent after {}s",
+                    ctx.plan.drain_timeout.as_secs()
+                ),
+            });
         }
     }
 }

@@ -86,9 +86,18 @@ pub async fn measurement(
     outcome.err().map(|e| format!("failed: {e:#}"))
 }
 
+/// `application_name` of every session the benchmark opens (setup, writer,
+/// polls), so that the server processes serving the relay can be told apart.
+pub const BENCH_APPLICATION: &str = "outbox-relay-bench";
+
 pub async fn connect(url: &str) -> Result<Client> {
     bounded(STEP, "connecting to PostgreSQL", async {
-        let (client, conn) = tokio_postgres::connect(url, NoTls)
+        let mut config: tokio_postgres::Config = url
+            .parse()
+            .with_context(|| format!("not a PostgreSQL URL: {url}"))?;
+        config.application_name(BENCH_APPLICATION);
+        let (client, conn) = config
+            .connect(NoTls)
             .await
             .with_context(|| format!("cannot connect to {url}; did scripts/services.sh run?"))?;
         tokio::spawn(conn);
@@ -179,6 +188,7 @@ impl Cleanup {
 
 /// A database of the scenario's own.
 pub struct BenchDb {
+    pub name: String,
     pub url: String,
     pub client: Client,
 }
@@ -197,7 +207,7 @@ impl BenchDb {
         cleanup.add(Resource::Database(name.clone()));
         let url = services.db_url(&name);
         let client = connect(&url).await?;
-        Ok(BenchDb { url, client })
+        Ok(BenchDb { name, url, client })
     }
 
     /// True once no row is left unsent (cheap: the relay's partial index).
@@ -364,4 +374,122 @@ pub async fn declare_rabbit(services: &Services, cleanup: &Cleanup, name: &str) 
     .await;
     let _ = conn.close(200, "bench setup".into()).await;
     result
+}
+
+/// How many messages a destination holds, asked of the broker without
+/// consuming: the sum of a topic's high watermarks, or a queue's ready count.
+pub enum BrokerCount {
+    Kafka {
+        consumer: Arc<rdkafka::consumer::BaseConsumer>,
+        topic: String,
+    },
+    Rabbitmq {
+        channel: Box<Channel>,
+        queue: String,
+        _connection: Box<Connection>,
+    },
+}
+
+impl BrokerCount {
+    pub async fn kafka(services: &Services, topic: &str) -> Result<BrokerCount> {
+        let consumer: rdkafka::consumer::BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &services.kafka)
+            .set("group.id", unique("bench_"))
+            .set("enable.auto.commit", "false")
+            // librdkafka asks for the last stable offset by default, which
+            // tansu reports behind the high watermark.
+            .set("isolation.level", "read_uncommitted")
+            .create()?;
+        Ok(BrokerCount::Kafka {
+            consumer: Arc::new(consumer),
+            topic: topic.to_owned(),
+        })
+    }
+
+    pub async fn rabbitmq(services: &Services, queue: &str) -> Result<BrokerCount> {
+        let connection = rabbit_connect(services).await?;
+        let channel = connection.create_channel().await?;
+        Ok(BrokerCount::Rabbitmq {
+            channel: Box::new(channel),
+            queue: queue.to_owned(),
+            _connection: Box::new(connection),
+        })
+    }
+
+    /// Whether `count` is exact. tansu reports a high watermark that leaves
+    /// out (apparently) each partition's last batch, so a topic's count
+    /// stops short of what it holds.
+    pub fn exact(&self) -> bool {
+        matches!(self, BrokerCount::Rabbitmq { .. })
+    }
+
+    /// Every message of a topic, counted by reading it (bounded; not for timing).
+    pub async fn read_all(services: &Services, topic: &str) -> Result<u64> {
+        let consumer: rdkafka::consumer::BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &services.kafka)
+            .set("group.id", unique("bench_"))
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "true")
+            .create()?;
+        let mut list = rdkafka::TopicPartitionList::new();
+        for p in 0..KAFKA_PARTITIONS {
+            list.add_partition_offset(topic, p, rdkafka::Offset::Beginning)?;
+        }
+        use rdkafka::consumer::Consumer;
+        consumer.assign(&list)?;
+        tokio::task::spawn_blocking(move || {
+            let start = std::time::Instant::now();
+            let (mut count, mut eof) = (0u64, std::collections::HashSet::new());
+            while eof.len() < KAFKA_PARTITIONS as usize {
+                if start.elapsed() > Duration::from_secs(120) {
+                    return Err(anyhow!("reading the topic back took over 120s"));
+                }
+                match consumer.poll(Duration::from_millis(200)) {
+                    Some(Ok(_)) => count += 1,
+                    Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
+                        eof.insert(p);
+                    }
+                    Some(Err(e)) => return Err(e.into()),
+                    None => {}
+                }
+            }
+            Ok(count)
+        })
+        .await?
+    }
+
+    pub async fn count(&self) -> Result<u64> {
+        match self {
+            BrokerCount::Kafka { consumer, topic } => {
+                let (consumer, topic) = (consumer.clone(), topic.clone());
+                tokio::task::spawn_blocking(move || {
+                    use rdkafka::consumer::Consumer;
+                    let mut sum = 0;
+                    for p in 0..KAFKA_PARTITIONS {
+                        let (_, high) =
+                            consumer.fetch_watermarks(&topic, p, Duration::from_secs(5))?;
+                        sum += high.max(0) as u64;
+                    }
+                    Ok(sum)
+                })
+                .await?
+            }
+            BrokerCount::Rabbitmq { channel, queue, .. } => {
+                let q = bounded(STEP, "counting a RabbitMQ queue", async {
+                    Ok(channel
+                        .queue_declare(
+                            queue.as_str().into(),
+                            QueueDeclareOptions {
+                                passive: true,
+                                ..Default::default()
+                            },
+                            FieldTable::default(),
+                        )
+                        .await?)
+                })
+                .await?;
+                Ok(u64::from(q.message_count()))
+            }
+        }
+    }
 }

@@ -110,6 +110,27 @@ impl Percentiles {
     }
 }
 
+/// The consumer of a destination (both stop when dropped).
+pub type Watchers = (Option<KafkaWatcher>, Option<RabbitWatcher>);
+
+/// Attaches a consumer to the topic or queue `inbox`, recording receipts in `times`.
+pub async fn watch(
+    services: &Services,
+    broker: crate::options::BrokerKind,
+    inbox: &str,
+    times: Arc<Times>,
+) -> Result<Watchers> {
+    Ok(match broker {
+        crate::options::BrokerKind::Kafka => {
+            (Some(KafkaWatcher::start(services, inbox, times)?), None)
+        }
+        crate::options::BrokerKind::Rabbitmq => (
+            None,
+            Some(RabbitWatcher::start(services, inbox, times).await?),
+        ),
+    })
+}
+
 /// Reads a topic from the beginning on a thread of its own, recording receipts.
 pub struct KafkaWatcher {
     stop: Arc<AtomicBool>,

@@ -43,9 +43,27 @@ pub struct Options {
     /// --modes/--brokers say otherwise) and report peak RSS. Skips the steady state.
     #[arg(long)]
     pub one_million: bool,
-    /// What to measure.
+    /// What to measure: the backlog drain, the steady state, and the latency
+    /// of a writer started together with the relay after a backlog.
     #[arg(long, value_delimiter = ',', default_value = "drain,steady")]
     pub phases: Vec<Phase>,
+    /// Run each drain once per `relay.mark` listed, in the same invocation, and
+    /// compare the rates ("none" is measured in CDC mode only: polling needs marking)
+    /// [default: the relay's own, "update"].
+    #[arg(long, value_delimiter = ',')]
+    pub marks: Option<Vec<Mark>>,
+    /// after-backlog: backlogs committed while the relay is stopped, EVENTSxEVENTS_PER_TX
+    /// of 256 B events; a run without backlog (the baseline) always comes first
+    /// [default: 100000x100,1000000x1; smoke: 2000x100,2000x1].
+    #[arg(long, value_delimiter = ',', value_name = "EVENTSxEVENTS")]
+    pub backlogs: Option<Vec<Backlog>>,
+    /// after-backlog: the writer's rate in events per second, started with the relay
+    /// [default: 1000; smoke: 200].
+    #[arg(long)]
+    pub after_rate: Option<u32>,
+    /// after-backlog: events per writer transaction.
+    #[arg(long, default_value_t = 10)]
+    pub after_tx_events: u32,
     /// Distinct aggregate ids, used in rotation.
     #[arg(long, default_value_t = 1000)]
     pub aggregates: u32,
@@ -106,6 +124,58 @@ impl BrokerKind {
 pub enum Phase {
     Drain,
     Steady,
+    AfterBacklog,
+}
+
+/// `relay.mark`: what the relay does with a row once the broker confirmed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mark {
+    Update,
+    Delete,
+    None,
+}
+
+impl Mark {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mark::Update => "update",
+            Mark::Delete => "delete",
+            Mark::None => "none",
+        }
+    }
+
+    /// The relay refuses `mark = "none"` with the polling source.
+    pub fn allowed(self, mode: Mode) -> bool {
+        self != Mark::None || mode == Mode::Cdc
+    }
+}
+
+/// A backlog for the after-backlog stage: `events` committed in transactions of `tx_events`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backlog {
+    pub events: u64,
+    pub tx_events: u32,
+}
+
+impl std::str::FromStr for Backlog {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("{s:?}: write EVENTSxEVENTS_PER_TX, e.g. 100000x100");
+        let (events, tx) = s.split_once('x').ok_or_else(bad)?;
+        let events: u64 = events.trim().replace('_', "").parse().map_err(|_| bad())?;
+        let tx_events: u32 = tx.trim().parse().map_err(|_| bad())?;
+        if events == 0 || tx_events == 0 {
+            return Err(bad());
+        }
+        Ok(Backlog { events, tx_events })
+    }
+}
+
+impl std::fmt::Display for Backlog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.events, self.tx_events)
+    }
 }
 
 /// What one invocation measures, with every default applied.
@@ -119,8 +189,15 @@ pub struct Plan {
     pub seconds: u64,
     pub runs: usize,
     pub phases: Vec<Phase>,
+    /// `relay.mark` per drain; `None`: the relay's default (or `--relay-env`'s).
+    pub marks: Vec<Option<Mark>>,
+    pub backlogs: Vec<Backlog>,
+    pub after_rate: u32,
+    pub after_tx_events: u32,
     pub aggregates: u32,
     pub drain_timeout: Duration,
+    /// `--timeout`, when given.
+    pub timeout: Option<Duration>,
     pub one_million: bool,
     pub smoke: bool,
     pub quiet_wait: Duration,
@@ -179,6 +256,40 @@ impl Options {
         } else {
             self.phases.clone()
         };
+        let marks = match &self.marks {
+            Some(m) if !m.is_empty() && !million => m.iter().copied().map(Some).collect(),
+            _ => vec![None],
+        };
+        let backlogs = self.backlogs.clone().unwrap_or_else(|| {
+            let events = if self.smoke { 2_000 } else { 0 };
+            if events > 0 {
+                vec![
+                    Backlog {
+                        events,
+                        tx_events: 100,
+                    },
+                    Backlog {
+                        events,
+                        tx_events: 1,
+                    },
+                ]
+            } else {
+                vec![
+                    Backlog {
+                        events: 100_000,
+                        tx_events: 100,
+                    },
+                    Backlog {
+                        events: 1_000_000,
+                        tx_events: 1,
+                    },
+                ]
+            }
+        });
+        let after_rate = self
+            .after_rate
+            .unwrap_or(if self.smoke { 200 } else { 1_000 })
+            .max(1);
         Plan {
             modes,
             brokers,
@@ -188,14 +299,27 @@ impl Options {
             seconds,
             runs: self.runs.max(1),
             phases,
+            marks,
+            backlogs,
+            after_rate,
+            after_tx_events: self.after_tx_events.max(1),
             aggregates: self.aggregates.max(1),
             drain_timeout: Duration::from_secs(self.timeout.unwrap_or(60 + events / 500)),
+            timeout: self.timeout.map(Duration::from_secs),
             one_million: million,
             smoke: self.smoke,
             quiet_wait: Duration::from_secs(if self.smoke { 0 } else { self.quiet_wait }),
             perf: self.perf.clone(),
             relay_env: self.relay_env.clone(),
         }
+    }
+}
+
+impl Plan {
+    /// Longest wait for a backlog of `events` to be sent.
+    pub fn timeout_for(&self, events: u64) -> Duration {
+        self.timeout
+            .unwrap_or(Duration::from_secs(60 + events / 500))
     }
 }
 

@@ -274,7 +274,7 @@ impl Drop for RelayProcess {
 }
 
 /// Clock ticks per second for `/proc/<pid>/stat` (`getconf CLK_TCK`, normally 100).
-fn clock_ticks() -> f64 {
+pub fn clock_ticks() -> f64 {
     static TICKS: OnceLock<f64> = OnceLock::new();
     *TICKS.get_or_init(|| {
         Command::new("getconf")

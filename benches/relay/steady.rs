@@ -10,8 +10,9 @@
 //! Its commit time is taken when COMMIT returns.
 
 use crate::infra::{bounded, connect, measurement};
-use crate::latency::{KafkaWatcher, Percentiles, RabbitWatcher, Times};
+use crate::latency::{Percentiles, Times, watch};
 use crate::options::{BrokerKind, Mode};
+use crate::pgcpu::PgCpu;
 use crate::process::{Perf, RelayProcess, epoch_micros};
 use crate::report::SteadyResult;
 use crate::stage::{Ctx, Stage};
@@ -61,17 +62,8 @@ async fn measure(
     let times = Arc::new(Times::new(new_tag(), new_tag(), total));
     let inbox = stage.inbox(broker);
     // Consumers stop when dropped, at the end of the scenario.
-    let (_kafka, _rabbit) = match broker {
-        BrokerKind::Kafka => (
-            Some(KafkaWatcher::start(&ctx.services, &inbox, times.clone())?),
-            None,
-        ),
-        BrokerKind::Rabbitmq => (
-            None,
-            Some(RabbitWatcher::start(&ctx.services, &inbox, times.clone()).await?),
-        ),
-    };
-    let mut relay = RelayProcess::spawn(&stage.dir, &ctx.plan.relay_env)?;
+    let _watchers = watch(&ctx.services, broker, &inbox, times.clone()).await?;
+    let mut relay = RelayProcess::spawn(&stage.dir, &stage.env)?;
     let outcome = async {
         warm_up(&stage, &mut relay, &times, ctx.plan.aggregates).await?;
         let (waited, busy) = wait_quiet(ctx.plan.quiet_wait).await;
@@ -80,19 +72,22 @@ async fn measure(
             Some(dir) => Some(Perf::start(dir, &r.label(), relay.pid())?),
             None => None,
         };
-        let machine = CpuTimes::now();
-        let cpu_before = relay.cpu_seconds();
         let writer = Writer::new(r.rate, shape, ctx.plan.aggregates, total);
         r.writer_connections = writer.connections;
-        let report = writer.run(&stage.db.url, times.clone()).await?;
+        let clients = writer.connect(&stage.db.url).await?;
+        let machine = CpuTimes::now();
+        let pg = PgCpu::start(&ctx.services, &stage.db.name).await?;
+        let cpu_before = relay.cpu_seconds();
+        let report = writer.run(clients, times.clone()).await?;
         r.written = report.events;
         r.achieved_rate = Some(report.events as f64 / report.span.as_secs_f64());
         r.writer_max_lag_ms = Some(report.max_lag.as_secs_f64() * 1e3);
         r.tail_s = Some(
-            wait_tail(&stage, &mut relay, &times, report.events)
+            wait_tail(&stage, &mut relay, &times, report.events, TAIL)
                 .await
                 .as_secs_f64(),
         );
+        let pg_cpu = pg.totals().await;
         r.system_busy = machine.and_then(|m| m.busy_since());
         if let Some(perf) = perf {
             perf.stop().await;
@@ -101,6 +96,10 @@ async fn measure(
             (Some(a), Some(b)) if report.events > 0 => Some((b - a) / report.events as f64 * 1e5),
             _ => None,
         };
+        let per_100k = |s: f64| s / report.events.max(1) as f64 * 1e5;
+        r.pg_cpu_s_per_100k = pg_cpu.map(|t| per_100k(t.relay_s()));
+        r.pg_autovacuum_s_per_100k = pg_cpu.map(|t| per_100k(t.autovacuum_s));
+        r.pg_cpu = pg_cpu;
         Ok::<_, anyhow::Error>(())
     }
     .await;
@@ -122,8 +121,8 @@ async fn measure(
         .written
         .saturating_sub(times.received_count.load(Ordering::Relaxed));
     r.consumer = Percentiles::of(times.consumer_latencies());
-    let (sent_at, unmarked) = sent_at_latencies(&stage, &times).await?;
-    r.sent_at = Percentiles::of(sent_at);
+    let (marked, unmarked) = marked_times(&stage, &times, 0).await?;
+    r.sent_at = Percentiles::of(marked.iter().map(|(commit, sent)| sent - commit).collect());
     r.unmarked = unmarked;
     if unmarked > 0 {
         // Worth a look: every confirmed event should have been marked.
@@ -134,7 +133,7 @@ async fn measure(
 
 /// One event through the whole path before measuring: connections made,
 /// topic metadata cached, consumer attached.
-async fn warm_up(
+pub async fn warm_up(
     stage: &Stage,
     relay: &mut RelayProcess,
     times: &Times,
@@ -165,15 +164,16 @@ async fn warm_up(
     ))
 }
 
-/// Waits (bounded) until every event is received and marked; returns how long it took.
-async fn wait_tail(
+/// Waits (at most `limit`) until every event is received and marked; returns how long it took.
+pub async fn wait_tail(
     stage: &Stage,
     relay: &mut RelayProcess,
     times: &Times,
     written: u64,
+    limit: Duration,
 ) -> Duration {
     let start = Instant::now();
-    while start.elapsed() < TAIL && relay.exited().is_none() {
+    while start.elapsed() < limit && relay.exited().is_none() {
         let received = times.received_count.load(Ordering::Relaxed) >= written;
         if received && stage.db.all_sent().await.unwrap_or(false) {
             break;
@@ -183,14 +183,19 @@ async fn wait_tail(
     start.elapsed()
 }
 
-/// commit → `relay_sent_at` for every marked event, and how many are unmarked.
-async fn sent_at_latencies(stage: &Stage, times: &Times) -> Result<(Vec<i64>, u64)> {
+/// (commit, `relay_sent_at`) in microseconds for every marked event of
+/// this run's writer with `relay_seq > after`, and how many are unmarked.
+pub async fn marked_times(
+    stage: &Stage,
+    times: &Times,
+    after: i64,
+) -> Result<(Vec<(i64, i64)>, u64)> {
     let rows = stage
         .db
         .client
         .query(
-            "SELECT id, (extract(epoch FROM relay_sent_at) * 1000000)::int8, relay_seq FROM outbox ORDER BY relay_seq",
-            &[],
+            "SELECT id, (extract(epoch FROM relay_sent_at) * 1000000)::int8, relay_seq FROM outbox WHERE relay_seq > $1 ORDER BY relay_seq",
+            &[&after],
         )
         .await?;
     let mut latencies = Vec::with_capacity(rows.len());
@@ -205,7 +210,7 @@ async fn sent_at_latencies(stage: &Stage, times: &Times) -> Result<(Vec<i64>, u6
             .get(seq as usize)
             .map_or(0, |c| c.load(Ordering::Relaxed));
         match row.get::<_, Option<i64>>(1) {
-            Some(sent) if commit > 0 => latencies.push(sent - commit),
+            Some(sent) if commit > 0 => latencies.push((commit, sent)),
             Some(_) => {}
             None => {
                 unmarked += 1;
@@ -222,24 +227,24 @@ async fn sent_at_latencies(stage: &Stage, times: &Times) -> Result<(Vec<i64>, u6
 }
 
 /// The open-loop writer's plan.
-struct Writer {
+pub struct Writer {
     rate: u32,
     shape: Shape,
     aggregates: u32,
     total: u64,
-    connections: usize,
+    pub connections: usize,
 }
 
-struct WriterReport {
-    events: u64,
+pub struct WriterReport {
+    pub events: u64,
     /// From the first due time to the last commit.
-    span: Duration,
+    pub span: Duration,
     /// Longest delay of a transaction's start behind its due time.
-    max_lag: Duration,
+    pub max_lag: Duration,
 }
 
 impl Writer {
-    fn new(rate: u32, shape: Shape, aggregates: u32, total: u64) -> Writer {
+    pub fn new(rate: u32, shape: Shape, aggregates: u32, total: u64) -> Writer {
         // Each commit waits for a WAL flush (~3.5 ms on this disk, much more
         // when other users write): enough connections let the server share
         // one flush among many commits (group commit).
@@ -254,14 +259,24 @@ impl Writer {
         }
     }
 
-    async fn run(&self, db_url: &str, times: Arc<Times>) -> Result<WriterReport> {
-        let per_tx = u64::from(self.shape.tx_events);
-        let transactions = self.total.div_ceil(per_tx);
-        let interval = Duration::from_secs_f64(per_tx as f64 / f64::from(self.rate));
+    /// The writer's sessions, opened before it starts.
+    pub async fn connect(&self, db_url: &str) -> Result<Vec<tokio_postgres::Client>> {
         let mut clients = Vec::with_capacity(self.connections);
         for _ in 0..self.connections {
             clients.push(connect(db_url).await?);
         }
+        Ok(clients)
+    }
+
+    /// Writes; the first transaction is due 100 ms after the call.
+    pub async fn run(
+        &self,
+        clients: Vec<tokio_postgres::Client>,
+        times: Arc<Times>,
+    ) -> Result<WriterReport> {
+        let per_tx = u64::from(self.shape.tx_events);
+        let transactions = self.total.div_ceil(per_tx);
+        let interval = Duration::from_secs_f64(per_tx as f64 / f64::from(self.rate));
         let payload: Arc<str> = payload(self.shape.payload).into();
         let start = tokio::time::Instant::now() + Duration::from_millis(100);
         let planned = Duration::from_secs_f64(self.total as f64 / f64::from(self.rate));
