@@ -159,6 +159,14 @@ choose_brokers() { # the arguments after `start`; none means every broker
 
 case "${1:-start}" in
   start)
+    # One start at a time: a second caller (another terminal, a benchmark next to
+    # the tests) waits here instead of building tansu or creating the cluster twice,
+    # then finds everything running. flock holds the lock; -o keeps it from the
+    # servers started below, which outlive this script.
+    if [ -z "${OUTBOX_RELAY_SERVICES_LOCKED:-}" ]; then
+      mkdir -p "$STATE"
+      OUTBOX_RELAY_SERVICES_LOCKED=1 exec flock -o "$STATE/services.lock" "$0" "$@"
+    fi
     shift || true
     choose_brokers "$@"
     export PATH="$HOME/.cargo/bin:$PATH"
