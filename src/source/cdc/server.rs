@@ -192,9 +192,7 @@ impl PgServer {
             .await
             .map_err(|e| DbError::query("reading the current snapshot", e))?
             .get(0);
-        Snapshot::parse(&text).ok_or_else(|| {
-            SourceError::Stream(format!("unreadable snapshot from the server: {text:?}"))
-        })
+        parse_snapshot(&text)
     }
 
     /// The WAL insert position before which every committed transaction has
@@ -207,9 +205,7 @@ impl PgServer {
             .await
             .map_err(|e| DbError::query("reading the WAL insert position", e))?
             .get(0);
-        let position: Lsn = text
-            .parse()
-            .map_err(|e| SourceError::Stream(format!("unreadable WAL position: {e}")))?;
+        let position = parse_lsn(&text)?;
         // Read after the position: a transaction whose commit record lies
         // before it had its id by then, so it is finished or listed here.
         let running = self.current_snapshot().await?.xip;
@@ -342,12 +338,8 @@ impl CdcServer for PgServer {
             .await
             .map_err(|e| DbError::query("starting the start-up read", e))?;
         let (snapshot, until): (String, String) = (row.get(0), row.get(1));
-        let snapshot = Snapshot::parse(&snapshot).ok_or_else(|| {
-            SourceError::Stream(format!("unreadable snapshot from the server: {snapshot:?}"))
-        })?;
-        let until = until
-            .parse()
-            .map_err(|e| SourceError::Stream(format!("unreadable WAL position: {e}")))?;
+        let snapshot = parse_snapshot(&snapshot)?;
+        let until = parse_lsn(&until)?;
         Ok(StartupView {
             snapshot,
             until,
@@ -374,9 +366,7 @@ impl CdcServer for PgServer {
                     DbError::query("moving the replication slot past the start-up read", e)
                 })?
                 .get(0);
-            let reached: Lsn = text
-                .parse()
-                .map_err(|e| SourceError::Stream(format!("unreadable WAL position: {e}")))?;
+            let reached = parse_lsn(&text)?;
             tracing::debug!(slot = %slot, to = %reached, elapsed = ?started.elapsed(), "replication slot moved");
             Ok(reached)
         }
@@ -458,6 +448,19 @@ impl CdcServer for PgServer {
             .await
             .map_err(|e| DbError::query("reading dead-lettered WAL positions", e).into())
     }
+}
+
+/// A WAL position in its text form, as the server reports it.
+fn parse_lsn(text: &str) -> Result<Lsn, SourceError> {
+    text.parse()
+        .map_err(|e| SourceError::Stream(format!("unreadable WAL position {text:?}: {e}")))
+}
+
+/// A `pg_snapshot` in its text form, as the server reports it.
+fn parse_snapshot(text: &str) -> Result<Snapshot, SourceError> {
+    Snapshot::parse(text).ok_or_else(|| {
+        SourceError::Stream(format!("unreadable snapshot from the server: {text:?}"))
+    })
 }
 
 /// A pgoutput stream on a replication connection.
