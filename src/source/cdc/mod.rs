@@ -143,8 +143,6 @@ pub struct CdcReader<B: CdcServer = PgServer> {
     pending: Vec<SourcedEvent<CdcPosition>>,
     /// The payload bytes of `pending`.
     pending_bytes: usize,
-    /// When the oldest of `pending` was read.
-    pending_since: Option<Instant>,
     timing: Timing,
     next_heartbeat: Option<Instant>,
 }
@@ -193,7 +191,6 @@ impl<B: CdcServer> CdcReader<B> {
             phase: Phase::Start,
             pending: Vec::new(),
             pending_bytes: 0,
-            pending_since: None,
             timing,
         }
     }
@@ -268,7 +265,6 @@ impl<B: CdcServer> CdcReader<B> {
     /// One page of the start-up read; moves to streaming after the last.
     fn take_pending(&mut self) -> Vec<SourcedEvent<CdcPosition>> {
         self.pending_bytes = 0;
-        self.pending_since = None;
         std::mem::take(&mut self.pending)
     }
 
@@ -363,16 +359,8 @@ fn report_due(progress: &SharedProgress, every: u64) -> bool {
 /// How often a paused reader looks whether confirmations are due for a report.
 const REPORT_CHECK: Duration = Duration::from_millis(100);
 
-/// After a commit, messages the server has already sent are read into the
-/// same batch, but for no longer than this: under load one batch carries
-/// many small transactions (the pipeline's cost is per batch), while an
-/// idle stream hands each commit over at once.
-const GATHER_LIMIT: Duration = Duration::from_millis(5);
-
 enum Wake<M> {
     Message(M),
-    /// No message is ready and a whole transaction is pending: hand it over.
-    Gathered,
     Status,
     /// Time to look whether confirmations are due for a report.
     Report,
@@ -396,8 +384,6 @@ impl<B: CdcServer> Reader for CdcReader<B> {
         max_bytes: usize,
     ) -> Result<Vec<SourcedEvent<CdcPosition>>, SourceError> {
         let max = max.max(1);
-        // A transaction's commit was read into `pending`.
-        let mut committed = false;
         loop {
             if self.pending.len() >= max || self.pending_bytes >= max_bytes {
                 return Ok(self.take_pending());
@@ -420,7 +406,6 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                     let wake = tokio::select! {
                         biased;
                         message = s.stream.next() => Wake::Message(message),
-                        _ = std::future::ready(()), if committed => Wake::Gathered,
                         _ = tokio::time::sleep_until(s.next_status) => Wake::Status,
                         _ = sleep_until_opt(report_check) => Wake::Report,
                         _ = tokio::time::sleep_until(silence) => Wake::Silence,
@@ -434,7 +419,6 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                                 ));
                             };
                             let before = self.pending.len();
-                            let now = Instant::now();
                             let (reply, step) = s.handle(
                                 message,
                                 &self.table,
@@ -446,9 +430,6 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                                 .iter()
                                 .map(SourcedEvent::bytes)
                                 .sum::<usize>();
-                            if before == 0 && !self.pending.is_empty() {
-                                self.pending_since = Some(now);
-                            }
                             // A busy stream still reports on time (the select
                             // prefers messages).
                             if reply
@@ -459,17 +440,9 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                                     .await?;
                             }
                             if matches!(step, Step::Committed) && !self.pending.is_empty() {
-                                committed = true;
-                            }
-                            if committed
-                                && self
-                                    .pending_since
-                                    .is_some_and(|t| now.duration_since(t) >= GATHER_LIMIT)
-                            {
                                 return Ok(self.take_pending());
                             }
                         }
-                        Wake::Gathered => return Ok(self.take_pending()),
                         Wake::Status => {
                             s.send_status(&self.progress, self.timing.status_every)
                                 .await?
