@@ -206,13 +206,25 @@ impl PgServer {
             .map_err(|e| DbError::query("reading the WAL insert position", e))?
             .get(0);
         let position = parse_lsn(&text)?;
-        // Read after the position: a transaction whose commit record lies
-        // before it had its id by then, so it is finished or listed here.
-        let running = self.current_snapshot().await?.xip;
+        // A transaction whose commit record lies before the position had its
+        // id by then, so its id is below one assigned now. A snapshot's xip
+        // does not list every running transaction (none from its xmax on,
+        // and xmax is the latest *completed* id + 1: a commit waiting for its
+        // WAL flush is past it), so the wait is for a snapshot whose oldest
+        // running id is past this one.
+        let assigned: String = self
+            .client
+            .query_one("SELECT pg_current_xact_id()::text", &[])
+            .await
+            .map_err(|e| DbError::query("reading a transaction id", e))?
+            .get(0);
+        let assigned: u64 = assigned.parse().map_err(|e| {
+            SourceError::Stream(format!("unreadable transaction id {assigned:?}: {e}"))
+        })?;
         let deadline = tokio::time::Instant::now() + SETTLE_WAIT;
         loop {
             let now = self.current_snapshot().await?;
-            if running.iter().all(|x| now.saw_finished(*x)) {
+            if now.xmin > assigned {
                 return Ok(Some(position));
             }
             if tokio::time::Instant::now() >= deadline {
