@@ -317,7 +317,7 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
                 r.add(Mark::Fail, "slot", p);
             }
             if info.is_lost() {
-                let marked = config.relay.mark != crate::config::MarkMode::None;
+                let marked = config.relay.mark != crate::config::MarkMode::None && !cdc.messages;
                 if cdc.recreates_lost_slot(config.relay.mark) {
                     r.add(
                         Mark::Warn,
@@ -346,6 +346,44 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
     }
     if cdc.failover {
         check_failover(client, &slot, r).await;
+    }
+    if let Some(prefix) = cdc.message_prefix(&config.outbox.table) {
+        check_messages(client, &config.outbox.table, &prefix, r).await;
+    }
+}
+
+/// `source.cdc.messages`: the server sends logical messages, and the
+/// function applications write them with is installed.
+async fn check_messages(
+    client: &tokio_postgres::Client,
+    table: &crate::outbox::TableName,
+    prefix: &str,
+    r: &mut Report,
+) {
+    match setup::messages_problem(client).await {
+        Ok(Some(problem)) => return r.add(Mark::Fail, "messages", problem),
+        Err(e) => return r.add(Mark::Fail, "messages", e),
+        Ok(None) => {}
+    }
+    let function = crate::migrate::emit::signature(table);
+    match client
+        .query_one("SELECT to_regprocedure($1) IS NOT NULL", &[&function])
+        .await
+    {
+        Ok(row) if row.get::<_, bool>(0) => r.add(
+            Mark::Ok,
+            "messages",
+            format!("events sent as logical messages with prefix {prefix:?} are published; {function} writes them"),
+        ),
+        Ok(_) => r.add(
+            Mark::Warn,
+            "messages",
+            format!(
+                "{function} does not exist: run `outbox-relay migrate` to install it, or write events with \
+                 pg_logical_emit_message(true, {prefix:?}, <json>) yourself"
+            ),
+        ),
+        Err(e) => r.add(Mark::Fail, "messages", crate::db::error_text(&e)),
     }
 }
 

@@ -249,7 +249,18 @@ pub struct CdcConfig {
     /// with `sync_replication_slots` keep in step so it survives a failover.
     #[serde(default)]
     pub failover: bool,
+    /// Also publish the application's transactional logical decoding
+    /// messages (`pg_logical_emit_message`) that carry [`Self::message_prefix`]:
+    /// the table-less outbox.
+    #[serde(default)]
+    pub messages: bool,
+    /// The prefix of those messages; default `outbox_relay_<table>`.
+    #[serde(default)]
+    pub message_prefix: Option<String>,
 }
+
+/// The prefix of the CDC source's own heartbeat messages, which are never events.
+pub const HEARTBEAT_MESSAGE_PREFIX: &str = "outbox-relay";
 
 /// What the relay does with a lost slot (its WAL removed past
 /// `max_slot_wal_keep_size`).
@@ -275,6 +286,8 @@ impl Default for CdcConfig {
             heartbeat_interval: None,
             on_lost_slot: None,
             failover: false,
+            messages: false,
+            message_prefix: None,
         }
     }
 }
@@ -287,12 +300,22 @@ impl CdcConfig {
     }
 
     /// Whether `run` recreates a lost slot: as configured, else whenever
-    /// rows are marked (the table then still holds every unsent event).
+    /// rows are marked (the table then still holds every unsent event) and
+    /// no events come as logical messages (which the WAL alone holds).
     pub fn recreates_lost_slot(&self, mark: MarkMode) -> bool {
         match self.on_lost_slot {
             Some(choice) => choice == LostSlot::Recreate,
-            None => mark != MarkMode::None,
+            None => mark != MarkMode::None && !self.messages,
         }
+    }
+
+    /// The prefix of the logical messages that are events, when they are on.
+    pub fn message_prefix(&self, table: &TableName) -> Option<String> {
+        self.messages.then(|| {
+            self.message_prefix
+                .clone()
+                .unwrap_or_else(|| default_replication_name(table))
+        })
     }
 
     pub fn publication_name(&self, table: &TableName) -> String {

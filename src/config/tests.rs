@@ -465,6 +465,53 @@ fn a_lost_slot_is_recreated_only_when_rows_are_marked() {
 }
 
 #[test]
+fn logical_messages_need_cdc_a_kept_slot_and_a_prefix_of_their_own() {
+    let cdc = format!("{MINIMAL}\n[source]\nmode = \"cdc\"\n[source.cdc]\nmessages = true\n");
+    let c = load_str(&cdc).unwrap();
+    assert_eq!(
+        c.source.cdc.message_prefix(&c.outbox.table).as_deref(),
+        Some("outbox_relay_outbox")
+    );
+    // Messages live in the WAL alone: a lost slot stops the relay by default.
+    assert!(!c.source.cdc.recreates_lost_slot(c.relay.mark));
+    let c = load_str(&format!("{cdc}message_prefix = \"shop events\"\n")).unwrap();
+    assert_eq!(
+        c.source.cdc.message_prefix(&c.outbox.table).as_deref(),
+        Some("shop events")
+    );
+    for (toml, key, says) in [
+        (
+            format!("{MINIMAL}\n[source.cdc]\nmessages = true\n"),
+            "source.cdc.messages",
+            "source.mode = \"cdc\"",
+        ),
+        (
+            format!("{cdc}on_lost_slot = \"recreate\"\n"),
+            "source.cdc.on_lost_slot",
+            "\"stop\"",
+        ),
+        (
+            format!("{cdc}message_prefix = \"outbox-relay\"\n"),
+            "source.cdc.message_prefix",
+            "heartbeat",
+        ),
+        (
+            format!("{cdc}message_prefix = \" \"\n"),
+            "source.cdc.message_prefix",
+            "1 to 200",
+        ),
+        (
+            format!("{MINIMAL}\n[source]\nmode = \"cdc\"\n[source.cdc]\nmessage_prefix = \"x\"\n"),
+            "source.cdc.message_prefix",
+            "messages = true",
+        ),
+    ] {
+        let e = err(&toml);
+        assert!(e.contains(key) && e.contains(says), "{e}");
+    }
+}
+
+#[test]
 fn auto_mode_needs_marked_rows_and_probes_every_30s_by_default() {
     let auto = format!("{MINIMAL}\n[source]\nmode = \"auto\"\n");
     let c = load_str(&auto).unwrap();

@@ -226,6 +226,33 @@ impl Config {
                 "\"recreate\" needs relay.mark = \"update\" or \"delete\": with \"none\" the events in the removed WAL exist nowhere else, so a new slot would skip them; use \"stop\"",
             );
         }
+        if cdc.messages && s.mode != super::SourceMode::Cdc {
+            c.problem(
+                "source.cdc.messages",
+                "true needs source.mode = \"cdc\": logical messages exist only in the WAL, which polling does not read (and \"auto\" may fall back to polling)",
+            );
+        }
+        if cdc.messages && cdc.on_lost_slot == Some(super::LostSlot::Recreate) {
+            c.problem(
+                "source.cdc.on_lost_slot",
+                "\"recreate\" cannot be used with source.cdc.messages = true: messages exist only in the WAL, so a new slot would skip those in the removed WAL; use \"stop\"",
+            );
+        }
+        if let Some(prefix) = &cdc.message_prefix {
+            if !cdc.messages {
+                c.problem(
+                    "source.cdc.message_prefix",
+                    "has no effect unless source.cdc.messages = true; set that too, or remove this key",
+                );
+            } else if prefix.trim().is_empty() || prefix.len() > 200 {
+                c.problem("source.cdc.message_prefix", "use 1 to 200 characters");
+            } else if prefix == super::HEARTBEAT_MESSAGE_PREFIX {
+                c.problem(
+                    "source.cdc.message_prefix",
+                    "\"outbox-relay\" is the prefix of the relay's own heartbeat messages; choose another",
+                );
+            }
+        }
         if self.relay.mark == super::MarkMode::None && s.mode == super::SourceMode::Polling {
             c.problem(
                 "relay.mark",

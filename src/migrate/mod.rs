@@ -11,6 +11,7 @@ use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
 use tokio_postgres::Client;
 
+pub mod emit;
 mod triggers;
 
 /// What `migrate` should set up.
@@ -39,6 +40,9 @@ pub struct CdcObjects {
     /// Create the slot (CDC mode). In auto mode the relay creates it once
     /// the server allows CDC, so migrate works whatever `wal_level` is.
     pub slot_now: bool,
+    /// The prefix of events sent as logical messages (`source.cdc.messages`):
+    /// the function that writes them is installed.
+    pub message_prefix: Option<String>,
 }
 
 impl MigrateOptions {
@@ -60,6 +64,7 @@ impl MigrateOptions {
                 slot: config.source.cdc.slot_name(table),
                 failover: config.source.cdc.failover,
                 slot_now: mode == SourceMode::Cdc,
+                message_prefix: config.source.cdc.message_prefix(table),
             }),
             dead_letters: config
                 .dead_letter
@@ -375,6 +380,15 @@ async fn cdc_steps(
         return Err(MigrateError::Prerequisite(problem));
     }
     let mut steps = Vec::new();
+    if let Some(prefix) = &cdc.message_prefix {
+        if let Some(problem) = setup::messages_problem(client)
+            .await
+            .map_err(MigrateError::Prerequisite)?
+        {
+            return Err(MigrateError::Prerequisite(problem));
+        }
+        steps.extend(emit::step(client, table, prefix).await?);
+    }
     match setup::publication_covers(client, &cdc.publication, table).await? {
         Some(true) => {}
         exists => steps.push(Step::new(

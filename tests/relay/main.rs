@@ -20,6 +20,7 @@ mod failures;
 mod fencing;
 mod logs;
 mod memory;
+mod messages;
 mod migrations;
 mod operations;
 mod retention;

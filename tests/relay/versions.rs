@@ -228,3 +228,38 @@ async fn failover_is_refused_before_17() {
         "no slot without failover was made instead"
     );
 }
+
+/// Events as logical messages need pgoutput's `messages` option, from 14 on:
+/// refused on 13 with the reason, delivered on 14.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logical_messages_from_14_on() {
+    let messages = |url: &str, rabbit: &RabbitExchange| {
+        let toml = with_mode(&base_toml(url, &rabbit.sink_toml()), Mode::Cdc);
+        set(&toml, "source.cdc.messages", "true")
+    };
+    let old = TestDb::new_on(&admin_url(13)).await;
+    let rabbit = RabbitExchange::new().await;
+    let path = config_file(&messages(&old.url, &rabbit));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("source.cdc.messages needs PostgreSQL 14"),
+        "the reason is named: {out}{err}"
+    );
+
+    let db = TestDb::new_on(&admin_url(14)).await;
+    let toml = messages(&db.url, &rabbit);
+    cli_ok(&["migrate", "--config", &config_file(&toml)]);
+    let relay = InProcess::start(parse(&toml));
+    let id: uuid::Uuid = db
+        .client
+        .query_one(
+            "SELECT outbox_relay_emit_outbox('order', 'a', 'E', '{}')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    rabbit.inbox.wait_ids(&[id.to_string()], WAIT).await;
+    relay.stop().await;
+}

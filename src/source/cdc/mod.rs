@@ -26,6 +26,7 @@
 //! min(`source.cdc.status_interval`, `wal_sender_timeout`/2), also while the
 //! relay applies backpressure by not reading the stream.
 
+pub mod message;
 pub mod progress;
 pub mod server;
 pub mod setup;
@@ -74,6 +75,8 @@ pub struct CdcSettings {
     pub pipeline: String,
     /// The dead-letter table, when dead-lettering is on.
     pub dead_letters: Option<TableName>,
+    /// The prefix of the logical messages that are events (`source.cdc.messages`).
+    pub messages: Option<String>,
     /// Report the flushed position once this many events were confirmed
     /// since the last report (the in-flight window): without marking, what
     /// a crash sends again is what the slot was not told.
@@ -98,6 +101,7 @@ impl CdcSettings {
                 .dead_letter
                 .enabled
                 .then(|| config.dead_letter.table_name(table)),
+            messages: cdc.message_prefix(table),
             report_every: config.relay.max_in_flight as u64,
         }
     }
@@ -233,18 +237,20 @@ impl<B: CdcServer> CdcReader<B> {
     async fn start(&mut self) -> Result<(), SourceError> {
         let slot_flushed = self.prepare().await?;
         lock(&self.progress).restart(slot_flushed);
-        if !self.settings.read_table {
-            // Without marking, the WAL is replayed from the slot: events
-            // already dead-lettered there are not handled again.
+        if !self.settings.read_table || self.settings.messages.is_some() {
+            // Without marking, the WAL is replayed from the slot (and so are
+            // logical messages, which no table holds): events already
+            // dead-lettered there are not handled again.
             let from = lock(&self.progress).flushed();
             let done = self.server.dead_lettered_since(from).await?;
             lock(&self.progress).remember(&done);
         }
         if self.settings.read_table {
             let view = self.server.begin_table_read().await?;
+            // Logical messages live in the WAL alone: the slot must not skip any.
             let advance = view
                 .settled
-                .filter(|to| *to > slot_flushed)
+                .filter(|to| *to > slot_flushed && self.settings.messages.is_none())
                 .map(|to| Advance {
                     from: slot_flushed,
                     task: tokio::spawn(self.server.advance_slot(to)),
@@ -339,6 +345,7 @@ impl<B: CdcServer> CdcReader<B> {
             skip,
             start,
             self.settings.read_table,
+            self.settings.messages.clone(),
         ))
     }
 
@@ -568,11 +575,12 @@ impl<S: RowStore> Acker for CdcAcker<S> {
 
     /// With rows marked, a held-back row stays unsent in the table and the
     /// start-up read of the next start or rewind finds it: the slot need not
-    /// wait for it. Without marking the WAL is its only record, so it does.
+    /// wait for it. Without marking, or for a logical message (no `seq`),
+    /// the WAL is its only record, so it does.
     fn release(&mut self, positions: Vec<CdcPosition>) {
         if self.marks_rows {
             let mut progress = lock(&self.progress);
-            for p in &positions {
+            for p in positions.iter().filter(|p| p.seq.is_some()) {
                 progress.release(p);
             }
         }

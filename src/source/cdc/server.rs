@@ -258,6 +258,13 @@ impl CdcServer for PgServer {
         if let Some(problem) = setup::wal_level_problem(&setup::wal_level(&self.client).await?) {
             return Err(SourceError::Setup(problem));
         }
+        if s.messages.is_some()
+            && let Some(problem) = setup::messages_problem(&self.client)
+                .await
+                .map_err(SourceError::Setup)?
+        {
+            return Err(SourceError::Setup(problem));
+        }
         match setup::publication_covers(&self.client, &s.publication, &self.table).await? {
             Some(true) => {}
             Some(false) => {
@@ -296,7 +303,7 @@ impl CdcServer for PgServer {
                 if !s.recreate_lost_slot {
                     return Err(SourceError::Setup(setup::lost_slot_message(
                         &s.slot,
-                        s.read_table,
+                        s.read_table && s.messages.is_none(),
                     )));
                 }
                 // Every event the lost WAL held is an unsent row: the
@@ -444,8 +451,8 @@ impl CdcServer for PgServer {
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
         self.client
             .execute(
-                "SELECT pg_logical_emit_message(false, 'outbox-relay', 'heartbeat')",
-                &[],
+                "SELECT pg_logical_emit_message(false, $1::text, 'heartbeat'::text)",
+                &[&crate::config::HEARTBEAT_MESSAGE_PREFIX],
             )
             .await
             .map_err(|e| DbError::query("writing the heartbeat message", e))?;

@@ -77,6 +77,8 @@ impl SlotInfo {
 
 /// The specific error for a slot whose WAL was removed, with the recovery.
 /// `marked`: rows are marked, so the table still holds every unsent event.
+/// `marked`: every event the lost WAL held is still an unsent row (rows are
+/// marked and no events come as logical messages).
 pub fn lost_slot_message(slot: &str, marked: bool) -> String {
     let cause = format!(
         "replication slot {slot:?} is lost: PostgreSQL removed WAL it still needed (max_slot_wal_keep_size was exceeded while the relay was behind or down)"
@@ -89,7 +91,8 @@ pub fn lost_slot_message(slot: &str, marked: bool) -> String {
         )
     } else {
         format!(
-            "{cause}. With relay.mark = \"none\" the events in the removed WAL exist nowhere else the relay can read, \
+            "{cause}. With relay.mark = \"none\", or events sent as logical messages (source.cdc.messages = true), \
+             the events in the removed WAL exist nowhere else the relay can read, \
              so a new slot would skip them: decide which to emit again (the outbox table still shows them unless your \
              application deletes its rows), then drop the slot (SELECT pg_drop_replication_slot('{slot}');) and start \
              the relay, which creates a new one at the current position"
@@ -257,16 +260,32 @@ pub async fn slot_failover(client: &Client, slot: &str) -> Result<Option<bool>, 
 
 /// Why `source.cdc.failover` cannot be honoured here: failover slots came with PostgreSQL 17.
 pub async fn failover_problem(client: &Client) -> Result<Option<String>, String> {
-    let version: String = client
-        .query_one("SHOW server_version_num", &[])
-        .await
-        .map_err(|e| format!("reading server_version_num: {}", error_text(&e)))?
-        .get(0);
-    let version: u32 = version.trim().parse().unwrap_or(0);
+    let version = server_version_num(client).await?;
     Ok((version < 170_000).then(|| {
         format!(
             "source.cdc.failover needs PostgreSQL 17 or later (failover slots); this server is version {version}: \
              set source.cdc.failover = false, or upgrade"
         )
     }))
+}
+
+/// Why `source.cdc.messages` cannot work on this server, if it cannot:
+/// pgoutput sends logical messages from PostgreSQL 14 on.
+pub async fn messages_problem(client: &Client) -> Result<Option<String>, String> {
+    let version = server_version_num(client).await?;
+    Ok((version < 140_000).then(|| {
+        format!(
+            "source.cdc.messages needs PostgreSQL 14 or later (pgoutput sends logical messages from 14 on); \
+             this server is version {version}: set source.cdc.messages = false and write events as rows, or upgrade"
+        )
+    }))
+}
+
+async fn server_version_num(client: &Client) -> Result<u32, String> {
+    let version: String = client
+        .query_one("SHOW server_version_num", &[])
+        .await
+        .map_err(|e| format!("reading server_version_num: {}", error_text(&e)))?
+        .get(0);
+    Ok(version.trim().parse().unwrap_or(0))
 }

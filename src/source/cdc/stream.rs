@@ -1,12 +1,15 @@
 //! The streaming half of the CDC reader: pgoutput messages in, outbox events
 //! out, progress registered, status updates sent.
 
+use super::message;
 use super::progress::{CdcPosition, Progress};
 use super::server::{CdcStream, StreamMessage};
 use super::snapshot::StartupView;
-use crate::outbox::{RawRow, ResolvedColumns, SEQ_COLUMN, TableName};
+use crate::outbox::{RawRow, ResolvedColumns, RowError, SEQ_COLUMN, TableName};
 use crate::replication::Lsn;
-use crate::replication::pgoutput::{LogicalMessage, MessageKind, RelationCache, TupleValue};
+use crate::replication::pgoutput::{
+    LogicalDecodingMessage, LogicalMessage, MessageKind, RelationCache, TupleValue,
+};
 use crate::source::{SourceError, SourcedEvent};
 use chrono::{DateTime, Utc};
 use std::collections::HashSet;
@@ -53,6 +56,8 @@ pub struct Streaming<S> {
     warned: HashSet<MessageKind>,
     /// Rows are marked by their `relay_seq`, so the stream must carry it.
     needs_seq: bool,
+    /// The prefix of the logical messages that are events, when they are on.
+    messages: Option<String>,
 }
 
 /// What handling one message asks of the reader.
@@ -63,7 +68,13 @@ pub enum Step {
 }
 
 impl<S: CdcStream> Streaming<S> {
-    pub fn new(stream: S, skip: Option<StartupView>, start: Lsn, needs_seq: bool) -> Self {
+    pub fn new(
+        stream: S,
+        skip: Option<StartupView>,
+        start: Lsn,
+        needs_seq: bool,
+        messages: Option<String>,
+    ) -> Self {
         let now = Instant::now();
         Streaming {
             stream,
@@ -77,6 +88,7 @@ impl<S: CdcStream> Streaming<S> {
             paused_at: now,
             warned: HashSet::new(),
             needs_seq,
+            messages,
         }
     }
 
@@ -250,10 +262,95 @@ impl<S: CdcStream> Streaming<S> {
                 self.warn_once(MessageKind::Truncate);
                 Ok(Step::Continue)
             }
-            LogicalMessage::Origin(_) | LogicalMessage::Type(_) | LogicalMessage::Message(_) => {
-                Ok(Step::Continue)
-            }
+            LogicalMessage::Message(m) => self.message(m, columns, progress, out),
+            LogicalMessage::Origin(_) | LogicalMessage::Type(_) => Ok(Step::Continue),
         }
+    }
+
+    /// A logical decoding message: an event when it carries the events'
+    /// prefix (see [`message`]). Unlike a row, it is never skipped as part
+    /// of the start-up read: the table does not hold it.
+    fn message(
+        &mut self,
+        m: LogicalDecodingMessage,
+        columns: &ResolvedColumns,
+        progress: &Mutex<Progress>,
+        out: &mut Vec<SourcedEvent<CdcPosition>>,
+    ) -> Result<Step, SourceError> {
+        if self.messages.as_deref() != Some(m.prefix.as_str()) {
+            return Ok(Step::Continue);
+        }
+        if !m.transactional {
+            return self.untransactional(m, progress, out);
+        }
+        let Some(tx) = self.tx.as_mut() else {
+            return Err(SourceError::Stream(
+                "a transactional logical message arrived outside a transaction".into(),
+            ));
+        };
+        let event = match message::raw_row(&m.content, &columns.extra) {
+            Ok(raw) => raw.decode(tx.commit_time).map_err(|mut e| {
+                e.reason = format!("logical message: {}", e.reason);
+                e
+            }),
+            Err(reason) => Err(unreadable(&m, reason)),
+        };
+        let position = CdcPosition {
+            commit_lsn: tx.commit_lsn,
+            index: tx.next_index,
+            seq: None,
+            xid: Some(tx.xid),
+        };
+        tx.next_index += 1;
+        if lock(progress).event(&position) {
+            out.push(SourcedEvent::new(position, event));
+        }
+        Ok(Step::Continue)
+    }
+
+    /// A message with the events' prefix written with `transactional =
+    /// false`: PostgreSQL sends it even when its transaction rolls back, so
+    /// it is not published but dead-lettered (an operator may redrive it).
+    /// It stands alone in the stream, as a transaction of its own.
+    fn untransactional(
+        &mut self,
+        m: LogicalDecodingMessage,
+        progress: &Mutex<Progress>,
+        out: &mut Vec<SourcedEvent<CdcPosition>>,
+    ) -> Result<Step, SourceError> {
+        if self.tx.is_some() {
+            return Err(SourceError::Stream(
+                "a non-transactional logical message arrived inside a transaction".into(),
+            ));
+        }
+        let reason = "the logical message was written with transactional = false, so it would be \
+                      published even if its transaction rolled back; emit events with transactional = true"
+            .to_owned();
+        let error = match message::raw_row(&m.content, &[]) {
+            Ok(raw) => RowError {
+                id: raw.id.clone(),
+                aggregate_id: raw.aggregate_id.clone(),
+                reason,
+                raw: Some(Box::new(raw)),
+            },
+            Err(_) => unreadable(&m, reason),
+        };
+        // Past the message, so that a restart from here does not send it again.
+        let end = Lsn(m.lsn.0 + 1);
+        let position = CdcPosition {
+            commit_lsn: m.lsn,
+            index: 0,
+            seq: None,
+            xid: None,
+        };
+        let mut p = lock(progress);
+        p.begin(m.lsn);
+        if p.event(&position) {
+            out.push(SourcedEvent::new(position, Err(error)));
+        }
+        p.commit(end);
+        self.received = self.received.max(end);
+        Ok(Step::Committed)
     }
 
     /// Updates and deletes of outbox rows are not events (the publication
@@ -276,6 +373,16 @@ impl<S: CdcStream> Streaming<S> {
                 "the publication sends a {kind} of the outbox table; only inserts are events, so it is ignored (create the publication WITH (publish = 'insert'))"
             );
         }
+    }
+}
+
+/// A message whose content is not an event: the reason, and its text kept as the payload.
+fn unreadable(m: &LogicalDecodingMessage, reason: String) -> RowError {
+    RowError {
+        id: None,
+        aggregate_id: None,
+        reason,
+        raw: Some(Box::new(message::unreadable(&m.content))),
     }
 }
 

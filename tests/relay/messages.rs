@@ -1,0 +1,295 @@
+//! The table-less outbox (`source.cdc.messages`): events written as
+//! transactional logical messages, through the function `migrate` installs
+//! or by hand. Delivered on both brokers beside rows, in order, never when
+//! rolled back, none lost across SIGKILLs; a malformed or non-transactional
+//! message is dead-lettered with its reason.
+
+use crate::dead_letters::dlq_list;
+use crate::support::*;
+use serde_json::{Value, json};
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+/// The function `migrate` installs for the table `outbox`.
+const EMIT: &str = "outbox_relay_emit_outbox";
+
+async fn setup_messages(kind: Kind, sets: &[(&str, &str)]) -> (TestDb, Broker, String) {
+    let mut all = vec![("source.cdc.messages", "true")];
+    all.extend_from_slice(sets);
+    setup(Mode::Cdc, kind, &["order"], &all).await
+}
+
+/// Writes one event as a message through the installed function; returns its id.
+async fn emit(c: &Client, aggregate: &str, payload: Value) -> String {
+    let id: Uuid = c
+        .query_one(
+            &format!("SELECT {EMIT}('order', $1, 'OrderPlaced', $2)"),
+            &[&aggregate, &payload],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    id.to_string()
+}
+
+/// `data.i` of each message of `aggregate`, in arrival order, first deliveries only.
+fn sequence(got: &[crate::support::brokers::Received], aggregate: &str) -> Vec<i64> {
+    let mut seen = HashSet::new();
+    got.iter()
+        .filter(|m| seen.insert(m.event_id()))
+        .map(|m| m.json())
+        .filter(|j| j["subject"] == aggregate)
+        .map(|j| j["data"]["i"].as_i64().unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_and_rows_flow_in_order_and_rollbacks_stay_out_kafka() {
+    messages_and_rows_flow_in_order_and_rollbacks_stay_out(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_and_rows_flow_in_order_and_rollbacks_stay_out_rabbitmq() {
+    messages_and_rows_flow_in_order_and_rollbacks_stay_out(Kind::Rabbit).await;
+}
+
+async fn messages_and_rows_flow_in_order_and_rollbacks_stay_out(kind: Kind) {
+    let (db, broker, toml) = setup_messages(kind, &[]).await;
+    // Migrating again finds nothing to do: the function is in place.
+    let opts = outbox_relay::migrate::MigrateOptions::from_config(&parse(&toml), false);
+    let again = outbox_relay::migrate::plan(&db.client, &opts)
+        .await
+        .unwrap();
+    assert!(again.is_empty(), "{again:?}");
+    let relay = InProcess::start(parse(&toml));
+    // Streaming: each start first publishes the table's unsent rows, which
+    // would put rows written meanwhile before messages of their transactions.
+    let first = emit(&db.client, "first", json!({"i": 0})).await;
+    broker.inbox().wait_ids(&[first.clone()], WAIT).await;
+    let mut expected = vec![first];
+    let mut rolled_back = Vec::new();
+    for i in 0..30i64 {
+        if i % 10 == 5 {
+            // Written, then rolled back: never published.
+            db.client.batch_execute("BEGIN").await.unwrap();
+            rolled_back.push(emit(&db.client, "m", json!({"i": -1})).await);
+            db.client.batch_execute("ROLLBACK").await.unwrap();
+        }
+        if i % 3 == 0 {
+            // A row and a message of one aggregate in one transaction.
+            db.client.batch_execute("BEGIN").await.unwrap();
+            let row = Uuid::new_v4();
+            db.insert(row, "order", "both", json!({"i": 2 * i})).await;
+            expected.push(row.to_string());
+            expected.push(emit(&db.client, "both", json!({"i": 2 * i + 1})).await);
+            db.client.batch_execute("COMMIT").await.unwrap();
+        }
+        expected.push(emit(&db.client, "m", json!({"i": i})).await);
+    }
+    // By hand, with headers and a version; arrives after everything above.
+    let by_hand = Uuid::new_v4().to_string();
+    let content = json!({"id": by_hand, "aggregate_type": "order", "aggregate_id": "m",
+        "event_type": "OrderShipped", "event_version": 2, "payload": {"i": 30, "note": null},
+        "headers": {"tenant": "acme"}});
+    db.client
+        .execute(
+            "SELECT pg_logical_emit_message(true, 'outbox_relay_outbox', $1::text)",
+            &[&content.to_string()],
+        )
+        .await
+        .unwrap();
+    expected.push(by_hand.clone());
+    let got = broker.inbox().wait_ids(&expected, WAIT).await;
+    // Commit order is stream order: a rolled-back message would have come before the last.
+    let delivered: HashSet<String> = got.iter().map(|m| m.event_id()).collect();
+    for id in &rolled_back {
+        assert!(
+            !delivered.contains(id),
+            "rolled-back message {id} was published"
+        );
+    }
+    assert_eq!(sequence(&got, "m"), (0..=30).collect::<Vec<_>>());
+    let both = sequence(&got, "both");
+    assert_eq!(both.len(), 20);
+    assert!(both.windows(2).all(|w| w[0] < w[1]), "{both:?}");
+    let last = got.iter().find(|m| m.event_id() == by_hand).unwrap();
+    let body = last.json();
+    assert_eq!(body["type"], "OrderShipped");
+    assert_eq!(body["data"], json!({"i": 30, "note": null}));
+    assert_eq!(last.header("tenant"), Some("acme"));
+    // Messages are not rows: nothing of them is in the table.
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 10);
+    relay.stop().await;
+    let (code, out, err) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains(EMIT), "{out}");
+}
+
+/// Emits `n` messages over eight aggregates at a steady pace.
+fn start_emitter(url: String, n: i64) -> tokio::task::JoinHandle<Vec<String>> {
+    tokio::spawn(async move {
+        let c = connect(&url).await;
+        let mut ids = Vec::new();
+        for i in 0..n {
+            ids.push(emit(&c, &format!("agg{}", i % 8), json!({"i": i})).await);
+            if i % 10 == 0 {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+        }
+        ids
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkills_lose_no_message_and_repeat_at_most_the_window() {
+    const WINDOW: usize = 100;
+    const KILLS: usize = 2;
+    let (db, broker, toml) = setup_messages(
+        Kind::Kafka,
+        &[
+            ("source.cdc.status_interval", "\"10s\""),
+            ("relay.max_in_flight", "100"),
+            ("relay.ownership_lease", "\"1s\""),
+        ],
+    )
+    .await;
+    let emitter = start_emitter(db.url.clone(), 1500);
+    for _ in 0..KILLS {
+        let mut child = ChildRelay::start(&toml);
+        let before = broker.inbox().len();
+        wait_for(WAIT, "the relay to publish", || async {
+            (broker.inbox().len() >= before + 300).then_some(())
+        })
+        .await;
+        child.kill();
+    }
+    let ids = emitter.await.unwrap();
+    let mut child = ChildRelay::start(&toml);
+    let got = broker.inbox().wait_ids(&ids, Duration::from_secs(60)).await;
+    let duplicates = got.len() - ids.len();
+    println!(
+        "{} messages, {KILLS} SIGKILLs, {duplicates} duplicates",
+        ids.len()
+    );
+    // Like rows without marking, only the slot says what was sent.
+    assert!(
+        duplicates <= KILLS * 2 * WINDOW,
+        "{duplicates} duplicates exceed {KILLS} kills x {}",
+        2 * WINDOW
+    );
+    let mut per_agg: HashMap<String, Vec<i64>> = HashMap::new();
+    let mut seen = HashSet::new();
+    for m in &got {
+        if seen.insert(m.event_id()) {
+            let body = m.json();
+            per_agg
+                .entry(body["subject"].as_str().unwrap().to_owned())
+                .or_default()
+                .push(body["data"]["i"].as_i64().unwrap());
+        }
+    }
+    for (agg, order) in per_agg {
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{agg}: {order:?}");
+    }
+    assert_eq!(child.terminate().code(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_untransactional_messages_are_dead_lettered_with_the_reason() {
+    let (db, broker, toml) = setup_messages(Kind::Rabbit, &[]).await;
+    let path = config_file(&toml);
+    let relay = InProcess::start(parse(&toml));
+    let no_aggregate = Uuid::new_v4().to_string();
+    let untransactional = Uuid::new_v4().to_string();
+    let write = |transactional: bool, prefix: &'static str, content: String| {
+        let c = &db.client;
+        async move {
+            c.execute(
+                "SELECT pg_logical_emit_message($1, $2::text, $3::text)",
+                &[&transactional, &prefix, &content],
+            )
+            .await
+            .unwrap();
+        }
+    };
+    write(true, "outbox_relay_outbox", "not json".into()).await;
+    write(
+        true,
+        "outbox_relay_outbox",
+        json!({"id": no_aggregate, "aggregate_type": "order", "event_type": "E"}).to_string(),
+    )
+    .await;
+    write(
+        false,
+        "outbox_relay_outbox",
+        json!({"id": untransactional, "aggregate_type": "order", "aggregate_id": "u",
+            "event_type": "E", "payload": {}})
+        .to_string(),
+    )
+    .await;
+    // Another prefix is someone else's: neither published nor dead-lettered.
+    write(true, "some_other_tool", "{}".into()).await;
+    let good = emit(&db.client, "g", json!({"i": 0})).await;
+    broker
+        .inbox()
+        .wait_ids(std::slice::from_ref(&good), WAIT)
+        .await;
+    let letters = wait_for(WAIT, "three dead letters", || {
+        let path = path.clone();
+        async move {
+            let l = dlq_list(&path);
+            (l.len() >= 3).then_some(l)
+        }
+    })
+    .await;
+    assert_eq!(letters.len(), 3, "{letters:?}");
+    // The untransactional one is sent as soon as it is decoded, so the order varies.
+    let reason = |says: &str| {
+        letters
+            .iter()
+            .find(|l| l["reason"].as_str().unwrap().contains(says))
+            .unwrap_or_else(|| panic!("no dead letter says {says:?}: {letters:?}"))
+    };
+    reason("not a JSON object");
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM outbox_dead_letters
+             WHERE reason LIKE '%not a JSON object%' AND payload = 'not json'"
+        )
+        .await,
+        1,
+        "the content is kept"
+    );
+    let missing = reason("logical message: aggregate_id is NULL");
+    assert_eq!(missing["id"], no_aggregate);
+    assert_eq!(reason("transactional = false")["id"], untransactional);
+    assert_eq!(
+        broker.inbox().len(),
+        1,
+        "only the good message was published"
+    );
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_marking_an_aggregate_written_both_ways_keeps_its_order_across_a_start() {
+    // Everything comes from the WAL, in commit order: no start-up read of
+    // the table puts rows ahead of messages.
+    let (db, broker, toml) = setup_messages(Kind::Rabbit, &[("relay.mark", "\"none\"")]).await;
+    let mut expected = Vec::new();
+    for i in 0..20i64 {
+        if i % 2 == 0 {
+            let row = Uuid::new_v4();
+            db.insert(row, "order", "both", json!({"i": i})).await;
+            expected.push(row.to_string());
+        } else {
+            expected.push(emit(&db.client, "both", json!({"i": i})).await);
+        }
+    }
+    let relay = InProcess::start(parse(&toml));
+    let got = broker.inbox().wait_ids(&expected, WAIT).await;
+    assert_eq!(sequence(&got, "both"), (0..20).collect::<Vec<_>>());
+    relay.stop().await;
+}
