@@ -67,7 +67,10 @@ async fn messages_and_rows_flow_in_order_and_rollbacks_stay_out(kind: Kind) {
     // Streaming: each start first publishes the table's unsent rows, which
     // would put rows written meanwhile before messages of their transactions.
     let first = emit(&db.client, "first", json!({"i": 0})).await;
-    broker.inbox().wait_ids(&[first.clone()], WAIT).await;
+    broker
+        .inbox()
+        .wait_ids(std::slice::from_ref(&first), WAIT)
+        .await;
     let mut expected = vec![first];
     let mut rolled_back = Vec::new();
     for i in 0..30i64 {
