@@ -40,6 +40,11 @@ pub async fn apply_files(client: &Client, files: &[(String, String)]) {
 
 /// The files a database in `mode` needs: the common ones, and the publication in CDC mode.
 pub fn files_for(mode: Mode) -> Vec<(String, String)> {
+    files_with(mode, false)
+}
+
+/// The files for `mode`, and with `messages` those of `source.cdc.messages`.
+fn files_with(mode: Mode, messages: bool) -> Vec<(String, String)> {
     let mut files = migration_files("");
     assert!(
         files.len() >= 4,
@@ -47,6 +52,9 @@ pub fn files_for(mode: Mode) -> Vec<(String, String)> {
     );
     if mode == Mode::Cdc {
         files.extend(migration_files("cdc"));
+    }
+    if messages {
+        files.extend(migration_files("messages"));
     }
     files
 }
@@ -106,14 +114,20 @@ fn write_config(toml: &str) -> std::path::PathBuf {
 /// Applies the files (twice: they must be safe to run again) to one database
 /// and `outbox-relay migrate` to another; then `check` passes on the first,
 /// `migrate --dry-run` finds nothing left but `left`, and the catalogs agree.
-async fn files_match_migrate(mode: Mode, left: &[&str]) {
+async fn files_match_migrate(mode: Mode, messages: bool, left: &[&str]) {
     let by_files = TestDb::new().await;
     let by_migrate = TestDb::new().await;
-    let files = files_for(mode);
+    let files = files_with(mode, messages);
     apply_files(&by_files.client, &files).await;
     apply_files(&by_files.client, &files).await;
 
-    let config = |url: &str| with_mode(&base_toml(url, &rabbit_sink()), mode);
+    let config = |url: &str| {
+        let toml = with_mode(&base_toml(url, &rabbit_sink()), mode);
+        match messages {
+            true => set(&toml, "source.cdc.messages", "true"),
+            false => toml,
+        }
+    };
     let files_config = write_config(&config(&by_files.url));
     let files_config = files_config.to_str().unwrap();
     let (code, out, err) = run_cli(&["check", "--config", files_config], &[]);
@@ -168,10 +182,15 @@ async fn files_match_migrate(mode: Mode, left: &[&str]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_files_make_what_migrate_makes_for_polling() {
-    files_match_migrate(Mode::Polling, &[]).await;
+    files_match_migrate(Mode::Polling, false, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_files_make_what_migrate_makes_for_cdc_but_the_slot() {
-    files_match_migrate(Mode::Cdc, &["create logical replication slot"]).await;
+    files_match_migrate(Mode::Cdc, false, &["create logical replication slot"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_files_make_what_migrate_makes_for_logical_messages_but_the_slot() {
+    files_match_migrate(Mode::Cdc, true, &["create logical replication slot"]).await;
 }
