@@ -85,6 +85,11 @@ impl Backend for SimBackend {
                     SimCdc::new(
                         self.world.clone(),
                         config.source.cdc.recreates_lost_slot(config.relay.mark),
+                        config
+                            .source
+                            .cdc
+                            .message_prefix(&config.outbox.table)
+                            .unwrap_or_default(),
                     ),
                     &config.outbox.table,
                     &columns,

@@ -35,6 +35,10 @@ pub struct Params {
     pub transactions: usize,
     pub aggregates: usize,
     pub faults: usize,
+    /// CDC: some events are logical messages (`source.cdc.messages`); with
+    /// rows marked, the odd aggregates' (one aggregate is written one way),
+    /// without marking, any event's.
+    pub messages: bool,
 }
 
 impl Params {
@@ -74,7 +78,17 @@ impl Params {
             } else {
                 rng.usize(300..6000)
             },
+            messages: mode == SourceMode::Cdc && rng.u32(0..3) == 0,
         }
+    }
+
+    /// Whether an event of aggregate `a` goes as a logical message.
+    fn as_message(&self, a: usize, rng: &mut fastrand::Rng) -> bool {
+        self.messages
+            && match self.mark {
+                MarkMode::None => rng.bool(),
+                _ => a % 2 == 1,
+            }
     }
 
     fn toml(&self) -> String {
@@ -106,6 +120,8 @@ mode = "{mode}"
 batch_size = {batch}
 [source.polling]
 poll_interval = "1s"
+[source.cdc]
+messages = {messages}
 [relay]
 mark = "{mark}"
 max_in_flight = {window}
@@ -130,6 +146,7 @@ enabled = false
 "#,
             mode = self.mode.name(),
             batch = self.batch_size,
+            messages = self.messages,
             mark = match self.mark {
                 MarkMode::Update => "update",
                 MarkMode::Delete => "delete",
@@ -506,7 +523,11 @@ async fn write(world: Shared, mut rng: fastrand::Rng, params: Params) {
                     },
                 );
                 let event_type = ["Created", "Changed", "Closed"][rng.usize(0..3)];
-                w.insert(xid, &id, &format!("a{a}"), event_type, headers);
+                if params.as_message(a, &mut rng) {
+                    w.emit_message(xid, &id, &format!("a{a}"), event_type, headers);
+                } else {
+                    w.insert(xid, &id, &format!("a{a}"), event_type, headers);
+                }
             }
             xid
         };
@@ -555,7 +576,11 @@ async fn fault(
             // While no relay streams, WAL the slot needed may be removed
             // (max_slot_wal_keep_size); with rows marked the relay recreates
             // the slot and the table holds what the lost WAL did.
-            if params.mode == SourceMode::Cdc && params.mark != MarkMode::None && rng.u32(0..4) == 0
+            // Not with logical messages: a lost slot stops the relay then.
+            if params.mode == SourceMode::Cdc
+                && params.mark != MarkMode::None
+                && !params.messages
+                && rng.u32(0..4) == 0
             {
                 let mut w = lock(world);
                 if w.slot_active.is_none() {

@@ -50,6 +50,9 @@ pub struct Row {
     pub headers: String,
     pub xid: u64,
     pub sent: bool,
+    /// Written as a logical message (`source.cdc.messages`): in the WAL
+    /// only, never in the table.
+    pub message: bool,
 }
 
 impl Row {
@@ -278,9 +281,27 @@ impl World {
                 headers: headers.to_owned(),
                 xid,
                 sent: false,
+                message: false,
             },
         );
         seq
+    }
+
+    /// Like [`World::insert`], but the event is a logical message: the
+    /// stream carries it, no table read sees it and nothing marks it.
+    pub fn emit_message(
+        &mut self,
+        xid: u64,
+        id: &str,
+        aggregate: &str,
+        event_type: &str,
+        headers: &str,
+    ) {
+        let seq = self.insert(xid, id, aggregate, event_type, headers);
+        if let Some(r) = self.rows.get_mut(&seq) {
+            r.message = true;
+        }
+        self.note(format!("(event {id} is a logical message)"));
     }
 
     /// Commits: the rows become visible and the transaction enters the WAL.
@@ -374,7 +395,7 @@ impl World {
     pub fn unsent(&self) -> impl Iterator<Item = &Row> {
         self.rows
             .values()
-            .filter(|r| !r.sent && self.committed(r.xid))
+            .filter(|r| !r.sent && !r.message && self.committed(r.xid))
     }
 
     // ----- the slot -----

@@ -225,6 +225,11 @@ impl<S: CdcStream> Streaming<S> {
                         "an Insert arrived outside a transaction".into(),
                     ));
                 };
+                // Counted even when skipped: an event's index is its place in
+                // the transaction, the same whether or not the rows are
+                // skipped, so a logical message after them keeps its position.
+                let index = tx.next_index;
+                tx.next_index += 1;
                 if tx.skip {
                     return Ok(Step::Continue);
                 }
@@ -246,11 +251,10 @@ impl<S: CdcStream> Streaming<S> {
                 };
                 let position = CdcPosition {
                     commit_lsn: tx.commit_lsn,
-                    index: tx.next_index,
+                    index,
                     seq: text(cols.seq).and_then(|s| s.parse().ok()),
                     xid: Some(tx.xid),
                 };
-                tx.next_index += 1;
                 if lock(progress).event(&position) {
                     out.push(SourcedEvent::new(position, raw.decode(tx.commit_time)));
                 }
