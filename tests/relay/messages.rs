@@ -296,3 +296,42 @@ async fn without_marking_an_aggregate_written_both_ways_keeps_its_order_across_a
     assert_eq!(sequence(&got, "both"), (0..20).collect::<Vec<_>>());
     relay.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_routes_by_the_key_column_it_carries() {
+    let (db, broker, toml) = setup_messages(Kind::Kafka, &[]).await;
+    db.client
+        .batch_execute("ALTER TABLE outbox ADD COLUMN route_key text")
+        .await
+        .unwrap();
+    let toml = set(&toml, "outbox.columns.key", "\"route_key\"");
+    let relay = InProcess::start(parse(&toml));
+    let keyed: Uuid = db
+        .client
+        .query_one(
+            &format!(
+                "SELECT {EMIT}('order', 'o-1', 'E', '{{}}', extra => '{{\"route_key\": \"k-9\"}}')"
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let plain = emit(&db.client, "o-1", json!({"i": 1})).await;
+    let got = broker
+        .inbox()
+        .wait_ids(&[keyed.to_string(), plain.clone()], WAIT)
+        .await;
+    let key = |id: &str| got.iter().find(|m| m.event_id() == id).unwrap().key.clone();
+    assert_eq!(
+        key(&keyed.to_string()).as_deref(),
+        Some("k-9"),
+        "the message's key column"
+    );
+    assert_eq!(
+        key(&plain).as_deref(),
+        Some("o-1"),
+        "no value: the aggregate id"
+    );
+    relay.stop().await;
+}
