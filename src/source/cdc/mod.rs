@@ -26,6 +26,7 @@
 //! min(`source.cdc.status_interval`, `wal_sender_timeout`/2), also while the
 //! relay applies backpressure by not reading the stream.
 
+mod acker;
 pub mod message;
 pub mod progress;
 pub mod server;
@@ -33,19 +34,17 @@ pub mod setup;
 pub mod snapshot;
 mod stream;
 
+pub use acker::CdcAcker;
 pub use progress::{CdcPosition, Progress};
 pub use server::{CdcServer, CdcStream, PgServer, StreamMessage, TableRow, Timing};
 pub use stream::SharedProgress;
 
-use super::record::{RowRecorder, RowStore};
-use super::{Acker, Reader, SourceError, SourcedEvent};
+use super::{Reader, SourceError, SourcedEvent};
 use crate::config::{Config, MarkMode};
-use crate::dead_letter::DeadLetter;
 use crate::outbox::{ResolvedColumns, TableName};
 use crate::replication::Lsn;
 use progress::CATCH_UP;
 use snapshot::StartupView;
-use std::collections::HashSet;
 use std::time::Duration;
 use stream::{Step, Streaming, lock};
 use tokio::time::Instant;
@@ -513,109 +512,5 @@ impl<B: CdcServer> Reader for CdcReader<B> {
             },
             _ => std::future::pending().await,
         }
-    }
-}
-
-/// Marks confirmed rows (when marking) on the ownership connection, then
-/// confirms their positions so the flushed WAL position can advance.
-pub struct CdcAcker<S = RowRecorder> {
-    recorder: S,
-    progress: SharedProgress,
-    marks_rows: bool,
-}
-
-impl<S: RowStore> CdcAcker<S> {
-    /// `marks_rows`: `relay.mark` is `update` or `delete`.
-    pub fn new(recorder: S, progress: SharedProgress, marks_rows: bool) -> Self {
-        CdcAcker {
-            recorder,
-            progress,
-            marks_rows,
-        }
-    }
-}
-
-impl<S: RowStore> Acker for CdcAcker<S> {
-    type Position = CdcPosition;
-
-    async fn ack(&mut self, positions: Vec<CdcPosition>) -> Result<(), SourceError> {
-        let seqs: Vec<i64> = positions.iter().filter_map(|p| p.seq).collect();
-        if !seqs.is_empty() {
-            self.recorder
-                .wait_visible(positions.iter().filter_map(|p| p.xid).collect())
-                .await?;
-        }
-        self.recorder.mark(&seqs).await?;
-        let mut progress = lock(&self.progress);
-        for p in &positions {
-            progress.confirm(p);
-        }
-        Ok(())
-    }
-
-    async fn dead_letter(
-        &mut self,
-        letters: Vec<DeadLetter<CdcPosition>>,
-    ) -> Result<HashSet<String>, SourceError> {
-        self.recorder
-            .wait_visible(letters.iter().filter_map(|l| l.position.xid).collect())
-            .await?;
-        let w = self.recorder.dead_letter(&letters).await?;
-        // A dead letter is as durable as a delivery: its position is done.
-        let mut progress = lock(&self.progress);
-        for i in &w.written {
-            progress.confirm(&letters[*i].position);
-        }
-        Ok(w.resolved)
-    }
-
-    async fn open_dead_letters(&mut self) -> Result<HashSet<String>, SourceError> {
-        self.recorder.open_dead_letters().await
-    }
-
-    /// With rows marked, a held-back row stays unsent in the table and the
-    /// start-up read of the next start or rewind finds it: the slot need not
-    /// wait for it. Without marking, or for a logical message (no `seq`),
-    /// the WAL is its only record, so it does.
-    fn release(&mut self, positions: Vec<CdcPosition>) {
-        if self.marks_rows {
-            let mut progress = lock(&self.progress);
-            for p in positions.iter().filter(|p| p.seq.is_some()) {
-                progress.release(p);
-            }
-        }
-    }
-
-    async fn requested_letters(
-        &mut self,
-    ) -> Result<Vec<crate::dead_letter::Requested>, SourceError> {
-        self.recorder.requested_letters().await
-    }
-
-    async fn letters_sent(&mut self, ids: Vec<i64>) -> Result<(), SourceError> {
-        self.recorder.letters_sent(&ids).await
-    }
-
-    async fn letter_refused(
-        &mut self,
-        id: i64,
-        reason: String,
-        counts: bool,
-    ) -> Result<(), SourceError> {
-        self.recorder.letter_refused(id, &reason, counts).await
-    }
-
-    async fn heartbeat(&mut self) -> Result<(), SourceError> {
-        self.recorder.heartbeat().await
-    }
-}
-
-impl super::RowPosition for CdcPosition {
-    fn seq(&self) -> Option<i64> {
-        self.seq
-    }
-
-    fn wal(&self) -> Option<(Lsn, u64)> {
-        (self.commit_lsn != CATCH_UP).then_some((self.commit_lsn, self.index))
     }
 }

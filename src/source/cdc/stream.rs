@@ -8,7 +8,8 @@ use super::snapshot::StartupView;
 use crate::outbox::{RawRow, ResolvedColumns, RowError, SEQ_COLUMN, TableName};
 use crate::replication::Lsn;
 use crate::replication::pgoutput::{
-    LogicalDecodingMessage, LogicalMessage, MessageKind, RelationCache, TupleValue,
+    Insert, LogicalDecodingMessage, LogicalMessage, MessageKind, Relation, RelationCache,
+    TupleValue,
 };
 use crate::source::{SourceError, SourcedEvent};
 use chrono::{DateTime, Utc};
@@ -172,94 +173,8 @@ impl<S: CdcStream> Streaming<S> {
                 }
                 Ok(Step::Committed)
             }
-            LogicalMessage::Relation(r) => {
-                if r.namespace == table.schema && r.name == table.name {
-                    let index = |name: &str| {
-                        r.column_index(name).ok_or_else(|| {
-                            SourceError::Setup(format!(
-                                "the replicated table {table} has no column {name:?}; check [outbox.columns] \
-                                 and the publication's column list"
-                            ))
-                        })
-                    };
-                    let mut contract = [None; 8];
-                    for (slot, name) in contract.iter_mut().zip(columns.in_row_order()) {
-                        if let Some(name) = name {
-                            *slot = Some(index(name)?);
-                        }
-                    }
-                    let extra = columns
-                        .extra
-                        .iter()
-                        .map(|name| Ok((name.clone(), index(name)?)))
-                        .collect::<Result<Vec<_>, SourceError>>()?;
-                    let seq = r.column_index(SEQ_COLUMN);
-                    if seq.is_none() && self.needs_seq {
-                        // Without it no row could be marked sent: every one
-                        // would be sent again after each restart.
-                        return Err(SourceError::Setup(format!(
-                            "the publication does not replicate {SEQ_COLUMN} of {table}, which the relay marks rows by; \
-                             include it in the publication's column list (or publish all columns), or set relay.mark = \"none\""
-                        )));
-                    }
-                    self.outbox = Some(OutboxColumns {
-                        relation_id: r.id,
-                        contract,
-                        extra,
-                        seq,
-                    });
-                }
-                self.relations.apply(r);
-                Ok(Step::Continue)
-            }
-            LogicalMessage::Insert(insert) => {
-                let Some(cols) = self
-                    .outbox
-                    .as_ref()
-                    .filter(|c| c.relation_id == insert.relation_id)
-                else {
-                    return Ok(Step::Continue);
-                };
-                let Some(tx) = self.tx.as_mut() else {
-                    return Err(SourceError::Stream(
-                        "an Insert arrived outside a transaction".into(),
-                    ));
-                };
-                // Counted even when skipped: an event's index is its place in
-                // the transaction, the same whether or not the rows are
-                // skipped, so a logical message after them keeps its position.
-                let index = tx.next_index;
-                tx.next_index += 1;
-                if tx.skip {
-                    return Ok(Step::Continue);
-                }
-                let text = |i: Option<usize>| match i.and_then(|i| insert.tuple.get(i)) {
-                    Some(TupleValue::Text(b)) => Some(String::from_utf8_lossy(b).into_owned()),
-                    _ => None,
-                };
-                let c = cols.contract;
-                let raw = RawRow {
-                    id: text(c[0]),
-                    aggregate_type: text(c[1]),
-                    aggregate_id: text(c[2]),
-                    event_type: text(c[3]),
-                    event_version: text(c[4]),
-                    payload: text(c[5]),
-                    headers: text(c[6]),
-                    created_at: text(c[7]),
-                    extra: extra_object(&cols.extra, |i| text(Some(i))),
-                };
-                let position = CdcPosition {
-                    commit_lsn: tx.commit_lsn,
-                    index,
-                    seq: text(cols.seq).and_then(|s| s.parse().ok()),
-                    xid: Some(tx.xid),
-                };
-                if lock(progress).event(&position) {
-                    out.push(SourcedEvent::new(position, raw.decode(tx.commit_time)));
-                }
-                Ok(Step::Continue)
-            }
+            LogicalMessage::Relation(r) => self.relation(r, table, columns),
+            LogicalMessage::Insert(insert) => self.insert(insert, progress, out),
             LogicalMessage::Update(u) => Ok(self.ignored(MessageKind::Update, u.relation_id)),
             LogicalMessage::Delete(d) => Ok(self.ignored(MessageKind::Delete, d.relation_id)),
             LogicalMessage::Truncate(_) => {
@@ -269,6 +184,110 @@ impl<S: CdcStream> Streaming<S> {
             LogicalMessage::Message(m) => self.message(m, columns, progress, out),
             LogicalMessage::Origin(_) | LogicalMessage::Type(_) => Ok(Step::Continue),
         }
+    }
+
+    /// A Relation message: the outbox table's column positions are learnt
+    /// (and checked) from it; every relation is cached for decoding.
+    fn relation(
+        &mut self,
+        r: Relation,
+        table: &TableName,
+        columns: &ResolvedColumns,
+    ) -> Result<Step, SourceError> {
+        if r.namespace == table.schema && r.name == table.name {
+            let index = |name: &str| {
+                r.column_index(name).ok_or_else(|| {
+                    SourceError::Setup(format!(
+                        "the replicated table {table} has no column {name:?}; check [outbox.columns] \
+                         and the publication's column list"
+                    ))
+                })
+            };
+            let mut contract = [None; 8];
+            for (slot, name) in contract.iter_mut().zip(columns.in_row_order()) {
+                if let Some(name) = name {
+                    *slot = Some(index(name)?);
+                }
+            }
+            let extra = columns
+                .extra
+                .iter()
+                .map(|name| Ok((name.clone(), index(name)?)))
+                .collect::<Result<Vec<_>, SourceError>>()?;
+            let seq = r.column_index(SEQ_COLUMN);
+            if seq.is_none() && self.needs_seq {
+                // Without it no row could be marked sent: every one
+                // would be sent again after each restart.
+                return Err(SourceError::Setup(format!(
+                    "the publication does not replicate {SEQ_COLUMN} of {table}, which the relay marks rows by; \
+                     include it in the publication's column list (or publish all columns), or set relay.mark = \"none\""
+                )));
+            }
+            self.outbox = Some(OutboxColumns {
+                relation_id: r.id,
+                contract,
+                extra,
+                seq,
+            });
+        }
+        self.relations.apply(r);
+        Ok(Step::Continue)
+    }
+
+    /// An Insert: an event when it is a row of the outbox table that the
+    /// start-up read did not already publish.
+    fn insert(
+        &mut self,
+        insert: Insert,
+        progress: &Mutex<Progress>,
+        out: &mut Vec<SourcedEvent<CdcPosition>>,
+    ) -> Result<Step, SourceError> {
+        let Some(cols) = self
+            .outbox
+            .as_ref()
+            .filter(|c| c.relation_id == insert.relation_id)
+        else {
+            return Ok(Step::Continue);
+        };
+        let Some(tx) = self.tx.as_mut() else {
+            return Err(SourceError::Stream(
+                "an Insert arrived outside a transaction".into(),
+            ));
+        };
+        // Counted even when skipped: an event's index is its place in
+        // the transaction, the same whether or not the rows are
+        // skipped, so a logical message after them keeps its position.
+        let index = tx.next_index;
+        tx.next_index += 1;
+        if tx.skip {
+            return Ok(Step::Continue);
+        }
+        let text = |i: Option<usize>| match i.and_then(|i| insert.tuple.get(i)) {
+            Some(TupleValue::Text(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+            _ => None,
+        };
+        let c = cols.contract;
+        let raw = RawRow {
+            id: text(c[0]),
+            aggregate_type: text(c[1]),
+            aggregate_id: text(c[2]),
+            event_type: text(c[3]),
+            event_version: text(c[4]),
+            payload: text(c[5]),
+            headers: text(c[6]),
+            created_at: text(c[7]),
+            extra: extra_object(&cols.extra, |i| text(Some(i))),
+        };
+        let position = CdcPosition {
+            commit_lsn: tx.commit_lsn,
+            index,
+            seq: text(cols.seq).and_then(|s| s.parse().ok()),
+            xid: Some(tx.xid),
+        };
+        if lock(progress).event(&position) {
+            out.push(SourcedEvent::new(position, raw.decode(tx.commit_time)));
+        }
+        Ok(Step::Continue)
     }
 
     /// A logical decoding message: an event when it carries the events'
