@@ -1,7 +1,7 @@
 //! What must hold after a schedule (the online checks, marking and slot
 //! acknowledgement and zombie publishing, are in the world itself).
 
-use super::scenario::Params;
+use super::params::Params;
 use super::world::World;
 use crate::config::{HoldPolicy, MarkMode, SourceMode};
 use std::collections::{BTreeMap, BTreeSet};

@@ -22,6 +22,7 @@ mod backend;
 mod cdc;
 mod check;
 mod db;
+mod params;
 mod scenario;
 mod sink;
 mod world;

@@ -4,8 +4,9 @@
 use super::backend::SimBackend;
 use super::check;
 use super::db::admin;
+use super::params::Params;
 use super::world::{BrokerKind, EventFacts, Poison, Shared, World, lock};
-use crate::config::{Config, HoldPolicy, MarkMode, SourceMode};
+use crate::config::{Config, MarkMode, SourceMode};
 use crate::dead_letter::admin::Target;
 use crate::relay::shards::{Balance, Shard};
 use crate::telemetry::PipelineTelemetry;
@@ -16,152 +17,6 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-
-/// The settings of one schedule.
-#[derive(Debug, Clone)]
-pub struct Params {
-    pub mode: SourceMode,
-    pub mark: MarkMode,
-    pub kafka: bool,
-    pub topic_per_type: bool,
-    pub policy: HoldPolicy,
-    pub dead_letter: bool,
-    pub max_attempts: u32,
-    pub max_in_flight: usize,
-    /// The byte budget: unbounded in effect, or a few events' worth.
-    pub max_in_flight_bytes: usize,
-    pub batch_size: usize,
-    pub instances: usize,
-    pub transactions: usize,
-    pub aggregates: usize,
-    pub faults: usize,
-    /// CDC: some events are logical messages (`source.cdc.messages`); with
-    /// rows marked, the odd aggregates' (one aggregate is written one way),
-    /// without marking, any event's.
-    pub messages: bool,
-}
-
-impl Params {
-    fn random(rng: &mut fastrand::Rng) -> Self {
-        let mode = if rng.bool() {
-            SourceMode::Polling
-        } else {
-            SourceMode::Cdc
-        };
-        let mark = match (mode, rng.u32(0..3)) {
-            (_, 0) => MarkMode::Update,
-            (_, 1) => MarkMode::Delete,
-            (SourceMode::Cdc, _) => MarkMode::None,
-            _ => MarkMode::Update,
-        };
-        let kafka = rng.bool();
-        Params {
-            mode,
-            mark,
-            kafka,
-            topic_per_type: rng.bool(),
-            policy: if mode == SourceMode::Polling && rng.u32(0..3) == 0 {
-                HoldPolicy::Wait
-            } else {
-                HoldPolicy::Follow
-            },
-            dead_letter: rng.u32(0..8) != 0,
-            max_attempts: rng.u32(1..5),
-            max_in_flight: rng.usize(3..40),
-            batch_size: rng.usize(1..30),
-            instances: rng.usize(1..3),
-            transactions: rng.usize(20..120),
-            aggregates: rng.usize(2..12),
-            faults: rng.usize(0..12),
-            max_in_flight_bytes: if rng.bool() {
-                64 << 20
-            } else {
-                rng.usize(300..6000)
-            },
-            messages: mode == SourceMode::Cdc && rng.u32(0..3) == 0,
-        }
-    }
-
-    /// Whether an event of aggregate `a` goes as a logical message.
-    fn as_message(&self, a: usize, rng: &mut fastrand::Rng) -> bool {
-        self.messages
-            && match self.mark {
-                MarkMode::None => rng.bool(),
-                _ => a % 2 == 1,
-            }
-    }
-
-    fn toml(&self) -> String {
-        let sink = if self.kafka {
-            format!(
-                "type = \"kafka\"\nbrokers = \"sim:9092\"\ntopic = \"{}\"",
-                if self.topic_per_type {
-                    "t.{event_type}"
-                } else {
-                    "t"
-                }
-            )
-        } else {
-            format!(
-                "type = \"rabbitmq\"\nurl = \"amqp://sim\"\nexchange = \"x\"\nrouting_key = \"{}\"",
-                if self.topic_per_type {
-                    "{event_type}"
-                } else {
-                    "all"
-                }
-            )
-        };
-        format!(
-            r#"
-[database]
-url = "postgres://sim@sim/sim"
-[source]
-mode = "{mode}"
-batch_size = {batch}
-[source.polling]
-poll_interval = "1s"
-[source.cdc]
-messages = {messages}
-[relay]
-mark = "{mark}"
-max_in_flight = {window}
-confirm_timeout = "2s"
-shutdown_timeout = "5s"
-retry_base = "50ms"
-retry_max = "1s"
-reject_retry_base = "50ms"
-reject_retry_max = "500ms"
-standby_poll = "300ms"
-[dead_letter]
-enabled = {dl}
-max_attempts = {attempts}
-aggregate = "{policy}"
-refresh_interval = "500ms"
-[http]
-enabled = false
-[retention]
-enabled = false
-[sink]
-{sink}
-"#,
-            mode = self.mode.name(),
-            batch = self.batch_size,
-            messages = self.messages,
-            mark = match self.mark {
-                MarkMode::Update => "update",
-                MarkMode::Delete => "delete",
-                MarkMode::None => "none",
-            },
-            window = self.max_in_flight,
-            dl = self.dead_letter,
-            attempts = self.max_attempts,
-            policy = match self.policy {
-                HoldPolicy::Follow => "follow",
-                HoldPolicy::Wait => "wait",
-            },
-        )
-    }
-}
 
 /// Counts over many schedules.
 #[derive(Debug, Default)]
