@@ -305,6 +305,13 @@ pub enum DecodeError {
     },
 }
 
+impl DecodeError {
+    /// The server sends the same bytes again on a retry.
+    pub fn kind(&self) -> crate::errors::ErrorKind {
+        crate::errors::ErrorKind::Corrupt
+    }
+}
+
 /// Decodes the payload of one XLogData message (everything after its 25-byte header).
 pub fn decode(buf: Bytes) -> Result<LogicalMessage, DecodeError> {
     let tag = *buf.first().ok_or(DecodeError::Empty)?;

@@ -10,7 +10,7 @@
 //! <https://github.com/confluentinc/librdkafka/blob/master/INTRODUCTION.md#idempotent-producer>.
 
 use super::kafka_log::LogContext;
-use super::{Confirmation, Sink, SinkError};
+use super::{Confirmation, Reason, Sink, SinkError};
 use crate::config::KafkaConfig;
 use crate::envelope::routing::{self, Routing};
 use crate::envelope::{Field, Message, Template, destination};
@@ -51,9 +51,12 @@ impl KafkaSink {
         let producer: RelayProducer = client_config(config)
             .create_with_context(LogContext::default())
             .map_err(|e| {
-                SinkError::Fatal(format!(
-                    "cannot create the Kafka producer: {e}{}",
-                    keys_to_check(&e.to_string())
+                SinkError::Fatal(Reason::caused_by(
+                    format!(
+                        "cannot create the Kafka producer: {e}{}",
+                        keys_to_check(&e.to_string())
+                    ),
+                    e,
                 ))
             })?;
         let mut sink = KafkaSink {
@@ -88,9 +91,17 @@ impl KafkaSink {
                 .fetch_metadata(Some(&name), METADATA_TIMEOUT)
         })
         .await
-        .map_err(|e| SinkError::Unavailable(format!("metadata lookup task failed: {e}")))?
         .map_err(|e| {
-            SinkError::Unavailable(format!("cannot reach Kafka at {}: {e}", self.brokers))
+            SinkError::Unavailable(Reason::caused_by(
+                format!("metadata lookup task failed: {e}"),
+                e,
+            ))
+        })?
+        .map_err(|e| {
+            SinkError::Unavailable(Reason::caused_by(
+                format!("cannot reach Kafka at {}: {e}", self.brokers),
+                e,
+            ))
         })?;
         let found = metadata
             .topics()
@@ -100,7 +111,7 @@ impl KafkaSink {
         if !found {
             return Err(SinkError::Rejected(format!(
                 "topic {topic:?} does not exist and the broker did not create it; create the topic (or enable auto-creation on the broker)"
-            )));
+            ).into()));
         }
         self.known_topics.insert(topic.to_owned());
         Ok(())
@@ -117,7 +128,7 @@ fn render(
         Field::AggregateType => aggregate_type,
         Field::EventType => event_type,
     });
-    destination::kafka_topic(&topic).map_err(SinkError::Rejected)?;
+    destination::kafka_topic(&topic).map_err(SinkError::rejected)?;
     Ok(topic)
 }
 
@@ -129,7 +140,7 @@ fn topic_of(
 ) -> Result<String, SinkError> {
     let own = routing
         .destination(event, destination::kafka_topic, "sink.topic")
-        .map_err(SinkError::Rejected)?;
+        .map_err(SinkError::rejected)?;
     match own {
         Some(topic) => Ok(topic.to_owned()),
         None => render(template, &event.aggregate_type, &event.event_type),
@@ -140,7 +151,7 @@ fn topic_of(
 fn key_of<'a>(routing: &Routing, event: &'a OutboxEvent) -> Result<Option<&'a str>, SinkError> {
     routing
         .key(event, routing::any_value, "the aggregate id")
-        .map_err(SinkError::Rejected)
+        .map_err(SinkError::rejected)
 }
 
 /// Messages of one aggregate keep their order through a refusal only
@@ -244,16 +255,25 @@ fn classify(e: &KafkaError) -> SinkError {
             | C::UnknownTopicOrPartition
             | C::UnknownTopic
             | C::PolicyViolation,
-        ) => SinkError::Rejected(format!("Kafka refused the message: {e}")),
+        ) => SinkError::Rejected(Reason::caused_by(
+            format!("Kafka refused the message: {e}"),
+            e.clone(),
+        )),
         Some(
             C::SaslAuthenticationFailed
             | C::Authentication
             | C::ClusterAuthorizationFailed
             | C::TransactionalIdAuthorizationFailed,
-        ) => SinkError::Fatal(format!(
-            "Kafka refused the relay's credentials or permissions: {e}; check sink.sasl_username, sink.sasl_password, sink.ssl_cert and the ACLs"
+        ) => SinkError::Fatal(Reason::caused_by(
+            format!(
+                "Kafka refused the relay's credentials or permissions: {e}; check sink.sasl_username, sink.sasl_password, sink.ssl_cert and the ACLs"
+            ),
+            e.clone(),
         )),
-        _ => SinkError::Unavailable(format!("Kafka delivery failed: {e}")),
+        _ => SinkError::Unavailable(Reason::caused_by(
+            format!("Kafka delivery failed: {e}"),
+            e.clone(),
+        )),
     }
 }
 
@@ -269,10 +289,13 @@ impl Sink for KafkaSink {
         }
         let size = message.size();
         if size > self.max_bytes {
-            return Err(SinkError::Rejected(format!(
-                "message is {size} bytes, over sink.message_max_bytes ({})",
-                self.max_bytes
-            )));
+            return Err(SinkError::Rejected(
+                format!(
+                    "message is {size} bytes, over sink.message_max_bytes ({})",
+                    self.max_bytes
+                )
+                .into(),
+            ));
         }
         self.ensure_topic(&topic).await?;
         let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
@@ -321,21 +344,21 @@ impl Sink for KafkaSink {
 
     async fn probe(&mut self) -> Result<(), SinkError> {
         if let Some((code, reason)) = self.producer.client().fatal_error() {
-            return Err(SinkError::Unavailable(format!(
-                "the Kafka producer failed ({code:?}): {reason}"
-            )));
+            return Err(SinkError::Unavailable(
+                format!("the Kafka producer failed ({code:?}): {reason}").into(),
+            ));
         }
         let producer = self.producer.clone();
         tokio::task::spawn_blocking(move || producer.client().fetch_metadata(None, PROBE_TIMEOUT))
             .await
-            .map_err(|e| SinkError::Unavailable(format!("metadata lookup task failed: {e}")))?
+            .map_err(|e| SinkError::Unavailable(Reason::caused_by(format!("metadata lookup task failed: {e}"), e)))?
             .map(|_| ())
             .map_err(|e| {
-                SinkError::Unavailable(format!(
+                SinkError::Unavailable(Reason::caused_by(format!(
                     "cannot reach Kafka at {} within {}s: {e}; check sink.brokers and that the broker is up",
                     self.brokers,
                     PROBE_TIMEOUT.as_secs()
-                ))
+                ), e))
             })
     }
 
@@ -350,7 +373,7 @@ impl Sink for KafkaSink {
     }
 
     async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
-        destination::kafka_topic(name).map_err(SinkError::Rejected)?;
+        destination::kafka_topic(name).map_err(SinkError::rejected)?;
         self.ensure_topic(name).await?;
         Ok(format!("topic {name}"))
     }
@@ -477,7 +500,8 @@ mod tests {
             panic!("a bad topic value is a refusal");
         };
         assert!(
-            why.contains("column \"topic\" (outbox.columns.destination) holds \"no spaces\""),
+            why.to_string()
+                .contains("column \"topic\" (outbox.columns.destination) holds \"no spaces\""),
             "{why}"
         );
         // Without routing columns the lane is the template's topic, as before.

@@ -14,7 +14,7 @@
 //!
 //! `amqps://` is set up and its failures explained in [`super::amqps`].
 
-use super::{Confirmation, Sink, SinkError, amqps};
+use super::{Confirmation, Reason, Sink, SinkError, amqps};
 use crate::config::{RabbitMqConfig, redact_url};
 use crate::envelope::routing::Routing;
 use crate::envelope::{Field, Message, Template, destination};
@@ -143,14 +143,14 @@ pub struct RabbitMqSink {
 }
 
 fn unavailable(what: &str, e: lapin::Error) -> SinkError {
-    SinkError::Unavailable(format!("RabbitMQ {what} failed: {e}"))
+    SinkError::Unavailable(Reason::caused_by(format!("RabbitMQ {what} failed: {e}"), e))
 }
 
 fn short(s: &str, what: &str) -> Result<ShortString, SinkError> {
     ShortString::try_new(s).map_err(|_| {
-        SinkError::Rejected(format!(
-            "{what} {s:?} is over AMQP's 255-byte limit for short strings"
-        ))
+        SinkError::Rejected(
+            format!("{what} {s:?} is over AMQP's 255-byte limit for short strings").into(),
+        )
     })
 }
 
@@ -159,15 +159,21 @@ fn short(s: &str, what: &str) -> Result<ShortString, SinkError> {
 async fn connect_error(config: &RabbitMqConfig, shown: &str, e: &lapin::Error) -> SinkError {
     let text = e.to_string();
     if text.contains("ACCESS_REFUSED") || text.contains("403") {
-        return SinkError::Fatal(format!(
-            "RabbitMQ at {shown} refused the credentials: {text}; check the user and password in sink.url"
+        return SinkError::Fatal(Reason::caused_by(
+            format!(
+                "RabbitMQ at {shown} refused the credentials: {text}; check the user and password in sink.url"
+            ),
+            e.clone(),
         ));
     }
     if let Some(problem) = amqps::diagnose(config, shown).await {
         return problem;
     }
-    SinkError::Unavailable(format!(
-        "cannot connect to RabbitMQ at {shown}: {text}; check sink.url and that the broker is up"
+    SinkError::Unavailable(Reason::caused_by(
+        format!(
+            "cannot connect to RabbitMQ at {shown}: {text}; check sink.url and that the broker is up"
+        ),
+        e.clone(),
     ))
 }
 
@@ -185,7 +191,7 @@ impl RabbitMqSink {
                 "RabbitMQ at {shown} did not complete the connection within {}s (the server accepted it and went silent); \
                  check sink.url points at an AMQP port and that the broker is healthy",
                 CONNECT_LIMIT.as_secs()
-            ))),
+            ).into())),
         }
     }
 
@@ -193,8 +199,12 @@ impl RabbitMqSink {
         let shown = shown.to_owned();
         let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
         let tls = amqps::tls_config(config)?;
-        let runtime = lapin::runtime::default_runtime()
-            .map_err(|e| SinkError::Fatal(format!("no runtime for the RabbitMQ client: {e}")))?;
+        let runtime = lapin::runtime::default_runtime().map_err(|e| {
+            SinkError::Fatal(Reason::caused_by(
+                format!("no runtime for the RabbitMQ client: {e}"),
+                e,
+            ))
+        })?;
         let connection =
             match Connection::connect_with_config(config.url.expose(), props, tls, runtime).await {
                 Ok(c) => c,
@@ -250,18 +260,18 @@ impl RabbitMqSink {
         let exchange = self
             .routing
             .destination(event, destination::rabbitmq_exchange, "sink.exchange")
-            .map_err(SinkError::Rejected)?
+            .map_err(SinkError::rejected)?
             .map_or_else(|| render(&self.exchange), str::to_owned);
         let own_key = self
             .routing
             .key(event, destination::rabbitmq_routing_key, "sink.routing_key")
-            .map_err(SinkError::Rejected)?;
+            .map_err(SinkError::rejected)?;
         let (routing_key, key_from) = match own_key {
             Some(k) => (k.to_owned(), "the row's outbox.columns.key value"),
             None => (render(&self.routing_key), "sink.routing_key"),
         };
-        destination::rabbitmq_exchange(&exchange).map_err(SinkError::Rejected)?;
-        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::Rejected)?;
+        destination::rabbitmq_exchange(&exchange).map_err(SinkError::rejected)?;
+        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::rejected)?;
         Ok((exchange, routing_key, key_from))
     }
 
@@ -301,11 +311,15 @@ impl RabbitMqSink {
                 Err(unavailable("exchange check", e))
             }
             // The broker closed the admin channel (404 NOT_FOUND, 403, 406): this exchange's problem only.
-            Err(e) if !self.declare => Err(SinkError::Rejected(format!(
-                "exchange {exchange:?} does not exist ({e}); declare it, or set sink.declare_exchange = true"
+            Err(e) if !self.declare => Err(SinkError::Rejected(Reason::caused_by(
+                format!(
+                    "exchange {exchange:?} does not exist ({e}); declare it, or set sink.declare_exchange = true"
+                ),
+                e,
             ))),
-            Err(e) => Err(SinkError::Rejected(format!(
-                "cannot declare exchange {exchange:?}: {e}"
+            Err(e) => Err(SinkError::Rejected(Reason::caused_by(
+                format!("cannot declare exchange {exchange:?}: {e}"),
+                e,
             ))),
         }
     }
@@ -323,15 +337,18 @@ impl Sink for RabbitMqSink {
             return Err(SinkError::Unavailable(format!(
                 "RabbitMQ at {} has blocked publishers (connection.blocked: a memory or disk alarm); waiting for it to clear",
                 self.url
-            )));
+            ).into()));
         }
         let (exchange, routing_key, key_from) = self.route(event)?;
         let size = message.size();
         if size > self.max_bytes {
-            return Err(SinkError::Rejected(format!(
-                "message is {size} bytes, over sink.message_max_bytes ({})",
-                self.max_bytes
-            )));
+            return Err(SinkError::Rejected(
+                format!(
+                    "message is {size} bytes, over sink.message_max_bytes ({})",
+                    self.max_bytes
+                )
+                .into(),
+            ));
         }
         let mut headers = FieldTable::default();
         for (k, v) in &message.headers {
@@ -354,7 +371,7 @@ impl Sink for RabbitMqSink {
             return Err(SinkError::Busy(format!(
                 "another message with event id {id:?} is unconfirmed; this one waits for its answer \
                  (the outbox's id column repeats a value: give it a unique index)"
-            )));
+            ).into()));
         };
         let published = self
             .channel
@@ -392,7 +409,7 @@ impl Sink for RabbitMqSink {
                     None => Ok(()),
                     Some(why) => Err(SinkError::Rejected(format!(
                         "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({why}); bind a queue or change {key_from}"
-                    ))),
+                    ).into())),
                 },
                 Ok(Ack::Nack(_)) => Err(SinkError::Busy(
                     "RabbitMQ turned the message away (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it; retrying".into(),
@@ -417,8 +434,8 @@ impl Sink for RabbitMqSink {
             })
         };
         let (exchange, routing_key) = (render(&self.exchange), render(&self.routing_key));
-        destination::rabbitmq_exchange(&exchange).map_err(SinkError::Rejected)?;
-        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::Rejected)?;
+        destination::rabbitmq_exchange(&exchange).map_err(SinkError::rejected)?;
+        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::rejected)?;
         self.ensure_exchange(&exchange).await?;
         Ok(format!(
             "exchange {exchange:?} (routing key {routing_key:?}; whether a queue is bound shows when publishing)"
@@ -426,7 +443,7 @@ impl Sink for RabbitMqSink {
     }
 
     async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
-        destination::rabbitmq_exchange(name).map_err(SinkError::Rejected)?;
+        destination::rabbitmq_exchange(name).map_err(SinkError::rejected)?;
         self.ensure_exchange(name).await?;
         Ok(format!("exchange {name:?}"))
     }
@@ -443,17 +460,19 @@ impl Sink for RabbitMqSink {
 
     async fn probe(&mut self) -> Result<(), SinkError> {
         if self.connection.status().blocked() {
-            Err(SinkError::Unavailable(format!(
-                "RabbitMQ at {} has blocked publishers (a memory or disk alarm)",
-                self.url
-            )))
+            Err(SinkError::Unavailable(
+                format!(
+                    "RabbitMQ at {} has blocked publishers (a memory or disk alarm)",
+                    self.url
+                )
+                .into(),
+            ))
         } else if self.connection.status().connected() && self.channel.status().connected() {
             Ok(())
         } else {
-            Err(SinkError::Unavailable(format!(
-                "the connection to RabbitMQ at {} is closed",
-                self.url
-            )))
+            Err(SinkError::Unavailable(
+                format!("the connection to RabbitMQ at {} is closed", self.url).into(),
+            ))
         }
     }
 
