@@ -40,7 +40,6 @@
 mod amqps;
 mod error;
 mod kafka;
-mod kafka_log;
 mod rabbitmq;
 
 pub use error::{Reason, SinkError};
