@@ -37,7 +37,6 @@
 //! an aggregate routed to different topics never share a lane. RabbitMQ has
 //! none: each message's outcome stands alone.
 
-mod amqps;
 mod error;
 mod kafka;
 mod rabbitmq;
@@ -54,6 +53,17 @@ use std::pin::Pin;
 
 /// A broker's confirmation of one message; see the module docs for what each outcome means.
 pub type Confirmation = Pin<Box<dyn Future<Output = Result<(), SinkError>> + Send>>;
+
+/// Refuses a message over `sink.message_max_bytes` before anything is sent.
+fn within_limit(message: &Message, max_bytes: usize) -> Result<(), SinkError> {
+    let size = message.size();
+    if size > max_bytes {
+        return Err(SinkError::rejected(format!(
+            "message is {size} bytes, over sink.message_max_bytes ({max_bytes})"
+        )));
+    }
+    Ok(())
+}
 
 /// A broker the relay publishes to. See the module docs for the contract.
 pub trait Sink: Send {

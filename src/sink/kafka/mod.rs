@@ -23,7 +23,7 @@ mod error;
 mod log;
 mod route;
 
-use super::{Confirmation, Reason, Sink, SinkError};
+use super::{Confirmation, Reason, Sink, SinkError, within_limit};
 use crate::config::KafkaConfig;
 use crate::envelope::routing::Routing;
 use crate::envelope::{Message, Template, destination};
@@ -140,16 +140,7 @@ impl Sink for KafkaSink {
         if let Some(key) = key_of(&self.routing, event)? {
             key.clone_into(&mut message.key);
         }
-        let size = message.size();
-        if size > self.max_bytes {
-            return Err(SinkError::Rejected(
-                format!(
-                    "message is {size} bytes, over sink.message_max_bytes ({})",
-                    self.max_bytes
-                )
-                .into(),
-            ));
-        }
+        within_limit(&message, self.max_bytes)?;
         self.ensure_topic(&topic).await?;
         let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
         for (k, v) in &message.headers {

@@ -14,8 +14,8 @@
 //! repeats the handshake on a connection of its own, where OpenSSL's verify
 //! result and the broker's alert can be read, and names the key to fix.
 
-use super::{Reason, SinkError};
 use crate::config::RabbitMqConfig;
+use crate::sink::{Reason, SinkError};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use openssl::pkey::PKey;
 use openssl::ssl::{SslConnector, SslMethod};
@@ -83,7 +83,7 @@ fn read_files(config: &RabbitMqConfig) -> Result<Files, SinkError> {
 
 /// lapin's TLS settings; files are read at every connect, so a renewed
 /// certificate is picked up by the next reconnect.
-pub fn tls_config(config: &RabbitMqConfig) -> Result<OwnedTLSConfig, SinkError> {
+pub(super) fn tls_config(config: &RabbitMqConfig) -> Result<OwnedTLSConfig, SinkError> {
     let files = read_files(config)?;
     Ok(OwnedTLSConfig {
         cert_chain: files.ca.map(|(pem, _)| pem),
@@ -149,7 +149,7 @@ fn connector(config: &RabbitMqConfig) -> Result<SslConnector, SinkError> {
 /// Repeats the TLS handshake with the broker of an `amqps://` URL whose
 /// connection failed; returns the problem an operator must fix, if it is one
 /// of TLS. `shown` is the URL without its password.
-pub async fn diagnose(config: &RabbitMqConfig, shown: &str) -> Option<SinkError> {
+pub(super) async fn diagnose(config: &RabbitMqConfig, shown: &str) -> Option<SinkError> {
     let url = url::Url::parse(config.url.expose()).ok()?;
     if url.scheme() != "amqps" {
         return None;

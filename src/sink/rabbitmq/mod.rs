@@ -12,117 +12,29 @@
 //! use, because publishing to a missing exchange would close the publishing
 //! channel and make every unconfirmed message's fate unknown.
 //!
-//! `amqps://` is set up and its failures explained in [`super::amqps`].
+//! `amqps://` is set up and its failures explained in `tls.rs`; the
+//! unconfirmed messages are tracked in `confirms.rs`; lapin's errors are
+//! sorted in `error.rs`. The keys and their checks are in
+//! `config/sink/rabbitmq.rs` (the configuration layer cannot depend on the
+//! sink).
 
-use super::{Confirmation, Reason, Sink, SinkError, amqps};
+mod confirms;
+mod error;
+mod tls;
+
+use super::{Confirmation, Reason, Sink, SinkError, within_limit};
 use crate::config::{RabbitMqConfig, redact_url};
 use crate::envelope::routing::Routing;
 use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
-use lapin::message::BasicReturnMessage;
+use confirms::{Settle, Unconfirmed};
+use error::{connect_error, unavailable};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation as Ack, Connection, ConnectionProperties, ExchangeKind,
 };
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
-
-/// Unconfirmed messages of the publishing channel, and which of them came
-/// back unroutable.
-///
-/// `basic.return` names no delivery tag, only the message's properties, and
-/// lapin hands it to whichever confirmation completes next. The sink keeps
-/// event ids unique among unconfirmed messages (a second message with an id
-/// already unconfirmed is turned away as back-pressure until the first is
-/// answered), so a return's message id names exactly one delivery tag, and
-/// the return is filed under that tag. RabbitMQ sends a message's return
-/// before its ack, lapin attaches it to a confirmation that completes no
-/// later than the message's own, and confirmations are handled in the order
-/// they complete: the return is filed before the message's own ack is
-/// looked at.
-///
-/// Bounded: a new sink (connection) starts empty, and each entry belongs to
-/// an unconfirmed message of this connection (removed when its confirmation
-/// is answered or dropped).
-#[derive(Clone, Default)]
-struct Unconfirmed(Arc<Mutex<Tags>>);
-
-#[derive(Default)]
-struct Tags {
-    /// One tag per publish, counted from 1 as the channel's delivery tags are.
-    last: u64,
-    by_id: HashMap<String, u64>,
-    returned: HashMap<u64, String>,
-}
-
-impl Unconfirmed {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Tags> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Takes the next delivery tag for a message with this id, or `None`
-    /// while another message with the id is unconfirmed.
-    fn publish(&self, id: &str) -> Option<u64> {
-        let mut tags = self.lock();
-        if tags.by_id.contains_key(id) {
-            return None;
-        }
-        tags.last += 1;
-        let tag = tags.last;
-        tags.by_id.insert(id.to_owned(), tag);
-        Some(tag)
-    }
-
-    /// A publish that failed: its connection is done for, so is the message.
-    fn unpublish(&self, id: &str, tag: u64) {
-        self.settle(id, tag);
-    }
-
-    fn file(&self, returned: &BasicReturnMessage) {
-        let id = returned
-            .delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.to_string())
-            .unwrap_or_default();
-        let why = format!("{} {}", returned.reply_code, returned.reply_text);
-        let mut tags = self.lock();
-        match tags.by_id.get(&id).copied() {
-            Some(tag) => {
-                tags.returned.insert(tag, why);
-            }
-            None => tracing::warn!(
-                message_id = %id,
-                "RabbitMQ returned a message that is not unconfirmed on this channel ({why}); ignored"
-            ),
-        }
-    }
-
-    /// The message's answer is in: forgets it, and says whether it came back.
-    fn settle(&self, id: &str, tag: u64) -> Option<String> {
-        let mut tags = self.lock();
-        if tags.by_id.get(id) == Some(&tag) {
-            tags.by_id.remove(id);
-        }
-        tags.returned.remove(&tag)
-    }
-}
-
-/// Settles a message whose confirmation is dropped unanswered (the relay
-/// gave up on the connection), so its id and tag do not linger.
-struct Settle {
-    unconfirmed: Unconfirmed,
-    id: String,
-    tag: u64,
-}
-
-impl Drop for Settle {
-    fn drop(&mut self) {
-        self.unconfirmed.settle(&self.id, self.tag);
-    }
-}
+use std::collections::HashSet;
 
 pub struct RabbitMqSink {
     unconfirmed: Unconfirmed,
@@ -142,39 +54,12 @@ pub struct RabbitMqSink {
     known_exchanges: HashSet<String>,
 }
 
-fn unavailable(what: &str, e: lapin::Error) -> SinkError {
-    SinkError::Unavailable(Reason::caused_by(format!("RabbitMQ {what} failed: {e}"), e))
-}
-
 fn short(s: &str, what: &str) -> Result<ShortString, SinkError> {
     ShortString::try_new(s).map_err(|_| {
         SinkError::Rejected(
             format!("{what} {s:?} is over AMQP's 255-byte limit for short strings").into(),
         )
     })
-}
-
-/// Tells what the operator must fix (credentials, certificates) from what
-/// may pass by itself (the broker down, the network).
-async fn connect_error(config: &RabbitMqConfig, shown: &str, e: &lapin::Error) -> SinkError {
-    let text = e.to_string();
-    if text.contains("ACCESS_REFUSED") || text.contains("403") {
-        return SinkError::Fatal(Reason::caused_by(
-            format!(
-                "RabbitMQ at {shown} refused the credentials: {text}; check the user and password in sink.url"
-            ),
-            e.clone(),
-        ));
-    }
-    if let Some(problem) = amqps::diagnose(config, shown).await {
-        return problem;
-    }
-    SinkError::Unavailable(Reason::caused_by(
-        format!(
-            "cannot connect to RabbitMQ at {shown}: {text}; check sink.url and that the broker is up"
-        ),
-        e.clone(),
-    ))
 }
 
 /// The longest a connection may take to open with its channel in confirm
@@ -198,7 +83,7 @@ impl RabbitMqSink {
     async fn open(config: &RabbitMqConfig, shown: &str) -> Result<Self, SinkError> {
         let shown = shown.to_owned();
         let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
-        let tls = amqps::tls_config(config)?;
+        let tls = tls::tls_config(config)?;
         let runtime = lapin::runtime::default_runtime().map_err(|e| {
             SinkError::Fatal(Reason::caused_by(
                 format!("no runtime for the RabbitMQ client: {e}"),
@@ -340,16 +225,7 @@ impl Sink for RabbitMqSink {
             ).into()));
         }
         let (exchange, routing_key, key_from) = self.route(event)?;
-        let size = message.size();
-        if size > self.max_bytes {
-            return Err(SinkError::Rejected(
-                format!(
-                    "message is {size} bytes, over sink.message_max_bytes ({})",
-                    self.max_bytes
-                )
-                .into(),
-            ));
-        }
+        within_limit(&message, self.max_bytes)?;
         let mut headers = FieldTable::default();
         for (k, v) in &message.headers {
             headers.insert(
