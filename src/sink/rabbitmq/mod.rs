@@ -28,7 +28,7 @@ use crate::envelope::routing::Routing;
 use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
 use confirms::{Settle, Unconfirmed};
-use error::{connect_error, unavailable};
+use error::{answer, connect_error, unavailable};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
@@ -210,6 +210,25 @@ impl RabbitMqSink {
     }
 }
 
+/// A persistent message with the event's id, type and headers.
+fn properties(message: &Message) -> Result<BasicProperties, SinkError> {
+    let mut headers = FieldTable::default();
+    for (k, v) in &message.headers {
+        headers.insert(
+            short(k, "header name")?,
+            AMQPValue::LongString(LongString::from(v.as_bytes().to_vec())),
+        );
+    }
+    Ok(BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_message_id(short(&message.id, "event id")?)
+        .with_content_type(short(message.content_type, "content type")?)
+        .with_type(short(&message.event_type, "event type")?)
+        .with_timestamp(message.timestamp_secs)
+        .with_app_id("outbox-relay".into())
+        .with_headers(headers))
+}
+
 impl Sink for RabbitMqSink {
     async fn send(
         &mut self,
@@ -226,21 +245,7 @@ impl Sink for RabbitMqSink {
         }
         let (exchange, routing_key, key_from) = self.route(event)?;
         within_limit(&message, self.max_bytes)?;
-        let mut headers = FieldTable::default();
-        for (k, v) in &message.headers {
-            headers.insert(
-                short(k, "header name")?,
-                AMQPValue::LongString(LongString::from(v.as_bytes().to_vec())),
-            );
-        }
-        let properties = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_message_id(short(&message.id, "event id")?)
-            .with_content_type(short(message.content_type, "content type")?)
-            .with_type(short(&message.event_type, "event type")?)
-            .with_timestamp(message.timestamp_secs)
-            .with_app_id("outbox-relay".into())
-            .with_headers(headers);
+        let properties = properties(&message)?;
         self.ensure_exchange(&exchange).await?;
         let id = message.id;
         let Some(tag) = self.unconfirmed.publish(&id) else {
@@ -280,21 +285,7 @@ impl Sink for RabbitMqSink {
                 settle.unconfirmed.file(r);
             }
             let returned = settle.unconfirmed.settle(&settle.id, settle.tag);
-            match outcome {
-                Ok(Ack::Ack(_)) => match returned {
-                    None => Ok(()),
-                    Some(why) => Err(SinkError::Rejected(format!(
-                        "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({why}); bind a queue or change {key_from}"
-                    ).into())),
-                },
-                Ok(Ack::Nack(_)) => Err(SinkError::Busy(
-                    "RabbitMQ turned the message away (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it; retrying".into(),
-                )),
-                Ok(Ack::NotRequested) => Err(SinkError::Unavailable(
-                    "the channel is not in confirm mode".into(),
-                )),
-                Err(e) => Err(unavailable("confirm", e)),
-            }
+            answer(outcome, returned, (&exchange, &routing_key, key_from))
         }))
     }
 
