@@ -28,6 +28,9 @@ pub enum DbError {
         target: String,
         message: String,
         kind: ErrorKind,
+        /// The driver's error, when the driver reported one.
+        #[source]
+        source: Option<tokio_postgres::Error>,
     },
     #[error("{context}: {source}")]
     Query {
@@ -118,6 +121,7 @@ pub async fn connect(db: &DatabaseConfig, wakeups: Option<Arc<Notify>>) -> Resul
             target: target.clone(),
             message: format!("{}{hint}", error_text(&e)),
             kind,
+            source: Some(e),
         }
     })?;
     tokio::spawn(async move {

@@ -164,6 +164,7 @@ async fn member_session(
         target: base.to_owned(),
         message,
         kind: crate::errors::ErrorKind::Transient,
+        source: None,
     };
     let client = crate::db::connect(&config.database, None).await?;
     let shared: bool = client

@@ -224,6 +224,7 @@ impl Reader for PollingReader {
                     target: "the outbox database".into(),
                     message: "the reading connection was closed".into(),
                     kind: crate::errors::ErrorKind::Transient,
+                    source: None,
                 }
                 .into());
             }
