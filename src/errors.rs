@@ -89,7 +89,7 @@ pub const fn policy(kind: ErrorKind) -> Policy {
     }
     use Outcome::{Refused, Unavailable};
     match kind {
-        //                                retry  dead-letter level        outcome
+        // row(retry, dead_letter, level, outcome)
         ErrorKind::Transient => row(true, false, Level::WARN, Some(Unavailable)),
         ErrorKind::Refused => row(false, true, Level::WARN, Some(Refused)),
         ErrorKind::BackPressure => row(true, false, Level::WARN, Some(Refused)),
