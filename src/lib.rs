@@ -11,6 +11,7 @@
 //! - [`replication`]: the replication protocol client and pgoutput decoder.
 //! - [`sink`]: Kafka and RabbitMQ, with the delivery contract.
 //! - [`relay`]: ownership, the pipeline between source and sink.
+//! - [`errors`]: the one kind every error maps to, and the policy per kind.
 //! - [`backoff`]: the retry schedule shared by the pipeline and retention.
 //! - [`retention`]: the scheduled cleanup of sent rows and resolved dead letters.
 //! - [`check`], [`cli`], [`shutdown`], [`telemetry`]: the binary's edges.
@@ -23,6 +24,7 @@ pub mod daemon;
 pub mod db;
 pub mod dead_letter;
 pub mod envelope;
+pub mod errors;
 pub mod migrate;
 pub mod outbox;
 pub mod relay;

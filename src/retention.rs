@@ -36,6 +36,7 @@
 use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode};
 use crate::db::DbError;
+use crate::errors::{self, ErrorKind};
 use crate::outbox::sent_index;
 use crate::outbox::{SENT_AT_COLUMN, TableName, quote_ident};
 use crate::telemetry::metrics::PipelineMetrics;
@@ -44,6 +45,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
+use tracing::Level;
 
 mod report;
 
@@ -76,11 +78,12 @@ pub enum RetentionError {
 }
 
 impl RetentionError {
-    /// True when the next run may succeed by itself.
-    pub fn is_retryable(&self) -> bool {
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            RetentionError::Db(e) => e.is_retryable(),
-            RetentionError::MissingTable(_) | RetentionError::MissingColumn(_) => false,
+            RetentionError::Db(e) => e.kind(),
+            RetentionError::MissingTable(_) | RetentionError::MissingColumn(_) => {
+                ErrorKind::NeedsOperator
+            }
         }
     }
 }
@@ -430,7 +433,7 @@ pub async fn run_scheduled(
             }
             Err(e) => {
                 wait = backoff.next_delay();
-                if e.is_retryable() {
+                if errors::policy(e.kind()).level == Level::WARN {
                     tracing::warn!(pipeline, error = %e, attempt = backoff.attempts(), retry_in = ?wait, "retention cleanup failed; retrying");
                 } else {
                     tracing::error!(pipeline, error = %e, attempt = backoff.attempts(), retry_in = ?wait, "retention cleanup cannot work until this is fixed; retrying");

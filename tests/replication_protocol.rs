@@ -14,6 +14,7 @@ use cluster::{MD5_PASSWORD, PLAIN_PASSWORD, SCRAM_PASSWORD, cluster};
 use outbox_relay::db::tls::{
     SslMode, TlsError, TlsOptions, make_tls_connector, tokio_postgres_ssl_mode,
 };
+use outbox_relay::errors::ErrorKind;
 use outbox_relay::replication::Lsn;
 use outbox_relay::replication::protocol::{
     ProtocolError, ReplicationClient, ReplicationMessage, ReplicationStream, publication_names,
@@ -203,7 +204,7 @@ async fn wrong_password_is_28p01_and_final() {
             .await
             .expect_err("rejected");
         assert_eq!(error.code(), Some("28P01"), "{user}: {error}");
-        assert!(!error.is_retryable());
+        assert_eq!(error.kind(), ErrorKind::NeedsOperator);
         let message = error.to_string();
         assert!(message.contains(&format!(
             "password authentication failed for user \"{user}\""
@@ -222,7 +223,7 @@ async fn missing_password_names_the_user() {
         "{error}"
     );
     assert!(error.to_string().contains("\"relay_scram\""), "{error}");
-    assert!(!error.is_retryable());
+    assert_eq!(error.kind(), ErrorKind::NeedsOperator);
 }
 
 #[tokio::test]
@@ -384,7 +385,7 @@ async fn a_second_client_on_an_active_slot_gets_55006_until_the_first_finishes()
         .await
         .expect_err("the slot is taken");
     assert_eq!(error.code(), Some("55006"), "{error}");
-    assert!(error.is_retryable());
+    assert_eq!(error.kind(), ErrorKind::Transient);
     assert!(error.to_string().contains("is active for PID"), "{error}");
 
     within("finish", first.finish()).await.expect("finish");
@@ -415,7 +416,7 @@ async fn a_second_client_on_an_active_slot_gets_55006_until_the_first_finishes()
         }
     };
     assert_eq!(error.code(), Some("57P01"), "{error}");
-    assert!(error.is_retryable());
+    assert_eq!(error.kind(), ErrorKind::Transient);
 }
 
 #[tokio::test]
@@ -429,7 +430,7 @@ async fn a_missing_slot_is_42704_and_hostile_names_stay_names() {
         let start = client.start_logical_replication(slot, Lsn(0), &options);
         let error = within("start", start).await.expect_err("no such slot");
         assert_eq!(error.code(), Some("42704"), "{error}");
-        assert!(!error.is_retryable());
+        assert_eq!(error.kind(), ErrorKind::NeedsOperator);
         assert!(error.to_string().contains(slot), "{error}");
     }
 }
@@ -458,7 +459,7 @@ async fn verify_full_rejects_a_foreign_ca_with_a_fix() {
         ),
         "{error:?}"
     );
-    assert!(!error.is_retryable());
+    assert_eq!(error.kind(), ErrorKind::NeedsOperator);
     let message = error.to_string();
     assert!(message.contains("database.sslrootcert"), "{message}");
     assert!(message.contains("verify-full"), "{message}");
@@ -552,7 +553,7 @@ async fn prefer_falls_back_to_plain_when_the_server_has_no_tls_and_require_does_
             matches!(error, ProtocolError::TlsRefused { .. }),
             "{error:?}"
         );
-        assert!(!error.is_retryable());
+        assert_eq!(error.kind(), ErrorKind::NeedsOperator);
         assert!(
             error
                 .to_string()
@@ -562,7 +563,7 @@ async fn prefer_falls_back_to_plain_when_the_server_has_no_tls_and_require_does_
 }
 
 #[tokio::test]
-async fn a_silent_server_times_out_and_is_retryable() {
+async fn a_silent_server_times_out_and_is_transient() {
     let silent = TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = silent.local_addr().expect("address").port();
     let mut config = config_on("127.0.0.1", port, "relay_trust", None, "postgres");
@@ -574,7 +575,7 @@ async fn a_silent_server_times_out_and_is_retryable() {
         matches!(error, ProtocolError::ConnectTimeout { .. }),
         "{error:?}"
     );
-    assert!(error.is_retryable());
+    assert_eq!(error.kind(), ErrorKind::Transient);
 }
 
 #[tokio::test]
@@ -584,7 +585,7 @@ async fn disable_against_a_hostssl_only_entry_fails_clearly() {
         .await
         .expect_err("rejected");
     assert_eq!(error.code(), Some("28000"), "{error}");
-    assert!(!error.is_retryable());
+    assert_eq!(error.kind(), ErrorKind::NeedsOperator);
     assert!(error.to_string().contains("no encryption"), "{error}");
     connect(&config, &tls(SslMode::Require, None))
         .await

@@ -1,29 +1,9 @@
 //! Range and cross-field checks, each problem naming its dotted key.
 
 use super::load::Problem;
-use super::{Config, KafkaConfig, RabbitMqConfig, SinkConfig};
+use super::{Config, SinkConfig};
 use crate::db::tls::SslMode;
-use crate::envelope::destination;
 use std::time::Duration;
-
-/// librdkafka properties the relay sets itself because its guarantees depend on them.
-pub const PROTECTED_KAFKA_PROPERTIES: &[&str] = &[
-    "bootstrap.servers",
-    "metadata.broker.list",
-    "enable.idempotence",
-    "acks",
-    "request.required.acks",
-    "enable.gapless.guarantee",
-    "message.timeout.ms",
-    "delivery.timeout.ms",
-    "max.in.flight.requests.per.connection",
-    "max.in.flight",
-    "message.max.bytes",
-    "linger.ms",
-    "queue.buffering.max.ms",
-    "client.id",
-    "enable.auto.commit",
-];
 
 /// The allowed range of each integer key: `validate` checks values against
 /// it, and the loader names it for a value that does not even fit the key's
@@ -44,30 +24,36 @@ pub(super) fn integer_range(key: &str, sink_type: Option<&str>) -> Option<(u64, 
     })
 }
 
-struct Checker(Vec<Problem>);
+pub(super) struct Checker(Vec<Problem>);
 
 impl Checker {
-    fn problem(&mut self, key: &str, message: impl Into<String>) {
+    pub(super) fn problem(&mut self, key: &str, message: impl Into<String>) {
         self.0.push(Problem {
             key: key.to_owned(),
             message: message.into(),
         });
     }
 
-    fn range<T: PartialOrd + std::fmt::Display>(&mut self, key: &str, value: T, min: T, max: T) {
+    pub(super) fn range<T: PartialOrd + std::fmt::Display>(
+        &mut self,
+        key: &str,
+        value: T,
+        min: T,
+        max: T,
+    ) {
         if value < min || value > max {
             self.problem(key, format!("{value} is out of range; use {min} to {max}"));
         }
     }
 
     /// An integer key against its range in [`integer_range`].
-    fn count(&mut self, key: &str, value: u64, sink_type: &str) {
+    pub(super) fn count(&mut self, key: &str, value: u64, sink_type: &str) {
         if let Some((min, max)) = integer_range(key, Some(sink_type)) {
             self.range(key, value, min, max);
         }
     }
 
-    fn duration(&mut self, key: &str, value: Duration, min: Duration, max: Duration) {
+    pub(super) fn duration(&mut self, key: &str, value: Duration, min: Duration, max: Duration) {
         if value < min || value > max {
             self.problem(
                 key,
@@ -80,11 +66,26 @@ impl Checker {
             );
         }
     }
+
+    /// A client certificate and its key go together.
+    pub(super) fn both_or_neither(&mut self, cert: (&str, bool), key: (&str, bool)) {
+        if cert.1 != key.1 {
+            let (present, missing) = if cert.1 {
+                (cert.0, key.0)
+            } else {
+                (key.0, cert.0)
+            };
+            self.problem(
+                present,
+                format!("is set but {missing} is not: a client certificate needs both"),
+            );
+        }
+    }
 }
 
-const MS: Duration = Duration::from_millis(1);
-const SEC: Duration = Duration::from_secs(1);
-const HOUR: Duration = Duration::from_secs(3600);
+pub(super) const MS: Duration = Duration::from_millis(1);
+pub(super) const SEC: Duration = Duration::from_secs(1);
+pub(super) const HOUR: Duration = Duration::from_secs(3600);
 
 impl Config {
     /// Checks every value; returns all problems found, not just the first.
@@ -94,8 +95,8 @@ impl Config {
         self.check_outbox(&mut c);
         self.check_source_and_relay(&mut c);
         match &self.sink {
-            SinkConfig::Kafka(k) => check_kafka(&mut c, k),
-            SinkConfig::RabbitMq(r) => check_rabbitmq(&mut c, r),
+            SinkConfig::Kafka(k) => k.check(&mut c),
+            SinkConfig::RabbitMq(r) => r.check(&mut c),
         }
         if self.envelope.source.trim().is_empty() {
             c.problem(
@@ -355,167 +356,4 @@ impl Config {
             );
         }
     }
-}
-
-fn check_kafka(c: &mut Checker, k: &KafkaConfig) {
-    if k.brokers.split(',').all(|b| b.trim().is_empty()) {
-        c.problem("sink.brokers", "must list at least one host:port");
-    }
-    if let Err(e) = destination::check_template_literals(&k.topic, destination::kafka_topic) {
-        c.problem("sink.topic", e);
-    }
-    c.count(
-        "sink.message_max_bytes",
-        k.message_max_bytes as u64,
-        "kafka",
-    );
-    c.duration("sink.delivery_timeout", k.delivery_timeout, SEC, HOUR);
-    c.duration("sink.linger", k.linger, Duration::ZERO, 5 * SEC);
-    if k.client_id.is_empty() {
-        c.problem("sink.client_id", "must not be empty");
-    }
-    for key in k.properties.keys() {
-        if PROTECTED_KAFKA_PROPERTIES.contains(&key.as_str()) {
-            c.problem(
-                &format!("sink.properties.{key}"),
-                "is set by the relay because its delivery guarantee depends on it; remove it (see the sink keys for the ones you can tune)",
-            );
-        } else if let Some((_, typed)) =
-            KafkaConfig::TYPED_PROPERTIES.iter().find(|(p, _)| p == key)
-        {
-            c.problem(
-                &format!("sink.properties.{key}"),
-                format!("is set from a sink key; use {typed} instead"),
-            );
-        }
-    }
-    check_kafka_security(c, k);
-}
-
-/// SASL keys need a `sasl_*` protocol, SSL keys an `ssl` one, and SASL needs
-/// its user name and password.
-fn check_kafka_security(c: &mut Checker, k: &KafkaConfig) {
-    let protocol = k.security_protocol;
-    if !protocol.uses_sasl() {
-        for (key, set) in [
-            ("sink.sasl_mechanism", k.sasl_mechanism.is_some()),
-            ("sink.sasl_username", k.sasl_username.is_some()),
-            ("sink.sasl_password", k.sasl_password.is_some()),
-        ] {
-            if set {
-                c.problem(
-                    key,
-                    format!(
-                        "is only used with sink.security_protocol sasl_plaintext or sasl_ssl, not {}",
-                        protocol.as_str()
-                    ),
-                );
-            }
-        }
-    } else {
-        let mechanism = k.sasl_mechanism.unwrap_or_default().as_str();
-        if k.sasl_username.as_deref().is_none_or(str::is_empty) {
-            c.problem(
-                "sink.sasl_username",
-                format!("is required by SASL mechanism {mechanism}"),
-            );
-        }
-        if k.sasl_password.as_ref().is_none_or(|p| p.is_empty()) {
-            c.problem(
-                "sink.sasl_password",
-                format!("is required by SASL mechanism {mechanism}"),
-            );
-        }
-    }
-    if !protocol.uses_tls() {
-        for (key, set) in [
-            ("sink.ssl_ca", k.ssl_ca.is_some()),
-            ("sink.ssl_cert", k.ssl_cert.is_some()),
-            ("sink.ssl_key", k.ssl_key.is_some()),
-        ] {
-            if set {
-                c.problem(
-                    key,
-                    format!(
-                        "is only used with sink.security_protocol ssl or sasl_ssl, not {}",
-                        protocol.as_str()
-                    ),
-                );
-            }
-        }
-    }
-    both_or_neither(
-        c,
-        ("sink.ssl_cert", k.ssl_cert.is_some()),
-        ("sink.ssl_key", k.ssl_key.is_some()),
-    );
-}
-
-/// A client certificate and its key go together.
-fn both_or_neither(c: &mut Checker, cert: (&str, bool), key: (&str, bool)) {
-    if cert.1 != key.1 {
-        let (present, missing) = if cert.1 {
-            (cert.0, key.0)
-        } else {
-            (key.0, cert.0)
-        };
-        c.problem(
-            present,
-            format!("is set but {missing} is not: a client certificate needs both"),
-        );
-    }
-}
-
-fn check_rabbitmq(c: &mut Checker, r: &RabbitMqConfig) {
-    match url::Url::parse(r.url.expose()) {
-        Ok(u) if u.scheme() == "amqp" || u.scheme() == "amqps" => {}
-        Ok(u) => c.problem(
-            "sink.url",
-            format!("scheme {:?} is not amqp:// or amqps://", u.scheme()),
-        ),
-        Err(e) => c.problem(
-            "sink.url",
-            format!("not a URL ({e}): use amqp://user:password@host:5672/vhost"),
-        ),
-    }
-    if let Err(e) =
-        destination::check_template_literals(&r.exchange, destination::rabbitmq_exchange)
-    {
-        c.problem("sink.exchange", e);
-    }
-    if let Err(e) =
-        destination::check_template_literals(&r.routing_key, destination::rabbitmq_routing_key)
-    {
-        c.problem("sink.routing_key", e);
-    }
-    if !["direct", "topic", "fanout", "headers"].contains(&r.exchange_type.as_str()) {
-        c.problem(
-            "sink.exchange_type",
-            "must be direct, topic, fanout or headers",
-        );
-    }
-    c.count(
-        "sink.message_max_bytes",
-        r.message_max_bytes as u64,
-        "rabbitmq",
-    );
-    // An unparseable URL is reported above, not blamed on these keys.
-    let plain = url::Url::parse(r.url.expose()).is_ok_and(|u| u.scheme() != "amqps");
-    for (key, set) in [
-        ("sink.tls_ca", r.tls_ca.is_some()),
-        ("sink.tls_cert", r.tls_cert.is_some()),
-        ("sink.tls_key", r.tls_key.is_some()),
-    ] {
-        if set && plain {
-            c.problem(
-                key,
-                "is only used with amqps://; change sink.url to amqps:// (RabbitMQ's TLS port, 5671 by default) or remove it",
-            );
-        }
-    }
-    both_or_neither(
-        c,
-        ("sink.tls_cert", r.tls_cert.is_some()),
-        ("sink.tls_key", r.tls_key.is_some()),
-    );
 }

@@ -7,6 +7,7 @@
 pub mod tls;
 
 use crate::config::DatabaseConfig;
+use crate::errors::{self, ErrorKind};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -15,7 +16,7 @@ use tokio_postgres::{AsyncMessage, Client};
 /// Longest time any relay query may run.
 pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Why a database connection or query failed, and whether trying again helps.
+/// Why a database connection or query failed; [`DbError::kind`] says whether trying again helps.
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
     #[error("invalid database.url: {0}")]
@@ -26,7 +27,10 @@ pub enum DbError {
     Connect {
         target: String,
         message: String,
-        retryable: bool,
+        kind: ErrorKind,
+        /// The driver's error, when the driver reported one.
+        #[source]
+        source: Option<tokio_postgres::Error>,
     },
     #[error("{context}: {source}")]
     Query {
@@ -44,29 +48,14 @@ impl DbError {
         }
     }
 
-    /// True for failures that can go away by themselves (network, restarts,
-    /// too many connections); false for ones an operator must fix.
-    pub fn is_retryable(&self) -> bool {
+    /// Network faults, restarts and too many connections pass by themselves;
+    /// a bad URL or certificate, a wrong password or a missing object do not.
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            DbError::Url(_) => false,
-            DbError::Tls(e) => e.is_retryable(),
-            DbError::Connect { retryable, .. } => *retryable,
-            DbError::Query { source, .. } => is_retryable_pg(source),
-        }
-    }
-}
-
-/// SQLSTATE classes that describe a passing condition rather than a mistake.
-pub fn is_retryable_pg(e: &tokio_postgres::Error) -> bool {
-    match e.code() {
-        None => true, // I/O, closed connection, timeouts
-        Some(code) => {
-            let c = code.code();
-            c.starts_with("08") // connection exception
-                || c.starts_with("40") // serialization failure, deadlock
-                || c.starts_with("53") // insufficient resources
-                || (c.starts_with("57") && c != "57P04") // operator intervention: shutdown, cancel (not a dropped database)
-                || c == "55P03" // lock not available
+            DbError::Url(_) => ErrorKind::NeedsOperator,
+            DbError::Tls(e) => e.kind(),
+            DbError::Connect { kind, .. } => *kind,
+            DbError::Query { source, .. } => errors::postgres(source),
         }
     }
 }
@@ -119,19 +108,20 @@ pub async fn connect(db: &DatabaseConfig, wakeups: Option<Arc<Notify>>) -> Resul
     let connector = tls::make_tls_connector(&db.tls())?;
     let target = describe_target(&config);
     let (client, mut connection) = config.connect(connector).await.map_err(|e| {
-        let retryable = is_retryable_pg(&e);
+        let kind = errors::postgres(&e);
         let hint = match e.code().map(|c| c.code()) {
             Some("28P01") | Some("28000") => {
                 "; check the user and password (database.url, database.password)"
             }
             Some("3D000") => "; create the database or fix the name in database.url",
-            _ if retryable => "; is PostgreSQL running and reachable?",
+            _ if kind == ErrorKind::Transient => "; is PostgreSQL running and reachable?",
             _ => "",
         };
         DbError::Connect {
             target: target.clone(),
             message: format!("{}{hint}", error_text(&e)),
-            retryable,
+            kind,
+            source: Some(e),
         }
     })?;
     tokio::spawn(async move {

@@ -8,6 +8,7 @@
 //! against `database.sslrootcert` (the system store when unset), `verify-full` also checks that
 //! the certificate names the host. Unlike libpq, `require` stays unverified even when a root
 //! certificate is configured: the mode alone says what is checked.
+use crate::errors::ErrorKind;
 use openssl::error::ErrorStack;
 use openssl::hash::MessageDigest;
 use openssl::nid::Nid;
@@ -120,10 +121,13 @@ pub enum TlsError {
 }
 
 impl TlsError {
-    /// Whether trying again may succeed without changing the configuration: only a handshake
-    /// cut short (the server restarting, a network fault) is.
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, TlsError::Handshake { .. })
+    /// Only a handshake cut short (the server restarting, a network fault) can succeed on
+    /// another try without changing the configuration.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            TlsError::Handshake { .. } => ErrorKind::Transient,
+            _ => ErrorKind::NeedsOperator,
+        }
     }
 }
 
@@ -343,7 +347,7 @@ mod tests {
             message.starts_with("cannot read database.sslrootcert /nonexistent/root.crt: "),
             "{message}"
         );
-        assert!(!err.is_retryable());
+        assert_eq!(err.kind(), ErrorKind::NeedsOperator);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use super::{ColumnMap, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 use crate::config::MarkMode;
+use crate::errors::ErrorKind;
 use tokio_postgres::GenericClient;
 
 /// One column of the table as PostgreSQL describes it.
@@ -372,4 +373,13 @@ pub enum TableProblem {
     Query(#[source] tokio_postgres::Error),
     #[error("the outbox table cannot be used:\n  - {}", .0.join("\n  - "))]
     Unusable(Vec<String>),
+}
+
+impl TableProblem {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            TableProblem::Query(e) => crate::errors::postgres(e),
+            TableProblem::Unusable(_) => ErrorKind::NeedsOperator,
+        }
+    }
 }

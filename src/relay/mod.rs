@@ -23,6 +23,7 @@ pub use supervise::{Backend, Owned, RunEnd};
 
 use crate::config::Config;
 use crate::db::DbError;
+use crate::errors::ErrorKind;
 use crate::outbox::inspect::TableProblem;
 use crate::sink::SinkError;
 use crate::source::SourceError;
@@ -54,12 +55,11 @@ impl From<SourceError> for RelayError {
 }
 
 impl RelayError {
-    pub fn is_retryable(&self) -> bool {
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            RelayError::Db(e) => e.is_retryable(),
-            RelayError::Table(TableProblem::Query(e)) => crate::db::is_retryable_pg(e),
-            RelayError::Table(_) => false,
-            RelayError::Pipeline(e) => e.is_retryable(),
+            RelayError::Db(e) => e.kind(),
+            RelayError::Table(e) => e.kind(),
+            RelayError::Pipeline(e) => e.kind(),
         }
     }
 }

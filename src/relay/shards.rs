@@ -163,7 +163,8 @@ async fn member_session(
     let busy = |message: String| DbError::Connect {
         target: base.to_owned(),
         message,
-        retryable: true,
+        kind: crate::errors::ErrorKind::Transient,
+        source: None,
     };
     let client = crate::db::connect(&config.database, None).await?;
     let shared: bool = client

@@ -12,6 +12,7 @@ use super::lease::Lease;
 use super::shards::{Balance, Shard};
 use crate::backoff::Backoff;
 use crate::config::Config;
+use crate::errors;
 use crate::replication::Lsn;
 use crate::source::cdc::{self, Progress, SharedProgress};
 use crate::telemetry::PipelineTelemetry;
@@ -22,6 +23,7 @@ use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
+use tracing::Level;
 
 /// What a run while owning the outbox keeps across runs, and reports to.
 pub struct Owned<'a> {
@@ -132,7 +134,7 @@ pub async fn supervise<B: Backend>(
             backoff.reset();
         }
         let delay = backoff.next_delay();
-        if e.is_retryable() {
+        if errors::policy(e.kind()).level == Level::WARN {
             tracing::warn!(error = %e, attempt = backoff.attempts(), retry_in = ?delay, "relay interrupted; reconnecting");
         } else {
             tracing::error!(error = %e, attempt = backoff.attempts(), retry_in = ?delay, "relay cannot work until this is fixed; retrying");

@@ -37,11 +37,11 @@
 //! an aggregate routed to different topics never share a lane. RabbitMQ has
 //! none: each message's outcome stands alone.
 
-mod amqps;
+mod error;
 mod kafka;
-mod kafka_log;
 mod rabbitmq;
 
+pub use error::{Reason, SinkError};
 pub use kafka::KafkaSink;
 pub use rabbitmq::RabbitMqSink;
 
@@ -54,30 +54,15 @@ use std::pin::Pin;
 /// A broker's confirmation of one message; see the module docs for what each outcome means.
 pub type Confirmation = Pin<Box<dyn Future<Output = Result<(), SinkError>> + Send>>;
 
-/// How a sink failed, which decides what the relay does next.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum SinkError {
-    /// This message was refused; the relay holds back its aggregate and retries later.
-    #[error("{0}")]
-    Rejected(String),
-    /// This message was turned away for now (back-pressure); the relay holds
-    /// back its aggregate and retries, without counting towards dead-lettering.
-    #[error("{0}")]
-    Busy(String),
-    /// The outcome is unknown or the broker cannot be reached; the relay reconnects and re-sends.
-    #[error("{0}")]
-    Unavailable(String),
-    /// The sink cannot work until an operator changes something (credentials,
-    /// permissions); the relay keeps retrying slowly and says what to fix.
-    #[error("{0}")]
-    Fatal(String),
-}
-
-impl SinkError {
-    /// True when re-sending the same message later can succeed without anyone acting.
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, SinkError::Unavailable(_))
+/// Refuses a message over `sink.message_max_bytes` before anything is sent.
+fn within_limit(message: &Message, max_bytes: usize) -> Result<(), SinkError> {
+    let size = message.size();
+    if size > max_bytes {
+        return Err(SinkError::rejected(format!(
+            "message is {size} bytes, over sink.message_max_bytes ({max_bytes})"
+        )));
     }
+    Ok(())
 }
 
 /// A broker the relay publishes to. See the module docs for the contract.

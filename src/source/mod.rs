@@ -19,6 +19,7 @@ pub mod record;
 pub(crate) mod rows;
 
 use crate::db::DbError;
+use crate::errors::ErrorKind;
 use crate::outbox::{OutboxEvent, RowError};
 use std::fmt::Debug;
 use std::future::Future;
@@ -99,16 +100,14 @@ pub enum SourceError {
 }
 
 impl SourceError {
-    pub fn is_retryable(&self) -> bool {
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            SourceError::Db(e) => e.is_retryable(),
-            SourceError::Table(crate::outbox::inspect::TableProblem::Query(e)) => {
-                crate::db::is_retryable_pg(e)
-            }
-            SourceError::Table(_) => false,
-            SourceError::Replication(e) => e.is_retryable(),
-            SourceError::Stream(_) | SourceError::SlotBusy(_) => true,
-            SourceError::Decode(_) | SourceError::Setup(_) => false,
+            SourceError::Db(e) => e.kind(),
+            SourceError::Table(e) => e.kind(),
+            SourceError::Replication(e) => e.kind(),
+            SourceError::Decode(e) => e.kind(),
+            SourceError::Stream(_) | SourceError::SlotBusy(_) => ErrorKind::Transient,
+            SourceError::Setup(_) => ErrorKind::NeedsOperator,
         }
     }
 }

@@ -223,7 +223,8 @@ impl Reader for PollingReader {
                 return Err(DbError::Connect {
                     target: "the outbox database".into(),
                     message: "the reading connection was closed".into(),
-                    retryable: true,
+                    kind: crate::errors::ErrorKind::Transient,
+                    source: None,
                 }
                 .into());
             }

@@ -2,6 +2,7 @@
 //! labels are bounded (the pipeline name, the broker kind, an outcome, a
 //! table kind, a source mode), never an aggregate or event id.
 
+use crate::errors::Outcome;
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 
 pub const EVENTS_PUBLISHED: &str = "outbox_relay_events_published_total";
@@ -57,15 +58,6 @@ pub const BATCH_BUCKETS: &[f64] = &[
     1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
 ];
 
-/// Why an event was not published.
-#[derive(Debug, Clone, Copy)]
-pub enum Failure {
-    /// The broker (or the relay's checks) refused it: held back, retried.
-    Refused,
-    /// The broker could not be reached or did not answer: re-sent.
-    Unavailable,
-}
-
 /// The metric handles of one pipeline, made once.
 #[derive(Clone)]
 pub struct PipelineMetrics {
@@ -99,8 +91,8 @@ impl PipelineMetrics {
         let p = pipeline.to_owned();
         PipelineMetrics {
             published: counter!(EVENTS_PUBLISHED, "pipeline" => p.clone(), "destination" => destination),
-            refused: counter!(EVENTS_FAILED, "pipeline" => p.clone(), "destination" => destination, "outcome" => "refused"),
-            unavailable: counter!(EVENTS_FAILED, "pipeline" => p.clone(), "destination" => destination, "outcome" => "unavailable"),
+            refused: counter!(EVENTS_FAILED, "pipeline" => p.clone(), "destination" => destination, "outcome" => Outcome::Refused.label()),
+            unavailable: counter!(EVENTS_FAILED, "pipeline" => p.clone(), "destination" => destination, "outcome" => Outcome::Unavailable.label()),
             dead_lettered: counter!(EVENTS_DEAD_LETTERED, "pipeline" => p.clone()),
             dead_letters: gauge!(DEAD_LETTERS, "pipeline" => p.clone()),
             backlog: gauge!(BACKLOG, "pipeline" => p.clone()),
@@ -130,10 +122,11 @@ impl PipelineMetrics {
         self.reading_polling.set(is("polling"));
     }
 
-    pub fn failed(&self, why: Failure, n: u64) {
+    /// Counts `n` events that failed with `why` (see [`crate::errors::policy`]).
+    pub fn failed(&self, why: Outcome, n: u64) {
         match why {
-            Failure::Refused => self.refused.increment(n),
-            Failure::Unavailable => self.unavailable.increment(n),
+            Outcome::Refused => self.refused.increment(n),
+            Outcome::Unavailable => self.unavailable.increment(n),
         }
     }
 }

@@ -4,6 +4,7 @@
 
 use crate::support::*;
 use outbox_relay::config::Config;
+use outbox_relay::errors::ErrorKind;
 use outbox_relay::retention::{self, Cleanup, Skip};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -394,7 +395,7 @@ async fn tables_it_must_not_or_cannot_clean_are_skipped_with_a_note() {
     let config = parse(&set(&missing, "relay.mark", "\"update\""));
     let e = retention::once(&c, &config, false).await.unwrap_err();
     assert!(e.to_string().contains("outbox-relay migrate"), "{e}");
-    assert!(!e.is_retryable());
+    assert_eq!(e.kind(), ErrorKind::NeedsOperator);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

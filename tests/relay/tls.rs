@@ -69,7 +69,7 @@ fn fatal_message(result: Result<RabbitMqSink, SinkError>) -> String {
     match result {
         Err(SinkError::Fatal(m)) => {
             eprintln!("refused: {m}");
-            m
+            m.to_string()
         }
         Err(other) => panic!("expected an error for the operator to fix, got {other:?}"),
         Ok(_) => panic!("expected the connection to be refused"),

@@ -25,6 +25,7 @@ mod tasks;
 use super::blocks::Blocks;
 use crate::config::HoldPolicy;
 use crate::envelope::Envelope;
+use crate::errors::ErrorKind;
 use crate::sink::{Sink, SinkError};
 use crate::source::{Acker, Reader, RowPosition, SourceError};
 use crate::telemetry::PipelineTelemetry;
@@ -52,11 +53,13 @@ pub enum PipelineError {
 }
 
 impl PipelineError {
-    pub fn is_retryable(&self) -> bool {
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            PipelineError::Sink(e) => e.is_retryable(),
-            PipelineError::Source(e) => e.is_retryable(),
-            PipelineError::TaskLost(_) | PipelineError::OwnershipUnconfirmed(_) => true,
+            PipelineError::Sink(e) => e.kind(),
+            PipelineError::Source(e) => e.kind(),
+            PipelineError::TaskLost(_) | PipelineError::OwnershipUnconfirmed(_) => {
+                ErrorKind::Transient
+            }
         }
     }
 }

@@ -5,12 +5,12 @@ use super::serve::{Event, Pipeline};
 use super::{Origin, PipelineError};
 use crate::config::HoldPolicy;
 use crate::dead_letter::DeadLetter;
+use crate::errors::{self, Outcome};
 use crate::outbox::{OutboxEvent, RawRow, RowError};
 use crate::relay::scheduler::Admission;
 use crate::sink::{Confirmation, Sink, SinkError};
 use crate::source::budget::Charge;
 use crate::source::{RowPosition, SourcedEvent};
-use crate::telemetry::metrics::Failure;
 use chrono::Utc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -162,7 +162,7 @@ where
                 let answer = Answer {
                     position,
                     event: Err(bad),
-                    result: Err(SinkError::Rejected(reason)),
+                    result: Err(SinkError::Rejected(reason.into())),
                     charge,
                 };
                 self.scheduler.answered(&aggregate, ticket, answer, true);
@@ -179,10 +179,13 @@ where
         )
         .await
         .unwrap_or_else(|_| {
-            Err(SinkError::Unavailable(format!(
-                "the broker did not take a message within relay.confirm_timeout ({}s)",
-                self.settings.confirm_timeout.as_secs()
-            )))
+            Err(SinkError::Unavailable(
+                format!(
+                    "the broker did not take a message within relay.confirm_timeout ({}s)",
+                    self.settings.confirm_timeout.as_secs()
+                )
+                .into(),
+            ))
         });
         match sent {
             Ok(confirmation) => {
@@ -245,14 +248,11 @@ where
                 self.blocks.clear(aggregate, &event.id);
                 Ok(())
             }
-            Err(SinkError::Rejected(reason)) => {
+            // Refused for this message only: other aggregates go on.
+            Err(e) if errors::policy(e.kind()).outcome == Some(Outcome::Refused) => {
                 let (raw, _) = raw_of(&event);
-                self.reject(position, aggregate, raw, reason, true);
-                Ok(())
-            }
-            Err(SinkError::Busy(reason)) => {
-                let (raw, _) = raw_of(&event);
-                self.reject(position, aggregate, raw, reason, false);
+                let counts = errors::policy(e.kind()).dead_letter;
+                self.reject(position, aggregate, raw, e.to_string(), counts);
                 Ok(())
             }
             Err(e) => Err(e.into()),
@@ -270,7 +270,7 @@ where
         reason: String,
         count: bool,
     ) {
-        self.telemetry.metrics.failed(Failure::Refused, 1);
+        self.telemetry.metrics.failed(Outcome::Refused, 1);
         let position = match position {
             Origin::Source(p) => p,
             Origin::Letter(id) => return self.letter_refused(id, aggregate, reason, count),
@@ -403,9 +403,12 @@ fn raw_of(event: &Result<OutboxEvent, RowError>) -> (RawRow, String) {
 async fn confirm_within(confirmation: Confirmation, timeout: Duration) -> Result<(), SinkError> {
     match tokio::time::timeout(timeout, confirmation).await {
         Ok(result) => result,
-        Err(_) => Err(SinkError::Unavailable(format!(
-            "no broker confirmation within relay.confirm_timeout ({}s)",
-            timeout.as_secs()
-        ))),
+        Err(_) => Err(SinkError::Unavailable(
+            format!(
+                "no broker confirmation within relay.confirm_timeout ({}s)",
+                timeout.as_secs()
+            )
+            .into(),
+        )),
     }
 }

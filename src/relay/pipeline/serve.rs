@@ -8,6 +8,7 @@ use super::tasks::{
 use super::{Context, Origin, PipelineError, Settings};
 use crate::dead_letter::DeadLetter;
 use crate::envelope::Envelope;
+use crate::errors::{self, Outcome};
 use crate::relay::blocks::{Blocks, MAX_BLOCKED_AGGREGATES};
 use crate::relay::lease::Lease;
 use crate::relay::scheduler::Scheduler;
@@ -16,7 +17,6 @@ use crate::source::SourcedEvent;
 use crate::source::budget::Budget;
 use crate::source::{Acker, Reader, RowPosition, SourceError};
 use crate::telemetry::PipelineTelemetry;
-use crate::telemetry::metrics::Failure;
 use chrono::Utc;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -284,12 +284,12 @@ where
         result: Result<(), PipelineError>,
     ) -> Result<(), PipelineError> {
         if let Err(e) = &result
-            && e.is_retryable()
+            && errors::policy(e.kind()).outcome == Some(Outcome::Unavailable)
         {
             // Their fate is unknown: they will be sent again.
             self.telemetry
                 .metrics
-                .failed(Failure::Unavailable, self.scheduler.in_flight() as u64);
+                .failed(Outcome::Unavailable, self.scheduler.in_flight() as u64);
         }
         // Record what the broker confirmed before giving up, to spare
         // re-sends; the acker may be what failed, so not for long (and not

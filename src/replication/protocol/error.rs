@@ -1,25 +1,11 @@
-//! Errors of the replication client, each knowing whether trying again may help.
+//! Errors of the replication client, each mapped to its [`ErrorKind`].
 use crate::db::tls::{SslMode, TlsError};
+use crate::errors::{self, ErrorKind};
 use postgres_protocol::message::backend::ErrorFields;
 use std::fmt;
 use std::io;
 use std::time::Duration;
 use tokio_postgres::fallible_iterator::FallibleIterator;
-
-/// SQLSTATE codes and classes after which reconnecting later can succeed with the same
-/// settings (<https://www.postgresql.org/docs/current/errcodes-appendix.html>).
-const RETRYABLE_CODES: &[&str] = &[
-    "55006", // object_in_use: the slot is streamed by another process (wait as a standby)
-    "57P01", // admin_shutdown: server stopping, or the walsender was terminated
-    "57P02", // crash_shutdown
-    "57P03", // cannot_connect_now: server starting up or in recovery
-    "40001", // serialization_failure
-    "40P01", // deadlock_detected
-];
-const RETRYABLE_CLASSES: &[&str] = &[
-    "08", // connection_exception
-    "53", // insufficient_resources, e.g. 53300 too_many_connections
-];
 
 /// An `ErrorResponse` from the server
 /// (<https://www.postgresql.org/docs/current/protocol-error-fields.html>).
@@ -71,12 +57,11 @@ impl ServerError {
         Ok(error)
     }
 
-    /// Whether the same request may succeed later.
-    pub fn is_retryable(&self) -> bool {
-        RETRYABLE_CODES.contains(&self.code.as_str())
-            || RETRYABLE_CLASSES
-                .iter()
-                .any(|class| self.code.starts_with(class))
+    /// By SQLSTATE, as for ordinary connections: `55006` (the slot is streamed by another
+    /// process), a shutdown or a server starting up pass; a wrong password or a missing slot
+    /// does not.
+    pub fn kind(&self) -> ErrorKind {
+        errors::sqlstate(&self.code)
     }
 }
 
@@ -155,24 +140,24 @@ impl ProtocolError {
         }
     }
 
-    /// Whether reconnecting later with the same settings may succeed (back off and retry),
-    /// as opposed to an error that needs an operator (wrong credentials, missing slot,
-    /// rejected certificate) or a server that does not speak the protocol.
-    pub fn is_retryable(&self) -> bool {
+    /// Transport failures pass; wrong credentials, a missing slot or a rejected certificate
+    /// need an operator; a server that does not speak the protocol is corrupt input.
+    pub fn kind(&self) -> ErrorKind {
         match self {
             ProtocolError::Connect { .. }
             | ProtocolError::ConnectTimeout { .. }
             | ProtocolError::Io(_)
-            | ProtocolError::Closed => true,
-            ProtocolError::Tls(e) => e.is_retryable(),
-            ProtocolError::Server(e) => e.is_retryable(),
+            | ProtocolError::Closed => ErrorKind::Transient,
+            ProtocolError::Tls(e) => e.kind(),
+            ProtocolError::Server(e) => e.kind(),
             ProtocolError::Config(_)
             | ProtocolError::TlsRefused { .. }
             | ProtocolError::MissingPassword { .. }
             | ProtocolError::UnsupportedAuth { .. }
-            | ProtocolError::Scram(_)
-            | ProtocolError::MessageTooLarge { .. }
-            | ProtocolError::Protocol(_) => false,
+            | ProtocolError::Scram(_) => ErrorKind::NeedsOperator,
+            ProtocolError::MessageTooLarge { .. } | ProtocolError::Protocol(_) => {
+                ErrorKind::Corrupt
+            }
         }
     }
 
@@ -202,20 +187,23 @@ mod tests {
     #[test]
     fn classifies_server_errors_by_sqlstate() {
         for code in ["55006", "57P01", "57P03", "53300", "08006"] {
-            assert!(db_error(code).is_retryable(), "{code}");
+            assert_eq!(db_error(code).kind(), ErrorKind::Transient, "{code}");
         }
         for code in ["28P01", "28000", "42704", "42601", "57P04"] {
-            assert!(!db_error(code).is_retryable(), "{code}");
+            assert_eq!(db_error(code).kind(), ErrorKind::NeedsOperator, "{code}");
         }
         assert_eq!(db_error("55006").code(), Some("55006"));
     }
 
     #[test]
     fn classifies_transport_errors() {
-        assert!(ProtocolError::Closed.is_retryable());
-        assert!(ProtocolError::Io(io::ErrorKind::ConnectionReset.into()).is_retryable());
-        assert!(!ProtocolError::Protocol("x".to_owned()).is_retryable());
-        assert!(!ProtocolError::MissingPassword { user: "u".into() }.is_retryable());
+        assert_eq!(ProtocolError::Closed.kind(), ErrorKind::Transient);
+        let reset = ProtocolError::Io(io::ErrorKind::ConnectionReset.into());
+        assert_eq!(reset.kind(), ErrorKind::Transient);
+        let garbled = ProtocolError::Protocol("x".to_owned());
+        assert_eq!(garbled.kind(), ErrorKind::Corrupt);
+        let no_password = ProtocolError::MissingPassword { user: "u".into() };
+        assert_eq!(no_password.kind(), ErrorKind::NeedsOperator);
         assert_eq!(ProtocolError::Closed.code(), None);
     }
 

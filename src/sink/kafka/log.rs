@@ -6,6 +6,10 @@
 //! which says the same thing once per retry. So connection chatter goes to
 //! debug, and each kind of line (facility or error code) is logged at most
 //! once per [`REPEAT_WINDOW`], with the number of repeats held back.
+//!
+//! The lines keep the target they had before this file moved into
+//! `sink/kafka/`, [`TARGET`], so `log.level` filters written for it still
+//! work.
 
 use rdkafka::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
@@ -13,6 +17,9 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// The `tracing` target of librdkafka's lines.
+pub const TARGET: &str = "outbox_relay::sink::kafka_log";
 
 /// Lines of one kind within this long of the last one logged are counted, not logged.
 pub const REPEAT_WINDOW: Duration = Duration::from_secs(30);
@@ -72,19 +79,25 @@ impl ClientContext for LogContext {
             return;
         };
         if quiet {
-            tracing::debug!(facility, held, "librdkafka: {message}");
+            tracing::debug!(target: TARGET, facility, held, "librdkafka: {message}");
             return;
         }
         match level {
             RDKafkaLogLevel::Emerg
             | RDKafkaLogLevel::Alert
             | RDKafkaLogLevel::Critical
-            | RDKafkaLogLevel::Error => tracing::error!(facility, held, "librdkafka: {message}"),
-            RDKafkaLogLevel::Warning => tracing::warn!(facility, held, "librdkafka: {message}"),
-            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
-                tracing::info!(facility, held, "librdkafka: {message}")
+            | RDKafkaLogLevel::Error => {
+                tracing::error!(target: TARGET, facility, held, "librdkafka: {message}")
             }
-            RDKafkaLogLevel::Debug => tracing::debug!(facility, held, "librdkafka: {message}"),
+            RDKafkaLogLevel::Warning => {
+                tracing::warn!(target: TARGET, facility, held, "librdkafka: {message}")
+            }
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                tracing::info!(target: TARGET, facility, held, "librdkafka: {message}")
+            }
+            RDKafkaLogLevel::Debug => {
+                tracing::debug!(target: TARGET, facility, held, "librdkafka: {message}")
+            }
         }
     }
 
@@ -97,9 +110,9 @@ impl ClientContext for LogContext {
             return;
         };
         if code.is_some_and(is_connection_error) {
-            tracing::debug!(held, "librdkafka: {error}: {reason}");
+            tracing::debug!(target: TARGET, held, "librdkafka: {error}: {reason}");
         } else {
-            tracing::warn!(held, "librdkafka: {error}: {reason}");
+            tracing::warn!(target: TARGET, held, "librdkafka: {error}: {reason}");
         }
     }
 }

@@ -12,117 +12,29 @@
 //! use, because publishing to a missing exchange would close the publishing
 //! channel and make every unconfirmed message's fate unknown.
 //!
-//! `amqps://` is set up and its failures explained in [`super::amqps`].
+//! `amqps://` is set up and its failures explained in `tls.rs`; the
+//! unconfirmed messages are tracked in `confirms.rs`; lapin's errors are
+//! sorted in `error.rs`. The keys and their checks are in
+//! `config/sink/rabbitmq.rs` (the configuration layer cannot depend on the
+//! sink).
 
-use super::{Confirmation, Sink, SinkError, amqps};
+mod confirms;
+mod error;
+mod tls;
+
+use super::{Confirmation, Reason, Sink, SinkError, within_limit};
 use crate::config::{RabbitMqConfig, redact_url};
 use crate::envelope::routing::Routing;
 use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
-use lapin::message::BasicReturnMessage;
+use confirms::{Settle, Unconfirmed};
+use error::{answer, connect_error, unavailable};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation as Ack, Connection, ConnectionProperties, ExchangeKind,
 };
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
-
-/// Unconfirmed messages of the publishing channel, and which of them came
-/// back unroutable.
-///
-/// `basic.return` names no delivery tag, only the message's properties, and
-/// lapin hands it to whichever confirmation completes next. The sink keeps
-/// event ids unique among unconfirmed messages (a second message with an id
-/// already unconfirmed is turned away as back-pressure until the first is
-/// answered), so a return's message id names exactly one delivery tag, and
-/// the return is filed under that tag. RabbitMQ sends a message's return
-/// before its ack, lapin attaches it to a confirmation that completes no
-/// later than the message's own, and confirmations are handled in the order
-/// they complete: the return is filed before the message's own ack is
-/// looked at.
-///
-/// Bounded: a new sink (connection) starts empty, and each entry belongs to
-/// an unconfirmed message of this connection (removed when its confirmation
-/// is answered or dropped).
-#[derive(Clone, Default)]
-struct Unconfirmed(Arc<Mutex<Tags>>);
-
-#[derive(Default)]
-struct Tags {
-    /// One tag per publish, counted from 1 as the channel's delivery tags are.
-    last: u64,
-    by_id: HashMap<String, u64>,
-    returned: HashMap<u64, String>,
-}
-
-impl Unconfirmed {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Tags> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Takes the next delivery tag for a message with this id, or `None`
-    /// while another message with the id is unconfirmed.
-    fn publish(&self, id: &str) -> Option<u64> {
-        let mut tags = self.lock();
-        if tags.by_id.contains_key(id) {
-            return None;
-        }
-        tags.last += 1;
-        let tag = tags.last;
-        tags.by_id.insert(id.to_owned(), tag);
-        Some(tag)
-    }
-
-    /// A publish that failed: its connection is done for, so is the message.
-    fn unpublish(&self, id: &str, tag: u64) {
-        self.settle(id, tag);
-    }
-
-    fn file(&self, returned: &BasicReturnMessage) {
-        let id = returned
-            .delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.to_string())
-            .unwrap_or_default();
-        let why = format!("{} {}", returned.reply_code, returned.reply_text);
-        let mut tags = self.lock();
-        match tags.by_id.get(&id).copied() {
-            Some(tag) => {
-                tags.returned.insert(tag, why);
-            }
-            None => tracing::warn!(
-                message_id = %id,
-                "RabbitMQ returned a message that is not unconfirmed on this channel ({why}); ignored"
-            ),
-        }
-    }
-
-    /// The message's answer is in: forgets it, and says whether it came back.
-    fn settle(&self, id: &str, tag: u64) -> Option<String> {
-        let mut tags = self.lock();
-        if tags.by_id.get(id) == Some(&tag) {
-            tags.by_id.remove(id);
-        }
-        tags.returned.remove(&tag)
-    }
-}
-
-/// Settles a message whose confirmation is dropped unanswered (the relay
-/// gave up on the connection), so its id and tag do not linger.
-struct Settle {
-    unconfirmed: Unconfirmed,
-    id: String,
-    tag: u64,
-}
-
-impl Drop for Settle {
-    fn drop(&mut self) {
-        self.unconfirmed.settle(&self.id, self.tag);
-    }
-}
+use std::collections::HashSet;
 
 pub struct RabbitMqSink {
     unconfirmed: Unconfirmed,
@@ -142,33 +54,12 @@ pub struct RabbitMqSink {
     known_exchanges: HashSet<String>,
 }
 
-fn unavailable(what: &str, e: lapin::Error) -> SinkError {
-    SinkError::Unavailable(format!("RabbitMQ {what} failed: {e}"))
-}
-
 fn short(s: &str, what: &str) -> Result<ShortString, SinkError> {
     ShortString::try_new(s).map_err(|_| {
-        SinkError::Rejected(format!(
-            "{what} {s:?} is over AMQP's 255-byte limit for short strings"
-        ))
+        SinkError::Rejected(
+            format!("{what} {s:?} is over AMQP's 255-byte limit for short strings").into(),
+        )
     })
-}
-
-/// Tells what the operator must fix (credentials, certificates) from what
-/// may pass by itself (the broker down, the network).
-async fn connect_error(config: &RabbitMqConfig, shown: &str, e: &lapin::Error) -> SinkError {
-    let text = e.to_string();
-    if text.contains("ACCESS_REFUSED") || text.contains("403") {
-        return SinkError::Fatal(format!(
-            "RabbitMQ at {shown} refused the credentials: {text}; check the user and password in sink.url"
-        ));
-    }
-    if let Some(problem) = amqps::diagnose(config, shown).await {
-        return problem;
-    }
-    SinkError::Unavailable(format!(
-        "cannot connect to RabbitMQ at {shown}: {text}; check sink.url and that the broker is up"
-    ))
 }
 
 /// The longest a connection may take to open with its channel in confirm
@@ -185,16 +76,20 @@ impl RabbitMqSink {
                 "RabbitMQ at {shown} did not complete the connection within {}s (the server accepted it and went silent); \
                  check sink.url points at an AMQP port and that the broker is healthy",
                 CONNECT_LIMIT.as_secs()
-            ))),
+            ).into())),
         }
     }
 
     async fn open(config: &RabbitMqConfig, shown: &str) -> Result<Self, SinkError> {
         let shown = shown.to_owned();
         let props = ConnectionProperties::default().with_connection_name("outbox-relay".into());
-        let tls = amqps::tls_config(config)?;
-        let runtime = lapin::runtime::default_runtime()
-            .map_err(|e| SinkError::Fatal(format!("no runtime for the RabbitMQ client: {e}")))?;
+        let tls = tls::tls_config(config)?;
+        let runtime = lapin::runtime::default_runtime().map_err(|e| {
+            SinkError::Fatal(Reason::caused_by(
+                format!("no runtime for the RabbitMQ client: {e}"),
+                e,
+            ))
+        })?;
         let connection =
             match Connection::connect_with_config(config.url.expose(), props, tls, runtime).await {
                 Ok(c) => c,
@@ -250,18 +145,18 @@ impl RabbitMqSink {
         let exchange = self
             .routing
             .destination(event, destination::rabbitmq_exchange, "sink.exchange")
-            .map_err(SinkError::Rejected)?
+            .map_err(SinkError::rejected)?
             .map_or_else(|| render(&self.exchange), str::to_owned);
         let own_key = self
             .routing
             .key(event, destination::rabbitmq_routing_key, "sink.routing_key")
-            .map_err(SinkError::Rejected)?;
+            .map_err(SinkError::rejected)?;
         let (routing_key, key_from) = match own_key {
             Some(k) => (k.to_owned(), "the row's outbox.columns.key value"),
             None => (render(&self.routing_key), "sink.routing_key"),
         };
-        destination::rabbitmq_exchange(&exchange).map_err(SinkError::Rejected)?;
-        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::Rejected)?;
+        destination::rabbitmq_exchange(&exchange).map_err(SinkError::rejected)?;
+        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::rejected)?;
         Ok((exchange, routing_key, key_from))
     }
 
@@ -301,14 +196,37 @@ impl RabbitMqSink {
                 Err(unavailable("exchange check", e))
             }
             // The broker closed the admin channel (404 NOT_FOUND, 403, 406): this exchange's problem only.
-            Err(e) if !self.declare => Err(SinkError::Rejected(format!(
-                "exchange {exchange:?} does not exist ({e}); declare it, or set sink.declare_exchange = true"
+            Err(e) if !self.declare => Err(SinkError::Rejected(Reason::caused_by(
+                format!(
+                    "exchange {exchange:?} does not exist ({e}); declare it, or set sink.declare_exchange = true"
+                ),
+                e,
             ))),
-            Err(e) => Err(SinkError::Rejected(format!(
-                "cannot declare exchange {exchange:?}: {e}"
+            Err(e) => Err(SinkError::Rejected(Reason::caused_by(
+                format!("cannot declare exchange {exchange:?}: {e}"),
+                e,
             ))),
         }
     }
+}
+
+/// A persistent message with the event's id, type and headers.
+fn properties(message: &Message) -> Result<BasicProperties, SinkError> {
+    let mut headers = FieldTable::default();
+    for (k, v) in &message.headers {
+        headers.insert(
+            short(k, "header name")?,
+            AMQPValue::LongString(LongString::from(v.as_bytes().to_vec())),
+        );
+    }
+    Ok(BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_message_id(short(&message.id, "event id")?)
+        .with_content_type(short(message.content_type, "content type")?)
+        .with_type(short(&message.event_type, "event type")?)
+        .with_timestamp(message.timestamp_secs)
+        .with_app_id("outbox-relay".into())
+        .with_headers(headers))
 }
 
 impl Sink for RabbitMqSink {
@@ -323,38 +241,18 @@ impl Sink for RabbitMqSink {
             return Err(SinkError::Unavailable(format!(
                 "RabbitMQ at {} has blocked publishers (connection.blocked: a memory or disk alarm); waiting for it to clear",
                 self.url
-            )));
+            ).into()));
         }
         let (exchange, routing_key, key_from) = self.route(event)?;
-        let size = message.size();
-        if size > self.max_bytes {
-            return Err(SinkError::Rejected(format!(
-                "message is {size} bytes, over sink.message_max_bytes ({})",
-                self.max_bytes
-            )));
-        }
-        let mut headers = FieldTable::default();
-        for (k, v) in &message.headers {
-            headers.insert(
-                short(k, "header name")?,
-                AMQPValue::LongString(LongString::from(v.as_bytes().to_vec())),
-            );
-        }
-        let properties = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_message_id(short(&message.id, "event id")?)
-            .with_content_type(short(message.content_type, "content type")?)
-            .with_type(short(&message.event_type, "event type")?)
-            .with_timestamp(message.timestamp_secs)
-            .with_app_id("outbox-relay".into())
-            .with_headers(headers);
+        within_limit(&message, self.max_bytes)?;
+        let properties = properties(&message)?;
         self.ensure_exchange(&exchange).await?;
         let id = message.id;
         let Some(tag) = self.unconfirmed.publish(&id) else {
             return Err(SinkError::Busy(format!(
                 "another message with event id {id:?} is unconfirmed; this one waits for its answer \
                  (the outbox's id column repeats a value: give it a unique index)"
-            )));
+            ).into()));
         };
         let published = self
             .channel
@@ -387,21 +285,7 @@ impl Sink for RabbitMqSink {
                 settle.unconfirmed.file(r);
             }
             let returned = settle.unconfirmed.settle(&settle.id, settle.tag);
-            match outcome {
-                Ok(Ack::Ack(_)) => match returned {
-                    None => Ok(()),
-                    Some(why) => Err(SinkError::Rejected(format!(
-                        "unroutable: no queue is bound to exchange {exchange:?} for routing key {routing_key:?} ({why}); bind a queue or change {key_from}"
-                    ))),
-                },
-                Ok(Ack::Nack(_)) => Err(SinkError::Busy(
-                    "RabbitMQ turned the message away (basic.nack): a queue is full with overflow=reject-publish, or the broker could not store it; retrying".into(),
-                )),
-                Ok(Ack::NotRequested) => Err(SinkError::Unavailable(
-                    "the channel is not in confirm mode".into(),
-                )),
-                Err(e) => Err(unavailable("confirm", e)),
-            }
+            answer(outcome, returned, (&exchange, &routing_key, key_from))
         }))
     }
 
@@ -417,8 +301,8 @@ impl Sink for RabbitMqSink {
             })
         };
         let (exchange, routing_key) = (render(&self.exchange), render(&self.routing_key));
-        destination::rabbitmq_exchange(&exchange).map_err(SinkError::Rejected)?;
-        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::Rejected)?;
+        destination::rabbitmq_exchange(&exchange).map_err(SinkError::rejected)?;
+        destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::rejected)?;
         self.ensure_exchange(&exchange).await?;
         Ok(format!(
             "exchange {exchange:?} (routing key {routing_key:?}; whether a queue is bound shows when publishing)"
@@ -426,7 +310,7 @@ impl Sink for RabbitMqSink {
     }
 
     async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
-        destination::rabbitmq_exchange(name).map_err(SinkError::Rejected)?;
+        destination::rabbitmq_exchange(name).map_err(SinkError::rejected)?;
         self.ensure_exchange(name).await?;
         Ok(format!("exchange {name:?}"))
     }
@@ -443,17 +327,19 @@ impl Sink for RabbitMqSink {
 
     async fn probe(&mut self) -> Result<(), SinkError> {
         if self.connection.status().blocked() {
-            Err(SinkError::Unavailable(format!(
-                "RabbitMQ at {} has blocked publishers (a memory or disk alarm)",
-                self.url
-            )))
+            Err(SinkError::Unavailable(
+                format!(
+                    "RabbitMQ at {} has blocked publishers (a memory or disk alarm)",
+                    self.url
+                )
+                .into(),
+            ))
         } else if self.connection.status().connected() && self.channel.status().connected() {
             Ok(())
         } else {
-            Err(SinkError::Unavailable(format!(
-                "the connection to RabbitMQ at {} is closed",
-                self.url
-            )))
+            Err(SinkError::Unavailable(
+                format!("the connection to RabbitMQ at {} is closed", self.url).into(),
+            ))
         }
     }
 

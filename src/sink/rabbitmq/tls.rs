@@ -14,8 +14,8 @@
 //! repeats the handshake on a connection of its own, where OpenSSL's verify
 //! result and the broker's alert can be read, and names the key to fix.
 
-use super::SinkError;
 use crate::config::RabbitMqConfig;
+use crate::sink::{Reason, SinkError};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use openssl::pkey::PKey;
 use openssl::ssl::{SslConnector, SslMethod};
@@ -56,17 +56,23 @@ fn read_files(config: &RabbitMqConfig) -> Result<Files, SinkError> {
             let leaf = certificates("sink.tls_cert", cert_path, &cert_pem)?.remove(0);
             let key_pem = read_pem("sink.tls_key", key_path)?;
             let key = PKey::private_key_from_pem(key_pem.as_bytes()).map_err(|e| {
-                SinkError::Fatal(format!(
-                    "sink.tls_key {} is not an unencrypted PEM private key: {e}",
-                    key_path.display()
+                SinkError::Fatal(Reason::caused_by(
+                    format!(
+                        "sink.tls_key {} is not an unencrypted PEM private key: {e}",
+                        key_path.display()
+                    ),
+                    e,
                 ))
             })?;
             if !leaf.public_key().is_ok_and(|public| public.public_eq(&key)) {
-                return Err(SinkError::Fatal(format!(
-                    "sink.tls_key {} is not the key of the certificate in sink.tls_cert {}",
-                    key_path.display(),
-                    cert_path.display()
-                )));
+                return Err(SinkError::Fatal(
+                    format!(
+                        "sink.tls_key {} is not the key of the certificate in sink.tls_cert {}",
+                        key_path.display(),
+                        cert_path.display()
+                    )
+                    .into(),
+                ));
             }
             Some((cert_pem, key_pem))
         }
@@ -77,7 +83,7 @@ fn read_files(config: &RabbitMqConfig) -> Result<Files, SinkError> {
 
 /// lapin's TLS settings; files are read at every connect, so a renewed
 /// certificate is picked up by the next reconnect.
-pub fn tls_config(config: &RabbitMqConfig) -> Result<OwnedTLSConfig, SinkError> {
+pub(super) fn tls_config(config: &RabbitMqConfig) -> Result<OwnedTLSConfig, SinkError> {
     let files = read_files(config)?;
     Ok(OwnedTLSConfig {
         cert_chain: files.ca.map(|(pem, _)| pem),
@@ -89,22 +95,25 @@ pub fn tls_config(config: &RabbitMqConfig) -> Result<OwnedTLSConfig, SinkError> 
 }
 
 fn read_pem(key: &str, path: &Path) -> Result<String, SinkError> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| SinkError::Fatal(format!("cannot read {key} {}: {e}", path.display())))?;
+    let bytes = std::fs::read(path).map_err(|e| {
+        SinkError::Fatal(Reason::caused_by(
+            format!("cannot read {key} {}: {e}", path.display()),
+            e,
+        ))
+    })?;
     String::from_utf8(bytes)
-        .map_err(|_| SinkError::Fatal(format!("{key} {} is not a PEM file", path.display())))
+        .map_err(|_| SinkError::Fatal(format!("{key} {} is not a PEM file", path.display()).into()))
 }
 
 fn certificates(key: &str, path: &Path, pem: &str) -> Result<Vec<X509>, SinkError> {
     match X509::stack_from_pem(pem.as_bytes()) {
         Ok(certs) if !certs.is_empty() => Ok(certs),
-        Ok(_) => Err(SinkError::Fatal(format!(
-            "{key} {} contains no certificate",
-            path.display()
-        ))),
-        Err(e) => Err(SinkError::Fatal(format!(
-            "{key} {} is not a valid PEM file: {e}",
-            path.display()
+        Ok(_) => Err(SinkError::Fatal(
+            format!("{key} {} contains no certificate", path.display()).into(),
+        )),
+        Err(e) => Err(SinkError::Fatal(Reason::caused_by(
+            format!("{key} {} is not a valid PEM file: {e}", path.display()),
+            e,
         ))),
     }
 }
@@ -112,7 +121,9 @@ fn certificates(key: &str, path: &Path, pem: &str) -> Result<Vec<X509>, SinkErro
 /// The same trust and identity as lapin's connector, built with OpenSSL directly.
 fn connector(config: &RabbitMqConfig) -> Result<SslConnector, SinkError> {
     let files = read_files(config)?;
-    let setup = |e: openssl::error::ErrorStack| SinkError::Fatal(format!("cannot set up TLS: {e}"));
+    let setup = |e: openssl::error::ErrorStack| {
+        SinkError::Fatal(Reason::caused_by(format!("cannot set up TLS: {e}"), e))
+    };
     let mut builder = SslConnector::builder(SslMethod::tls()).map_err(setup)?;
     if let Some((_, certs)) = files.ca {
         for cert in certs {
@@ -138,7 +149,7 @@ fn connector(config: &RabbitMqConfig) -> Result<SslConnector, SinkError> {
 /// Repeats the TLS handshake with the broker of an `amqps://` URL whose
 /// connection failed; returns the problem an operator must fix, if it is one
 /// of TLS. `shown` is the URL without its password.
-pub async fn diagnose(config: &RabbitMqConfig, shown: &str) -> Option<SinkError> {
+pub(super) async fn diagnose(config: &RabbitMqConfig, shown: &str) -> Option<SinkError> {
     let url = url::Url::parse(config.url.expose()).ok()?;
     if url.scheme() != "amqps" {
         return None;
@@ -162,7 +173,11 @@ pub async fn diagnose(config: &RabbitMqConfig, shown: &str) -> Option<SinkError>
     .ok()?;
     let ssl = connector.configure().ok()?.into_ssl(&host).ok()?;
     let mut tls = tokio_openssl::SslStream::new(ssl, tcp).ok()?;
-    let fatal = |what: String| Some(SinkError::Fatal(format!("RabbitMQ at {shown} {what}")));
+    let fatal = |what: String| {
+        Some(SinkError::Fatal(
+            format!("RabbitMQ at {shown} {what}").into(),
+        ))
+    };
     match tokio::time::timeout(DIAGNOSIS_TIMEOUT, Pin::new(&mut tls).connect()).await {
         Err(_) => None,
         Ok(Err(e)) => {

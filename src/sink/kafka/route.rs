@@ -1,0 +1,125 @@
+//! Which topic, key and lane each event goes to.
+
+use crate::envelope::routing::{self, Routing};
+use crate::envelope::{Field, Template, destination};
+use crate::outbox::OutboxEvent;
+use crate::sink::SinkError;
+
+/// The topic the template names for events of this kind.
+pub(super) fn render(
+    template: &Template,
+    aggregate_type: &str,
+    event_type: &str,
+) -> Result<String, SinkError> {
+    let topic = template.render(|f| match f {
+        Field::AggregateType => aggregate_type,
+        Field::EventType => event_type,
+    });
+    destination::kafka_topic(&topic).map_err(SinkError::rejected)?;
+    Ok(topic)
+}
+
+/// The event's topic: its destination column's value, else the template's.
+pub(super) fn topic_of(
+    template: &Template,
+    routing: &Routing,
+    event: &OutboxEvent,
+) -> Result<String, SinkError> {
+    let own = routing
+        .destination(event, destination::kafka_topic, "sink.topic")
+        .map_err(SinkError::rejected)?;
+    match own {
+        Some(topic) => Ok(topic.to_owned()),
+        None => render(template, &event.aggregate_type, &event.event_type),
+    }
+}
+
+/// The event's key column's value, when it has one (else the aggregate id).
+pub(super) fn key_of<'a>(
+    routing: &Routing,
+    event: &'a OutboxEvent,
+) -> Result<Option<&'a str>, SinkError> {
+    routing
+        .key(event, routing::any_value, "the aggregate id")
+        .map_err(SinkError::rejected)
+}
+
+/// Messages of one aggregate keep their order through a refusal only
+/// within one partition: the same topic and the same key. Without a key of
+/// its own an event's key is its aggregate id, the same for all of them.
+/// An event whose topic or key is refused has no lane.
+pub(super) fn lane_of(
+    template: &Template,
+    routing: &Routing,
+    event: &OutboxEvent,
+) -> Option<String> {
+    let topic = topic_of(template, routing, event).ok()?;
+    match key_of(routing, event).ok()? {
+        None => Some(topic),
+        // A NUL cannot occur in a topic name.
+        Some(key) => Some(format!("{topic}\0{key}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::Template;
+
+    fn event(aggregate_id: &str, extra: &[(&str, &str)]) -> OutboxEvent {
+        OutboxEvent {
+            id: "e".into(),
+            aggregate_type: "order".into(),
+            aggregate_id: aggregate_id.into(),
+            event_type: "OrderPlaced".into(),
+            event_version: 1,
+            payload: serde_json::value::RawValue::from_string("{}".into()).unwrap(),
+            headers: vec![],
+            created_at: chrono::Utc::now(),
+            extra: extra
+                .iter()
+                .map(|(c, v)| ((*c).to_owned(), (*v).to_owned()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_lane_follows_each_rows_own_topic_and_key() {
+        let template = Template::parse("outbox.event.{aggregate_type}").unwrap();
+        let routing = Routing::from_columns(&crate::outbox::ColumnMap {
+            destination: Some("topic".into()),
+            key: Some("msg_key".into()),
+            ..Default::default()
+        });
+        let lane = |extra: &[(&str, &str)]| lane_of(&template, &routing, &event("o-1", extra));
+        // NULL columns: the template's topic, keyed by the aggregate id.
+        assert_eq!(lane(&[]).as_deref(), Some("outbox.event.order"));
+        // Two events of one aggregate routed to different topics, or keyed
+        // differently (other partitions), are in different lanes: one at a time.
+        let a = lane(&[("topic", "billing")]);
+        let b = lane(&[("topic", "shipping")]);
+        assert_eq!(a.as_deref(), Some("billing"));
+        assert_ne!(a, b);
+        assert_ne!(a, lane(&[("topic", "billing"), ("msg_key", "k")]));
+        assert_ne!(lane(&[("msg_key", "k1")]), lane(&[("msg_key", "k2")]));
+        assert_eq!(lane(&[("msg_key", "k1")]), lane(&[("msg_key", "k1")]));
+        // A refused value has no lane: the event goes alone, and is refused.
+        assert_eq!(lane(&[("topic", "no spaces")]), None);
+        assert_eq!(lane(&[("msg_key", "")]), None);
+        let e = event("o-1", &[("topic", "no spaces")]);
+        let Err(SinkError::Rejected(why)) = topic_of(&template, &routing, &e) else {
+            panic!("a bad topic value is a refusal");
+        };
+        assert!(
+            why.to_string()
+                .contains("column \"topic\" (outbox.columns.destination) holds \"no spaces\""),
+            "{why}"
+        );
+        // Without routing columns the lane is the template's topic, as before.
+        let plain = Routing::default();
+        assert_eq!(
+            lane_of(&template, &plain, &e).as_deref(),
+            Some("outbox.event.order")
+        );
+    }
+}
