@@ -103,11 +103,6 @@ async fn check_database(config: &Config, r: &mut Report) {
                 "{table} does not exist or is not visible to this user; run `outbox-relay migrate`"
             ),
         ),
-        Ok(Some(info)) if info.partitioned => r.add(
-            Mark::Fail,
-            "outbox table",
-            inspect::partitioned_problem(table),
-        ),
         Ok(Some(info)) => {
             let problems = inspect::verify(
                 &info,
@@ -126,11 +121,18 @@ async fn check_database(config: &Config, r: &mut Report) {
                 .filter(|(_, c)| c.is_none())
                 .map(|(k, _)| *k)
                 .collect();
-                let note = if absent.is_empty() {
+                let mut note = if absent.is_empty() {
                     String::new()
                 } else {
                     format!(" (no {} column: defaults apply)", absent.join(", "))
                 };
+                if let Some(p) = &info.partitioning {
+                    note.push_str(&format!(
+                        "; partitioned by {} ({})",
+                        p.strategy,
+                        p.columns.join(", ")
+                    ));
+                }
                 r.add(
                     Mark::Ok,
                     "outbox table",
@@ -274,9 +276,9 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         Ok(Some(false)) => r.add(
             Mark::Fail,
             "publication",
-            format!(
-                "{publication} does not publish inserts into {table}; run `outbox-relay migrate`"
-            ),
+            setup::not_published_problem(client, &publication, table)
+                .await
+                .unwrap_or_else(|e| e.to_string()),
         ),
         Ok(None) => r.add(
             Mark::Fail,

@@ -22,6 +22,7 @@ mod logs;
 mod memory;
 mod migrations;
 mod operations;
+mod partitions;
 mod retention;
 mod routing;
 mod schema;
