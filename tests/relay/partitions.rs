@@ -1,5 +1,7 @@
-//! A partitioned outbox: `migrate` adopting an application's table and the
-//! publication through the root.
+//! A partitioned outbox: `migrate` adopting an application's table, delivery
+//! and marking through the parent in both modes (also into partitions made
+//! while the relay runs), the publication through the root, and retention
+//! by partition.
 
 use crate::support::*;
 use uuid::Uuid;
@@ -32,7 +34,6 @@ async fn insert_at(db: &TestDb, id: Uuid, at: &str) -> Result<u64, tokio_postgre
         .await
 }
 
-#[allow(dead_code)]
 async fn partitions_of(db: &TestDb) -> Vec<String> {
     db.client
         .query(
@@ -134,6 +135,236 @@ async fn a_table_partitioned_by_an_expression_is_refused_with_the_reason() {
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains("[FAIL] outbox table") && out.contains("partitioned by an expression"),
+        "{out}"
+    );
+}
+
+every_mode!(delivers_and_marks_across_partitions_made_while_running);
+/// With `retention.mode = "partitions"` the relay makes the current
+/// partitions itself at start-up; rows routed to them, to an old partition
+/// and to one the application adds while the relay runs are all delivered
+/// and marked.
+async fn delivers_and_marks_across_partitions_made_while_running(mode: Mode, kind: Kind) {
+    let db = TestDb::new().await;
+    app_table(&db).await;
+    let broker = Broker::new(kind, &["order"]).await;
+    let mut toml = with_mode(&base_toml(&db.url, &broker.sink_toml()), mode);
+    toml = set(&toml, "retention.mode", "\"partitions\"");
+    toml = set(&toml, "retention.partition_premake", "1");
+    let config = parse(&toml);
+    db.migrate(&config).await;
+    let old = Uuid::new_v4();
+    insert_at(&db, old, "2020-06-01 00:00:00+00").await.unwrap();
+    let relay = InProcess::start(config.clone());
+    // `run` schedules retention beside the relay; in process, the test does.
+    let stop_retention = tokio_util::sync::CancellationToken::new();
+    let retention = tokio::spawn({
+        let token = stop_retention.clone();
+        async move { outbox_relay::retention::run_scheduled(&config, None, token).await }
+    });
+    // Retention's first run, at start-up, makes today's partition.
+    let now = Uuid::new_v4();
+    wait_for(WAIT, "a partition for the current time", || async {
+        insert_at(&db, now, "now").await.ok()
+    })
+    .await;
+    db.client
+        .batch_execute(
+            "CREATE TABLE outbox_2030 PARTITION OF outbox
+                 FOR VALUES FROM ('2030-01-01 00:00:00+00') TO ('2031-01-01 00:00:00+00')",
+        )
+        .await
+        .unwrap();
+    let later = Uuid::new_v4();
+    insert_at(&db, later, "2030-06-01 00:00:00+00")
+        .await
+        .unwrap();
+    let ids = strings(&[old, now, later]);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    wait_for(WAIT, "every row marked sent", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 3);
+    let names = partitions_of(&db).await;
+    assert!(
+        names.len() >= 4,
+        "2020, 2030, today and tomorrow: {names:?}"
+    );
+    relay.stop().await;
+    stop_retention.cancel();
+    tokio::time::timeout(WAIT, retention)
+        .await
+        .expect("retention stops within the wait")
+        .unwrap();
+    assert_eq!(broker.inbox().len(), 3, "each event once");
+}
+
+/// The relay-side fields a test sets on rows to age them.
+async fn age(db: &TestDb, id: Uuid, sent: Option<&str>) {
+    db.client
+        .execute(
+            "UPDATE outbox SET relay_sent_at = $2::text::timestamptz WHERE id = $1",
+            &[&id, &sent],
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn retention_drops_old_sent_partitions_and_keeps_the_others() {
+    let db = TestDb::new().await;
+    db.client
+        .batch_execute(
+            "CREATE TABLE outbox (
+                 id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL,
+                 created_at timestamptz NOT NULL DEFAULT now(),
+                 PRIMARY KEY (id, created_at)
+             ) PARTITION BY RANGE (created_at);
+             CREATE TABLE outbox_sent PARTITION OF outbox
+                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2020-01-02 00:00:00+00');
+             CREATE TABLE outbox_unsent PARTITION OF outbox
+                 FOR VALUES FROM ('2020-01-02 00:00:00+00') TO ('2020-01-03 00:00:00+00');
+             CREATE TABLE outbox_late PARTITION OF outbox
+                 FOR VALUES FROM ('2020-01-03 00:00:00+00') TO ('2020-01-04 00:00:00+00');
+             CREATE TABLE outbox_empty PARTITION OF outbox
+                 FOR VALUES FROM ('2020-01-04 00:00:00+00') TO ('2020-01-05 00:00:00+00');
+             CREATE TABLE outbox_default PARTITION OF outbox DEFAULT",
+        )
+        .await
+        .unwrap();
+    let toml = set(
+        &base_toml(&db.url, &rabbit_sink()),
+        "retention.mode",
+        "\"partitions\"",
+    );
+    let toml = set(&toml, "retention.partition_premake", "2");
+    let config = parse(&toml);
+    db.migrate(&config).await;
+    let (sent, unsent, late, stray) = (
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+    );
+    insert_at(&db, sent, "2020-01-01 12:00:00+00")
+        .await
+        .unwrap();
+    insert_at(&db, unsent, "2020-01-02 12:00:00+00")
+        .await
+        .unwrap();
+    insert_at(&db, late, "2020-01-03 12:00:00+00")
+        .await
+        .unwrap();
+    // No partition covers 2019: it lands in the default partition.
+    insert_at(&db, stray, "2019-06-01 00:00:00+00")
+        .await
+        .unwrap();
+    age(&db, sent, Some("2020-01-05 00:00:00+00")).await;
+    age(&db, late, Some("now")).await; // sent within the window
+    age(&db, stray, Some("2020-01-05 00:00:00+00")).await;
+
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(
+        &["retention", "--once", "--dry-run", "--config", &path],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("would drop public.outbox_sent, public.outbox_empty")
+            && out.contains("kept public.outbox_unsent: it holds unsent rows"),
+        "{out}"
+    );
+    assert_eq!(
+        partitions_of(&db).await.len(),
+        5,
+        "a dry run changes nothing"
+    );
+
+    let client = outbox_relay::retention::connect(&config).await.unwrap();
+    let report = outbox_relay::retention::once(&client, &config, false)
+        .await
+        .unwrap();
+    let p = report.partitions.clone().expect("a partition report");
+    let names = |v: &[outbox_relay::outbox::TableName]| -> Vec<String> {
+        v.iter().map(|t| t.name.clone()).collect()
+    };
+    assert_eq!(
+        names(&p.dropped),
+        ["outbox_sent", "outbox_empty"],
+        "{report}"
+    );
+    let kept: Vec<&str> = p.kept.iter().map(|(t, _)| t.name.as_str()).collect();
+    assert_eq!(kept, ["outbox_unsent", "outbox_late"], "{report}");
+    assert!(p.kept[0].1.contains("unsent"), "{report}");
+    assert_eq!(p.created.len(), 3, "today and two ahead: {report}");
+    assert!(p.problems.is_empty(), "{report}");
+    // The default partition's sent row goes row by row.
+    assert_eq!(report.outbox.rows(), 1, "{report}");
+    let left = partitions_of(&db).await;
+    assert!(
+        !left.contains(&"outbox_sent".to_owned()) && left.contains(&"outbox_unsent".to_owned()),
+        "{left:?}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 2);
+    assert_eq!(db.unsent().await, 1, "the unsent row is still there");
+
+    // Again: nothing more to do, and nothing made twice.
+    let report = outbox_relay::retention::once(&client, &config, false)
+        .await
+        .unwrap();
+    let p = report.partitions.clone().unwrap();
+    assert!(p.created.is_empty() && p.dropped.is_empty(), "{report}");
+    // Once the row is sent and its time passed, its partition goes too.
+    age(&db, unsent, Some("2020-01-05 00:00:00+00")).await;
+    let report = outbox_relay::retention::once(&client, &config, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        names(&report.partitions.unwrap().dropped),
+        ["outbox_unsent"]
+    );
+    let (_, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert!(
+        out.contains("[ok  ] partitions") && out.contains("by range on created_at"),
+        "{out}"
+    );
+}
+
+#[tokio::test]
+async fn partition_retention_refuses_a_layout_it_cannot_use() {
+    let db = TestDb::new().await;
+    db.client
+        .batch_execute(
+            "CREATE TABLE outbox (
+                 id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL,
+                 created_at timestamptz NOT NULL DEFAULT now(),
+                 PRIMARY KEY (id, aggregate_type)
+             ) PARTITION BY LIST (aggregate_type);
+             CREATE TABLE outbox_rest PARTITION OF outbox DEFAULT",
+        )
+        .await
+        .unwrap();
+    let toml = set(
+        &base_toml(&db.url, &rabbit_sink()),
+        "retention.mode",
+        "\"partitions\"",
+    );
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "delivery works on any column layout: {out}{err}");
+    let (code, out, err) = run_cli(&["retention", "--once", "--config", &path], &[]);
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(
+        err.contains("retention.mode") && err.contains("partitioned by list"),
+        "{out}{err}"
+    );
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("[FAIL] partitions") && out.contains("partitioned by list"),
         "{out}"
     );
 }
