@@ -264,8 +264,11 @@ async fn cycle_partitions(
     for range in partitions::missing(&wanted, &existing) {
         let name = partitions::name(table, range.0, r.partition_interval);
         let sql = partitions::create_sql(table, &name, range, &layout);
-        if !dry_run && let Err(problem) = partitions::create(client, &sql, &name).await {
-            done.problems.push(problem);
+        if !dry_run && let Err(failure) = partitions::create(client, &sql, &name).await {
+            done.problems.push(failure.message);
+            if failure.locked {
+                break;
+            }
             continue;
         }
         done.created.push(name);

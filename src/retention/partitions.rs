@@ -37,10 +37,10 @@ use chrono::{DateTime, TimeZone, Utc};
 use std::time::Duration;
 use tokio_postgres::Client;
 
-/// The longest wait for the outbox's lock when detaching a partition: long
-/// enough for the relay's own statements to finish, short enough that
-/// inserts never queue behind the detach for long.
-const DETACH_LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+/// The longest wait for the outbox's lock when creating or detaching a
+/// partition: long enough for the relay's own statements to finish, short
+/// enough that inserts never queue behind the DDL for long.
+pub const LOCK_WAIT: Duration = Duration::from_secs(1);
 
 /// How the outbox is partitioned, when partition retention can use it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -239,10 +239,36 @@ pub fn create_sql(
     )
 }
 
-/// Creates one partition; `Err` holds what to tell the operator.
-pub async fn create(client: &Client, sql: &str, partition: &TableName) -> Result<(), String> {
-    client.batch_execute(sql).await.map_err(|e| {
-        let hint = match e.code().map(|c| c.code()) {
+/// Why a partition could not be created.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CreateFailure {
+    /// What to tell the operator.
+    pub message: String,
+    /// The outbox was locked: the other ranges would wait the same, so the
+    /// run leaves them to the next one.
+    pub locked: bool,
+}
+
+/// Creates one partition. Creating a partition locks the outbox (ACCESS
+/// EXCLUSIVE in PostgreSQL 15), so it waits for the lock at most
+/// [`LOCK_WAIT`] rather than let inserts queue behind it.
+pub async fn create(
+    client: &Client,
+    sql: &str,
+    partition: &TableName,
+) -> Result<(), CreateFailure> {
+    let statement = format!(
+        "BEGIN; SET LOCAL lock_timeout = {}; {sql}; COMMIT",
+        LOCK_WAIT.as_millis()
+    );
+    let Err(e) = client.batch_execute(&statement).await else {
+        return Ok(());
+    };
+    // The failed statement left the transaction open and aborted.
+    let _ = client.batch_execute("ROLLBACK").await;
+    Err({
+        let code = e.code().map(|c| c.code().to_owned());
+        let hint = match code.as_deref() {
             // check_violation: the default partition holds rows of the range.
             Some("23514") => {
                 "; the default partition holds rows of its range: move them out \
@@ -252,10 +278,13 @@ pub async fn create(client: &Client, sql: &str, partition: &TableName) -> Result
             Some("55P03") => "; the outbox was locked, the next run tries again",
             _ => "",
         };
-        format!(
-            "cannot create partition {partition}: {}{hint}",
-            crate::db::error_text(&e)
-        )
+        CreateFailure {
+            message: format!(
+                "cannot create partition {partition}: {}{hint}",
+                crate::db::error_text(&e)
+            ),
+            locked: code.as_deref() == Some("55P03"),
+        }
     })
 }
 
@@ -313,7 +342,7 @@ pub async fn drop_expired(
         "BEGIN;
          SET LOCAL lock_timeout = {};
          ALTER TABLE {} DETACH PARTITION {}",
-        DETACH_LOCK_TIMEOUT.as_millis(),
+        LOCK_WAIT.as_millis(),
         table.quoted(),
         partition.quoted()
     );

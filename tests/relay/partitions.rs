@@ -399,3 +399,66 @@ async fn a_publication_naming_the_partitions_is_reported_and_fixed() {
     let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
     assert!(out.contains("[ok  ] publication"), "{code} {out}");
 }
+
+/// A row being written into an expired partition while retention runs:
+/// the check before the lock cannot see it (uncommitted), so the partition
+/// is kept by the lock the writer holds, and after the commit by the row.
+#[tokio::test]
+async fn a_row_written_into_an_expired_partition_keeps_it() {
+    let db = TestDb::new().await;
+    db.client
+        .batch_execute(
+            "CREATE TABLE outbox (
+                 id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                 event_type text NOT NULL, payload jsonb NOT NULL,
+                 created_at timestamptz NOT NULL DEFAULT now(),
+                 PRIMARY KEY (id, created_at)
+             ) PARTITION BY RANGE (created_at);
+             CREATE TABLE outbox_old PARTITION OF outbox
+                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2020-01-02 00:00:00+00')",
+        )
+        .await
+        .unwrap();
+    let toml = set(
+        &base_toml(&db.url, &rabbit_sink()),
+        "retention.mode",
+        "\"partitions\"",
+    );
+    let config = parse(&toml);
+    db.migrate(&config).await;
+    let writer = connect(&db.url).await;
+    writer
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at)
+             VALUES ('{}', 'order', 'o-1', 'Happened', '{{}}', '2020-01-01 12:00:00+00')",
+            Uuid::new_v4()
+        ))
+        .await
+        .unwrap();
+    let client = outbox_relay::retention::connect(&config).await.unwrap();
+    let report = outbox_relay::retention::once(&client, &config, false)
+        .await
+        .unwrap();
+    let p = report.partitions.clone().unwrap();
+    assert!(p.dropped.is_empty(), "{report}");
+    assert!(
+        p.kept.len() == 1 && p.kept[0].1.contains("locked"),
+        "{report}"
+    );
+    // Creating waits for the same lock: one try, the rest left for the next run.
+    assert!(
+        p.created.is_empty() && p.problems.len() == 1 && p.problems[0].contains("locked"),
+        "{report}"
+    );
+    writer.batch_execute("COMMIT").await.unwrap();
+    let report = outbox_relay::retention::once(&client, &config, false)
+        .await
+        .unwrap();
+    let p = report.partitions.clone().unwrap();
+    assert!(
+        p.dropped.is_empty() && p.kept[0].1.contains("unsent"),
+        "{report}"
+    );
+    assert!(partitions_of(&db).await.contains(&"outbox_old".to_owned()));
+    assert_eq!(db.unsent().await, 1);
+}
