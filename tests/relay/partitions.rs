@@ -179,13 +179,24 @@ async fn delivers_and_marks_across_partitions_made_while_running(mode: Mode, kin
     insert_at(&db, later, "2030-06-01 00:00:00+00")
         .await
         .unwrap();
-    let ids = strings(&[old, now, later]);
+    // Written straight into the partition: no NOTIFY (the trigger is the
+    // parent's), but the poll and the stream (through the root) see it.
+    let direct = Uuid::new_v4();
+    db.client
+        .execute(
+            "INSERT INTO outbox_2030 (id, aggregate_type, aggregate_id, event_type, payload, created_at)
+             VALUES ($1, 'order', 'o-2', 'Happened', '{}', '2030-07-01 00:00:00+00')",
+            &[&direct],
+        )
+        .await
+        .unwrap();
+    let ids = strings(&[old, now, later, direct]);
     broker.inbox().wait_ids(&ids, WAIT).await;
     wait_for(WAIT, "every row marked sent", || async {
         (db.unsent().await == 0).then_some(())
     })
     .await;
-    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 3);
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 4);
     let names = partitions_of(&db).await;
     assert!(
         names.len() >= 4,
@@ -197,7 +208,7 @@ async fn delivers_and_marks_across_partitions_made_while_running(mode: Mode, kin
         .await
         .expect("retention stops within the wait")
         .unwrap();
-    assert_eq!(broker.inbox().len(), 3, "each event once");
+    assert_eq!(broker.inbox().len(), 4, "each event once");
 }
 
 /// The relay-side fields a test sets on rows to age them.
@@ -461,4 +472,71 @@ async fn a_row_written_into_an_expired_partition_keeps_it() {
     );
     assert!(partitions_of(&db).await.contains(&"outbox_old".to_owned()));
     assert_eq!(db.unsent().await, 1);
+}
+
+every_mode!(a_dead_lettered_row_does_not_hold_its_partition);
+/// A poison row in a partition is dead-lettered (its row marked in the same
+/// transaction); the dead letter keeps its own copy, so once the row's time
+/// is past the window its partition is dropped and the letter stays.
+async fn a_dead_lettered_row_does_not_hold_its_partition(mode: Mode, kind: Kind) {
+    let db = TestDb::new().await;
+    app_table(&db).await;
+    let broker = Broker::new(kind, &["order"]).await;
+    let mut toml = with_mode(&base_toml(&db.url, &broker.sink_toml()), mode);
+    for (key, value) in [
+        ("retention.mode", "\"partitions\""),
+        ("retention.enabled", "false"),
+        ("dead_letter.max_attempts", "2"),
+        ("relay.reject_retry_base", "\"100ms\""),
+        ("relay.reject_retry_max", "\"200ms\""),
+        ("sink.message_max_bytes", "4000"),
+    ] {
+        toml = set(&toml, key, value);
+    }
+    let config = parse(&toml);
+    db.migrate(&config).await;
+    let (poison, good) = (Uuid::new_v4(), Uuid::new_v4());
+    db.client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at)
+             VALUES ($1, 'order', 'P', 'Big', jsonb_build_object('x', repeat('x', 8000)),
+                     '2020-06-01 00:00:00+00')",
+            &[&poison],
+        )
+        .await
+        .unwrap();
+    insert_at(&db, good, "2020-06-02 00:00:00+00")
+        .await
+        .unwrap();
+    let relay = InProcess::start(config.clone());
+    broker.inbox().wait_ids(&strings(&[good]), WAIT).await;
+    wait_for(WAIT, "the poison row dead-lettered and marked", || async {
+        let letters = db.count("SELECT count(*) FROM outbox_dead_letters").await;
+        (letters == 1 && db.unsent().await == 0).then_some(())
+    })
+    .await;
+    relay.stop().await;
+    db.client
+        .batch_execute("UPDATE outbox SET relay_sent_at = '2020-07-01 00:00:00+00'")
+        .await
+        .unwrap();
+    let client = outbox_relay::retention::connect(&config).await.unwrap();
+    let report = outbox_relay::retention::once(&client, &config, false)
+        .await
+        .unwrap();
+    let dropped: Vec<String> = report
+        .partitions
+        .clone()
+        .unwrap()
+        .dropped
+        .iter()
+        .map(|t| t.name.clone())
+        .collect();
+    assert_eq!(dropped, ["outbox_2020"], "{report}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox_dead_letters WHERE resolution IS NULL")
+            .await,
+        1,
+        "the dead letter stays open, with its own copy"
+    );
 }
