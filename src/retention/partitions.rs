@@ -25,7 +25,9 @@
 //! The default partition (if the application made one) is never dropped and
 //! never created: its sent rows are deleted row by row like a plain table's.
 //! PostgreSQL refuses to create a partition whose range holds rows of the
-//! default partition; the run then reports which range and how to fix it.
+//! default partition; the run reports it and goes on with the next ranges,
+//! which then take the new rows, while the default partition's rows are
+//! delivered and later deleted as usual.
 //!
 //! <https://www.postgresql.org/docs/15/ddl-partitioning.html>
 
@@ -271,9 +273,9 @@ pub async fn create(
         let hint = match code.as_deref() {
             // check_violation: the default partition holds rows of the range.
             Some("23514") => {
-                "; the default partition holds rows of its range: move them out \
-                 (DELETE ... RETURNING into the parent after creating the partition by hand), \
-                 or drop the default partition"
+                "; the default partition holds rows of its range, so PostgreSQL refuses it until they \
+                 are gone: they are delivered like any other row and deleted once sent and older than \
+                 retention.sent_window, and the ranges made ahead take the rows after them"
             }
             Some("55P03") => "; the outbox was locked, the next run tries again",
             _ => "",
