@@ -621,3 +621,23 @@ pub async fn apply(client: &mut Client, steps: &[Step]) -> Result<(), MigrateErr
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partitioned_table_gets_relay_seq_from_a_sequence_it_owns() {
+        let steps = partitioned_seq(&TableName::new("shop", "outbox"));
+        assert_eq!(steps.len(), 1);
+        assert!(!steps[0].outside_transaction);
+        assert_eq!(
+            steps[0].sql,
+            "CREATE SEQUENCE IF NOT EXISTS \"shop\".\"outbox_relay_seq_seq\" AS bigint;
+ALTER TABLE \"shop\".\"outbox\" ADD COLUMN relay_seq bigint NOT NULL DEFAULT nextval('\"shop\".\"outbox_relay_seq_seq\"'::regclass);
+ALTER SEQUENCE \"shop\".\"outbox_relay_seq_seq\" OWNED BY \"shop\".\"outbox\".relay_seq"
+        );
+        let long = seq_sequence(&TableName::new("public", &"x".repeat(70)));
+        assert_eq!(long.len(), "\"public\".".len() + 63 + 2);
+    }
+}
