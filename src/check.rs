@@ -103,11 +103,6 @@ async fn check_database(config: &Config, r: &mut Report) {
                 "{table} does not exist or is not visible to this user; run `outbox-relay migrate`"
             ),
         ),
-        Ok(Some(info)) if info.partitioned => r.add(
-            Mark::Fail,
-            "outbox table",
-            inspect::partitioned_problem(table),
-        ),
         Ok(Some(info)) => {
             let problems = inspect::verify(
                 &info,
@@ -126,11 +121,18 @@ async fn check_database(config: &Config, r: &mut Report) {
                 .filter(|(_, c)| c.is_none())
                 .map(|(k, _)| *k)
                 .collect();
-                let note = if absent.is_empty() {
+                let mut note = if absent.is_empty() {
                     String::new()
                 } else {
                     format!(" (no {} column: defaults apply)", absent.join(", "))
                 };
+                if let Some(p) = &info.partitioning {
+                    note.push_str(&format!(
+                        "; partitioned by {} ({})",
+                        p.strategy,
+                        p.columns.join(", ")
+                    ));
+                }
                 r.add(
                     Mark::Ok,
                     "outbox table",
@@ -174,6 +176,9 @@ async fn check_database(config: &Config, r: &mut Report) {
             );
         }
     }
+    if config.retention.mode == crate::config::RetentionMode::Partitions {
+        check_partitions(config, &client, r).await;
+    }
     match config.source.mode {
         SourceMode::Cdc => check_cdc(config, &client, r).await,
         SourceMode::Auto => check_auto(config, &client, r).await,
@@ -199,6 +204,48 @@ async fn check_database(config: &Config, r: &mut Report) {
             "another instance is active on this outbox (a new one would wait as standby)",
         ),
         Err(e) => r.add(Mark::Warn, "ownership", db::error_text(&e)),
+    }
+}
+
+/// `retention.mode = "partitions"`: the layout suits it, and the current
+/// range has a partition (inserts into a missing range fail).
+async fn check_partitions(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
+    use crate::retention::partitions;
+    let table = &config.outbox.table;
+    let layout = match partitions::layout(client, table).await {
+        Ok(layout) => layout,
+        Err(e) => return r.add(Mark::Fail, "partitions", e.to_string()),
+    };
+    let existing = match partitions::list(client, table, &layout).await {
+        Ok(existing) => existing,
+        Err(e) => return r.add(Mark::Fail, "partitions", e.to_string()),
+    };
+    let now: chrono::DateTime<chrono::Utc> = match client.query_one("SELECT now()", &[]).await {
+        Ok(row) => row.get(0),
+        Err(e) => return r.add(Mark::Fail, "partitions", db::error_text(&e)),
+    };
+    let interval = config.retention.partition_interval;
+    let current = partitions::wanted(now, interval, 0);
+    let described = format!(
+        "{} partitions of {table} by range on {}; retention creates {} ahead and drops those older than {}",
+        existing.len(),
+        layout.column,
+        config.retention.partition_premake,
+        humantime::format_duration(config.retention.sent_window)
+    );
+    if partitions::missing(&current, &existing).is_empty()
+        || partitions::default_partition(&existing).is_some()
+    {
+        r.add(Mark::Ok, "partitions", described);
+    } else {
+        r.add(
+            Mark::Warn,
+            "partitions",
+            format!(
+                "{described}; no partition holds the current time, so inserts fail until retention \
+                 runs (at start-up of `run`, or `outbox-relay retention`)"
+            ),
+        );
     }
 }
 
@@ -274,9 +321,9 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         Ok(Some(false)) => r.add(
             Mark::Fail,
             "publication",
-            format!(
-                "{publication} does not publish inserts into {table}; run `outbox-relay migrate`"
-            ),
+            setup::not_published_problem(client, &publication, table)
+                .await
+                .unwrap_or_else(|e| e.to_string()),
         ),
         Ok(None) => r.add(
             Mark::Fail,

@@ -26,6 +26,10 @@
 //! Without the index (a table `migrate` has not updated yet) the cleanup still
 //! works, scanning in any order, and its report says to run `migrate`.
 //!
+//! With `retention.mode = "partitions"` sent rows leave with their whole
+//! partition instead, and partitions are created ahead of time: see
+//! [`partitions`].
+//!
 //! One instance cleans at a time: the run holds a session advisory lock
 //! (<https://www.postgresql.org/docs/current/explicit-locking.html#ADVISORY-LOCKS>)
 //! whose key differs from the ownership lock's, so the cleanup does not depend
@@ -34,7 +38,7 @@
 //! it deletes what is still eligible.
 
 use crate::backoff::Backoff;
-use crate::config::{Config, MarkMode};
+use crate::config::{Config, MarkMode, RetentionMode};
 use crate::db::DbError;
 use crate::errors::{self, ErrorKind};
 use crate::outbox::sent_index;
@@ -47,9 +51,10 @@ use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::Level;
 
+pub mod partitions;
 mod report;
 
-pub use report::{Cleanup, Report, Skip};
+pub use report::{Cleanup, Partitions, Report, Skip};
 
 /// Longest wait for a table lock: the cleanup gives way to DDL (such as
 /// `migrate`) and tries again at the next run instead of queueing writers
@@ -75,15 +80,18 @@ pub enum RetentionError {
     MissingTable(TableName),
     #[error("the relay's column {SENT_AT_COLUMN:?} is missing from {0}; run outbox-relay migrate")]
     MissingColumn(TableName),
+    /// The outbox's layout does not suit `retention.mode = "partitions"`; the message says why.
+    #[error("{0}")]
+    Partitions(String),
 }
 
 impl RetentionError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             RetentionError::Db(e) => e.kind(),
-            RetentionError::MissingTable(_) | RetentionError::MissingColumn(_) => {
-                ErrorKind::NeedsOperator
-            }
+            RetentionError::MissingTable(_)
+            | RetentionError::MissingColumn(_)
+            | RetentionError::Partitions(_) => ErrorKind::NeedsOperator,
         }
     }
 }
@@ -134,6 +142,7 @@ pub async fn once_until(
         sent_window: r.sent_window,
         dead_letter_window: r.dead_letter_window,
         hint: None,
+        partitions: None,
     };
     let key = lock_key(&config.outbox.table);
     if !dry_run && !advisory(client, "pg_try_advisory_lock", &key).await? {
@@ -187,10 +196,19 @@ async fn clean(
         (row.get(0), row.get(1))
     };
     let batches = Batches::new(config, dry_run);
-    report.outbox = match config.relay.mark {
-        MarkMode::Delete => Cleanup::Skipped(Skip::MarkDelete),
-        MarkMode::None => Cleanup::Skipped(Skip::MarkNone),
-        MarkMode::Update => {
+    // In partition mode only the default partition's sent rows go row by row.
+    let mut rows_of = Some(table.clone());
+    if config.retention.mode == RetentionMode::Partitions {
+        let (done, default) = cycle_partitions(client, config, sent_cutoff, dry_run).await?;
+        report.partitions = Some(done);
+        rows_of = default;
+    }
+    report.outbox = match (config.relay.mark, rows_of) {
+        (MarkMode::Delete, _) => Cleanup::Skipped(Skip::MarkDelete),
+        (MarkMode::None, _) => Cleanup::Skipped(Skip::MarkNone),
+        (MarkMode::Update, None) => Cleanup::Skipped(Skip::ByPartition),
+        (MarkMode::Update, Some(rows_of)) => {
+            // The index is the outbox's: a partition's copy has another name.
             let indexed = check_outbox(client, table).await?;
             if !indexed {
                 report.hint = Some(format!(
@@ -198,7 +216,7 @@ async fn clean(
                     sent_index(table)
                 ));
             }
-            let target = Target::sent_rows(table, indexed);
+            let target = Target::sent_rows(&rows_of, indexed);
             let (cleanup, interrupted) = batches.run(client, &target, sent_cutoff, stop).await?;
             report.interrupted = interrupted;
             cleanup
@@ -223,6 +241,47 @@ async fn clean(
         }
     };
     Ok(())
+}
+
+/// Creates the partitions due and drops the expired ones; returns what it
+/// did and the default partition, if there is one.
+async fn cycle_partitions(
+    client: &Client,
+    config: &Config,
+    cutoff: DateTime<Utc>,
+    dry_run: bool,
+) -> Result<(Partitions, Option<TableName>), RetentionError> {
+    let table = &config.outbox.table;
+    let r = &config.retention;
+    let layout = partitions::layout(client, table).await?;
+    let existing = partitions::list(client, table, &layout).await?;
+    let now: DateTime<Utc> = client
+        .query_one("SELECT now()", &[])
+        .await
+        .map_err(|e| DbError::query("reading the server's clock", e))?
+        .get(0);
+    let mut done = Partitions::default();
+    let wanted = partitions::wanted(now, r.partition_interval, r.partition_premake);
+    for range in partitions::missing(&wanted, &existing) {
+        let name = partitions::name(table, range.0, r.partition_interval);
+        let sql = partitions::create_sql(table, &name, range, &layout);
+        if !dry_run && let Err(failure) = partitions::create(client, &sql, &name).await {
+            done.problems.push(failure.message);
+            if failure.locked {
+                break;
+            }
+            continue;
+        }
+        done.created.push(name);
+    }
+    for p in partitions::expired(&existing, cutoff) {
+        match partitions::drop_expired(client, table, &p.name, cutoff, dry_run).await? {
+            partitions::Outcome::Dropped => done.dropped.push(p.name.clone()),
+            partitions::Outcome::Kept(why) => done.kept.push((p.name.clone(), why)),
+        }
+    }
+    let default = partitions::default_partition(&existing).cloned();
+    Ok((done, default))
 }
 
 async fn exists(client: &Client, table: &TableName) -> Result<bool, RetentionError> {
@@ -268,7 +327,11 @@ struct Target {
 
 impl Target {
     /// Oldest first through the index; without it, in any order, so a scan
-    /// stops after one batch instead of sorting every eligible row.
+    /// stops after one batch instead of sorting every eligible row. On a
+    /// partitioned outbox a `ctid` names a row only within its partition, so
+    /// a batch may also take rows of other partitions at the same `ctid`:
+    /// each is eligible too (the condition is in the DELETE), and the
+    /// batch's bound grows to `batch_size` per partition.
     fn sent_rows(table: &TableName, indexed: bool) -> Target {
         let t = table.quoted();
         let eligible = format!("{SENT_AT_COLUMN} IS NOT NULL AND {SENT_AT_COLUMN} < $1");
@@ -383,7 +446,8 @@ pub async fn run_scheduled(
         tracing::debug!(pipeline, "retention disabled");
         return;
     }
-    if config.relay.mark != MarkMode::Update && !config.dead_letter.enabled {
+    let by_partition = r.mode == RetentionMode::Partitions;
+    if config.relay.mark != MarkMode::Update && !config.dead_letter.enabled && !by_partition {
         tracing::info!(pipeline, mark = ?config.relay.mark, "retention has nothing to clean: sent rows are not kept and dead-lettering is off");
         return;
     }
@@ -392,7 +456,12 @@ pub async fn run_scheduled(
         config.relay.retry_base,
         config.relay.retry_max.min(r.interval),
     );
-    let mut wait = r.interval.min(FIRST_RUN_DELAY);
+    // Partitions are created ahead at once, so no insert finds its range missing.
+    let mut wait = if by_partition {
+        Duration::ZERO
+    } else {
+        r.interval.min(FIRST_RUN_DELAY)
+    };
     loop {
         // 1. shutdown, 2. the next run.
         tokio::select! {
@@ -429,6 +498,10 @@ pub async fn run_scheduled(
                     m.retention_outbox.increment(report.outbox.rows());
                     m.retention_dead_letters
                         .increment(report.dead_letters.rows());
+                    if let Some(p) = &report.partitions {
+                        m.partitions_created.increment(p.created.len() as u64);
+                        m.partitions_dropped.increment(p.dropped.len() as u64);
+                    }
                 }
             }
             Err(e) => {
@@ -458,6 +531,20 @@ fn log_report(pipeline: &str, report: &Report) {
         Cleanup::Skipped(_) => 0,
     };
     let took_ms = report.duration.as_millis() as u64;
+    if let Some(p) = &report.partitions {
+        for name in &p.created {
+            tracing::info!(pipeline, partition = %name, "retention created partition");
+        }
+        for name in &p.dropped {
+            tracing::info!(pipeline, partition = %name, "retention dropped partition");
+        }
+        for (name, why) in &p.kept {
+            tracing::debug!(pipeline, partition = %name, reason = %why, "retention kept expired partition");
+        }
+        for problem in &p.problems {
+            tracing::warn!(pipeline, problem = %problem, "retention could not create a partition");
+        }
+    }
     if outbox + letters > 0 || report.interrupted {
         tracing::info!(
             pipeline,

@@ -17,7 +17,7 @@ mod validate;
 
 pub use load::{ConfigError, DEFAULT_PIPELINE, load, load_all_str, load_str};
 pub use secret::{Secret, SecretUrl, redact_url};
-pub use service::{HttpConfig, LogConfig, LogFormat, RetentionConfig};
+pub use service::{HttpConfig, LogConfig, LogFormat, RetentionConfig, RetentionMode};
 pub use sink::{KafkaConfig, RabbitMqConfig, SaslMechanism, SecurityProtocol, SinkConfig};
 
 use crate::db::tls::{SslMode, TlsOptions};
@@ -577,6 +577,12 @@ pub mod defaults {
     }
     pub fn retention_pause() -> Duration {
         Duration::from_millis(100)
+    }
+    pub fn partition_interval() -> Duration {
+        Duration::from_secs(86_400)
+    }
+    pub fn partition_premake() -> u32 {
+        3
     }
     pub fn sample_interval() -> Duration {
         Duration::from_secs(15)

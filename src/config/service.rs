@@ -27,7 +27,34 @@ pub struct RetentionConfig {
     /// Pause between two batches, so cleanup never holds long locks or floods WAL.
     #[serde(default = "defaults::retention_pause", with = "super::duration")]
     pub pause: Duration,
+    /// How sent events leave the outbox: row by row, or a whole partition at a time.
+    #[serde(default)]
+    pub mode: RetentionMode,
+    /// `mode = "partitions"`: the time range of each partition the relay creates.
+    #[serde(default = "defaults::partition_interval", with = "super::duration")]
+    pub partition_interval: Duration,
+    /// `mode = "partitions"`: partitions kept created ahead of the current one.
+    #[serde(default = "defaults::partition_premake")]
+    pub partition_premake: u32,
 }
+
+/// `retention.mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
+pub enum RetentionMode {
+    /// Sent rows are deleted in batches.
+    #[default]
+    Rows,
+    /// The outbox is partitioned by range on a time column: the relay creates
+    /// partitions ahead of time and drops a whole partition once its range is
+    /// older than `sent_window` and every row in it was sent.
+    Partitions,
+}
+
+super::keyword_enum!(RetentionMode {
+    Rows = "rows",
+    Partitions = "partitions"
+});
 
 impl Default for RetentionConfig {
     fn default() -> Self {
@@ -38,6 +65,9 @@ impl Default for RetentionConfig {
             dead_letter_window: defaults::dead_letter_window(),
             batch_size: defaults::retention_batch(),
             pause: defaults::retention_pause(),
+            mode: RetentionMode::default(),
+            partition_interval: defaults::partition_interval(),
+            partition_premake: defaults::partition_premake(),
         }
     }
 }

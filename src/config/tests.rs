@@ -671,3 +671,45 @@ fn pipelines_report_every_bad_key_each() {
         .expect(&e);
     assert!(a < b, "{e}");
 }
+
+#[test]
+fn partition_retention_keys_are_checked_by_name() {
+    let ok = load_str(&format!(
+        "{MINIMAL}\n[retention]\nmode = \"partitions\"\npartition_interval = \"6h\"\npartition_premake = 2\n"
+    ))
+    .unwrap();
+    assert_eq!(ok.retention.mode, RetentionMode::Partitions);
+    assert_eq!(
+        ok.retention.partition_interval,
+        Duration::from_secs(6 * 3600)
+    );
+    let e = err(&format!("{MINIMAL}\n[retention]\nmode = \"drop\"\n"));
+    assert!(
+        e.contains("retention.mode") && e.contains("partitions"),
+        "{e}"
+    );
+    let e = err(&format!(
+        "{MINIMAL}\n[retention]\nmode = \"partitions\"\npartition_interval = \"30s\"\npartition_premake = 0\n"
+    ));
+    assert!(e.contains("retention.partition_interval"), "{e}");
+    assert!(e.contains("retention.partition_premake"), "{e}");
+    let e = err(&format!(
+        "{MINIMAL}\n[retention]\nmode = \"partitions\"\npartition_interval = \"90s\"\n"
+    ));
+    assert!(
+        e.contains("retention.partition_interval") && e.contains("whole number of minutes"),
+        "{e}"
+    );
+    let e = err(&format!(
+        "{MINIMAL}\n[relay]\nmark = \"none\"\n[retention]\nmode = \"partitions\"\n"
+    ));
+    assert!(
+        e.contains("retention.mode") && e.contains("relay.mark"),
+        "{e}"
+    );
+    // Rows mode ignores the partition keys.
+    load_str(&format!(
+        "{MINIMAL}\n[retention]\npartition_interval = \"30s\"\n"
+    ))
+    .unwrap();
+}

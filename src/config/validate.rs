@@ -12,6 +12,7 @@ pub(super) fn integer_range(key: &str, sink_type: Option<&str>) -> Option<(u64, 
     Some(match key {
         "source.batch_size" => (1, 10_000),
         "retention.batch_size" => (1, 100_000),
+        "retention.partition_premake" => (1, 1000),
         "dead_letter.max_attempts" => (1, 1000),
         "relay.max_in_flight" => (1, 100_000),
         "relay.max_in_flight_bytes" => (1 << 20, 16 << 30),
@@ -276,6 +277,33 @@ impl Config {
         );
         c.count("retention.batch_size", t.batch_size as u64, sink);
         c.duration("retention.pause", t.pause, Duration::ZERO, 60 * SEC);
+        if t.mode == super::RetentionMode::Partitions {
+            c.duration(
+                "retention.partition_interval",
+                t.partition_interval,
+                60 * SEC,
+                366 * 24 * HOUR,
+            );
+            if !t.partition_interval.as_secs().is_multiple_of(60)
+                || t.partition_interval.subsec_nanos() != 0
+            {
+                c.problem(
+                    "retention.partition_interval",
+                    "must be a whole number of minutes (partitions are named by their start, to the minute)",
+                );
+            }
+            c.count(
+                "retention.partition_premake",
+                t.partition_premake.into(),
+                sink,
+            );
+            if self.relay.mark == super::MarkMode::None {
+                c.problem(
+                    "retention.mode",
+                    "\"partitions\" needs relay.mark = \"update\" or \"delete\": with \"none\" no row is known to be sent, so no partition could ever be dropped",
+                );
+            }
+        }
         c.duration(
             "http.sample_interval",
             self.http.sample_interval,

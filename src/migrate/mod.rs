@@ -227,6 +227,7 @@ async fn drop_invalid_index(
     client: &Client,
     table: &TableName,
     index: &str,
+    concurrently: bool,
 ) -> Result<Option<Step>, MigrateError> {
     let qualified = format!("{}.{}", quote_ident(&table.schema), quote_ident(index));
     let invalid: bool = client
@@ -238,24 +239,34 @@ async fn drop_invalid_index(
         .get(0);
     Ok(invalid.then(|| Step {
         description: format!("drop index {index} (an earlier build of it failed)"),
-        sql: format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}"),
-        outside_transaction: true,
+        sql: format!(
+            "DROP INDEX {}IF EXISTS {qualified}",
+            if concurrently { "CONCURRENTLY " } else { "" }
+        ),
+        outside_transaction: concurrently,
     }))
 }
 
 /// The steps still needed, in order. Empty when everything is in place.
 pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, MigrateError> {
     let info = table_info(client, &opts.table).await?;
-    if info.as_ref().is_some_and(|i| i.partitioned) {
-        return Err(MigrateError::Prerequisite(
-            crate::outbox::inspect::partitioned_problem(&opts.table),
-        ));
+    let partitioning = info.as_ref().and_then(|i| i.partitioning.as_ref());
+    if partitioning.is_some_and(|p| p.expressions) {
+        return Err(MigrateError::Prerequisite(format!(
+            "{}: {}",
+            opts.table,
+            crate::outbox::inspect::EXPRESSION_KEY_PROBLEM
+        )));
     }
     let mut steps = match &info {
         None => vec![create_table(opts)],
         Some(info) => alter_table(info, opts)?,
     };
-    let existing = info.is_some();
+    // PostgreSQL builds no index CONCURRENTLY on a partitioned table: there
+    // the indexes are built on the root in migrate's transaction (each
+    // partition gets its own, and partitions created later too), and writers
+    // wait while they build.
+    let existing = info.is_some() && partitioning.is_none();
     let index = unsent_index(&opts.table);
     steps.extend(
         index_step(
@@ -271,9 +282,7 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     // Marking, redrives and the start-up reads name rows by relay_seq: it
     // must name one row (explicit values, copied rows or a reset sequence
     // would make twins).
-    let seq_unique = info
-        .as_ref()
-        .is_some_and(|i| i.unique_columns.iter().any(|c| c == SEQ_COLUMN));
+    let seq_unique = info.as_ref().is_some_and(|i| i.seq_unique());
     if !seq_unique {
         let index = seq_index(&opts.table);
         if info
@@ -282,11 +291,16 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         {
             refuse_seq_twins(client, &opts.table).await?;
             // A concurrent build that failed leaves an invalid index behind.
-            if let Some(drop) = drop_invalid_index(client, &opts.table, &index).await? {
+            if let Some(drop) = drop_invalid_index(client, &opts.table, &index, existing).await? {
                 steps.push(drop);
             }
         }
-        let (definition, purpose) = (format!("({SEQ_COLUMN})"), "one row per relay_seq");
+        // A partitioned table's unique index must hold its partition key.
+        let key: Vec<String> = crate::outbox::inspect::seq_key(partitioning)
+            .iter()
+            .map(|c| quote_ident(c))
+            .collect();
+        let (definition, purpose) = (format!("({})", key.join(", ")), "one row per relay_seq");
         if steps
             .last()
             .is_some_and(|s| s.sql.starts_with("DROP INDEX"))
@@ -363,16 +377,18 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         }
     }
     if let Some(cdc) = &opts.cdc {
-        steps.extend(cdc_steps(client, &opts.table, cdc).await?);
+        steps.extend(cdc_steps(client, &opts.table, cdc, partitioning.is_some()).await?);
     }
     Ok(steps)
 }
 
 /// The publication (inserts only) and the slot, after checking what migrate cannot fix.
+/// `partitioned`: the publication must publish through the root.
 async fn cdc_steps(
     client: &Client,
     table: &TableName,
     cdc: &CdcObjects,
+    partitioned: bool,
 ) -> Result<Vec<Step>, MigrateError> {
     if cdc.slot_now
         && let Some(problem) = setup::wal_level_problem(&setup::wal_level(client).await?)
@@ -391,12 +407,21 @@ async fn cdc_steps(
     }
     match setup::publication_covers(client, &cdc.publication, table).await? {
         Some(true) => {}
+        _ if partitioned && setup::publishes_partitions(client, &cdc.publication, table).await? => {
+            steps.push(Step::new(
+                format!(
+                    "publish inserts into {table} under its own name (publication {} names its partitions)",
+                    cdc.publication
+                ),
+                setup::via_root_sql(&cdc.publication),
+            ))
+        }
         exists => steps.push(Step::new(
             format!(
                 "publish inserts into {table} as publication {}",
                 cdc.publication
             ),
-            setup::publication_sql(&cdc.publication, table, exists.is_some()),
+            setup::publication_sql(&cdc.publication, table, exists.is_some(), partitioned),
         )),
     }
     if cdc.slot_now && setup::slot_info(client, &cdc.slot).await?.is_none() {
@@ -526,7 +551,9 @@ fn alter_table(info: &TableInfo, opts: &MigrateOptions) -> Result<Vec<Step>, Mig
     }
     let table = opts.table.quoted();
     let mut steps = Vec::new();
-    if info.column(SEQ_COLUMN).is_none() {
+    if info.column(SEQ_COLUMN).is_none() && info.partitioned() {
+        steps.extend(partitioned_seq(&opts.table));
+    } else if info.column(SEQ_COLUMN).is_none() {
         steps.push(Step::new(
             format!("add {SEQ_COLUMN} to {} (numbers existing rows; rewrites the table)", opts.table),
             format!("ALTER TABLE {table} ADD COLUMN {SEQ_COLUMN} bigint GENERATED BY DEFAULT AS IDENTITY"),
@@ -555,6 +582,36 @@ fn alter_table(info: &TableInfo, opts: &MigrateOptions) -> Result<Vec<Step>, Mig
     Ok(steps)
 }
 
+/// The sequence behind `relay_seq` on a partitioned table. PostgreSQL 15
+/// cannot add an identity column to a partitioned table that has
+/// partitions, so `relay_seq` takes its default from a sequence the column
+/// owns: every partition, those created later too, inherits the default,
+/// so all rows draw from one sequence wherever they are routed.
+fn seq_sequence(table: &TableName) -> String {
+    let mut name = format!("{}_{SEQ_COLUMN}_seq", table.name);
+    while name.len() > 63 {
+        name.pop();
+    }
+    format!("{}.{}", quote_ident(&table.schema), quote_ident(&name))
+}
+
+/// Adds `relay_seq` to a partitioned table (see [`seq_sequence`]).
+fn partitioned_seq(table: &TableName) -> Vec<Step> {
+    let sequence = seq_sequence(table);
+    let t = table.quoted();
+    vec![Step::new(
+        format!(
+            "add {SEQ_COLUMN} to {table} from sequence {sequence} (numbers existing rows; rewrites every partition)"
+        ),
+        format!(
+            "CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint;
+ALTER TABLE {t} ADD COLUMN {SEQ_COLUMN} bigint NOT NULL DEFAULT nextval({seq_literal}::regclass);
+ALTER SEQUENCE {sequence} OWNED BY {t}.{SEQ_COLUMN}",
+            seq_literal = crate::outbox::quote_literal(&sequence),
+        ),
+    )]
+}
+
 /// Runs the steps: the transactional ones in one transaction, then the others.
 pub async fn apply(client: &mut Client, steps: &[Step]) -> Result<(), MigrateError> {
     let tx = client.transaction().await?;
@@ -577,4 +634,24 @@ pub async fn apply(client: &mut Client, steps: &[Step]) -> Result<(), MigrateErr
             })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partitioned_table_gets_relay_seq_from_a_sequence_it_owns() {
+        let steps = partitioned_seq(&TableName::new("shop", "outbox"));
+        assert_eq!(steps.len(), 1);
+        assert!(!steps[0].outside_transaction);
+        assert_eq!(
+            steps[0].sql,
+            "CREATE SEQUENCE IF NOT EXISTS \"shop\".\"outbox_relay_seq_seq\" AS bigint;
+ALTER TABLE \"shop\".\"outbox\" ADD COLUMN relay_seq bigint NOT NULL DEFAULT nextval('\"shop\".\"outbox_relay_seq_seq\"'::regclass);
+ALTER SEQUENCE \"shop\".\"outbox_relay_seq_seq\" OWNED BY \"shop\".\"outbox\".relay_seq"
+        );
+        let long = seq_sequence(&TableName::new("public", &"x".repeat(70)));
+        assert_eq!(long.len(), "\"public\".".len() + 63 + 2);
+    }
 }

@@ -35,18 +35,38 @@ pub struct TableInfo {
     pub replicating: Vec<(String, bool, bool)>,
     /// The table's own (not internal) triggers, by name.
     pub triggers: Vec<String>,
-    /// A partitioned table (`PARTITION BY`), which the relay cannot use.
-    pub partitioned: bool,
+    /// The key of a partitioned table (`PARTITION BY`); `None` for a plain table.
+    pub partitioning: Option<Partitioning>,
+    /// The key columns of each valid, non-partial unique index without
+    /// expressions, in index order.
+    pub unique_indexes: Vec<Vec<String>>,
 }
 
-/// Why a partitioned table is refused, and what to use instead.
-pub fn partitioned_problem(table: &TableName) -> String {
-    format!(
-        "table {table} is partitioned, which outbox-relay does not support: the relay needs relay_seq \
-         unique on its own (a partitioned table's unique indexes must include the partition key) and \
-         builds its indexes CONCURRENTLY, which partitioned tables refuse; use a plain table, whose sent \
-         rows retention deletes in small batches"
-    )
+/// How a partitioned table is split.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Partitioning {
+    /// `range`, `list` or `hash`.
+    pub strategy: String,
+    /// The key's plain columns, in key order.
+    pub columns: Vec<String>,
+    /// Part of the key is an expression, which no unique index can include.
+    pub expressions: bool,
+}
+
+/// Why a table partitioned by an expression is refused, and what to use instead.
+pub const EXPRESSION_KEY_PROBLEM: &str = "the table is partitioned by an expression, which outbox-relay cannot use: \
+     the relay needs relay_seq unique, and a partitioned table's unique indexes must include the partition key, \
+     which PostgreSQL allows only for plain columns; partition by columns, e.g. PARTITION BY RANGE (created_at)";
+
+/// The columns of the unique index that lets `relay_seq` name one row:
+/// `relay_seq` alone on a plain table; on a partitioned table, whose unique
+/// indexes must include the partition key, `relay_seq` followed by the key.
+pub fn seq_key(partitioning: Option<&Partitioning>) -> Vec<String> {
+    let mut key = vec![SEQ_COLUMN.to_owned()];
+    if let Some(p) = partitioning {
+        key.extend(p.columns.iter().filter(|c| *c != SEQ_COLUMN).cloned());
+    }
+    key
 }
 
 impl TableInfo {
@@ -56,6 +76,35 @@ impl TableInfo {
 
     pub fn names(&self) -> Vec<String> {
         self.columns.iter().map(|c| c.name.clone()).collect()
+    }
+
+    pub fn partitioned(&self) -> bool {
+        self.partitioning.is_some()
+    }
+
+    /// Whether a unique index lets `relay_seq` name one row: one on
+    /// `relay_seq` alone, or, on a partitioned table, one that leads with
+    /// `relay_seq` and adds only partition key columns. The latter is as good
+    /// because every partition takes `relay_seq` from the root's one sequence
+    /// (its default), so values repeat only when someone writes them
+    /// explicitly, which the plain table's index would refuse and this one
+    /// refuses within a partition key value.
+    pub fn seq_unique(&self) -> bool {
+        self.unique_with_key(SEQ_COLUMN)
+    }
+
+    /// Whether a unique index holds `column` alone or, on a partitioned
+    /// table, `column` followed by partition key columns.
+    pub fn unique_with_key(&self, column: &str) -> bool {
+        let key_columns = self
+            .partitioning
+            .as_ref()
+            .map(|p| p.columns.as_slice())
+            .unwrap_or_default();
+        self.unique_indexes.iter().any(|index| {
+            index.first().map(String::as_str) == Some(column)
+                && index[1..].iter().all(|c| key_columns.contains(c))
+        })
     }
 }
 
@@ -71,25 +120,49 @@ pub async fn table_info(
                     CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege(to_regclass($1), 'SELECT') END,
                     CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege(to_regclass($1), 'UPDATE') END,
                     CASE WHEN to_regclass($1) IS NULL THEN false ELSE has_table_privilege(to_regclass($1), 'DELETE') END,
-                    COALESCE((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass($1)), false),
-                    COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)",
+                    COALESCE((SELECT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass($1)), false)",
             &[&qualified],
         )
         .await?;
     let oid: Option<u32> = row.get(0);
     let Some(oid) = oid else { return Ok(None) };
-    let unique_columns = client
+    let unique_indexes: Vec<Vec<String>> = client
         .query(
-            "SELECT a.attname::text FROM pg_index i
-             JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
-             WHERE i.indrelid = $1 AND i.indisunique AND i.indisvalid AND i.indnkeyatts = 1
-               AND i.indpred IS NULL",
+            "SELECT ARRAY(SELECT a.attname::text
+                          FROM unnest(i.indkey::int2[]) WITH ORDINALITY k(attnum, n)
+                          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                          WHERE k.n <= i.indnkeyatts ORDER BY k.n)
+             FROM pg_index i
+             WHERE i.indrelid = $1 AND i.indisunique AND i.indisvalid
+               AND i.indpred IS NULL AND i.indexprs IS NULL",
             &[&oid],
         )
         .await?
         .iter()
         .map(|r| r.get(0))
         .collect();
+    let unique_columns = unique_indexes
+        .iter()
+        .filter(|i| i.len() == 1)
+        .map(|i| i[0].clone())
+        .collect();
+    let partitioning = client
+        .query_opt(
+            "SELECT CASE p.partstrat WHEN 'r' THEN 'range' WHEN 'l' THEN 'list' ELSE 'hash' END,
+                    ARRAY(SELECT a.attname::text
+                          FROM unnest(p.partattrs::int2[]) WITH ORDINALITY k(attnum, n)
+                          JOIN pg_attribute a ON a.attrelid = p.partrelid AND a.attnum = k.attnum
+                          ORDER BY k.n),
+                    p.partexprs IS NOT NULL
+             FROM pg_partitioned_table p WHERE p.partrelid = $1",
+            &[&oid],
+        )
+        .await?
+        .map(|r| Partitioning {
+            strategy: r.get(0),
+            columns: r.get(1),
+            expressions: r.get(2),
+        });
     let has_replica_identity: bool = client
         .query_one(
             "SELECT CASE c.relreplident
@@ -151,7 +224,8 @@ pub async fn table_info(
         has_replica_identity,
         replicating,
         triggers,
-        partitioned: row.get(5),
+        partitioning,
+        unique_indexes,
     }))
 }
 
@@ -279,10 +353,13 @@ pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode, deletes: bool) 
         ),
         _ => {}
     }
-    if info.column(SEQ_COLUMN).is_some() && !info.unique_columns.iter().any(|c| c == SEQ_COLUMN) {
+    if info.partitioning.as_ref().is_some_and(|p| p.expressions) {
+        problems.push(EXPRESSION_KEY_PROBLEM.into());
+    } else if info.column(SEQ_COLUMN).is_some() && !info.seq_unique() {
+        let key = seq_key(info.partitioning.as_ref()).join(", ");
         problems.push(format!(
-            "{SEQ_COLUMN} has no unique index: explicit values, copied rows or a reset sequence would let \
-             marking mark an unsent twin; run `outbox-relay migrate` (it builds the index CONCURRENTLY)"
+            "{SEQ_COLUMN} has no unique index ({key}): explicit values, copied rows or a reset sequence would let \
+             marking mark an unsent twin; run `outbox-relay migrate` to build it"
         ));
     }
     problems.extend(replication_problems(info, mark, deletes));
@@ -321,7 +398,8 @@ fn replication_problems(info: &TableInfo, mark: MarkMode, deletes: bool) -> Vec<
 /// cannot enforce by itself on an adopted table.
 pub fn warnings(info: &TableInfo, map: &ColumnMap) -> Vec<String> {
     let mut out = Vec::new();
-    if info.column(&map.id).is_some() && !info.unique_columns.contains(&map.id) {
+    // On a partitioned table the best PostgreSQL allows is (id, partition key).
+    if info.column(&map.id).is_some() && !info.unique_with_key(&map.id) {
         out.push(format!(
             "column {:?} (outbox.columns.id) has no unique index: consumers deduplicate by the event id, \
              so two events with one id would be taken for one; add a unique index on it",
@@ -353,9 +431,6 @@ pub async fn resolve_table(
         .ok_or_else(|| TableProblem::Unusable(vec![format!(
             "table {table} does not exist (or the relay's user cannot see it); run `outbox-relay migrate` or set outbox.table"
         )]))?;
-    if info.partitioned {
-        return Err(TableProblem::Unusable(vec![partitioned_problem(table)]));
-    }
     let problems = verify(&info, map, mark, deletes);
     if !problems.is_empty() {
         return Err(TableProblem::Unusable(problems));
@@ -381,5 +456,52 @@ impl TableProblem {
             TableProblem::Query(e) => crate::errors::postgres(e),
             TableProblem::Unusable(_) => ErrorKind::NeedsOperator,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(partitioning: Option<Partitioning>, unique_indexes: &[&[&str]]) -> TableInfo {
+        TableInfo {
+            columns: Vec::new(),
+            can_select: true,
+            can_update: true,
+            can_delete: true,
+            is_owner: true,
+            unique_columns: Vec::new(),
+            has_replica_identity: true,
+            replicating: Vec::new(),
+            triggers: Vec::new(),
+            partitioning,
+            unique_indexes: unique_indexes
+                .iter()
+                .map(|i| i.iter().map(|c| c.to_string()).collect())
+                .collect(),
+        }
+    }
+
+    fn by(columns: &[&str]) -> Option<Partitioning> {
+        Some(Partitioning {
+            strategy: "range".into(),
+            columns: columns.iter().map(|c| c.to_string()).collect(),
+            expressions: false,
+        })
+    }
+
+    #[test]
+    fn relay_seq_is_unique_alone_or_with_the_partition_key() {
+        assert!(info(None, &[&["relay_seq"]]).seq_unique());
+        assert!(!info(None, &[&["relay_seq", "created_at"]]).seq_unique());
+        assert!(info(by(&["created_at"]), &[&["relay_seq", "created_at"]]).seq_unique());
+        // Another column than the key would let twins through.
+        assert!(!info(by(&["created_at"]), &[&["relay_seq", "tenant"]]).seq_unique());
+        assert!(!info(by(&["created_at"]), &[&["created_at", "relay_seq"]]).seq_unique());
+        assert_eq!(
+            seq_key(by(&["created_at", "tenant"]).as_ref()),
+            ["relay_seq", "created_at", "tenant"]
+        );
+        assert_eq!(seq_key(None), ["relay_seq"]);
     }
 }

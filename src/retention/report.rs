@@ -35,6 +35,9 @@ pub enum Skip {
     MarkNone,
     /// `dead_letter.enabled = false`.
     DeadLettersOff,
+    /// `retention.mode = "partitions"` on an outbox without a default
+    /// partition: sent rows leave with their partition.
+    ByPartition,
     /// The dead-letter table does not exist (nothing was ever dead-lettered
     /// into it, or `migrate` has not run).
     NoDeadLetterTable(TableName),
@@ -51,6 +54,9 @@ impl fmt::Display for Skip {
                 "relay.mark = \"none\" never marks rows sent, so none can be told apart",
             ),
             Skip::DeadLettersOff => f.write_str("dead_letter.enabled = false"),
+            Skip::ByPartition => {
+                f.write_str("retention.mode = \"partitions\" drops them with their partition")
+            }
             Skip::NoDeadLetterTable(t) => write!(f, "table {t} does not exist"),
         }
     }
@@ -71,6 +77,54 @@ pub struct Report {
     pub dead_letter_window: Duration,
     /// Something the operator should fix, such as a missing index.
     pub hint: Option<String>,
+    /// Partitions created and dropped (`retention.mode = "partitions"`).
+    pub partitions: Option<Partitions>,
+}
+
+/// What a run did to the outbox's partitions (in a dry run: would do).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Partitions {
+    pub created: Vec<TableName>,
+    pub dropped: Vec<TableName>,
+    /// Partitions past the cutoff that stay, each with the reason.
+    pub kept: Vec<(TableName, String)>,
+    /// Partitions that could not be created, each with what to do.
+    pub problems: Vec<String>,
+}
+
+impl Partitions {
+    /// `partitions: created a, b; dropped c; kept d: it holds unsent rows`
+    /// (`would create`, `would drop` in a dry run).
+    pub fn describe(&self, dry_run: bool) -> String {
+        let (create, drop) = if dry_run {
+            ("would create", "would drop")
+        } else {
+            ("created", "dropped")
+        };
+        let list = |names: &[TableName]| {
+            names
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut parts = Vec::new();
+        if !self.created.is_empty() {
+            parts.push(format!("{create} {}", list(&self.created)));
+        }
+        if !self.dropped.is_empty() {
+            parts.push(format!("{drop} {}", list(&self.dropped)));
+        }
+        for (name, why) in &self.kept {
+            parts.push(format!("kept {name}: {why}"));
+        }
+        parts.extend(self.problems.iter().cloned());
+        if parts.is_empty() {
+            "partitions: nothing to do".into()
+        } else {
+            format!("partitions: {}", parts.join("; "))
+        }
+    }
 }
 
 impl Report {
@@ -122,6 +176,9 @@ impl fmt::Display for Report {
         }
         if self.interrupted {
             f.write_str("; stopped early by shutdown, the rest waits for the next run")?;
+        }
+        if let Some(p) = &self.partitions {
+            write!(f, "; {}", p.describe(self.dry_run))?;
         }
         if let Some(hint) = &self.hint {
             write!(f, "; hint: {hint}")?;
@@ -180,6 +237,7 @@ mod tests {
             sent_window: Duration::from_secs(7 * 86_400),
             dead_letter_window: Duration::from_secs(30 * 86_400),
             hint: None,
+            partitions: None,
         }
     }
 
@@ -225,6 +283,32 @@ mod tests {
         );
         assert!(r.is_busy());
         assert_eq!(r.to_string(), "skipped: another instance is cleaning");
+    }
+
+    #[test]
+    fn partition_work_is_listed() {
+        let mut r = report(
+            Cleanup::Skipped(Skip::ByPartition),
+            Cleanup::Skipped(Skip::DeadLettersOff),
+            true,
+        );
+        r.partitions = Some(Partitions {
+            created: vec![TableName::new("public", "outbox_p20261202")],
+            dropped: vec![TableName::new("public", "outbox_p20261120")],
+            kept: vec![(
+                TableName::new("public", "outbox_p20261121"),
+                "it holds unsent rows".into(),
+            )],
+            problems: Vec::new(),
+        });
+        let shown = r.to_string();
+        assert!(
+            shown.contains(
+                "partitions: would create public.outbox_p20261202; would drop public.outbox_p20261120; \
+                 kept public.outbox_p20261121: it holds unsent rows"
+            ),
+            "{shown}"
+        );
     }
 
     #[test]

@@ -19,6 +19,7 @@ pub const SLOT_RETAINED_WAL: &str = "outbox_relay_slot_retained_wal_bytes";
 pub const SLOT_CONFIRMED_LAG: &str = "outbox_relay_slot_confirmed_lag_bytes";
 pub const SLOTS_RECREATED: &str = "outbox_relay_slots_recreated_total";
 pub const RETENTION_DELETED: &str = "outbox_relay_retention_deleted_total";
+pub const RETENTION_PARTITIONS: &str = "outbox_relay_retention_partitions_total";
 pub const ACTIVE: &str = "outbox_relay_active";
 pub const RESTARTS: &str = "outbox_relay_restarts_total";
 pub const LAST_PUBLISH: &str = "outbox_relay_last_publish_timestamp_seconds";
@@ -41,6 +42,7 @@ pub const ALL: &[&str] = &[
     SLOT_CONFIRMED_LAG,
     SLOTS_RECREATED,
     RETENTION_DELETED,
+    RETENTION_PARTITIONS,
     ACTIVE,
     RESTARTS,
     LAST_PUBLISH,
@@ -76,6 +78,9 @@ pub struct PipelineMetrics {
     pub slot_confirmed_lag: Gauge,
     pub retention_outbox: Counter,
     pub retention_dead_letters: Counter,
+    /// Outbox partitions created ahead and dropped (`retention.mode = "partitions"`).
+    pub partitions_created: Counter,
+    pub partitions_dropped: Counter,
     pub active: Gauge,
     pub restarts: Counter,
     /// Lost replication slots dropped and created again (CDC).
@@ -105,6 +110,8 @@ impl PipelineMetrics {
             slot_confirmed_lag: gauge!(SLOT_CONFIRMED_LAG, "pipeline" => p.clone()),
             retention_outbox: counter!(RETENTION_DELETED, "pipeline" => p.clone(), "table" => "outbox"),
             retention_dead_letters: counter!(RETENTION_DELETED, "pipeline" => p.clone(), "table" => "dead_letters"),
+            partitions_created: counter!(RETENTION_PARTITIONS, "pipeline" => p.clone(), "action" => "created"),
+            partitions_dropped: counter!(RETENTION_PARTITIONS, "pipeline" => p.clone(), "action" => "dropped"),
             active: gauge!(ACTIVE, "pipeline" => p.clone()),
             restarts: counter!(RESTARTS, "pipeline" => p.clone()),
             slots_recreated: counter!(SLOTS_RECREATED, "pipeline" => p.clone()),

@@ -23,6 +23,7 @@ mod memory;
 mod messages;
 mod migrations;
 mod operations;
+mod partitions;
 mod retention;
 mod routing;
 mod schema;

@@ -238,38 +238,3 @@ async fn unsent_events_are_write_once() {
     assert_eq!(code, 0, "{out}");
     assert!(!out.contains("[warn]"), "{out}");
 }
-
-#[tokio::test]
-async fn a_partitioned_outbox_is_refused_with_the_reason() {
-    let db = TestDb::new().await;
-    db.client
-        .batch_execute(
-            "CREATE TABLE outbox (
-                 id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-                 event_type text NOT NULL, payload jsonb NOT NULL,
-                 created_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (id, created_at)
-             ) PARTITION BY RANGE (created_at);
-             CREATE TABLE outbox_all PARTITION OF outbox DEFAULT",
-        )
-        .await
-        .unwrap();
-    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
-    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
-    assert_eq!(code, 1, "{out}{err}");
-    assert!(
-        err.contains("is partitioned") && err.contains("use a plain table"),
-        "{err}"
-    );
-    assert_eq!(
-        db.count("SELECT count(*) FROM pg_attribute WHERE attrelid = 'outbox'::regclass AND attname = 'relay_seq'")
-            .await,
-        0,
-        "migrate changed nothing"
-    );
-    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
-    assert_eq!(code, 1, "{out}");
-    assert!(
-        out.contains("[FAIL] outbox table") && out.contains("is partitioned"),
-        "{out}"
-    );
-}

@@ -268,10 +268,9 @@ impl CdcServer for PgServer {
         match setup::publication_covers(&self.client, &s.publication, &self.table).await? {
             Some(true) => {}
             Some(false) => {
-                return Err(SourceError::Setup(format!(
-                    "publication {:?} does not publish inserts into {}; run `outbox-relay migrate`",
-                    s.publication, self.table
-                )));
+                return Err(SourceError::Setup(
+                    setup::not_published_problem(&self.client, &s.publication, &self.table).await?,
+                ));
             }
             None => {
                 return Err(SourceError::Setup(format!(

@@ -221,20 +221,92 @@ pub async fn create_slot(client: &Client, slot: &str, failover: bool) -> Result<
 }
 
 /// The SQL that creates the publication, or adds the table to an existing one.
-pub fn publication_sql(publication: &str, table: &TableName, exists: bool) -> String {
-    if exists {
-        format!(
+/// A `partitioned` table is published through its root
+/// (`publish_via_partition_root`): pgoutput then names the root in its
+/// Relation messages, whatever partition a row lands in, and partitions
+/// created later are published without another change
+/// (<https://www.postgresql.org/docs/15/sql-createpublication.html>).
+pub fn publication_sql(
+    publication: &str,
+    table: &TableName,
+    exists: bool,
+    partitioned: bool,
+) -> String {
+    match (exists, partitioned) {
+        (true, false) => format!(
             "ALTER PUBLICATION {} ADD TABLE {}",
             quote_ident(publication),
             table.quoted()
-        )
-    } else {
-        format!(
+        ),
+        (true, true) => format!(
+            "ALTER PUBLICATION {} ADD TABLE {};\n{}",
+            quote_ident(publication),
+            table.quoted(),
+            via_root_sql(publication)
+        ),
+        (false, false) => format!(
             "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')",
             quote_ident(publication),
             table.quoted()
-        )
+        ),
+        (false, true) => format!(
+            "CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert', publish_via_partition_root = true)",
+            quote_ident(publication),
+            table.quoted()
+        ),
     }
+}
+
+/// Makes an existing publication publish partitioned tables through their
+/// roots (it applies to every partitioned table the publication holds).
+pub fn via_root_sql(publication: &str) -> String {
+    format!(
+        "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
+        quote_ident(publication)
+    )
+}
+
+/// Whether the publication publishes partitions of `table` under their own
+/// names (`publish_via_partition_root` off): the relay, which reads the
+/// root's Relation messages, would see none of their inserts.
+pub async fn publishes_partitions(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<bool, DbError> {
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (
+                 SELECT 1 FROM pg_publication_tables t
+                 JOIN pg_partition_tree(to_regclass($2)) tree
+                   ON tree.relid = to_regclass(format('%I.%I', t.schemaname, t.tablename))
+                 WHERE t.pubname = $1 AND tree.level > 0)",
+            &[&publication, &table.quoted()],
+        )
+        .await
+        .map_err(|e| q("reading pg_publication_tables", e))?
+        .get(0))
+}
+
+/// What to say when the publication does not publish the table's inserts
+/// under the table's name.
+pub async fn not_published_problem(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<String, DbError> {
+    Ok(if publishes_partitions(client, publication, table).await? {
+        format!(
+            "publication {publication:?} publishes the partitions of {table} under their own names \
+             (publish_via_partition_root is off), so the relay would see none of their inserts; run \
+             `outbox-relay migrate`, or {}",
+            via_root_sql(publication)
+        )
+    } else {
+        format!(
+            "publication {publication:?} does not publish inserts into {table}; run `outbox-relay migrate`"
+        )
+    })
 }
 
 /// The SQL that creates the slot (shown by `migrate --dry-run`).
@@ -288,4 +360,28 @@ async fn server_version_num(client: &Client) -> Result<u32, String> {
         .map_err(|e| format!("reading server_version_num: {}", error_text(&e)))?
         .get(0);
     Ok(version.trim().parse().unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partitioned_tables_are_published_through_their_root() {
+        let t = TableName::new("public", "outbox");
+        assert_eq!(
+            publication_sql("p", &t, false, false),
+            "CREATE PUBLICATION \"p\" FOR TABLE \"public\".\"outbox\" WITH (publish = 'insert')"
+        );
+        assert_eq!(
+            publication_sql("p", &t, false, true),
+            "CREATE PUBLICATION \"p\" FOR TABLE \"public\".\"outbox\" \
+             WITH (publish = 'insert', publish_via_partition_root = true)"
+        );
+        assert_eq!(
+            publication_sql("p", &t, true, true),
+            "ALTER PUBLICATION \"p\" ADD TABLE \"public\".\"outbox\";\n\
+             ALTER PUBLICATION \"p\" SET (publish_via_partition_root = true)"
+        );
+    }
 }

@@ -1,0 +1,514 @@
+//! Partition retention (`retention.mode = "partitions"`): on an outbox
+//! partitioned by range on a time column, sent events leave a whole
+//! partition at a time, and partitions are created ahead so no insert finds
+//! its range missing.
+//!
+//! Each run, under the retention lock:
+//!
+//! 1. **Create ahead.** The ranges are `retention.partition_interval` long,
+//!    aligned to the Unix epoch in UTC (a `1d` interval starts at midnight
+//!    UTC); the one holding the server's `now()` and the next
+//!    `retention.partition_premake` are created unless an existing partition
+//!    overlaps them (partitions made by hand or by another tool are left
+//!    alone, whatever their bounds). They are named `<table>_p<YYYYMMDD>`, or
+//!    `<table>_p<YYYYMMDD>_<HHMM>` for intervals that are not whole days.
+//! 2. **Drop.** A partition is dropped only when its whole range ends at or
+//!    before the retention cutoff (`now() - retention.sent_window`), no row
+//!    in it is unsent, and none was sent after the cutoff. It is detached
+//!    first (`ALTER TABLE ... DETACH PARTITION`, which takes an ACCESS
+//!    EXCLUSIVE lock on the outbox for a moment, under a short
+//!    `lock_timeout` so writers never queue behind a long wait) and checked
+//!    again under that lock, then dropped in the same transaction: a row
+//!    written into the range meanwhile keeps the partition. Dead letters keep
+//!    their own copy of the event, so they never hold a partition.
+//!
+//! The default partition (if the application made one) is never dropped and
+//! never created: its sent rows are deleted row by row like a plain table's.
+//! PostgreSQL refuses to create a partition whose range holds rows of the
+//! default partition; the run reports it and goes on with the next ranges,
+//! which then take the new rows, while the default partition's rows are
+//! delivered and later deleted as usual.
+//!
+//! <https://www.postgresql.org/docs/15/ddl-partitioning.html>
+
+use super::RetentionError;
+use crate::db::DbError;
+use crate::outbox::inspect::table_info;
+use crate::outbox::{SENT_AT_COLUMN, TableName};
+use chrono::{DateTime, TimeZone, Utc};
+use std::time::Duration;
+use tokio_postgres::Client;
+
+/// The longest wait for the outbox's lock when creating or detaching a
+/// partition: long enough for the relay's own statements to finish, short
+/// enough that inserts never queue behind the DDL for long.
+pub const LOCK_WAIT: Duration = Duration::from_secs(1);
+
+/// How the outbox is partitioned, when partition retention can use it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// The one range key column.
+    pub column: String,
+    /// `timestamptz` (else `timestamp`, read as UTC).
+    pub with_zone: bool,
+}
+
+/// One partition of the outbox. A bound of `None` is unbounded
+/// (`MINVALUE`, `MAXVALUE`) or not a single time value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Partition {
+    pub name: TableName,
+    pub lower: Option<DateTime<Utc>>,
+    pub upper: Option<DateTime<Utc>>,
+    pub default: bool,
+}
+
+/// Reads the table's partitioning; explains why partition retention cannot
+/// use it (the message names `retention.mode`).
+pub async fn layout(client: &Client, table: &TableName) -> Result<Layout, RetentionError> {
+    let info = table_info(client, table)
+        .await
+        .map_err(|e| DbError::query(format!("inspecting {table}"), e))?
+        .ok_or_else(|| RetentionError::MissingTable(table.clone()))?;
+    let unusable = |why: String| {
+        RetentionError::Partitions(format!(
+            "retention.mode = \"partitions\" needs {table} partitioned by RANGE on one timestamptz or \
+             timestamp column (e.g. PARTITION BY RANGE (created_at)), but {why}; \
+             partition it so, or set retention.mode = \"rows\""
+        ))
+    };
+    let Some(p) = &info.partitioning else {
+        return Err(unusable("it is not partitioned".into()));
+    };
+    if p.strategy != "range" {
+        return Err(unusable(format!("it is partitioned by {}", p.strategy)));
+    }
+    let [column] = p.columns.as_slice() else {
+        return Err(unusable(format!(
+            "its partition key is ({}{})",
+            p.columns.join(", "),
+            if p.expressions { ", an expression" } else { "" }
+        )));
+    };
+    if p.expressions {
+        return Err(unusable("its partition key holds an expression".into()));
+    }
+    let type_name = info
+        .column(column)
+        .map(|c| c.type_name.clone())
+        .unwrap_or_default();
+    let with_zone = match type_name.split('(').next().unwrap_or("").trim() {
+        "timestamp with time zone" => true,
+        "timestamp without time zone" => false,
+        _ => {
+            return Err(unusable(format!(
+                "its key column {column:?} is {type_name}"
+            )));
+        }
+    };
+    Ok(Layout {
+        column: column.clone(),
+        with_zone,
+    })
+}
+
+/// The outbox's partitions with their bounds, read from the catalog
+/// (`pg_get_expr` of each partition bound, whose values PostgreSQL writes as
+/// literals of the key's type).
+pub async fn list(
+    client: &Client,
+    table: &TableName,
+    layout: &Layout,
+) -> Result<Vec<Partition>, RetentionError> {
+    let value = |i: usize| {
+        let literal = format!("btrim(m[{i}], '''')");
+        if layout.with_zone {
+            format!("CASE WHEN m[{i}] LIKE '''%' THEN {literal}::timestamptz END")
+        } else {
+            format!("CASE WHEN m[{i}] LIKE '''%' THEN {literal}::timestamp AT TIME ZONE 'UTC' END")
+        }
+    };
+    let sql = format!(
+        "SELECT n.nspname::text, c.relname::text, b.bound = 'DEFAULT', {lower}, {upper}
+         FROM pg_inherits i
+         JOIN pg_class c ON c.oid = i.inhrelid
+         JOIN pg_namespace n ON n.oid = c.relnamespace
+         CROSS JOIN LATERAL (SELECT pg_get_expr(c.relpartbound, c.oid) AS bound) b
+         LEFT JOIN LATERAL regexp_match(
+             b.bound, '^FOR VALUES FROM \\((MINVALUE|''[^'']*'')\\) TO \\((MAXVALUE|''[^'']*'')\\)$') m ON true
+         WHERE i.inhparent = to_regclass($1)
+         ORDER BY 4 NULLS FIRST, 2",
+        lower = value(1),
+        upper = value(2),
+    );
+    let rows = client
+        .query(&sql, &[&table.quoted()])
+        .await
+        .map_err(|e| DbError::query(format!("listing the partitions of {table}"), e))?;
+    Ok(rows
+        .iter()
+        .map(|r| Partition {
+            name: TableName::new(r.get(0), r.get(1)),
+            default: r.get(2),
+            lower: r.get(3),
+            upper: r.get(4),
+        })
+        .collect())
+}
+
+/// The ranges that should exist: the one holding `now` and `premake` after
+/// it, each `interval` long and aligned to the Unix epoch.
+pub fn wanted(
+    now: DateTime<Utc>,
+    interval: Duration,
+    premake: u32,
+) -> Vec<(DateTime<Utc>, DateTime<Utc>)> {
+    let step = interval.as_secs().max(60) as i64;
+    let first = now.timestamp().div_euclid(step) * step;
+    (0..=i64::from(premake))
+        .filter_map(|k| {
+            let from = Utc.timestamp_opt(first + k * step, 0).single()?;
+            let to = Utc.timestamp_opt(first + (k + 1) * step, 0).single()?;
+            Some((from, to))
+        })
+        .collect()
+}
+
+/// The wanted ranges no existing partition overlaps (the default partition
+/// overlaps nothing: it takes only what no other partition does).
+pub fn missing(
+    wanted: &[(DateTime<Utc>, DateTime<Utc>)],
+    existing: &[Partition],
+) -> Vec<(DateTime<Utc>, DateTime<Utc>)> {
+    wanted
+        .iter()
+        .filter(|(from, to)| {
+            !existing.iter().any(|p| {
+                !p.default
+                    && p.lower.is_none_or(|lower| lower < *to)
+                    && p.upper.is_none_or(|upper| upper > *from)
+            })
+        })
+        .copied()
+        .collect()
+}
+
+/// The partitions whose whole range ends at or before `cutoff`.
+pub fn expired(partitions: &[Partition], cutoff: DateTime<Utc>) -> Vec<&Partition> {
+    partitions
+        .iter()
+        .filter(|p| !p.default && p.upper.is_some_and(|upper| upper <= cutoff))
+        .collect()
+}
+
+/// `<table>_p20261201`, or `<table>_p20261201_1530` when the interval is not
+/// whole days, within PostgreSQL's 63-byte names.
+pub fn name(table: &TableName, from: DateTime<Utc>, interval: Duration) -> TableName {
+    let suffix = if interval.as_secs().is_multiple_of(86_400) {
+        from.format("_p%Y%m%d").to_string()
+    } else {
+        from.format("_p%Y%m%d_%H%M").to_string()
+    };
+    let mut base = table.name.clone();
+    while base.len() + suffix.len() > 63 {
+        base.pop();
+    }
+    TableName::new(&table.schema, &format!("{base}{suffix}"))
+}
+
+/// A bound as a literal of the key's type, in UTC.
+fn literal(at: DateTime<Utc>, layout: &Layout) -> String {
+    if layout.with_zone {
+        at.format("'%Y-%m-%d %H:%M:%S+00'").to_string()
+    } else {
+        at.format("'%Y-%m-%d %H:%M:%S'").to_string()
+    }
+}
+
+/// The statement creating one partition of `table`.
+pub fn create_sql(
+    table: &TableName,
+    partition: &TableName,
+    (from, to): (DateTime<Utc>, DateTime<Utc>),
+    layout: &Layout,
+) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {} PARTITION OF {} FOR VALUES FROM ({}) TO ({})",
+        partition.quoted(),
+        table.quoted(),
+        literal(from, layout),
+        literal(to, layout)
+    )
+}
+
+/// Why a partition could not be created.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CreateFailure {
+    /// What to tell the operator.
+    pub message: String,
+    /// The outbox was locked: the other ranges would wait the same, so the
+    /// run leaves them to the next one.
+    pub locked: bool,
+}
+
+/// Creates one partition. Creating a partition locks the outbox (ACCESS
+/// EXCLUSIVE in PostgreSQL 15), so it waits for the lock at most
+/// [`LOCK_WAIT`] rather than let inserts queue behind it.
+pub async fn create(
+    client: &Client,
+    sql: &str,
+    partition: &TableName,
+) -> Result<(), CreateFailure> {
+    let statement = format!(
+        "BEGIN; SET LOCAL lock_timeout = {}; {sql}; COMMIT",
+        LOCK_WAIT.as_millis()
+    );
+    let Err(e) = client.batch_execute(&statement).await else {
+        return Ok(());
+    };
+    // The failed statement left the transaction open and aborted.
+    let _ = client.batch_execute("ROLLBACK").await;
+    Err({
+        let code = e.code().map(|c| c.code().to_owned());
+        let hint = match code.as_deref() {
+            // check_violation: the default partition holds rows of the range.
+            Some("23514") => {
+                "; the default partition holds rows of its range, so PostgreSQL refuses it until they \
+                 are gone: they are delivered like any other row and deleted once sent and older than \
+                 retention.sent_window, and the ranges made ahead take the rows after them"
+            }
+            Some("55P03") => "; the outbox was locked, the next run tries again",
+            _ => "",
+        };
+        CreateFailure {
+            message: format!(
+                "cannot create partition {partition}: {}{hint}",
+                crate::db::error_text(&e)
+            ),
+            locked: code.as_deref() == Some("55P03"),
+        }
+    })
+}
+
+/// Why a partition past the cutoff is kept, or `None` when it may go.
+async fn keep_reason(
+    client: &Client,
+    partition: &TableName,
+    cutoff: DateTime<Utc>,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT EXISTS (SELECT 1 FROM {p} WHERE {SENT_AT_COLUMN} IS NULL),
+                        EXISTS (SELECT 1 FROM {p} WHERE {SENT_AT_COLUMN} >= $1)",
+                p = partition.quoted()
+            ),
+            &[&cutoff],
+        )
+        .await?;
+    Ok(match (row.get(0), row.get(1)) {
+        (true, _) => Some("it holds unsent rows".into()),
+        (false, true) => Some("rows in it were sent after the retention cutoff".into()),
+        (false, false) => None,
+    })
+}
+
+/// What happened to one expired partition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Dropped,
+    Kept(String),
+}
+
+/// Detaches and drops `partition` when it may go (see the module docs);
+/// with `dry_run`, only says whether it would.
+pub async fn drop_expired(
+    client: &Client,
+    table: &TableName,
+    partition: &TableName,
+    cutoff: DateTime<Utc>,
+    dry_run: bool,
+) -> Result<Outcome, RetentionError> {
+    let failed = |e| DbError::query(format!("dropping partition {partition}"), e);
+    // Without a lock first, so a partition that must stay costs no lock.
+    if let Some(why) = keep_reason(client, partition, cutoff)
+        .await
+        .map_err(failed)?
+    {
+        return Ok(Outcome::Kept(why));
+    }
+    if dry_run {
+        return Ok(Outcome::Dropped);
+    }
+    let detach = format!(
+        "BEGIN;
+         SET LOCAL lock_timeout = {};
+         ALTER TABLE {} DETACH PARTITION {}",
+        LOCK_WAIT.as_millis(),
+        table.quoted(),
+        partition.quoted()
+    );
+    let attempt = async {
+        client.batch_execute(&detach).await?;
+        // Under the lock now: nothing can be written into it any more.
+        if let Some(why) = keep_reason(client, partition, cutoff).await? {
+            client.batch_execute("ROLLBACK").await?;
+            return Ok::<_, tokio_postgres::Error>(Outcome::Kept(why));
+        }
+        client
+            .batch_execute(&format!("DROP TABLE {}; COMMIT", partition.quoted()))
+            .await?;
+        Ok(Outcome::Dropped)
+    };
+    match attempt.await {
+        Ok(outcome) => Ok(outcome),
+        Err(e) => {
+            let _ = client.batch_execute("ROLLBACK").await;
+            if e.code().is_some_and(|c| c.code() == "55P03") {
+                Ok(Outcome::Kept(
+                    "the outbox was locked; the next run tries again".into(),
+                ))
+            } else {
+                Err(failed(e).into())
+            }
+        }
+    }
+}
+
+/// The default partition, whose sent rows are deleted row by row.
+pub fn default_partition(partitions: &[Partition]) -> Option<&TableName> {
+    partitions.iter().find(|p| p.default).map(|p| &p.name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+    }
+
+    fn part(name: &str, lower: Option<&str>, upper: Option<&str>) -> Partition {
+        Partition {
+            name: TableName::new("public", name),
+            lower: lower.map(at),
+            upper: upper.map(at),
+            default: false,
+        }
+    }
+
+    const DAY: Duration = Duration::from_secs(86_400);
+
+    #[test]
+    fn ranges_are_aligned_and_made_ahead() {
+        let w = wanted(at("2026-12-01T15:30:00Z"), DAY, 2);
+        assert_eq!(
+            w,
+            vec![
+                (at("2026-12-01T00:00:00Z"), at("2026-12-02T00:00:00Z")),
+                (at("2026-12-02T00:00:00Z"), at("2026-12-03T00:00:00Z")),
+                (at("2026-12-03T00:00:00Z"), at("2026-12-04T00:00:00Z")),
+            ]
+        );
+        let w = wanted(at("2026-12-01T15:30:00Z"), Duration::from_secs(3600), 1);
+        assert_eq!(w[0].0, at("2026-12-01T15:00:00Z"));
+        assert_eq!(w[1].1, at("2026-12-01T17:00:00Z"));
+    }
+
+    #[test]
+    fn ranges_an_existing_partition_overlaps_are_not_made() {
+        let w = wanted(at("2026-12-01T15:30:00Z"), DAY, 3);
+        let existing = vec![
+            // made by hand, a whole month: covers the first two days wanted
+            part(
+                "outbox_dec",
+                Some("2026-11-15T00:00:00Z"),
+                Some("2026-12-03T00:00:00Z"),
+            ),
+            Partition {
+                default: true,
+                ..part("outbox_default", None, None)
+            },
+        ];
+        assert_eq!(
+            missing(&w, &existing),
+            vec![
+                (at("2026-12-03T00:00:00Z"), at("2026-12-04T00:00:00Z")),
+                (at("2026-12-04T00:00:00Z"), at("2026-12-05T00:00:00Z")),
+            ]
+        );
+        // MAXVALUE overlaps everything after its start.
+        let open = vec![part("outbox_rest", Some("2026-12-02T00:00:00Z"), None)];
+        assert_eq!(missing(&w, &open).len(), 1);
+    }
+
+    #[test]
+    fn only_ranges_wholly_before_the_cutoff_expire() {
+        let parts = vec![
+            part(
+                "a",
+                Some("2026-11-20T00:00:00Z"),
+                Some("2026-11-21T00:00:00Z"),
+            ),
+            part(
+                "b",
+                Some("2026-11-21T00:00:00Z"),
+                Some("2026-11-22T00:00:00Z"),
+            ),
+            part("old", None, Some("2026-01-01T00:00:00Z")),
+            part("open", Some("2026-11-22T00:00:00Z"), None),
+            Partition {
+                default: true,
+                ..part("d", None, None)
+            },
+        ];
+        let names: Vec<&str> = expired(&parts, at("2026-11-21T12:00:00Z"))
+            .iter()
+            .map(|p| p.name.name.as_str())
+            .collect();
+        assert_eq!(names, ["a", "old"]);
+        // A range ending exactly at the cutoff is wholly before it.
+        assert_eq!(expired(&parts, at("2026-11-22T00:00:00Z")).len(), 3);
+    }
+
+    #[test]
+    fn names_and_statements() {
+        let t = TableName::new("shop", "outbox");
+        let from = at("2026-12-01T00:00:00Z");
+        assert_eq!(name(&t, from, DAY).name, "outbox_p20261201");
+        assert_eq!(
+            name(&t, at("2026-12-01T15:30:00Z"), Duration::from_secs(1800)).name,
+            "outbox_p20261201_1530"
+        );
+        let long = TableName::new("public", &"x".repeat(70));
+        assert_eq!(name(&long, from, DAY).name.len(), 63);
+        assert!(name(&long, from, DAY).name.ends_with("_p20261201"));
+        let zoned = Layout {
+            column: "created_at".into(),
+            with_zone: true,
+        };
+        assert_eq!(
+            create_sql(
+                &t,
+                &name(&t, from, DAY),
+                (from, at("2026-12-02T00:00:00Z")),
+                &zoned
+            ),
+            "CREATE TABLE IF NOT EXISTS \"shop\".\"outbox_p20261201\" PARTITION OF \"shop\".\"outbox\" \
+             FOR VALUES FROM ('2026-12-01 00:00:00+00') TO ('2026-12-02 00:00:00+00')"
+        );
+        let plain = Layout {
+            with_zone: false,
+            ..zoned
+        };
+        assert!(
+            create_sql(
+                &t,
+                &name(&t, from, DAY),
+                (from, at("2026-12-02T00:00:00Z")),
+                &plain
+            )
+            .ends_with("FROM ('2026-12-01 00:00:00') TO ('2026-12-02 00:00:00')")
+        );
+    }
+}
