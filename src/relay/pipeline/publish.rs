@@ -11,6 +11,7 @@ use crate::sink::{Confirmation, Sink, SinkError};
 use crate::source::budget::Charge;
 use crate::source::{RowPosition, SourcedEvent};
 use crate::telemetry::metrics::Failure;
+use crate::telemetry::trace::{EventSpan, Outcome};
 use chrono::Utc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -23,6 +24,8 @@ pub(super) struct Answer<P> {
     /// The event's memory (and its message's, while the broker client held
     /// it), given back once the answer is handled.
     pub charge: Charge,
+    /// Its span, when spans are exported.
+    pub span: EventSpan,
 }
 
 /// An answer on its way back: the aggregate, the scheduler's ticket, the answer.
@@ -164,12 +167,19 @@ where
                     event: Err(bad),
                     result: Err(SinkError::Rejected(reason)),
                     charge,
+                    span: EventSpan::default(),
                 };
                 self.scheduler.answered(&aggregate, ticket, answer, true);
                 return Ok(());
             }
         };
-        let message = self.envelope.build(&event);
+        let tracer = &self.telemetry.tracer;
+        let mut span = if tracer.is_on() {
+            tracer.span(&event, self.sink.destination(&event), self.read_at)
+        } else {
+            EventSpan::default()
+        };
+        let message = self.envelope.build_traced(&event, span.traceparent());
         // The broker client keeps a copy until the broker answers.
         charge.grow(message.size());
         // Handing a message over is quick unless the broker stopped reading.
@@ -186,14 +196,19 @@ where
         });
         match sent {
             Ok(confirmation) => {
+                span.step("published");
                 let timeout = self.settings.confirm_timeout;
                 self.in_flight.push(Box::pin(async move {
                     let result = confirm_within(confirmation, timeout).await;
+                    if result.is_ok() {
+                        span.step("confirmed");
+                    }
                     let answer = Answer {
                         position,
                         event: Ok(event),
                         result,
                         charge,
+                        span,
                     };
                     (aggregate, ticket, answer)
                 }));
@@ -204,6 +219,7 @@ where
                     event: Ok(event),
                     result: Err(e),
                     charge,
+                    span,
                 };
                 self.scheduler.answered(&aggregate, ticket, answer, true);
             }
@@ -218,12 +234,17 @@ where
             event,
             result,
             charge: _charge,
+            mut span,
         } = answer;
         match result {
             Ok(()) => {
                 let Ok(event) = event else {
                     return Ok(());
                 };
+                span.outcome(Outcome::Published, None);
+                if span.is_on() {
+                    self.pending_spans.push(span);
+                }
                 if let Origin::Letter(_) = position {
                     self.pending_acks.push(position);
                     return Ok(());
@@ -247,16 +268,44 @@ where
             }
             Err(SinkError::Rejected(reason)) => {
                 let (raw, _) = raw_of(&event);
-                self.reject(position, aggregate, raw, reason, true);
+                self.reject_traced(position, aggregate, raw, reason, true, span);
                 Ok(())
             }
             Err(SinkError::Busy(reason)) => {
                 let (raw, _) = raw_of(&event);
-                self.reject(position, aggregate, raw, reason, false);
+                self.reject_traced(position, aggregate, raw, reason, false, span);
                 Ok(())
             }
-            Err(e) => Err(e.into()),
+            Err(e) => {
+                span.outcome(Outcome::Failed, Some(&e.to_string()));
+                Err(e.into())
+            }
         }
+    }
+
+    /// [`Self::reject`], and the span's outcome: dead-lettered when a dead
+    /// letter was written for it, else failed (it is retried).
+    fn reject_traced(
+        &mut self,
+        position: Origin<P>,
+        aggregate: &str,
+        raw: RawRow,
+        reason: String,
+        count: bool,
+        mut span: EventSpan,
+    ) {
+        if !span.is_on() {
+            return self.reject(position, aggregate, raw, reason, count);
+        }
+        let letters = self.pending_letters.len();
+        let why = reason.clone();
+        self.reject(position, aggregate, raw, reason, count);
+        let outcome = if self.pending_letters.len() > letters {
+            Outcome::DeadLettered
+        } else {
+            Outcome::Failed
+        };
+        span.outcome(outcome, Some(&why));
     }
 
     /// The event cannot be published now: hold its aggregate back and retry
