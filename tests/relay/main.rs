@@ -26,4 +26,5 @@ mod retention;
 mod routing;
 mod schema;
 mod tls;
+mod tracing;
 mod versions;
