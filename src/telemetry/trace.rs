@@ -17,7 +17,7 @@
 //! `Option`, and the message is built exactly as without this module.
 //!
 //! Export never slows delivery down: finished spans go into a bounded queue
-//! ([`MAX_QUEUE_SIZE_DEFAULT`], `telemetry.otlp.max_queue_size`) drained by
+//! (`telemetry.otlp.max_queue_size`, 2048 spans by default) drained by
 //! the SDK's batch processor on its own thread, each request bounded by
 //! [`EXPORT_TIMEOUT`]. When the collector is slow or gone, spans that do not
 //! fit are dropped; memory stays bounded and the pipeline never waits.
@@ -39,8 +39,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
-/// Finished spans held for export, by default; more are dropped.
-pub const MAX_QUEUE_SIZE_DEFAULT: usize = 2048;
 /// Spans sent in one export request.
 pub const MAX_EXPORT_BATCH: usize = 512;
 /// How long finished spans wait before they are sent (unless a batch is full).
