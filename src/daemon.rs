@@ -47,8 +47,11 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
         tracing::info!(%address, "serving /metrics, /healthz and /readyz");
         tasks.spawn(server);
     }
+    // One exporter for the process; flushed once every pipeline has drained.
+    let tracer = telemetry::trace::EventTracer::start(&first.telemetry.otlp);
+    let flush_within = first.relay.shutdown_timeout;
     for config in configs {
-        let t = PipelineTelemetry::new(&config);
+        let t = PipelineTelemetry::traced(&config, &tracer);
         health.register(t.health.clone());
         tasks.spawn(crate::status::sample(
             config.clone(),
@@ -64,6 +67,9 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
         let token = shutdown.clone();
         tasks.spawn(async move { crate::relay::run_observed(&config, t, token).await });
     }
-    while tasks.join_next().await.is_some() {}
+    let drained = async { while tasks.join_next().await.is_some() {} };
+    tracer
+        .run_until_stopped(&shutdown, flush_within, drained)
+        .await;
     Ok(())
 }

@@ -91,7 +91,7 @@ pub fn load_all_str(text: &str) -> Result<Vec<Config>, ConfigError> {
 pub const DEFAULT_PIPELINE: &str = "default";
 
 /// Sections that configure the process, not a pipeline.
-const GLOBAL_SECTIONS: &[&str] = &["log", "http"];
+const GLOBAL_SECTIONS: &[&str] = &["log", "http", "telemetry"];
 
 fn build(
     text: &str,

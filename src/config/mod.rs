@@ -17,7 +17,9 @@ mod validate;
 
 pub use load::{ConfigError, DEFAULT_PIPELINE, load, load_all_str, load_str};
 pub use secret::{Secret, SecretUrl, redact_url};
-pub use service::{HttpConfig, LogConfig, LogFormat, RetentionConfig, RetentionMode};
+pub use service::{
+    HttpConfig, LogConfig, LogFormat, OtlpConfig, RetentionConfig, RetentionMode, TelemetryConfig,
+};
 pub use sink::{KafkaConfig, RabbitMqConfig, SaslMechanism, SecurityProtocol, SinkConfig};
 
 use crate::db::tls::{SslMode, TlsOptions};
@@ -47,7 +49,7 @@ macro_rules! keyword_enum {
 pub(crate) use keyword_enum;
 
 /// The configuration of one pipeline: one outbox to one broker, with the
-/// process-wide sections (`log`, `http`) alongside.
+/// process-wide sections (`log`, `http`, `telemetry`) alongside.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -72,6 +74,8 @@ pub struct Config {
     pub http: HttpConfig,
     #[serde(default)]
     pub log: LogConfig,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
 }
 
 impl Config {
@@ -641,6 +645,12 @@ pub mod defaults {
     }
     pub fn log_level() -> String {
         "info".into()
+    }
+    pub fn otlp_service_name() -> String {
+        "outbox-relay".into()
+    }
+    pub fn otlp_max_queue_size() -> usize {
+        2048
     }
 }
 

@@ -1,4 +1,5 @@
-//! The sections that run beside the relay: retention, the HTTP endpoints, logging.
+//! The sections that run beside the relay: retention, the HTTP endpoints,
+//! logging, trace export.
 
 use super::defaults;
 use serde::Deserialize;
@@ -123,6 +124,41 @@ impl Default for LogConfig {
         LogConfig {
             format: LogFormat::default(),
             level: defaults::log_level(),
+        }
+    }
+}
+
+/// `[telemetry]`: what the relay reports beside logs and metrics.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryConfig {
+    #[serde(default)]
+    pub otlp: OtlpConfig,
+}
+
+/// `[telemetry.otlp]`: a span per event, exported over OTLP/HTTP (protobuf).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OtlpConfig {
+    /// Base URL of the collector's OTLP/HTTP receiver, like
+    /// `http://localhost:4318`; spans go to `<endpoint>/v1/traces`. Unset:
+    /// no spans, messages carry the row's `traceparent` unchanged.
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    /// The `service.name` resource attribute of the spans.
+    #[serde(default = "defaults::otlp_service_name")]
+    pub service_name: String,
+    /// Finished spans held while the collector is slow or unreachable; more are dropped.
+    #[serde(default = "defaults::otlp_max_queue_size")]
+    pub max_queue_size: usize,
+}
+
+impl Default for OtlpConfig {
+    fn default() -> Self {
+        OtlpConfig {
+            endpoint: None,
+            service_name: defaults::otlp_service_name(),
+            max_queue_size: defaults::otlp_max_queue_size(),
         }
     }
 }

@@ -713,3 +713,41 @@ fn partition_retention_keys_are_checked_by_name() {
     ))
     .unwrap();
 }
+
+#[test]
+fn otlp_keys_are_checked_by_name() {
+    let c = load_str(MINIMAL).unwrap();
+    assert_eq!(c.telemetry.otlp.endpoint, None, "export is off by default");
+    assert_eq!(c.telemetry.otlp.max_queue_size, 2048);
+    let with = |lines: &str| format!("{MINIMAL}\n[telemetry.otlp]\n{lines}\n");
+    let c = load_str(&with("endpoint = \"http://collector:4318\"")).unwrap();
+    assert_eq!(
+        c.telemetry.otlp.endpoint.as_deref(),
+        Some("http://collector:4318")
+    );
+    for (bad, says) in [
+        ("endpoint = \"collector:4318\"", "is not http or https"),
+        (
+            "endpoint = \"grpc://collector:4317\"",
+            "is not http or https",
+        ),
+        ("endpoint = \"not a url\"", "not a URL"),
+        (
+            "endpoint = \"http://collector:4318/?x=1\"",
+            "query or fragment",
+        ),
+        ("service_name = \" \"", "must not be empty"),
+        ("max_queue_size = 0", "out of range"),
+        ("flush = true", "unknown key"),
+    ] {
+        let e = err(&with(bad));
+        assert!(
+            e.contains("telemetry.otlp.") && e.contains(says),
+            "{bad}: {e}"
+        );
+    }
+    let e = err(&format!(
+        "{MINIMAL}\n[pipelines.a.telemetry.otlp]\nendpoint = \"http://c:4318\"\n"
+    ));
+    assert!(e.contains("configures the whole process"), "{e}");
+}

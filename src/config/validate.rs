@@ -19,6 +19,7 @@ pub(super) fn integer_range(key: &str, sink_type: Option<&str>) -> Option<(u64, 
         // Its upper bound is relay.max_in_flight; only the type is known here.
         "relay.max_in_flight_per_aggregate" => (1, 100_000),
         "relay.shards" => (1, 256),
+        "telemetry.otlp.max_queue_size" => (1, 1_000_000),
         "sink.message_max_bytes" if sink_type == Some("rabbitmq") => (1_000, 512 * 1024 * 1024),
         "sink.message_max_bytes" => (1_000, 1_000_000_000),
         _ => return None,
@@ -105,6 +106,7 @@ impl Config {
                 "must not be empty (CloudEvents requires a source)",
             );
         }
+        self.check_telemetry(&mut c);
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             c.problem(
                 "log.level",
@@ -112,6 +114,37 @@ impl Config {
             );
         }
         if c.0.is_empty() { Ok(()) } else { Err(c.0) }
+    }
+
+    fn check_telemetry(&self, c: &mut Checker) {
+        let otlp = &self.telemetry.otlp;
+        c.count(
+            "telemetry.otlp.max_queue_size",
+            otlp.max_queue_size as u64,
+            self.sink.kind(),
+        );
+        if otlp.service_name.trim().is_empty() {
+            c.problem("telemetry.otlp.service_name", "must not be empty");
+        }
+        let Some(endpoint) = &otlp.endpoint else {
+            return;
+        };
+        let fix = "use the base URL of an OTLP/HTTP receiver, like http://localhost:4318";
+        match url::Url::parse(endpoint) {
+            Ok(u) if !matches!(u.scheme(), "http" | "https") => c.problem(
+                "telemetry.otlp.endpoint",
+                format!("scheme {:?} is not http or https; {fix}", u.scheme()),
+            ),
+            Ok(u) if u.host_str().is_none_or(str::is_empty) => {
+                c.problem("telemetry.otlp.endpoint", format!("has no host; {fix}"))
+            }
+            Ok(u) if u.query().is_some() || u.fragment().is_some() => c.problem(
+                "telemetry.otlp.endpoint",
+                format!("must not have a query or fragment; {fix}"),
+            ),
+            Ok(_) => {}
+            Err(e) => c.problem("telemetry.otlp.endpoint", format!("not a URL ({e}); {fix}")),
+        }
     }
 
     fn check_database(&self, c: &mut Checker) {

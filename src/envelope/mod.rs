@@ -10,6 +10,10 @@
 //! extension) also appear as attributes in structured mode. The
 //! `[[outbox.columns.extra]]` columns add extension attributes (named like
 //! the others in each mode) and plain headers; a NULL value adds neither.
+//!
+//! When the relay exports spans ([`crate::telemetry::trace`]), the message's
+//! `traceparent` (header, and attribute in structured mode) names the
+//! relay's span instead of the row's parent; `tracestate` still passes through.
 
 pub mod destination;
 pub mod routing;
@@ -33,6 +37,9 @@ pub mod header {
     pub const AGGREGATE_TYPE: &str = "aggregate_type";
     pub const CONTENT_TYPE: &str = "content-type";
 }
+
+/// The W3C trace context header (and CloudEvents attribute).
+const TRACEPARENT: &str = "traceparent";
 
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json; charset=utf-8";
 pub const JSON_CONTENT_TYPE: &str = "application/json";
@@ -176,6 +183,12 @@ impl Envelope {
     }
 
     pub fn build(&self, event: &OutboxEvent) -> Message {
+        self.build_traced(event, None)
+    }
+
+    /// As [`Self::build`]; a `traceparent` given replaces the row's (the
+    /// relay's span, when it exports spans).
+    pub fn build_traced(&self, event: &OutboxEvent, traceparent: Option<&str>) -> Message {
         let time = event
             .created_at
             .to_rfc3339_opts(SecondsFormat::AutoSi, true);
@@ -199,7 +212,7 @@ impl Envelope {
                     datacontenttype: JSON_CONTENT_TYPE,
                     aggregatetype: &event.aggregate_type,
                     eventversion: event.event_version,
-                    traceparent: row_header("traceparent"),
+                    traceparent: traceparent.or_else(|| row_header(TRACEPARENT)),
                     tracestate: row_header("tracestate"),
                     extensions: Extensions(attributes),
                     data: &event.payload,
@@ -262,13 +275,17 @@ impl Envelope {
                     .filter_map(|x| x.header.as_deref())
                     .any(|h| h.eq_ignore_ascii_case(k))
         };
+        let replaced = |k: &str| traceparent.is_some() && k.eq_ignore_ascii_case(TRACEPARENT);
         let row_headers: Vec<(String, String)> = event
             .headers
             .iter()
-            .filter(|(k, _)| !taken(k))
+            .filter(|(k, _)| !taken(k) && !replaced(k))
             .cloned()
             .collect();
         headers.extend(row_headers);
+        if let Some(t) = traceparent {
+            headers.push((TRACEPARENT.to_owned(), t.to_owned()));
+        }
         Message {
             id: event.id.clone(),
             key: event.aggregate_id.clone(),
@@ -380,6 +397,43 @@ mod tests {
             );
             assert!(m.headers.iter().any(|(k, _)| k == "traceparent"));
             assert_eq!(m.content_type, JSON_CONTENT_TYPE);
+        }
+    }
+
+    #[test]
+    fn a_traceparent_given_replaces_the_rows() {
+        let relay = "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01";
+        for mode in [EnvelopeMode::Structured, EnvelopeMode::Binary] {
+            let env = Envelope::new(
+                &EnvelopeConfig {
+                    mode,
+                    source: "/shop".into(),
+                },
+                Binding::Kafka,
+            );
+            let mut row = event();
+            row.headers.push(("tracestate".into(), "shop=1".into()));
+            let plain = env.build(&row);
+            let m = env.build_traced(&row, Some(relay));
+            let values = |m: &Message, name: &str| {
+                m.headers
+                    .iter()
+                    .filter(|(k, _)| k == name)
+                    .map(|(_, v)| v.clone())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(values(&m, "traceparent"), vec![relay], "{mode:?}");
+            assert_eq!(values(&m, "tracestate"), vec!["shop=1"], "{mode:?}");
+            assert_eq!(values(&plain, "tracestate"), vec!["shop=1"], "{mode:?}");
+            if mode == EnvelopeMode::Structured {
+                let body: serde_json::Value = serde_json::from_slice(&m.body).unwrap();
+                assert_eq!(body["traceparent"], relay);
+                assert_eq!(body["tracestate"], "shop=1");
+            }
+            // Without a row traceparent the relay's is added.
+            row.headers.retain(|(k, _)| k != "traceparent");
+            let m = env.build_traced(&row, Some(relay));
+            assert_eq!(values(&m, "traceparent"), vec![relay], "{mode:?}");
         }
     }
 

@@ -68,7 +68,11 @@ impl RelayError {
 /// (at error level with what to fix when it will not pass by itself) and
 /// retried after a jittered, growing delay.
 pub async fn run(config: &Config, shutdown: CancellationToken) {
-    run_observed(config, PipelineTelemetry::new(config), shutdown).await;
+    let tracer = crate::telemetry::trace::EventTracer::start(&config.telemetry.otlp);
+    let telemetry = PipelineTelemetry::traced(config, &tracer);
+    let timeout = config.relay.shutdown_timeout;
+    let drained = run_observed(config, telemetry, shutdown.clone());
+    tracer.run_until_stopped(&shutdown, timeout, drained).await;
 }
 
 /// As [`run`], reporting health and metrics through `telemetry`.

@@ -82,6 +82,12 @@ pub trait Sink: Send {
     /// then an aggregate has one message in flight at a time.
     fn lane(&self, event: &OutboxEvent) -> Option<String>;
 
+    /// Where `event` goes (topic, exchange), for its span; `None` when it
+    /// cannot be named (its send is refused then).
+    fn destination(&self, _event: &OutboxEvent) -> Option<String> {
+        None
+    }
+
     /// Checks that the broker is reachable and the sink can publish; for `check` and readiness.
     fn probe(&mut self) -> impl Future<Output = Result<(), SinkError>> + Send;
 
@@ -151,6 +157,13 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.lane(event),
             AnySink::RabbitMq(s) => s.lane(event),
+        }
+    }
+
+    fn destination(&self, event: &OutboxEvent) -> Option<String> {
+        match self {
+            AnySink::Kafka(s) => s.destination(event),
+            AnySink::RabbitMq(s) => s.destination(event),
         }
     }
 

@@ -1,4 +1,6 @@
-//! Logging: text or JSON lines on stderr, filtered by `log.level` (or `RUST_LOG`).
+//! Logging: text or JSON lines on stderr, filtered by `log.level` (or `RUST_LOG`);
+//! metrics, health, and a span per event when `telemetry.otlp.endpoint` is set
+//! ([`trace`]).
 
 use crate::config::{LogConfig, LogFormat};
 use std::io::IsTerminal;
@@ -36,15 +38,18 @@ pub fn init(config: &LogConfig) {
 pub mod health;
 pub mod http;
 pub mod metrics;
+pub mod trace;
 
 use crate::config::Config;
 use std::sync::Arc;
 
-/// A pipeline's health and metric handles, shared by its tasks.
+/// A pipeline's health and metric handles, and its event tracer, shared by its tasks.
 #[derive(Clone)]
 pub struct PipelineTelemetry {
     pub health: Arc<health::PipelineHealth>,
     pub metrics: metrics::PipelineMetrics,
+    /// Off unless made with [`Self::traced`].
+    pub tracer: trace::EventTracer,
 }
 
 impl PipelineTelemetry {
@@ -52,6 +57,15 @@ impl PipelineTelemetry {
         PipelineTelemetry {
             health: health::PipelineHealth::new(&config.name, config.relay.confirm_timeout),
             metrics: metrics::PipelineMetrics::new(&config.name, config.sink.kind()),
+            tracer: trace::EventTracer::default(),
+        }
+    }
+
+    /// As [`Self::new`], with event spans from `tracer` (when it exports).
+    pub fn traced(config: &Config, tracer: &trace::EventTracer) -> Self {
+        PipelineTelemetry {
+            tracer: tracer.for_pipeline(&config.name, config.sink.kind()),
+            ..Self::new(config)
         }
     }
 }

@@ -28,4 +28,5 @@ mod retention;
 mod routing;
 mod schema;
 mod tls;
+mod tracing;
 mod versions;

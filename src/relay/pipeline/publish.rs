@@ -11,6 +11,7 @@ use crate::relay::scheduler::Admission;
 use crate::sink::{Confirmation, Sink, SinkError};
 use crate::source::budget::Charge;
 use crate::source::{RowPosition, SourcedEvent};
+use crate::telemetry::trace::{EventSpan, Outcome as SpanOutcome};
 use chrono::Utc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -23,6 +24,8 @@ pub(super) struct Answer<P> {
     /// The event's memory (and its message's, while the broker client held
     /// it), given back once the answer is handled.
     pub charge: Charge,
+    /// Its span, when spans are exported.
+    pub span: EventSpan,
 }
 
 /// An answer on its way back: the aggregate, the scheduler's ticket, the answer.
@@ -164,12 +167,19 @@ where
                     event: Err(bad),
                     result: Err(SinkError::Rejected(reason.into())),
                     charge,
+                    span: EventSpan::default(),
                 };
                 self.scheduler.answered(&aggregate, ticket, answer, true);
                 return Ok(());
             }
         };
-        let message = self.envelope.build(&event);
+        let tracer = &self.telemetry.tracer;
+        let mut span = if tracer.is_on() {
+            tracer.span(&event, self.sink.destination(&event), self.read_at)
+        } else {
+            EventSpan::default()
+        };
+        let message = self.envelope.build_traced(&event, span.traceparent());
         // The broker client keeps a copy until the broker answers.
         charge.grow(message.size());
         // Handing a message over is quick unless the broker stopped reading.
@@ -189,14 +199,19 @@ where
         });
         match sent {
             Ok(confirmation) => {
+                span.step("published");
                 let timeout = self.settings.confirm_timeout;
                 self.in_flight.push(Box::pin(async move {
                     let result = confirm_within(confirmation, timeout).await;
+                    if result.is_ok() {
+                        span.step("confirmed");
+                    }
                     let answer = Answer {
                         position,
                         event: Ok(event),
                         result,
                         charge,
+                        span,
                     };
                     (aggregate, ticket, answer)
                 }));
@@ -207,6 +222,7 @@ where
                     event: Ok(event),
                     result: Err(e),
                     charge,
+                    span,
                 };
                 self.scheduler.answered(&aggregate, ticket, answer, true);
             }
@@ -221,12 +237,17 @@ where
             event,
             result,
             charge: _charge,
+            mut span,
         } = answer;
         match result {
             Ok(()) => {
                 let Ok(event) = event else {
                     return Ok(());
                 };
+                span.outcome(SpanOutcome::Published, None);
+                if span.is_on() {
+                    self.pending_spans.push(span);
+                }
                 if let Origin::Letter(_) = position {
                     self.pending_acks.push(position);
                     return Ok(());
@@ -252,11 +273,39 @@ where
             Err(e) if errors::policy(e.kind()).outcome == Some(Outcome::Refused) => {
                 let (raw, _) = raw_of(&event);
                 let counts = errors::policy(e.kind()).dead_letter;
-                self.reject(position, aggregate, raw, e.to_string(), counts);
+                self.reject_traced(position, aggregate, raw, e.to_string(), counts, span);
                 Ok(())
             }
-            Err(e) => Err(e.into()),
+            Err(e) => {
+                span.outcome(SpanOutcome::Failed, Some(&e.to_string()));
+                Err(e.into())
+            }
         }
+    }
+
+    /// [`Self::reject`], and the span's outcome: dead-lettered when a dead
+    /// letter was written for it, else failed (it is retried).
+    fn reject_traced(
+        &mut self,
+        position: Origin<P>,
+        aggregate: &str,
+        raw: RawRow,
+        reason: String,
+        count: bool,
+        mut span: EventSpan,
+    ) {
+        if !span.is_on() {
+            return self.reject(position, aggregate, raw, reason, count);
+        }
+        let letters = self.pending_letters.len();
+        let why = reason.clone();
+        self.reject(position, aggregate, raw, reason, count);
+        let outcome = if self.pending_letters.len() > letters {
+            SpanOutcome::DeadLettered
+        } else {
+            SpanOutcome::Failed
+        };
+        span.outcome(outcome, Some(&why));
     }
 
     /// The event cannot be published now: hold its aggregate back and retry

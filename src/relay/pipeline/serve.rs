@@ -17,6 +17,7 @@ use crate::source::SourcedEvent;
 use crate::source::budget::Budget;
 use crate::source::{Acker, Reader, RowPosition, SourceError};
 use crate::telemetry::PipelineTelemetry;
+use crate::telemetry::trace::EventSpan;
 use chrono::Utc;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -69,6 +70,10 @@ pub(super) struct Pipeline<'a, P, K> {
     pub(super) in_flight: FuturesUnordered<InFlight<P>>,
     /// Confirmed positions not yet handed to the acker.
     pub(super) pending_acks: Vec<Origin<P>>,
+    /// The spans of those of them that have one (export on), ended once recorded.
+    pub(super) pending_spans: Vec<EventSpan>,
+    /// When the current batch reached the pipeline: where event spans start.
+    pub(super) read_at: std::time::SystemTime,
     /// Dead letters to hand to the acker, in order.
     pub(super) pending_letters: Vec<DeadLetter<P>>,
     pub(super) intake: Intake,
@@ -156,6 +161,8 @@ where
             scheduler: Scheduler::new(settings.per_aggregate),
             in_flight: FuturesUnordered::new(),
             pending_acks: Vec::new(),
+            pending_spans: Vec::new(),
+            read_at: std::time::SystemTime::now(),
             pending_letters: Vec::new(),
             intake: Intake::Open,
             waiting: VecDeque::new(),
@@ -433,7 +440,7 @@ where
                     }
                 }
             }
-            AckCommand::Ack(sources, letters)
+            AckCommand::Ack(sources, letters, std::mem::take(&mut self.pending_spans))
         }
     }
 
@@ -506,6 +513,9 @@ where
             "publishing redriven dead letters"
         );
         self.redriving.extend(started);
+        if self.telemetry.tracer.is_on() {
+            self.read_at = std::time::SystemTime::now();
+        }
         for e in queued.into_iter().rev() {
             self.waiting.push_front(e);
         }
@@ -535,6 +545,9 @@ where
     async fn take(&mut self, batch: Option<Batch<P>>) -> Result<(), PipelineError> {
         match batch {
             Some(b) if b.epoch == self.epoch => {
+                if self.telemetry.tracer.is_on() {
+                    self.read_at = std::time::SystemTime::now();
+                }
                 self.telemetry
                     .metrics
                     .batch_size

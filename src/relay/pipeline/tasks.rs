@@ -6,6 +6,7 @@ use crate::dead_letter::{DeadLetter, Requested};
 use crate::relay::lease::Lease;
 use crate::source::budget::Budget;
 use crate::source::{Acker, Reader, SourceError, SourcedEvent};
+use crate::telemetry::trace::EventSpan;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -87,8 +88,9 @@ pub type Refreshed = (HashSet<String>, Vec<Requested>);
 
 /// Work for the acker, carried out in the order sent.
 pub enum AckCommand<P> {
-    /// Confirmed: source positions to record, and redriven letters.
-    Ack(Vec<P>, Vec<i64>),
+    /// Confirmed: source positions to record, and redriven letters; the
+    /// spans of those that have one end once they are recorded.
+    Ack(Vec<P>, Vec<i64>, Vec<EventSpan>),
     /// Events left unsent in the source (their aggregate is held back).
     Release(Vec<P>),
     DeadLetter(Vec<DeadLetter<P>>),
@@ -254,9 +256,10 @@ pub async fn drive_acker<A: Acker>(
         let mut next = Some(first);
         while let Some(cmd) = next {
             match cmd {
-                AckCommand::Ack(p, l) => {
+                AckCommand::Ack(p, l, s) => {
                     done.positions.extend(p);
                     done.letters.extend(l);
+                    done.spans.extend(s);
                 }
                 AckCommand::Release(p) => acker.release(p),
                 AckCommand::Flush(tx) => flushes.push(tx),
@@ -297,6 +300,7 @@ pub async fn drive_acker<A: Acker>(
 struct Recorded<P> {
     positions: Vec<P>,
     letters: Vec<i64>,
+    spans: Vec<EventSpan>,
 }
 
 impl<P> Default for Recorded<P> {
@@ -304,6 +308,7 @@ impl<P> Default for Recorded<P> {
         Recorded {
             positions: Vec::new(),
             letters: Vec::new(),
+            spans: Vec::new(),
         }
     }
 }
@@ -322,6 +327,9 @@ impl<P: Send + Sync + 'static> Recorded<P> {
                 .letters_sent(std::mem::take(&mut self.letters))
                 .await?;
             unrecorded.recorded(n);
+        }
+        for mut span in self.spans.drain(..) {
+            span.step("marked");
         }
         Ok(())
     }

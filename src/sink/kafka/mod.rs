@@ -186,6 +186,10 @@ impl Sink for KafkaSink {
         lane_of(&self.topic, &self.routing, event)
     }
 
+    fn destination(&self, event: &OutboxEvent) -> Option<String> {
+        topic_of(&self.topic, &self.routing, event).ok()
+    }
+
     async fn probe(&mut self) -> Result<(), SinkError> {
         if let Some((code, reason)) = self.producer.client().fatal_error() {
             return Err(SinkError::Unavailable(

@@ -325,6 +325,16 @@ impl Sink for RabbitMqSink {
         None
     }
 
+    /// The exchange (`amq.default`, as RabbitMQ names it, for the default one).
+    fn destination(&self, event: &OutboxEvent) -> Option<String> {
+        let (exchange, _, _) = self.route(event).ok()?;
+        Some(if exchange.is_empty() {
+            "amq.default".to_owned()
+        } else {
+            exchange
+        })
+    }
+
     async fn probe(&mut self) -> Result<(), SinkError> {
         if self.connection.status().blocked() {
             Err(SinkError::Unavailable(

@@ -10,6 +10,7 @@
 //! binary to run instead of the one cargo built.
 
 pub mod brokers;
+pub mod otlp;
 pub mod proxy;
 pub mod rabbit_node;
 
