@@ -5,7 +5,6 @@
 
 use crate::support::*;
 use serde_json::json;
-use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -41,16 +40,8 @@ async fn sigkills_repeat_at_most_the_window(mark: &str, bound_per_kill: usize) {
     let toml = set(&toml, "relay.max_in_flight", &WINDOW.to_string());
     let toml = set(&toml, "relay.ownership_lease", "\"1s\"");
     let writer = start_writer(db.url.clone(), 2100);
-    for _ in 0..KILLS {
-        let mut child = ChildRelay::start(&toml);
-        let before = broker.inbox().len();
-        // Killed while busy: after it has published a good deal.
-        wait_for(WAIT, "the relay to publish", || async {
-            (broker.inbox().len() >= before + 300).then_some(())
-        })
-        .await;
-        child.kill();
-    }
+    // Killed while busy: after it has published a good deal.
+    kill_while_busy(&toml, broker.inbox(), KILLS, 300).await;
     let ids = writer.await.unwrap();
     let mut child = ChildRelay::start(&toml);
     let got = broker.inbox().wait_ids(&ids, Duration::from_secs(60)).await;
@@ -64,20 +55,7 @@ async fn sigkills_repeat_at_most_the_window(mark: &str, bound_per_kill: usize) {
         "{duplicates} duplicates exceed {KILLS} kills x {bound_per_kill}"
     );
     // Per aggregate, first deliveries follow the insert order.
-    let mut per_agg: HashMap<String, Vec<i64>> = HashMap::new();
-    let mut seen = HashSet::new();
-    for m in &got {
-        if seen.insert(m.event_id()) {
-            let body = m.json();
-            per_agg
-                .entry(body["subject"].as_str().unwrap().to_owned())
-                .or_default()
-                .push(body["data"]["i"].as_i64().unwrap());
-        }
-    }
-    for (agg, order) in per_agg {
-        assert!(order.windows(2).all(|w| w[0] < w[1]), "{agg}: {order:?}");
-    }
+    assert_each_aggregate_in_order(&got);
     assert_eq!(child.terminate().code(), Some(0));
 }
 

@@ -7,7 +7,7 @@
 use crate::dead_letters::dlq_list;
 use crate::support::*;
 use serde_json::{Value, json};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Duration;
 use tokio_postgres::Client;
 use uuid::Uuid;
@@ -36,13 +36,7 @@ async fn emit(c: &Client, aggregate: &str, payload: Value) -> String {
 
 /// `data.i` of each message of `aggregate`, in arrival order, first deliveries only.
 fn sequence(got: &[crate::support::brokers::Received], aggregate: &str) -> Vec<i64> {
-    let mut seen = HashSet::new();
-    got.iter()
-        .filter(|m| seen.insert(m.event_id()))
-        .map(|m| m.json())
-        .filter(|j| j["subject"] == aggregate)
-        .map(|j| j["data"]["i"].as_i64().unwrap())
-        .collect()
+    first_deliveries(got).remove(aggregate).unwrap_or_default()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -159,15 +153,7 @@ async fn sigkills_lose_no_message_and_repeat_at_most_the_window() {
     )
     .await;
     let emitter = start_emitter(db.url.clone(), 1500);
-    for _ in 0..KILLS {
-        let mut child = ChildRelay::start(&toml);
-        let before = broker.inbox().len();
-        wait_for(WAIT, "the relay to publish", || async {
-            (broker.inbox().len() >= before + 300).then_some(())
-        })
-        .await;
-        child.kill();
-    }
+    kill_while_busy(&toml, broker.inbox(), KILLS, 300).await;
     let ids = emitter.await.unwrap();
     let mut child = ChildRelay::start(&toml);
     let got = broker.inbox().wait_ids(&ids, Duration::from_secs(60)).await;
@@ -182,20 +168,7 @@ async fn sigkills_lose_no_message_and_repeat_at_most_the_window() {
         "{duplicates} duplicates exceed {KILLS} kills x {}",
         2 * WINDOW
     );
-    let mut per_agg: HashMap<String, Vec<i64>> = HashMap::new();
-    let mut seen = HashSet::new();
-    for m in &got {
-        if seen.insert(m.event_id()) {
-            let body = m.json();
-            per_agg
-                .entry(body["subject"].as_str().unwrap().to_owned())
-                .or_default()
-                .push(body["data"]["i"].as_i64().unwrap());
-        }
-    }
-    for (agg, order) in per_agg {
-        assert!(order.windows(2).all(|w| w[0] < w[1]), "{agg}: {order:?}");
-    }
+    assert_each_aggregate_in_order(&got);
     assert_eq!(child.terminate().code(), Some(0));
 }
 

@@ -641,3 +641,44 @@ pub fn rabbit_sink() -> String {
         amqp_url()
     )
 }
+
+/// Starts the relay `kills` times, each time killing it (SIGKILL) once it
+/// published `per_run` more messages: crashes while busy.
+pub async fn kill_while_busy(toml: &str, inbox: &Inbox, kills: usize, per_run: usize) {
+    for _ in 0..kills {
+        let mut child = ChildRelay::start(toml);
+        let before = inbox.len();
+        wait_for(WAIT, "the relay to publish", || async {
+            (inbox.len() >= before + per_run).then_some(())
+        })
+        .await;
+        child.kill();
+    }
+}
+
+/// Each aggregate's first deliveries (by the CloudEvents `subject`), as the
+/// payload's `i`, in arrival order: repeats after a crash are left out.
+pub fn first_deliveries(got: &[brokers::Received]) -> std::collections::HashMap<String, Vec<i64>> {
+    let mut per_aggregate: std::collections::HashMap<String, Vec<i64>> = Default::default();
+    let mut seen = std::collections::HashSet::new();
+    for m in got {
+        if seen.insert(m.event_id()) {
+            let body = m.json();
+            per_aggregate
+                .entry(body["subject"].as_str().unwrap_or_default().to_owned())
+                .or_default()
+                .push(body["data"]["i"].as_i64().unwrap_or(-1));
+        }
+    }
+    per_aggregate
+}
+
+/// Asserts every aggregate's first deliveries follow the order they were written in.
+pub fn assert_each_aggregate_in_order(got: &[brokers::Received]) {
+    for (aggregate, order) in first_deliveries(got) {
+        assert!(
+            order.windows(2).all(|w| w[0] < w[1]),
+            "{aggregate}: {order:?}"
+        );
+    }
+}
