@@ -200,6 +200,16 @@ impl Config {
     }
 
     fn check_source_and_relay(&self, c: &mut Checker) {
+        self.check_source(c);
+        self.check_cdc(c);
+        self.check_retention(c);
+        self.check_http(c);
+        self.check_dead_letter(c);
+        self.check_relay(c);
+    }
+
+    /// `[source]`, `[source.polling]`, `[source.auto]`.
+    fn check_source(&self, c: &mut Checker) {
         let s = &self.source;
         let sink = self.sink.kind();
         c.count("source.batch_size", s.batch_size as u64, sink);
@@ -229,6 +239,17 @@ impl Config {
                 "\"auto\" needs relay.mark = \"update\" or \"delete\": switching between CDC and polling relies on the table to say what is unsent; use source.mode = \"cdc\" with mark = \"none\"",
             );
         }
+        if self.relay.mark == super::MarkMode::None && s.mode == super::SourceMode::Polling {
+            c.problem(
+                "relay.mark",
+                "\"none\" needs source.mode = \"cdc\": the polling source relies on marking to know what was sent",
+            );
+        }
+    }
+
+    /// `[source.cdc]`.
+    fn check_cdc(&self, c: &mut Checker) {
+        let s = &self.source;
         let cdc = &s.cdc;
         c.duration(
             "source.cdc.status_interval",
@@ -288,12 +309,11 @@ impl Config {
                 );
             }
         }
-        if self.relay.mark == super::MarkMode::None && s.mode == super::SourceMode::Polling {
-            c.problem(
-                "relay.mark",
-                "\"none\" needs source.mode = \"cdc\": the polling source relies on marking to know what was sent",
-            );
-        }
+    }
+
+    /// `[retention]`.
+    fn check_retention(&self, c: &mut Checker) {
+        let sink = self.sink.kind();
         let t = &self.retention;
         c.duration("retention.interval", t.interval, SEC, 24 * HOUR);
         c.duration(
@@ -337,6 +357,10 @@ impl Config {
                 );
             }
         }
+    }
+
+    /// `[http]`.
+    fn check_http(&self, c: &mut Checker) {
         c.duration(
             "http.sample_interval",
             self.http.sample_interval,
@@ -349,6 +373,12 @@ impl Config {
                 "must be an IP address and port, like 127.0.0.1:9187",
             );
         }
+    }
+
+    /// `[dead_letter]`.
+    fn check_dead_letter(&self, c: &mut Checker) {
+        let s = &self.source;
+        let sink = self.sink.kind();
         let d = &self.dead_letter;
         c.count("dead_letter.max_attempts", d.max_attempts.into(), sink);
         c.duration(
@@ -366,6 +396,12 @@ impl Config {
         if d.table.as_ref() == Some(&self.outbox.table) {
             c.problem("dead_letter.table", "must not be the outbox table itself");
         }
+    }
+
+    /// `[relay]`.
+    fn check_relay(&self, c: &mut Checker) {
+        let s = &self.source;
+        let sink = self.sink.kind();
         let r = &self.relay;
         c.count("relay.max_in_flight", r.max_in_flight as u64, sink);
         c.count(
