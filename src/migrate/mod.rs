@@ -282,51 +282,8 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     // Marking, redrives and the start-up reads name rows by relay_seq: it
     // must name one row (explicit values, copied rows or a reset sequence
     // would make twins).
-    let seq_unique = info.as_ref().is_some_and(|i| i.seq_unique());
-    if !seq_unique {
-        let index = seq_index(&opts.table);
-        if info
-            .as_ref()
-            .is_some_and(|i| i.column(SEQ_COLUMN).is_some())
-        {
-            refuse_seq_twins(client, &opts.table).await?;
-            // A concurrent build that failed leaves an invalid index behind.
-            if let Some(drop) = drop_invalid_index(client, &opts.table, &index, existing).await? {
-                steps.push(drop);
-            }
-        }
-        // A partitioned table's unique index must hold its partition key.
-        let key: Vec<String> = crate::outbox::inspect::seq_key(partitioning)
-            .iter()
-            .map(|c| quote_ident(c))
-            .collect();
-        let (definition, purpose) = (format!("({})", key.join(", ")), "one row per relay_seq");
-        if steps
-            .last()
-            .is_some_and(|s| s.sql.starts_with("DROP INDEX"))
-        {
-            steps.push(create_index(
-                &opts.table,
-                existing,
-                &index,
-                &definition,
-                purpose,
-                "UNIQUE ",
-            ));
-        } else {
-            steps.extend(
-                index_step_kind(
-                    client,
-                    &opts.table,
-                    existing,
-                    &index,
-                    &definition,
-                    purpose,
-                    "UNIQUE ",
-                )
-                .await?,
-            );
-        }
+    if !info.as_ref().is_some_and(|i| i.seq_unique()) {
+        seq_unique_steps(client, opts, info.as_ref(), existing, &mut steps).await?;
     }
     // Retention finds the oldest sent rows through it, a batch at a time,
     // instead of scanning the whole table for every batch.
@@ -355,29 +312,89 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         steps.push(step);
     }
     if let Some(dlq) = &opts.dead_letters {
-        match table_info(client, dlq).await? {
-            None => {
-                for (i, sql) in crate::dead_letter::create_sql(dlq).into_iter().enumerate() {
-                    let what = if i == 0 {
-                        "create the dead-letter table"
-                    } else {
-                        "index its open dead letters"
-                    };
-                    steps.push(Step::new(format!("{what} {dlq}"), sql));
-                }
-            }
-            Some(info) => {
-                if let Some(sql) = crate::dead_letter::upgrade_sql(dlq, &info.names()) {
-                    steps.push(Step::new(
-                        format!("add the columns redrives and CDC replays need to {dlq}"),
-                        sql,
-                    ));
-                }
-            }
-        }
+        steps.extend(dead_letter_steps(client, dlq).await?);
     }
     if let Some(cdc) = &opts.cdc {
         steps.extend(cdc_steps(client, &opts.table, cdc, partitioning.is_some()).await?);
+    }
+    Ok(steps)
+}
+
+/// The unique index that makes relay_seq name one row (with the partition
+/// key on a partitioned table), after checking no twins exist.
+async fn seq_unique_steps(
+    client: &Client,
+    opts: &MigrateOptions,
+    info: Option<&TableInfo>,
+    existing: bool,
+    steps: &mut Vec<Step>,
+) -> Result<(), MigrateError> {
+    let index = seq_index(&opts.table);
+    if info.is_some_and(|i| i.column(SEQ_COLUMN).is_some()) {
+        refuse_seq_twins(client, &opts.table).await?;
+        // A concurrent build that failed leaves an invalid index behind.
+        if let Some(drop) = drop_invalid_index(client, &opts.table, &index, existing).await? {
+            steps.push(drop);
+        }
+    }
+    // A partitioned table's unique index must hold its partition key.
+    let key: Vec<String> =
+        crate::outbox::inspect::seq_key(info.and_then(|i| i.partitioning.as_ref()))
+            .iter()
+            .map(|c| quote_ident(c))
+            .collect();
+    let (definition, purpose) = (format!("({})", key.join(", ")), "one row per relay_seq");
+    if steps
+        .last()
+        .is_some_and(|s| s.sql.starts_with("DROP INDEX"))
+    {
+        steps.push(create_index(
+            &opts.table,
+            existing,
+            &index,
+            &definition,
+            purpose,
+            "UNIQUE ",
+        ));
+    } else {
+        steps.extend(
+            index_step_kind(
+                client,
+                &opts.table,
+                existing,
+                &index,
+                &definition,
+                purpose,
+                "UNIQUE ",
+            )
+            .await?,
+        );
+    }
+    Ok(())
+}
+
+/// The dead-letter table, or the columns an older one lacks.
+async fn dead_letter_steps(client: &Client, dlq: &TableName) -> Result<Vec<Step>, MigrateError> {
+    let mut steps = Vec::new();
+    match table_info(client, dlq).await? {
+        None => {
+            for (i, sql) in crate::dead_letter::create_sql(dlq).into_iter().enumerate() {
+                let what = if i == 0 {
+                    "create the dead-letter table"
+                } else {
+                    "index its open dead letters"
+                };
+                steps.push(Step::new(format!("{what} {dlq}"), sql));
+            }
+        }
+        Some(info) => {
+            if let Some(sql) = crate::dead_letter::upgrade_sql(dlq, &info.names()) {
+                steps.push(Step::new(
+                    format!("add the columns redrives and CDC replays need to {dlq}"),
+                    sql,
+                ));
+            }
+        }
     }
     Ok(steps)
 }
