@@ -88,12 +88,52 @@ pub async fn snapshot(
         .await
         .map_err(q("reading the outbox table"))?
         .map(|info| config.outbox.columns.resolve(&info.names()));
-    let oldest_unsent_age_seconds = match columns.as_ref().and_then(|c| c.created_at.clone()) {
+    let oldest_unsent_age_seconds = oldest_unsent_age(client, config, columns.as_ref()).await?;
+    let dead_letters = open_dead_letters(client, config).await;
+    let last_publish = if with_last_publish && config.relay.mark == MarkMode::Update {
+        client
+            .query_one(&format!("SELECT max({SENT_AT_COLUMN}) FROM {t}"), &[])
+            .await
+            .map_err(q("reading the last publish time"))?
+            .get(0)
+    } else {
+        None
+    };
+    let key = ownership_key(table);
+    let active = active_instance(client, &key).await?;
+    let shards_owned = shards_owned(client, config, &key).await?;
+    let slot = slot_status(client, config).await?;
+    let auto = auto_status(client, config, slot.as_ref(), active.is_some()).await?;
+    Ok(Snapshot {
+        pipeline: config.name.clone(),
+        mode: config.source.mode.name(),
+        table: table.to_string(),
+        sink: config.sink.kind(),
+        active,
+        shards_owned,
+        backlog,
+        oldest_unsent_age_seconds,
+        dead_letters,
+        last_publish,
+        slot,
+        auto,
+    })
+}
+
+/// Seconds since the oldest unsent row was written, when the table has a
+/// `created_at` column.
+async fn oldest_unsent_age(
+    client: &Client,
+    config: &Config,
+    columns: Option<&crate::outbox::ResolvedColumns>,
+) -> Result<Option<f64>, DbError> {
+    let t = config.outbox.table.quoted();
+    Ok(match columns.and_then(|c| c.created_at.clone()) {
         Some(created_at) => client
             .query_opt(
                 &format!(
                     "SELECT EXTRACT(EPOCH FROM now() - {}::timestamptz)::float8 FROM {t}
-                     WHERE {SENT_AT_COLUMN} IS NULL ORDER BY {SEQ_COLUMN} LIMIT 1",
+                 WHERE {SENT_AT_COLUMN} IS NULL ORDER BY {SEQ_COLUMN} LIMIT 1",
                     quote_ident(&created_at)
                 ),
                 &[],
@@ -102,8 +142,13 @@ pub async fn snapshot(
             .map_err(q("reading the oldest unsent row"))?
             .map(|r| r.get::<_, f64>(0).max(0.0)),
         None => None,
-    };
-    let dead_letters = if config.dead_letter.enabled {
+    })
+}
+
+/// Open dead letters, when dead-lettering is on and the table can be read.
+async fn open_dead_letters(client: &Client, config: &Config) -> Option<i64> {
+    let table = &config.outbox.table;
+    if config.dead_letter.enabled {
         let dlq = config.dead_letter.table_name(table);
         client
             .query_one(
@@ -118,27 +163,21 @@ pub async fn snapshot(
             .map(|r| r.get(0))
     } else {
         None
-    };
-    let last_publish = if with_last_publish && config.relay.mark == MarkMode::Update {
-        client
-            .query_one(&format!("SELECT max({SENT_AT_COLUMN}) FROM {t}"), &[])
-            .await
-            .map_err(q("reading the last publish time"))?
-            .get(0)
-    } else {
-        None
-    };
-    let key = ownership_key(table);
-    let active = client
+    }
+}
+
+/// The session holding the ownership lock, if any.
+async fn active_instance(client: &Client, key: &str) -> Result<Option<Holder>, DbError> {
+    Ok(client
         .query_opt(
             "WITH k AS (SELECT hashtextextended($1, 0) AS key)
-             SELECT a.pid, coalesce(a.application_name, ''), a.client_addr::text, a.backend_start
-             FROM pg_locks l JOIN pg_stat_activity a USING (pid), k
-             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
-               AND l.mode = 'ExclusiveLock'
-               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-               AND l.classid = ((k.key >> 32) & 4294967295)::oid AND l.objid = (k.key & 4294967295)::oid
-             LIMIT 1",
+         SELECT a.pid, coalesce(a.application_name, ''), a.client_addr::text, a.backend_start
+         FROM pg_locks l JOIN pg_stat_activity a USING (pid), k
+         WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+           AND l.mode = 'ExclusiveLock'
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND l.classid = ((k.key >> 32) & 4294967295)::oid AND l.objid = (k.key & 4294967295)::oid
+         LIMIT 1",
             &[&key],
         )
         .await
@@ -148,18 +187,26 @@ pub async fn snapshot(
             application_name: r.get(1),
             client_addr: r.get(2),
             since: r.get(3),
-        });
-    let shards_owned = if config.relay.shards > 1 {
+        }))
+}
+
+/// Shards owned (by any instance) out of how many, when sharded.
+async fn shards_owned(
+    client: &Client,
+    config: &Config,
+    key: &str,
+) -> Result<Option<(i64, u32)>, DbError> {
+    Ok(if config.relay.shards > 1 {
         let keys: Vec<String> = (0..config.relay.shards)
             .map(|i| format!("{key}:shard:{i}/{}", config.relay.shards))
             .collect();
         let held: i64 = client
             .query_one(
                 "SELECT count(*) FROM pg_locks l, unnest($1::text[]) AS k(name)
-                 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
-                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                   AND l.classid = ((hashtextextended(k.name, 0) >> 32) & 4294967295)::oid
-                   AND l.objid = (hashtextextended(k.name, 0) & 4294967295)::oid",
+             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND l.classid = ((hashtextextended(k.name, 0) >> 32) & 4294967295)::oid
+               AND l.objid = (hashtextextended(k.name, 0) & 4294967295)::oid",
                 &[&keys],
             )
             .await
@@ -168,8 +215,13 @@ pub async fn snapshot(
         Some((held, config.relay.shards))
     } else {
         None
-    };
-    let slot = if config.source.mode.may_use_cdc() {
+    })
+}
+
+/// The replication slot, in CDC and auto mode.
+async fn slot_status(client: &Client, config: &Config) -> Result<Option<SlotStatus>, DbError> {
+    let table = &config.outbox.table;
+    Ok(if config.source.mode.may_use_cdc() {
         let name = config.source.cdc.slot_name(table);
         let info = setup::slot_info(client, &name).await?;
         Some(SlotStatus {
@@ -182,16 +234,25 @@ pub async fn snapshot(
         })
     } else {
         None
-    };
-    let auto = if config.source.mode == SourceMode::Auto {
+    })
+}
+
+/// Which way auto mode reads now, and why not CDC if it cannot.
+async fn auto_status(
+    client: &Client,
+    config: &Config,
+    slot: Option<&SlotStatus>,
+    active: bool,
+) -> Result<Option<AutoStatus>, DbError> {
+    Ok(if config.source.mode == SourceMode::Auto {
         let blocked = match crate::source::auto::probe(client, config).await? {
             Reading::Cdc => None,
             Reading::Polling(b) => Some(b),
         };
         Some(AutoStatus {
-            reading: if slot.as_ref().is_some_and(|s| s.streaming) {
+            reading: if slot.is_some_and(|s| s.streaming) {
                 "cdc"
-            } else if active.is_some() {
+            } else if active {
                 "polling"
             } else {
                 "none"
@@ -202,20 +263,6 @@ pub async fn snapshot(
         })
     } else {
         None
-    };
-    Ok(Snapshot {
-        pipeline: config.name.clone(),
-        mode: config.source.mode.name(),
-        table: table.to_string(),
-        sink: config.sink.kind(),
-        active,
-        shards_owned,
-        backlog,
-        oldest_unsent_age_seconds,
-        dead_letters,
-        last_publish,
-        slot,
-        auto,
     })
 }
 
