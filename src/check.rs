@@ -93,8 +93,23 @@ async fn check_database(config: &Config, r: &mut Report) {
         format!("connected to {target} (PostgreSQL {version})"),
     );
 
+    check_table(config, &client, r).await;
+    check_wakeups(config, &client, r).await;
+    if config.retention.mode == crate::config::RetentionMode::Partitions {
+        check_partitions(config, &client, r).await;
+    }
+    match config.source.mode {
+        SourceMode::Cdc => check_cdc(config, &client, r).await,
+        SourceMode::Auto => check_auto(config, &client, r).await,
+        SourceMode::Polling => {}
+    }
+    check_ownership(config, &client, r).await;
+}
+
+/// The outbox table: columns, types, privileges, then its backlog.
+async fn check_table(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
     let table = &config.outbox.table;
-    match inspect::table_info(&client, table).await {
+    match inspect::table_info(client, table).await {
         Err(e) => r.add(Mark::Fail, "outbox table", db::error_text(&e)),
         Ok(None) => r.add(
             Mark::Fail,
@@ -145,9 +160,14 @@ async fn check_database(config: &Config, r: &mut Report) {
             for p in problems {
                 r.add(Mark::Fail, "outbox table", p);
             }
-            check_backlog(config, &client, r).await;
+            check_backlog(config, client, r).await;
         }
     }
+}
+
+/// The NOTIFY trigger that wakes a polling relay, when polling may be used.
+async fn check_wakeups(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
+    let table = &config.outbox.table;
     if let Some(channel) = notify_channel(&config.source.polling, table)
         && config.source.mode.may_poll()
     {
@@ -176,15 +196,11 @@ async fn check_database(config: &Config, r: &mut Report) {
             );
         }
     }
-    if config.retention.mode == crate::config::RetentionMode::Partitions {
-        check_partitions(config, &client, r).await;
-    }
-    match config.source.mode {
-        SourceMode::Cdc => check_cdc(config, &client, r).await,
-        SourceMode::Auto => check_auto(config, &client, r).await,
-        SourceMode::Polling => {}
-    }
-    let key = ownership_key(table);
+}
+
+/// Whether another instance holds the outbox now.
+async fn check_ownership(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
+    let key = ownership_key(&config.outbox.table);
     match client
         .query_one(
             "SELECT pg_try_advisory_lock(hashtextextended($1, 0)) AS free,
