@@ -240,6 +240,16 @@ fn type_is(type_name: &str, accepted: &[&str]) -> bool {
 /// each saying what to fix. Empty means the relay can use the table.
 /// `deletes`: the relay deletes rows (`relay.mark = "delete"`, or retention).
 pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode, deletes: bool) -> Vec<String> {
+    let mut problems = event_column_problems(info, map);
+    problems.extend(relay_column_problems(info));
+    problems.extend(privilege_problems(info, mark));
+    problems.extend(seq_key_problems(info));
+    problems.extend(replication_problems(info, mark, deletes));
+    problems
+}
+
+/// The event columns [outbox.columns] names: present, and of a usable type.
+fn event_column_problems(info: &TableInfo, map: &ColumnMap) -> Vec<String> {
     let mut problems = Vec::new();
     let mut expect = |key: &str, column: &str, accepted: &[&str], what: &str| {
         match info.column(column) {
@@ -317,6 +327,12 @@ pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode, deletes: bool) 
             ));
         }
     }
+    problems
+}
+
+/// The relay's own columns: present, typed and defaulted as `migrate` makes them.
+fn relay_column_problems(info: &TableInfo) -> Vec<String> {
+    let mut problems = Vec::new();
     for (column, accepted, what) in [
         (SEQ_COLUMN, &["bigint"][..], "bigint"),
         (XID_COLUMN, &["xid8"][..], "xid8"),
@@ -340,6 +356,12 @@ pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode, deletes: bool) 
             Some(_) => {}
         }
     }
+    problems
+}
+
+/// What the relay's database user may do with the table.
+fn privilege_problems(info: &TableInfo, mark: MarkMode) -> Vec<String> {
+    let mut problems = Vec::new();
     if !info.can_select {
         problems
             .push("the relay's database user cannot SELECT from the table; GRANT SELECT".into());
@@ -353,6 +375,12 @@ pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode, deletes: bool) 
         ),
         _ => {}
     }
+    problems
+}
+
+/// relay_seq must name one row (with the partition key, when partitioned).
+fn seq_key_problems(info: &TableInfo) -> Vec<String> {
+    let mut problems = Vec::new();
     if info.partitioning.as_ref().is_some_and(|p| p.expressions) {
         problems.push(EXPRESSION_KEY_PROBLEM.into());
     } else if info.column(SEQ_COLUMN).is_some() && !info.seq_unique() {
@@ -362,7 +390,6 @@ pub fn verify(info: &TableInfo, map: &ColumnMap, mark: MarkMode, deletes: bool) 
              marking mark an unsent twin; run `outbox-relay migrate` to build it"
         ));
     }
-    problems.extend(replication_problems(info, mark, deletes));
     problems
 }
 
