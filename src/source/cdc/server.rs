@@ -137,6 +137,100 @@ const SETTLE_WAIT: Duration = Duration::from_secs(2);
 const SETTLE_POLL: Duration = Duration::from_millis(10);
 
 impl PgServer {
+    /// wal_level, the server version messages need, and the publication.
+    async fn check_server(&self) -> Result<(), SourceError> {
+        let s = &self.settings;
+        if let Some(problem) = setup::wal_level_problem(&setup::wal_level(&self.client).await?) {
+            return Err(SourceError::Setup(problem));
+        }
+        if s.messages.is_some()
+            && let Some(problem) = setup::messages_problem(&self.client)
+                .await
+                .map_err(SourceError::Setup)?
+        {
+            return Err(SourceError::Setup(problem));
+        }
+        match setup::publication_covers(&self.client, &s.publication, &self.table).await? {
+            Some(true) => {}
+            Some(false) => {
+                return Err(SourceError::Setup(
+                    setup::not_published_problem(&self.client, &s.publication, &self.table).await?,
+                ));
+            }
+            None => {
+                return Err(SourceError::Setup(format!(
+                    "publication {:?} does not exist; run `outbox-relay migrate`",
+                    s.publication
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The slot's state, if it exists, once it is known to be usable here
+    /// and not streaming to another process.
+    async fn usable_slot(&self) -> Result<Option<setup::SlotInfo>, SourceError> {
+        let s = &self.settings;
+        let database: String = self
+            .client
+            .query_one("SELECT current_database()::text", &[])
+            .await
+            .map_err(|e| DbError::query("reading the database name", e))?
+            .get(0);
+        let info = setup::slot_info(&self.client, &s.slot).await?;
+        if let Some(info) = &info {
+            let problems = setup::slot_problems(info, &s.slot, &database);
+            if let Some(first) = problems.into_iter().next() {
+                return Err(SourceError::Setup(first));
+            }
+            if info.active {
+                // Checked before the start-up read, so nothing is published
+                // while another process owns the stream.
+                return Err(SourceError::SlotBusy(s.slot.clone()));
+            }
+        }
+        Ok(info)
+    }
+
+    /// The slot's confirmed position: a lost slot recreated (when allowed),
+    /// a missing one created (when allowed).
+    async fn open_slot(&mut self, info: Option<setup::SlotInfo>) -> Result<Lsn, SourceError> {
+        let s = &self.settings;
+        match info {
+            Some(info) if info.is_lost() => {
+                if !s.recreate_lost_slot {
+                    return Err(SourceError::Setup(setup::lost_slot_message(
+                        &s.slot,
+                        s.read_table && s.messages.is_none(),
+                    )));
+                }
+                // Every event the lost WAL held is an unsent row: the
+                // start-up read that follows a new slot publishes it.
+                setup::drop_slot(&self.client, &s.slot).await?;
+                let lsn = self.create_slot().await?;
+                metrics::counter!(crate::telemetry::metrics::SLOTS_RECREATED, "pipeline" => s.pipeline.clone())
+                    .increment(1);
+                tracing::error!(
+                    slot = %s.slot,
+                    consistent_point = %lsn,
+                    "the replication slot was lost (PostgreSQL removed WAL it still needed; raise max_slot_wal_keep_size \
+                     or keep the relay running): dropped it and created a new one; unsent rows are published from the table first"
+                );
+                Ok(lsn)
+            }
+            Some(info) => Ok(info.confirmed_flush.unwrap_or_default()),
+            None if s.create_slot => {
+                let lsn = self.create_slot().await?;
+                tracing::info!(slot = %s.slot, consistent_point = %lsn, "created the replication slot");
+                Ok(lsn)
+            }
+            None => Err(SourceError::Setup(format!(
+                "replication slot {:?} does not exist; run `outbox-relay migrate` or set source.cdc.create_slot = true",
+                s.slot
+            ))),
+        }
+    }
+
     pub async fn connect(
         db: &DatabaseConfig,
         table: &TableName,
@@ -254,82 +348,9 @@ impl CdcServer for PgServer {
                 .await
                 .map_err(|e| DbError::query("ending the start-up read", e))?;
         }
-        let s = &self.settings;
-        if let Some(problem) = setup::wal_level_problem(&setup::wal_level(&self.client).await?) {
-            return Err(SourceError::Setup(problem));
-        }
-        if s.messages.is_some()
-            && let Some(problem) = setup::messages_problem(&self.client)
-                .await
-                .map_err(SourceError::Setup)?
-        {
-            return Err(SourceError::Setup(problem));
-        }
-        match setup::publication_covers(&self.client, &s.publication, &self.table).await? {
-            Some(true) => {}
-            Some(false) => {
-                return Err(SourceError::Setup(
-                    setup::not_published_problem(&self.client, &s.publication, &self.table).await?,
-                ));
-            }
-            None => {
-                return Err(SourceError::Setup(format!(
-                    "publication {:?} does not exist; run `outbox-relay migrate`",
-                    s.publication
-                )));
-            }
-        }
-        let database: String = self
-            .client
-            .query_one("SELECT current_database()::text", &[])
-            .await
-            .map_err(|e| DbError::query("reading the database name", e))?
-            .get(0);
-        let info = setup::slot_info(&self.client, &s.slot).await?;
-        if let Some(info) = &info {
-            let problems = setup::slot_problems(info, &s.slot, &database);
-            if let Some(first) = problems.into_iter().next() {
-                return Err(SourceError::Setup(first));
-            }
-            if info.active {
-                // Checked before the start-up read, so nothing is published
-                // while another process owns the stream.
-                return Err(SourceError::SlotBusy(s.slot.clone()));
-            }
-        }
-        match info {
-            Some(info) if info.is_lost() => {
-                if !s.recreate_lost_slot {
-                    return Err(SourceError::Setup(setup::lost_slot_message(
-                        &s.slot,
-                        s.read_table && s.messages.is_none(),
-                    )));
-                }
-                // Every event the lost WAL held is an unsent row: the
-                // start-up read that follows a new slot publishes it.
-                setup::drop_slot(&self.client, &s.slot).await?;
-                let lsn = self.create_slot().await?;
-                metrics::counter!(crate::telemetry::metrics::SLOTS_RECREATED, "pipeline" => s.pipeline.clone())
-                    .increment(1);
-                tracing::error!(
-                    slot = %s.slot,
-                    consistent_point = %lsn,
-                    "the replication slot was lost (PostgreSQL removed WAL it still needed; raise max_slot_wal_keep_size \
-                     or keep the relay running): dropped it and created a new one; unsent rows are published from the table first"
-                );
-                Ok(lsn)
-            }
-            Some(info) => Ok(info.confirmed_flush.unwrap_or_default()),
-            None if s.create_slot => {
-                let lsn = self.create_slot().await?;
-                tracing::info!(slot = %s.slot, consistent_point = %lsn, "created the replication slot");
-                Ok(lsn)
-            }
-            None => Err(SourceError::Setup(format!(
-                "replication slot {:?} does not exist; run `outbox-relay migrate` or set source.cdc.create_slot = true",
-                s.slot
-            ))),
-        }
+        self.check_server().await?;
+        let info = self.usable_slot().await?;
+        self.open_slot(info).await
     }
 
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
