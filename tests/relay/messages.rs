@@ -1,8 +1,8 @@
 //! The table-less outbox (`source.cdc.messages`): events written as
 //! transactional logical messages, through the function `migrate` installs
-//! or by hand. Delivered on both brokers beside rows, in order, never when
-//! rolled back, none lost across SIGKILLs; a malformed or non-transactional
-//! message is dead-lettered with its reason.
+//! or by hand. On both brokers: delivered beside rows, in order, never when
+//! rolled back, none lost across SIGKILLs, and a malformed or
+//! non-transactional message dead-lettered with its reason.
 
 use crate::dead_letters::dlq_list;
 use crate::support::*;
@@ -140,11 +140,20 @@ fn start_emitter(url: String, n: i64) -> tokio::task::JoinHandle<Vec<String>> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkills_lose_no_message_and_repeat_at_most_the_window() {
+async fn sigkills_lose_no_message_and_repeat_at_most_the_window_kafka() {
+    sigkills_lose_no_message_and_repeat_at_most_the_window(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkills_lose_no_message_and_repeat_at_most_the_window_rabbitmq() {
+    sigkills_lose_no_message_and_repeat_at_most_the_window(Kind::Rabbit).await;
+}
+
+async fn sigkills_lose_no_message_and_repeat_at_most_the_window(kind: Kind) {
     const WINDOW: usize = 100;
     const KILLS: usize = 2;
     let (db, broker, toml) = setup_messages(
-        Kind::Kafka,
+        kind,
         &[
             ("source.cdc.status_interval", "\"10s\""),
             ("relay.max_in_flight", "100"),
@@ -173,8 +182,17 @@ async fn sigkills_lose_no_message_and_repeat_at_most_the_window() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn malformed_and_untransactional_messages_are_dead_lettered_with_the_reason() {
-    let (db, broker, toml) = setup_messages(Kind::Rabbit, &[]).await;
+async fn malformed_and_untransactional_messages_are_dead_lettered_with_the_reason_kafka() {
+    malformed_and_untransactional_messages_are_dead_lettered_with_the_reason(Kind::Kafka).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_untransactional_messages_are_dead_lettered_with_the_reason_rabbitmq() {
+    malformed_and_untransactional_messages_are_dead_lettered_with_the_reason(Kind::Rabbit).await;
+}
+
+async fn malformed_and_untransactional_messages_are_dead_lettered_with_the_reason(kind: Kind) {
+    let (db, broker, toml) = setup_messages(kind, &[]).await;
     let path = config_file(&toml);
     let relay = InProcess::start(parse(&toml));
     let no_aggregate = Uuid::new_v4().to_string();
