@@ -102,6 +102,9 @@ type Pairs<'a> = Vec<(&'a str, &'a str)>;
 /// Extension attributes from extra columns, as members of the document.
 struct Extensions<'a>(Pairs<'a>);
 
+/// A message's body, content type and headers, before extra and row headers.
+type Parts = (Vec<u8>, &'static str, Vec<(String, String)>);
+
 impl Serialize for Extensions<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut map = s.serialize_map(Some(self.0.len()))?;
@@ -192,70 +195,10 @@ impl Envelope {
         let time = event
             .created_at
             .to_rfc3339_opts(SecondsFormat::AutoSi, true);
-        let row_header = |name: &str| {
-            event
-                .headers
-                .iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.as_str())
-        };
         let (attributes, extra_headers) = self.extras(event);
         let (body, content_type, mut headers) = match self.mode {
-            EnvelopeMode::Structured => {
-                let ce = StructuredEvent {
-                    specversion: "1.0",
-                    id: &event.id,
-                    source: &self.source,
-                    event_type: &event.event_type,
-                    subject: &event.aggregate_id,
-                    time,
-                    datacontenttype: JSON_CONTENT_TYPE,
-                    aggregatetype: &event.aggregate_type,
-                    eventversion: event.event_version,
-                    traceparent: traceparent.or_else(|| row_header(TRACEPARENT)),
-                    tracestate: row_header("tracestate"),
-                    extensions: Extensions(attributes),
-                    data: &event.payload,
-                };
-                // Serializing borrowed strings and already-valid JSON cannot fail.
-                let body = serde_json::to_vec(&ce).unwrap_or_default();
-                let headers: Vec<(String, String)> = vec![
-                    (header::CONTENT_TYPE.into(), STRUCTURED_CONTENT_TYPE.into()),
-                    (header::EVENT_ID.into(), event.id.clone()),
-                    (header::EVENT_TYPE.into(), event.event_type.clone()),
-                    (
-                        header::EVENT_VERSION.into(),
-                        event.event_version.to_string(),
-                    ),
-                    (header::AGGREGATE_TYPE.into(), event.aggregate_type.clone()),
-                ];
-                (body, STRUCTURED_CONTENT_TYPE, headers)
-            }
-            EnvelopeMode::Binary => {
-                let p = self.binding.prefix();
-                let attribute = |name: &str, value: String| (format!("{p}{name}"), value);
-                let mut headers: Vec<(String, String)> = vec![
-                    (header::CONTENT_TYPE.into(), JSON_CONTENT_TYPE.into()),
-                    attribute("specversion", "1.0".into()),
-                    attribute("id", event.id.clone()),
-                    attribute("source", self.source.clone()),
-                    attribute("type", event.event_type.clone()),
-                    attribute("subject", event.aggregate_id.clone()),
-                    attribute("time", time),
-                    attribute("aggregatetype", event.aggregate_type.clone()),
-                    attribute("eventversion", event.event_version.to_string()),
-                ];
-                headers.extend(
-                    attributes
-                        .iter()
-                        .map(|(a, v)| attribute(a, (*v).to_owned())),
-                );
-                (
-                    event.payload.get().as_bytes().to_vec(),
-                    JSON_CONTENT_TYPE,
-                    headers,
-                )
-            }
+            EnvelopeMode::Structured => self.structured(event, time, attributes, traceparent),
+            EnvelopeMode::Binary => self.binary(event, time, &attributes),
         };
         let reserved = headers.len();
         headers.extend(
@@ -295,6 +238,78 @@ impl Envelope {
             event_type: event.event_type.clone(),
             timestamp_secs: u64::try_from(event.created_at.timestamp()).unwrap_or(0),
         }
+    }
+
+    /// A structured-mode body (the whole CloudEvent as JSON) and its headers.
+    fn structured(
+        &self,
+        event: &OutboxEvent,
+        time: String,
+        attributes: Pairs<'_>,
+        traceparent: Option<&str>,
+    ) -> Parts {
+        let row_header = |name: &str| {
+            event
+                .headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+        };
+        let ce = StructuredEvent {
+            specversion: "1.0",
+            id: &event.id,
+            source: &self.source,
+            event_type: &event.event_type,
+            subject: &event.aggregate_id,
+            time,
+            datacontenttype: JSON_CONTENT_TYPE,
+            aggregatetype: &event.aggregate_type,
+            eventversion: event.event_version,
+            traceparent: traceparent.or_else(|| row_header(TRACEPARENT)),
+            tracestate: row_header("tracestate"),
+            extensions: Extensions(attributes),
+            data: &event.payload,
+        };
+        // Serializing borrowed strings and already-valid JSON cannot fail.
+        let body = serde_json::to_vec(&ce).unwrap_or_default();
+        let headers: Vec<(String, String)> = vec![
+            (header::CONTENT_TYPE.into(), STRUCTURED_CONTENT_TYPE.into()),
+            (header::EVENT_ID.into(), event.id.clone()),
+            (header::EVENT_TYPE.into(), event.event_type.clone()),
+            (
+                header::EVENT_VERSION.into(),
+                event.event_version.to_string(),
+            ),
+            (header::AGGREGATE_TYPE.into(), event.aggregate_type.clone()),
+        ];
+        (body, STRUCTURED_CONTENT_TYPE, headers)
+    }
+
+    /// A binary-mode body (the payload) and the attributes as headers.
+    fn binary(&self, event: &OutboxEvent, time: String, attributes: &Pairs<'_>) -> Parts {
+        let p = self.binding.prefix();
+        let attribute = |name: &str, value: String| (format!("{p}{name}"), value);
+        let mut headers: Vec<(String, String)> = vec![
+            (header::CONTENT_TYPE.into(), JSON_CONTENT_TYPE.into()),
+            attribute("specversion", "1.0".into()),
+            attribute("id", event.id.clone()),
+            attribute("source", self.source.clone()),
+            attribute("type", event.event_type.clone()),
+            attribute("subject", event.aggregate_id.clone()),
+            attribute("time", time),
+            attribute("aggregatetype", event.aggregate_type.clone()),
+            attribute("eventversion", event.event_version.to_string()),
+        ];
+        headers.extend(
+            attributes
+                .iter()
+                .map(|(a, v)| attribute(a, (*v).to_owned())),
+        );
+        (
+            event.payload.get().as_bytes().to_vec(),
+            JSON_CONTENT_TYPE,
+            headers,
+        )
     }
 }
 
