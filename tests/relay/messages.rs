@@ -119,9 +119,22 @@ async fn messages_and_rows_flow_in_order_and_rollbacks_stay_out(kind: Kind) {
     // Messages are not rows: nothing of them is in the table.
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 10);
     relay.stop().await;
-    let (code, out, err) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains(EMIT), "{out}");
+    // Without the function, check says how to get it (a warning: messages
+    // can still be written by hand).
+    db.client
+        .batch_execute(&format!("DROP FUNCTION {EMIT}"))
+        .await
+        .unwrap();
+    let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("does not exist: run `outbox-relay migrate`"),
+        "{out}"
+    );
 }
 
 /// Emits `n` messages over eight aggregates at a steady pace.
