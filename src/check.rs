@@ -65,6 +65,7 @@ pub async fn run(config: &Config) -> bool {
     );
     check_database(config, &mut r).await;
     check_broker(config, &mut r).await;
+    check_traces(config, &mut r).await;
     let failures = r.failures();
     if failures == 0 {
         println!("\nall checks passed");
@@ -72,6 +73,29 @@ pub async fn run(config: &Config) -> bool {
     } else {
         println!("\n{failures} check(s) failed");
         false
+    }
+}
+
+/// The OTLP collector, when spans are exported: a failure to reach it is a
+/// warning (delivery never waits for it), a CA the relay cannot use fails
+/// (the relay would not start).
+async fn check_traces(config: &Config, r: &mut Report) {
+    match crate::telemetry::trace::probe(&config.telemetry.otlp).await {
+        Ok(None) => {}
+        Ok(Some(Ok(answer))) => r.add(Mark::Ok, "traces", answer),
+        Ok(Some(Err(reason))) => r.add(
+            Mark::Warn,
+            "traces",
+            format!(
+                "cannot export spans: {reason}; events are delivered without them. Check telemetry.otlp.endpoint{}",
+                if config.telemetry.otlp.endpoint.as_deref().is_some_and(|e| e.starts_with("https")) {
+                    " and telemetry.otlp.ca"
+                } else {
+                    ""
+                }
+            ),
+        ),
+        Err(e) => r.add(Mark::Fail, "traces", e.to_string()),
     }
 }
 

@@ -19,6 +19,8 @@ pub enum DaemonError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Trace(#[from] telemetry::trace::TraceError),
 }
 
 /// Runs until `shutdown`; every pipeline drains before this returns.
@@ -26,6 +28,8 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
     let Some(first) = configs.first() else {
         return Ok(());
     };
+    // One exporter for the process; flushed once every pipeline has drained.
+    let tracer = telemetry::trace::EventTracer::start(&first.telemetry.otlp)?;
     let health = Arc::new(Health::default());
     let prometheus = telemetry::metrics::install();
     let mut tasks = JoinSet::new();
@@ -47,8 +51,6 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
         tracing::info!(%address, "serving /metrics, /healthz and /readyz");
         tasks.spawn(server);
     }
-    // One exporter for the process; flushed once every pipeline has drained.
-    let tracer = telemetry::trace::EventTracer::start(&first.telemetry.otlp);
     let flush_within = first.relay.shutdown_timeout;
     for config in configs {
         let t = PipelineTelemetry::traced(&config, &tracer);

@@ -3,6 +3,7 @@
 
 use super::defaults;
 use serde::Deserialize;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// `[retention]`: the scheduled cleanup of sent rows and resolved dead letters.
@@ -151,6 +152,10 @@ pub struct OtlpConfig {
     /// Finished spans held while the collector is slow or unreachable; more are dropped.
     #[serde(default = "defaults::otlp_max_queue_size")]
     pub max_queue_size: usize,
+    /// A PEM file of CA certificates trusted for an `https://` endpoint, in
+    /// addition to the system's (a collector with a private CA).
+    #[serde(default)]
+    pub ca: Option<PathBuf>,
 }
 
 impl Default for OtlpConfig {
@@ -159,6 +164,7 @@ impl Default for OtlpConfig {
             endpoint: None,
             service_name: defaults::otlp_service_name(),
             max_queue_size: defaults::otlp_max_queue_size(),
+            ca: None,
         }
     }
 }

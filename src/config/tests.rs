@@ -739,6 +739,14 @@ fn otlp_keys_are_checked_by_name() {
         ("service_name = \" \"", "must not be empty"),
         ("max_queue_size = 0", "out of range"),
         ("flush = true", "unknown key"),
+        (
+            "ca = \"/ca.pem\"",
+            "is set but telemetry.otlp.endpoint is not",
+        ),
+        (
+            "endpoint = \"http://c:4318\"\nca = \"/ca.pem\"",
+            "applies to https:// endpoints only",
+        ),
     ] {
         let e = err(&with(bad));
         assert!(
@@ -746,6 +754,11 @@ fn otlp_keys_are_checked_by_name() {
             "{bad}: {e}"
         );
     }
+    let c = load_str(&with("endpoint = \"https://c:4318\"\nca = \"/etc/ca.pem\"")).unwrap();
+    assert_eq!(
+        c.telemetry.otlp.ca.as_deref(),
+        Some(std::path::Path::new("/etc/ca.pem"))
+    );
     let e = err(&format!(
         "{MINIMAL}\n[pipelines.a.telemetry.otlp]\nendpoint = \"http://c:4318\"\n"
     ));

@@ -127,6 +127,12 @@ impl Config {
             c.problem("telemetry.otlp.service_name", "must not be empty");
         }
         let Some(endpoint) = &otlp.endpoint else {
+            if otlp.ca.is_some() {
+                c.problem(
+                    "telemetry.otlp.ca",
+                    "is set but telemetry.otlp.endpoint is not; set the endpoint or remove ca",
+                );
+            }
             return;
         };
         let fix = "use the base URL of an OTLP/HTTP receiver, like http://localhost:4318";
@@ -141,6 +147,10 @@ impl Config {
             Ok(u) if u.query().is_some() || u.fragment().is_some() => c.problem(
                 "telemetry.otlp.endpoint",
                 format!("must not have a query or fragment; {fix}"),
+            ),
+            Ok(u) if u.scheme() == "http" && otlp.ca.is_some() => c.problem(
+                "telemetry.otlp.ca",
+                "applies to https:// endpoints only; use https:// in telemetry.otlp.endpoint or remove ca",
             ),
             Ok(_) => {}
             Err(e) => c.problem("telemetry.otlp.endpoint", format!("not a URL ({e}); {fix}")),

@@ -68,7 +68,11 @@ impl RelayError {
 /// (at error level with what to fix when it will not pass by itself) and
 /// retried after a jittered, growing delay.
 pub async fn run(config: &Config, shutdown: CancellationToken) {
-    let tracer = crate::telemetry::trace::EventTracer::start(&config.telemetry.otlp);
+    let tracer = crate::telemetry::trace::EventTracer::start(&config.telemetry.otlp)
+        .unwrap_or_else(|e| {
+            tracing::error!(error = %e, "continuing without traces");
+            Default::default()
+        });
     let telemetry = PipelineTelemetry::traced(config, &tracer);
     let timeout = config.relay.shutdown_timeout;
     let drained = run_observed(config, telemetry, shutdown.clone());

@@ -27,7 +27,7 @@ use crate::outbox::OutboxEvent;
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
 use opentelemetry::trace::{Span as _, SpanKind, Status, Tracer as _, TracerProvider as _};
 use opentelemetry::{Context, KeyValue};
-use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
@@ -35,6 +35,7 @@ use opentelemetry_sdk::trace::{
     BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracer, SdkTracerProvider, SpanData,
     SpanExporter,
 };
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
@@ -114,16 +115,103 @@ impl std::fmt::Debug for EventTracer {
     }
 }
 
+/// Why export could not start as configured.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error(
+        "telemetry.otlp.ca: cannot use {path}: {reason}; point it at a PEM file of the collector's CA certificates"
+    )]
+    Ca { path: PathBuf, reason: String },
+    #[error("cannot build the OTLP exporter's HTTP client: {0}")]
+    Client(String),
+}
+
+/// The exporter's HTTP client: the system's CAs, and those in `ca`.
+///
+/// Built on a thread of its own: the blocking client runs a runtime of its
+/// own, which may not be started from inside the relay's.
+fn http_client(ca: Option<&Path>) -> Result<reqwest::blocking::Client, TraceError> {
+    let mut builder = reqwest::blocking::Client::builder().timeout(EXPORT_TIMEOUT);
+    if let Some(path) = ca {
+        let bad = |reason: String| TraceError::Ca {
+            path: path.to_owned(),
+            reason,
+        };
+        let pem = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+        let certs = reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| bad(format!("not PEM certificates ({e})")))?;
+        if certs.is_empty() {
+            return Err(bad("holds no PEM certificate".into()));
+        }
+        for cert in certs {
+            builder = builder.add_root_certificate(cert);
+        }
+    }
+    std::thread::spawn(move || builder.build())
+        .join()
+        .map_err(|_| TraceError::Client("the thread building it failed".into()))?
+        .map_err(|e| TraceError::Client(e.to_string()))
+}
+
+/// Sends an empty export request (which a receiver accepts and ignores) to
+/// `config.endpoint`, for `outbox-relay check`: `Ok(None)` when export is
+/// off, `Ok(Some(status))` when the collector answered, an error when the
+/// CA cannot be used; a collector that cannot be reached or verified is
+/// `Ok(Some(reason))` with the reason.
+pub async fn probe(config: &OtlpConfig) -> Result<Option<Result<String, String>>, TraceError> {
+    let Some(endpoint) = config.endpoint.as_deref() else {
+        return Ok(None);
+    };
+    let url = format!("{}{TRACES_PATH}", endpoint.trim_end_matches('/'));
+    let client = http_client(config.ca.as_deref())?;
+    let answer = tokio::task::spawn_blocking(move || {
+        let sent = client
+            .post(&url)
+            .header("content-type", "application/x-protobuf")
+            .body(Vec::new())
+            .send();
+        // The client is dropped here, off the async runtime.
+        match sent {
+            Ok(r) if r.status().is_success() => {
+                Ok(format!("{url} accepted an export ({})", r.status()))
+            }
+            Ok(r) => Err(format!("{url} answered {}", r.status())),
+            Err(e) => Err(error_chain(&e)),
+        }
+    })
+    .await
+    .map_err(|e| TraceError::Client(e.to_string()))?;
+    Ok(Some(answer))
+}
+
+/// An error and its sources, as one line (TLS failures hide the reason in
+/// a source).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 impl EventTracer {
     /// Starts exporting when `config.endpoint` is set; off otherwise, or
-    /// (logged) when the exporter cannot be built.
-    pub fn start(config: &OtlpConfig) -> EventTracer {
+    /// (logged) when the exporter cannot be built. A `telemetry.otlp.ca`
+    /// that cannot be read or holds no certificate is an error: the
+    /// operator asked for that trust, and running without it would only
+    /// show as spans that never arrive.
+    pub fn start(config: &OtlpConfig) -> Result<EventTracer, TraceError> {
         let Some(endpoint) = config.endpoint.as_deref() else {
-            return EventTracer::default();
+            return Ok(EventTracer::default());
         };
         let url = format!("{}{TRACES_PATH}", endpoint.trim_end_matches('/'));
+        let client = http_client(config.ca.as_deref())?;
         let exporter = match opentelemetry_otlp::SpanExporter::builder()
             .with_http()
+            .with_http_client(client)
             .with_protocol(Protocol::HttpBinary)
             .with_endpoint(url.clone())
             .with_timeout(EXPORT_TIMEOUT)
@@ -132,7 +220,7 @@ impl EventTracer {
             Ok(e) => e,
             Err(e) => {
                 tracing::error!(error = %e, endpoint = %url, "cannot export traces; continuing without them");
-                return EventTracer::default();
+                return Ok(EventTracer::default());
             }
         };
         let batch = BatchConfigBuilder::default()
@@ -155,14 +243,14 @@ impl EventTracer {
             .build();
         let tracer = provider.tracer(SCOPE);
         tracing::info!(endpoint = %url, max_queue_size = config.max_queue_size, "exporting a span per event over OTLP");
-        EventTracer {
+        Ok(EventTracer {
             export: Some(Arc::new(Export {
                 provider,
                 tracer,
                 propagator: TraceContextPropagator::new(),
             })),
             ..EventTracer::default()
-        }
+        })
     }
 
     /// The same exporter, for the spans of one pipeline publishing to `system`.
@@ -429,6 +517,7 @@ mod tests {
             endpoint: Some("http://127.0.0.1:9".into()),
             ..OtlpConfig::default()
         })
+        .unwrap()
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! the row's trace, the message names them in its `traceparent`, and a
 //! collector that is gone or silent never holds delivery up.
 
+use crate::kit::certs::Ca;
 use crate::support::brokers::Received;
 use crate::support::otlp::{OtlpReceiver, ReceivedSpan, SilentCollector};
 use crate::support::*;
@@ -260,4 +261,142 @@ async fn an_unreachable_collector_does_not_stop_delivery() {
     })
     .await;
     relay.stop().await;
+}
+
+/// `telemetry.otlp.ca` in a fresh directory; returns the CA and the path.
+fn write_ca(name: &str, ca: &Ca) -> String {
+    let dir = std::env::temp_dir().join(unique("outbox-relay-otlp-"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, ca.cert_pem()).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+/// A collector behind TLS with a private CA: with `telemetry.otlp.ca` the
+/// relay verifies it and exports; `check` reaches it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_collector_of_the_configured_ca_receives_spans() {
+    let ca = Ca::new("outbox-relay test collector CA");
+    let receiver = OtlpReceiver::start_tls(&ca.server(&["localhost"], &["127.0.0.1"])).await;
+    let ca_path = write_ca("collector-ca.pem", &ca);
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[
+            (
+                "telemetry.otlp.endpoint",
+                &format!("\"{}\"", receiver.endpoint()),
+            ),
+            ("telemetry.otlp.ca", &format!("\"{ca_path}\"")),
+        ],
+    )
+    .await;
+    assert!(receiver.endpoint().starts_with("https://"));
+    let (code, out, _) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("[ok  ] traces") && l.contains("accepted an export")),
+        "check reaches the collector ({code}): {out}"
+    );
+    let ids = ids(5);
+    for id in &ids {
+        db.insert(*id, "order", "a", serde_json::json!({})).await;
+    }
+    let relay = InProcess::start(parse(&toml));
+    broker.inbox().wait_ids(&strings(&ids), WAIT).await;
+    let spans = receiver
+        .wait_outcomes(&strings(&ids), "published", WAIT)
+        .await;
+    assert!(spans.iter().all(|s| s.name == "publish"), "{spans:#?}");
+    relay.stop().await;
+    assert_eq!(receiver.refused_handshakes(), 0);
+}
+
+/// The same collector without `telemetry.otlp.ca`: its certificate is not
+/// trusted, so no span reaches it (the handshake fails), events are still
+/// delivered, and `check` warns, naming the key to set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_collector_of_an_unknown_ca_gets_nothing_and_check_says_why() {
+    let ca = Ca::new("outbox-relay test collector CA");
+    let receiver = OtlpReceiver::start_tls(&ca.server(&["localhost"], &["127.0.0.1"])).await;
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[(
+            "telemetry.otlp.endpoint",
+            &format!("\"{}\"", receiver.endpoint()),
+        )],
+    )
+    .await;
+    let (_, out, _) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("[warn] traces"))
+        .unwrap_or_else(|| panic!("check warns about the collector: {out}"));
+    assert!(
+        line.contains("certificate") && line.contains("telemetry.otlp.ca"),
+        "{line}"
+    );
+    let ids = ids(5);
+    for id in &ids {
+        db.insert(*id, "order", "a", serde_json::json!({})).await;
+    }
+    let refused_by_check = receiver.refused_handshakes();
+    let relay = InProcess::start(parse(&toml));
+    broker.inbox().wait_ids(&strings(&ids), WAIT).await;
+    // Spans are exported within about a second of their end: wait for the
+    // relay's own attempt to be turned away.
+    wait_for(WAIT, "the relay's export attempt", || async {
+        (receiver.refused_handshakes() > refused_by_check).then_some(())
+    })
+    .await;
+    relay.stop().await;
+    assert!(receiver.spans().is_empty(), "{:#?}", receiver.spans());
+}
+
+/// A CA file that cannot be read stops `run` before it starts, and fails
+/// `check`, both naming the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_collector_ca_is_refused_with_the_key() {
+    let missing = std::env::temp_dir()
+        .join(unique("outbox-relay-no-ca-"))
+        .join("ca.pem");
+    let not_pem = write_ca("not.pem", &Ca::new("x")).replace("not.pem", "garbage.pem");
+    std::fs::write(&not_pem, b"not a certificate").unwrap();
+    for path in [missing.to_str().unwrap(), &not_pem] {
+        let (_db, _broker, toml) = setup(
+            Mode::Polling,
+            Kind::Rabbit,
+            &["order"],
+            &[
+                ("telemetry.otlp.endpoint", "\"https://127.0.0.1:9\""),
+                ("telemetry.otlp.ca", &format!("\"{path}\"")),
+            ],
+        )
+        .await;
+        let file = config_file(&toml);
+        let (code, out, _) = run_cli(&["check", "--config", &file], &[]);
+        assert_ne!(code, 0, "{out}");
+        assert!(
+            out.lines().any(|l| l.starts_with("[FAIL] traces")
+                && l.contains("telemetry.otlp.ca")
+                && l.contains(path)),
+            "{out}"
+        );
+        // Bounded: a relay that started anyway is stopped after a minute.
+        let run = std::process::Command::new("timeout")
+            .arg("60")
+            .arg(relay_bin())
+            .args(["run", "--config", &file])
+            .output()
+            .expect("run outbox-relay");
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("telemetry.otlp.ca") && err.contains(path),
+            "{err}"
+        );
+    }
 }

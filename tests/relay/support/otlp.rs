@@ -2,17 +2,24 @@
 //! posts to `/v1/traces` and keeps their spans for the tests to inspect.
 //! Also a collector that never answers, for the tests of a dead one.
 
+use crate::kit::certs::Issued;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::routing::post;
+use axum::serve::Listener;
+use openssl::pkey::PKey;
+use openssl::ssl::{Ssl, SslAcceptor, SslMethod};
+use openssl::x509::X509;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use prost::Message;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio_openssl::SslStream;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 /// One span as received, ids in lowercase hex (empty when absent).
@@ -37,8 +44,63 @@ impl ReceivedSpan {
 /// Serves `/v1/traces` on 127.0.0.1 (port 0) until dropped.
 pub struct OtlpReceiver {
     pub port: u16,
+    scheme: &'static str,
+    refused: Arc<AtomicUsize>,
     spans: Arc<Mutex<Vec<ReceivedSpan>>>,
     _stop: DropGuard,
+}
+
+/// What a listener says about failed TLS handshakes.
+trait Tls {
+    fn refused(&self) -> Arc<AtomicUsize>;
+}
+
+impl Tls for tokio::net::TcpListener {
+    fn refused(&self) -> Arc<AtomicUsize> {
+        Arc::default()
+    }
+}
+
+/// Accepts TCP connections and completes a TLS handshake on each.
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: SslAcceptor,
+    refused: Arc<AtomicUsize>,
+}
+
+impl Tls for TlsListener {
+    fn refused(&self) -> Arc<AtomicUsize> {
+        self.refused.clone()
+    }
+}
+
+impl Listener for TlsListener {
+    type Io = SslStream<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Ok((socket, addr)) = self.tcp.accept().await else {
+                continue;
+            };
+            let Ok(ssl) = Ssl::new(self.acceptor.context()) else {
+                continue;
+            };
+            let Ok(mut stream) = SslStream::new(ssl, socket) else {
+                continue;
+            };
+            match std::pin::Pin::new(&mut stream).accept().await {
+                Ok(()) => return (stream, addr),
+                Err(_) => {
+                    self.refused.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.tcp.local_addr()
+    }
 }
 
 impl OtlpReceiver {
@@ -46,7 +108,38 @@ impl OtlpReceiver {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind the OTLP receiver");
+        OtlpReceiver::serve(listener, false)
+    }
+
+    /// The same over TLS, with the certificate `server` (issued for
+    /// 127.0.0.1). Connections whose handshake fails are counted.
+    pub async fn start_tls(server: &Issued) -> OtlpReceiver {
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the OTLP receiver");
+        let mut acceptor = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls()).unwrap();
+        acceptor
+            .set_certificate(&X509::from_pem(&server.cert_pem).unwrap())
+            .unwrap();
+        acceptor
+            .set_private_key(&PKey::private_key_from_pem(&server.key_pem).unwrap())
+            .unwrap();
+        OtlpReceiver::serve(
+            TlsListener {
+                tcp,
+                acceptor: acceptor.build(),
+                refused: Arc::new(AtomicUsize::new(0)),
+            },
+            true,
+        )
+    }
+
+    fn serve<L: Listener<Addr = std::net::SocketAddr> + Tls>(
+        listener: L,
+        tls: bool,
+    ) -> OtlpReceiver {
         let port = listener.local_addr().unwrap().port();
+        let refused = listener.refused();
         let spans = Arc::new(Mutex::new(Vec::new()));
         let app = Router::new()
             .route("/v1/traces", post(receive))
@@ -60,6 +153,8 @@ impl OtlpReceiver {
         });
         OtlpReceiver {
             port,
+            scheme: if tls { "https" } else { "http" },
+            refused,
             spans,
             _stop: stop.drop_guard(),
         }
@@ -67,7 +162,12 @@ impl OtlpReceiver {
 
     /// The value for `telemetry.otlp.endpoint`.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("{}://127.0.0.1:{}", self.scheme, self.port)
+    }
+
+    /// TLS handshakes that failed (always 0 without TLS).
+    pub fn refused_handshakes(&self) -> usize {
+        self.refused.load(Ordering::Relaxed)
     }
 
     pub fn spans(&self) -> Vec<ReceivedSpan> {
