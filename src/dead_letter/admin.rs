@@ -25,6 +25,10 @@ pub struct Entry {
     pub resolved_at: Option<DateTime<Utc>>,
     /// When an operator asked for a redrive the relay has not carried out yet.
     pub redrive_requested_at: Option<DateTime<Utc>>,
+    /// The `[[outbox.columns.extra]]` and routing columns' values the event
+    /// carried (absent when it had none), as the redrive sends them again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub extra: Option<serde_json::Value>,
 }
 
 /// Which dead letters a command acts on.
@@ -57,7 +61,7 @@ pub async fn list(
             &format!(
                 "SELECT dead_letter_id, id, aggregate_type, aggregate_id, event_type, reason, attempts,
                         first_failed_at, last_failed_at, dead_lettered_at, resolution, resolved_at,
-                        redrive_requested_at
+                        redrive_requested_at, extra::jsonb
                  FROM {} WHERE ($1::text IS NULL OR aggregate_id = $1) AND ($2 OR resolution IS NULL)
                  ORDER BY dead_letter_id LIMIT $3",
                 table.quoted()
@@ -81,6 +85,7 @@ pub async fn list(
             resolution: r.get(10),
             resolved_at: r.get(11),
             redrive_requested_at: r.get(12),
+            extra: r.get(13),
         })
         .collect())
 }

@@ -144,12 +144,20 @@ async fn a_redriven_dead_letter_keeps_its_extra_values(mode: Mode, kind: Kind) {
         .await
         .unwrap();
     let relay = InProcess::start(parse(&toml));
-    wait_for(WAIT, "the too-large event in the dead-letter table", || {
+    let listed = wait_for(WAIT, "the too-large event in the dead-letter table", || {
         let path = path.clone();
-        async move { (dlq_list(&path).len() == 1).then_some(()) }
+        async move {
+            let letters = dlq_list(&path);
+            (letters.len() == 1).then_some(letters)
+        }
     })
     .await;
     relay.stop().await;
+    assert_eq!(
+        listed[0]["extra"],
+        json!({"tenant_id": "t-9"}),
+        "dlq list shows the extra values: {listed:?}"
+    );
     let kept: Vec<(String, Option<serde_json::Value>)> = db
         .client
         .query("SELECT id, extra::jsonb FROM outbox_dead_letters", &[])
