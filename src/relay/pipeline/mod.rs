@@ -16,8 +16,10 @@
 //!
 //! - `serve.rs`: the loop, one method per `select!` arm, and the intake state;
 //! - `publish.rs`: what happens to one event (admit, send, confirm, refuse);
+//! - `events.rs`: what a refusal leads to, logged and counted in one place;
 //! - `tasks.rs`: the reader and acker tasks.
 
+mod events;
 mod publish;
 mod serve;
 mod tasks;

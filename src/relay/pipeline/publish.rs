@@ -1,6 +1,7 @@
 //! What happens to one event: admitted, sent, answered, refused, deferred
 //! behind its aggregate or dead-lettered.
 
+use super::events::{AfterRefusal, Followed, Refused};
 use super::serve::{Event, Pipeline};
 use super::{Origin, PipelineError};
 use crate::config::HoldPolicy;
@@ -123,9 +124,13 @@ where
             return;
         }
         let (raw, id) = raw_of(&event.event);
-        tracing::warn!(event_id = %id, aggregate_id = %aggregate, follows = %follows, "event follows an earlier dead letter of its aggregate");
+        Followed {
+            event_id: &id,
+            aggregate_id: &aggregate,
+            follows: &follows,
+        }
+        .emit(&self.telemetry.metrics);
         let now = Utc::now();
-        self.telemetry.metrics.dead_lettered.increment(1);
         self.pending_letters.push(DeadLetter {
             seq: event.position.seq(),
             wal: event.position.wal(),
@@ -161,6 +166,7 @@ where
         let event = match event {
             Ok(e) => e,
             Err(bad) => {
+                // A row that is no event is refused like one the broker refused.
                 let reason = bad.reason.clone();
                 let answer = Answer {
                     position,
@@ -182,22 +188,7 @@ where
         let message = self.envelope.build_traced(&event, span.traceparent());
         // The broker client keeps a copy until the broker answers.
         charge.grow(message.size());
-        // Handing a message over is quick unless the broker stopped reading.
-        let sent = tokio::time::timeout(
-            self.settings.confirm_timeout,
-            self.sink.send(&event, message),
-        )
-        .await
-        .unwrap_or_else(|_| {
-            Err(SinkError::Unavailable(
-                format!(
-                    "the broker did not take a message within relay.confirm_timeout ({}s)",
-                    self.settings.confirm_timeout.as_secs()
-                )
-                .into(),
-            ))
-        });
-        match sent {
+        match self.hand_over(&event, message).await {
             Ok(confirmation) => {
                 span.step("published");
                 let timeout = self.settings.confirm_timeout;
@@ -228,6 +219,27 @@ where
             }
         }
         Ok(())
+    }
+
+    /// Gives the message to the broker client. That is quick unless the
+    /// broker stopped reading, so it is bounded by `relay.confirm_timeout`.
+    async fn hand_over(
+        &mut self,
+        event: &OutboxEvent,
+        message: crate::envelope::Message,
+    ) -> Result<Confirmation, SinkError> {
+        let timeout = self.settings.confirm_timeout;
+        tokio::time::timeout(timeout, self.sink.send(event, message))
+            .await
+            .unwrap_or_else(|_| {
+                Err(SinkError::Unavailable(
+                    format!(
+                        "the broker did not take a message within relay.confirm_timeout ({}s)",
+                        timeout.as_secs()
+                    )
+                    .into(),
+                ))
+            })
     }
 
     /// One answer, in its aggregate's send order.
@@ -319,33 +331,29 @@ where
         reason: String,
         count: bool,
     ) {
-        self.telemetry.metrics.failed(Outcome::Refused, 1);
+        let event_id = raw.id.clone().unwrap_or_else(|| "?".into());
+        let refused = |then| Refused {
+            event_id: &event_id,
+            aggregate_id: aggregate,
+            reason: &reason,
+            then,
+        };
+        let metrics = &self.telemetry.metrics;
         let position = match position {
             Origin::Source(p) => p,
-            Origin::Letter(id) => return self.letter_refused(id, aggregate, reason, count),
+            Origin::Letter(letter) => {
+                refused(AfterRefusal::LetterKept { letter }).emit(metrics);
+                return self.letter_refused(letter, aggregate, reason, count);
+            }
         };
         if self.blocks.is_dead(aggregate) {
-            // An earlier event of the aggregate is already dead-lettered
-            // (both were in flight): this one follows it, or waits. Its
-            // answer is handled in order, so everything before it is settled.
-            let id = raw.id.clone();
-            let event = SourcedEvent::new(
-                Origin::Source(position),
-                Err(RowError {
-                    id,
-                    aggregate_id: Some(aggregate.to_owned()),
-                    reason,
-                    raw: Some(Box::new(raw)),
-                }),
-            );
-            self.defer(event, false);
-            return;
+            refused(AfterRefusal::BehindDeadLetter).emit(metrics);
+            return self.behind_dead_letter(position, aggregate, raw, reason);
         }
         let parked = self.scheduler.drop_parked(aggregate);
-        let event_id = raw.id.clone();
         let (block, new_round) = self.blocks.block(
             aggregate,
-            event_id.as_deref(),
+            raw.id.as_deref(),
             reason.clone(),
             Instant::now(),
             count,
@@ -353,15 +361,11 @@ where
         if !new_round {
             // An event behind the refused one, in flight with it: it is
             // read again with the aggregate's retry.
-            tracing::debug!(event_id = event_id.as_deref().unwrap_or("?"), aggregate_id = aggregate, reason = %reason, "a later event of a refused aggregate was refused too");
+            refused(AfterRefusal::BehindRefusal).emit(metrics);
             self.pending_releases.push(position);
             return;
         }
         let (attempts, first_failed_at) = (block.attempts, block.first_failed_at);
-        let retry_in = block
-            .until
-            .map(|t| t.saturating_duration_since(Instant::now()))
-            .unwrap_or_default();
         let give_up = count
             && self
                 .settings
@@ -369,33 +373,21 @@ where
                 .as_ref()
                 .is_some_and(|d| attempts >= d.max_attempts);
         if !give_up {
-            tracing::warn!(
-                event_id = event_id.as_deref().unwrap_or("?"),
-                aggregate_id = aggregate,
+            let retry_in = block
+                .until
+                .map(|t| t.saturating_duration_since(Instant::now()))
+                .unwrap_or_default();
+            let held_back = parked.len();
+            refused(AfterRefusal::Retry {
                 attempts,
-                retry_in = ?retry_in,
-                held_back = parked.len(),
-                reason = %reason,
-                "event refused; its aggregate waits, other aggregates continue"
-            );
-            self.pending_releases.push(position);
-            self.pending_releases
-                .extend(parked.into_iter().filter_map(|e| match e.position {
-                    Origin::Source(p) => Some(p),
-                    Origin::Letter(_) => None,
-                }));
-            return;
+                retry_in,
+                held_back,
+            })
+            .emit(metrics);
+            return self.read_again_later(position, parked);
         }
-        tracing::warn!(
-            event_id = event_id.as_deref().unwrap_or("?"),
-            aggregate_id = aggregate,
-            attempts,
-            reason = %reason,
-            "event dead-lettered after repeated refusals; see `outbox-relay dlq list`"
-        );
-        self.blocks.mark_dead(aggregate);
-        self.telemetry.metrics.dead_lettered.increment(1);
-        self.pending_letters.push(DeadLetter {
+        refused(AfterRefusal::DeadLettered { attempts }).emit(metrics);
+        let letter = DeadLetter {
             seq: position.seq(),
             wal: position.wal(),
             position,
@@ -405,7 +397,42 @@ where
             first_failed_at,
             last_failed_at: Utc::now(),
             follows: None,
-        });
+        };
+        self.dead_letter(aggregate, letter, parked);
+    }
+
+    /// A refused event and those held back behind it are read again with
+    /// the aggregate's retry.
+    fn read_again_later(&mut self, position: P, parked: Vec<Event<P>>) {
+        self.pending_releases.push(position);
+        self.pending_releases
+            .extend(parked.into_iter().filter_map(|e| match e.position {
+                Origin::Source(p) => Some(p),
+                Origin::Letter(_) => None,
+            }));
+    }
+
+    /// A refused event of an aggregate whose earlier event is already
+    /// dead-lettered (both were in flight): it follows it, or waits. Its
+    /// answer is handled in order, so everything before it is settled.
+    fn behind_dead_letter(&mut self, position: P, aggregate: &str, raw: RawRow, reason: String) {
+        let event = SourcedEvent::new(
+            Origin::Source(position),
+            Err(RowError {
+                id: raw.id.clone(),
+                aggregate_id: Some(aggregate.to_owned()),
+                reason,
+                raw: Some(Box::new(raw)),
+            }),
+        );
+        self.defer(event, false);
+    }
+
+    /// Writes the aggregate's dead letter; the events held back behind it
+    /// follow it or wait, per `dead_letter.aggregate`.
+    fn dead_letter(&mut self, aggregate: &str, letter: DeadLetter<P>, parked: Vec<Event<P>>) {
+        self.blocks.mark_dead(aggregate);
+        self.pending_letters.push(letter);
         for e in parked {
             self.defer(e, true);
         }
@@ -422,12 +449,6 @@ where
     /// its redrive is called off (a refusal that counts ends the operator's
     /// request; back-pressure keeps it, for the next refresh).
     fn letter_refused(&mut self, id: i64, aggregate: &str, reason: String, counts: bool) {
-        tracing::warn!(
-            letter = id,
-            aggregate_id = aggregate,
-            reason = %reason,
-            "a redriven dead letter was refused again; it stays in the dead-letter table"
-        );
         self.pending_letter_refusals.push((id, reason, counts));
         self.waiting.retain(|e| {
             !(e.aggregate_id() == aggregate && matches!(e.position, Origin::Letter(_)))
