@@ -4,7 +4,7 @@ use crate::config::{Config, SourceMode};
 use crate::db;
 use crate::outbox::inspect;
 use crate::outbox::ownership_key;
-use crate::sink::{AnySink, Sink, SinkError};
+use crate::sink::{AnySink, Sink, SinkCheck, SinkError};
 use crate::source::auto::Reading;
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;

@@ -3,7 +3,7 @@
 use super::world::{Shared, lock};
 use crate::envelope::Message;
 use crate::outbox::OutboxEvent;
-use crate::sink::{Confirmation, Sink, SinkError};
+use crate::sink::{Confirmation, Route, Sink, SinkError};
 
 pub struct SimSink {
     world: Shared,
@@ -23,27 +23,29 @@ impl SimSink {
 }
 
 impl Sink for SimSink {
-    async fn send(
-        &mut self,
-        event: &OutboxEvent,
-        _message: Message,
-    ) -> Result<Confirmation, SinkError> {
+    fn route(&self, event: &OutboxEvent) -> Result<Route, SinkError> {
+        let w = lock(&self.world);
+        let topic = w.topic(&event.event_type);
+        Ok(Route {
+            destination: topic.clone(),
+            key: event.aggregate_id.clone(),
+            key_from: "the aggregate id",
+            lane: w.broker_kind.gapless.then_some(topic),
+        })
+    }
+
+    async fn send(&mut self, _route: Route, message: Message) -> Result<Confirmation, SinkError> {
         let rx = lock(&self.world).send(
             self.conn,
             self.reign,
-            &event.id,
-            &event.aggregate_id,
-            &event.event_type,
+            &message.id,
+            &message.key,
+            &message.event_type,
         )?;
         Ok(Box::pin(async move {
             rx.await
                 .unwrap_or_else(|_| Err(SinkError::Unavailable("sim: connection lost".into())))
         }))
-    }
-
-    fn lane(&self, event: &OutboxEvent) -> Option<String> {
-        let w = lock(&self.world);
-        w.broker_kind.gapless.then(|| w.topic(&event.event_type))
     }
 
     async fn probe(&mut self) -> Result<(), SinkError> {
@@ -52,18 +54,6 @@ impl Sink for SimSink {
         } else {
             Err(SinkError::Unavailable("sim: connection lost".into()))
         }
-    }
-
-    async fn check_destination(&mut self, _: &str, event_type: &str) -> Result<String, SinkError> {
-        Ok(lock(&self.world).topic(event_type))
-    }
-
-    async fn check_named_destination(&mut self, name: &str) -> Result<String, SinkError> {
-        Ok(name.to_owned())
-    }
-
-    fn fixed_destination(&self) -> bool {
-        !lock(&self.world).broker_kind.topic_per_type
     }
 
     async fn close(self) {

@@ -2,7 +2,9 @@
 //!
 //! # The delivery contract
 //!
-//! [`Sink::send`] hands one message to the broker client and returns a
+//! [`Sink::route`] says where an event goes (rendered once, before its
+//! message is built); [`Sink::send`] hands one message to the broker client
+//! and returns a
 //! [`Confirmation`] future; it may wait for room in the client's buffer
 //! (backpressure) but never for the broker's answer. The future resolves:
 //!
@@ -27,7 +29,7 @@
 //! producer that never reorders on retry; RabbitMQ: one channel). Duplicates
 //! arise only from re-sending after `Unavailable` or a restart.
 //!
-//! Lanes: when [`Sink::lane`] names one, the sink promises more: among
+//! Lanes: when a [`Route`]'s lane names one, the sink promises more: among
 //! messages of one key in that lane, a refused message fails every later one
 //! (none of them is confirmed), so the relay may keep several of an
 //! aggregate's messages in flight there. Kafka's lane is the topic (with the
@@ -65,34 +67,65 @@ fn within_limit(message: &Message, max_bytes: usize) -> Result<(), SinkError> {
     Ok(())
 }
 
+/// Where one event goes, as [`Sink::route`] rendered it from the templates
+/// and the row's routing columns, checked by the broker's naming rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The topic (Kafka) or exchange (RabbitMQ; empty for the default one).
+    pub destination: String,
+    /// The message key (Kafka) or routing key (RabbitMQ).
+    pub key: String,
+    /// Where `key` came from (a config key or the row's key column), for a
+    /// refusal's reason.
+    pub key_from: &'static str,
+    /// The lane the message goes in, when the sink keeps order within it
+    /// even when a message fails (see the module docs); `None` when it does
+    /// not: then an aggregate has one message in flight at a time.
+    pub lane: Option<String>,
+}
+
+impl Route {
+    /// The destination as the broker names it (RabbitMQ calls the default
+    /// exchange `amq.default`), for spans and logs.
+    pub fn destination_name(&self) -> &str {
+        if self.destination.is_empty() {
+            "amq.default"
+        } else {
+            &self.destination
+        }
+    }
+}
+
 /// A broker the relay publishes to. See the module docs for the contract.
 pub trait Sink: Send {
-    /// Hands `message` (built from `event`) to the broker client.
+    /// Where `event` goes. `Err(Rejected)` when a template or a routing
+    /// column gives a name the broker would refuse: the event is refused
+    /// without anything being sent.
+    fn route(&self, event: &OutboxEvent) -> Result<Route, SinkError>;
+
+    /// Hands `message` to the broker client, to go where `route` says.
     ///
     /// A synchronous `Err(Rejected)` means nothing was sent. `Err(Unavailable)`
     /// means the sink is broken and must be rebuilt.
     fn send(
         &mut self,
-        event: &OutboxEvent,
+        route: Route,
         message: Message,
     ) -> impl Future<Output = Result<Confirmation, SinkError>> + Send;
 
-    /// The lane `event` goes to, when the sink keeps order within it even
-    /// when a message fails (see the module docs); `None` when it does not:
-    /// then an aggregate has one message in flight at a time.
-    fn lane(&self, event: &OutboxEvent) -> Option<String>;
-
-    /// Where `event` goes (topic, exchange), for its span; `None` when it
-    /// cannot be named (its send is refused then).
-    fn destination(&self, _event: &OutboxEvent) -> Option<String> {
-        None
-    }
-
-    /// Checks that the broker is reachable and the sink can publish; for `check` and readiness.
+    /// Checks that the broker is reachable and the sink can publish; for
+    /// readiness, and for `check`.
     fn probe(&mut self) -> impl Future<Output = Result<(), SinkError>> + Send;
 
+    /// Closes connections; unconfirmed messages are abandoned (their rows stay unsent).
+    fn close(self) -> impl Future<Output = ()> + Send;
+}
+
+/// What `outbox-relay check` asks a broker about destinations, beside the
+/// publishing path.
+pub trait SinkCheck: Sink {
     /// Renders the destination of events of this kind and checks that it
-    /// exists (topic, exchange); returns it for display. For `check`.
+    /// exists (topic, exchange); returns it for display.
     fn check_destination(
         &mut self,
         aggregate_type: &str,
@@ -100,7 +133,7 @@ pub trait Sink: Send {
     ) -> impl Future<Output = Result<String, SinkError>> + Send;
 
     /// Checks that a destination a row names itself (`outbox.columns.destination`)
-    /// is valid and exists; returns it for display. For `check`.
+    /// is valid and exists; returns it for display.
     fn check_named_destination(
         &mut self,
         name: &str,
@@ -108,9 +141,6 @@ pub trait Sink: Send {
 
     /// True when every event goes to one destination (no placeholder in the templates).
     fn fixed_destination(&self) -> bool;
-
-    /// Closes connections; unconfirmed messages are abandoned (their rows stay unsent).
-    fn close(self) -> impl Future<Output = ()> + Send;
 }
 
 /// The broker named in the configuration, behind one type.
@@ -142,28 +172,17 @@ impl AnySink {
 }
 
 impl Sink for AnySink {
-    async fn send(
-        &mut self,
-        event: &OutboxEvent,
-        message: Message,
-    ) -> Result<Confirmation, SinkError> {
+    fn route(&self, event: &OutboxEvent) -> Result<Route, SinkError> {
         match self {
-            AnySink::Kafka(s) => s.send(event, message).await,
-            AnySink::RabbitMq(s) => s.send(event, message).await,
+            AnySink::Kafka(s) => s.route(event),
+            AnySink::RabbitMq(s) => s.route(event),
         }
     }
 
-    fn lane(&self, event: &OutboxEvent) -> Option<String> {
+    async fn send(&mut self, route: Route, message: Message) -> Result<Confirmation, SinkError> {
         match self {
-            AnySink::Kafka(s) => s.lane(event),
-            AnySink::RabbitMq(s) => s.lane(event),
-        }
-    }
-
-    fn destination(&self, event: &OutboxEvent) -> Option<String> {
-        match self {
-            AnySink::Kafka(s) => s.destination(event),
-            AnySink::RabbitMq(s) => s.destination(event),
+            AnySink::Kafka(s) => s.send(route, message).await,
+            AnySink::RabbitMq(s) => s.send(route, message).await,
         }
     }
 
@@ -174,6 +193,15 @@ impl Sink for AnySink {
         }
     }
 
+    async fn close(self) {
+        match self {
+            AnySink::Kafka(s) => s.close().await,
+            AnySink::RabbitMq(s) => s.close().await,
+        }
+    }
+}
+
+impl SinkCheck for AnySink {
     async fn check_destination(
         &mut self,
         aggregate_type: &str,
@@ -196,13 +224,6 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.fixed_destination(),
             AnySink::RabbitMq(s) => s.fixed_destination(),
-        }
-    }
-
-    async fn close(self) {
-        match self {
-            AnySink::Kafka(s) => s.close().await,
-            AnySink::RabbitMq(s) => s.close().await,
         }
     }
 }

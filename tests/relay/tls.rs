@@ -14,7 +14,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use outbox_relay::config::{RabbitMqConfig, SinkConfig};
-use outbox_relay::sink::{RabbitMqSink, Sink, SinkError};
+use outbox_relay::sink::{RabbitMqSink, Sink, SinkCheck, SinkError};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 

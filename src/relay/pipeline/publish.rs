@@ -9,7 +9,7 @@ use crate::dead_letter::DeadLetter;
 use crate::errors::{self, Outcome};
 use crate::outbox::{OutboxEvent, RawRow, RowError};
 use crate::relay::scheduler::Admission;
-use crate::sink::{Confirmation, Sink, SinkError};
+use crate::sink::{Confirmation, Route, Sink, SinkError};
 use crate::source::budget::Charge;
 use crate::source::{RowPosition, SourcedEvent};
 use crate::telemetry::trace::{EventSpan, Outcome as SpanOutcome};
@@ -44,7 +44,11 @@ where
             let Some(event) = self.waiting.pop_front() else {
                 return Ok(());
             };
-            let lane = event.event.as_ref().ok().and_then(|e| self.sink.lane(e));
+            // The lane decides whether it may go beside its aggregate's
+            // unconfirmed messages; its route is rendered again to send it.
+            let lane = (event.event.as_ref().ok())
+                .and_then(|e| self.sink.route(e).ok())
+                .and_then(|r| r.lane);
             // A redriven letter goes although its aggregate is dead.
             let blocked = matches!(event.position, Origin::Source(_))
                 && self.blocks.is_blocked(event.aggregate_id());
@@ -179,16 +183,22 @@ where
                 return Ok(());
             }
         };
+        let route = self.sink.route(&event);
         let tracer = &self.telemetry.tracer;
         let mut span = if tracer.is_on() {
-            tracer.span(&event, self.sink.destination(&event), self.read_at)
+            let name = route.as_ref().ok().map(|r| r.destination_name().to_owned());
+            tracer.span(&event, name, self.read_at)
         } else {
             EventSpan::default()
         };
         let message = self.envelope.build_traced(&event, span.traceparent());
         // The broker client keeps a copy until the broker answers.
         charge.grow(message.size());
-        match self.hand_over(&event, message).await {
+        let sent = match route {
+            Ok(route) => self.hand_over(route, message).await,
+            Err(refused) => Err(refused),
+        };
+        match sent {
             Ok(confirmation) => {
                 span.step("published");
                 let timeout = self.settings.confirm_timeout;
@@ -225,11 +235,11 @@ where
     /// broker stopped reading, so it is bounded by `relay.confirm_timeout`.
     async fn hand_over(
         &mut self,
-        event: &OutboxEvent,
+        route: Route,
         message: crate::envelope::Message,
     ) -> Result<Confirmation, SinkError> {
         let timeout = self.settings.confirm_timeout;
-        tokio::time::timeout(timeout, self.sink.send(event, message))
+        tokio::time::timeout(timeout, self.sink.send(route, message))
             .await
             .unwrap_or_else(|_| {
                 Err(SinkError::Unavailable(

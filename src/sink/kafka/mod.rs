@@ -23,7 +23,7 @@ mod error;
 mod log;
 mod route;
 
-use super::{Confirmation, Reason, Sink, SinkError, within_limit};
+use super::{Confirmation, Reason, Route, Sink, SinkCheck, SinkError, within_limit};
 use crate::config::KafkaConfig;
 use crate::envelope::routing::Routing;
 use crate::envelope::{Message, Template, destination};
@@ -34,7 +34,7 @@ use log::LogContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use route::{key_of, lane_of, render, topic_of};
+use route::{render, route};
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
@@ -131,16 +131,21 @@ impl KafkaSink {
 }
 
 impl Sink for KafkaSink {
+    /// The topic, and the key when a key column sets one. The lane is the
+    /// topic and key: one partition per key, and a refused message fails
+    /// every later one of its partition (`enable.gapless.guarantee`).
+    fn route(&self, event: &OutboxEvent) -> Result<Route, SinkError> {
+        route(&self.topic, &self.routing, event)
+    }
+
     async fn send(
         &mut self,
-        event: &OutboxEvent,
+        route: Route,
         mut message: Message,
     ) -> Result<Confirmation, SinkError> {
-        let topic = topic_of(&self.topic, &self.routing, event)?;
-        if let Some(key) = key_of(&self.routing, event)? {
-            key.clone_into(&mut message.key);
-        }
+        message.key = route.key;
         within_limit(&message, self.max_bytes)?;
+        let topic = route.destination;
         self.ensure_topic(&topic).await?;
         let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
         for (k, v) in &message.headers {
@@ -179,17 +184,6 @@ impl Sink for KafkaSink {
         }
     }
 
-    /// The topic, and the key when a key column sets one: one partition
-    /// per key, and a refused message fails every later one of its
-    /// partition (`enable.gapless.guarantee`).
-    fn lane(&self, event: &OutboxEvent) -> Option<String> {
-        lane_of(&self.topic, &self.routing, event)
-    }
-
-    fn destination(&self, event: &OutboxEvent) -> Option<String> {
-        topic_of(&self.topic, &self.routing, event).ok()
-    }
-
     async fn probe(&mut self) -> Result<(), SinkError> {
         if let Some((code, reason)) = self.producer.client().fatal_error() {
             return Err(SinkError::Unavailable(
@@ -210,6 +204,18 @@ impl Sink for KafkaSink {
             })
     }
 
+    async fn close(self) {
+        // Dropping a producer waits for librdkafka's threads: keep that off the runtime.
+        let producer = self.producer;
+        let _ = tokio::task::spawn_blocking(move || {
+            producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+            drop(producer);
+        })
+        .await;
+    }
+}
+
+impl SinkCheck for KafkaSink {
     async fn check_destination(
         &mut self,
         aggregate_type: &str,
@@ -228,15 +234,5 @@ impl Sink for KafkaSink {
 
     fn fixed_destination(&self) -> bool {
         self.topic.is_fixed()
-    }
-
-    async fn close(self) {
-        // Dropping a producer waits for librdkafka's threads: keep that off the runtime.
-        let producer = self.producer;
-        let _ = tokio::task::spawn_blocking(move || {
-            producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
-            drop(producer);
-        })
-        .await;
     }
 }

@@ -3,7 +3,7 @@
 use crate::envelope::routing::{self, Routing};
 use crate::envelope::{Field, Template, destination};
 use crate::outbox::OutboxEvent;
-use crate::sink::SinkError;
+use crate::sink::{Route, SinkError};
 
 /// The topic the template names for events of this kind.
 pub(super) fn render(
@@ -20,7 +20,7 @@ pub(super) fn render(
 }
 
 /// The event's topic: its destination column's value, else the template's.
-pub(super) fn topic_of(
+fn topic_of(
     template: &Template,
     routing: &Routing,
     event: &OutboxEvent,
@@ -35,30 +35,41 @@ pub(super) fn topic_of(
 }
 
 /// The event's key column's value, when it has one (else the aggregate id).
-pub(super) fn key_of<'a>(
-    routing: &Routing,
-    event: &'a OutboxEvent,
-) -> Result<Option<&'a str>, SinkError> {
+fn key_of<'a>(routing: &Routing, event: &'a OutboxEvent) -> Result<Option<&'a str>, SinkError> {
     routing
         .key(event, routing::any_value, "the aggregate id")
         .map_err(SinkError::rejected)
 }
 
-/// Messages of one aggregate keep their order through a refusal only
-/// within one partition: the same topic and the same key. Without a key of
-/// its own an event's key is its aggregate id, the same for all of them.
-/// An event whose topic or key is refused has no lane.
-pub(super) fn lane_of(
+/// The event's topic and key. Messages of one aggregate keep their order
+/// through a refusal only within one partition: the same topic and the same
+/// key, which is the lane. Without a key of its own an event's key is its
+/// aggregate id, the same for all of them, so the topic alone names the lane.
+pub(super) fn route(
     template: &Template,
     routing: &Routing,
     event: &OutboxEvent,
-) -> Option<String> {
-    let topic = topic_of(template, routing, event).ok()?;
-    match key_of(routing, event).ok()? {
-        None => Some(topic),
+) -> Result<Route, SinkError> {
+    let topic = topic_of(template, routing, event)?;
+    let (key, key_from, lane) = match key_of(routing, event)? {
+        None => (
+            event.aggregate_id.clone(),
+            "the aggregate id",
+            topic.clone(),
+        ),
         // A NUL cannot occur in a topic name.
-        Some(key) => Some(format!("{topic}\0{key}")),
-    }
+        Some(key) => (
+            key.to_owned(),
+            "the row's outbox.columns.key value",
+            format!("{topic}\0{key}"),
+        ),
+    };
+    Ok(Route {
+        destination: topic,
+        key,
+        key_from,
+        lane: Some(lane),
+    })
 }
 
 #[cfg(test)]
@@ -91,7 +102,11 @@ mod tests {
             key: Some("msg_key".into()),
             ..Default::default()
         });
-        let lane = |extra: &[(&str, &str)]| lane_of(&template, &routing, &event("o-1", extra));
+        let lane = |extra: &[(&str, &str)]| {
+            route(&template, &routing, &event("o-1", extra))
+                .ok()
+                .and_then(|r| r.lane)
+        };
         // NULL columns: the template's topic, keyed by the aggregate id.
         assert_eq!(lane(&[]).as_deref(), Some("outbox.event.order"));
         // Two events of one aggregate routed to different topics, or keyed
@@ -117,9 +132,11 @@ mod tests {
         );
         // Without routing columns the lane is the template's topic, as before.
         let plain = Routing::default();
-        assert_eq!(
-            lane_of(&template, &plain, &e).as_deref(),
-            Some("outbox.event.order")
-        );
+        let plain_route = route(&template, &plain, &e).unwrap();
+        assert_eq!(plain_route.lane.as_deref(), Some("outbox.event.order"));
+        assert_eq!(plain_route.destination, "outbox.event.order");
+        assert_eq!(plain_route.key, "o-1", "keyed by the aggregate id");
+        let keyed = route(&template, &routing, &event("o-1", &[("msg_key", "k")])).unwrap();
+        assert_eq!(keyed.key, "k");
     }
 }

@@ -22,7 +22,7 @@ mod confirms;
 mod error;
 mod tls;
 
-use super::{Confirmation, Reason, Sink, SinkError, within_limit};
+use super::{Confirmation, Reason, Route, Sink, SinkCheck, SinkError, within_limit};
 use crate::config::{RabbitMqConfig, redact_url};
 use crate::envelope::routing::Routing;
 use crate::envelope::{Field, Message, Template, destination};
@@ -135,7 +135,7 @@ impl RabbitMqSink {
     /// The event's exchange and routing key: its routing columns' values,
     /// else the templates'; and where the routing key came from, for the
     /// operator to change it.
-    fn route(&self, event: &OutboxEvent) -> Result<(String, String, &'static str), SinkError> {
+    fn route_of(&self, event: &OutboxEvent) -> Result<Route, SinkError> {
         let render = |t: &Template| {
             t.render(|f| match f {
                 Field::AggregateType => &event.aggregate_type,
@@ -157,7 +157,14 @@ impl RabbitMqSink {
         };
         destination::rabbitmq_exchange(&exchange).map_err(SinkError::rejected)?;
         destination::rabbitmq_routing_key(&routing_key).map_err(SinkError::rejected)?;
-        Ok((exchange, routing_key, key_from))
+        Ok(Route {
+            destination: exchange,
+            key: routing_key,
+            key_from,
+            // RabbitMQ can refuse one message (nack, unroutable) and accept
+            // the next, so an aggregate has one message in flight at a time.
+            lane: None,
+        })
     }
 
     async fn ensure_exchange(&mut self, exchange: &str) -> Result<(), SinkError> {
@@ -230,11 +237,11 @@ fn properties(message: &Message) -> Result<BasicProperties, SinkError> {
 }
 
 impl Sink for RabbitMqSink {
-    async fn send(
-        &mut self,
-        event: &OutboxEvent,
-        message: Message,
-    ) -> Result<Confirmation, SinkError> {
+    fn route(&self, event: &OutboxEvent) -> Result<Route, SinkError> {
+        self.route_of(event)
+    }
+
+    async fn send(&mut self, route: Route, message: Message) -> Result<Confirmation, SinkError> {
         if self.connection.status().blocked() {
             // A memory or disk alarm: RabbitMQ stops reading from publishers,
             // so a message sent now would only wait for confirm_timeout.
@@ -243,7 +250,12 @@ impl Sink for RabbitMqSink {
                 self.url
             ).into()));
         }
-        let (exchange, routing_key, key_from) = self.route(event)?;
+        let Route {
+            destination: exchange,
+            key: routing_key,
+            key_from,
+            ..
+        } = route;
         within_limit(&message, self.max_bytes)?;
         let properties = properties(&message)?;
         self.ensure_exchange(&exchange).await?;
@@ -289,6 +301,33 @@ impl Sink for RabbitMqSink {
         }))
     }
 
+    async fn probe(&mut self) -> Result<(), SinkError> {
+        if self.connection.status().blocked() {
+            Err(SinkError::Unavailable(
+                format!(
+                    "RabbitMQ at {} has blocked publishers (a memory or disk alarm)",
+                    self.url
+                )
+                .into(),
+            ))
+        } else if self.connection.status().connected() && self.channel.status().connected() {
+            Ok(())
+        } else {
+            Err(SinkError::Unavailable(
+                format!("the connection to RabbitMQ at {} is closed", self.url).into(),
+            ))
+        }
+    }
+
+    async fn close(self) {
+        let _ = self
+            .connection
+            .close(200, "outbox-relay closing".into())
+            .await;
+    }
+}
+
+impl SinkCheck for RabbitMqSink {
     async fn check_destination(
         &mut self,
         aggregate_type: &str,
@@ -317,46 +356,5 @@ impl Sink for RabbitMqSink {
 
     fn fixed_destination(&self) -> bool {
         self.exchange.is_fixed() && self.routing_key.is_fixed()
-    }
-
-    /// None: RabbitMQ can refuse one message (nack, unroutable) and accept
-    /// the next, so an aggregate has one message in flight at a time.
-    fn lane(&self, _event: &OutboxEvent) -> Option<String> {
-        None
-    }
-
-    /// The exchange (`amq.default`, as RabbitMQ names it, for the default one).
-    fn destination(&self, event: &OutboxEvent) -> Option<String> {
-        let (exchange, _, _) = self.route(event).ok()?;
-        Some(if exchange.is_empty() {
-            "amq.default".to_owned()
-        } else {
-            exchange
-        })
-    }
-
-    async fn probe(&mut self) -> Result<(), SinkError> {
-        if self.connection.status().blocked() {
-            Err(SinkError::Unavailable(
-                format!(
-                    "RabbitMQ at {} has blocked publishers (a memory or disk alarm)",
-                    self.url
-                )
-                .into(),
-            ))
-        } else if self.connection.status().connected() && self.channel.status().connected() {
-            Ok(())
-        } else {
-            Err(SinkError::Unavailable(
-                format!("the connection to RabbitMQ at {} is closed", self.url).into(),
-            ))
-        }
-    }
-
-    async fn close(self) {
-        let _ = self
-            .connection
-            .close(200, "outbox-relay closing".into())
-            .await;
     }
 }
