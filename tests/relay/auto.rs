@@ -88,7 +88,9 @@ impl Writer {
 
 /// Waits until the relay reads with `mode`, as its metric says.
 async fn wait_reading(port: u16, mode: &str) {
-    let series = format!("outbox_relay_source_mode{{pipeline=\"default\",mode=\"{mode}\"}}");
+    let series = format!(
+        "outbox_relay_source_mode{{pipeline=\"default\",mode=\"{mode}\",configured=\"auto\"}}"
+    );
     wait_for(WAIT, &format!("the relay to read by {mode}"), || async {
         let (_, body) = http_get(port, "/metrics").await?;
         (metric(&body, &series) == Some(1.0)).then_some(())
