@@ -157,6 +157,17 @@ pub enum SourceMode {
 keyword_enum!(SourceMode { Polling = "polling", Cdc = "cdc", Auto = "auto" });
 
 impl SourceMode {
+    /// The keyword, as written in the configuration (a metrics label).
+    pub fn keyword(self) -> &'static str {
+        match self {
+            SourceMode::Polling => "polling",
+            SourceMode::Cdc => "cdc",
+            SourceMode::Auto => "auto",
+        }
+    }
+}
+
+impl SourceMode {
     /// The keyword, as written in the configuration.
     pub fn name(self) -> &'static str {
         match self {

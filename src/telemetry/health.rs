@@ -59,11 +59,22 @@ impl PipelineHealth {
         *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.to_owned());
     }
 
-    /// This instance started relaying a shard (or the whole outbox).
+    /// This instance took ownership of a shard (or the whole outbox). A
+    /// failure of the previous run stands until this one [`relaying`]: a
+    /// run that fails again at once (a lost slot, a missing publication)
+    /// must not read as ready between its attempts.
+    ///
+    /// [`relaying`]: PipelineHealth::relaying
     pub fn acquired(&self) {
-        self.healthy();
+        self.started.store(true, Ordering::SeqCst);
         self.progress();
         self.owned.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The run got past its source's and sink's setup and relays.
+    pub fn relaying(&self) {
+        self.healthy();
+        self.progress();
     }
 
     pub fn released(&self) {
@@ -174,6 +185,7 @@ mod tests {
             }
         );
         h.acquired();
+        h.relaying();
         h.set_in_flight(3);
         assert_eq!(h.status().state, "active");
         std::thread::sleep(Duration::from_millis(80));
@@ -189,7 +201,12 @@ mod tests {
             }
         );
         h.acquired();
-        assert!(h.status().ready, "acquiring again clears the failure");
+        assert!(
+            !h.status().ready,
+            "ownership alone does not clear the failure: the run may fail again at once"
+        );
+        h.relaying();
+        assert!(h.status().ready, "relaying again clears the failure");
         let all = Health::default();
         all.register(h.clone());
         assert!(all.readiness().0);

@@ -86,13 +86,15 @@ pub struct PipelineMetrics {
     /// Lost replication slots dropped and created again (CDC).
     pub slots_recreated: Counter,
     pub last_publish: Gauge,
-    /// 1 for the way this instance reads the outbox now, by `mode`.
+    /// 1 for the way this instance reads the outbox now, by `mode`; the
+    /// `configured` label (`source.mode`) tells an auto pipeline that fell
+    /// back to polling from one that was told to poll.
     reading_cdc: Gauge,
     reading_polling: Gauge,
 }
 
 impl PipelineMetrics {
-    pub fn new(pipeline: &str, destination: &'static str) -> Self {
+    pub fn new(pipeline: &str, destination: &'static str, configured: &'static str) -> Self {
         let p = pipeline.to_owned();
         PipelineMetrics {
             published: counter!(EVENTS_PUBLISHED, "pipeline" => p.clone(), "destination" => destination),
@@ -116,8 +118,8 @@ impl PipelineMetrics {
             restarts: counter!(RESTARTS, "pipeline" => p.clone()),
             slots_recreated: counter!(SLOTS_RECREATED, "pipeline" => p.clone()),
             last_publish: gauge!(LAST_PUBLISH, "pipeline" => p.clone()),
-            reading_cdc: gauge!(SOURCE_MODE, "pipeline" => p.clone(), "mode" => "cdc"),
-            reading_polling: gauge!(SOURCE_MODE, "pipeline" => p, "mode" => "polling"),
+            reading_cdc: gauge!(SOURCE_MODE, "pipeline" => p.clone(), "mode" => "cdc", "configured" => configured),
+            reading_polling: gauge!(SOURCE_MODE, "pipeline" => p, "mode" => "polling", "configured" => configured),
         }
     }
 

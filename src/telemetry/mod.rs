@@ -56,7 +56,11 @@ impl PipelineTelemetry {
     pub fn new(config: &Config) -> Self {
         PipelineTelemetry {
             health: health::PipelineHealth::new(&config.name, config.relay.confirm_timeout),
-            metrics: metrics::PipelineMetrics::new(&config.name, config.sink.kind()),
+            metrics: metrics::PipelineMetrics::new(
+                &config.name,
+                config.sink.kind(),
+                config.source.mode.keyword(),
+            ),
             tracer: trace::EventTracer::default(),
         }
     }

@@ -33,10 +33,10 @@ async fn app_database(pg: &PrivatePg, sink: &str) -> (tokio_postgres::Client, St
 }
 
 /// One committed event: (aggregate, id), in commit order.
-type Committed = Vec<(String, String)>;
+pub(crate) type Committed = Vec<(String, String)>;
 
 /// Commits `n` events, one per transaction, round robin over the aggregates.
-async fn write(app: &tokio_postgres::Client, n: usize, into: &mut Committed) {
+pub(crate) async fn write(app: &tokio_postgres::Client, n: usize, into: &mut Committed) {
     write_as(app, "a", n, into).await;
 }
 
@@ -88,7 +88,9 @@ impl Writer {
 
 /// Waits until the relay reads with `mode`, as its metric says.
 async fn wait_reading(port: u16, mode: &str) {
-    let series = format!("outbox_relay_source_mode{{pipeline=\"default\",mode=\"{mode}\"}}");
+    let series = format!(
+        "outbox_relay_source_mode{{pipeline=\"default\",mode=\"{mode}\",configured=\"auto\"}}"
+    );
     wait_for(WAIT, &format!("the relay to read by {mode}"), || async {
         let (_, body) = http_get(port, "/metrics").await?;
         (metric(&body, &series) == Some(1.0)).then_some(())
@@ -96,7 +98,7 @@ async fn wait_reading(port: u16, mode: &str) {
     .await;
 }
 
-async fn unsent(app: &tokio_postgres::Client) -> i64 {
+pub(crate) async fn unsent(app: &tokio_postgres::Client) -> i64 {
     app.query_one(
         "SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL",
         &[],
@@ -109,7 +111,7 @@ async fn unsent(app: &tokio_postgres::Client) -> i64 {
 /// Waits for every committed event and for the table to have none unsent
 /// (so no re-send can still come), then checks each arrived exactly once
 /// and each aggregate's in commit order.
-async fn assert_each_once_in_order(
+pub(crate) async fn assert_each_once_in_order(
     broker: &RabbitExchange,
     app: &tokio_postgres::Client,
     committed: &Committed,

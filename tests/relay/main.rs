@@ -19,6 +19,7 @@ mod extra_columns;
 mod failures;
 mod fencing;
 mod logs;
+mod lost_slot;
 mod memory;
 mod messages;
 mod migrations;

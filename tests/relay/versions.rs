@@ -229,6 +229,67 @@ async fn failover_is_refused_before_17() {
     );
 }
 
+/// `run` refuses a failover slot before 17 as `migrate` and `check` do:
+/// not ready, naming the reason, nothing published; neither by creating a
+/// slot without failover, nor by streaming from one that exists already.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_refuses_failover_before_17() {
+    let admin = admin_url(16);
+    check_server_version(&admin, 16).await;
+    let db = TestDb::new_on(&admin).await;
+    apply_files(&db.client, &files_for(Mode::Cdc)).await;
+    let rabbit = RabbitExchange::new().await;
+    let toml = set(
+        &with_mode(&base_toml(&db.url, &rabbit.sink_toml()), Mode::Cdc),
+        "source.cdc.failover",
+        "true",
+    );
+    let slot = toml
+        .lines()
+        .find_map(|l| l.strip_prefix("slot = "))
+        .expect("a slot line")
+        .trim_matches('"')
+        .to_owned();
+    let port = crate::kit::free_port();
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let sent = insert_events(&db, 5).await;
+    let refused = || async {
+        wait_for(WAIT, "readiness to name the refusal", || async {
+            let (code, body) = http_get(port, "/readyz").await?;
+            (code == 503 && body.contains("source.cdc.failover needs PostgreSQL 17")).then_some(())
+        })
+        .await;
+        // And it stays so, between its retries too.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while std::time::Instant::now() < until {
+            let (code, body) = http_get(port, "/readyz").await.expect("readyz answers");
+            assert_eq!(code, 503, "{body}");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
+    refused().await;
+    let slots = "SELECT count(*) FROM pg_replication_slots WHERE database = current_database()";
+    assert_eq!(
+        db.count(slots).await,
+        0,
+        "no slot without failover was made"
+    );
+
+    // A slot made without failover (by an older configuration, say) is no
+    // way around it.
+    db.client
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await
+        .unwrap();
+    refused().await;
+    assert_eq!(rabbit.inbox.len(), 0, "nothing published: {sent:?}");
+    assert_eq!(db.unsent().await, 5);
+    assert!(relay.terminate().success(), "the relay exits 0 on SIGTERM");
+}
+
 /// Events as logical messages need pgoutput's `messages` option, from 14 on:
 /// refused on 13 with the reason, delivered on 14.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -148,6 +148,7 @@ where
     K: Sink,
 {
     let lease = cx.lease.clone();
+    cx.telemetry.health.relaying();
     let mut pipeline = Pipeline::start(reader, acker, sink, cx, blocks);
     // Whatever the loop waits for (the acker, most likely, stuck on the
     // silent session), a lease that cannot be renewed ends it.

@@ -137,10 +137,20 @@ const SETTLE_WAIT: Duration = Duration::from_secs(2);
 const SETTLE_POLL: Duration = Duration::from_millis(10);
 
 impl PgServer {
-    /// wal_level, the server version messages need, and the publication.
+    /// wal_level, the server version messages and failover slots need,
+    /// and the publication.
     async fn check_server(&self) -> Result<(), SourceError> {
         let s = &self.settings;
         if let Some(problem) = setup::wal_level_problem(&setup::wal_level(&self.client).await?) {
+            return Err(SourceError::Setup(problem));
+        }
+        // Refused whether or not the slot exists: streaming from a slot
+        // made without failover would quietly drop what was asked for.
+        if s.failover
+            && let Some(problem) = setup::failover_problem(&self.client)
+                .await
+                .map_err(SourceError::Setup)?
+        {
             return Err(SourceError::Setup(problem));
         }
         if s.messages.is_some()
