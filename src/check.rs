@@ -269,7 +269,7 @@ async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut
     let sql = format!(
         "SELECT count(*) FROM {} WHERE {} IS NULL",
         config.outbox.table.quoted(),
-        crate::outbox::SENT_AT_COLUMN
+        crate::config::SENT_AT_COLUMN
     );
     match client.query_one(&sql, &[]).await {
         Ok(row) => r.add(
@@ -282,18 +282,18 @@ async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut
     let c = &config.outbox.columns;
     let (table, unsent) = (
         config.outbox.table.quoted(),
-        format!("{} IS NULL", crate::outbox::SENT_AT_COLUMN),
+        format!("{} IS NULL", crate::config::SENT_AT_COLUMN),
     );
     // Rows that name their own destination do not use the templates'.
-    let own = c.destination.as_deref().map(crate::outbox::quote_ident);
+    let own = c.destination.as_deref().map(crate::sql::quote_ident);
     let templated = own
         .as_ref()
         .map(|d| format!(" AND {d} IS NULL"))
         .unwrap_or_default();
     let kinds = format!(
         "SELECT DISTINCT {}::text, {}::text FROM {table} WHERE {unsent}{templated} LIMIT 20",
-        crate::outbox::quote_ident(&c.aggregate_type),
-        crate::outbox::quote_ident(&c.event_type),
+        crate::sql::quote_ident(&c.aggregate_type),
+        crate::sql::quote_ident(&c.event_type),
     );
     if let Ok(rows) = client.query(&kinds, &[]).await {
         r.pending_kinds = rows.iter().map(|row| (row.get(0), row.get(1))).collect();
@@ -419,7 +419,7 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
 /// function applications write them with is installed.
 async fn check_messages(
     client: &tokio_postgres::Client,
-    table: &crate::outbox::TableName,
+    table: &crate::config::TableName,
     prefix: &str,
     r: &mut Report,
 ) {

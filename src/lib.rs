@@ -2,7 +2,9 @@
 //! Kafka or RabbitMQ, in order per aggregate, and marks each row sent only
 //! after the broker confirmed it.
 //!
-//! - [`config`]: the TOML file, environment overrides, validation.
+//! - [`config`]: the TOML file, environment overrides, validation, and the
+//!   value types it holds (table and column names, templates, TLS modes); a leaf.
+//! - [`sql`]: quoting for the SQL the relay builds from configured names.
 //! - [`outbox`]: the table contract, row decoding.
 //! - [`migrate`]: `outbox-relay migrate`, the steps it plans and applies.
 //! - [`envelope`]: CloudEvents messages and destination templates.
@@ -35,5 +37,6 @@ pub mod shutdown;
 mod sim;
 pub mod sink;
 pub mod source;
+pub mod sql;
 pub mod status;
 pub mod telemetry;

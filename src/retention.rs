@@ -39,10 +39,11 @@
 
 use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode, RetentionMode};
+use crate::config::{SENT_AT_COLUMN, TableName};
 use crate::db::DbError;
 use crate::errors::{self, ErrorKind};
 use crate::outbox::sent_index;
-use crate::outbox::{SENT_AT_COLUMN, TableName, quote_ident};
+use crate::sql::quote_ident;
 use crate::telemetry::metrics::PipelineMetrics;
 use chrono::{DateTime, Utc};
 use std::time::Duration;

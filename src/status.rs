@@ -3,11 +3,12 @@
 //! `outbox-relay status` and by the metrics sampler.
 
 use crate::config::{Config, MarkMode, SourceMode};
+use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN};
 use crate::db::DbError;
 use crate::outbox::ownership_key;
-use crate::outbox::{SENT_AT_COLUMN, SEQ_COLUMN, quote_ident};
 use crate::source::auto::Reading;
 use crate::source::cdc::setup;
+use crate::sql::quote_ident;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use tokio_postgres::Client;
@@ -125,7 +126,7 @@ pub async fn snapshot(
 async fn oldest_unsent_age(
     client: &Client,
     config: &Config,
-    columns: Option<&crate::outbox::ResolvedColumns>,
+    columns: Option<&crate::config::ResolvedColumns>,
 ) -> Result<Option<f64>, DbError> {
     let t = config.outbox.table.quoted();
     Ok(match columns.and_then(|c| c.created_at.clone()) {

@@ -2,28 +2,14 @@
 //! `crate::` paths in `src/` (comments left out). Run it alone with
 //! `cargo nextest run --test architecture`; it prints the graph.
 //!
-//! The goal is layers without back-edges: config, then the outbox contract,
-//! envelope and database helpers, then sources and sinks, then the pipeline,
-//! then the operations and the CLI. Some cycles remain; `KNOWN_CYCLE_EDGES`
-//! lists every edge that lies on one, so a new edge into a cycle fails here,
-//! and so does an edge that no longer lies on one (take it off the list).
+//! The goal is layers without back-edges: config (plain validated data, a
+//! leaf), then the outbox contract, envelope and database helpers, then
+//! sources and sinks, then the pipeline, then the operations and the CLI. No
+//! module may lie on a dependency cycle, and config may import only modules
+//! that import nothing from the crate.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-
-/// Edges `from -> to` that lie on a dependency cycle today: configuration
-/// still borrows value types (table names, column maps, templates, TLS
-/// modes) from the modules that read it. Each is work left for the
-/// layering; none may be added.
-const KNOWN_CYCLE_EDGES: &[(&str, &str)] = &[
-    ("config", "db"),
-    ("config", "envelope"),
-    ("config", "outbox"),
-    ("db", "config"),
-    ("envelope", "config"),
-    ("envelope", "outbox"),
-    ("outbox", "config"),
-];
 
 type Graph = BTreeMap<String, BTreeSet<String>>;
 
@@ -187,40 +173,48 @@ fn the_reference_reader_sees_groups_and_skips_comments() {
 }
 
 #[test]
-fn no_new_dependency_cycles_between_modules() {
-    let graph = module_graph();
-    for (from, to) in &graph {
+fn the_cycle_finder_sees_a_cycle_and_only_it() {
+    let mut graph = Graph::new();
+    for (from, to) in [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")] {
+        graph.entry(from.into()).or_default().insert(to.into());
+    }
+    let found = cycles(&graph);
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].iter().collect::<Vec<_>>(), ["a", "b", "c"]);
+}
+
+fn print(graph: &Graph) {
+    for (from, to) in graph {
         println!(
             "{from} -> {}",
             to.iter().cloned().collect::<Vec<_>>().join(", ")
         );
     }
+}
+
+#[test]
+fn no_dependency_cycles_between_modules() {
+    let graph = module_graph();
+    print(&graph);
     let components = cycles(&graph);
-    let on_cycles: BTreeSet<(String, String)> = components
-        .iter()
-        .flat_map(|c| {
-            graph
-                .iter()
-                .filter(move |(from, _)| c.contains(*from))
-                .flat_map(move |(from, tos)| {
-                    tos.iter()
-                        .filter(move |to| c.contains(*to))
-                        .map(move |to| (from.clone(), to.clone()))
-                })
-        })
-        .collect();
-    let known: BTreeSet<(String, String)> = KNOWN_CYCLE_EDGES
-        .iter()
-        .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
-        .collect();
-    let new: Vec<_> = on_cycles.difference(&known).collect();
-    let gone: Vec<_> = known.difference(&on_cycles).collect();
     assert!(
-        new.is_empty(),
-        "these module dependencies close a cycle: {new:?}; depend downwards only (config, then outbox/envelope/db, then sources and sinks, then the pipeline, then operations and the CLI)"
+        components.is_empty(),
+        "these modules depend on each other in a cycle: {components:?}; depend downwards only (config, then outbox/envelope/db, then sources and sinks, then the pipeline, then operations and the CLI)"
     );
+}
+
+#[test]
+fn config_is_a_leaf() {
+    let graph = module_graph();
+    let leaves: BTreeSet<&String> = graph
+        .iter()
+        .filter(|(_, to)| to.is_empty())
+        .map(|(m, _)| m)
+        .collect();
+    let config = &graph["config"];
+    let above: Vec<_> = config.iter().filter(|m| !leaves.contains(m)).collect();
     assert!(
-        gone.is_empty(),
-        "no longer on a cycle, take them off KNOWN_CYCLE_EDGES: {gone:?}"
+        above.is_empty(),
+        "config imports {above:?}, which import more of the crate; configuration is plain validated data: move the value type it needs into config (or a leaf module)"
     );
 }

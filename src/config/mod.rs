@@ -8,25 +8,32 @@
 //! as `***`.
 
 mod collect;
+pub mod columns;
 mod duration;
 mod load;
 mod secret;
 mod service;
 mod sink;
+mod table;
+mod template;
+mod tls;
 mod validate;
 
+pub use columns::{ColumnMap, ExtraColumn, ResolvedColumns};
 pub use load::{ConfigError, DEFAULT_PIPELINE, load, load_all_str, load_str};
 pub use secret::{Secret, SecretUrl, redact_url};
+use serde::Deserialize;
 pub use service::{
     HttpConfig, LogConfig, LogFormat, OtlpConfig, RetentionConfig, RetentionMode, TelemetryConfig,
 };
-pub use sink::{KafkaConfig, RabbitMqConfig, SaslMechanism, SecurityProtocol, SinkConfig};
-
-use crate::db::tls::{SslMode, TlsOptions};
-use crate::outbox::{ColumnMap, TableName};
-use serde::Deserialize;
+pub use sink::{
+    KafkaConfig, RabbitMqConfig, SaslMechanism, SecurityProtocol, SinkConfig, destination,
+};
 use std::path::PathBuf;
 use std::time::Duration;
+pub use table::{SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
+pub use template::{Field, Template, TemplateError};
+pub use tls::{SslMode, TlsOptions};
 
 /// Deserializes a unit enum from its keyword, with an error that lists the
 /// accepted keywords (serde's own message for config values does not).

@@ -162,7 +162,7 @@ fn extra_columns_are_read_and_checked_by_key() {
     .unwrap();
     assert_eq!(
         ok.outbox.columns.extra,
-        vec![crate::outbox::ExtraColumn {
+        vec![super::ExtraColumn {
             column: "tenant_id".into(),
             header: Some("tenant".into()),
             attribute: Some("tenantid".into()),

@@ -13,7 +13,8 @@
 //! ([`crate::outbox::RawRow::extra`]), so both source modes and the
 //! dead-letter table carry them without columns of their own.
 
-use crate::outbox::{ColumnMap, OutboxEvent};
+use crate::config::ColumnMap;
+use crate::outbox::OutboxEvent;
 
 /// A broker's rule for a name (see [`super::destination`]).
 pub type Rule = fn(&str) -> Result<(), String>;
@@ -113,7 +114,7 @@ fn shown(value: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::destination;
+    use crate::config::destination;
     use chrono::Utc;
     use serde_json::value::RawValue;
 

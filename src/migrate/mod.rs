@@ -2,13 +2,13 @@
 //! table only what the relay needs. Every step checks first, so running it
 //! again changes nothing; `--dry-run` prints the SQL without running it.
 
+use crate::config::{ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 use crate::config::{Config, SourceMode};
 use crate::outbox::inspect::{TableInfo, table_info};
-use crate::outbox::{
-    ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident, sent_index,
-};
+use crate::outbox::sent_index;
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
+use crate::sql::quote_ident;
 use tokio_postgres::Client;
 
 pub mod emit;
@@ -500,11 +500,11 @@ fn create_table(opts: &MigrateOptions) -> Step {
             event_type = q(&c.event_type),
             event_version = optional(
                 &c.event_version,
-                crate::outbox::columns::DEFAULT_EVENT_VERSION
+                crate::config::columns::DEFAULT_EVENT_VERSION
             ),
             payload = q(&c.payload),
-            headers = optional(&c.headers, crate::outbox::columns::DEFAULT_HEADERS),
-            created_at = optional(&c.created_at, crate::outbox::columns::DEFAULT_CREATED_AT),
+            headers = optional(&c.headers, crate::config::columns::DEFAULT_HEADERS),
+            created_at = optional(&c.created_at, crate::config::columns::DEFAULT_CREATED_AT),
             seq = SEQ_COLUMN,
             xid = XID_COLUMN,
             sent = SENT_AT_COLUMN,
@@ -521,13 +521,13 @@ fn event_columns(info: Option<&TableInfo>, map: &ColumnMap) -> Vec<String> {
         None => vec![
             map.event_version
                 .clone()
-                .unwrap_or(crate::outbox::columns::DEFAULT_EVENT_VERSION.into()),
+                .unwrap_or(crate::config::columns::DEFAULT_EVENT_VERSION.into()),
             map.headers
                 .clone()
-                .unwrap_or(crate::outbox::columns::DEFAULT_HEADERS.into()),
+                .unwrap_or(crate::config::columns::DEFAULT_HEADERS.into()),
             map.created_at
                 .clone()
-                .unwrap_or(crate::outbox::columns::DEFAULT_CREATED_AT.into()),
+                .unwrap_or(crate::config::columns::DEFAULT_CREATED_AT.into()),
         ],
     };
     let resolved = map.resolve(&names);
@@ -624,7 +624,7 @@ fn partitioned_seq(table: &TableName) -> Vec<Step> {
             "CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint;
 ALTER TABLE {t} ADD COLUMN {SEQ_COLUMN} bigint NOT NULL DEFAULT nextval({seq_literal}::regclass);
 ALTER SEQUENCE {sequence} OWNED BY {t}.{SEQ_COLUMN}",
-            seq_literal = crate::outbox::quote_literal(&sequence),
+            seq_literal = crate::sql::quote_literal(&sequence),
         ),
     )]
 }

@@ -1,8 +1,10 @@
 //! Reading an existing table's shape and the relay's privileges on it, and
 //! judging whether the relay can use it.
 
-use super::{ColumnMap, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 use crate::config::MarkMode;
+use crate::config::{
+    ColumnMap, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN,
+};
 use crate::errors::ErrorKind;
 use tokio_postgres::GenericClient;
 

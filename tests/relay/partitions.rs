@@ -310,7 +310,7 @@ async fn retention_drops_old_sent_partitions_and_keeps_the_others() {
         .await
         .unwrap();
     let p = report.partitions.clone().expect("a partition report");
-    let names = |v: &[outbox_relay::outbox::TableName]| -> Vec<String> {
+    let names = |v: &[outbox_relay::config::TableName]| -> Vec<String> {
         v.iter().map(|t| t.name.clone()).collect()
     };
     assert_eq!(

@@ -41,7 +41,7 @@ pub use stream::SharedProgress;
 
 use super::{Reader, SourceError, SourcedEvent};
 use crate::config::{Config, MarkMode};
-use crate::outbox::{ResolvedColumns, TableName};
+use crate::config::{ResolvedColumns, TableName};
 use crate::replication::Lsn;
 use progress::CATCH_UP;
 use snapshot::StartupView;
