@@ -6,7 +6,6 @@
 //!   value types it holds (table and column names, templates, TLS modes); a leaf.
 //! - [`sql`]: quoting for the SQL the relay builds from configured names.
 //! - [`outbox`]: the table contract, row decoding.
-//! - [`migrate`]: `outbox-relay migrate`, the steps it plans and applies.
 //! - [`envelope`]: CloudEvents messages and destination templates.
 //! - [`source`]: the polling and CDC readers, and the acker that records
 //!   progress.
@@ -15,28 +14,27 @@
 //! - [`relay`]: ownership, the pipeline between source and sink.
 //! - [`errors`]: the one kind every error maps to, and the policy per kind.
 //! - [`backoff`]: the retry schedule shared by the pipeline and retention.
-//! - [`retention`]: the scheduled cleanup of sent rows and resolved dead letters.
-//! - [`check`], [`cli`], [`shutdown`], [`telemetry`]: the binary's edges.
+//! - [`ops`]: the operator commands (`run`, `migrate`, `check`, `status`,
+//!   `dlq`, `retention`), each one function over the layers above.
+//! - [`cli`]: arguments, and the one mapping from a command's result to its
+//!   exit code.
+//! - [`shutdown`], [`telemetry`]: signals; logs, metrics and health.
 
 pub mod backoff;
-pub mod check;
 pub mod cli;
 pub mod config;
-pub mod daemon;
 pub mod db;
 pub mod dead_letter;
 pub mod envelope;
 pub mod errors;
-pub mod migrate;
+pub mod ops;
 pub mod outbox;
 pub mod relay;
 pub mod replication;
-pub mod retention;
 pub mod shutdown;
 #[cfg(test)]
 mod sim;
 pub mod sink;
 pub mod source;
 pub mod sql;
-pub mod status;
 pub mod telemetry;

@@ -13,6 +13,37 @@ use std::path::Path;
 
 type Graph = BTreeMap<String, BTreeSet<String>>;
 
+/// The layers, lowest first. A module imports modules of its own layer or
+/// of the layers below it, never above; within a layer the cycle test keeps
+/// the order, and sources and sinks never import each other.
+const LAYERS: &[(&str, &[&str])] = &[
+    (
+        "leaves: configuration and small shared values",
+        &["backoff", "config", "errors", "shutdown", "sql"],
+    ),
+    (
+        "the outbox contract, envelope, database, replication client, telemetry",
+        &[
+            "db",
+            "dead_letter",
+            "envelope",
+            "outbox",
+            "replication",
+            "telemetry",
+        ],
+    ),
+    ("sources and sinks", &["sink", "source"]),
+    ("the pipeline and its simulation", &["relay", "sim"]),
+    ("operator commands", &["ops"]),
+    ("the command line", &["cli"]),
+];
+
+fn layer_of(module: &str) -> Option<usize> {
+    LAYERS
+        .iter()
+        .position(|(_, modules)| modules.contains(&module))
+}
+
 /// The top-level module names `crate::` paths in `code` refer to.
 fn referenced(code: &str) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
@@ -201,6 +232,38 @@ fn no_dependency_cycles_between_modules() {
         components.is_empty(),
         "these modules depend on each other in a cycle: {components:?}; depend downwards only (config, then outbox/envelope/db, then sources and sinks, then the pipeline, then operations and the CLI)"
     );
+}
+
+#[test]
+fn modules_import_only_their_layer_and_those_below() {
+    let graph = module_graph();
+    let unplaced: Vec<&String> = graph.keys().filter(|m| layer_of(m).is_none()).collect();
+    assert!(
+        unplaced.is_empty(),
+        "{unplaced:?} belong to no layer: add each to LAYERS in tests/architecture.rs"
+    );
+    let upward: Vec<String> = graph
+        .iter()
+        .flat_map(|(from, tos)| tos.iter().map(move |to| (from, to)))
+        .filter(|(from, to)| layer_of(to) > layer_of(from))
+        .map(|(from, to)| {
+            format!(
+                "{from} -> {to} ({} imports {})",
+                LAYERS[layer_of(from).unwrap()].0,
+                LAYERS[layer_of(to).unwrap()].0
+            )
+        })
+        .collect();
+    assert!(
+        upward.is_empty(),
+        "imports from a higher layer: {upward:?}; move what both need down a layer"
+    );
+    for (a, b) in [("source", "sink"), ("sink", "source")] {
+        assert!(
+            !graph.get(a).is_some_and(|to| to.contains(b)),
+            "{a} imports {b}: sources and sinks never import each other"
+        );
+    }
 }
 
 #[test]

@@ -37,6 +37,7 @@
 //! run. A run repeated (after a crash, or from cron beside `run`) is harmless:
 //! it deletes what is still eligible.
 
+use super::{ConfigFile, Failure};
 use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode, RetentionMode};
 use crate::config::{SENT_AT_COLUMN, TableName};
@@ -95,6 +96,17 @@ impl RetentionError {
             | RetentionError::Partitions(_) => ErrorKind::NeedsOperator,
         }
     }
+}
+
+/// `outbox-relay retention --once`: one cleanup of the pipeline, and its report.
+pub async fn command(file: &ConfigFile, dry_run: bool) -> Result<(), Failure> {
+    let config = file.load_one()?;
+    let client = connect(&config).await.map_err(Failure::runtime)?;
+    let report = once(&client, &config, dry_run)
+        .await
+        .map_err(Failure::runtime)?;
+    println!("{report}");
+    Ok(())
 }
 
 /// The key of the session advisory lock held while cleaning `table`.

@@ -4,6 +4,7 @@
 
 use crate::config::{ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 use crate::config::{Config, SourceMode};
+use crate::ops::{ConfigFile, Failure};
 use crate::outbox::inspect::{TableInfo, table_info};
 use crate::outbox::sent_index;
 use crate::source::cdc::setup;
@@ -13,6 +14,48 @@ use tokio_postgres::Client;
 
 pub mod emit;
 mod triggers;
+
+/// `outbox-relay migrate`: plans each pipeline's steps, prints them, and
+/// applies them unless `dry_run`.
+pub async fn command(
+    file: &ConfigFile,
+    dry_run: bool,
+    mark_existing_sent: bool,
+) -> Result<(), Failure> {
+    super::for_each(&file.load_all()?, |c| {
+        migrate_one(c, dry_run, mark_existing_sent)
+    })
+    .await
+}
+
+async fn migrate_one(
+    config: &Config,
+    dry_run: bool,
+    mark_existing_sent: bool,
+) -> Result<(), Failure> {
+    let mut client = crate::db::connect(&config.database, None)
+        .await
+        .map_err(Failure::runtime)?;
+    let options = MigrateOptions::from_config(config, mark_existing_sent);
+    let steps = plan(&client, &options).await.map_err(Failure::runtime)?;
+    if steps.is_empty() {
+        println!(
+            "-- nothing to do: {} is ready for outbox-relay",
+            options.table
+        );
+        return Ok(());
+    }
+    for (i, step) in steps.iter().enumerate() {
+        println!("-- {}. {}\n{};\n", i + 1, step.description, step.sql);
+    }
+    if dry_run {
+        println!("-- dry run: nothing was changed");
+        return Ok(());
+    }
+    apply(&mut client, &steps).await.map_err(Failure::runtime)?;
+    println!("-- applied {} step(s)", steps.len());
+    Ok(())
+}
 
 /// What `migrate` should set up.
 #[derive(Debug, Clone)]

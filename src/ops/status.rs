@@ -2,6 +2,7 @@
 //! One snapshot per pipeline, read from the database, used by
 //! `outbox-relay status` and by the metrics sampler.
 
+use super::{ConfigFile, Failure};
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN};
 use crate::db::DbError;
@@ -355,12 +356,11 @@ pub fn render(s: &Snapshot) -> String {
     out
 }
 
-/// `outbox-relay status`: a block (or a JSON object) per pipeline; exit 1 if
-/// the database cannot be read.
-/// Prints each pipeline's status; true when every one could be read.
-pub async fn command(configs: &[Config], json: bool) -> bool {
+/// `outbox-relay status`: a block (or a JSON object) per pipeline; fails
+/// (after printing the others) when a pipeline's database cannot be read.
+pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
     let mut failed = false;
-    for config in configs {
+    for config in &file.load_all()? {
         let snapshot = match crate::db::connect(&config.database, None).await {
             Ok(client) => snapshot(&client, config, true).await,
             Err(e) => Err(e),
@@ -374,7 +374,11 @@ pub async fn command(configs: &[Config], json: bool) -> bool {
             }
         }
     }
-    !failed
+    if failed {
+        Err(Failure::Reported)
+    } else {
+        Ok(())
+    }
 }
 
 /// Refreshes the backlog, oldest-unsent, dead-letter and slot gauges until `shutdown`.

@@ -1,5 +1,6 @@
 //! `outbox-relay check`: a readable report of everything the relay needs.
 
+use super::{ConfigFile, Failure};
 use crate::config::{Config, SourceMode};
 use crate::db;
 use crate::outbox::inspect;
@@ -48,6 +49,19 @@ impl Report {
             .filter(|(m, _, _)| *m == Mark::Fail)
             .count()
     }
+}
+
+/// `outbox-relay check`: the report of each pipeline; fails when a check
+/// failed.
+pub async fn command(file: &ConfigFile) -> Result<(), Failure> {
+    super::for_each(&file.load_all()?, |c| async move {
+        if run(c).await {
+            Ok(())
+        } else {
+            Err(Failure::Reported)
+        }
+    })
+    .await
 }
 
 /// Prints the report; true when every check passed.
@@ -226,7 +240,7 @@ async fn check_ownership(config: &Config, client: &tokio_postgres::Client, r: &m
 /// `retention.mode = "partitions"`: the layout suits it, and the current
 /// range has a partition (inserts into a missing range fail).
 async fn check_partitions(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
-    use crate::retention::partitions;
+    use crate::ops::retention::partitions;
     let table = &config.outbox.table;
     let layout = match partitions::layout(client, table).await {
         Ok(layout) => layout,
@@ -428,7 +442,7 @@ async fn check_messages(
         Err(e) => return r.add(Mark::Fail, "messages", e),
         Ok(None) => {}
     }
-    let function = crate::migrate::emit::signature(table);
+    let function = crate::ops::migrate::emit::signature(table);
     match client
         .query_one("SELECT to_regprocedure($1) IS NOT NULL", &[&function])
         .await
