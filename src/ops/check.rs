@@ -1,7 +1,7 @@
 //! `outbox-relay check`: a readable report of everything the relay needs.
 
 use super::{ConfigFile, Failure};
-use crate::config::{Config, SourceMode};
+use crate::config::{Config, SourceMode, TableName};
 use crate::db;
 use crate::outbox::inspect;
 use crate::outbox::ownership_key;
@@ -342,7 +342,24 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         ),
         Err(e) => r.add(Mark::Warn, "replication", e.to_string()),
     }
-    match setup::publication_covers(client, &publication, table).await {
+    check_publication(client, &publication, table, r).await;
+    check_slot(config, client, &slot, r).await;
+    if cdc.failover {
+        check_failover(client, &slot, r).await;
+    }
+    if let Some(prefix) = cdc.message_prefix(&config.outbox.table) {
+        check_messages(client, &config.outbox.table, &prefix, r).await;
+    }
+}
+
+/// The publication exists and publishes the table's inserts.
+async fn check_publication(
+    client: &tokio_postgres::Client,
+    publication: &str,
+    table: &TableName,
+    r: &mut Report,
+) {
+    match setup::publication_covers(client, publication, table).await {
         Ok(Some(true)) => r.add(
             Mark::Ok,
             "publication",
@@ -351,7 +368,7 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         Ok(Some(false)) => r.add(
             Mark::Fail,
             "publication",
-            setup::not_published_problem(client, &publication, table)
+            setup::not_published_problem(client, publication, table)
                 .await
                 .unwrap_or_else(|e| e.to_string()),
         ),
@@ -362,18 +379,20 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         ),
         Err(e) => r.add(Mark::Fail, "publication", e.to_string()),
     }
+}
+
+/// The slot exists on this database, is usable, and how far behind it is.
+async fn check_slot(config: &Config, client: &tokio_postgres::Client, slot: &str, r: &mut Report) {
+    let cdc = &config.source.cdc;
     let database: String = client
         .query_one("SELECT current_database()::text", &[])
         .await
         .map(|row| row.get(0))
         .unwrap_or_default();
-    match setup::slot_info(client, &slot).await {
+    match setup::slot_info(client, slot).await {
         Ok(Some(info)) => {
-            let problems = setup::slot_problems(&info, &slot, &database);
+            let problems = setup::slot_problems(&info, slot, &database);
             if problems.is_empty() && !info.is_lost() {
-                let mib = |b: Option<i64>| {
-                    b.map_or("?".into(), |b| format!("{:.1} MiB", b as f64 / 1_048_576.0))
-                };
                 r.add(
                     Mark::Ok,
                     "slot",
@@ -385,8 +404,8 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
                             "not streaming"
                         },
                         info.wal_status.as_deref().unwrap_or("?"),
-                        mib(info.retained_bytes),
-                        mib(info.lag_bytes)
+                        super::mib(info.retained_bytes),
+                        super::mib(info.lag_bytes)
                     ),
                 );
             }
@@ -394,19 +413,7 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
                 r.add(Mark::Fail, "slot", p);
             }
             if info.is_lost() {
-                let marked = config.relay.mark != crate::config::MarkMode::None && !cdc.messages;
-                if cdc.recreates_lost_slot(config.relay.mark) {
-                    r.add(
-                        Mark::Warn,
-                        "slot",
-                        format!(
-                            "{slot} is lost (PostgreSQL removed WAL it still needed); `run` drops it, creates a new one \
-                             and publishes the unsent rows from the table first (source.cdc.on_lost_slot = \"recreate\")"
-                        ),
-                    );
-                } else {
-                    r.add(Mark::Fail, "slot", setup::lost_slot_message(&slot, marked));
-                }
+                report_lost_slot(config, slot, r);
             }
         }
         Ok(None) if cdc.create_slot => r.add(
@@ -421,11 +428,23 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         ),
         Err(e) => r.add(Mark::Fail, "slot", e.to_string()),
     }
-    if cdc.failover {
-        check_failover(client, &slot, r).await;
-    }
-    if let Some(prefix) = cdc.message_prefix(&config.outbox.table) {
-        check_messages(client, &config.outbox.table, &prefix, r).await;
+}
+
+/// A lost slot fails the check, unless `run` recreates it.
+fn report_lost_slot(config: &Config, slot: &str, r: &mut Report) {
+    let cdc = &config.source.cdc;
+    let marked = config.relay.mark != crate::config::MarkMode::None && !cdc.messages;
+    if cdc.recreates_lost_slot(config.relay.mark) {
+        r.add(
+            Mark::Warn,
+            "slot",
+            format!(
+                "{slot} is lost (PostgreSQL removed WAL it still needed); `run` drops it, creates a new one \
+                 and publishes the unsent rows from the table first (source.cdc.on_lost_slot = \"recreate\")"
+            ),
+        );
+    } else {
+        r.add(Mark::Fail, "slot", setup::lost_slot_message(slot, marked));
     }
 }
 

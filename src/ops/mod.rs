@@ -95,6 +95,11 @@ impl ConfigFile {
     }
 }
 
+/// A byte count in MiB for reports, `?` when unknown.
+fn mib(bytes: Option<i64>) -> String {
+    bytes.map_or("?".into(), |b| format!("{:.1} MiB", b as f64 / 1_048_576.0))
+}
+
 /// Runs `one` for each pipeline, with a header before each when there are
 /// several. A pipeline that fails has its error printed and the others
 /// still run; the command then fails as [`Failure::Reported`].

@@ -453,18 +453,12 @@ pub async fn run_scheduled(
     metrics: Option<PipelineMetrics>,
     shutdown: CancellationToken,
 ) {
+    if !has_work(config) {
+        return;
+    }
     let r = &config.retention;
     let pipeline = config.name.as_str();
-    if !r.enabled {
-        tracing::debug!(pipeline, "retention disabled");
-        return;
-    }
     let by_partition = r.mode == RetentionMode::Partitions;
-    if config.relay.mark != MarkMode::Update && !config.dead_letter.enabled && !by_partition {
-        tracing::info!(pipeline, mark = ?config.relay.mark, "retention has nothing to clean: sent rows are not kept and dead-lettering is off");
-        return;
-    }
-    tracing::info!(pipeline, interval = ?r.interval, sent_window = ?r.sent_window, dead_letter_window = ?r.dead_letter_window, "retention scheduled");
     let mut backoff = Backoff::new(
         config.relay.retry_base,
         config.relay.retry_max.min(r.interval),
@@ -508,27 +502,55 @@ pub async fn run_scheduled(
                 backoff.reset();
                 log_report(pipeline, &report);
                 if let Some(m) = &metrics {
-                    m.retention_outbox.increment(report.outbox.rows());
-                    m.retention_dead_letters
-                        .increment(report.dead_letters.rows());
-                    if let Some(p) = &report.partitions {
-                        m.partitions_created.increment(p.created.len() as u64);
-                        m.partitions_dropped.increment(p.dropped.len() as u64);
-                    }
+                    count_report(m, &report);
                 }
             }
             Err(e) => {
                 wait = backoff.next_delay();
-                if errors::policy(e.kind()).level == Level::WARN {
-                    tracing::warn!(pipeline, error = %e, attempt = backoff.attempts(), retry_in = ?wait, "retention cleanup failed; retrying");
-                } else {
-                    tracing::error!(pipeline, error = %e, attempt = backoff.attempts(), retry_in = ?wait, "retention cleanup cannot work until this is fixed; retrying");
-                }
+                log_failure(pipeline, &e, backoff.attempts(), wait);
             }
         }
         if shutdown.is_cancelled() {
             return;
         }
+    }
+}
+
+/// Whether the schedule has anything to do; says why not, and when it has,
+/// that it is scheduled.
+fn has_work(config: &Config) -> bool {
+    let r = &config.retention;
+    let pipeline = config.name.as_str();
+    if !r.enabled {
+        tracing::debug!(pipeline, "retention disabled");
+        return false;
+    }
+    let by_partition = r.mode == RetentionMode::Partitions;
+    if config.relay.mark != MarkMode::Update && !config.dead_letter.enabled && !by_partition {
+        tracing::info!(pipeline, mark = ?config.relay.mark, "retention has nothing to clean: sent rows are not kept and dead-lettering is off");
+        return false;
+    }
+    tracing::info!(pipeline, interval = ?r.interval, sent_window = ?r.sent_window, dead_letter_window = ?r.dead_letter_window, "retention scheduled");
+    true
+}
+
+fn count_report(m: &PipelineMetrics, report: &Report) {
+    m.retention_outbox.increment(report.outbox.rows());
+    m.retention_dead_letters
+        .increment(report.dead_letters.rows());
+    if let Some(p) = &report.partitions {
+        m.partitions_created.increment(p.created.len() as u64);
+        m.partitions_dropped.increment(p.dropped.len() as u64);
+    }
+}
+
+/// At the level the error's kind calls for: a transient failure warns, one
+/// that needs the operator is an error.
+fn log_failure(pipeline: &str, e: &RetentionError, attempt: u32, wait: Duration) {
+    if errors::policy(e.kind()).level == Level::WARN {
+        tracing::warn!(pipeline, error = %e, attempt, retry_in = ?wait, "retention cleanup failed; retrying");
+    } else {
+        tracing::error!(pipeline, error = %e, attempt, retry_in = ?wait, "retention cleanup cannot work until this is fixed; retrying");
     }
 }
 

@@ -275,12 +275,38 @@ pub fn render(s: &Snapshot) -> String {
         s.pipeline, s.mode, s.sink, s.table
     );
     let mut line = |k: &str, v: String| out.push_str(&format!("  {k:<22} {v}\n"));
+    let (owner_key, owner) = owner(s);
+    line(owner_key, owner);
+    line("backlog", format!("{} unsent event(s)", s.backlog));
+    line("oldest unsent", oldest_unsent(s));
+    line(
+        "dead letters",
+        s.dead_letters
+            .map_or("dead-lettering off".into(), |n| format!("{n} open")),
+    );
+    line(
+        "last publish",
+        s.last_publish.map_or("unknown".into(), |t| {
+            t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+        }),
+    );
+    if let Some(auto) = &s.auto {
+        line("reading by", reading_by(auto));
+    }
+    if let Some(slot) = &s.slot {
+        line("slot", slot_line(slot));
+    }
+    out
+}
+
+/// Who publishes: the shards owned, or the active instance.
+fn owner(s: &Snapshot) -> (&'static str, String) {
     match (&s.active, s.shards_owned) {
-        (_, Some((held, n))) => line(
+        (_, Some((held, n))) => (
             "active shards",
             format!("{held} of {n} owned by running instances"),
         ),
-        (Some(h), None) => line(
+        (Some(h), None) => (
             "active instance",
             format!(
                 "pid {} ({}{})",
@@ -296,64 +322,43 @@ pub fn render(s: &Snapshot) -> String {
                     .unwrap_or_default()
             ),
         ),
-        (None, None) => line("active instance", "none: no relay holds this outbox".into()),
+        (None, None) => ("active instance", "none: no relay holds this outbox".into()),
     }
-    line("backlog", format!("{} unsent event(s)", s.backlog));
-    line(
-        "oldest unsent",
-        match s.oldest_unsent_age_seconds {
-            Some(a) => {
-                humantime::format_duration(std::time::Duration::from_secs(a as u64)).to_string()
-                    + " old"
-            }
-            None if s.backlog == 0 => "-".into(),
-            None => "unknown (no created_at column)".into(),
-        },
-    );
-    line(
-        "dead letters",
-        s.dead_letters
-            .map_or("dead-lettering off".into(), |n| format!("{n} open")),
-    );
-    line(
-        "last publish",
-        s.last_publish.map_or("unknown".into(), |t| {
-            t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
-        }),
-    );
-    if let Some(auto) = &s.auto {
-        line(
-            "reading by",
-            match (auto.reading, &auto.blocked) {
-                ("none", _) => "nothing: no instance is active".into(),
-                ("cdc", _) => "cdc (the slot is streaming)".into(),
-                (_, Some(blocked)) => format!("polling: CDC is not possible: {blocked}"),
-                (_, None) => {
-                    "polling; CDC is possible, the relay switches at its next probe".into()
-                }
-            },
-        );
+}
+
+fn oldest_unsent(s: &Snapshot) -> String {
+    match s.oldest_unsent_age_seconds {
+        Some(a) => {
+            humantime::format_duration(std::time::Duration::from_secs(a as u64)).to_string()
+                + " old"
+        }
+        None if s.backlog == 0 => "-".into(),
+        None => "unknown (no created_at column)".into(),
     }
-    if let Some(slot) = &s.slot {
-        let mib =
-            |b: Option<i64>| b.map_or("?".into(), |b| format!("{:.1} MiB", b as f64 / 1_048_576.0));
-        line(
-            "slot",
-            if slot.exists {
-                format!(
-                    "{}: {}, WAL {}, retains {}, {} behind",
-                    slot.name,
-                    if slot.streaming { "streaming" } else { "idle" },
-                    slot.wal_status.as_deref().unwrap_or("?"),
-                    mib(slot.retained_wal_bytes),
-                    mib(slot.confirmed_lag_bytes)
-                )
-            } else {
-                format!("{} does not exist", slot.name)
-            },
-        );
+}
+
+fn reading_by(auto: &AutoStatus) -> String {
+    match (auto.reading, &auto.blocked) {
+        ("none", _) => "nothing: no instance is active".into(),
+        ("cdc", _) => "cdc (the slot is streaming)".into(),
+        (_, Some(blocked)) => format!("polling: CDC is not possible: {blocked}"),
+        (_, None) => "polling; CDC is possible, the relay switches at its next probe".into(),
     }
-    out
+}
+
+fn slot_line(slot: &SlotStatus) -> String {
+    if slot.exists {
+        format!(
+            "{}: {}, WAL {}, retains {}, {} behind",
+            slot.name,
+            if slot.streaming { "streaming" } else { "idle" },
+            slot.wal_status.as_deref().unwrap_or("?"),
+            super::mib(slot.retained_wal_bytes),
+            super::mib(slot.confirmed_lag_bytes)
+        )
+    } else {
+        format!("{} does not exist", slot.name)
+    }
 }
 
 /// `outbox-relay status`: a block (or a JSON object) per pipeline; fails
