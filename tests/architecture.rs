@@ -1,6 +1,7 @@
 //! How the crate's top-level modules depend on each other, read from the
-//! `crate::` paths in `src/` (comments left out). Run it alone with
-//! `cargo nextest run --test architecture`; it prints the graph.
+//! `crate::` paths in `src/` (comments left out), and how long its functions
+//! are. Run it alone with `cargo nextest run --test architecture
+//! --no-capture`; it prints the graph and the functions over the limit.
 //!
 //! The goal is layers without back-edges: config (plain validated data, a
 //! leaf), then the outbox contract, envelope and database helpers, then
@@ -279,5 +280,223 @@ fn config_is_a_leaf() {
     assert!(
         above.is_empty(),
         "config imports {above:?}, which import more of the crate; configuration is plain validated data: move the value type it needs into config (or a leaf module)"
+    );
+}
+
+/// The longest a function may be, in lines from `fn` to its closing brace,
+/// unless a `// long:` comment above it gives the reason.
+const MAX_FUNCTION_LINES: usize = 80;
+
+/// Functions over the limit without a `// long:` reason, as `(file, name)`
+/// relative to `src/`: work left, which may only shrink.
+const KNOWN_LONG_FUNCTIONS: &[(&str, &str)] = &[
+    ("relay/pipeline/publish.rs", "dispatch"),
+    ("relay/pipeline/publish.rs", "reject"),
+];
+
+/// `code` with comments, strings and character literals blanked (newlines
+/// kept), so braces and `fn` can be found by scanning.
+fn code_only(code: &str) -> String {
+    let chars: Vec<char> = code.chars().collect();
+    let mut out = String::with_capacity(code.len());
+    let blank = |c: char| if c == '\n' { '\n' } else { ' ' };
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        let next = chars.get(i + 1).copied();
+        let start = i;
+        if c == '/' && next == Some('/') {
+            while i < chars.len() && chars[i] != '\n' {
+                i += 1;
+            }
+        } else if c == '/' && next == Some('*') {
+            let mut depth = 0;
+            while i < chars.len() {
+                if chars[i] == '/' && chars.get(i + 1) == Some(&'*') {
+                    depth += 1;
+                    i += 2;
+                } else if chars[i] == '*' && chars.get(i + 1) == Some(&'/') {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+        } else if c == 'r'
+            && (next == Some('"') || next == Some('#'))
+            && !chars[..i]
+                .last()
+                .is_some_and(|p| p.is_alphanumeric() || *p == '_')
+        {
+            // A raw string: r"..." or r#"..."#.
+            let mut j = i + 1;
+            let mut hashes = 0;
+            while chars.get(j) == Some(&'#') {
+                hashes += 1;
+                j += 1;
+            }
+            if chars.get(j) != Some(&'"') {
+                out.push(c);
+                i += 1;
+                continue;
+            }
+            i = j + 1;
+            while i < chars.len() {
+                if chars[i] == '"' && (0..hashes).all(|h| chars.get(i + 1 + h) == Some(&'#')) {
+                    i += 1 + hashes;
+                    break;
+                }
+                i += 1;
+            }
+        } else if c == '"' {
+            i += 1;
+            while i < chars.len() && chars[i] != '"' {
+                i += if chars[i] == '\\' { 2 } else { 1 };
+            }
+            i += 1;
+        } else if c == '\'' && next == Some('\\') {
+            i += 2;
+            while i < chars.len() && chars[i] != '\'' {
+                i += 1;
+            }
+            i += 1;
+        } else if c == '\'' && chars.get(i + 2) == Some(&'\'') {
+            i += 3;
+        } else {
+            out.push(c);
+            i += 1;
+            continue;
+        }
+        let end = i.min(chars.len());
+        out.extend(chars[start..end].iter().map(|&c| blank(c)));
+    }
+    out
+}
+
+/// `(name, first line, lines)` of every function with a body in `code`.
+fn functions(code: &str) -> Vec<(String, usize, usize)> {
+    let clean = code_only(code);
+    let bytes = clean.as_bytes();
+    let line_at = |at: usize| clean[..at].matches('\n').count();
+    let mut found = Vec::new();
+    let mut from = 0;
+    while let Some(at) = clean[from..].find("fn ").map(|a| a + from) {
+        from = at + 3;
+        let word_start =
+            at == 0 || !(bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_');
+        if !word_start {
+            continue;
+        }
+        let name: String = clean[at + 3..]
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        if name.is_empty() {
+            continue; // `fn(..)` pointer types
+        }
+        let Some(open) = clean[at..].find(['{', ';']).map(|o| o + at) else {
+            continue;
+        };
+        if bytes[open] == b';' {
+            continue; // a declaration without a body
+        }
+        let mut depth = 0;
+        let mut close = open;
+        for (i, b) in bytes.iter().enumerate().skip(open) {
+            match b {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        close = i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let first = line_at(at);
+        found.push((name, first, line_at(close) - first + 1));
+    }
+    found
+}
+
+/// Whether the lines above line `first` (its doc comments and attributes)
+/// hold a `// long:` reason.
+fn has_reason(lines: &[&str], first: usize) -> bool {
+    lines[..first]
+        .iter()
+        .rev()
+        .map(|l| l.trim_start())
+        .take_while(|l| l.starts_with("//") || l.starts_with("#["))
+        .any(|l| l.starts_with("// long:"))
+}
+
+fn long_functions() -> Vec<(String, String, usize)> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut out = Vec::new();
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let code = std::fs::read_to_string(&path).unwrap();
+            let lines: Vec<&str> = code.lines().collect();
+            let file = path
+                .strip_prefix(&src)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            for (name, first, len) in functions(&code) {
+                if len > MAX_FUNCTION_LINES && !has_reason(&lines, first) {
+                    out.push((file.clone(), name, len));
+                }
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn the_function_reader_skips_strings_comments_and_declarations() {
+    let code = "fn a() {\n    let s = \"}\"; // }\n    let c = '}';\n}\ntrait T { fn b(&self); }\nfn c<'a>(x: &'a str) -> &'a str {\n    r#\"{\"#;\n    x\n}\n";
+    let got: Vec<(String, usize, usize)> = functions(code);
+    assert_eq!(got, [("a".to_owned(), 0, 4), ("c".to_owned(), 5, 4)]);
+}
+
+#[test]
+fn functions_fit_on_a_screen() {
+    let long = long_functions();
+    for (file, name, len) in &long {
+        println!("{len:>4} {file} {name}");
+    }
+    let known: BTreeSet<(String, String)> = KNOWN_LONG_FUNCTIONS
+        .iter()
+        .map(|(f, n)| ((*f).to_owned(), (*n).to_owned()))
+        .collect();
+    let found: BTreeSet<(String, String)> = long
+        .iter()
+        .map(|(f, n, _)| (f.clone(), n.clone()))
+        .collect();
+    let new: Vec<_> = found.difference(&known).collect();
+    let gone: Vec<_> = known.difference(&found).collect();
+    assert!(
+        new.is_empty(),
+        "functions over {MAX_FUNCTION_LINES} lines: {new:?}; split them, or say why not in a `// long:` comment above"
+    );
+    assert!(
+        gone.is_empty(),
+        "now short enough (or explained), take them off KNOWN_LONG_FUNCTIONS: {gone:?}"
     );
 }
