@@ -2,18 +2,23 @@
 //! table only what the relay needs. Every step checks first, so running it
 //! again changes nothing; `--dry-run` prints the SQL without running it.
 
-use crate::config::{ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
+use crate::config::{ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName};
 use crate::config::{Config, SourceMode};
 use crate::ops::{ConfigFile, Failure};
-use crate::outbox::inspect::{TableInfo, table_info};
+use crate::outbox::inspect::table_info;
 use crate::outbox::sent_index;
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
-use crate::sql::quote_ident;
 use tokio_postgres::Client;
 
 pub mod emit;
+mod indexes;
+mod table;
 mod triggers;
+
+pub use indexes::seq_index;
+use indexes::{index_step, seq_unique_steps, unsent_index};
+use table::{alter_table, create_table, event_columns};
 
 /// `outbox-relay migrate`: plans each pipeline's steps, prints them, and
 /// applies them unless `dry_run`.
@@ -158,138 +163,6 @@ pub enum MigrateError {
     },
 }
 
-fn unsent_index(table: &TableName) -> String {
-    table.derived("outbox_relay_unsent")
-}
-
-/// The unique index on `relay_seq`.
-pub fn seq_index(table: &TableName) -> String {
-    table.derived("outbox_relay_seq")
-}
-
-/// `CREATE INDEX` unless the index exists; `CONCURRENTLY` on an existing
-/// table, so writers are not blocked while it builds.
-async fn index_step(
-    client: &Client,
-    table: &TableName,
-    existing_table: bool,
-    index: &str,
-    definition: &str,
-    purpose: &str,
-) -> Result<Option<Step>, MigrateError> {
-    index_step_kind(
-        client,
-        table,
-        existing_table,
-        index,
-        definition,
-        purpose,
-        "",
-    )
-    .await
-}
-
-/// [`index_step`] for an index of `kind` (`""` or `"UNIQUE "`).
-async fn index_step_kind(
-    client: &Client,
-    table: &TableName,
-    existing_table: bool,
-    index: &str,
-    definition: &str,
-    purpose: &str,
-    kind: &str,
-) -> Result<Option<Step>, MigrateError> {
-    let exists: bool = client
-        .query_one(
-            "SELECT to_regclass($1) IS NOT NULL",
-            &[&format!(
-                "{}.{}",
-                quote_ident(&table.schema),
-                quote_ident(index)
-            )],
-        )
-        .await?
-        .get(0);
-    Ok((!exists).then(|| create_index(table, existing_table, index, definition, purpose, kind)))
-}
-
-/// The step creating an index (concurrently on a table that already exists).
-fn create_index(
-    table: &TableName,
-    existing_table: bool,
-    index: &str,
-    definition: &str,
-    purpose: &str,
-    kind: &str,
-) -> Step {
-    Step {
-        description: format!("create index {index} ({purpose})"),
-        sql: format!(
-            "CREATE {kind}INDEX {}IF NOT EXISTS {} ON {} {definition}",
-            if existing_table { "CONCURRENTLY " } else { "" },
-            quote_ident(index),
-            table.quoted(),
-        ),
-        outside_transaction: existing_table,
-    }
-}
-
-/// Fails when `relay_seq` repeats: a unique index cannot be built until
-/// each row has its own number, and only the operator can say which twin
-/// keeps it.
-async fn refuse_seq_twins(client: &Client, table: &TableName) -> Result<(), MigrateError> {
-    let twins: Vec<i64> = client
-        .query(
-            &format!(
-                "SELECT {SEQ_COLUMN} FROM {} GROUP BY 1 HAVING count(*) > 1 ORDER BY 1 LIMIT 5",
-                table.quoted()
-            ),
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    if twins.is_empty() {
-        return Ok(());
-    }
-    let shown: Vec<String> = twins.iter().map(i64::to_string).collect();
-    Err(MigrateError::Prerequisite(format!(
-        "{table}.{SEQ_COLUMN} repeats values (for example {}), so it cannot get the unique index the relay \
-         needs to name a row: give every twin but one a new number, e.g. \
-         UPDATE {t} SET {SEQ_COLUMN} = DEFAULT WHERE ctid NOT IN (SELECT min(ctid) FROM {t} GROUP BY {SEQ_COLUMN}); \
-         renumbered unsent rows are published after the rows already there. Then run migrate again",
-        shown.join(", "),
-        t = table.quoted(),
-    )))
-}
-
-/// A step dropping `index` when it exists but is invalid (a `CREATE INDEX
-/// CONCURRENTLY` that failed), so it can be built again.
-async fn drop_invalid_index(
-    client: &Client,
-    table: &TableName,
-    index: &str,
-    concurrently: bool,
-) -> Result<Option<Step>, MigrateError> {
-    let qualified = format!("{}.{}", quote_ident(&table.schema), quote_ident(index));
-    let invalid: bool = client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) AND NOT indisvalid)",
-            &[&qualified],
-        )
-        .await?
-        .get(0);
-    Ok(invalid.then(|| Step {
-        description: format!("drop index {index} (an earlier build of it failed)"),
-        sql: format!(
-            "DROP INDEX {}IF EXISTS {qualified}",
-            if concurrently { "CONCURRENTLY " } else { "" }
-        ),
-        outside_transaction: concurrently,
-    }))
-}
-
 /// The steps still needed, in order. Empty when everything is in place.
 pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, MigrateError> {
     let info = table_info(client, &opts.table).await?;
@@ -361,59 +234,6 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         steps.extend(cdc_steps(client, &opts.table, cdc, partitioning.is_some()).await?);
     }
     Ok(steps)
-}
-
-/// The unique index that makes relay_seq name one row (with the partition
-/// key on a partitioned table), after checking no twins exist.
-async fn seq_unique_steps(
-    client: &Client,
-    opts: &MigrateOptions,
-    info: Option<&TableInfo>,
-    existing: bool,
-    steps: &mut Vec<Step>,
-) -> Result<(), MigrateError> {
-    let index = seq_index(&opts.table);
-    if info.is_some_and(|i| i.column(SEQ_COLUMN).is_some()) {
-        refuse_seq_twins(client, &opts.table).await?;
-        // A concurrent build that failed leaves an invalid index behind.
-        if let Some(drop) = drop_invalid_index(client, &opts.table, &index, existing).await? {
-            steps.push(drop);
-        }
-    }
-    // A partitioned table's unique index must hold its partition key.
-    let key: Vec<String> =
-        crate::outbox::inspect::seq_key(info.and_then(|i| i.partitioning.as_ref()))
-            .iter()
-            .map(|c| quote_ident(c))
-            .collect();
-    let (definition, purpose) = (format!("({})", key.join(", ")), "one row per relay_seq");
-    if steps
-        .last()
-        .is_some_and(|s| s.sql.starts_with("DROP INDEX"))
-    {
-        steps.push(create_index(
-            &opts.table,
-            existing,
-            &index,
-            &definition,
-            purpose,
-            "UNIQUE ",
-        ));
-    } else {
-        steps.extend(
-            index_step_kind(
-                client,
-                &opts.table,
-                existing,
-                &index,
-                &definition,
-                purpose,
-                "UNIQUE ",
-            )
-            .await?,
-        );
-    }
-    Ok(())
 }
 
 /// The dead-letter table, or the columns an older one lacks.
@@ -516,162 +336,6 @@ async fn cdc_steps(
     Ok(steps)
 }
 
-fn create_table(opts: &MigrateOptions) -> Step {
-    let c = &opts.columns;
-    let q = quote_ident;
-    let optional = |name: &Option<String>, default: &str| q(name.as_deref().unwrap_or(default));
-    Step::new(
-        format!("create table {}", opts.table),
-        format!(
-            "CREATE TABLE {table} (
-    {id} uuid PRIMARY KEY,
-    {aggregate_type} text NOT NULL,
-    {aggregate_id} text NOT NULL,
-    {event_type} text NOT NULL,
-    {event_version} integer NOT NULL DEFAULT 1,
-    {payload} jsonb NOT NULL,
-    {headers} jsonb NOT NULL DEFAULT '{{}}',
-    {created_at} timestamptz NOT NULL DEFAULT now(),
-    {seq} bigint GENERATED BY DEFAULT AS IDENTITY,
-    {xid} xid8 NOT NULL DEFAULT pg_current_xact_id(),
-    {sent} timestamptz
-)",
-            table = opts.table.quoted(),
-            id = q(&c.id),
-            aggregate_type = q(&c.aggregate_type),
-            aggregate_id = q(&c.aggregate_id),
-            event_type = q(&c.event_type),
-            event_version = optional(
-                &c.event_version,
-                crate::config::columns::DEFAULT_EVENT_VERSION
-            ),
-            payload = q(&c.payload),
-            headers = optional(&c.headers, crate::config::columns::DEFAULT_HEADERS),
-            created_at = optional(&c.created_at, crate::config::columns::DEFAULT_CREATED_AT),
-            seq = SEQ_COLUMN,
-            xid = XID_COLUMN,
-            sent = SENT_AT_COLUMN,
-        ),
-    )
-}
-
-/// The event columns of the table (after `migrate`), which stay as inserted
-/// until the row is sent.
-fn event_columns(info: Option<&TableInfo>, map: &ColumnMap) -> Vec<String> {
-    let names = match info {
-        Some(info) => info.names(),
-        // The table `create_table` makes has every optional column.
-        None => vec![
-            map.event_version
-                .clone()
-                .unwrap_or(crate::config::columns::DEFAULT_EVENT_VERSION.into()),
-            map.headers
-                .clone()
-                .unwrap_or(crate::config::columns::DEFAULT_HEADERS.into()),
-            map.created_at
-                .clone()
-                .unwrap_or(crate::config::columns::DEFAULT_CREATED_AT.into()),
-        ],
-    };
-    let resolved = map.resolve(&names);
-    let mut columns: Vec<String> = resolved
-        .in_row_order()
-        .into_iter()
-        .flatten()
-        .map(str::to_owned)
-        .collect();
-    // Extra columns are published too, so they stay as inserted as well
-    // (those the table has: `run` and `check` report a missing one).
-    for x in resolved.extra {
-        if names.contains(&x) && !columns.contains(&x) {
-            columns.push(x);
-        }
-    }
-    columns
-}
-
-fn alter_table(info: &TableInfo, opts: &MigrateOptions) -> Result<Vec<Step>, MigrateError> {
-    let c = &opts.columns;
-    let missing: Vec<&str> = [
-        &c.id,
-        &c.aggregate_type,
-        &c.aggregate_id,
-        &c.event_type,
-        &c.payload,
-    ]
-    .into_iter()
-    .filter(|name| info.column(name).is_none())
-    .map(String::as_str)
-    .collect();
-    if !missing.is_empty() {
-        return Err(MigrateError::MissingColumns {
-            table: opts.table.clone(),
-            missing: missing.join(", "),
-        });
-    }
-    let table = opts.table.quoted();
-    let mut steps = Vec::new();
-    if info.column(SEQ_COLUMN).is_none() && info.partitioned() {
-        steps.extend(partitioned_seq(&opts.table));
-    } else if info.column(SEQ_COLUMN).is_none() {
-        steps.push(Step::new(
-            format!("add {SEQ_COLUMN} to {} (numbers existing rows; rewrites the table)", opts.table),
-            format!("ALTER TABLE {table} ADD COLUMN {SEQ_COLUMN} bigint GENERATED BY DEFAULT AS IDENTITY"),
-        ));
-    }
-    if info.column(XID_COLUMN).is_none() {
-        steps.push(Step::new(
-            format!("add {XID_COLUMN} to {}", opts.table),
-            format!("ALTER TABLE {table} ADD COLUMN {XID_COLUMN} xid8 NOT NULL DEFAULT pg_current_xact_id()"),
-        ));
-    }
-    if info.column(SENT_AT_COLUMN).is_none() {
-        steps.push(Step::new(
-            format!("add {SENT_AT_COLUMN} to {}", opts.table),
-            format!("ALTER TABLE {table} ADD COLUMN {SENT_AT_COLUMN} timestamptz"),
-        ));
-        if opts.mark_existing_sent {
-            steps.push(Step::new(
-                "mark the rows already in the table as sent (--mark-existing-sent)",
-                format!(
-                    "UPDATE {table} SET {SENT_AT_COLUMN} = now() WHERE {SENT_AT_COLUMN} IS NULL"
-                ),
-            ));
-        }
-    }
-    Ok(steps)
-}
-
-/// The sequence behind `relay_seq` on a partitioned table. PostgreSQL 15
-/// cannot add an identity column to a partitioned table that has
-/// partitions, so `relay_seq` takes its default from a sequence the column
-/// owns: every partition, those created later too, inherits the default,
-/// so all rows draw from one sequence wherever they are routed.
-fn seq_sequence(table: &TableName) -> String {
-    let mut name = format!("{}_{SEQ_COLUMN}_seq", table.name);
-    while name.len() > 63 {
-        name.pop();
-    }
-    format!("{}.{}", quote_ident(&table.schema), quote_ident(&name))
-}
-
-/// Adds `relay_seq` to a partitioned table (see [`seq_sequence`]).
-fn partitioned_seq(table: &TableName) -> Vec<Step> {
-    let sequence = seq_sequence(table);
-    let t = table.quoted();
-    vec![Step::new(
-        format!(
-            "add {SEQ_COLUMN} to {table} from sequence {sequence} (numbers existing rows; rewrites every partition)"
-        ),
-        format!(
-            "CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint;
-ALTER TABLE {t} ADD COLUMN {SEQ_COLUMN} bigint NOT NULL DEFAULT nextval({seq_literal}::regclass);
-ALTER SEQUENCE {sequence} OWNED BY {t}.{SEQ_COLUMN}",
-            seq_literal = crate::sql::quote_literal(&sequence),
-        ),
-    )]
-}
-
 /// Runs the steps: the transactional ones in one transaction, then the others.
 pub async fn apply(client: &mut Client, steps: &[Step]) -> Result<(), MigrateError> {
     let tx = client.transaction().await?;
@@ -694,24 +358,4 @@ pub async fn apply(client: &mut Client, steps: &[Step]) -> Result<(), MigrateErr
             })?;
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_partitioned_table_gets_relay_seq_from_a_sequence_it_owns() {
-        let steps = partitioned_seq(&TableName::new("shop", "outbox"));
-        assert_eq!(steps.len(), 1);
-        assert!(!steps[0].outside_transaction);
-        assert_eq!(
-            steps[0].sql,
-            "CREATE SEQUENCE IF NOT EXISTS \"shop\".\"outbox_relay_seq_seq\" AS bigint;
-ALTER TABLE \"shop\".\"outbox\" ADD COLUMN relay_seq bigint NOT NULL DEFAULT nextval('\"shop\".\"outbox_relay_seq_seq\"'::regclass);
-ALTER SEQUENCE \"shop\".\"outbox_relay_seq_seq\" OWNED BY \"shop\".\"outbox\".relay_seq"
-        );
-        let long = seq_sequence(&TableName::new("public", &"x".repeat(70)));
-        assert_eq!(long.len(), "\"public\".".len() + 63 + 2);
-    }
 }
