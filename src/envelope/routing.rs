@@ -16,7 +16,7 @@
 use crate::config::ColumnMap;
 use crate::outbox::OutboxEvent;
 
-/// A broker's rule for a name (see [`super::destination`]).
+/// A broker's rule for a name (see [`crate::config::destination`]).
 pub type Rule = fn(&str) -> Result<(), String>;
 
 /// Accepts any value that is not empty (a Kafka key is any bytes).

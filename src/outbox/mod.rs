@@ -3,7 +3,7 @@
 //!
 //! Applications insert only the contract columns (`id`, `aggregate_type`,
 //! `aggregate_id`, `event_type`, `event_version`, `payload`, `headers`,
-//! `created_at`), under their own names if a [`ColumnMap`] says so. The relay
+//! `created_at`), under their own names if a [`crate::config::ColumnMap`] says so. The relay
 //! adds three columns with defaults, so no application INSERT mentions them:
 //!
 //! - `relay_seq`: an identity; orders events of one aggregate (see `source::polling`);
