@@ -16,70 +16,54 @@ pub fn seq_index(table: &TableName) -> String {
     table.derived("outbox_relay_seq")
 }
 
-/// `CREATE INDEX` unless the index exists; `CONCURRENTLY` on an existing
-/// table, so writers are not blocked while it builds.
-pub(super) async fn index_step(
-    client: &Client,
-    table: &TableName,
-    existing_table: bool,
-    index: &str,
-    definition: &str,
-    purpose: &str,
-) -> Result<Option<Step>, MigrateError> {
-    index_step_kind(
-        client,
-        table,
-        existing_table,
-        index,
-        definition,
-        purpose,
-        "",
-    )
-    .await
+/// An index the relay needs on the outbox table.
+pub(super) struct Index<'a> {
+    pub table: &'a TableName,
+    /// Built `CONCURRENTLY`, so writers are not blocked while it builds: the
+    /// table exists already (and is not partitioned).
+    pub concurrently: bool,
+    pub name: String,
+    /// What follows `ON table`: the columns, and any `WHERE`.
+    pub definition: String,
+    pub purpose: &'a str,
+    pub unique: bool,
 }
 
-/// [`index_step`] for an index of `kind` (`""` or `"UNIQUE "`).
-pub(super) async fn index_step_kind(
-    client: &Client,
-    table: &TableName,
-    existing_table: bool,
-    index: &str,
-    definition: &str,
-    purpose: &str,
-    kind: &str,
-) -> Result<Option<Step>, MigrateError> {
-    let exists: bool = client
-        .query_one(
-            "SELECT to_regclass($1) IS NOT NULL",
-            &[&format!(
-                "{}.{}",
-                quote_ident(&table.schema),
-                quote_ident(index)
-            )],
-        )
-        .await?
-        .get(0);
-    Ok((!exists).then(|| create_index(table, existing_table, index, definition, purpose, kind)))
-}
+impl Index<'_> {
+    /// The step creating it, unless it exists.
+    pub(super) async fn step(&self, client: &Client) -> Result<Option<Step>, MigrateError> {
+        let exists: bool = client
+            .query_one(
+                "SELECT to_regclass($1) IS NOT NULL",
+                &[&format!(
+                    "{}.{}",
+                    quote_ident(&self.table.schema),
+                    quote_ident(&self.name)
+                )],
+            )
+            .await?
+            .get(0);
+        Ok((!exists).then(|| self.create()))
+    }
 
-/// The step creating an index (concurrently on a table that already exists).
-pub(super) fn create_index(
-    table: &TableName,
-    existing_table: bool,
-    index: &str,
-    definition: &str,
-    purpose: &str,
-    kind: &str,
-) -> Step {
-    Step {
-        description: format!("create index {index} ({purpose})"),
-        sql: format!(
-            "CREATE {kind}INDEX {}IF NOT EXISTS {} ON {} {definition}",
-            if existing_table { "CONCURRENTLY " } else { "" },
-            quote_ident(index),
-            table.quoted(),
-        ),
-        outside_transaction: existing_table,
+    /// The step creating it.
+    fn create(&self) -> Step {
+        Step {
+            description: format!("create index {} ({})", self.name, self.purpose),
+            sql: format!(
+                "CREATE {}INDEX {}IF NOT EXISTS {} ON {} {}",
+                if self.unique { "UNIQUE " } else { "" },
+                if self.concurrently {
+                    "CONCURRENTLY "
+                } else {
+                    ""
+                },
+                quote_ident(&self.name),
+                self.table.quoted(),
+                self.definition,
+            ),
+            outside_transaction: self.concurrently,
+        }
     }
 }
 
@@ -165,32 +149,21 @@ pub(super) async fn seq_unique_steps(
             .iter()
             .map(|c| quote_ident(c))
             .collect();
-    let (definition, purpose) = (format!("({})", key.join(", ")), "one row per relay_seq");
+    let index = Index {
+        table: &opts.table,
+        concurrently: existing,
+        name: index,
+        definition: format!("({})", key.join(", ")),
+        purpose: "one row per relay_seq",
+        unique: true,
+    };
     if steps
         .last()
         .is_some_and(|s| s.sql.starts_with("DROP INDEX"))
     {
-        steps.push(create_index(
-            &opts.table,
-            existing,
-            &index,
-            &definition,
-            purpose,
-            "UNIQUE ",
-        ));
+        steps.push(index.create());
     } else {
-        steps.extend(
-            index_step_kind(
-                client,
-                &opts.table,
-                existing,
-                &index,
-                &definition,
-                purpose,
-                "UNIQUE ",
-            )
-            .await?,
-        );
+        steps.extend(index.step(client).await?);
     }
     Ok(())
 }

@@ -17,7 +17,7 @@ mod table;
 mod triggers;
 
 pub use indexes::seq_index;
-use indexes::{index_step, seq_unique_steps, unsent_index};
+use indexes::{Index, seq_unique_steps, unsent_index};
 use table::{alter_table, create_table, event_columns};
 
 /// `outbox-relay migrate`: plans each pipeline's steps, prints them, and
@@ -183,18 +183,15 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     // partition gets its own, and partitions created later too), and writers
     // wait while they build.
     let existing = info.is_some() && partitioning.is_none();
-    let index = unsent_index(&opts.table);
-    steps.extend(
-        index_step(
-            client,
-            &opts.table,
-            existing,
-            &index,
-            &format!("({SEQ_COLUMN}) WHERE {SENT_AT_COLUMN} IS NULL"),
-            "unsent rows in order",
-        )
-        .await?,
-    );
+    let unsent = Index {
+        table: &opts.table,
+        concurrently: existing,
+        name: unsent_index(&opts.table),
+        definition: format!("({SEQ_COLUMN}) WHERE {SENT_AT_COLUMN} IS NULL"),
+        purpose: "unsent rows in order",
+        unique: false,
+    };
+    steps.extend(unsent.step(client).await?);
     // Marking, redrives and the start-up reads name rows by relay_seq: it
     // must name one row (explicit values, copied rows or a reset sequence
     // would make twins).
@@ -203,18 +200,13 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     }
     // Retention finds the oldest sent rows through it, a batch at a time,
     // instead of scanning the whole table for every batch.
-    let index = sent_index(&opts.table);
-    steps.extend(
-        index_step(
-            client,
-            &opts.table,
-            existing,
-            &index,
-            &format!("({SENT_AT_COLUMN}) WHERE {SENT_AT_COLUMN} IS NOT NULL"),
-            "sent rows by age, for retention",
-        )
-        .await?,
-    );
+    let sent = Index {
+        name: sent_index(&opts.table),
+        definition: format!("({SENT_AT_COLUMN}) WHERE {SENT_AT_COLUMN} IS NOT NULL"),
+        purpose: "sent rows by age, for retention",
+        ..unsent
+    };
+    steps.extend(sent.step(client).await?);
     if let Some(channel) = &opts.notify_channel {
         steps.extend(triggers::notify(client, opts, channel).await?);
     }
