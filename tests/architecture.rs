@@ -96,45 +96,33 @@ fn first_segment(path: &str) -> Option<String> {
 }
 
 fn module_graph() -> Graph {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let modules: BTreeSet<String> = std::fs::read_dir(&src)
-        .unwrap()
-        .filter_map(|e| {
-            let e = e.unwrap();
-            let name = e.file_name().to_string_lossy().into_owned();
-            let module = name.strip_suffix(".rs").unwrap_or(&name).to_owned();
-            (module != "lib" && module != "main").then_some(module)
-        })
+    let files = sources();
+    let modules: BTreeSet<String> = files
+        .iter()
+        .map(|(file, _)| top_module(file))
+        .filter(|m| m != "lib" && m != "main")
         .collect();
     let mut graph = Graph::new();
-    let mut stack = vec![src.clone()];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                stack.push(path);
-                continue;
-            }
-            if path.extension().is_none_or(|e| e != "rs") {
-                continue;
-            }
-            let relative = path.strip_prefix(&src).unwrap();
-            let first = relative.components().next().unwrap().as_os_str();
-            let top = first.to_string_lossy();
-            let top = top.strip_suffix(".rs").unwrap_or(&top).to_owned();
-            if !modules.contains(&top) {
-                continue; // lib.rs, main.rs
-            }
-            let code = std::fs::read_to_string(&path).unwrap();
-            let targets = graph.entry(top.clone()).or_default();
-            for m in referenced(&code) {
-                if m != top && modules.contains(&m) {
-                    targets.insert(m);
-                }
+    for (file, code) in &files {
+        let top = top_module(file);
+        if !modules.contains(&top) {
+            continue; // lib.rs, main.rs
+        }
+        let targets = graph.entry(top.clone()).or_default();
+        for m in referenced(code) {
+            if m != top && modules.contains(&m) {
+                targets.insert(m);
             }
         }
     }
     graph
+}
+
+/// The top-level module a file under `src/` belongs to.
+fn top_module(file: &str) -> String {
+    let first = Path::new(file).components().next().unwrap().as_os_str();
+    let first = first.to_string_lossy();
+    first.strip_suffix(".rs").unwrap_or(&first).to_owned()
 }
 
 /// Tarjan's strongly connected components; only those with a cycle.
