@@ -21,7 +21,7 @@
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Parser;
-use outbox_relay::db::tls::TlsOptions;
+use outbox_relay::config::TlsOptions;
 use outbox_relay::replication::Lsn;
 use outbox_relay::replication::pgoutput::{LogicalMessage, decode};
 use outbox_relay::replication::protocol::{
@@ -104,9 +104,9 @@ async fn measure(cli: &Cli, db: &str) -> Result<()> {
     );
     let config = outbox_relay::config::load_str(&toml).map_err(|e| anyhow!("{e}"))?;
     let mut app = connect(&url).await?;
-    let opts = outbox_relay::migrate::MigrateOptions::from_config(&config, false);
-    let steps = outbox_relay::migrate::plan(&app, &opts).await?;
-    outbox_relay::migrate::apply(&mut app, &steps).await?;
+    let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(&config, false);
+    let steps = outbox_relay::ops::migrate::plan(&app, &opts).await?;
+    outbox_relay::ops::migrate::apply(&mut app, &steps).await?;
     let settings: Vec<String> = app
         .query(
             "SELECT name || ' = ' || setting || coalesce(unit, '') FROM pg_settings

@@ -1,8 +1,9 @@
-//! Command-line interface: `run`, `migrate`, `check`, `status`, `dlq`, `retention`.
+//! Command-line interface: `run`, `migrate`, `check`, `status`, `dlq`,
+//! `retention`. Each subcommand is one call into [`crate::ops`]; [`main`]
+//! maps its result to the exit code.
 
-use crate::config::{self, Config};
-use crate::dead_letter::admin::{self, Target};
-use crate::migrate::{self, MigrateOptions};
+use crate::dead_letter::admin::Target;
+use crate::ops::{self, ConfigFile, Failure, dlq};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -30,6 +31,15 @@ pub struct ConfigArg {
     /// Act on this pipeline only (a [pipelines.<name>] of the file).
     #[arg(long, value_name = "NAME")]
     pub pipeline: Option<String>,
+}
+
+impl ConfigArg {
+    fn file(&self) -> ConfigFile {
+        ConfigFile {
+            path: self.config.clone(),
+            pipeline: self.pipeline.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -154,285 +164,55 @@ impl TargetArgs {
 pub const EXIT_FAILURE: u8 = 1;
 pub const EXIT_CONFIG: u8 = 2;
 
-/// The pipelines of the file, or the one `--pipeline` names.
-fn load_all(arg: &ConfigArg) -> Result<Vec<Config>, ExitCode> {
-    let all = config::load(&arg.config).map_err(|e| {
-        eprintln!("error: {e}");
-        ExitCode::from(EXIT_CONFIG)
-    })?;
-    match &arg.pipeline {
-        None => Ok(all),
-        Some(name) => {
-            let names: Vec<String> = all.iter().map(|c| c.name.clone()).collect();
-            match all.into_iter().find(|c| &c.name == name) {
-                Some(c) => Ok(vec![c]),
-                None => {
-                    eprintln!(
-                        "error: {} has no pipeline {name:?}; it has: {}",
-                        arg.config.display(),
-                        names.join(", ")
-                    );
-                    Err(ExitCode::from(EXIT_CONFIG))
-                }
-            }
-        }
-    }
-}
-
-/// The one pipeline a command acts on (the file's only one, or `--pipeline`).
-fn load(arg: &ConfigArg) -> Result<Config, ExitCode> {
-    let mut all = load_all(arg)?;
-    if all.len() > 1 {
-        let names: Vec<&str> = all.iter().map(|c| c.name.as_str()).collect();
-        eprintln!(
-            "error: {} defines {} pipelines ({}); this command acts on one: choose it with --pipeline",
-            arg.config.display(),
-            all.len(),
-            names.join(", ")
-        );
-        return Err(ExitCode::from(EXIT_CONFIG));
-    }
-    Ok(all.remove(0))
-}
-
-/// Prints a header before each pipeline's output when there are several.
-fn each(configs: &[Config]) -> impl Iterator<Item = &Config> {
-    let several = configs.len() > 1;
-    configs.iter().inspect(move |c| {
-        if several {
-            println!("== pipeline {} ==", c.name);
-        }
-    })
-}
-
 pub async fn main(cli: Cli) -> ExitCode {
-    match cli.command {
-        Command::Run(arg) => {
-            let configs = match load_all(&arg) {
-                Ok(c) => c,
-                Err(code) => return code,
-            };
-            crate::telemetry::init(&configs[0].log);
-            let shutdown = match crate::shutdown::on_signals() {
-                Ok(t) => t,
-                Err(e) => {
-                    eprintln!("error: cannot install signal handlers: {e}");
-                    return ExitCode::from(EXIT_FAILURE);
-                }
-            };
-            tracing::info!(version = env!("CARGO_PKG_VERSION"), config = %arg.config.display(), pipelines = configs.len(), "outbox-relay starting");
-            match crate::daemon::run(configs, shutdown).await {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot start");
-                    eprintln!("error: {e}");
-                    ExitCode::from(EXIT_FAILURE)
-                }
-            }
+    match run(cli.command).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => {
+            failure.print();
+            ExitCode::from(match failure {
+                Failure::Config(_) => EXIT_CONFIG,
+                Failure::Runtime(_) | Failure::Reported => EXIT_FAILURE,
+            })
         }
+    }
+}
+
+async fn run(command: Command) -> Result<(), Failure> {
+    match command {
+        Command::Run(arg) => ops::daemon::command(&arg.file()).await,
         Command::Migrate {
             config,
             dry_run,
             mark_existing_sent,
-        } => {
-            let configs = match load_all(&config) {
-                Ok(c) => c,
-                Err(code) => return code,
-            };
-            let mut code = ExitCode::SUCCESS;
-            for c in each(&configs) {
-                let result = run_migrate(c, dry_run, mark_existing_sent).await;
-                if result != ExitCode::SUCCESS {
-                    code = result;
-                }
-            }
-            code
-        }
-        Command::Check(arg) => {
-            let configs = match load_all(&arg) {
-                Ok(c) => c,
-                Err(code) => return code,
-            };
-            let mut passed = true;
-            for c in each(&configs) {
-                passed &= crate::check::run(c).await;
-            }
-            if passed {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(EXIT_FAILURE)
-            }
-        }
-        Command::Status { config, json } => {
-            let configs = match load_all(&config) {
-                Ok(c) => c,
-                Err(code) => return code,
-            };
-            if crate::status::command(&configs, json).await {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(EXIT_FAILURE)
-            }
-        }
-        Command::Dlq { command } => run_dlq(command).await,
+        } => ops::migrate::command(&config.file(), dry_run, mark_existing_sent).await,
+        Command::Check(arg) => ops::check::command(&arg.file()).await,
+        Command::Status { config, json } => ops::status::command(&config.file(), json).await,
         Command::Retention {
             config, dry_run, ..
+        } => ops::retention::command(&config.file(), dry_run).await,
+        Command::Dlq {
+            command:
+                DlqCommand::List {
+                    config,
+                    aggregate,
+                    all,
+                    limit,
+                    json,
+                },
         } => {
-            let config = match load(&config) {
-                Ok(c) => c,
-                Err(code) => return code,
+            let options = dlq::ListOptions {
+                aggregate,
+                all,
+                limit,
+                json,
             };
-            run_retention(&config, dry_run).await
+            dlq::list(&config.file(), &options).await
         }
-    }
-}
-
-async fn run_dlq(command: DlqCommand) -> ExitCode {
-    let arg = match &command {
-        DlqCommand::List { config, .. }
-        | DlqCommand::Redrive { config, .. }
-        | DlqCommand::Drop { config, .. } => config,
-    };
-    let config = match load(arg) {
-        Ok(c) => c,
-        Err(code) => return code,
-    };
-    let fail = |e: &dyn std::fmt::Display| {
-        eprintln!("error: {e}");
-        ExitCode::from(EXIT_FAILURE)
-    };
-    let mut client = match crate::db::connect(&config.database, None).await {
-        Ok(c) => c,
-        Err(e) => return fail(&e),
-    };
-    let table = &config.outbox.table;
-    let dlq = config.dead_letter.table_name(table);
-    match command {
-        DlqCommand::List {
-            aggregate,
-            all,
-            limit,
-            json,
-            ..
-        } => match admin::list(&client, &dlq, aggregate.as_deref(), all, limit).await {
-            Ok(entries) => {
-                print_entries(&entries, json);
-                ExitCode::SUCCESS
-            }
-            Err(e) => fail(&e),
-        },
-        DlqCommand::Drop { target, .. } => {
-            match admin::drop(&mut client, &dlq, &target.target()).await {
-                Ok(n) => {
-                    println!("dropped {n} dead letter(s)");
-                    ExitCode::SUCCESS
-                }
-                Err(e) => fail(&e),
-            }
-        }
-        DlqCommand::Redrive { target, .. } => {
-            match admin::redrive(&mut client, &dlq, &target.target()).await {
-                Ok(n) => {
-                    println!(
-                        "requested the redrive of {n} dead letter(s); the active relay publishes them in order \
-                         (within dead_letter.refresh_interval), and `dlq list` shows them until then"
-                    );
-                    ExitCode::SUCCESS
-                }
-                Err(e) => fail(&e),
-            }
-        }
-    }
-}
-
-async fn run_retention(config: &Config, dry_run: bool) -> ExitCode {
-    let report = match crate::retention::connect(config).await {
-        Ok(client) => crate::retention::once(&client, config, dry_run).await,
-        Err(e) => Err(e),
-    };
-    match report {
-        Ok(report) => {
-            println!("{report}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(EXIT_FAILURE)
-        }
-    }
-}
-
-fn print_entries(entries: &[admin::Entry], json: bool) {
-    if json {
-        for e in entries {
-            println!("{}", serde_json::to_string(e).unwrap_or_default());
-        }
-        return;
-    }
-    if entries.is_empty() {
-        println!("no dead letters");
-        return;
-    }
-    println!(
-        "{:<38} {:<16} {:<20} {:<18} {:>8}  {:<20} reason",
-        "event id", "aggregate type", "aggregate id", "event type", "attempts", "dead-lettered at"
-    );
-    for e in entries {
-        let status = match &e.resolution {
-            Some(r) => format!(" [{r}]"),
-            None => String::new(),
-        };
-        println!(
-            "{:<38} {:<16} {:<20} {:<18} {:>8}  {:<20} {}{status}",
-            e.id,
-            e.aggregate_type.as_deref().unwrap_or("-"),
-            e.aggregate_id.as_deref().unwrap_or("-"),
-            e.event_type.as_deref().unwrap_or("-"),
-            e.attempts,
-            e.dead_lettered_at.format("%Y-%m-%d %H:%M:%S"),
-            e.reason
-        );
-    }
-}
-
-async fn run_migrate(config: &Config, dry_run: bool, mark_existing_sent: bool) -> ExitCode {
-    let mut client = match crate::db::connect(&config.database, None).await {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(EXIT_FAILURE);
-        }
-    };
-    let options = MigrateOptions::from_config(config, mark_existing_sent);
-    let steps = match migrate::plan(&client, &options).await {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(EXIT_FAILURE);
-        }
-    };
-    if steps.is_empty() {
-        println!(
-            "-- nothing to do: {} is ready for outbox-relay",
-            options.table
-        );
-        return ExitCode::SUCCESS;
-    }
-    for (i, step) in steps.iter().enumerate() {
-        println!("-- {}. {}\n{};\n", i + 1, step.description, step.sql);
-    }
-    if dry_run {
-        println!("-- dry run: nothing was changed");
-        return ExitCode::SUCCESS;
-    }
-    match migrate::apply(&mut client, &steps).await {
-        Ok(()) => {
-            println!("-- applied {} step(s)", steps.len());
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(EXIT_FAILURE)
-        }
+        Command::Dlq {
+            command: DlqCommand::Redrive { config, target },
+        } => dlq::redrive(&config.file(), &target.target()).await,
+        Command::Dlq {
+            command: DlqCommand::Drop { config, target },
+        } => dlq::drop(&config.file(), &target.target()).await,
     }
 }

@@ -1,31 +1,49 @@
 //! How the crate's top-level modules depend on each other, read from the
-//! `crate::` paths in `src/` (comments left out). Run it alone with
-//! `cargo nextest run --test architecture`; it prints the graph.
+//! `crate::` paths in `src/` (comments left out), and how long its functions
+//! are. Run it alone with `cargo nextest run --test architecture
+//! --no-capture`; it prints the graph and the functions over the limit.
 //!
-//! The goal is layers without back-edges: config, then the outbox contract,
-//! envelope and database helpers, then sources and sinks, then the pipeline,
-//! then the operations and the CLI. Some cycles remain; `KNOWN_CYCLE_EDGES`
-//! lists every edge that lies on one, so a new edge into a cycle fails here,
-//! and so does an edge that no longer lies on one (take it off the list).
+//! The goal is layers without back-edges: config (plain validated data, a
+//! leaf), then the outbox contract, envelope and database helpers, then
+//! sources and sinks, then the pipeline, then the operations and the CLI. No
+//! module may lie on a dependency cycle, and config may import only modules
+//! that import nothing from the crate.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Edges `from -> to` that lie on a dependency cycle today: configuration
-/// still borrows value types (table names, column maps, templates, TLS
-/// modes) from the modules that read it. Each is work left for the
-/// layering; none may be added.
-const KNOWN_CYCLE_EDGES: &[(&str, &str)] = &[
-    ("config", "db"),
-    ("config", "envelope"),
-    ("config", "outbox"),
-    ("db", "config"),
-    ("envelope", "config"),
-    ("envelope", "outbox"),
-    ("outbox", "config"),
+type Graph = BTreeMap<String, BTreeSet<String>>;
+
+/// The layers, lowest first. A module imports modules of its own layer or
+/// of the layers below it, never above; within a layer the cycle test keeps
+/// the order, and sources and sinks never import each other.
+const LAYERS: &[(&str, &[&str])] = &[
+    (
+        "leaves: configuration and small shared values",
+        &["backoff", "config", "errors", "shutdown", "sql"],
+    ),
+    (
+        "the outbox contract, envelope, database, replication client, telemetry",
+        &[
+            "db",
+            "dead_letter",
+            "envelope",
+            "outbox",
+            "replication",
+            "telemetry",
+        ],
+    ),
+    ("sources and sinks", &["sink", "source"]),
+    ("the pipeline and its simulation", &["relay", "sim"]),
+    ("operator commands", &["ops"]),
+    ("the command line", &["cli"]),
 ];
 
-type Graph = BTreeMap<String, BTreeSet<String>>;
+fn layer_of(module: &str) -> Option<usize> {
+    LAYERS
+        .iter()
+        .position(|(_, modules)| modules.contains(&module))
+}
 
 /// The top-level module names `crate::` paths in `code` refer to.
 fn referenced(code: &str) -> BTreeSet<String> {
@@ -78,45 +96,33 @@ fn first_segment(path: &str) -> Option<String> {
 }
 
 fn module_graph() -> Graph {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let modules: BTreeSet<String> = std::fs::read_dir(&src)
-        .unwrap()
-        .filter_map(|e| {
-            let e = e.unwrap();
-            let name = e.file_name().to_string_lossy().into_owned();
-            let module = name.strip_suffix(".rs").unwrap_or(&name).to_owned();
-            (module != "lib" && module != "main").then_some(module)
-        })
+    let files = sources();
+    let modules: BTreeSet<String> = files
+        .iter()
+        .map(|(file, _)| top_module(file))
+        .filter(|m| m != "lib" && m != "main")
         .collect();
     let mut graph = Graph::new();
-    let mut stack = vec![src.clone()];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                stack.push(path);
-                continue;
-            }
-            if path.extension().is_none_or(|e| e != "rs") {
-                continue;
-            }
-            let relative = path.strip_prefix(&src).unwrap();
-            let first = relative.components().next().unwrap().as_os_str();
-            let top = first.to_string_lossy();
-            let top = top.strip_suffix(".rs").unwrap_or(&top).to_owned();
-            if !modules.contains(&top) {
-                continue; // lib.rs, main.rs
-            }
-            let code = std::fs::read_to_string(&path).unwrap();
-            let targets = graph.entry(top.clone()).or_default();
-            for m in referenced(&code) {
-                if m != top && modules.contains(&m) {
-                    targets.insert(m);
-                }
+    for (file, code) in &files {
+        let top = top_module(file);
+        if !modules.contains(&top) {
+            continue; // lib.rs, main.rs
+        }
+        let targets = graph.entry(top.clone()).or_default();
+        for m in referenced(code) {
+            if m != top && modules.contains(&m) {
+                targets.insert(m);
             }
         }
     }
     graph
+}
+
+/// The top-level module a file under `src/` belongs to.
+fn top_module(file: &str) -> String {
+    let first = Path::new(file).components().next().unwrap().as_os_str();
+    let first = first.to_string_lossy();
+    first.strip_suffix(".rs").unwrap_or(&first).to_owned()
 }
 
 /// Tarjan's strongly connected components; only those with a cycle.
@@ -187,40 +193,313 @@ fn the_reference_reader_sees_groups_and_skips_comments() {
 }
 
 #[test]
-fn no_new_dependency_cycles_between_modules() {
-    let graph = module_graph();
-    for (from, to) in &graph {
+fn the_cycle_finder_sees_a_cycle_and_only_it() {
+    let mut graph = Graph::new();
+    for (from, to) in [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")] {
+        graph.entry(from.into()).or_default().insert(to.into());
+    }
+    let found = cycles(&graph);
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].iter().collect::<Vec<_>>(), ["a", "b", "c"]);
+}
+
+fn print(graph: &Graph) {
+    for (from, to) in graph {
         println!(
             "{from} -> {}",
             to.iter().cloned().collect::<Vec<_>>().join(", ")
         );
     }
+}
+
+#[test]
+fn no_dependency_cycles_between_modules() {
+    let graph = module_graph();
+    print(&graph);
     let components = cycles(&graph);
-    let on_cycles: BTreeSet<(String, String)> = components
+    assert!(
+        components.is_empty(),
+        "these modules depend on each other in a cycle: {components:?}; depend downwards only (config, then outbox/envelope/db, then sources and sinks, then the pipeline, then operations and the CLI)"
+    );
+}
+
+#[test]
+fn modules_import_only_their_layer_and_those_below() {
+    let graph = module_graph();
+    let unplaced: Vec<&String> = graph.keys().filter(|m| layer_of(m).is_none()).collect();
+    assert!(
+        unplaced.is_empty(),
+        "{unplaced:?} belong to no layer: add each to LAYERS in tests/architecture.rs"
+    );
+    let upward: Vec<String> = graph
         .iter()
-        .flat_map(|c| {
-            graph
-                .iter()
-                .filter(move |(from, _)| c.contains(*from))
-                .flat_map(move |(from, tos)| {
-                    tos.iter()
-                        .filter(move |to| c.contains(*to))
-                        .map(move |to| (from.clone(), to.clone()))
-                })
+        .flat_map(|(from, tos)| tos.iter().map(move |to| (from, to)))
+        .filter(|(from, to)| layer_of(to) > layer_of(from))
+        .map(|(from, to)| {
+            format!(
+                "{from} -> {to} ({} imports {})",
+                LAYERS[layer_of(from).unwrap()].0,
+                LAYERS[layer_of(to).unwrap()].0
+            )
         })
         .collect();
-    let known: BTreeSet<(String, String)> = KNOWN_CYCLE_EDGES
+    assert!(
+        upward.is_empty(),
+        "imports from a higher layer: {upward:?}; move what both need down a layer"
+    );
+    for (a, b) in [("source", "sink"), ("sink", "source")] {
+        assert!(
+            !graph.get(a).is_some_and(|to| to.contains(b)),
+            "{a} imports {b}: sources and sinks never import each other"
+        );
+    }
+}
+
+#[test]
+fn config_is_a_leaf() {
+    let graph = module_graph();
+    let leaves: BTreeSet<&String> = graph
         .iter()
-        .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+        .filter(|(_, to)| to.is_empty())
+        .map(|(m, _)| m)
         .collect();
-    let new: Vec<_> = on_cycles.difference(&known).collect();
-    let gone: Vec<_> = known.difference(&on_cycles).collect();
+    let config = &graph["config"];
+    let above: Vec<_> = config.iter().filter(|m| !leaves.contains(m)).collect();
+    assert!(
+        above.is_empty(),
+        "config imports {above:?}, which import more of the crate; configuration is plain validated data: move the value type it needs into config (or a leaf module)"
+    );
+}
+
+/// The longest a function may be, in lines from `fn` to its closing brace,
+/// unless a `// long:` comment above it gives the reason.
+const MAX_FUNCTION_LINES: usize = 80;
+
+/// Functions over the limit without a `// long:` reason, as `(file, name)`
+/// relative to `src/`: work left, which may only shrink.
+const KNOWN_LONG_FUNCTIONS: &[(&str, &str)] = &[];
+
+/// `code` with comments, strings and character literals blanked (newlines
+/// kept), so braces and `fn` can be found by scanning.
+fn code_only(code: &str) -> String {
+    let chars: Vec<char> = code.chars().collect();
+    let mut out = String::with_capacity(code.len());
+    let blank = |c: char| if c == '\n' { '\n' } else { ' ' };
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        let next = chars.get(i + 1).copied();
+        let start = i;
+        if c == '/' && next == Some('/') {
+            while i < chars.len() && chars[i] != '\n' {
+                i += 1;
+            }
+        } else if c == '/' && next == Some('*') {
+            let mut depth = 0;
+            while i < chars.len() {
+                if chars[i] == '/' && chars.get(i + 1) == Some(&'*') {
+                    depth += 1;
+                    i += 2;
+                } else if chars[i] == '*' && chars.get(i + 1) == Some(&'/') {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+        } else if c == 'r'
+            && (next == Some('"') || next == Some('#'))
+            && !chars[..i]
+                .last()
+                .is_some_and(|p| p.is_alphanumeric() || *p == '_')
+        {
+            // A raw string: r"..." or r#"..."#.
+            let mut j = i + 1;
+            let mut hashes = 0;
+            while chars.get(j) == Some(&'#') {
+                hashes += 1;
+                j += 1;
+            }
+            if chars.get(j) != Some(&'"') {
+                out.push(c);
+                i += 1;
+                continue;
+            }
+            i = j + 1;
+            while i < chars.len() {
+                if chars[i] == '"' && (0..hashes).all(|h| chars.get(i + 1 + h) == Some(&'#')) {
+                    i += 1 + hashes;
+                    break;
+                }
+                i += 1;
+            }
+        } else if c == '"' {
+            i += 1;
+            while i < chars.len() && chars[i] != '"' {
+                i += if chars[i] == '\\' { 2 } else { 1 };
+            }
+            i += 1;
+        } else if c == '\'' && next == Some('\\') {
+            i += 2;
+            while i < chars.len() && chars[i] != '\'' {
+                i += 1;
+            }
+            i += 1;
+        } else if c == '\'' && chars.get(i + 2) == Some(&'\'') {
+            i += 3;
+        } else {
+            out.push(c);
+            i += 1;
+            continue;
+        }
+        let end = i.min(chars.len());
+        out.extend(chars[start..end].iter().map(|&c| blank(c)));
+    }
+    out
+}
+
+/// `(name, first line, lines)` of every function with a body in `code`.
+fn functions(code: &str) -> Vec<(String, usize, usize)> {
+    let clean = code_only(code);
+    let bytes = clean.as_bytes();
+    let line_at = |at: usize| clean[..at].matches('\n').count();
+    let mut found = Vec::new();
+    let mut from = 0;
+    while let Some(at) = clean[from..].find("fn ").map(|a| a + from) {
+        from = at + 3;
+        let word_start =
+            at == 0 || !(bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_');
+        if !word_start {
+            continue;
+        }
+        let name: String = clean[at + 3..]
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        if name.is_empty() {
+            continue; // `fn(..)` pointer types
+        }
+        let Some(open) = clean[at..].find(['{', ';']).map(|o| o + at) else {
+            continue;
+        };
+        if bytes[open] == b';' {
+            continue; // a declaration without a body
+        }
+        let mut depth = 0;
+        let mut close = open;
+        for (i, b) in bytes.iter().enumerate().skip(open) {
+            match b {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        close = i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let first = line_at(at);
+        found.push((name, first, line_at(close) - first + 1));
+    }
+    found
+}
+
+/// Whether the lines above line `first` (its doc comments and attributes)
+/// hold a `// long:` reason.
+fn has_reason(lines: &[&str], first: usize) -> bool {
+    lines[..first]
+        .iter()
+        .rev()
+        .map(|l| l.trim_start())
+        .take_while(|l| l.starts_with("//") || l.starts_with("#["))
+        .any(|l| l.starts_with("// long:"))
+}
+
+/// Every `.rs` file under `src/`, as (path relative to `src/`, text).
+fn sources() -> Vec<(String, String)> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut out = Vec::new();
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let file = path.strip_prefix(&src).unwrap().to_string_lossy();
+                out.push((file.into_owned(), std::fs::read_to_string(&path).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn long_functions() -> Vec<(String, String, usize)> {
+    let mut out = Vec::new();
+    for (file, code) in sources() {
+        let lines: Vec<&str> = code.lines().collect();
+        for (name, first, len) in functions(&code) {
+            if len > MAX_FUNCTION_LINES && !has_reason(&lines, first) {
+                out.push((file.clone(), name, len));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The most lines a file under `src/` may have: past it, split by topic.
+const MAX_FILE_LINES: usize = 600;
+
+#[test]
+fn files_stay_under_600_lines() {
+    let long: Vec<(String, usize)> = sources()
+        .into_iter()
+        .map(|(file, code)| (file, code.lines().count()))
+        .filter(|(_, n)| *n > MAX_FILE_LINES)
+        .collect();
+    assert!(
+        long.is_empty(),
+        "files over {MAX_FILE_LINES} lines: {long:?}; split each by topic before it becomes the place everything goes"
+    );
+}
+
+#[test]
+fn the_function_reader_skips_strings_comments_and_declarations() {
+    let code = "fn a() {\n    let s = \"}\"; // }\n    let c = '}';\n}\ntrait T { fn b(&self); }\nfn c<'a>(x: &'a str) -> &'a str {\n    r#\"{\"#;\n    x\n}\n";
+    let got: Vec<(String, usize, usize)> = functions(code);
+    assert_eq!(got, [("a".to_owned(), 0, 4), ("c".to_owned(), 5, 4)]);
+}
+
+#[test]
+fn functions_fit_on_a_screen() {
+    let long = long_functions();
+    for (file, name, len) in &long {
+        println!("{len:>4} {file} {name}");
+    }
+    let known: BTreeSet<(String, String)> = KNOWN_LONG_FUNCTIONS
+        .iter()
+        .map(|(f, n)| ((*f).to_owned(), (*n).to_owned()))
+        .collect();
+    let found: BTreeSet<(String, String)> = long
+        .iter()
+        .map(|(f, n, _)| (f.clone(), n.clone()))
+        .collect();
+    let new: Vec<_> = found.difference(&known).collect();
+    let gone: Vec<_> = known.difference(&found).collect();
     assert!(
         new.is_empty(),
-        "these module dependencies close a cycle: {new:?}; depend downwards only (config, then outbox/envelope/db, then sources and sinks, then the pipeline, then operations and the CLI)"
+        "functions over {MAX_FUNCTION_LINES} lines: {new:?}; split them, or say why not in a `// long:` comment above"
     );
     assert!(
         gone.is_empty(),
-        "no longer on a cycle, take them off KNOWN_CYCLE_EDGES: {gone:?}"
+        "now short enough (or explained), take them off KNOWN_LONG_FUNCTIONS: {gone:?}"
     );
 }

@@ -11,9 +11,8 @@ mod kit;
 
 use bytes::Bytes;
 use cluster::{MD5_PASSWORD, PLAIN_PASSWORD, SCRAM_PASSWORD, cluster};
-use outbox_relay::db::tls::{
-    SslMode, TlsError, TlsOptions, make_tls_connector, tokio_postgres_ssl_mode,
-};
+use outbox_relay::config::{SslMode, TlsOptions};
+use outbox_relay::db::tls::{TlsError, make_tls_connector, tokio_postgres_ssl_mode};
 use outbox_relay::errors::ErrorKind;
 use outbox_relay::replication::Lsn;
 use outbox_relay::replication::protocol::{

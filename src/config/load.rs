@@ -99,6 +99,32 @@ fn build(
     env: Option<config::Map<String, String>>,
 ) -> Result<Vec<Config>, ConfigError> {
     let env_keys = env.as_ref().map(EnvKeys::new).unwrap_or_default();
+    let mut root = read_root(text, origin, env)?;
+    let Some(pipelines) = root.remove("pipelines") else {
+        return read_single(root, origin, &env_keys);
+    };
+    let mut configs = Vec::new();
+    let mut problems = Vec::new();
+    for (name, overrides) in pipeline_tables(pipelines, origin)? {
+        let read = read_named(&root, &name, overrides, origin, &env_keys, &mut problems)?;
+        configs.extend(read);
+    }
+    check_distinct(&configs, &mut problems);
+    if problems.is_empty() {
+        Ok(configs)
+    } else {
+        Err(ConfigError::Invalid(problems))
+    }
+}
+
+type Table = config::Map<String, config::Value>;
+
+/// The file's text with the environment's overrides merged over it.
+fn read_root(
+    text: &str,
+    origin: &str,
+    env: Option<config::Map<String, String>>,
+) -> Result<Table, ConfigError> {
     let parse_error =
         |e: config::ConfigError| ConfigError::Parse(format!("{origin}: {}", describe(e)));
     let mut builder = config::Config::builder()
@@ -113,23 +139,32 @@ fn build(
         );
     }
     let merged = builder.build().map_err(parse_error)?;
-    let mut root: config::Map<String, config::Value> =
-        merged.try_deserialize().map_err(parse_error)?;
-    let Some(pipelines) = root.remove("pipelines") else {
-        let (config, mut problems) = read_pipeline(root, origin)?;
-        return match config {
-            Some(mut config) if problems.is_empty() => {
-                config.name = DEFAULT_PIPELINE.to_owned();
-                Ok(vec![config])
+    merged.try_deserialize().map_err(parse_error)
+}
+
+/// A file without `[pipelines]`: one pipeline, named [`DEFAULT_PIPELINE`].
+fn read_single(root: Table, origin: &str, env_keys: &EnvKeys) -> Result<Vec<Config>, ConfigError> {
+    let (config, mut problems) = read_pipeline(root, origin)?;
+    match config {
+        Some(mut config) if problems.is_empty() => {
+            config.name = DEFAULT_PIPELINE.to_owned();
+            Ok(vec![config])
+        }
+        _ => {
+            for p in &mut problems {
+                env_keys.annotate(p, None);
             }
-            _ => {
-                for p in &mut problems {
-                    env_keys.annotate(p, None);
-                }
-                Err(ConfigError::Invalid(problems))
-            }
-        };
-    };
+            Err(ConfigError::Invalid(problems))
+        }
+    }
+}
+
+/// The `[pipelines.<name>]` tables, by name, so the problems come in the
+/// same order every run.
+fn pipeline_tables(
+    pipelines: config::Value,
+    origin: &str,
+) -> Result<std::collections::BTreeMap<String, config::Value>, ConfigError> {
     let pipelines = pipelines.into_table().map_err(|_| {
         ConfigError::Parse(format!(
             "{origin}: pipelines: must be tables, written [pipelines.<name>]"
@@ -140,54 +175,55 @@ fn build(
             "{origin}: pipelines: is empty; add a [pipelines.<name>] table or remove it"
         )));
     }
-    // By name, so the problems come in the same order every run.
-    let pipelines: std::collections::BTreeMap<_, _> = pipelines.into_iter().collect();
-    let mut configs = Vec::new();
-    let mut problems = Vec::new();
-    for (name, overrides) in pipelines {
-        let at = format!("pipelines.{name}");
-        if name.is_empty()
-            || !name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-        {
+    Ok(pipelines.into_iter().collect())
+}
+
+/// The pipeline `[pipelines.<name>]` describes: the top-level sections with
+/// its `overrides` merged over them. Its problems go to `problems`.
+fn read_named(
+    root: &Table,
+    name: &str,
+    overrides: config::Value,
+    origin: &str,
+    env_keys: &EnvKeys,
+    problems: &mut Vec<Problem>,
+) -> Result<Option<Config>, ConfigError> {
+    let at = format!("pipelines.{name}");
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        problems.push(Problem {
+            key: at,
+            message: "a pipeline name uses letters, digits, '_' and '-'".into(),
+        });
+        return Ok(None);
+    }
+    let overrides = overrides
+        .into_table()
+        .map_err(|_| ConfigError::Parse(format!("{origin}: {at}: must be a table of sections")))?;
+    for global in GLOBAL_SECTIONS {
+        if overrides.contains_key(*global) {
             problems.push(Problem {
-                key: at.clone(),
-                message: "a pipeline name uses letters, digits, '_' and '-'".into(),
+                key: format!("{at}.{global}"),
+                message: format!(
+                    "[{global}] configures the whole process; set it at the top level"
+                ),
             });
-            continue;
-        }
-        let overrides = overrides.into_table().map_err(|_| {
-            ConfigError::Parse(format!("{origin}: {at}: must be a table of sections"))
-        })?;
-        for global in GLOBAL_SECTIONS {
-            if overrides.contains_key(*global) {
-                problems.push(Problem {
-                    key: format!("{at}.{global}"),
-                    message: format!(
-                        "[{global}] configures the whole process; set it at the top level"
-                    ),
-                });
-            }
-        }
-        let merged = merge(root.clone(), overrides);
-        let (config, found) = read_pipeline(merged, &format!("{origin}: {at}"))?;
-        for mut problem in found {
-            env_keys.annotate(&mut problem, Some(&name));
-            problem.key = format!("{at}: {}", problem.key);
-            problems.push(problem);
-        }
-        if let Some(mut config) = config {
-            config.name = name.clone();
-            configs.push(config);
         }
     }
-    check_distinct(&configs, &mut problems);
-    if problems.is_empty() {
-        Ok(configs)
-    } else {
-        Err(ConfigError::Invalid(problems))
+    let merged = merge(root.clone(), overrides);
+    let (config, found) = read_pipeline(merged, &format!("{origin}: {at}"))?;
+    for mut problem in found {
+        env_keys.annotate(&mut problem, Some(name));
+        problem.key = format!("{at}: {}", problem.key);
+        problems.push(problem);
     }
+    Ok(config.map(|mut config| {
+        config.name = name.to_owned();
+        config
+    }))
 }
 
 /// Reads and validates one pipeline's table: the values that cannot be read

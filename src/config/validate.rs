@@ -1,8 +1,8 @@
 //! Range and cross-field checks, each problem naming its dotted key.
 
+use super::SslMode;
 use super::load::Problem;
 use super::{Config, SinkConfig};
-use crate::db::tls::SslMode;
 use std::time::Duration;
 
 /// The allowed range of each integer key: `validate` checks values against

@@ -3,7 +3,7 @@
 //! A redrive only records the request; the active relay publishes the
 //! letters (see [`super`]). A drop gives up on them at once.
 
-use crate::outbox::TableName;
+use crate::config::TableName;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use tokio_postgres::Client;

@@ -19,8 +19,10 @@
 
 pub mod admin;
 
-use crate::outbox::{RawRow, TableName, quote_ident};
+use crate::config::TableName;
+use crate::outbox::RawRow;
 use crate::replication::Lsn;
+use crate::sql::quote_ident;
 use chrono::{DateTime, Utc};
 use std::collections::HashSet;
 use tokio_postgres::{Client, Statement};

@@ -15,14 +15,10 @@
 //! `traceparent` (header, and attribute in structured mode) names the
 //! relay's span instead of the row's parent; `tracestate` still passes through.
 
-pub mod destination;
 pub mod routing;
-mod template;
 
-pub use template::{Field, Template, TemplateError};
-
-use crate::config::{EnvelopeConfig, EnvelopeMode};
-use crate::outbox::{ExtraColumn, OutboxEvent};
+use crate::config::{EnvelopeConfig, EnvelopeMode, ExtraColumn};
+use crate::outbox::OutboxEvent;
 use chrono::SecondsFormat;
 use serde::Serialize;
 use serde::ser::SerializeMap;

@@ -13,9 +13,10 @@
 //! ([`crate::outbox::RawRow::extra`]), so both source modes and the
 //! dead-letter table carry them without columns of their own.
 
-use crate::outbox::{ColumnMap, OutboxEvent};
+use crate::config::ColumnMap;
+use crate::outbox::OutboxEvent;
 
-/// A broker's rule for a name (see [`super::destination`]).
+/// A broker's rule for a name (see [`crate::config::destination`]).
 pub type Rule = fn(&str) -> Result<(), String>;
 
 /// Accepts any value that is not empty (a Kafka key is any bytes).
@@ -113,7 +114,7 @@ fn shown(value: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::destination;
+    use crate::config::destination;
     use chrono::Utc;
     use serde_json::value::RawValue;
 

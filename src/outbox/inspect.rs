@@ -1,8 +1,10 @@
 //! Reading an existing table's shape and the relay's privileges on it, and
 //! judging whether the relay can use it.
 
-use super::{ColumnMap, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 use crate::config::MarkMode;
+use crate::config::{
+    ColumnMap, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN,
+};
 use crate::errors::ErrorKind;
 use tokio_postgres::GenericClient;
 
@@ -126,27 +128,75 @@ pub async fn table_info(
         .await?;
     let oid: Option<u32> = row.get(0);
     let Some(oid) = oid else { return Ok(None) };
-    let unique_indexes: Vec<Vec<String>> = client
-        .query(
-            "SELECT ARRAY(SELECT a.attname::text
-                          FROM unnest(i.indkey::int2[]) WITH ORDINALITY k(attnum, n)
-                          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-                          WHERE k.n <= i.indnkeyatts ORDER BY k.n)
-             FROM pg_index i
-             WHERE i.indrelid = $1 AND i.indisunique AND i.indisvalid
-               AND i.indpred IS NULL AND i.indexprs IS NULL",
-            &[&oid],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let unique_indexes = unique_indexes(client, oid).await?;
     let unique_columns = unique_indexes
         .iter()
         .filter(|i| i.len() == 1)
         .map(|i| i[0].clone())
         .collect();
-    let partitioning = client
+    let partitioning = partitioning(client, oid).await?;
+    let has_replica_identity = has_replica_identity(client, oid).await?;
+    let replicating = replicating(client, table).await?;
+    let triggers = texts(
+        client,
+        "SELECT tgname::text FROM pg_trigger WHERE tgrelid = $1 AND NOT tgisinternal",
+        oid,
+    )
+    .await?;
+    Ok(Some(TableInfo {
+        columns: columns(client, oid).await?,
+        can_select: row.get(1),
+        can_update: row.get(2),
+        can_delete: row.get(3),
+        is_owner: row.get(4),
+        unique_columns,
+        has_replica_identity,
+        replicating,
+        triggers,
+        partitioning,
+        unique_indexes,
+    }))
+}
+
+/// The first column of every row `sql` (with the table's oid as `$1`) returns.
+async fn texts<T: for<'a> tokio_postgres::types::FromSql<'a>>(
+    client: &impl GenericClient,
+    sql: &str,
+    oid: u32,
+) -> Result<Vec<T>, tokio_postgres::Error> {
+    Ok(client
+        .query(sql, &[&oid])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// The key columns of each valid, plain (no predicate, no expression)
+/// unique index.
+async fn unique_indexes(
+    client: &impl GenericClient,
+    oid: u32,
+) -> Result<Vec<Vec<String>>, tokio_postgres::Error> {
+    texts(
+        client,
+        "SELECT ARRAY(SELECT a.attname::text
+                      FROM unnest(i.indkey::int2[]) WITH ORDINALITY k(attnum, n)
+                      JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                      WHERE k.n <= i.indnkeyatts ORDER BY k.n)
+         FROM pg_index i
+         WHERE i.indrelid = $1 AND i.indisunique AND i.indisvalid
+           AND i.indpred IS NULL AND i.indexprs IS NULL",
+        oid,
+    )
+    .await
+}
+
+async fn partitioning(
+    client: &impl GenericClient,
+    oid: u32,
+) -> Result<Option<Partitioning>, tokio_postgres::Error> {
+    Ok(client
         .query_opt(
             "SELECT CASE p.partstrat WHEN 'r' THEN 'range' WHEN 'l' THEN 'list' ELSE 'hash' END,
                     ARRAY(SELECT a.attname::text
@@ -162,8 +212,14 @@ pub async fn table_info(
             strategy: r.get(0),
             columns: r.get(1),
             expressions: r.get(2),
-        });
-    let has_replica_identity: bool = client
+        }))
+}
+
+async fn has_replica_identity(
+    client: &impl GenericClient,
+    oid: u32,
+) -> Result<bool, tokio_postgres::Error> {
+    Ok(client
         .query_one(
             "SELECT CASE c.relreplident
                       WHEN 'f' THEN true
@@ -174,8 +230,15 @@ pub async fn table_info(
             &[&oid],
         )
         .await?
-        .get(0);
-    let replicating = client
+        .get(0))
+}
+
+/// The publications that replicate the table's updates or deletes.
+async fn replicating(
+    client: &impl GenericClient,
+    table: &TableName,
+) -> Result<Vec<(String, bool, bool)>, tokio_postgres::Error> {
+    Ok(client
         .query(
             "SELECT p.pubname::text, p.pubupdate, p.pubdelete FROM pg_publication p
              JOIN pg_publication_tables t ON t.pubname = p.pubname
@@ -186,16 +249,13 @@ pub async fn table_info(
         .await?
         .iter()
         .map(|r| (r.get(0), r.get(1), r.get(2)))
-        .collect();
-    let triggers = client
-        .query(
-            "SELECT tgname::text FROM pg_trigger WHERE tgrelid = $1 AND NOT tgisinternal",
-            &[&oid],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        .collect())
+}
+
+async fn columns(
+    client: &impl GenericClient,
+    oid: u32,
+) -> Result<Vec<ColumnInfo>, tokio_postgres::Error> {
     let rows = client
         .query(
             "SELECT attname::text, format_type(atttypid, atttypmod), attnotnull,
@@ -206,27 +266,15 @@ pub async fn table_info(
             &[&oid],
         )
         .await?;
-    Ok(Some(TableInfo {
-        columns: rows
-            .iter()
-            .map(|r| ColumnInfo {
-                name: r.get(0),
-                type_name: r.get(1),
-                not_null: r.get(2),
-                has_default: r.get(3),
-            })
-            .collect(),
-        can_select: row.get(1),
-        can_update: row.get(2),
-        can_delete: row.get(3),
-        is_owner: row.get(4),
-        unique_columns,
-        has_replica_identity,
-        replicating,
-        triggers,
-        partitioning,
-        unique_indexes,
-    }))
+    Ok(rows
+        .iter()
+        .map(|r| ColumnInfo {
+            name: r.get(0),
+            type_name: r.get(1),
+            not_null: r.get(2),
+            has_default: r.get(3),
+        })
+        .collect())
 }
 
 const TEXTUAL: &[&str] = &["text", "character varying", "character", "uuid", "name"];

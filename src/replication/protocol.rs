@@ -28,7 +28,7 @@ pub use startup::DEFAULT_CONNECT_TIMEOUT;
 pub use wire::ReplicationMessage;
 
 use super::Lsn;
-use crate::db::tls::TlsOptions;
+use crate::config::TlsOptions;
 use postgres_protocol::message::backend::{DataRowBody, Message};
 use postgres_protocol::message::frontend;
 use tokio_postgres::fallible_iterator::FallibleIterator;

@@ -228,37 +228,8 @@ async fn drive(
         check::quiescent(w, &params)
     })
     .await?;
-    // Cure: the broker takes everything now; operators redrive every letter.
-    {
-        let mut w = lock(&world);
-        w.note("cure: the broker accepts everything; redrive all".into());
-        for e in w.events.values_mut() {
-            e.poison = Poison::None;
-        }
-        // Operators correct the unreadable rows, in the table and in the letters.
-        for l in w.letters.iter_mut() {
-            l.raw.headers = Some("{}".into());
-        }
-        for r in w.rows.values_mut() {
-            r.headers = "{}".into();
-        }
-    }
-    let deadline = Instant::now() + Duration::from_secs(1800);
-    loop {
-        if lock(&world).open_letters().next().is_some() {
-            let _ = admin::redrive(&world, &Target::All);
-        }
-        if check::all_delivered(&lock(&world)) {
-            break;
-        }
-        if Instant::now() > deadline {
-            return Err(
-                "liveness: after the cure and redrives, events were still undelivered after 30 simulated minutes"
-                    .into(),
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    cure(&world);
+    redrive_until_delivered(&world).await?;
     // Every row is marked in the end (a restart re-sends what was
     // confirmed but not marked), then every instance stops cleanly.
     let marks = params.mark != MarkMode::None;
@@ -274,6 +245,42 @@ async fn drive(
     }
     broker.abort();
     Ok(started.elapsed())
+}
+
+/// The broker takes everything now, and operators correct the unreadable
+/// rows, in the table and in the letters.
+fn cure(world: &Shared) {
+    let mut w = lock(world);
+    w.note("cure: the broker accepts everything; redrive all".into());
+    for e in w.events.values_mut() {
+        e.poison = Poison::None;
+    }
+    for l in w.letters.iter_mut() {
+        l.raw.headers = Some("{}".into());
+    }
+    for r in w.rows.values_mut() {
+        r.headers = "{}".into();
+    }
+}
+
+/// Operators redrive every letter until every event is delivered.
+async fn redrive_until_delivered(world: &Shared) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(1800);
+    loop {
+        if lock(world).open_letters().next().is_some() {
+            let _ = admin::redrive(world, &Target::All);
+        }
+        if check::all_delivered(&lock(world)) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(
+                "liveness: after the cure and redrives, events were still undelivered after 30 simulated minutes"
+                    .into(),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 async fn wait_until(
@@ -337,13 +344,7 @@ async fn write(world: Shared, mut rng: fastrand::Rng, params: Params) {
         if free.is_empty() {
             continue;
         }
-        let mut mine: Vec<usize> = Vec::new();
-        for _ in 0..rng.usize(1..4) {
-            let a = free[rng.usize(0..free.len())];
-            if !mine.contains(&a) {
-                mine.push(a);
-            }
-        }
+        let mine = pick_aggregates(&mut rng, &free);
         busy.lock()
             .unwrap_or_else(|e| e.into_inner())
             .extend(mine.iter().copied());
@@ -353,36 +354,7 @@ async fn write(world: Shared, mut rng: fastrand::Rng, params: Params) {
             for _ in 0..rng.usize(1..4) {
                 let a = mine[rng.usize(0..mine.len())];
                 n += 1;
-                let id = format!("e{n}");
-                let poison = match rng.u32(0..100) {
-                    0..2 if params.dead_letter => Poison::RefuseAfterSend,
-                    2..3 if params.dead_letter => Poison::RefuseBeforeSend,
-                    3..4 if params.dead_letter => Poison::BadRow,
-                    4..9 => Poison::Flaky(rng.u32(1..4)),
-                    _ => Poison::None,
-                };
-                let headers = if poison == Poison::BadRow {
-                    "[1]"
-                } else {
-                    "{}"
-                };
-                w.events.insert(
-                    id.clone(),
-                    EventFacts {
-                        aggregate: format!("a{a}"),
-                        committed: false,
-                        aborted: false,
-                        poison,
-                        refusals: 0,
-                        dropped: false,
-                    },
-                );
-                let event_type = ["Created", "Changed", "Closed"][rng.usize(0..3)];
-                if params.as_message(a, &mut rng) {
-                    w.emit_message(xid, &id, &format!("a{a}"), event_type, headers);
-                } else {
-                    w.insert(xid, &id, &format!("a{a}"), event_type, headers);
-                }
+                write_event(&mut w, xid, &format!("e{n}"), a, &mut rng, &params);
             }
             xid
         };
@@ -415,6 +387,59 @@ async fn write(world: Shared, mut rng: fastrand::Rng, params: Params) {
     }
 }
 
+/// One to three aggregates of the `free` ones.
+fn pick_aggregates(rng: &mut fastrand::Rng, free: &[usize]) -> Vec<usize> {
+    let mut mine: Vec<usize> = Vec::new();
+    for _ in 0..rng.usize(1..4) {
+        let a = free[rng.usize(0..free.len())];
+        if !mine.contains(&a) {
+            mine.push(a);
+        }
+    }
+    mine
+}
+
+/// One event of aggregate `a` in transaction `xid`, as a row or a logical
+/// message, perhaps poisoned.
+fn write_event(
+    w: &mut World,
+    xid: u64,
+    id: &str,
+    a: usize,
+    rng: &mut fastrand::Rng,
+    params: &Params,
+) {
+    let poison = match rng.u32(0..100) {
+        0..2 if params.dead_letter => Poison::RefuseAfterSend,
+        2..3 if params.dead_letter => Poison::RefuseBeforeSend,
+        3..4 if params.dead_letter => Poison::BadRow,
+        4..9 => Poison::Flaky(rng.u32(1..4)),
+        _ => Poison::None,
+    };
+    let headers = if poison == Poison::BadRow {
+        "[1]"
+    } else {
+        "{}"
+    };
+    w.events.insert(
+        id.to_owned(),
+        EventFacts {
+            aggregate: format!("a{a}"),
+            committed: false,
+            aborted: false,
+            poison,
+            refusals: 0,
+            dropped: false,
+        },
+    );
+    let event_type = ["Created", "Changed", "Closed"][rng.usize(0..3)];
+    if params.as_message(a, rng) {
+        w.emit_message(xid, id, &format!("a{a}"), event_type, headers);
+    } else {
+        w.insert(xid, id, &format!("a{a}"), event_type, headers);
+    }
+}
+
 /// One fault or operator action.
 async fn fault(
     world: &Shared,
@@ -425,26 +450,7 @@ async fn fault(
 ) {
     let i = rng.usize(0..instances.len());
     match rng.u32(0..10) {
-        0 | 1 => {
-            instances[i].crash(world).await;
-            tokio::time::sleep(Duration::from_millis(rng.u64(0..1_500))).await;
-            // While no relay streams, WAL the slot needed may be removed
-            // (max_slot_wal_keep_size); with rows marked the relay recreates
-            // the slot and the table holds what the lost WAL did.
-            // Not with logical messages: a lost slot stops the relay then.
-            if params.mode == SourceMode::Cdc
-                && params.mark != MarkMode::None
-                && !params.messages
-                && rng.u32(0..4) == 0
-            {
-                let mut w = lock(world);
-                if w.slot_active.is_none() {
-                    w.note("the slot is lost".into());
-                    w.slot_lost = true;
-                }
-            }
-            instances[i] = Instance::start(world, config, instances[i].id);
-        }
+        0 | 1 => crash(world, config, params, rng, &mut instances[i]).await,
         2 => {
             // The ownership session ends, the process does not notice yet.
             let mut w = lock(world);
@@ -460,19 +466,7 @@ async fn fault(
             w.incidents += 1;
             w.kill_conns_of(instances[i].id);
         }
-        4 => {
-            {
-                let mut w = lock(world);
-                w.note("broker outage".into());
-                w.incidents += 1;
-                w.broker_down = true;
-                w.kill_all_conns();
-            }
-            tokio::time::sleep(Duration::from_millis(rng.u64(200..4_000))).await;
-            let mut w = lock(world);
-            w.broker_down = false;
-            w.note("broker back".into());
-        }
+        4 => broker_outage(world, rng).await,
         5 if !params.kafka => {
             let topic = lock(world).topic(["Created", "Changed", "Closed"][rng.usize(0..3)]);
             lock(world).busy_topics.insert(topic.clone());
@@ -487,31 +481,77 @@ async fn fault(
             }
             instances[i] = Instance::start(world, config, instances[i].id);
         }
-        7 | 8 => {
-            let (by_id, by_aggregate) = {
-                let w = lock(world);
-                let open: Vec<_> = w.open_letters().collect();
-                if open.is_empty() {
-                    return;
-                }
-                let l = open[rng.usize(0..open.len())];
-                (l.event_id.clone(), l.aggregate.clone())
-            };
-            let target = match rng.u32(0..3) {
-                0 => Target::Id(by_id),
-                1 => Target::Aggregate(by_aggregate),
-                _ => Target::All,
-            };
-            if rng.u32(0..4) == 0 {
-                admin::drop(world, &target);
-            } else if let Err(refused) = admin::redrive(world, &target) {
-                lock(world).note(format!("redrive refused: {refused}"));
-            }
-        }
+        7 | 8 => resolve_a_dead_letter(world, rng),
         _ => {
             for _ in 0..rng.usize(1..20) {
                 lock(world).unrelated_commit();
             }
         }
+    }
+}
+
+/// A crash, and a restart after a while; meanwhile the slot may be lost.
+async fn crash(
+    world: &Shared,
+    config: &Config,
+    params: &Params,
+    rng: &mut fastrand::Rng,
+    instance: &mut Instance,
+) {
+    instance.crash(world).await;
+    tokio::time::sleep(Duration::from_millis(rng.u64(0..1_500))).await;
+    // While no relay streams, WAL the slot needed may be removed
+    // (max_slot_wal_keep_size); with rows marked the relay recreates
+    // the slot and the table holds what the lost WAL did.
+    // Not with logical messages: a lost slot stops the relay then.
+    if params.mode == SourceMode::Cdc
+        && params.mark != MarkMode::None
+        && !params.messages
+        && rng.u32(0..4) == 0
+    {
+        let mut w = lock(world);
+        if w.slot_active.is_none() {
+            w.note("the slot is lost".into());
+            w.slot_lost = true;
+        }
+    }
+    *instance = Instance::start(world, config, instance.id);
+}
+
+/// The broker goes away for a while, with every connection.
+async fn broker_outage(world: &Shared, rng: &mut fastrand::Rng) {
+    {
+        let mut w = lock(world);
+        w.note("broker outage".into());
+        w.incidents += 1;
+        w.broker_down = true;
+        w.kill_all_conns();
+    }
+    tokio::time::sleep(Duration::from_millis(rng.u64(200..4_000))).await;
+    let mut w = lock(world);
+    w.broker_down = false;
+    w.note("broker back".into());
+}
+
+/// The operator redrives or drops dead letters: one, an aggregate's, or all.
+fn resolve_a_dead_letter(world: &Shared, rng: &mut fastrand::Rng) {
+    let (by_id, by_aggregate) = {
+        let w = lock(world);
+        let open: Vec<_> = w.open_letters().collect();
+        if open.is_empty() {
+            return;
+        }
+        let l = open[rng.usize(0..open.len())];
+        (l.event_id.clone(), l.aggregate.clone())
+    };
+    let target = match rng.u32(0..3) {
+        0 => Target::Id(by_id),
+        1 => Target::Aggregate(by_aggregate),
+        _ => Target::All,
+    };
+    if rng.u32(0..4) == 0 {
+        admin::drop(world, &target);
+    } else if let Err(refused) = admin::redrive(world, &target) {
+        lock(world).note(format!("redrive refused: {refused}"));
     }
 }

@@ -35,12 +35,12 @@ use super::record::{RowRecorder, RowStore};
 use super::rows::{byte_capped, page_rows, read_row, select_list};
 use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::PollingConfig;
+use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 use crate::db::DbError;
 use crate::dead_letter::DeadLetter;
+use crate::outbox::RawRow;
 use crate::outbox::Shard;
-use crate::outbox::{
-    RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN, quote_ident,
-};
+use crate::sql::quote_ident;
 use chrono::Utc;
 use std::collections::HashSet;
 use std::sync::Arc;

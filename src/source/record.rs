@@ -7,9 +7,10 @@
 
 use super::SourceError;
 use crate::config::MarkMode;
+use crate::config::TableName;
 use crate::db::DbError;
 use crate::dead_letter::{DeadLetter, Recorder, Requested, Written};
-use crate::outbox::{TableName, mark_sql};
+use crate::outbox::mark_sql;
 use std::collections::HashSet;
 use std::future::Future;
 use tokio_postgres::{Client, Statement};

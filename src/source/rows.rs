@@ -4,7 +4,9 @@
 //! and routing columns as one JSON object (so the list has the same width
 //! whatever the configuration).
 
-use crate::outbox::{RawRow, ResolvedColumns, SEQ_COLUMN, quote_ident, quote_literal};
+use crate::config::{ResolvedColumns, SEQ_COLUMN};
+use crate::outbox::RawRow;
+use crate::sql::{quote_ident, quote_literal};
 use tokio_postgres::Row;
 
 /// Columns of [`select_list`] after `relay_seq`.

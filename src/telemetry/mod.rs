@@ -59,7 +59,7 @@ impl PipelineTelemetry {
             metrics: metrics::PipelineMetrics::new(
                 &config.name,
                 config.sink.kind(),
-                config.source.mode.keyword(),
+                config.source.mode.name(),
             ),
             tracer: trace::EventTracer::default(),
         }

@@ -26,9 +26,11 @@ async fn app_database(pg: &PrivatePg, sink: &str) -> (tokio_postgres::Client, St
     admin.batch_execute("CREATE DATABASE app").await.unwrap();
     let toml = auto_toml(&pg.url("app"), sink);
     let mut c = connect(&pg.url("app")).await;
-    let opts = outbox_relay::migrate::MigrateOptions::from_config(&parse(&toml), false);
-    let steps = outbox_relay::migrate::plan(&c, &opts).await.unwrap();
-    outbox_relay::migrate::apply(&mut c, &steps).await.unwrap();
+    let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(&parse(&toml), false);
+    let steps = outbox_relay::ops::migrate::plan(&c, &opts).await.unwrap();
+    outbox_relay::ops::migrate::apply(&mut c, &steps)
+        .await
+        .unwrap();
     (c, toml)
 }
 

@@ -165,9 +165,11 @@ async fn flushed(app: &tokio_postgres::Client, slot: String) -> outbox_relay::re
 /// Migrates a private cluster's database the way `outbox-relay migrate` does.
 async fn migrate_at(url: &str, config: &outbox_relay::config::Config) {
     let mut c = connect(url).await;
-    let opts = outbox_relay::migrate::MigrateOptions::from_config(config, false);
-    let steps = outbox_relay::migrate::plan(&c, &opts).await.unwrap();
-    outbox_relay::migrate::apply(&mut c, &steps).await.unwrap();
+    let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(config, false);
+    let steps = outbox_relay::ops::migrate::plan(&c, &opts).await.unwrap();
+    outbox_relay::ops::migrate::apply(&mut c, &steps)
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

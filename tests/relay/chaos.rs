@@ -175,9 +175,11 @@ async fn chaos(mode: Mode, kind: Kind) {
     let config = parse(&toml);
     {
         let mut c = connect(&url).await;
-        let opts = outbox_relay::migrate::MigrateOptions::from_config(&config, false);
-        let steps = outbox_relay::migrate::plan(&c, &opts).await.unwrap();
-        outbox_relay::migrate::apply(&mut c, &steps).await.unwrap();
+        let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(&config, false);
+        let steps = outbox_relay::ops::migrate::plan(&c, &opts).await.unwrap();
+        outbox_relay::ops::migrate::apply(&mut c, &steps)
+            .await
+            .unwrap();
     }
 
     let ledger = Arc::new(Mutex::new(Ledger::default()));

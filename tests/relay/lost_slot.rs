@@ -107,9 +107,11 @@ impl LostMidStream {
             .trim_matches('"')
             .to_owned();
         let mut c = connect(&pg.url("app")).await;
-        let opts = outbox_relay::migrate::MigrateOptions::from_config(&parse(&toml), false);
-        let steps = outbox_relay::migrate::plan(&c, &opts).await.unwrap();
-        outbox_relay::migrate::apply(&mut c, &steps).await.unwrap();
+        let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(&parse(&toml), false);
+        let steps = outbox_relay::ops::migrate::plan(&c, &opts).await.unwrap();
+        outbox_relay::ops::migrate::apply(&mut c, &steps)
+            .await
+            .unwrap();
 
         let port = crate::kit::free_port();
         let relay = ChildRelay::start(&with_http(&toml, port));

@@ -52,8 +52,8 @@ async fn messages_and_rows_flow_in_order_and_rollbacks_stay_out_rabbitmq() {
 async fn messages_and_rows_flow_in_order_and_rollbacks_stay_out(kind: Kind) {
     let (db, broker, toml) = setup_messages(kind, &[]).await;
     // Migrating again finds nothing to do: the function is in place.
-    let opts = outbox_relay::migrate::MigrateOptions::from_config(&parse(&toml), false);
-    let again = outbox_relay::migrate::plan(&db.client, &opts)
+    let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(&parse(&toml), false);
+    let again = outbox_relay::ops::migrate::plan(&db.client, &opts)
         .await
         .unwrap();
     assert!(again.is_empty(), "{again:?}");

@@ -160,12 +160,14 @@ async fn files_match_migrate(mode: Mode, messages: bool, left: &[&str]) {
 
     // The reference: what migrate makes (in CDC mode also a slot, which is not schema).
     let mut client = connect(&by_migrate.url).await;
-    let opts =
-        outbox_relay::migrate::MigrateOptions::from_config(&parse(&config(&by_migrate.url)), false);
-    let steps = outbox_relay::migrate::plan(&client, &opts)
+    let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(
+        &parse(&config(&by_migrate.url)),
+        false,
+    );
+    let steps = outbox_relay::ops::migrate::plan(&client, &opts)
         .await
         .expect("plan");
-    outbox_relay::migrate::apply(&mut client, &steps)
+    outbox_relay::ops::migrate::apply(&mut client, &steps)
         .await
         .expect("migrate");
     let made = schema_catalog(&by_migrate.client).await;

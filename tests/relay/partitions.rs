@@ -160,7 +160,7 @@ async fn delivers_and_marks_across_partitions_made_while_running(mode: Mode, kin
     let stop_retention = tokio_util::sync::CancellationToken::new();
     let retention = tokio::spawn({
         let token = stop_retention.clone();
-        async move { outbox_relay::retention::run_scheduled(&config, None, token).await }
+        async move { outbox_relay::ops::retention::run_scheduled(&config, None, token).await }
     });
     // Retention's first run, at start-up, makes today's partition.
     let now = Uuid::new_v4();
@@ -305,12 +305,14 @@ async fn retention_drops_old_sent_partitions_and_keeps_the_others() {
         "a dry run changes nothing"
     );
 
-    let client = outbox_relay::retention::connect(&config).await.unwrap();
-    let report = outbox_relay::retention::once(&client, &config, false)
+    let client = outbox_relay::ops::retention::connect(&config)
+        .await
+        .unwrap();
+    let report = outbox_relay::ops::retention::once(&client, &config, false)
         .await
         .unwrap();
     let p = report.partitions.clone().expect("a partition report");
-    let names = |v: &[outbox_relay::outbox::TableName]| -> Vec<String> {
+    let names = |v: &[outbox_relay::config::TableName]| -> Vec<String> {
         v.iter().map(|t| t.name.clone()).collect()
     };
     assert_eq!(
@@ -337,14 +339,14 @@ async fn retention_drops_old_sent_partitions_and_keeps_the_others() {
     assert_eq!(db.unsent().await, 2, "the unsent rows are still there");
 
     // Again: nothing more to do, and nothing made twice.
-    let report = outbox_relay::retention::once(&client, &config, false)
+    let report = outbox_relay::ops::retention::once(&client, &config, false)
         .await
         .unwrap();
     let p = report.partitions.clone().unwrap();
     assert!(p.created.is_empty() && p.dropped.is_empty(), "{report}");
     // Once the row is sent and its time passed, its partition goes too.
     age(&db, unsent, Some("2020-01-05 00:00:00+00")).await;
-    let report = outbox_relay::retention::once(&client, &config, false)
+    let report = outbox_relay::ops::retention::once(&client, &config, false)
         .await
         .unwrap();
     assert_eq!(
@@ -461,8 +463,10 @@ async fn a_row_written_into_an_expired_partition_keeps_it() {
         ))
         .await
         .unwrap();
-    let client = outbox_relay::retention::connect(&config).await.unwrap();
-    let report = outbox_relay::retention::once(&client, &config, false)
+    let client = outbox_relay::ops::retention::connect(&config)
+        .await
+        .unwrap();
+    let report = outbox_relay::ops::retention::once(&client, &config, false)
         .await
         .unwrap();
     let p = report.partitions.clone().unwrap();
@@ -477,7 +481,7 @@ async fn a_row_written_into_an_expired_partition_keeps_it() {
         "{report}"
     );
     writer.batch_execute("COMMIT").await.unwrap();
-    let report = outbox_relay::retention::once(&client, &config, false)
+    let report = outbox_relay::ops::retention::once(&client, &config, false)
         .await
         .unwrap();
     let p = report.partitions.clone().unwrap();
@@ -535,8 +539,10 @@ async fn a_dead_lettered_row_does_not_hold_its_partition(mode: Mode, kind: Kind)
         .batch_execute("UPDATE outbox SET relay_sent_at = '2020-07-01 00:00:00+00'")
         .await
         .unwrap();
-    let client = outbox_relay::retention::connect(&config).await.unwrap();
-    let report = outbox_relay::retention::once(&client, &config, false)
+    let client = outbox_relay::ops::retention::connect(&config)
+        .await
+        .unwrap();
+    let report = outbox_relay::ops::retention::once(&client, &config, false)
         .await
         .unwrap();
     let dropped: Vec<String> = report

@@ -5,7 +5,7 @@
 use crate::support::*;
 use outbox_relay::config::Config;
 use outbox_relay::errors::ErrorKind;
-use outbox_relay::retention::{self, Cleanup, Skip};
+use outbox_relay::ops::retention::{self, Cleanup, Skip};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -426,8 +426,8 @@ async fn without_its_index_it_still_cleans_and_says_to_migrate() {
     assert_eq!(count_of(&db, "unsent").await, 10);
 
     // migrate builds it without blocking writers, and the hint goes.
-    let opts = outbox_relay::migrate::MigrateOptions::from_config(&config, false);
-    let steps = outbox_relay::migrate::plan(&c, &opts).await.unwrap();
+    let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(&config, false);
+    let steps = outbox_relay::ops::migrate::plan(&c, &opts).await.unwrap();
     assert_eq!(steps.len(), 1, "{steps:?}");
     assert!(
         steps[0]

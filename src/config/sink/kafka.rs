@@ -7,9 +7,10 @@
 //! does with these values (the librdkafka properties it derives, how it
 //! classifies the broker's errors) is in `sink/kafka/`.
 
+use super::destination;
 use crate::config::Secret;
+use crate::config::Template;
 use crate::config::validate::{Checker, HOUR, SEC};
-use crate::envelope::{Template, destination};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -269,8 +270,8 @@ impl KafkaConfig {
 }
 
 mod defaults {
+    use crate::config::Template;
     use crate::config::sink::template;
-    use crate::envelope::Template;
     use std::time::Duration;
 
     pub fn topic() -> Template {

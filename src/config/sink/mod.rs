@@ -1,13 +1,14 @@
 //! `[sink]`: the broker the events go to, one file per broker with its keys,
 //! defaults and checks (`kafka.rs`, `rabbitmq.rs`).
 
+pub mod destination;
 mod kafka;
 mod rabbitmq;
 
 pub use kafka::{KafkaConfig, SaslMechanism, SecurityProtocol};
 pub use rabbitmq::RabbitMqConfig;
 
-use crate::envelope::Template;
+use super::Template;
 use serde::Deserialize;
 
 /// `[sink]`, chosen by `type = "kafka"` or `type = "rabbitmq"`.

@@ -2,9 +2,10 @@
 //! checks. It lives in the configuration layer for the reason given in
 //! `kafka.rs`; the connection, TLS and publishing are in `sink/rabbitmq/`.
 
+use super::destination;
 use crate::config::SecretUrl;
+use crate::config::Template;
 use crate::config::validate::Checker;
-use crate::envelope::{Template, destination};
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -99,8 +100,8 @@ impl RabbitMqConfig {
 }
 
 mod defaults {
+    use crate::config::Template;
     use crate::config::sink::template;
-    use crate::envelope::Template;
 
     pub fn exchange() -> Template {
         template("outbox")

@@ -21,7 +21,7 @@ use crate::telemetry::trace::EventSpan;
 use chrono::Utc;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -30,6 +30,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
+
+mod letters;
 
 pub(super) type InFlight<P> = Pin<Box<dyn Future<Output = Answered<P>> + Send>>;
 
@@ -260,7 +262,7 @@ where
                 },
                 // 5. Operators resolved dead letters (seen by the acker, or by the refresh).
                 found = self.resolved.next() => self.resolve(found),
-                Ok((found, seen, handed)) = wait_refresh(&mut self.refresh.waiting), if self.refresh.waiting.is_some() => {
+                Ok((found, seen, handed)) = letters::wait_refresh(&mut self.refresh.waiting), if self.refresh.waiting.is_some() => {
                     self.refreshed(found, seen, handed)
                 }
                 // Only dead aggregates need watching. Dead letters still to be
@@ -453,89 +455,6 @@ where
         }
     }
 
-    /// Aggregates whose dead letters were resolved: unblock them, and re-read
-    /// if any was blocked.
-    fn resolve(&mut self, aggregates: HashSet<String>) {
-        let mut any = false;
-        for a in aggregates {
-            any |= self.blocks.is_blocked(&a);
-            self.blocks.resolve(&a);
-        }
-        if any {
-            tracing::info!("dead letters were redriven or dropped; their aggregates resume");
-            self.rewind_later();
-        }
-    }
-
-    /// The refresh's view of the dead-letter table arrived.
-    fn refreshed(&mut self, (open, requested): Refreshed, seen: u64, handed: u64) {
-        self.refresh.waiting = None;
-        let gone = self.blocks.resolve_missing(&open, seen);
-        if !gone.is_empty() && self.intake != Intake::Rewinding {
-            tracing::info!(
-                aggregates = gone.len(),
-                "dead letters redriven or dropped; their aggregates resume"
-            );
-            self.rewind_later();
-        }
-        // A view older than letters handed over since may still list them.
-        if handed == self.letters_handed {
-            self.redrive(requested);
-        }
-    }
-
-    /// Queues the requested letters of dead aggregates not being redriven
-    /// already, in order, ahead of the current batch.
-    fn redrive(&mut self, requested: Vec<crate::dead_letter::Requested>) {
-        if self.intake != Intake::Open {
-            return;
-        }
-        let now = Utc::now();
-        let mut queued: Vec<Event<P>> = Vec::new();
-        let mut started: HashMap<String, usize> = HashMap::new();
-        for r in requested {
-            let aggregate = r.raw.aggregate_id.clone().unwrap_or_default();
-            if self.redriving.contains_key(&aggregate) || !self.blocks.is_dead(&aggregate) {
-                continue;
-            }
-            *started.entry(aggregate.clone()).or_default() += 1;
-            self.letter_aggregates.insert(r.letter_id, aggregate);
-            let mut event = SourcedEvent::new(Origin::Letter(r.letter_id), r.raw.decode(now));
-            event.charge = self.budget.charge(event.bytes());
-            queued.push(event);
-        }
-        if queued.is_empty() {
-            return;
-        }
-        tracing::info!(
-            letters = queued.len(),
-            aggregates = started.len(),
-            "publishing redriven dead letters"
-        );
-        self.redriving.extend(started);
-        if self.telemetry.tracer.is_on() {
-            self.read_at = std::time::SystemTime::now();
-        }
-        for e in queued.into_iter().rev() {
-            self.waiting.push_front(e);
-        }
-    }
-
-    async fn ask_refresh(&mut self) -> Result<(), PipelineError> {
-        let (tx, rx) = oneshot::channel();
-        if self
-            .ack_tx
-            .send(AckCommand::OpenDeadLetters(tx))
-            .await
-            .is_err()
-        {
-            return Err(task_error(&mut self.acker_task, "acker").await);
-        }
-        self.refresh.waiting = Some((rx, self.blocks.generation(), self.letters_handed));
-        self.refresh.next = self.refresh.every.map(|d| Instant::now() + d);
-        Ok(())
-    }
-
     fn retry_expired(&mut self) {
         let released = self.blocks.release_expired(Instant::now());
         tracing::info!(aggregates = released, "retrying refused events");
@@ -601,18 +520,6 @@ impl Intake {
             Intake::Draining { deadline } => Some(*deadline),
             _ => None,
         }
-    }
-}
-
-async fn wait_refresh(
-    rx: &mut Option<(oneshot::Receiver<Refreshed>, u64, u64)>,
-) -> Result<(Refreshed, u64, u64), ()> {
-    match rx {
-        Some((rx, seen, handed)) => {
-            let (seen, handed) = (*seen, *handed);
-            rx.await.map(|found| (found, seen, handed)).map_err(|_| ())
-        }
-        None => std::future::pending().await,
     }
 }
 

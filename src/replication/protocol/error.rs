@@ -1,5 +1,6 @@
 //! Errors of the replication client, each mapped to its [`ErrorKind`].
-use crate::db::tls::{SslMode, TlsError};
+use crate::config::SslMode;
+use crate::db::tls::TlsError;
 use crate::errors::{self, ErrorKind};
 use postgres_protocol::message::backend::ErrorFields;
 use std::fmt;

@@ -2,7 +2,8 @@
 //! authentication (<https://www.postgresql.org/docs/current/protocol-flow.html#PROTOCOL-FLOW-START-UP>).
 use super::error::ProtocolError;
 use super::wire::{Connection, Io, message_name};
-use crate::db::tls::{SslMode, TlsConnector, TlsOptions, tls_server_end_point};
+use crate::config::{SslMode, TlsOptions};
+use crate::db::tls::{TlsConnector, tls_server_end_point};
 use postgres_protocol::authentication::md5_hash;
 use postgres_protocol::authentication::sasl::{
     ChannelBinding, SCRAM_SHA_256, SCRAM_SHA_256_PLUS, ScramSha256,

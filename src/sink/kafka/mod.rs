@@ -25,8 +25,9 @@ mod route;
 
 use super::{Confirmation, Reason, Route, Sink, SinkCheck, SinkError, within_limit};
 use crate::config::KafkaConfig;
+use crate::config::{Template, destination};
+use crate::envelope::Message;
 use crate::envelope::routing::Routing;
-use crate::envelope::{Message, Template, destination};
 use crate::outbox::OutboxEvent;
 use client::{client_config, keys_to_check};
 use error::classify;

@@ -1,7 +1,7 @@
 //! Which topic, key and lane each event goes to.
 
+use crate::config::{Field, Template, destination};
 use crate::envelope::routing::{self, Routing};
-use crate::envelope::{Field, Template, destination};
 use crate::outbox::OutboxEvent;
 use crate::sink::{Route, SinkError};
 
@@ -75,7 +75,7 @@ pub(super) fn route(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::Template;
+    use crate::config::Template;
 
     fn event(aggregate_id: &str, extra: &[(&str, &str)]) -> OutboxEvent {
         OutboxEvent {
@@ -97,7 +97,7 @@ mod tests {
     #[test]
     fn the_lane_follows_each_rows_own_topic_and_key() {
         let template = Template::parse("outbox.event.{aggregate_type}").unwrap();
-        let routing = Routing::from_columns(&crate::outbox::ColumnMap {
+        let routing = Routing::from_columns(&crate::config::ColumnMap {
             destination: Some("topic".into()),
             key: Some("msg_key".into()),
             ..Default::default()

@@ -23,9 +23,10 @@ mod error;
 mod tls;
 
 use super::{Confirmation, Reason, Route, Sink, SinkCheck, SinkError, within_limit};
+use crate::config::{Field, Template, destination};
 use crate::config::{RabbitMqConfig, redact_url};
+use crate::envelope::Message;
 use crate::envelope::routing::Routing;
-use crate::envelope::{Field, Message, Template, destination};
 use crate::outbox::OutboxEvent;
 use confirms::{Settle, Unconfirmed};
 use error::{answer, connect_error, unavailable};

@@ -41,7 +41,7 @@ pub use stream::SharedProgress;
 
 use super::{Reader, SourceError, SourcedEvent};
 use crate::config::{Config, MarkMode};
-use crate::outbox::{ResolvedColumns, TableName};
+use crate::config::{ResolvedColumns, TableName};
 use crate::replication::Lsn;
 use progress::CATCH_UP;
 use snapshot::StartupView;
@@ -348,6 +348,79 @@ impl<B: CdcServer> CdcReader<B> {
         ))
     }
 
+    /// One wake-up of the stream: a message handled, a status sent or a
+    /// heartbeat written. True when a committed transaction left events to
+    /// hand over.
+    async fn stream_step(&mut self) -> Result<bool, SourceError> {
+        let Phase::Streaming(s) = &mut self.phase else {
+            return Ok(false);
+        };
+        let silence = s.last_message.max(s.paused_at) + self.timing.silence_limit;
+        // Confirmations waiting for a report are looked at now and then.
+        let report_check =
+            (lock(&self.progress).unreported() > 0).then(|| Instant::now() + REPORT_CHECK);
+        // Messages first: after a pause they are waiting unread.
+        let wake = tokio::select! {
+            biased;
+            message = s.stream.next() => Wake::Message(message),
+            _ = tokio::time::sleep_until(s.next_status) => Wake::Status,
+            _ = sleep_until_opt(report_check) => Wake::Report,
+            _ = tokio::time::sleep_until(silence) => Wake::Silence,
+            _ = sleep_until_opt(self.next_heartbeat) => Wake::Heartbeat,
+        };
+        match wake {
+            Wake::Message(message) => {
+                let Some(message) = message? else {
+                    return Err(SourceError::Stream(
+                        "the server ended the replication stream".into(),
+                    ));
+                };
+                let before = self.pending.len();
+                let (reply, step) = s.handle(
+                    message,
+                    &self.table,
+                    &self.columns,
+                    &self.progress,
+                    &mut self.pending,
+                )?;
+                self.pending_bytes += self.pending[before..]
+                    .iter()
+                    .map(SourcedEvent::bytes)
+                    .sum::<usize>();
+                // A busy stream still reports on time (the select
+                // prefers messages).
+                if reply
+                    || Instant::now() >= s.next_status
+                    || report_due(&self.progress, self.settings.report_every)
+                {
+                    s.send_status(&self.progress, self.timing.status_every)
+                        .await?;
+                }
+                if matches!(step, Step::Committed) && !self.pending.is_empty() {
+                    return Ok(true);
+                }
+            }
+            Wake::Status => {
+                s.send_status(&self.progress, self.timing.status_every)
+                    .await?
+            }
+            Wake::Report => {
+                if report_due(&self.progress, self.settings.report_every) {
+                    s.send_status(&self.progress, self.timing.status_every)
+                        .await?;
+                }
+            }
+            Wake::Silence => {
+                return Err(SourceError::Stream(format!(
+                    "no message from the server for {}s; reconnecting",
+                    self.timing.silence_limit.as_secs()
+                )));
+            }
+            Wake::Heartbeat => self.heartbeat().await?,
+        }
+        Ok(false)
+    }
+
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
         if let Some(every) = self.settings.heartbeat_interval {
             self.server.heartbeat().await?;
@@ -403,69 +476,9 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                         return Ok(self.take_pending());
                     }
                 }
-                Phase::Streaming(s) => {
-                    let silence = s.last_message.max(s.paused_at) + self.timing.silence_limit;
-                    // Confirmations waiting for a report are looked at now and then.
-                    let report_check = (lock(&self.progress).unreported() > 0)
-                        .then(|| Instant::now() + REPORT_CHECK);
-                    // Messages first: after a pause they are waiting unread.
-                    let wake = tokio::select! {
-                        biased;
-                        message = s.stream.next() => Wake::Message(message),
-                        _ = tokio::time::sleep_until(s.next_status) => Wake::Status,
-                        _ = sleep_until_opt(report_check) => Wake::Report,
-                        _ = tokio::time::sleep_until(silence) => Wake::Silence,
-                        _ = sleep_until_opt(self.next_heartbeat) => Wake::Heartbeat,
-                    };
-                    match wake {
-                        Wake::Message(message) => {
-                            let Some(message) = message? else {
-                                return Err(SourceError::Stream(
-                                    "the server ended the replication stream".into(),
-                                ));
-                            };
-                            let before = self.pending.len();
-                            let (reply, step) = s.handle(
-                                message,
-                                &self.table,
-                                &self.columns,
-                                &self.progress,
-                                &mut self.pending,
-                            )?;
-                            self.pending_bytes += self.pending[before..]
-                                .iter()
-                                .map(SourcedEvent::bytes)
-                                .sum::<usize>();
-                            // A busy stream still reports on time (the select
-                            // prefers messages).
-                            if reply
-                                || Instant::now() >= s.next_status
-                                || report_due(&self.progress, self.settings.report_every)
-                            {
-                                s.send_status(&self.progress, self.timing.status_every)
-                                    .await?;
-                            }
-                            if matches!(step, Step::Committed) && !self.pending.is_empty() {
-                                return Ok(self.take_pending());
-                            }
-                        }
-                        Wake::Status => {
-                            s.send_status(&self.progress, self.timing.status_every)
-                                .await?
-                        }
-                        Wake::Report => {
-                            if report_due(&self.progress, self.settings.report_every) {
-                                s.send_status(&self.progress, self.timing.status_every)
-                                    .await?;
-                            }
-                        }
-                        Wake::Silence => {
-                            return Err(SourceError::Stream(format!(
-                                "no message from the server for {}s; reconnecting",
-                                self.timing.silence_limit.as_secs()
-                            )));
-                        }
-                        Wake::Heartbeat => self.heartbeat().await?,
+                Phase::Streaming(_) => {
+                    if self.stream_step().await? {
+                        return Ok(self.take_pending());
                     }
                 }
             }

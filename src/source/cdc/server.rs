@@ -8,8 +8,9 @@ use super::CdcSettings;
 use super::setup;
 use super::snapshot::{Snapshot, StartupView};
 use crate::config::DatabaseConfig;
+use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 use crate::db::DbError;
-use crate::outbox::{RawRow, ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
+use crate::outbox::RawRow;
 use crate::replication::Lsn;
 use crate::replication::pgoutput::{self, LogicalMessage};
 use crate::replication::protocol::{

@@ -1,9 +1,10 @@
 //! Slot and publication: inspection, creation, and the checks that say what
 //! to fix (`wal_level`, free slots, the REPLICATION privilege, ownership).
 
+use crate::config::TableName;
 use crate::db::{DbError, error_text};
-use crate::outbox::{TableName, quote_ident, quote_literal};
 use crate::replication::Lsn;
+use crate::sql::{quote_ident, quote_literal};
 use tokio_postgres::Client;
 
 /// What `pg_replication_slots` says about a slot.

@@ -5,7 +5,8 @@ use super::message;
 use super::progress::{CdcPosition, Progress};
 use super::server::{CdcStream, StreamMessage};
 use super::snapshot::StartupView;
-use crate::outbox::{RawRow, ResolvedColumns, RowError, SEQ_COLUMN, TableName};
+use crate::config::{ResolvedColumns, SEQ_COLUMN, TableName};
+use crate::outbox::{RawRow, RowError};
 use crate::replication::Lsn;
 use crate::replication::pgoutput::{
     Insert, LogicalDecodingMessage, LogicalMessage, MessageKind, Relation, RelationCache,

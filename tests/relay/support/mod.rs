@@ -95,11 +95,11 @@ impl TestDb {
     /// Creates the default outbox table through `migrate` (the public contract).
     pub async fn migrate(&self, config: &Config) {
         let mut client = connect(&self.url).await;
-        let opts = outbox_relay::migrate::MigrateOptions::from_config(config, false);
-        let steps = outbox_relay::migrate::plan(&client, &opts)
+        let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(config, false);
+        let steps = outbox_relay::ops::migrate::plan(&client, &opts)
             .await
             .expect("plan migration");
-        outbox_relay::migrate::apply(&mut client, &steps)
+        outbox_relay::ops::migrate::apply(&mut client, &steps)
             .await
             .expect("apply migration");
     }

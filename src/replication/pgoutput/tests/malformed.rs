@@ -156,7 +156,10 @@ fn hostile_counts_fail_without_allocating_for_them() {
             ..
         })
     ));
+}
 
+#[test]
+fn hostile_lengths_fail_without_allocating_for_them() {
     // A text value and a message claiming 4 GiB.
     let raw = bytes_of(&[
         b"I",

@@ -1,6 +1,7 @@
 //! `outbox-relay run`: every pipeline of the configuration, with the HTTP
 //! endpoints, the metrics sampler and the scheduled retention, until shutdown.
 
+use super::{ConfigFile, Failure};
 use crate::config::Config;
 use crate::telemetry::health::Health;
 use crate::telemetry::{self, PipelineTelemetry};
@@ -21,6 +22,20 @@ pub enum DaemonError {
     },
     #[error(transparent)]
     Trace(#[from] telemetry::trace::TraceError),
+}
+
+/// `outbox-relay run`: logging, signal handlers, then [`run`] until SIGTERM
+/// or SIGINT.
+pub async fn command(file: &ConfigFile) -> Result<(), Failure> {
+    let configs = file.load_all()?;
+    telemetry::init(&configs[0].log);
+    let shutdown = crate::shutdown::on_signals()
+        .map_err(|e| Failure::runtime(format!("cannot install signal handlers: {e}")))?;
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), config = %file.path.display(), pipelines = configs.len(), "outbox-relay starting");
+    run(configs, shutdown).await.map_err(|e| {
+        tracing::error!(error = %e, "cannot start");
+        Failure::runtime(e)
+    })
 }
 
 /// Runs until `shutdown`; every pipeline drains before this returns.
@@ -55,7 +70,7 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
     for config in configs {
         let t = PipelineTelemetry::traced(&config, &tracer);
         health.register(t.health.clone());
-        tasks.spawn(crate::status::sample(
+        tasks.spawn(crate::ops::status::sample(
             config.clone(),
             t.clone(),
             shutdown.clone(),
@@ -63,7 +78,7 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
         {
             let (config, metrics, token) = (config.clone(), t.metrics.clone(), shutdown.clone());
             tasks.spawn(async move {
-                crate::retention::run_scheduled(&config, Some(metrics), token).await
+                crate::ops::retention::run_scheduled(&config, Some(metrics), token).await
             });
         }
         let token = shutdown.clone();

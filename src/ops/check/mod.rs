@@ -1,13 +1,16 @@
 //! `outbox-relay check`: a readable report of everything the relay needs.
 
-use crate::config::{Config, SourceMode};
+use super::{ConfigFile, Failure};
+use crate::config::{Config, SourceMode, TableName};
 use crate::db;
 use crate::outbox::inspect;
 use crate::outbox::ownership_key;
-use crate::sink::{AnySink, Sink, SinkCheck, SinkError};
 use crate::source::auto::Reading;
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
+use peers::{check_broker, check_traces};
+
+mod peers;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mark {
@@ -50,6 +53,19 @@ impl Report {
     }
 }
 
+/// `outbox-relay check`: the report of each pipeline; fails when a check
+/// failed.
+pub async fn command(file: &ConfigFile) -> Result<(), Failure> {
+    super::for_each(&file.load_all()?, |c| async move {
+        if run(c).await {
+            Ok(())
+        } else {
+            Err(Failure::Reported)
+        }
+    })
+    .await
+}
+
 /// Prints the report; true when every check passed.
 pub async fn run(config: &Config) -> bool {
     let mut r = Report::default();
@@ -73,29 +89,6 @@ pub async fn run(config: &Config) -> bool {
     } else {
         println!("\n{failures} check(s) failed");
         false
-    }
-}
-
-/// The OTLP collector, when spans are exported: a failure to reach it is a
-/// warning (delivery never waits for it), a CA the relay cannot use fails
-/// (the relay would not start).
-async fn check_traces(config: &Config, r: &mut Report) {
-    match crate::telemetry::trace::probe(&config.telemetry.otlp).await {
-        Ok(None) => {}
-        Ok(Some(Ok(answer))) => r.add(Mark::Ok, "traces", answer),
-        Ok(Some(Err(reason))) => r.add(
-            Mark::Warn,
-            "traces",
-            format!(
-                "cannot export spans: {reason}; events are delivered without them. Check telemetry.otlp.endpoint{}",
-                if config.telemetry.otlp.endpoint.as_deref().is_some_and(|e| e.starts_with("https")) {
-                    " and telemetry.otlp.ca"
-                } else {
-                    ""
-                }
-            ),
-        ),
-        Err(e) => r.add(Mark::Fail, "traces", e.to_string()),
     }
 }
 
@@ -250,7 +243,7 @@ async fn check_ownership(config: &Config, client: &tokio_postgres::Client, r: &m
 /// `retention.mode = "partitions"`: the layout suits it, and the current
 /// range has a partition (inserts into a missing range fail).
 async fn check_partitions(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
-    use crate::retention::partitions;
+    use crate::ops::retention::partitions;
     let table = &config.outbox.table;
     let layout = match partitions::layout(client, table).await {
         Ok(layout) => layout,
@@ -293,7 +286,7 @@ async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut
     let sql = format!(
         "SELECT count(*) FROM {} WHERE {} IS NULL",
         config.outbox.table.quoted(),
-        crate::outbox::SENT_AT_COLUMN
+        crate::config::SENT_AT_COLUMN
     );
     match client.query_one(&sql, &[]).await {
         Ok(row) => r.add(
@@ -306,18 +299,18 @@ async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut
     let c = &config.outbox.columns;
     let (table, unsent) = (
         config.outbox.table.quoted(),
-        format!("{} IS NULL", crate::outbox::SENT_AT_COLUMN),
+        format!("{} IS NULL", crate::config::SENT_AT_COLUMN),
     );
     // Rows that name their own destination do not use the templates'.
-    let own = c.destination.as_deref().map(crate::outbox::quote_ident);
+    let own = c.destination.as_deref().map(crate::sql::quote_ident);
     let templated = own
         .as_ref()
         .map(|d| format!(" AND {d} IS NULL"))
         .unwrap_or_default();
     let kinds = format!(
         "SELECT DISTINCT {}::text, {}::text FROM {table} WHERE {unsent}{templated} LIMIT 20",
-        crate::outbox::quote_ident(&c.aggregate_type),
-        crate::outbox::quote_ident(&c.event_type),
+        crate::sql::quote_ident(&c.aggregate_type),
+        crate::sql::quote_ident(&c.event_type),
     );
     if let Ok(rows) = client.query(&kinds, &[]).await {
         r.pending_kinds = rows.iter().map(|row| (row.get(0), row.get(1))).collect();
@@ -352,7 +345,24 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         ),
         Err(e) => r.add(Mark::Warn, "replication", e.to_string()),
     }
-    match setup::publication_covers(client, &publication, table).await {
+    check_publication(client, &publication, table, r).await;
+    check_slot(config, client, &slot, r).await;
+    if cdc.failover {
+        check_failover(client, &slot, r).await;
+    }
+    if let Some(prefix) = cdc.message_prefix(&config.outbox.table) {
+        check_messages(client, &config.outbox.table, &prefix, r).await;
+    }
+}
+
+/// The publication exists and publishes the table's inserts.
+async fn check_publication(
+    client: &tokio_postgres::Client,
+    publication: &str,
+    table: &TableName,
+    r: &mut Report,
+) {
+    match setup::publication_covers(client, publication, table).await {
         Ok(Some(true)) => r.add(
             Mark::Ok,
             "publication",
@@ -361,7 +371,7 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         Ok(Some(false)) => r.add(
             Mark::Fail,
             "publication",
-            setup::not_published_problem(client, &publication, table)
+            setup::not_published_problem(client, publication, table)
                 .await
                 .unwrap_or_else(|e| e.to_string()),
         ),
@@ -372,18 +382,20 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         ),
         Err(e) => r.add(Mark::Fail, "publication", e.to_string()),
     }
+}
+
+/// The slot exists on this database, is usable, and how far behind it is.
+async fn check_slot(config: &Config, client: &tokio_postgres::Client, slot: &str, r: &mut Report) {
+    let cdc = &config.source.cdc;
     let database: String = client
         .query_one("SELECT current_database()::text", &[])
         .await
         .map(|row| row.get(0))
         .unwrap_or_default();
-    match setup::slot_info(client, &slot).await {
+    match setup::slot_info(client, slot).await {
         Ok(Some(info)) => {
-            let problems = setup::slot_problems(&info, &slot, &database);
+            let problems = setup::slot_problems(&info, slot, &database);
             if problems.is_empty() && !info.is_lost() {
-                let mib = |b: Option<i64>| {
-                    b.map_or("?".into(), |b| format!("{:.1} MiB", b as f64 / 1_048_576.0))
-                };
                 r.add(
                     Mark::Ok,
                     "slot",
@@ -395,8 +407,8 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
                             "not streaming"
                         },
                         info.wal_status.as_deref().unwrap_or("?"),
-                        mib(info.retained_bytes),
-                        mib(info.lag_bytes)
+                        super::mib(info.retained_bytes),
+                        super::mib(info.lag_bytes)
                     ),
                 );
             }
@@ -404,19 +416,7 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
                 r.add(Mark::Fail, "slot", p);
             }
             if info.is_lost() {
-                let marked = config.relay.mark != crate::config::MarkMode::None && !cdc.messages;
-                if cdc.recreates_lost_slot(config.relay.mark) {
-                    r.add(
-                        Mark::Warn,
-                        "slot",
-                        format!(
-                            "{slot} is lost (PostgreSQL removed WAL it still needed); `run` drops it, creates a new one \
-                             and publishes the unsent rows from the table first (source.cdc.on_lost_slot = \"recreate\")"
-                        ),
-                    );
-                } else {
-                    r.add(Mark::Fail, "slot", setup::lost_slot_message(&slot, marked));
-                }
+                report_lost_slot(config, slot, r);
             }
         }
         Ok(None) if cdc.create_slot => r.add(
@@ -431,11 +431,23 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         ),
         Err(e) => r.add(Mark::Fail, "slot", e.to_string()),
     }
-    if cdc.failover {
-        check_failover(client, &slot, r).await;
-    }
-    if let Some(prefix) = cdc.message_prefix(&config.outbox.table) {
-        check_messages(client, &config.outbox.table, &prefix, r).await;
+}
+
+/// A lost slot fails the check, unless `run` recreates it.
+fn report_lost_slot(config: &Config, slot: &str, r: &mut Report) {
+    let cdc = &config.source.cdc;
+    let marked = config.relay.mark != crate::config::MarkMode::None && !cdc.messages;
+    if cdc.recreates_lost_slot(config.relay.mark) {
+        r.add(
+            Mark::Warn,
+            "slot",
+            format!(
+                "{slot} is lost (PostgreSQL removed WAL it still needed); `run` drops it, creates a new one \
+                 and publishes the unsent rows from the table first (source.cdc.on_lost_slot = \"recreate\")"
+            ),
+        );
+    } else {
+        r.add(Mark::Fail, "slot", setup::lost_slot_message(slot, marked));
     }
 }
 
@@ -443,7 +455,7 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
 /// function applications write them with is installed.
 async fn check_messages(
     client: &tokio_postgres::Client,
-    table: &crate::outbox::TableName,
+    table: &crate::config::TableName,
     prefix: &str,
     r: &mut Report,
 ) {
@@ -452,7 +464,7 @@ async fn check_messages(
         Err(e) => return r.add(Mark::Fail, "messages", e),
         Ok(None) => {}
     }
-    let function = crate::migrate::emit::signature(table);
+    let function = crate::ops::migrate::emit::signature(table);
     match client
         .query_one("SELECT to_regprocedure($1) IS NOT NULL", &[&function])
         .await
@@ -525,61 +537,5 @@ async fn check_failover(client: &tokio_postgres::Client, slot: &str, r: &mut Rep
             format!("{slot} will be created as a failover slot"),
         ),
         Err(e) => r.add(Mark::Fail, "failover", e),
-    }
-}
-
-/// The destinations events would go to: the one fixed destination, or those
-/// of the events waiting now; and those unsent rows name themselves.
-async fn check_destinations(sink: &mut AnySink, r: &mut Report) {
-    let kinds = if sink.fixed_destination() {
-        vec![(String::new(), String::new())]
-    } else {
-        std::mem::take(&mut r.pending_kinds)
-    };
-    let routed = std::mem::take(&mut r.routed);
-    if kinds.is_empty() && routed.is_empty() {
-        r.add(
-            Mark::Ok,
-            "destinations",
-            "named per event by the templates; no unsent event to check one for now",
-        );
-    }
-    for (aggregate_type, event_type) in kinds {
-        match sink.check_destination(&aggregate_type, &event_type).await {
-            Ok(d) => r.add(Mark::Ok, "destination", format!("{d} exists")),
-            Err(e) => r.add(Mark::Fail, "destination", e.to_string()),
-        }
-    }
-    const NAMED: &str = "named by rows' outbox.columns.destination";
-    for name in routed {
-        let checked = if name.is_empty() {
-            Err(SinkError::Rejected("an empty value".into()))
-        } else {
-            sink.check_named_destination(&name).await
-        };
-        match checked {
-            Ok(d) => r.add(Mark::Ok, "destination", format!("{d} ({NAMED}) exists")),
-            Err(e) => r.add(Mark::Fail, "destination", format!("{NAMED}: {e}")),
-        }
-    }
-}
-
-async fn check_broker(config: &Config, r: &mut Report) {
-    match AnySink::connect(&config.sink).await {
-        Ok(mut sink) => {
-            match sink.probe().await {
-                Ok(()) => {
-                    r.add(
-                        Mark::Ok,
-                        "broker",
-                        format!("{} reachable", config.sink.kind()),
-                    );
-                    check_destinations(&mut sink, r).await;
-                }
-                Err(e) => r.add(Mark::Fail, "broker", e.to_string()),
-            }
-            sink.close().await;
-        }
-        Err(e) => r.add(Mark::Fail, "broker", e.to_string()),
     }
 }

@@ -347,14 +347,14 @@ pub struct ResolvedColumns {
     pub headers: Option<String>,
     pub created_at: Option<String>,
     /// The columns read besides the contract's, carried in
-    /// [`super::RawRow::extra`]: the `[[outbox.columns.extra]]` columns in
+    /// [`crate::outbox::RawRow::extra`]: the `[[outbox.columns.extra]]` columns in
     /// configuration order, then the routing columns (`destination`, `key`)
     /// not among them.
     pub extra: Vec<String>,
 }
 
 impl ResolvedColumns {
-    /// Every contract column in [`super::RawRow`] order, `None` for absent optional ones.
+    /// Every contract column in [`crate::outbox::RawRow`] order, `None` for absent optional ones.
     pub fn in_row_order(&self) -> [Option<&str>; 8] {
         [
             Some(self.id.as_str()),

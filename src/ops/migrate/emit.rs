@@ -2,7 +2,8 @@
 //! (`source.cdc.messages`), so none has to build the JSON by hand.
 
 use super::{MigrateError, Step};
-use crate::outbox::{TableName, quote_ident, quote_literal};
+use crate::config::TableName;
+use crate::sql::{quote_ident, quote_literal};
 use tokio_postgres::Client;
 
 /// The function's argument types, in order.

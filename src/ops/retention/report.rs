@@ -1,6 +1,6 @@
 //! What a cleanup run did, and the line an operator reads.
 
-use crate::outbox::TableName;
+use crate::config::TableName;
 use std::fmt;
 use std::time::Duration;
 

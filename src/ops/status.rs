@@ -2,12 +2,14 @@
 //! One snapshot per pipeline, read from the database, used by
 //! `outbox-relay status` and by the metrics sampler.
 
+use super::{ConfigFile, Failure};
 use crate::config::{Config, MarkMode, SourceMode};
+use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN};
 use crate::db::DbError;
 use crate::outbox::ownership_key;
-use crate::outbox::{SENT_AT_COLUMN, SEQ_COLUMN, quote_ident};
 use crate::source::auto::Reading;
 use crate::source::cdc::setup;
+use crate::sql::quote_ident;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use tokio_postgres::Client;
@@ -125,7 +127,7 @@ pub async fn snapshot(
 async fn oldest_unsent_age(
     client: &Client,
     config: &Config,
-    columns: Option<&crate::outbox::ResolvedColumns>,
+    columns: Option<&crate::config::ResolvedColumns>,
 ) -> Result<Option<f64>, DbError> {
     let t = config.outbox.table.quoted();
     Ok(match columns.and_then(|c| c.created_at.clone()) {
@@ -273,12 +275,38 @@ pub fn render(s: &Snapshot) -> String {
         s.pipeline, s.mode, s.sink, s.table
     );
     let mut line = |k: &str, v: String| out.push_str(&format!("  {k:<22} {v}\n"));
+    let (owner_key, owner) = owner(s);
+    line(owner_key, owner);
+    line("backlog", format!("{} unsent event(s)", s.backlog));
+    line("oldest unsent", oldest_unsent(s));
+    line(
+        "dead letters",
+        s.dead_letters
+            .map_or("dead-lettering off".into(), |n| format!("{n} open")),
+    );
+    line(
+        "last publish",
+        s.last_publish.map_or("unknown".into(), |t| {
+            t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+        }),
+    );
+    if let Some(auto) = &s.auto {
+        line("reading by", reading_by(auto));
+    }
+    if let Some(slot) = &s.slot {
+        line("slot", slot_line(slot));
+    }
+    out
+}
+
+/// Who publishes: the shards owned, or the active instance.
+fn owner(s: &Snapshot) -> (&'static str, String) {
     match (&s.active, s.shards_owned) {
-        (_, Some((held, n))) => line(
+        (_, Some((held, n))) => (
             "active shards",
             format!("{held} of {n} owned by running instances"),
         ),
-        (Some(h), None) => line(
+        (Some(h), None) => (
             "active instance",
             format!(
                 "pid {} ({}{})",
@@ -294,72 +322,50 @@ pub fn render(s: &Snapshot) -> String {
                     .unwrap_or_default()
             ),
         ),
-        (None, None) => line("active instance", "none: no relay holds this outbox".into()),
+        (None, None) => ("active instance", "none: no relay holds this outbox".into()),
     }
-    line("backlog", format!("{} unsent event(s)", s.backlog));
-    line(
-        "oldest unsent",
-        match s.oldest_unsent_age_seconds {
-            Some(a) => {
-                humantime::format_duration(std::time::Duration::from_secs(a as u64)).to_string()
-                    + " old"
-            }
-            None if s.backlog == 0 => "-".into(),
-            None => "unknown (no created_at column)".into(),
-        },
-    );
-    line(
-        "dead letters",
-        s.dead_letters
-            .map_or("dead-lettering off".into(), |n| format!("{n} open")),
-    );
-    line(
-        "last publish",
-        s.last_publish.map_or("unknown".into(), |t| {
-            t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
-        }),
-    );
-    if let Some(auto) = &s.auto {
-        line(
-            "reading by",
-            match (auto.reading, &auto.blocked) {
-                ("none", _) => "nothing: no instance is active".into(),
-                ("cdc", _) => "cdc (the slot is streaming)".into(),
-                (_, Some(blocked)) => format!("polling: CDC is not possible: {blocked}"),
-                (_, None) => {
-                    "polling; CDC is possible, the relay switches at its next probe".into()
-                }
-            },
-        );
-    }
-    if let Some(slot) = &s.slot {
-        let mib =
-            |b: Option<i64>| b.map_or("?".into(), |b| format!("{:.1} MiB", b as f64 / 1_048_576.0));
-        line(
-            "slot",
-            if slot.exists {
-                format!(
-                    "{}: {}, WAL {}, retains {}, {} behind",
-                    slot.name,
-                    if slot.streaming { "streaming" } else { "idle" },
-                    slot.wal_status.as_deref().unwrap_or("?"),
-                    mib(slot.retained_wal_bytes),
-                    mib(slot.confirmed_lag_bytes)
-                )
-            } else {
-                format!("{} does not exist", slot.name)
-            },
-        );
-    }
-    out
 }
 
-/// `outbox-relay status`: a block (or a JSON object) per pipeline; exit 1 if
-/// the database cannot be read.
-/// Prints each pipeline's status; true when every one could be read.
-pub async fn command(configs: &[Config], json: bool) -> bool {
+fn oldest_unsent(s: &Snapshot) -> String {
+    match s.oldest_unsent_age_seconds {
+        Some(a) => {
+            humantime::format_duration(std::time::Duration::from_secs(a as u64)).to_string()
+                + " old"
+        }
+        None if s.backlog == 0 => "-".into(),
+        None => "unknown (no created_at column)".into(),
+    }
+}
+
+fn reading_by(auto: &AutoStatus) -> String {
+    match (auto.reading, &auto.blocked) {
+        ("none", _) => "nothing: no instance is active".into(),
+        ("cdc", _) => "cdc (the slot is streaming)".into(),
+        (_, Some(blocked)) => format!("polling: CDC is not possible: {blocked}"),
+        (_, None) => "polling; CDC is possible, the relay switches at its next probe".into(),
+    }
+}
+
+fn slot_line(slot: &SlotStatus) -> String {
+    if slot.exists {
+        format!(
+            "{}: {}, WAL {}, retains {}, {} behind",
+            slot.name,
+            if slot.streaming { "streaming" } else { "idle" },
+            slot.wal_status.as_deref().unwrap_or("?"),
+            super::mib(slot.retained_wal_bytes),
+            super::mib(slot.confirmed_lag_bytes)
+        )
+    } else {
+        format!("{} does not exist", slot.name)
+    }
+}
+
+/// `outbox-relay status`: a block (or a JSON object) per pipeline; fails
+/// (after printing the others) when a pipeline's database cannot be read.
+pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
     let mut failed = false;
-    for config in configs {
+    for config in &file.load_all()? {
         let snapshot = match crate::db::connect(&config.database, None).await {
             Ok(client) => snapshot(&client, config, true).await,
             Err(e) => Err(e),
@@ -373,7 +379,11 @@ pub async fn command(configs: &[Config], json: bool) -> bool {
             }
         }
     }
-    !failed
+    if failed {
+        Err(Failure::Reported)
+    } else {
+        Ok(())
+    }
 }
 
 /// Refreshes the backlog, oldest-unsent, dead-letter and slot gauges until `shutdown`.

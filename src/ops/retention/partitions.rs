@@ -32,9 +32,9 @@
 //! <https://www.postgresql.org/docs/15/ddl-partitioning.html>
 
 use super::RetentionError;
+use crate::config::{SENT_AT_COLUMN, TableName};
 use crate::db::DbError;
 use crate::outbox::inspect::table_info;
-use crate::outbox::{SENT_AT_COLUMN, TableName};
 use chrono::{DateTime, TimeZone, Utc};
 use std::time::Duration;
 use tokio_postgres::Client;

@@ -1,7 +1,7 @@
 //! Rules for broker destination names, applied to every rendered template so
 //! a bad name is refused before it reaches the broker.
 
-use super::template::{Field, Template};
+use crate::config::{Field, Template};
 
 /// Kafka topic names: 1 to 249 of `[a-zA-Z0-9._-]`, not `.` or `..`.
 pub fn kafka_topic(name: &str) -> Result<(), String> {

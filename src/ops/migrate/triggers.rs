@@ -1,7 +1,9 @@
 //! The triggers `migrate` installs on the outbox table.
 
 use super::{MigrateError, MigrateOptions, Step};
-use crate::outbox::{SENT_AT_COLUMN, TableName, WRITE_ONCE_TRIGGER, quote_ident, quote_literal};
+use crate::config::{SENT_AT_COLUMN, TableName};
+use crate::outbox::WRITE_ONCE_TRIGGER;
+use crate::sql::{quote_ident, quote_literal};
 use tokio_postgres::Client;
 
 const NOTIFY_TRIGGER: &str = "outbox_relay_notify";

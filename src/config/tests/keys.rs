@@ -1,0 +1,249 @@
+//! Every key, by name: documented in the README, refused with its key when of
+//! the wrong type or out of range, from the file or the environment.
+
+use super::*;
+
+/// Dotted keys of a TOML file, including keys in commented-out `# key = value` lines.
+fn keys_of(text: &str) -> Vec<String> {
+    fn walk(prefix: &str, table: &toml::Table, out: &mut Vec<String>) {
+        for (k, v) in table {
+            let key = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            match v {
+                // A map of free-form entries is one documented key.
+                toml::Value::Table(t) if key != "sink.properties" => walk(&key, t, out),
+                _ => out.push(key),
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk("", &toml::from_str(text).unwrap(), &mut out);
+    let mut section = String::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if let Some(s) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = s.to_owned();
+        } else if let Some(rest) = line.strip_prefix("# ")
+            && let Some((k, _)) = rest.split_once(" = ")
+            && k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+        {
+            out.push(format!("{section}.{k}"));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_readme_documents_every_key() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let mut checked = 0;
+    for file in ["reference.toml", "polling-rabbitmq.toml"] {
+        let text = std::fs::read_to_string(root.join("config").join(file)).unwrap();
+        for key in keys_of(&text) {
+            assert!(
+                readme.contains(&format!("`{key}`")),
+                "README.md does not document `{key}` (from config/{file})"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 40, "only {checked} keys found");
+}
+
+/// Sets a dotted key in a TOML table, creating sections as needed.
+fn set_key(table: &mut toml::Table, key: &str, value: toml::Value) {
+    let mut parts: Vec<&str> = key.split('.').collect();
+    let leaf = parts.pop().unwrap();
+    let mut t = table;
+    for p in parts {
+        t = t
+            .entry(p)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .unwrap();
+    }
+    t.insert(leaf.to_owned(), value);
+}
+
+#[test]
+fn every_key_of_the_wrong_type_is_refused_by_name() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    for file in ["reference.toml", "polling-rabbitmq.toml"] {
+        let text = std::fs::read_to_string(root.join(file)).unwrap();
+        for key in keys_of(&text) {
+            if key == "sink.type" {
+                continue; // chooses the variant; covered by sink_values_are_checked
+            }
+            let mut table: toml::Table = toml::from_str(&text).unwrap();
+            set_key(
+                &mut table,
+                &key,
+                toml::Value::Array(vec![1.into(), 2.into()]),
+            );
+            let broken = toml::to_string(&table).unwrap();
+            let e = load_str(&broken).expect_err(&format!("{key} = [1, 2] must be refused"));
+            let shown = e.to_string();
+            // A map key (sink.properties) is reported by its entry.
+            assert!(
+                shown.contains(&key),
+                "{file}: the error for {key} does not name it: {shown}"
+            );
+        }
+    }
+}
+
+#[test]
+fn numeric_keys_out_of_range_are_refused_by_name() {
+    let base: toml::Table = toml::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/reference.toml"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let cases: [(&str, toml::Value); 10] = [
+        ("source.batch_size", 0.into()),
+        ("source.batch_size", 1_000_000.into()),
+        ("relay.max_in_flight", 0.into()),
+        ("relay.shards", 0.into()),
+        ("dead_letter.max_attempts", 0.into()),
+        ("sink.message_max_bytes", 10.into()),
+        ("relay.confirm_timeout", "1ms".into()),
+        ("source.polling.poll_interval", "0s".into()),
+        ("database.connect_timeout", "2h".into()),
+        ("source.cdc.status_interval", "1ms".into()),
+    ];
+    for (key, value) in cases {
+        let mut table = base.clone();
+        set_key(&mut table, key, value.clone());
+        let e = load_str(&toml::to_string(&table).unwrap())
+            .expect_err(&format!("{key} = {value} must be refused"))
+            .to_string();
+        assert!(
+            e.contains(&format!("{key}: ")) && e.contains("out of range"),
+            "{key} = {value}: {e}"
+        );
+    }
+}
+
+#[test]
+fn negative_counts_are_all_reported_with_their_ranges_in_key_order() {
+    let text = format!(
+        "{MINIMAL}\n[source]\nbatch_size = -5\n[source.polling]\npoll_interval = \"5 parsecs\"\n\
+         [relay]\nmax_in_flight = -1\nshards = 0\n[dead_letter]\nmax_attempts = -3\n"
+    );
+    let first = err(&text);
+    let lines: Vec<&str> = first.lines().collect();
+    assert_eq!(lines[0], "the configuration has 5 problems:", "{first}");
+    assert_eq!(
+        lines[1..4],
+        [
+            "  - dead_letter.max_attempts: -3 is out of range; use 1 to 1000",
+            "  - relay.max_in_flight: -1 is out of range; use 1 to 100000",
+            "  - relay.shards: 0 is out of range; use 1 to 256",
+        ],
+        "{first}"
+    );
+    assert_eq!(
+        lines[4], "  - source.batch_size: -5 is out of range; use 1 to 10000",
+        "{first}"
+    );
+    assert!(
+        lines[5].starts_with("  - source.polling.poll_interval: "),
+        "{first}"
+    );
+    // The config crate's maps iterate in a different order each run; the report must not.
+    for _ in 0..20 {
+        assert_eq!(err(&text), first);
+    }
+}
+
+#[test]
+fn a_count_that_is_not_a_number_gets_its_range() {
+    let e = err(&format!("{MINIMAL}\n[source]\nbatch_size = \"many\"\n"));
+    assert!(
+        e.contains("source.batch_size: \"many\" is not a whole number; use 1 to 10000"),
+        "{e}"
+    );
+    let e = err(&format!(
+        "{MINIMAL}\n[relay]\nmax_in_flight_per_aggregate = -2\n"
+    ));
+    assert!(
+        e.contains("relay.max_in_flight_per_aggregate: -2 is out of range"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_bad_duration_lists_the_accepted_units() {
+    let e = err(&format!(
+        "{MINIMAL}\n[source.polling]\npoll_interval = \"5 parsecs\"\n"
+    ));
+    assert!(
+        e.contains("source.polling.poll_interval: \"5 parsecs\" is not a duration"),
+        "{e}"
+    );
+    for unit in ["\"500ms\"", "\"30s\"", "\"5m\"", "\"1h\"", "ms, s, m, h"] {
+        assert!(e.contains(unit), "{unit} missing from: {e}");
+    }
+    let e = err(&format!("{MINIMAL}\n[relay]\nconfirm_timeout = 30\n"));
+    assert!(
+        e.contains("relay.confirm_timeout: 30 has no unit") && e.contains("\"30s\""),
+        "{e}"
+    );
+    let e = err(&format!(
+        "{MINIMAL}\n[source.cdc]\nheartbeat_interval = \"often\"\n"
+    ));
+    assert!(
+        e.contains("source.cdc.heartbeat_interval: \"often\" is not a duration"),
+        "{e}"
+    );
+    let c = load_str(&format!(
+        "{MINIMAL}\n[source.cdc]\nheartbeat_interval = \"90s\"\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        c.source.cdc.heartbeat_interval,
+        Some(Duration::from_secs(90))
+    );
+}
+
+#[test]
+fn a_bad_environment_override_names_its_variable() {
+    let file = format!("{MINIMAL}\n[source]\nbatch_size = 100\n");
+    for (value, message) in [
+        ("abc", "\"abc\" is not a whole number; use 1 to 10000"),
+        ("0", "0 is out of range; use 1 to 10000"),
+        ("-5", "-5 is out of range; use 1 to 10000"),
+    ] {
+        let e =
+            super::load::load_str_with_env(&file, &[("OUTBOX_RELAY__SOURCE__BATCH_SIZE", value)])
+                .expect_err("a bad override must be refused")
+                .to_string();
+        assert!(
+            e.contains(&format!(
+                "source.batch_size (set by OUTBOX_RELAY__SOURCE__BATCH_SIZE): {message}"
+            )),
+            "{value}: {e}"
+        );
+    }
+    // A bad value in the file is not blamed on the environment.
+    let e = super::load::load_str_with_env(
+        &format!("{MINIMAL}\n[source]\nbatch_size = 0\n"),
+        &[("OUTBOX_RELAY__RELAY__MAX_IN_FLIGHT", "10")],
+    )
+    .expect_err("batch_size = 0 must be refused")
+    .to_string();
+    assert!(
+        e.contains("  - source.batch_size: 0 is out of range"),
+        "{e}"
+    );
+    // A good override applies.
+    let c = super::load::load_str_with_env(&file, &[("OUTBOX_RELAY__SOURCE__BATCH_SIZE", "42")])
+        .unwrap();
+    assert_eq!(c[0].source.batch_size, 42);
+}

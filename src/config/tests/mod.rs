@@ -1,0 +1,112 @@
+use super::*;
+
+mod columns;
+mod keys;
+mod services;
+mod sink;
+mod source;
+
+pub(super) const MINIMAL: &str = r#"
+[database]
+url = "postgres://relay:s3cret@db:5432/app"
+
+[sink]
+type = "kafka"
+brokers = "k:9092"
+"#;
+
+pub(super) fn err(toml: &str) -> String {
+    load_str(toml)
+        .expect_err("config should be refused")
+        .to_string()
+}
+
+#[test]
+fn every_shipped_example_loads() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            load_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            n += 1;
+        }
+    }
+    assert!(n >= 3, "expected the example configs in {}", dir.display());
+}
+
+#[test]
+fn defaults_apply() {
+    let c = load_str(MINIMAL).unwrap();
+    assert_eq!(c.outbox.table.to_string(), "public.outbox");
+    assert_eq!(c.source.mode, SourceMode::Polling);
+    assert_eq!(c.source.batch_size, 500);
+    assert_eq!(c.relay.max_in_flight, 2000);
+    assert_eq!(c.relay.confirm_timeout, Duration::from_secs(30));
+    let SinkConfig::Kafka(k) = &c.sink else {
+        panic!()
+    };
+    assert_eq!(k.topic.as_str(), "outbox.event.{aggregate_type}");
+}
+
+#[test]
+fn unknown_keys_are_refused_with_their_path() {
+    let e = err(&format!(
+        "{MINIMAL}\n[source.polling]\npoll_intervall = \"1s\"\n"
+    ));
+    assert!(e.contains("poll_intervall"), "{e}");
+    assert!(e.contains("source.polling"), "{e}");
+    let e = err(&format!("{MINIMAL}\n[relay]\nmax_inflight = 3\n"));
+    assert!(e.contains("relay") && e.contains("max_inflight"), "{e}");
+    let e = err(&MINIMAL.replace("brokers", "broker"));
+    assert!(e.contains("broker"), "{e}");
+}
+
+#[test]
+fn wrong_types_and_durations_name_the_key() {
+    let e = err(&format!("{MINIMAL}\n[relay]\nconfirm_timeout = \"soon\"\n"));
+    assert!(e.contains("relay.confirm_timeout"), "{e}");
+    let e = err(&format!("{MINIMAL}\n[source]\nbatch_size = \"many\"\n"));
+    assert!(e.contains("source.batch_size"), "{e}");
+    let e = err(&format!("{MINIMAL}\n[source]\nmode = \"tail\"\n"));
+    assert!(e.contains("source.mode") && e.contains("polling"), "{e}");
+}
+
+#[test]
+fn out_of_range_values_are_listed_together() {
+    let e = err(&format!(
+        "{MINIMAL}\n[source]\nbatch_size = 0\n[relay]\nmax_in_flight = 0\nretry_base = \"10s\"\nretry_max = \"1s\"\n"
+    ));
+    assert!(e.contains("3 problems") || e.contains("problems"), "{e}");
+    assert!(e.contains("source.batch_size: 0 is out of range"), "{e}");
+    assert!(e.contains("relay.max_in_flight"), "{e}");
+    assert!(e.contains("relay.retry_max"), "{e}");
+}
+
+#[test]
+fn secrets_never_print() {
+    let c = load_str(MINIMAL).unwrap();
+    let shown = format!("{c:?}");
+    assert!(!shown.contains("s3cret"), "{shown}");
+    assert!(shown.contains("relay:***@db"), "{shown}");
+    let e = err(&MINIMAL.replace(
+        "postgres://relay:s3cret@db:5432/app",
+        "postgres://relay:s3cret@db:notaport/app",
+    ));
+    assert!(!e.contains("s3cret"), "{e}");
+}
+
+#[test]
+fn database_url_problems() {
+    let e = err(&MINIMAL.replace(
+        "postgres://relay:s3cret@db:5432/app",
+        "postgres://db/app?sslmode=verify-full",
+    ));
+    assert!(
+        e.contains("database.url") && e.contains("database.sslmode"),
+        "{e}"
+    );
+    let e = err(&MINIMAL.replace("/app", ""));
+    assert!(e.contains("names no database"), "{e}");
+}

@@ -1,0 +1,110 @@
+//! `[pipelines]`, `[retention]` partitions, `[telemetry.otlp]`.
+
+use super::*;
+
+#[test]
+fn pipelines_report_every_bad_key_each() {
+    let e = err(&format!(
+        "{MINIMAL}\n[pipelines.b.source]\nbatch_size = -1\n[pipelines.a.relay]\nmax_in_flight = -1\n"
+    ));
+    let a = e
+        .find("pipelines.a: relay.max_in_flight: -1 is out of range")
+        .expect(&e);
+    let b = e
+        .find("pipelines.b: source.batch_size: -1 is out of range")
+        .expect(&e);
+    assert!(a < b, "{e}");
+}
+
+#[test]
+fn partition_retention_keys_are_checked_by_name() {
+    let ok = load_str(&format!(
+        "{MINIMAL}\n[retention]\nmode = \"partitions\"\npartition_interval = \"6h\"\npartition_premake = 2\n"
+    ))
+    .unwrap();
+    assert_eq!(ok.retention.mode, RetentionMode::Partitions);
+    assert_eq!(
+        ok.retention.partition_interval,
+        Duration::from_secs(6 * 3600)
+    );
+    let e = err(&format!("{MINIMAL}\n[retention]\nmode = \"drop\"\n"));
+    assert!(
+        e.contains("retention.mode") && e.contains("partitions"),
+        "{e}"
+    );
+    let e = err(&format!(
+        "{MINIMAL}\n[retention]\nmode = \"partitions\"\npartition_interval = \"30s\"\npartition_premake = 0\n"
+    ));
+    assert!(e.contains("retention.partition_interval"), "{e}");
+    assert!(e.contains("retention.partition_premake"), "{e}");
+    let e = err(&format!(
+        "{MINIMAL}\n[retention]\nmode = \"partitions\"\npartition_interval = \"90s\"\n"
+    ));
+    assert!(
+        e.contains("retention.partition_interval") && e.contains("whole number of minutes"),
+        "{e}"
+    );
+    let e = err(&format!(
+        "{MINIMAL}\n[relay]\nmark = \"none\"\n[retention]\nmode = \"partitions\"\n"
+    ));
+    assert!(
+        e.contains("retention.mode") && e.contains("relay.mark"),
+        "{e}"
+    );
+    // Rows mode ignores the partition keys.
+    load_str(&format!(
+        "{MINIMAL}\n[retention]\npartition_interval = \"30s\"\n"
+    ))
+    .unwrap();
+}
+
+#[test]
+fn otlp_keys_are_checked_by_name() {
+    let c = load_str(MINIMAL).unwrap();
+    assert_eq!(c.telemetry.otlp.endpoint, None, "export is off by default");
+    assert_eq!(c.telemetry.otlp.max_queue_size, 2048);
+    let with = |lines: &str| format!("{MINIMAL}\n[telemetry.otlp]\n{lines}\n");
+    let c = load_str(&with("endpoint = \"http://collector:4318\"")).unwrap();
+    assert_eq!(
+        c.telemetry.otlp.endpoint.as_deref(),
+        Some("http://collector:4318")
+    );
+    for (bad, says) in [
+        ("endpoint = \"collector:4318\"", "is not http or https"),
+        (
+            "endpoint = \"grpc://collector:4317\"",
+            "is not http or https",
+        ),
+        ("endpoint = \"not a url\"", "not a URL"),
+        (
+            "endpoint = \"http://collector:4318/?x=1\"",
+            "query or fragment",
+        ),
+        ("service_name = \" \"", "must not be empty"),
+        ("max_queue_size = 0", "out of range"),
+        ("flush = true", "unknown key"),
+        (
+            "ca = \"/ca.pem\"",
+            "is set but telemetry.otlp.endpoint is not",
+        ),
+        (
+            "endpoint = \"http://c:4318\"\nca = \"/ca.pem\"",
+            "applies to https:// endpoints only",
+        ),
+    ] {
+        let e = err(&with(bad));
+        assert!(
+            e.contains("telemetry.otlp.") && e.contains(says),
+            "{bad}: {e}"
+        );
+    }
+    let c = load_str(&with("endpoint = \"https://c:4318\"\nca = \"/etc/ca.pem\"")).unwrap();
+    assert_eq!(
+        c.telemetry.otlp.ca.as_deref(),
+        Some(std::path::Path::new("/etc/ca.pem"))
+    );
+    let e = err(&format!(
+        "{MINIMAL}\n[pipelines.a.telemetry.otlp]\nendpoint = \"http://c:4318\"\n"
+    ));
+    assert!(e.contains("configures the whole process"), "{e}");
+}

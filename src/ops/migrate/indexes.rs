@@ -1,0 +1,169 @@
+//! The relay's indexes: unsent rows, sent rows, and the unique `relay_seq`,
+//! built `CONCURRENTLY` on a table that already exists.
+
+use super::{MigrateError, MigrateOptions, Step};
+use crate::config::{SEQ_COLUMN, TableName};
+use crate::outbox::inspect::TableInfo;
+use crate::sql::quote_ident;
+use tokio_postgres::Client;
+
+pub(super) fn unsent_index(table: &TableName) -> String {
+    table.derived("outbox_relay_unsent")
+}
+
+/// The unique index on `relay_seq`.
+pub fn seq_index(table: &TableName) -> String {
+    table.derived("outbox_relay_seq")
+}
+
+/// An index the relay needs on the outbox table.
+pub(super) struct Index<'a> {
+    pub table: &'a TableName,
+    /// Built `CONCURRENTLY`, so writers are not blocked while it builds: the
+    /// table exists already (and is not partitioned).
+    pub concurrently: bool,
+    pub name: String,
+    /// What follows `ON table`: the columns, and any `WHERE`.
+    pub definition: String,
+    pub purpose: &'a str,
+    pub unique: bool,
+}
+
+impl Index<'_> {
+    /// The step creating it, unless it exists.
+    pub(super) async fn step(&self, client: &Client) -> Result<Option<Step>, MigrateError> {
+        let exists: bool = client
+            .query_one(
+                "SELECT to_regclass($1) IS NOT NULL",
+                &[&format!(
+                    "{}.{}",
+                    quote_ident(&self.table.schema),
+                    quote_ident(&self.name)
+                )],
+            )
+            .await?
+            .get(0);
+        Ok((!exists).then(|| self.create()))
+    }
+
+    /// The step creating it.
+    fn create(&self) -> Step {
+        Step {
+            description: format!("create index {} ({})", self.name, self.purpose),
+            sql: format!(
+                "CREATE {}INDEX {}IF NOT EXISTS {} ON {} {}",
+                if self.unique { "UNIQUE " } else { "" },
+                if self.concurrently {
+                    "CONCURRENTLY "
+                } else {
+                    ""
+                },
+                quote_ident(&self.name),
+                self.table.quoted(),
+                self.definition,
+            ),
+            outside_transaction: self.concurrently,
+        }
+    }
+}
+
+/// Fails when `relay_seq` repeats: a unique index cannot be built until
+/// each row has its own number, and only the operator can say which twin
+/// keeps it.
+pub(super) async fn refuse_seq_twins(
+    client: &Client,
+    table: &TableName,
+) -> Result<(), MigrateError> {
+    let twins: Vec<i64> = client
+        .query(
+            &format!(
+                "SELECT {SEQ_COLUMN} FROM {} GROUP BY 1 HAVING count(*) > 1 ORDER BY 1 LIMIT 5",
+                table.quoted()
+            ),
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if twins.is_empty() {
+        return Ok(());
+    }
+    let shown: Vec<String> = twins.iter().map(i64::to_string).collect();
+    Err(MigrateError::Prerequisite(format!(
+        "{table}.{SEQ_COLUMN} repeats values (for example {}), so it cannot get the unique index the relay \
+         needs to name a row: give every twin but one a new number, e.g. \
+         UPDATE {t} SET {SEQ_COLUMN} = DEFAULT WHERE ctid NOT IN (SELECT min(ctid) FROM {t} GROUP BY {SEQ_COLUMN}); \
+         renumbered unsent rows are published after the rows already there. Then run migrate again",
+        shown.join(", "),
+        t = table.quoted(),
+    )))
+}
+
+/// A step dropping `index` when it exists but is invalid (a `CREATE INDEX
+/// CONCURRENTLY` that failed), so it can be built again.
+pub(super) async fn drop_invalid_index(
+    client: &Client,
+    table: &TableName,
+    index: &str,
+    concurrently: bool,
+) -> Result<Option<Step>, MigrateError> {
+    let qualified = format!("{}.{}", quote_ident(&table.schema), quote_ident(index));
+    let invalid: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) AND NOT indisvalid)",
+            &[&qualified],
+        )
+        .await?
+        .get(0);
+    Ok(invalid.then(|| Step {
+        description: format!("drop index {index} (an earlier build of it failed)"),
+        sql: format!(
+            "DROP INDEX {}IF EXISTS {qualified}",
+            if concurrently { "CONCURRENTLY " } else { "" }
+        ),
+        outside_transaction: concurrently,
+    }))
+}
+
+/// The unique index that makes relay_seq name one row (with the partition
+/// key on a partitioned table), after checking no twins exist.
+pub(super) async fn seq_unique_steps(
+    client: &Client,
+    opts: &MigrateOptions,
+    info: Option<&TableInfo>,
+    existing: bool,
+    steps: &mut Vec<Step>,
+) -> Result<(), MigrateError> {
+    let index = seq_index(&opts.table);
+    if info.is_some_and(|i| i.column(SEQ_COLUMN).is_some()) {
+        refuse_seq_twins(client, &opts.table).await?;
+        // A concurrent build that failed leaves an invalid index behind.
+        if let Some(drop) = drop_invalid_index(client, &opts.table, &index, existing).await? {
+            steps.push(drop);
+        }
+    }
+    // A partitioned table's unique index must hold its partition key.
+    let key: Vec<String> =
+        crate::outbox::inspect::seq_key(info.and_then(|i| i.partitioning.as_ref()))
+            .iter()
+            .map(|c| quote_ident(c))
+            .collect();
+    let index = Index {
+        table: &opts.table,
+        concurrently: existing,
+        name: index,
+        definition: format!("({})", key.join(", ")),
+        purpose: "one row per relay_seq",
+        unique: true,
+    };
+    if steps
+        .last()
+        .is_some_and(|s| s.sql.starts_with("DROP INDEX"))
+    {
+        steps.push(index.create());
+    } else {
+        steps.extend(index.step(client).await?);
+    }
+    Ok(())
+}

@@ -1,0 +1,353 @@
+//! `outbox-relay migrate`: creates the outbox table, or adds to an existing
+//! table only what the relay needs. Every step checks first, so running it
+//! again changes nothing; `--dry-run` prints the SQL without running it.
+
+use crate::config::{ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName};
+use crate::config::{Config, SourceMode};
+use crate::ops::{ConfigFile, Failure};
+use crate::outbox::inspect::table_info;
+use crate::outbox::sent_index;
+use crate::source::cdc::setup;
+use crate::source::polling::notify_channel;
+use tokio_postgres::Client;
+
+pub mod emit;
+mod indexes;
+mod table;
+mod triggers;
+
+pub use indexes::seq_index;
+use indexes::{Index, seq_unique_steps, unsent_index};
+use table::{alter_table, create_table, event_columns};
+
+/// `outbox-relay migrate`: plans each pipeline's steps, prints them, and
+/// applies them unless `dry_run`.
+pub async fn command(
+    file: &ConfigFile,
+    dry_run: bool,
+    mark_existing_sent: bool,
+) -> Result<(), Failure> {
+    super::for_each(&file.load_all()?, |c| {
+        migrate_one(c, dry_run, mark_existing_sent)
+    })
+    .await
+}
+
+async fn migrate_one(
+    config: &Config,
+    dry_run: bool,
+    mark_existing_sent: bool,
+) -> Result<(), Failure> {
+    let mut client = crate::db::connect(&config.database, None)
+        .await
+        .map_err(Failure::runtime)?;
+    let options = MigrateOptions::from_config(config, mark_existing_sent);
+    let steps = plan(&client, &options).await.map_err(Failure::runtime)?;
+    if steps.is_empty() {
+        println!(
+            "-- nothing to do: {} is ready for outbox-relay",
+            options.table
+        );
+        return Ok(());
+    }
+    for (i, step) in steps.iter().enumerate() {
+        println!("-- {}. {}\n{};\n", i + 1, step.description, step.sql);
+    }
+    if dry_run {
+        println!("-- dry run: nothing was changed");
+        return Ok(());
+    }
+    apply(&mut client, &steps).await.map_err(Failure::runtime)?;
+    println!("-- applied {} step(s)", steps.len());
+    Ok(())
+}
+
+/// What `migrate` should set up.
+#[derive(Debug, Clone)]
+pub struct MigrateOptions {
+    pub table: TableName,
+    pub columns: ColumnMap,
+    /// The NOTIFY channel of the insert trigger, when LISTEN wake-ups are on.
+    pub notify_channel: Option<String>,
+    /// When the relay's columns are added to a table that already has rows,
+    /// mark those rows as sent instead of publishing them.
+    pub mark_existing_sent: bool,
+    /// The publication and slot, in CDC mode.
+    pub cdc: Option<CdcObjects>,
+    /// The dead-letter table, when dead-lettering is on.
+    pub dead_letters: Option<TableName>,
+}
+
+/// The replication objects of the CDC source.
+#[derive(Debug, Clone)]
+pub struct CdcObjects {
+    pub publication: String,
+    pub slot: String,
+    /// Create the slot as a failover slot (PostgreSQL 17+).
+    pub failover: bool,
+    /// Create the slot (CDC mode). In auto mode the relay creates it once
+    /// the server allows CDC, so migrate works whatever `wal_level` is.
+    pub slot_now: bool,
+    /// The prefix of events sent as logical messages (`source.cdc.messages`):
+    /// the function that writes them is installed.
+    pub message_prefix: Option<String>,
+}
+
+impl MigrateOptions {
+    pub fn from_config(config: &Config, mark_existing_sent: bool) -> Self {
+        let table = &config.outbox.table;
+        let mode = config.source.mode;
+        MigrateOptions {
+            table: table.clone(),
+            columns: config.outbox.columns.clone(),
+            // CDC needs no wake-ups: the stream is the wake-up.
+            notify_channel: if mode.may_poll() {
+                notify_channel(&config.source.polling, table)
+            } else {
+                None
+            },
+            mark_existing_sent,
+            cdc: mode.may_use_cdc().then(|| CdcObjects {
+                publication: config.source.cdc.publication_name(table),
+                slot: config.source.cdc.slot_name(table),
+                failover: config.source.cdc.failover,
+                slot_now: mode == SourceMode::Cdc,
+                message_prefix: config.source.cdc.message_prefix(table),
+            }),
+            dead_letters: config
+                .dead_letter
+                .enabled
+                .then(|| config.dead_letter.table_name(table)),
+        }
+    }
+}
+
+/// One piece of DDL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    pub description: String,
+    pub sql: String,
+    /// `CREATE INDEX CONCURRENTLY` cannot run inside a transaction.
+    pub outside_transaction: bool,
+}
+
+impl Step {
+    fn new(description: impl Into<String>, sql: impl Into<String>) -> Self {
+        Step {
+            description: description.into(),
+            sql: sql.into(),
+            outside_transaction: false,
+        }
+    }
+}
+
+/// Why migrate could not plan or apply.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    #[error("{}", crate::db::error_text(.0))]
+    Database(#[from] tokio_postgres::Error),
+    #[error(
+        "table {table} exists but lacks the required column(s) {missing}; map your column names in [outbox.columns]"
+    )]
+    MissingColumns { table: TableName, missing: String },
+    /// The server or the role lacks something migrate cannot change; the message says what.
+    #[error("{0}")]
+    Prerequisite(String),
+    #[error("{0}")]
+    Source(#[from] crate::db::DbError),
+    #[error("{step}: {}", crate::db::error_text(.source))]
+    Step {
+        step: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+}
+
+/// The steps still needed, in order. Empty when everything is in place.
+pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, MigrateError> {
+    let info = table_info(client, &opts.table).await?;
+    let partitioning = info.as_ref().and_then(|i| i.partitioning.as_ref());
+    if partitioning.is_some_and(|p| p.expressions) {
+        return Err(MigrateError::Prerequisite(format!(
+            "{}: {}",
+            opts.table,
+            crate::outbox::inspect::EXPRESSION_KEY_PROBLEM
+        )));
+    }
+    let mut steps = match &info {
+        None => vec![create_table(opts)],
+        Some(info) => alter_table(info, opts)?,
+    };
+    // PostgreSQL builds no index CONCURRENTLY on a partitioned table: there
+    // the indexes are built on the root in migrate's transaction (each
+    // partition gets its own, and partitions created later too), and writers
+    // wait while they build.
+    let existing = info.is_some() && partitioning.is_none();
+    let unsent = Index {
+        table: &opts.table,
+        concurrently: existing,
+        name: unsent_index(&opts.table),
+        definition: format!("({SEQ_COLUMN}) WHERE {SENT_AT_COLUMN} IS NULL"),
+        purpose: "unsent rows in order",
+        unique: false,
+    };
+    steps.extend(unsent.step(client).await?);
+    // Marking, redrives and the start-up reads name rows by relay_seq: it
+    // must name one row (explicit values, copied rows or a reset sequence
+    // would make twins).
+    if !info.as_ref().is_some_and(|i| i.seq_unique()) {
+        seq_unique_steps(client, opts, info.as_ref(), existing, &mut steps).await?;
+    }
+    // Retention finds the oldest sent rows through it, a batch at a time,
+    // instead of scanning the whole table for every batch.
+    let sent = Index {
+        name: sent_index(&opts.table),
+        definition: format!("({SENT_AT_COLUMN}) WHERE {SENT_AT_COLUMN} IS NOT NULL"),
+        purpose: "sent rows by age, for retention",
+        ..unsent
+    };
+    steps.extend(sent.step(client).await?);
+    if let Some(channel) = &opts.notify_channel {
+        steps.extend(triggers::notify(client, opts, channel).await?);
+    }
+    if let Some(step) = triggers::write_once(
+        client,
+        &opts.table,
+        &event_columns(info.as_ref(), &opts.columns),
+    )
+    .await?
+    {
+        steps.push(step);
+    }
+    if let Some(dlq) = &opts.dead_letters {
+        steps.extend(dead_letter_steps(client, dlq).await?);
+    }
+    if let Some(cdc) = &opts.cdc {
+        steps.extend(cdc_steps(client, &opts.table, cdc, partitioning.is_some()).await?);
+    }
+    Ok(steps)
+}
+
+/// The dead-letter table, or the columns an older one lacks.
+async fn dead_letter_steps(client: &Client, dlq: &TableName) -> Result<Vec<Step>, MigrateError> {
+    let mut steps = Vec::new();
+    match table_info(client, dlq).await? {
+        None => {
+            for (i, sql) in crate::dead_letter::create_sql(dlq).into_iter().enumerate() {
+                let what = if i == 0 {
+                    "create the dead-letter table"
+                } else {
+                    "index its open dead letters"
+                };
+                steps.push(Step::new(format!("{what} {dlq}"), sql));
+            }
+        }
+        Some(info) => {
+            if let Some(sql) = crate::dead_letter::upgrade_sql(dlq, &info.names()) {
+                steps.push(Step::new(
+                    format!("add the columns redrives and CDC replays need to {dlq}"),
+                    sql,
+                ));
+            }
+        }
+    }
+    Ok(steps)
+}
+
+/// The publication (inserts only) and the slot, after checking what migrate cannot fix.
+/// `partitioned`: the publication must publish through the root.
+async fn cdc_steps(
+    client: &Client,
+    table: &TableName,
+    cdc: &CdcObjects,
+    partitioned: bool,
+) -> Result<Vec<Step>, MigrateError> {
+    if cdc.slot_now
+        && let Some(problem) = setup::wal_level_problem(&setup::wal_level(client).await?)
+    {
+        return Err(MigrateError::Prerequisite(problem));
+    }
+    let mut steps = Vec::new();
+    if let Some(prefix) = &cdc.message_prefix {
+        if let Some(problem) = setup::messages_problem(client)
+            .await
+            .map_err(MigrateError::Prerequisite)?
+        {
+            return Err(MigrateError::Prerequisite(problem));
+        }
+        steps.extend(emit::step(client, table, prefix).await?);
+    }
+    match setup::publication_covers(client, &cdc.publication, table).await? {
+        Some(true) => {}
+        _ if partitioned && setup::publishes_partitions(client, &cdc.publication, table).await? => {
+            steps.push(Step::new(
+                format!(
+                    "publish inserts into {table} under its own name (publication {} names its partitions)",
+                    cdc.publication
+                ),
+                setup::via_root_sql(&cdc.publication),
+            ))
+        }
+        exists => steps.push(Step::new(
+            format!(
+                "publish inserts into {table} as publication {}",
+                cdc.publication
+            ),
+            setup::publication_sql(&cdc.publication, table, exists.is_some(), partitioned),
+        )),
+    }
+    if cdc.slot_now && setup::slot_info(client, &cdc.slot).await?.is_none() {
+        if !setup::can_replicate(client).await? {
+            return Err(MigrateError::Prerequisite(format!(
+                "creating replication slot {:?} needs the REPLICATION attribute: run ALTER ROLE <relay role> REPLICATION; as a superuser",
+                cdc.slot
+            )));
+        }
+        if setup::free_slots(client).await? <= 0 {
+            return Err(MigrateError::Prerequisite(
+                "every replication slot is in use: raise max_replication_slots (restart needed) or drop an unused slot".into(),
+            ));
+        }
+        if cdc.failover
+            && let Some(problem) = setup::failover_problem(client)
+                .await
+                .map_err(MigrateError::Prerequisite)?
+        {
+            return Err(MigrateError::Prerequisite(problem));
+        }
+        steps.push(Step {
+            description: format!(
+                "create logical replication slot {} (pgoutput{})",
+                cdc.slot,
+                if cdc.failover { ", failover" } else { "" }
+            ),
+            sql: setup::slot_sql(&cdc.slot, cdc.failover),
+            outside_transaction: true,
+        });
+    }
+    Ok(steps)
+}
+
+/// Runs the steps: the transactional ones in one transaction, then the others.
+pub async fn apply(client: &mut Client, steps: &[Step]) -> Result<(), MigrateError> {
+    let tx = client.transaction().await?;
+    for step in steps.iter().filter(|s| !s.outside_transaction) {
+        tx.batch_execute(&step.sql)
+            .await
+            .map_err(|source| MigrateError::Step {
+                step: step.description.clone(),
+                source,
+            })?;
+    }
+    tx.commit().await?;
+    for step in steps.iter().filter(|s| s.outside_transaction) {
+        client
+            .batch_execute(&step.sql)
+            .await
+            .map_err(|source| MigrateError::Step {
+                step: step.description.clone(),
+                source,
+            })?;
+    }
+    Ok(())
+}

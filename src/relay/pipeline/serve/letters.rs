@@ -1,0 +1,115 @@
+//! Dead letters as the loop sees them: the periodic look at the table,
+//! aggregates that resume once their letters are resolved, and redriven
+//! letters queued ahead of the current batch.
+
+use super::super::tasks::{AckCommand, Refreshed, task_error};
+use super::super::{Origin, PipelineError};
+use super::{Event, Intake, Pipeline};
+use crate::sink::Sink;
+use crate::source::{RowPosition, SourcedEvent};
+use chrono::Utc;
+use std::collections::{HashMap, HashSet};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+impl<P, K> Pipeline<'_, P, K>
+where
+    P: Clone + Send + Sync + RowPosition + 'static,
+    K: Sink,
+{
+    /// Aggregates whose dead letters were resolved: unblock them, and re-read
+    /// if any was blocked.
+    pub(super) fn resolve(&mut self, aggregates: HashSet<String>) {
+        let mut any = false;
+        for a in aggregates {
+            any |= self.blocks.is_blocked(&a);
+            self.blocks.resolve(&a);
+        }
+        if any {
+            tracing::info!("dead letters were redriven or dropped; their aggregates resume");
+            self.rewind_later();
+        }
+    }
+
+    /// The refresh's view of the dead-letter table arrived.
+    pub(super) fn refreshed(&mut self, (open, requested): Refreshed, seen: u64, handed: u64) {
+        self.refresh.waiting = None;
+        let gone = self.blocks.resolve_missing(&open, seen);
+        if !gone.is_empty() && self.intake != Intake::Rewinding {
+            tracing::info!(
+                aggregates = gone.len(),
+                "dead letters redriven or dropped; their aggregates resume"
+            );
+            self.rewind_later();
+        }
+        // A view older than letters handed over since may still list them.
+        if handed == self.letters_handed {
+            self.redrive(requested);
+        }
+    }
+
+    /// Queues the requested letters of dead aggregates not being redriven
+    /// already, in order, ahead of the current batch.
+    fn redrive(&mut self, requested: Vec<crate::dead_letter::Requested>) {
+        if self.intake != Intake::Open {
+            return;
+        }
+        let now = Utc::now();
+        let mut queued: Vec<Event<P>> = Vec::new();
+        let mut started: HashMap<String, usize> = HashMap::new();
+        for r in requested {
+            let aggregate = r.raw.aggregate_id.clone().unwrap_or_default();
+            if self.redriving.contains_key(&aggregate) || !self.blocks.is_dead(&aggregate) {
+                continue;
+            }
+            *started.entry(aggregate.clone()).or_default() += 1;
+            self.letter_aggregates.insert(r.letter_id, aggregate);
+            let mut event = SourcedEvent::new(Origin::Letter(r.letter_id), r.raw.decode(now));
+            event.charge = self.budget.charge(event.bytes());
+            queued.push(event);
+        }
+        if queued.is_empty() {
+            return;
+        }
+        tracing::info!(
+            letters = queued.len(),
+            aggregates = started.len(),
+            "publishing redriven dead letters"
+        );
+        self.redriving.extend(started);
+        if self.telemetry.tracer.is_on() {
+            self.read_at = std::time::SystemTime::now();
+        }
+        for e in queued.into_iter().rev() {
+            self.waiting.push_front(e);
+        }
+    }
+
+    pub(super) async fn ask_refresh(&mut self) -> Result<(), PipelineError> {
+        let (tx, rx) = oneshot::channel();
+        if self
+            .ack_tx
+            .send(AckCommand::OpenDeadLetters(tx))
+            .await
+            .is_err()
+        {
+            return Err(task_error(&mut self.acker_task, "acker").await);
+        }
+        self.refresh.waiting = Some((rx, self.blocks.generation(), self.letters_handed));
+        self.refresh.next = self.refresh.every.map(|d| Instant::now() + d);
+        Ok(())
+    }
+}
+
+/// The refresh's answer, once one was asked for.
+pub(super) async fn wait_refresh(
+    rx: &mut Option<(oneshot::Receiver<Refreshed>, u64, u64)>,
+) -> Result<(Refreshed, u64, u64), ()> {
+    match rx {
+        Some((rx, seen, handed)) => {
+            let (seen, handed) = (*seen, *handed);
+            rx.await.map(|found| (found, seen, handed)).map_err(|_| ())
+        }
+        None => std::future::pending().await,
+    }
+}
