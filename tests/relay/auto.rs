@@ -25,13 +25,8 @@ async fn app_database(pg: &PrivatePg, sink: &str) -> (tokio_postgres::Client, St
     let admin = connect(&pg.url("postgres")).await;
     admin.batch_execute("CREATE DATABASE app").await.unwrap();
     let toml = auto_toml(&pg.url("app"), sink);
-    let mut c = connect(&pg.url("app")).await;
-    let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(&parse(&toml), false);
-    let steps = outbox_relay::ops::migrate::plan(&c, &opts).await.unwrap();
-    outbox_relay::ops::migrate::apply(&mut c, &steps)
-        .await
-        .unwrap();
-    (c, toml)
+    migrate_at(&pg.url("app"), &parse(&toml)).await;
+    (connect(&pg.url("app")).await, toml)
 }
 
 /// One committed event: (aggregate, id), in commit order.
@@ -251,24 +246,11 @@ async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
     // Tiny WAL segments and retention, so a slot can be lost in seconds.
-    let pg = PrivatePg::start_with(
-        &["--wal-segsize=1"],
-        &[
-            "wal_level = logical",
-            "max_slot_wal_keep_size = 1MB",
-            "min_wal_size = 2MB",
-            "max_wal_size = 4MB",
-        ],
-    );
+    let pg = cluster_that_loses_slots();
     let broker = RabbitExchange::new().await;
     let (app, toml) = app_database(&pg, &broker.sink_toml()).await;
     let toml = set(&toml, "source.cdc.on_lost_slot", "\"stop\"");
-    let slot = toml
-        .lines()
-        .find_map(|l| l.strip_prefix("slot = "))
-        .expect("a slot line")
-        .trim_matches('"')
-        .to_owned();
+    let slot = slot_of(&toml);
 
     // A first run creates the slot and streams.
     let port = crate::kit::free_port();

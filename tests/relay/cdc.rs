@@ -13,16 +13,6 @@ fn cdc_toml(db_url: &str, sink: &str) -> String {
     with_mode(&base_toml(db_url, sink), Mode::Cdc)
 }
 
-fn slot_of(toml: &str) -> String {
-    let line = toml
-        .lines()
-        .find(|l| l.starts_with("slot = "))
-        .expect("a slot line");
-    line.trim_start_matches("slot = ")
-        .trim_matches('"')
-        .to_owned()
-}
-
 async fn slot_lag(db: &TestDb, slot: &str) -> Option<i64> {
     db.client
         .query_opt(
@@ -160,16 +150,6 @@ async fn flushed(app: &tokio_postgres::Client, slot: String) -> outbox_relay::re
         .unwrap()
         .get(0);
     lsn.parse().unwrap()
-}
-
-/// Migrates a private cluster's database the way `outbox-relay migrate` does.
-async fn migrate_at(url: &str, config: &outbox_relay::config::Config) {
-    let mut c = connect(url).await;
-    let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(config, false);
-    let steps = outbox_relay::ops::migrate::plan(&c, &opts).await.unwrap();
-    outbox_relay::ops::migrate::apply(&mut c, &steps)
-        .await
-        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -372,15 +352,7 @@ struct LostSlot {
 impl LostSlot {
     async fn new(relay: &[(&str, &str)]) -> LostSlot {
         // Tiny WAL segments and retention, so a slot can be lost in seconds.
-        let pg = PrivatePg::start_with(
-            &["--wal-segsize=1"],
-            &[
-                "wal_level = logical",
-                "max_slot_wal_keep_size = 1MB",
-                "min_wal_size = 2MB",
-                "max_wal_size = 4MB",
-            ],
-        );
+        let pg = cluster_that_loses_slots();
         let admin = connect(&pg.url("postgres")).await;
         admin.batch_execute("CREATE DATABASE app").await.unwrap();
         let app = connect(&pg.url("app")).await;
@@ -430,16 +402,6 @@ async fn insert_at(app: &tokio_postgres::Client, id: &str) {
     )
     .await
     .unwrap();
-}
-
-async fn wal_status(app: &tokio_postgres::Client, slot: &str) -> Option<String> {
-    app.query_opt(
-        "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
-        &[&slot],
-    )
-    .await
-    .unwrap()
-    .and_then(|r| r.get(0))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -173,14 +173,7 @@ async fn chaos(mode: Mode, kind: Kind) {
         toml = set(&toml, k, &v);
     }
     let config = parse(&toml);
-    {
-        let mut c = connect(&url).await;
-        let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(&config, false);
-        let steps = outbox_relay::ops::migrate::plan(&c, &opts).await.unwrap();
-        outbox_relay::ops::migrate::apply(&mut c, &steps)
-            .await
-            .unwrap();
-    }
+    migrate_at(&url, &config).await;
 
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let per_writer = scale.events / scale.writers;

@@ -54,16 +54,6 @@ impl Drop for Paused {
     }
 }
 
-async fn wal_status(app: &tokio_postgres::Client, slot: &str) -> Option<String> {
-    app.query_opt(
-        "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
-        &[&slot],
-    )
-    .await
-    .unwrap()
-    .and_then(|r| r.get(0))
-}
-
 /// A relay that streamed, then lost its slot while paused.
 struct LostMidStream {
     _pg: PrivatePg,
@@ -83,15 +73,7 @@ impl LostMidStream {
     /// during the pause reaches the relay's socket.
     async fn new(hold_sender: bool, sets: &[(&str, &str)]) -> LostMidStream {
         // Tiny WAL segments and retention, so a slot can be lost in seconds.
-        let pg = PrivatePg::start_with(
-            &["--wal-segsize=1"],
-            &[
-                "wal_level = logical",
-                "max_slot_wal_keep_size = 1MB",
-                "min_wal_size = 2MB",
-                "max_wal_size = 4MB",
-            ],
-        );
+        let pg = cluster_that_loses_slots();
         let admin = connect(&pg.url("postgres")).await;
         admin.batch_execute("CREATE DATABASE app").await.unwrap();
         let app = connect(&pg.url("app")).await;
@@ -100,18 +82,8 @@ impl LostMidStream {
         for (key, value) in sets {
             toml = set(&toml, key, value);
         }
-        let slot = toml
-            .lines()
-            .find_map(|l| l.strip_prefix("slot = "))
-            .expect("a slot line")
-            .trim_matches('"')
-            .to_owned();
-        let mut c = connect(&pg.url("app")).await;
-        let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(&parse(&toml), false);
-        let steps = outbox_relay::ops::migrate::plan(&c, &opts).await.unwrap();
-        outbox_relay::ops::migrate::apply(&mut c, &steps)
-            .await
-            .unwrap();
+        let slot = slot_of(&toml);
+        migrate_at(&pg.url("app"), &parse(&toml)).await;
 
         let port = crate::kit::free_port();
         let relay = ChildRelay::start(&with_http(&toml, port));

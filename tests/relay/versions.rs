@@ -244,12 +244,7 @@ async fn run_refuses_failover_before_17() {
         "source.cdc.failover",
         "true",
     );
-    let slot = toml
-        .lines()
-        .find_map(|l| l.strip_prefix("slot = "))
-        .expect("a slot line")
-        .trim_matches('"')
-        .to_owned();
+    let slot = slot_of(&toml);
     let port = crate::kit::free_port();
     let mut relay = ChildRelay::start(&with_http(&toml, port));
     let sent = insert_events(&db, 5).await;

@@ -13,6 +13,9 @@ pub mod brokers;
 pub mod otlp;
 pub mod proxy;
 pub mod rabbit_node;
+mod slots;
+
+pub use slots::{cluster_that_loses_slots, migrate_at, slot_of, wal_status};
 
 use brokers::{Inbox, KafkaTopics, RabbitExchange};
 use outbox_relay::config::{self, Config};
