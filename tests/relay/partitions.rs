@@ -23,6 +23,32 @@ async fn app_table(db: &TestDb) {
     db.client.batch_execute(APP_TABLE).await.unwrap();
 }
 
+/// An outbox partitioned by day on `created_at`, before the relay's columns
+/// exist: one partition per `(name, day)`, and a default partition when
+/// `with_default`.
+async fn day_partitioned(db: &TestDb, days: &[(&str, &str)], with_default: bool) {
+    let mut sql = String::from(
+        "CREATE TABLE outbox (
+             id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+             event_type text NOT NULL, payload jsonb NOT NULL,
+             created_at timestamptz NOT NULL DEFAULT now(),
+             PRIMARY KEY (id, created_at)
+         ) PARTITION BY RANGE (created_at);",
+    );
+    for (name, day) in days {
+        let from = chrono::NaiveDate::parse_from_str(day, "%Y-%m-%d").expect("a day");
+        let to = from.succ_opt().expect("a next day");
+        sql.push_str(&format!(
+            "CREATE TABLE {name} PARTITION OF outbox
+                 FOR VALUES FROM ('{from} 00:00:00+00') TO ('{to} 00:00:00+00');"
+        ));
+    }
+    if with_default {
+        sql.push_str("CREATE TABLE outbox_default PARTITION OF outbox DEFAULT;");
+    }
+    db.client.batch_execute(&sql).await.unwrap();
+}
+
 /// Inserts through the parent with `created_at` given.
 async fn insert_at(db: &TestDb, id: Uuid, at: &str) -> Result<u64, tokio_postgres::Error> {
     db.client
@@ -225,26 +251,17 @@ async fn age(db: &TestDb, id: Uuid, sent: Option<&str>) {
 #[tokio::test]
 async fn retention_drops_old_sent_partitions_and_keeps_the_others() {
     let db = TestDb::new().await;
-    db.client
-        .batch_execute(
-            "CREATE TABLE outbox (
-                 id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-                 event_type text NOT NULL, payload jsonb NOT NULL,
-                 created_at timestamptz NOT NULL DEFAULT now(),
-                 PRIMARY KEY (id, created_at)
-             ) PARTITION BY RANGE (created_at);
-             CREATE TABLE outbox_sent PARTITION OF outbox
-                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2020-01-02 00:00:00+00');
-             CREATE TABLE outbox_unsent PARTITION OF outbox
-                 FOR VALUES FROM ('2020-01-02 00:00:00+00') TO ('2020-01-03 00:00:00+00');
-             CREATE TABLE outbox_late PARTITION OF outbox
-                 FOR VALUES FROM ('2020-01-03 00:00:00+00') TO ('2020-01-04 00:00:00+00');
-             CREATE TABLE outbox_empty PARTITION OF outbox
-                 FOR VALUES FROM ('2020-01-04 00:00:00+00') TO ('2020-01-05 00:00:00+00');
-             CREATE TABLE outbox_default PARTITION OF outbox DEFAULT",
-        )
-        .await
-        .unwrap();
+    day_partitioned(
+        &db,
+        &[
+            ("outbox_sent", "2020-01-01"),
+            ("outbox_unsent", "2020-01-02"),
+            ("outbox_late", "2020-01-03"),
+            ("outbox_empty", "2020-01-04"),
+        ],
+        true,
+    )
+    .await;
     let toml = set(
         &base_toml(&db.url, &rabbit_sink()),
         "retention.mode",
@@ -434,19 +451,7 @@ async fn a_publication_naming_the_partitions_is_reported_and_fixed() {
 #[tokio::test]
 async fn a_row_written_into_an_expired_partition_keeps_it() {
     let db = TestDb::new().await;
-    db.client
-        .batch_execute(
-            "CREATE TABLE outbox (
-                 id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
-                 event_type text NOT NULL, payload jsonb NOT NULL,
-                 created_at timestamptz NOT NULL DEFAULT now(),
-                 PRIMARY KEY (id, created_at)
-             ) PARTITION BY RANGE (created_at);
-             CREATE TABLE outbox_old PARTITION OF outbox
-                 FOR VALUES FROM ('2020-01-01 00:00:00+00') TO ('2020-01-02 00:00:00+00')",
-        )
-        .await
-        .unwrap();
+    day_partitioned(&db, &[("outbox_old", "2020-01-01")], false).await;
     let toml = set(
         &base_toml(&db.url, &rabbit_sink()),
         "retention.mode",
