@@ -67,15 +67,38 @@ impl Backend for SimBackend {
             lease: run.lease.clone(),
         };
         let sink = SimSink::connect(&self.world, self.instance, reign)?;
+        let polls = match config.source.mode {
+            SourceMode::Polling => true,
+            SourceMode::Cdc => false,
+            SourceMode::Auto => lock(&self.world).cdc_blocked,
+        };
         match config.source.mode {
-            SourceMode::Polling => {
+            _ if polls => {
                 let reader =
                     SimPolling::new(self.world.clone(), config.source.polling.poll_interval);
                 let acker = PollingAcker::new(store);
-                pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+                if config.source.mode == SourceMode::Polling {
+                    pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+                    return Ok(RunEnd::Stopped);
+                }
+                // Auto mode while CDC is impossible: poll until it is
+                // possible again, then drain and start over with CDC.
+                let token = run.shutdown.child_token();
+                let switch = watch_for_cdc(
+                    self.world.clone(),
+                    config.source.auto.probe_interval,
+                    token.clone(),
+                );
+                pipeline::run(reader, acker, sink, cx, run.blocks, &token).await?;
+                switch.abort();
+                if token.is_cancelled() && !run.shutdown.is_cancelled() {
+                    let mut w = lock(&self.world);
+                    w.switches += 1;
+                    w.note(format!("instance {} switches to CDC", self.instance));
+                    return Ok(RunEnd::SwitchSource);
+                }
             }
-            // The simulated server always allows CDC, so auto reads by CDC.
-            SourceMode::Cdc | SourceMode::Auto => {
+            _ => {
                 let columns = ColumnMap::default().resolve(&[
                     "event_version".into(),
                     "headers".into(),
@@ -107,6 +130,27 @@ impl Backend for SimBackend {
         }
         Ok(RunEnd::Stopped)
     }
+}
+
+/// Cancels `token` once the world allows CDC again, looking every
+/// `every` (`source.auto.probe_interval`).
+fn watch_for_cdc(
+    world: Shared,
+    every: Duration,
+    token: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = token.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            if !lock(&world).cdc_blocked {
+                token.cancel();
+                return;
+            }
+        }
+    })
 }
 
 /// The ownership session: closed (and the lock released) when dropped.

@@ -59,6 +59,11 @@ impl CdcServer for SimCdc {
     async fn prepare(&mut self) -> Result<Lsn, SourceError> {
         self.snapshot = None;
         let mut w = lock(&self.world);
+        if w.cdc_blocked {
+            return Err(SourceError::Setup(
+                "sim: logical replication is not possible now".into(),
+            ));
+        }
         if w.slot_active.is_some() {
             return Err(SourceError::SlotBusy("sim".into()));
         }
@@ -262,6 +267,11 @@ impl CdcStream for SimStream {
         loop {
             if let Some(m) = self.buffer.pop_front() {
                 return Ok(Some(m));
+            }
+            if lock(&self.world).cdc_blocked {
+                return Err(SourceError::Stream(
+                    "sim: the server ended logical replication".into(),
+                ));
             }
             let notify = lock(&self.world).commit_notify.clone();
             let woken = notify.notified();

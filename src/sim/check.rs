@@ -106,7 +106,7 @@ pub fn finally(w: &World, params: &Params) -> Vec<String> {
             ));
         }
     }
-    if params.mode == SourceMode::Cdc && w.slot_active.is_some() {
+    if params.mode != SourceMode::Polling && w.slot_active.is_some() {
         out.push("a replication stream is still open after every instance stopped".into());
     }
     out

@@ -29,10 +29,10 @@ pub struct Params {
 
 impl Params {
     pub(super) fn random(rng: &mut fastrand::Rng) -> Self {
-        let mode = if rng.bool() {
-            SourceMode::Polling
-        } else {
-            SourceMode::Cdc
+        let mode = match rng.u32(0..5) {
+            0 | 1 => SourceMode::Polling,
+            2 | 3 => SourceMode::Cdc,
+            _ => SourceMode::Auto,
         };
         let mark = match (mode, rng.u32(0..3)) {
             (_, 0) => MarkMode::Update,
@@ -106,6 +106,8 @@ mode = "{mode}"
 batch_size = {batch}
 [source.polling]
 poll_interval = "1s"
+[source.auto]
+probe_interval = "1s"
 [source.cdc]
 messages = {messages}
 [relay]

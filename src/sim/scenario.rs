@@ -26,6 +26,8 @@ pub struct Totals {
     pub deliveries: u64,
     pub dead_letters: u64,
     pub incidents: u64,
+    /// Auto mode's switches from polling back to CDC.
+    pub switches: u64,
     pub simulated: Duration,
 }
 
@@ -36,6 +38,7 @@ impl Totals {
         self.deliveries += t.deliveries;
         self.dead_letters += t.dead_letters;
         self.incidents += t.incidents;
+        self.switches += t.switches;
         self.simulated += t.simulated;
     }
 }
@@ -44,12 +47,13 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
             self.dead_letters,
             self.incidents,
+            self.switches,
             self.simulated.as_secs_f64() / 60.0
         )
     }
@@ -93,6 +97,7 @@ pub fn run(seed: u64) -> Result<Totals, String> {
             deliveries: w.deliveries.len() as u64,
             dead_letters: w.letters.len() as u64,
             incidents: u64::from(w.incidents),
+            switches: u64::from(w.switches),
             simulated: outcome.unwrap_or_default(),
         });
     }
@@ -449,6 +454,9 @@ async fn fault(
     instances: &mut [Instance],
 ) {
     let i = rng.usize(0..instances.len());
+    if params.mode == SourceMode::Auto && rng.bool() {
+        return toggle_cdc(world);
+    }
     match rng.u32(0..10) {
         0 | 1 => crash(world, config, params, rng, &mut instances[i]).await,
         2 => {
@@ -490,6 +498,22 @@ async fn fault(
     }
 }
 
+/// The server stops or starts allowing logical replication (auto mode).
+fn toggle_cdc(world: &Shared) {
+    let mut w = lock(world);
+    w.cdc_blocked = !w.cdc_blocked;
+    if w.cdc_blocked {
+        // A stream that ends leaves what was in flight unconfirmed.
+        w.incidents += 1;
+    }
+    let now = if w.cdc_blocked {
+        "impossible"
+    } else {
+        "possible again"
+    };
+    w.note(format!("logical replication {now}"));
+}
+
 /// A crash, and a restart after a while; meanwhile the slot may be lost.
 async fn crash(
     world: &Shared,
@@ -504,7 +528,7 @@ async fn crash(
     // (max_slot_wal_keep_size); with rows marked the relay recreates
     // the slot and the table holds what the lost WAL did.
     // Not with logical messages: a lost slot stops the relay then.
-    if params.mode == SourceMode::Cdc
+    if params.mode != SourceMode::Polling
         && params.mark != MarkMode::None
         && !params.messages
         && rng.u32(0..4) == 0

@@ -155,6 +155,12 @@ pub struct World {
     pub slot_lost: bool,
     /// The stream currently reading the slot.
     pub slot_active: Option<u64>,
+    /// The server allows no logical replication for now (`wal_level`
+    /// lowered, no free slot): a CDC start fails, a stream ends, and
+    /// `source.mode = "auto"` polls until it is allowed again.
+    pub cdc_blocked: bool,
+    /// Auto mode's switches from polling back to CDC.
+    pub switches: u32,
     next_stream: u64,
     /// The ownership lock: the holder's reign (one per acquisition).
     pub lock_reign: Option<u64>,
@@ -214,6 +220,8 @@ impl World {
             slot_confirmed: Lsn(0x1000),
             slot_lost: false,
             slot_active: None,
+            cdc_blocked: false,
+            switches: 0,
             next_stream: 1,
             lock_reign: None,
             next_reign: 1,
