@@ -176,3 +176,29 @@ impl InternalEvent for PipelineInterrupted<'_> {
         }
     }
 }
+
+/// A scheduled retention cleanup failed and is retried after `retry_in`.
+pub struct RetentionFailed<'a> {
+    pub pipeline: &'a str,
+    pub error: &'a dyn Display,
+    pub kind: ErrorKind,
+    pub attempt: u32,
+    pub retry_in: Duration,
+}
+
+impl InternalEvent for RetentionFailed<'_> {
+    fn emit(self) {
+        let Self {
+            pipeline,
+            error,
+            attempt,
+            retry_in,
+            ..
+        } = self;
+        if errors::policy(self.kind).level == Level::WARN {
+            tracing::warn!(pipeline, error = %error, attempt, retry_in = ?retry_in, "retention cleanup failed; retrying");
+        } else {
+            tracing::error!(pipeline, error = %error, attempt, retry_in = ?retry_in, "retention cleanup cannot work until this is fixed; retrying");
+        }
+    }
+}
