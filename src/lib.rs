@@ -13,7 +13,8 @@
 //! - [`outbox`] (the table contract, row decoding), [`envelope`]
 //!   (CloudEvents messages), [`db`] (connections, TLS), [`replication`] (the
 //!   replication protocol client and pgoutput decoder), [`dead_letter`] (the
-//!   dead-letter table), [`telemetry`] (logs, metrics, health, traces).
+//!   dead-letter table), [`telemetry`] (logs, metrics, typed events, health,
+//!   traces).
 //! - [`source`] (the polling and CDC readers, and the acker that records
 //!   progress) and [`sink`] (Kafka and RabbitMQ, with the delivery
 //!   contract), which never import each other.

@@ -12,10 +12,10 @@ use super::lease::Lease;
 use super::shards::{Balance, Shard};
 use crate::backoff::Backoff;
 use crate::config::Config;
-use crate::errors;
 use crate::replication::Lsn;
 use crate::source::cdc::{self, Progress, SharedProgress};
 use crate::telemetry::PipelineTelemetry;
+use crate::telemetry::events::{InternalEvent, PipelineInterrupted};
 use crate::telemetry::health::PipelineHealth;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,7 +23,6 @@ use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::Level;
 
 /// What a run while owning the outbox keeps across runs, and reports to.
 pub struct Owned<'a> {
@@ -129,16 +128,18 @@ pub async fn supervise<B: Backend>(
             Err(e) => e,
         };
         telemetry.health.failing(&e.to_string());
-        telemetry.metrics.restarts.increment(1);
         if started.elapsed() > relay.retry_max {
             backoff.reset();
         }
         let delay = backoff.next_delay();
-        if errors::policy(e.kind()).level == Level::WARN {
-            tracing::warn!(error = %e, attempt = backoff.attempts(), retry_in = ?delay, "relay interrupted; reconnecting");
-        } else {
-            tracing::error!(error = %e, attempt = backoff.attempts(), retry_in = ?delay, "relay cannot work until this is fixed; retrying");
+        PipelineInterrupted {
+            metrics: &telemetry.metrics,
+            error: &e,
+            kind: e.kind(),
+            attempt: backoff.attempts(),
+            retry_in: delay,
         }
+        .emit();
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}

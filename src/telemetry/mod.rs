@@ -35,6 +35,7 @@ pub fn init(config: &LogConfig) {
     };
 }
 
+pub mod events;
 pub mod health;
 pub mod http;
 pub mod metrics;

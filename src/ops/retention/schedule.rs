@@ -1,16 +1,13 @@
 //! The cleanup `run` schedules: every `retention.interval`, retried with
 //! backoff, each run logged and counted.
 
-use super::{
-    Cleanup, FIRST_RUN_DELAY, Report, RetentionError, SHUTDOWN_GRACE, connect, once_until,
-};
+use super::{Cleanup, FIRST_RUN_DELAY, Report, SHUTDOWN_GRACE, connect, once_until};
 use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode, RetentionMode};
-use crate::errors;
+use crate::telemetry::events::{InternalEvent, RetentionFailed};
 use crate::telemetry::metrics::PipelineMetrics;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::Level;
 
 /// Runs the cleanup every `retention.interval` until `shutdown`, on a
 /// connection of its own, at most one instance at a time. Failures are
@@ -68,14 +65,18 @@ pub async fn run_scheduled(
             }
             Ok(report) => {
                 backoff.reset();
-                log_report(pipeline, &report);
-                if let Some(m) = &metrics {
-                    count_report(m, &report);
-                }
+                cleaned(pipeline, &report, metrics.as_ref());
             }
             Err(e) => {
                 wait = backoff.next_delay();
-                log_failure(pipeline, &e, backoff.attempts(), wait);
+                RetentionFailed {
+                    pipeline,
+                    error: &e,
+                    kind: e.kind(),
+                    attempt: backoff.attempts(),
+                    retry_in: wait,
+                }
+                .emit();
             }
         }
         if shutdown.is_cancelled() {
@@ -102,29 +103,18 @@ fn has_work(config: &Config) -> bool {
     true
 }
 
-fn count_report(m: &PipelineMetrics, report: &Report) {
-    m.retention_outbox.increment(report.outbox.rows());
-    m.retention_dead_letters
-        .increment(report.dead_letters.rows());
-    if let Some(p) = &report.partitions {
-        m.partitions_created.increment(p.created.len() as u64);
-        m.partitions_dropped.increment(p.dropped.len() as u64);
+/// A cleanup done: counted, and logged at info when rows were deleted, else
+/// at debug (a quiet outbox would log the same line every interval).
+fn cleaned(pipeline: &str, report: &Report, metrics: Option<&PipelineMetrics>) {
+    if let Some(m) = metrics {
+        m.retention_outbox.increment(report.outbox.rows());
+        m.retention_dead_letters
+            .increment(report.dead_letters.rows());
+        if let Some(p) = &report.partitions {
+            m.partitions_created.increment(p.created.len() as u64);
+            m.partitions_dropped.increment(p.dropped.len() as u64);
+        }
     }
-}
-
-/// At the level the error's kind calls for: a transient failure warns, one
-/// that needs the operator is an error.
-fn log_failure(pipeline: &str, e: &RetentionError, attempt: u32, wait: Duration) {
-    if errors::policy(e.kind()).level == Level::WARN {
-        tracing::warn!(pipeline, error = %e, attempt, retry_in = ?wait, "retention cleanup failed; retrying");
-    } else {
-        tracing::error!(pipeline, error = %e, attempt, retry_in = ?wait, "retention cleanup cannot work until this is fixed; retrying");
-    }
-}
-
-/// At info when rows were deleted, else at debug (a quiet outbox would log
-/// the same line every interval).
-fn log_report(pipeline: &str, report: &Report) {
     if let Some(hint) = &report.hint {
         tracing::warn!(pipeline, hint = %hint, "retention is slow");
     }

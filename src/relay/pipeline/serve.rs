@@ -17,6 +17,7 @@ use crate::source::SourcedEvent;
 use crate::source::budget::Budget;
 use crate::source::{Acker, Reader, RowPosition, SourceError};
 use crate::telemetry::PipelineTelemetry;
+use crate::telemetry::events::{InternalEvent, RefusalsRetried};
 use crate::telemetry::trace::EventSpan;
 use chrono::Utc;
 use futures::StreamExt;
@@ -457,7 +458,10 @@ where
 
     fn retry_expired(&mut self) {
         let released = self.blocks.release_expired(Instant::now());
-        tracing::info!(aggregates = released, "retrying refused events");
+        RefusalsRetried {
+            aggregates: released,
+        }
+        .emit();
         self.rewind_later();
     }
 

@@ -43,6 +43,7 @@ use super::{Reader, SourceError, SourcedEvent};
 use crate::config::{Config, MarkMode};
 use crate::config::{ResolvedColumns, TableName};
 use crate::replication::Lsn;
+use crate::telemetry::events::{InternalEvent, SlotAdvanced, StreamClosed};
 use progress::CATCH_UP;
 use snapshot::StartupView;
 use std::time::Duration;
@@ -304,12 +305,15 @@ impl<B: CdcServer> CdcReader<B> {
                 match result {
                     Ok(Ok(to)) => {
                         lock(&self.progress).skipped_to(to);
-                        tracing::info!(slot = %self.settings.slot, from = %from, to = %to,
-                            "moved the replication slot past the WAL the start-up read covered");
+                        SlotAdvanced::Moved {
+                            slot: &self.settings.slot,
+                            from: &from,
+                            to: &to,
+                        }
+                        .emit();
                     }
-                    Ok(Err(e)) => tracing::warn!(error = %e,
-                        "could not move the replication slot past the start-up read; the stream skips those transactions instead"),
-                    Err(e) => tracing::warn!(error = %e, "moving the replication slot stopped"),
+                    Ok(Err(e)) => SlotAdvanced::Refused { error: &e }.emit(),
+                    Err(e) => SlotAdvanced::Stopped { error: &e }.emit(),
                 }
             }
             self.server.end_table_read().await?;
@@ -503,7 +507,11 @@ impl<B: CdcServer> Reader for CdcReader<B> {
             }
             // The server may still be decoding a large transaction: do not wait long.
             let _ = tokio::time::timeout(Duration::from_secs(3), s.stream.finish()).await;
-            tracing::info!(slot = %self.settings.slot, flushed = %flushed, "replication stream closed");
+            StreamClosed {
+                slot: &self.settings.slot,
+                flushed: &flushed,
+            }
+            .emit();
         }
     }
 

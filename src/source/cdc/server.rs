@@ -18,6 +18,7 @@ use crate::replication::protocol::{
 };
 use crate::source::SourceError;
 use crate::source::rows::{byte_capped, read_row, select_list};
+use crate::telemetry::events::{InternalEvent, SlotCreated, SlotRecreated, SlotStreaming};
 use std::future::Future;
 use std::time::Duration;
 use tokio_postgres::{Client, Statement};
@@ -219,20 +220,22 @@ impl PgServer {
                 // start-up read that follows a new slot publishes it.
                 setup::drop_slot(&self.client, &s.slot).await?;
                 let lsn = self.create_slot().await?;
-                metrics::counter!(crate::telemetry::metrics::SLOTS_RECREATED, "pipeline" => s.pipeline.clone())
-                    .increment(1);
-                tracing::error!(
-                    slot = %s.slot,
-                    consistent_point = %lsn,
-                    "the replication slot was lost (PostgreSQL removed WAL it still needed; raise max_slot_wal_keep_size \
-                     or keep the relay running): dropped it and created a new one; unsent rows are published from the table first"
-                );
+                SlotRecreated {
+                    pipeline: &s.pipeline,
+                    slot: &s.slot,
+                    consistent_point: &lsn,
+                }
+                .emit();
                 Ok(lsn)
             }
             Some(info) => Ok(info.confirmed_flush.unwrap_or_default()),
             None if s.create_slot => {
                 let lsn = self.create_slot().await?;
-                tracing::info!(slot = %s.slot, consistent_point = %lsn, "created the replication slot");
+                SlotCreated {
+                    slot: &s.slot,
+                    consistent_point: &lsn,
+                }
+                .emit();
                 Ok(lsn)
             }
             None => Err(SourceError::Setup(format!(
@@ -475,7 +478,11 @@ impl CdcServer for PgServer {
         let stream = client
             .start_logical_replication(&self.settings.slot, from, &options)
             .await?;
-        tracing::info!(slot = %self.settings.slot, from = %from, "streaming from the replication slot");
+        SlotStreaming {
+            slot: &self.settings.slot,
+            from: &from,
+        }
+        .emit();
         Ok(PgStream(stream))
     }
 

@@ -7,6 +7,7 @@ use super::super::{Origin, PipelineError};
 use super::{Event, Intake, Pipeline};
 use crate::sink::Sink;
 use crate::source::{RowPosition, SourcedEvent};
+use crate::telemetry::events::{AggregatesResumed, InternalEvent, LettersRedriven};
 use chrono::Utc;
 use std::collections::{HashMap, HashSet};
 use tokio::sync::oneshot;
@@ -26,7 +27,7 @@ where
             self.blocks.resolve(&a);
         }
         if any {
-            tracing::info!("dead letters were redriven or dropped; their aggregates resume");
+            AggregatesResumed::Resolved.emit();
             self.rewind_later();
         }
     }
@@ -36,10 +37,10 @@ where
         self.refresh.waiting = None;
         let gone = self.blocks.resolve_missing(&open, seen);
         if !gone.is_empty() && self.intake != Intake::Rewinding {
-            tracing::info!(
-                aggregates = gone.len(),
-                "dead letters redriven or dropped; their aggregates resume"
-            );
+            AggregatesResumed::Refreshed {
+                aggregates: gone.len(),
+            }
+            .emit();
             self.rewind_later();
         }
         // A view older than letters handed over since may still list them.
@@ -71,11 +72,11 @@ where
         if queued.is_empty() {
             return;
         }
-        tracing::info!(
-            letters = queued.len(),
-            aggregates = started.len(),
-            "publishing redriven dead letters"
-        );
+        LettersRedriven {
+            letters: queued.len(),
+            aggregates: started.len(),
+        }
+        .emit();
         self.redriving.extend(started);
         if self.telemetry.tracer.is_on() {
             self.read_at = std::time::SystemTime::now();
