@@ -11,7 +11,7 @@ use crate::envelope::Envelope;
 use crate::relay::pipeline::{self, Settings};
 use crate::relay::shards::{Balance, Shard};
 use crate::relay::{Backend, Owned, RelayError, RunEnd};
-use crate::source::cdc::{CdcAcker, CdcReader, CdcSettings, Timing};
+use crate::source::cdc::{CdcAcker, CdcReader, CdcSettings, SharedProgress, Timing};
 use crate::source::polling::PollingAcker;
 use crate::telemetry::health::PipelineHealth;
 use std::time::Duration;
@@ -99,36 +99,44 @@ impl Backend for SimBackend {
                 }
             }
             _ => {
-                let columns = ColumnMap::default().resolve(&[
-                    "event_version".into(),
-                    "headers".into(),
-                    "created_at".into(),
-                ]);
-                let reader = CdcReader::new(
-                    SimCdc::new(
-                        self.world.clone(),
-                        config.source.cdc.recreates_lost_slot(config.relay.mark),
-                        config
-                            .source
-                            .cdc
-                            .message_prefix(&config.outbox.table)
-                            .unwrap_or_default(),
-                    ),
-                    &config.outbox.table,
-                    &columns,
-                    CdcSettings::from_config(config),
-                    run.progress.clone(),
-                    Timing {
-                        status_every: config.source.cdc.status_interval,
-                        silence_limit: Duration::from_secs(60),
-                    },
-                );
+                let reader = self.cdc_reader(run.progress);
                 let marks_rows = config.relay.mark != crate::config::MarkMode::None;
                 let acker = CdcAcker::new(store, run.progress.clone(), marks_rows);
                 pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
             }
         }
         Ok(RunEnd::Stopped)
+    }
+}
+
+impl SimBackend {
+    /// A CDC reader over the world's WAL.
+    fn cdc_reader(&self, progress: &SharedProgress) -> CdcReader<SimCdc> {
+        let config = &self.config;
+        let columns = ColumnMap::default().resolve(&[
+            "event_version".into(),
+            "headers".into(),
+            "created_at".into(),
+        ]);
+        CdcReader::new(
+            SimCdc::new(
+                self.world.clone(),
+                config.source.cdc.recreates_lost_slot(config.relay.mark),
+                config
+                    .source
+                    .cdc
+                    .message_prefix(&config.outbox.table)
+                    .unwrap_or_default(),
+            ),
+            &config.outbox.table,
+            &columns,
+            CdcSettings::from_config(config),
+            progress.clone(),
+            Timing {
+                status_every: config.source.cdc.status_interval,
+                silence_limit: Duration::from_secs(60),
+            },
+        )
     }
 }
 
