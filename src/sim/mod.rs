@@ -67,6 +67,12 @@ fn seeded_schedules_keep_every_guarantee() {
         }
     }
     eprintln!("simulation: {totals}");
+    // A hunt of any length must drive auto mode back from polling to CDC,
+    // or the schedules stopped exercising the switch.
+    assert!(
+        totals.schedules < 100 || totals.switches > 0,
+        "no auto-mode schedule switched back to CDC: {totals}"
+    );
     assert!(
         failures.is_empty(),
         "simulation seeds {failures:?} broke a guarantee (reports above); replay one with OUTBOX_RELAY_SIM_SEED=<seed> cargo nextest run sim::"
