@@ -16,6 +16,8 @@ pub mod budget;
 pub mod cdc;
 pub mod polling;
 pub mod record;
+
+use record::RowStore;
 pub(crate) mod rows;
 
 use crate::db::DbError;
@@ -170,6 +172,11 @@ pub trait Reader: Send + 'static {
 /// Records progress. Called only with positions whose messages the broker confirmed.
 pub trait Acker: Send + 'static {
     type Position: Send + Sync + 'static;
+    /// The ownership session's record: dead letters, redrive requests, heartbeats.
+    type Store: RowStore;
+
+    /// The record the dead-letter calls below go to.
+    fn store(&self) -> &Self::Store;
 
     fn ack(
         &mut self,
@@ -187,19 +194,26 @@ pub trait Acker: Send + 'static {
     /// Aggregates with a dead letter nobody redrove or dropped yet.
     fn open_dead_letters(
         &mut self,
-    ) -> impl Future<Output = Result<std::collections::HashSet<String>, SourceError>> + Send;
+    ) -> impl Future<Output = Result<std::collections::HashSet<String>, SourceError>> + Send {
+        self.store().open_dead_letters()
+    }
 
     /// Dead letters an operator asked to publish again, oldest first (see
     /// [`crate::dead_letter`]).
     fn requested_letters(
         &mut self,
-    ) -> impl Future<Output = Result<Vec<crate::dead_letter::Requested>, SourceError>> + Send;
+    ) -> impl Future<Output = Result<Vec<crate::dead_letter::Requested>, SourceError>> + Send {
+        self.store().requested_letters()
+    }
 
     /// The broker confirmed these redriven letters: they are done.
     fn letters_sent(
         &mut self,
         ids: Vec<i64>,
-    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+    ) -> impl Future<Output = Result<(), SourceError>> + Send {
+        let store = self.store();
+        async move { store.letters_sent(&ids).await }
+    }
 
     /// The broker refused a redriven letter again.
     fn letter_refused(
@@ -207,7 +221,10 @@ pub trait Acker: Send + 'static {
         id: i64,
         reason: String,
         counts: bool,
-    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+    ) -> impl Future<Output = Result<(), SourceError>> + Send {
+        let store = self.store();
+        async move { store.letter_refused(id, &reason, counts).await }
+    }
 
     /// Events the relay leaves unsent in the source for now (their aggregate
     /// is held back): a source that can read them again from a durable
@@ -221,6 +238,6 @@ pub trait Acker: Send + 'static {
     /// longer record progress (its connection, and with it ownership, is
     /// gone). Its success renews the ownership lease.
     fn heartbeat(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send {
-        async { Ok(()) }
+        self.store().heartbeat()
     }
 }

@@ -281,6 +281,11 @@ impl<S: RowStore> PollingAcker<S> {
 
 impl<S: RowStore> Acker for PollingAcker<S> {
     type Position = i64;
+    type Store = S;
+
+    fn store(&self) -> &S {
+        &self.recorder
+    }
 
     async fn ack(&mut self, positions: Vec<i64>) -> Result<(), SourceError> {
         self.recorder.mark(&positions).await
@@ -291,32 +296,5 @@ impl<S: RowStore> Acker for PollingAcker<S> {
         letters: Vec<DeadLetter<i64>>,
     ) -> Result<HashSet<String>, SourceError> {
         Ok(self.recorder.dead_letter(&letters).await?.resolved)
-    }
-
-    async fn open_dead_letters(&mut self) -> Result<HashSet<String>, SourceError> {
-        self.recorder.open_dead_letters().await
-    }
-
-    async fn requested_letters(
-        &mut self,
-    ) -> Result<Vec<crate::dead_letter::Requested>, SourceError> {
-        self.recorder.requested_letters().await
-    }
-
-    async fn letters_sent(&mut self, ids: Vec<i64>) -> Result<(), SourceError> {
-        self.recorder.letters_sent(&ids).await
-    }
-
-    async fn letter_refused(
-        &mut self,
-        id: i64,
-        reason: String,
-        counts: bool,
-    ) -> Result<(), SourceError> {
-        self.recorder.letter_refused(id, &reason, counts).await
-    }
-
-    async fn heartbeat(&mut self) -> Result<(), SourceError> {
-        self.recorder.heartbeat().await
     }
 }

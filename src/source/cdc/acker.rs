@@ -31,6 +31,11 @@ impl<S: RowStore> CdcAcker<S> {
 
 impl<S: RowStore> Acker for CdcAcker<S> {
     type Position = CdcPosition;
+    type Store = S;
+
+    fn store(&self) -> &S {
+        &self.recorder
+    }
 
     async fn ack(&mut self, positions: Vec<CdcPosition>) -> Result<(), SourceError> {
         let seqs: Vec<i64> = positions.iter().filter_map(|p| p.seq).collect();
@@ -63,10 +68,6 @@ impl<S: RowStore> Acker for CdcAcker<S> {
         Ok(w.resolved)
     }
 
-    async fn open_dead_letters(&mut self) -> Result<HashSet<String>, SourceError> {
-        self.recorder.open_dead_letters().await
-    }
-
     /// With rows marked, a held-back row stays unsent in the table and the
     /// start-up read of the next start or rewind finds it: the slot need not
     /// wait for it. Without marking, or for a logical message (no `seq`),
@@ -78,29 +79,6 @@ impl<S: RowStore> Acker for CdcAcker<S> {
                 progress.release(p);
             }
         }
-    }
-
-    async fn requested_letters(
-        &mut self,
-    ) -> Result<Vec<crate::dead_letter::Requested>, SourceError> {
-        self.recorder.requested_letters().await
-    }
-
-    async fn letters_sent(&mut self, ids: Vec<i64>) -> Result<(), SourceError> {
-        self.recorder.letters_sent(&ids).await
-    }
-
-    async fn letter_refused(
-        &mut self,
-        id: i64,
-        reason: String,
-        counts: bool,
-    ) -> Result<(), SourceError> {
-        self.recorder.letter_refused(id, &reason, counts).await
-    }
-
-    async fn heartbeat(&mut self) -> Result<(), SourceError> {
-        self.recorder.heartbeat().await
     }
 }
 
