@@ -18,11 +18,25 @@
 use crate::source::SourcedEvent;
 use std::collections::{HashMap, VecDeque};
 
+/// What the scheduler needs to know of an event's route: its lane. The
+/// pipeline parks the rendered route with the event, so that it is rendered
+/// once; the tests park a bare lane.
+pub trait Laned {
+    /// The lane (`None`: one message of the aggregate at a time).
+    fn lane(&self) -> Option<&str>;
+}
+
+impl Laned for Option<String> {
+    fn lane(&self) -> Option<&str> {
+        self.as_deref()
+    }
+}
+
 /// What to do with an event that arrived from the source.
 #[derive(Debug)]
-pub enum Admission<P> {
-    /// Send it now, in this lane.
-    Send(SourcedEvent<P>, Option<String>),
+pub enum Admission<P, R> {
+    /// Send it now, by this route.
+    Send(SourcedEvent<P>, R),
     /// It waits behind its aggregate's unconfirmed messages.
     Parked,
     /// Its aggregate is blocked: it stays unsent in the source for later.
@@ -42,23 +56,23 @@ struct Sent<O> {
 }
 
 #[derive(Debug)]
-struct Aggregate<P, O> {
+struct Aggregate<P, O, R> {
     sent: VecDeque<Sent<O>>,
-    parked: VecDeque<(SourcedEvent<P>, Option<String>)>,
+    parked: VecDeque<(SourcedEvent<P>, R)>,
 }
 
 /// The in-memory part of the window: what is unconfirmed or waiting, per
-/// aggregate. `O` is the answer of one send.
+/// aggregate. `O` is the answer of one send, `R` an event's route.
 #[derive(Debug)]
-pub struct Scheduler<P, O> {
+pub struct Scheduler<P, O, R = Option<String>> {
     per_aggregate: usize,
-    aggregates: HashMap<String, Aggregate<P, O>>,
+    aggregates: HashMap<String, Aggregate<P, O, R>>,
     in_flight: usize,
     parked: usize,
     next_ticket: u64,
 }
 
-impl<P, O> Scheduler<P, O> {
+impl<P, O, R: Laned> Scheduler<P, O, R> {
     /// `per_aggregate`: messages of one lane allowed in flight per aggregate (`None`: no limit).
     pub fn new(per_aggregate: Option<usize>) -> Self {
         Scheduler {
@@ -85,36 +99,31 @@ impl<P, O> Scheduler<P, O> {
         self.aggregates.get(aggregate).map_or(0, |a| a.sent.len())
     }
 
-    fn may_send(&self, a: &Aggregate<P, O>, lane: &Option<String>) -> bool {
+    fn may_send(&self, a: &Aggregate<P, O, R>, lane: Option<&str>) -> bool {
         match a.sent.back() {
             None => true,
             Some(last) => {
                 lane.is_some()
-                    && last.lane == *lane
+                    && last.lane.as_deref() == lane
                     && a.sent.len() < self.per_aggregate
                     && !a.sent.iter().any(|s| s.failed)
             }
         }
     }
 
-    /// `lane`: the sink's lane for the event (`None`: one at a time);
+    /// `route`: the event's route, with the sink's lane for it;
     /// `blocked`: its aggregate is held back.
-    pub fn admit(
-        &mut self,
-        event: SourcedEvent<P>,
-        lane: Option<String>,
-        blocked: bool,
-    ) -> Admission<P> {
+    pub fn admit(&mut self, event: SourcedEvent<P>, route: R, blocked: bool) -> Admission<P, R> {
         if blocked {
             return Admission::Deferred(event);
         }
         let aggregate = event.aggregate_id();
         let ready = match self.aggregates.get(aggregate) {
             None => true,
-            Some(a) => a.parked.is_empty() && self.may_send(a, &lane),
+            Some(a) => a.parked.is_empty() && self.may_send(a, route.lane()),
         };
         if ready {
-            return Admission::Send(event, lane);
+            return Admission::Send(event, route);
         }
         let key = aggregate.to_owned();
         self.aggregates
@@ -124,7 +133,7 @@ impl<P, O> Scheduler<P, O> {
                 parked: VecDeque::new(),
             })
             .parked
-            .push_back((event, lane));
+            .push_back((event, route));
         self.parked += 1;
         Admission::Parked
     }
@@ -176,17 +185,13 @@ impl<P, O> Scheduler<P, O> {
     }
 
     /// The aggregate's next parked event, when it may go now (not `blocked`).
-    pub fn next_parked(
-        &mut self,
-        aggregate: &str,
-        blocked: bool,
-    ) -> Option<(SourcedEvent<P>, Option<String>)> {
+    pub fn next_parked(&mut self, aggregate: &str, blocked: bool) -> Option<(SourcedEvent<P>, R)> {
         if blocked {
             return None;
         }
         let a = self.aggregates.get(aggregate)?;
-        let (_, lane) = a.parked.front()?;
-        if !self.may_send(a, lane) {
+        let (_, route) = a.parked.front()?;
+        if !self.may_send(a, route.lane()) {
             return None;
         }
         let next = self.aggregates.get_mut(aggregate)?.parked.pop_front();

@@ -8,7 +8,7 @@ use crate::config::HoldPolicy;
 use crate::dead_letter::DeadLetter;
 use crate::errors::{self, Outcome};
 use crate::outbox::{OutboxEvent, RawRow, RowError};
-use crate::relay::scheduler::Admission;
+use crate::relay::scheduler::{Admission, Laned};
 use crate::sink::{Confirmation, Route, Sink, SinkError};
 use crate::source::budget::Charge;
 use crate::source::{RowPosition, SourcedEvent};
@@ -32,6 +32,17 @@ pub(super) struct Answer<P> {
 /// An answer on its way back: the aggregate, the scheduler's ticket, the answer.
 pub(super) type Answered<P> = (String, u64, Answer<P>);
 
+/// An event's route, rendered once when it is admitted (its lane decides
+/// whether it may go beside its aggregate's unconfirmed messages) and used
+/// to send it; `None` for a row that is no event.
+pub(super) type Routed = Option<Result<Route, SinkError>>;
+
+impl Laned for Routed {
+    fn lane(&self) -> Option<&str> {
+        self.as_ref()?.as_ref().ok()?.lane.as_deref()
+    }
+}
+
 impl<P, K> Pipeline<'_, P, K>
 where
     P: Clone + Send + Sync + RowPosition + 'static,
@@ -44,18 +55,14 @@ where
             let Some(event) = self.waiting.pop_front() else {
                 return Ok(());
             };
-            // The lane decides whether it may go beside its aggregate's
-            // unconfirmed messages; its route is rendered again to send it.
-            let lane = (event.event.as_ref().ok())
-                .and_then(|e| self.sink.route(e).ok())
-                .and_then(|r| r.lane);
+            let route = event.event.as_ref().ok().map(|e| self.sink.route(e));
             // A redriven letter goes although its aggregate is dead.
             let blocked = matches!(event.position, Origin::Source(_))
                 && self.blocks.is_blocked(event.aggregate_id());
-            match self.scheduler.admit(event, lane, blocked) {
-                Admission::Send(e, lane) => {
+            match self.scheduler.admit(event, route, blocked) {
+                Admission::Send(e, route) => {
                     let aggregate = e.aggregate_id().to_owned();
-                    self.dispatch(e, lane).await?;
+                    self.dispatch(e, route).await?;
                     self.settle(&aggregate).await?;
                 }
                 Admission::Parked => {}
@@ -83,10 +90,10 @@ where
             }
             let blocked =
                 self.blocks.is_blocked(aggregate) && !self.redriving.contains_key(aggregate);
-            let Some((next, lane)) = self.scheduler.next_parked(aggregate, blocked) else {
+            let Some((next, route)) = self.scheduler.next_parked(aggregate, blocked) else {
                 return Ok(());
             };
-            self.dispatch(next, lane).await?;
+            self.dispatch(next, route).await?;
         }
     }
 
@@ -150,18 +157,16 @@ where
 
     /// Hands the event to the sink. A refusal before sending is an answer
     /// like any other, handled in its turn.
-    async fn dispatch(
-        &mut self,
-        sourced: Event<P>,
-        lane: Option<String>,
-    ) -> Result<(), PipelineError> {
+    async fn dispatch(&mut self, sourced: Event<P>, route: Routed) -> Result<(), PipelineError> {
         if !self.lease.valid(Instant::now()) {
             // Ownership is not proven: send nothing; read it again later.
             self.rewind_later();
             return Ok(());
         }
         let aggregate = sourced.aggregate_id().to_owned();
-        let ticket = self.scheduler.sent(&aggregate, lane);
+        let ticket = self
+            .scheduler
+            .sent(&aggregate, route.lane().map(str::to_owned));
         let SourcedEvent {
             position,
             event,
@@ -183,7 +188,7 @@ where
                 return Ok(());
             }
         };
-        let route = self.sink.route(&event);
+        let route = route.unwrap_or_else(|| self.sink.route(&event));
         let tracer = &self.telemetry.tracer;
         let mut span = if tracer.is_on() {
             let name = route.as_ref().ok().map(|r| r.destination_name().to_owned());

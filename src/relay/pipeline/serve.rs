@@ -1,6 +1,6 @@
 //! The pipeline's event loop: its state in one struct, one method per arm.
 
-use super::publish::{Answer, Answered};
+use super::publish::{Answer, Answered, Routed};
 use super::tasks::{
     AckCommand, Batch, Refreshed, Resolved, Unrecorded, drive_acker, drive_reader, flush, joined,
     task_error,
@@ -69,7 +69,7 @@ pub(super) struct Pipeline<'a, P, K> {
     pub(super) envelope: &'a Envelope,
     pub(super) sink: K,
     pub(super) blocks: &'a mut Blocks,
-    pub(super) scheduler: Scheduler<Origin<P>, Answer<P>>,
+    pub(super) scheduler: Scheduler<Origin<P>, Answer<P>, Routed>,
     pub(super) in_flight: FuturesUnordered<InFlight<P>>,
     /// Confirmed positions not yet handed to the acker.
     pub(super) pending_acks: Vec<Origin<P>>,
