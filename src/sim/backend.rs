@@ -130,7 +130,11 @@ impl SimBackend {
             ),
             &config.outbox.table,
             &columns,
-            CdcSettings::from_config(config),
+            CdcSettings {
+                // Small enough that start-up reads repeat in most schedules.
+                reread_rows: 3,
+                ..CdcSettings::from_config(config)
+            },
             progress.clone(),
             Timing {
                 status_every: config.source.cdc.status_interval,

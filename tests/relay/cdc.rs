@@ -688,3 +688,52 @@ async fn a_long_transaction_across_the_start_is_not_skipped() {
     assert_eq!(got.len(), all.len(), "every event once");
     relay.stop().await;
 }
+
+/// Events committed while a long start-up read is published come from
+/// further reads of the table (a read of 1,000 rows or more is followed by
+/// another), not from the stream behind the relay's own marking: each once,
+/// in commit order, although the first read's rows are still unsent, in
+/// flight or waiting behind their aggregate, when the next read starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_committed_during_the_start_up_read_come_once_in_order() {
+    let db = TestDb::new().await;
+    let broker = RabbitExchange::new().await;
+    let toml = set(
+        &cdc_toml(&db.url, &broker.sink_toml()),
+        "relay.max_in_flight",
+        "200",
+    );
+    db.migrate(&parse(&toml)).await;
+    let early = backlog(&db, 3_000, 100).await;
+    let last_early: i64 = db
+        .client
+        .query_one("SELECT max(relay_seq) FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let relay = InProcess::start(parse(&toml));
+    let mut during = Vec::new();
+    let started = std::time::Instant::now();
+    loop {
+        let early_unsent = db
+            .count(&format!(
+                "SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL AND relay_seq <= {last_early}"
+            ))
+            .await;
+        if early_unsent == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "the backlog was not sent within {WAIT:?}"
+        );
+        during.extend(backlog(&db, 5, 5).await);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!during.is_empty(), "events were committed during the read");
+    let all = [early, during].concat();
+    let got = broker.inbox.wait_ids(&all, WAIT).await;
+    let order: Vec<String> = got.iter().map(Received::event_id).collect();
+    assert_eq!(order, all, "once each, in commit order");
+    relay.stop().await;
+}

@@ -57,7 +57,8 @@ pub trait CdcServer: Send + 'static {
     /// confirmed position.
     fn prepare(&mut self) -> impl Future<Output = Result<Lsn, SourceError>> + Send;
 
-    /// Opens the start-up read: one snapshot for the whole read; returns it
+    /// Opens a round of the start-up read (ending the previous one, if it
+    /// is still open): one snapshot for the whole round; returns it
     /// with the WAL insert position read just after it was taken and, when
     /// it could be established, the settled position (see [`StartupView`]).
     fn begin_table_read(&mut self)
@@ -368,6 +369,12 @@ impl CdcServer for PgServer {
     }
 
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
+        if std::mem::take(&mut self.snapshot_open) {
+            self.client
+                .batch_execute("COMMIT")
+                .await
+                .map_err(|e| DbError::query("ending a start-up read", e))?;
+        }
         let settled = self.settled_position().await?;
         // The read waits while the broker catches up, so a server-wide
         // idle-in-transaction timeout must not end it.
