@@ -1,9 +1,10 @@
 //! The test kit shared by the integration-test binaries (`tests/relay`,
-//! `tests/replication_protocol`): a throwaway PostgreSQL cluster, a
-//! throwaway certificate authority, free ports and unique names.
+//! `tests/replication_protocol`), the benchmark (`benches/relay`) and the
+//! `tail` example: a throwaway PostgreSQL cluster, a throwaway certificate
+//! authority, consumers' ways with both brokers, free ports and unique names.
 //!
-//! Each binary includes it with `#[path = "kit/mod.rs"] mod kit;`, so the
-//! kit is compiled once per binary and nothing here is duplicated in them.
+//! Each includes it with `#[path = ".../kit/mod.rs"] mod kit;`, so the kit
+//! is compiled once per binary and nothing here is duplicated in them.
 #![allow(
     dead_code,
     reason = "each test binary includes the whole kit and uses a different part of it"
@@ -11,6 +12,7 @@
 
 pub mod certs;
 pub mod cluster;
+pub mod consumers;
 
 /// A short random name for per-test objects (databases, slots, topics, folders).
 pub fn unique(prefix: &str) -> String {

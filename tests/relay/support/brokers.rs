@@ -2,54 +2,21 @@
 //! everything they receive.
 
 use super::{WAIT, amqp_url, kafka_brokers, wait_for};
+use crate::kit::consumers;
 use futures::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::options::ExchangeDeclareOptions;
+use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message as _};
+use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// One message as a consumer saw it.
-#[derive(Debug, Clone)]
-pub struct Received {
-    pub destination: String,
-    pub key: Option<String>,
-    pub body: Vec<u8>,
-    pub headers: Vec<(String, String)>,
-    /// AMQP properties (RabbitMQ only).
-    pub properties: HashMap<&'static str, String>,
-}
-
-impl Received {
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).expect("message body is JSON")
-    }
-
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-
-    /// The event id, from the `event_id` header (structured mode) or `ce_id` (binary).
-    pub fn event_id(&self) -> String {
-        self.header("event_id")
-            .or(self.header("ce_id"))
-            .expect("message has an event id header")
-            .to_owned()
-    }
-}
+pub use crate::kit::consumers::Received;
 
 #[derive(Clone, Default)]
 pub struct Inbox(Arc<Mutex<Vec<Received>>>);
@@ -178,27 +145,7 @@ impl KafkaTopics {
                     continue;
                 }
                 *expected = m.offset() + 1;
-                let headers = m
-                    .headers()
-                    .map(|h| {
-                        h.iter()
-                            .map(|h| {
-                                (
-                                    h.key.to_owned(),
-                                    String::from_utf8_lossy(h.value.unwrap_or_default())
-                                        .into_owned(),
-                                )
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                i.0.lock().unwrap().push(Received {
-                    destination: m.topic().to_owned(),
-                    key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
-                    body: m.payload().unwrap_or_default().to_vec(),
-                    headers,
-                    properties: HashMap::new(),
-                });
+                i.0.lock().unwrap().push(Received::from_kafka(&m));
             }
         });
         KafkaTopics {
@@ -244,24 +191,9 @@ impl Drop for KafkaTopics {
 }
 
 pub async fn create_topic(brokers: &str, name: &str, partitions: i32) {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .expect("kafka admin client");
-    let topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let results = tokio::time::timeout(WAIT, admin.create_topics([&topic], &opts))
-        .await
-        .expect("create topic in time")
-        .expect("create topic");
-    for r in results {
-        if let Err((t, code)) = r {
-            assert_eq!(
-                code,
-                rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists,
-                "creating {t}: {code:?}"
-            );
-        }
+    match consumers::create_topic(brokers, name, partitions, WAIT / 2).await {
+        Ok(_) => {}
+        Err(e) => panic!("creating {name}: {e:?}"),
     }
 }
 
@@ -322,87 +254,15 @@ impl RabbitExchange {
 
     async fn bind(&self, binding: &str) {
         let ch = self._connection.create_channel().await.unwrap();
-        let queue = ch
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
+        let mut consumer = consumers::bind_consumer(&ch, &self.exchange, binding, "", false, WAIT)
             .await
-            .expect("declare queue");
-        ch.queue_bind(
-            queue.name().clone(),
-            self.exchange.as_str().into(),
-            binding.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind queue");
-        let mut consumer = ch
-            .basic_consume(
-                queue.name().clone(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("consume");
+            .unwrap_or_else(|f| panic!("{}: {:?}", f.step, f.error));
         let inbox = self.inbox.clone();
         tokio::spawn(async move {
             let _ch = ch;
             while let Some(Ok(d)) = consumer.next().await {
-                let p = &d.properties;
-                let mut properties = HashMap::new();
-                if let Some(v) = p.message_id() {
-                    properties.insert("message_id", v.to_string());
-                }
-                if let Some(v) = p.content_type() {
-                    properties.insert("content_type", v.to_string());
-                }
-                if let Some(v) = p.kind() {
-                    properties.insert("type", v.to_string());
-                }
-                if let Some(v) = p.delivery_mode() {
-                    properties.insert("delivery_mode", v.to_string());
-                }
-                if let Some(v) = p.app_id() {
-                    properties.insert("app_id", v.to_string());
-                }
-                if let Some(v) = p.timestamp() {
-                    properties.insert("timestamp", v.to_string());
-                }
-                let headers = p
-                    .headers()
-                    .as_ref()
-                    .map(|t| {
-                        t.inner()
-                            .iter()
-                            .map(|(k, v)| {
-                                let v = match v {
-                                    AMQPValue::LongString(s) => {
-                                        String::from_utf8_lossy(s.as_bytes()).into_owned()
-                                    }
-                                    other => format!("{other:?}"),
-                                };
-                                (k.to_string(), v)
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                inbox.0.lock().unwrap().push(Received {
-                    destination: d.routing_key.to_string(),
-                    key: None,
-                    body: d.data.clone(),
-                    headers,
-                    properties,
-                });
+                let received = Received::from_amqp(d, |secs| secs.to_string());
+                inbox.0.lock().unwrap().push(received);
             }
         });
     }
