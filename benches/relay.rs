@@ -15,6 +15,7 @@
 //! path and modification time are printed first.
 
 // The modules live in benches/relay/ (a crate root's modules would otherwise be its siblings).
+// The kit (unique names) is the tests' own, shared.
 #[path = "relay/after.rs"]
 mod after;
 #[path = "relay/ceiling.rs"]
@@ -23,6 +24,8 @@ mod ceiling;
 mod drain;
 #[path = "relay/infra.rs"]
 mod infra;
+#[path = "../tests/kit/mod.rs"]
+mod kit;
 #[path = "relay/latency.rs"]
 mod latency;
 #[path = "relay/options.rs"]
@@ -33,12 +36,18 @@ mod pgcpu;
 mod process;
 #[path = "relay/report.rs"]
 mod report;
+#[path = "relay/results.rs"]
+mod results;
 #[path = "relay/stage.rs"]
 mod stage;
 #[path = "relay/steady.rs"]
 mod steady;
 #[path = "relay/system.rs"]
 mod system;
+#[path = "relay/tables.rs"]
+mod tables;
+#[path = "relay/targets.rs"]
+mod targets;
 #[path = "relay/workload.rs"]
 mod workload;
 
@@ -47,7 +56,7 @@ use clap::Parser;
 use infra::{Cleanup, Services, connect, rabbit_connect};
 use options::{Backlog, Mark, Mode, Options, Phase, Plan};
 use report::Report;
-use stage::Ctx;
+use stage::{Case, Ctx};
 use std::process::ExitCode;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -96,7 +105,7 @@ async fn run(plan: Plan, json: Option<std::path::PathBuf>) -> Result<()> {
     }
     ctx.cleanup.run().await;
     report::print_tables(&report);
-    report::print_targets(&report, ctx.plan.one_million);
+    targets::print_targets(&report, ctx.plan.one_million);
     if interrupted {
         return Err(anyhow!("interrupted"));
     }
@@ -144,6 +153,7 @@ async fn measure_all(ctx: &Ctx, report: &mut Report) {
     for run in 1..=p.runs {
         for &mode in &p.modes {
             for &broker in &p.brokers {
+                let case = Case { ctx, mode, broker };
                 for &shape in &p.shapes {
                     for mark in drains(mode) {
                         done += 1;
@@ -154,7 +164,7 @@ async fn measure_all(ctx: &Ctx, report: &mut Report) {
                             p.events,
                             mark.map_or(String::new(), |m| format!(" mark={}", m.name()))
                         );
-                        let r = drain::run(ctx, mode, broker, shape, mark, run).await;
+                        let r = drain::run(case, shape, mark, run).await;
                         eprintln!(
                             "bench:   {} drain/s={:.0} flow/s={:.0} ratio={:.2} rss={:.1}MiB cpu/100k={:.2} pg/100k={:.2}",
                             r.status,
@@ -162,8 +172,8 @@ async fn measure_all(ctx: &Ctx, report: &mut Report) {
                             r.flow_eps.unwrap_or(f64::NAN),
                             r.ratio.unwrap_or(f64::NAN),
                             r.peak_rss_settled_mib.unwrap_or(f64::NAN),
-                            r.cpu_s_per_100k.unwrap_or(f64::NAN),
-                            r.pg_cpu_s_per_100k.unwrap_or(f64::NAN)
+                            r.cost.cpu_s_per_100k.unwrap_or(f64::NAN),
+                            r.cost.pg_cpu_s_per_100k.unwrap_or(f64::NAN)
                         );
                         report.drain(r);
                     }
@@ -175,19 +185,19 @@ async fn measure_all(ctx: &Ctx, report: &mut Report) {
                             broker.name(),
                             p.seconds
                         );
-                        let r = steady::run(ctx, mode, broker, shape, rate, run).await;
+                        let r = steady::run(case, shape, rate, run).await;
                         eprintln!(
                             "bench:   {} p99 sent_at={:.1}ms consumer={:.1}ms rss={:.1}MiB pg/100k={:.2}",
                             r.status,
-                            r.sent_at.map_or(f64::NAN, |p| p.p99_ms),
-                            r.consumer.map_or(f64::NAN, |p| p.p99_ms),
+                            r.writing.sent_at.map_or(f64::NAN, |p| p.p99_ms),
+                            r.writing.consumer.map_or(f64::NAN, |p| p.p99_ms),
                             r.peak_rss_mib.unwrap_or(f64::NAN),
-                            r.pg_cpu_s_per_100k.unwrap_or(f64::NAN)
+                            r.cost.pg_cpu_s_per_100k.unwrap_or(f64::NAN)
                         );
                         report.steady(r);
                     }
                 }
-                let mut baseline: Option<report::AfterResult> = None;
+                let mut baseline: Option<results::AfterResult> = None;
                 for &backlog in &after {
                     done += 1;
                     eprintln!(
@@ -199,16 +209,16 @@ async fn measure_all(ctx: &Ctx, report: &mut Report) {
                         p.after_tx_events,
                         p.seconds
                     );
-                    let mut r = after::run(ctx, mode, broker, backlog, run).await;
+                    let mut r = after::run(case, backlog, run).await;
                     if let Some(base) = &baseline {
                         r.against(base);
                     }
                     eprintln!(
                         "bench:   {} p99 sent_at={:.1}ms (x{:.2}) consumer={:.1}ms backlog drain={:.2}s behind max={:.0}ms",
                         r.status,
-                        r.sent_at.map_or(f64::NAN, |p| p.p99_ms),
+                        r.writing.sent_at.map_or(f64::NAN, |p| p.p99_ms),
                         r.p99_ratio.unwrap_or(f64::NAN),
-                        r.consumer.map_or(f64::NAN, |p| p.p99_ms),
+                        r.writing.consumer.map_or(f64::NAN, |p| p.p99_ms),
                         r.backlog_drain_s.unwrap_or(f64::NAN),
                         r.behind.map_or(f64::NAN, |p| p.max_ms)
                     );

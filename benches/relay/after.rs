@@ -21,15 +21,14 @@
 //! `relay_sent_at` is (0 when earlier): how long it waited for the backlog.
 
 use crate::drain::insert_backlog;
-use crate::infra::measurement;
 use crate::latency::{Percentiles, Times, watch};
-use crate::options::{Backlog, BrokerKind, Mode};
+use crate::options::Backlog;
 use crate::pgcpu::PgCpu;
-use crate::process::{Perf, RelayProcess, epoch_micros};
-use crate::report::AfterResult;
-use crate::stage::{Ctx, Stage};
-use crate::steady::{Writer, marked_times, wait_tail, warm_up};
-use crate::system::{CpuTimes, wait_quiet};
+use crate::process::{RelayProcess, epoch_micros};
+use crate::results::AfterResult;
+use crate::stage::{Case, Stage, stop_relay};
+use crate::steady::{Writer, receipts, wait_tail, warm_up};
+use crate::system::CpuTimes;
 use crate::workload::{Shape, new_tag};
 use anyhow::{Result, anyhow};
 use std::sync::Arc;
@@ -40,20 +39,15 @@ use std::time::Duration;
 const PAYLOAD: usize = 256;
 
 /// `backlog`: `None` for the baseline.
-pub async fn run(
-    ctx: &Ctx,
-    mode: Mode,
-    broker: BrokerKind,
-    backlog: Option<Backlog>,
-    run: usize,
-) -> AfterResult {
-    let p = &ctx.plan;
+pub async fn run(case: Case<'_>, backlog: Option<Backlog>, run: usize) -> AfterResult {
+    let p = &case.ctx.plan;
+    let (rate, tx_events) = (p.after_rate, p.after_tx_events);
     let mut result = AfterResult::new(
-        mode,
-        broker,
+        case.mode,
+        case.broker,
         backlog,
-        p.after_rate,
-        p.after_tx_events,
+        rate,
+        tx_events,
         p.seconds,
         run,
     );
@@ -62,25 +56,14 @@ pub async fn run(
     // the writer and the tail, and room for setting up and cleaning up.
     let limit =
         p.timeout_for(events) * 2 + Duration::from_secs(p.seconds * 2 + 300 + events / 2_000);
-    if let Some(failure) = measurement(
-        &ctx.cleanup,
-        limit,
-        measure(ctx, mode, broker, backlog, &mut result),
-    )
-    .await
-    {
-        result.status = failure;
-    }
+    result.status = case
+        .status(limit, measure(case, backlog, &mut result))
+        .await;
     result
 }
 
-async fn measure(
-    ctx: &Ctx,
-    mode: Mode,
-    broker: BrokerKind,
-    backlog: Option<Backlog>,
-    r: &mut AfterResult,
-) -> Result<()> {
+async fn measure(case: Case<'_>, backlog: Option<Backlog>, r: &mut AfterResult) -> Result<()> {
+    let Case { ctx, mode, broker } = case;
     let p = &ctx.plan;
     let total = u64::from(r.rate) * r.seconds;
     let mut stage = Stage::new(ctx, mode, broker).await?;
@@ -123,66 +106,40 @@ async fn measure(
         p.aggregates,
         total,
     );
-    r.writer_connections = writer.connections;
+    r.writing.writer_connections = writer.connections;
     let clients = writer.connect(&stage.db.url).await?;
-    let (waited, busy) = wait_quiet(p.quiet_wait).await;
-    (r.quiet_wait_s, r.busy_before) = (waited.as_secs_f64(), busy);
+    r.conditions.busy_before = case.quiet(&mut r.conditions).await;
 
     let machine = CpuTimes::now();
     let pg = PgCpu::start(&ctx.services, &stage.db.name).await?;
     let mut relay = RelayProcess::spawn(&stage.dir, &stage.env)?;
     let outcome = async {
-        let perf = match &p.perf {
-            Some(dir) => Some(Perf::start(dir, &r.label(), relay.pid())?),
-            None => None,
-        };
+        let perf = case.perf(&r.label(), &relay)?;
         let report = writer.run(clients, times.clone()).await?;
-        r.written = report.events;
-        r.achieved_rate = Some(report.events as f64 / report.span.as_secs_f64());
-        r.writer_max_lag_ms = Some(report.max_lag.as_secs_f64() * 1e3);
+        report.note(&mut r.writing);
         let limit = p.timeout_for(backlog.map_or(0, |b| b.events));
         let tail = wait_tail(&stage, &mut relay, &times, report.events, limit).await;
-        r.tail_s = Some(tail.as_secs_f64());
+        r.writing.tail_s = Some(tail.as_secs_f64());
         let pg_cpu = pg.totals().await;
-        r.system_busy = machine.and_then(|m| m.busy_since());
+        r.conditions.system_busy = machine.and_then(|m| m.busy_since());
         if let Some(perf) = perf {
             perf.stop().await;
         }
         // Everything the relay did since its start: the backlog and the new events.
         let events = backlog.map_or(0, |b| b.events) + report.events;
         let per_100k = |s: f64| s / events.max(1) as f64 * 1e5;
-        r.cpu_s_per_100k = relay.cpu_seconds().map(per_100k);
-        r.pg_cpu_s_per_100k = pg_cpu.map(|t| per_100k(t.relay_s()));
-        r.pg_autovacuum_s_per_100k = pg_cpu.map(|t| per_100k(t.autovacuum_s));
-        r.pg_cpu = pg_cpu;
+        r.cost.cpu_s_per_100k = relay.cpu_seconds().map(per_100k);
+        r.cost.set_pg(pg_cpu, events);
         Ok::<_, anyhow::Error>(())
     }
     .await;
     r.peak_rss_mib = relay.peak_rss_mib();
-    match relay.stop().await {
-        Ok(status) if status.success() => {}
-        Ok(status) => r.notes.push(format!("relay exit: {status}")),
-        Err(e) => r.notes.push(format!("{e:#}")),
-    }
-    (r.warnings, r.errors) = relay.problems();
-    if r.errors > 0 || outcome.is_err() {
-        stage.dir.keep = true;
-        if let Some(line) = relay.first_problem() {
-            r.notes.push(line);
-        }
-    }
+    stage.dir.keep |= stop_relay(&mut relay, &mut r.conditions, outcome.is_err()).await;
     outcome?;
 
-    r.unreceived = r
-        .written
-        .saturating_sub(times.received_count.load(Ordering::Relaxed));
-    r.consumer = Percentiles::of(times.consumer_latencies());
-    let (marked, unmarked) = marked_times(&stage, &times, backlog_last_seq).await?;
-    r.sent_at = Percentiles::of(marked.iter().map(|(commit, sent)| sent - commit).collect());
-    r.unmarked = unmarked;
-    if unmarked > 0 {
-        stage.dir.keep = true;
-    }
+    let got = receipts(&mut stage, &times, backlog_last_seq, &mut r.writing).await?;
+    (r.unreceived, r.unmarked) = (got.unreceived, got.unmarked);
+    let marked = got.marked;
     let spawned = epoch_micros(relay.spawned_at);
     let first_new = marked.iter().map(|(_, sent)| *sent).min();
     r.first_new_sent_s = first_new.map(|s| (s - spawned) as f64 / 1e6);

@@ -15,13 +15,13 @@
 //! tenth) before a new owner publishes.
 
 use crate::ceiling;
-use crate::infra::{BrokerCount, Services, bounded, measurement};
-use crate::options::{BrokerKind, Mark, Mode};
+use crate::infra::{BrokerCount, Services, bounded};
+use crate::options::{BrokerKind, Mark};
 use crate::pgcpu::PgCpu;
-use crate::process::{Perf, RelayProcess, epoch_micros};
-use crate::report::DrainResult;
-use crate::stage::{Ctx, Stage, create_destination};
-use crate::system::{CpuTimes, wait_quiet};
+use crate::process::{RelayProcess, epoch_micros};
+use crate::results::DrainResult;
+use crate::stage::{Case, Ctx, Stage, create_destination, mark_in, stop_relay};
+use crate::system::CpuTimes;
 use crate::workload::{Shape, backlog_sql, new_tag, relay_messages};
 use anyhow::{Result, anyhow};
 use std::time::{Duration, Instant, SystemTime};
@@ -29,57 +29,33 @@ use std::time::{Duration, Instant, SystemTime};
 /// Messages published for the broker ceiling, at most: enough for a steady rate.
 const CEILING_MAX: u64 = 200_000;
 
-pub async fn run(
-    ctx: &Ctx,
-    mode: Mode,
-    broker: BrokerKind,
-    shape: Shape,
-    mark: Option<Mark>,
-    run: usize,
-) -> DrainResult {
-    let events = ctx.plan.events;
-    let mut result = DrainResult::new(mode, broker, shape, events, run);
-    result.mark = mark.map_or_else(
-        || {
-            ctx.plan
-                .relay_env
-                .iter()
-                .rev()
-                .find(|(k, _)| k == crate::stage::MARK_ENV)
-                .map_or("update".to_owned(), |(_, v)| v.to_lowercase())
-        },
-        |m| m.name().to_owned(),
-    );
+pub async fn run(case: Case<'_>, shape: Shape, mark: Option<Mark>, run: usize) -> DrainResult {
+    let plan = &case.ctx.plan;
+    let mut result = DrainResult::new(case.mode, case.broker, shape, plan.events, run);
+    result.mark = mark.map_or_else(|| mark_in(&plan.relay_env), |m| m.name().to_owned());
     // Whatever hangs, the run goes on: the drain's own limit plus room for
     // inserting the backlog, the ceilings and cleaning up.
-    let limit = ctx.plan.drain_timeout * 3 + std::time::Duration::from_secs(300);
-    if let Some(failure) = measurement(
-        &ctx.cleanup,
-        limit,
-        measure(ctx, mode, broker, shape, mark, &mut result),
-    )
-    .await
-    {
-        result.status = failure;
-    }
+    let limit = plan.drain_timeout * 3 + std::time::Duration::from_secs(300);
+    result.status = case
+        .status(limit, measure(case, shape, mark, &mut result))
+        .await;
     result
 }
 
 async fn measure(
-    ctx: &Ctx,
-    mode: Mode,
-    broker: BrokerKind,
+    case: Case<'_>,
     shape: Shape,
     mark: Option<Mark>,
     r: &mut DrainResult,
 ) -> Result<()> {
+    let Case { ctx, mode, broker } = case;
     let events = ctx.plan.events;
     let mut stage = Stage::with_mark(ctx, mode, broker, mark).await?;
     let started = Instant::now();
     insert_backlog(&stage, shape, events, ctx.plan.aggregates).await?;
     r.insert_s = Some(started.elapsed().as_secs_f64());
 
-    quiet(ctx, r).await;
+    case.quiet(&mut r.conditions).await;
     r.db_read_eps = Some(ceiling::database(&stage.db.url, events).await?);
     r.db_mark_eps = Some(ceiling::database_mark(&stage.db.url, events).await?);
     r.broker_eps = Some(broker_ceiling(ctx, broker, shape).await?);
@@ -99,27 +75,24 @@ async fn measure(
         _ => "last relay_sent_at",
     };
 
-    r.busy_before = quiet(ctx, r).await;
+    r.conditions.busy_before = case.quiet(&mut r.conditions).await;
     let machine = CpuTimes::now();
     let pg = PgCpu::start(&ctx.services, &stage.db.name).await?;
     let mut relay = RelayProcess::spawn(&stage.dir, &stage.env)?;
-    let perf = match &ctx.plan.perf {
-        Some(dir) => Some(Perf::start(dir, &r.label(), relay.pid())?),
-        None => None,
-    };
+    let perf = case.perf(&r.label(), &relay)?;
     let outcome = wait_drained(ctx, &stage, &mut relay, &counter, by_broker).await;
     if let Some(perf) = perf {
         perf.stop().await;
     }
     let cpu = relay.cpu_seconds();
     let pg_cpu = pg.totals().await;
-    r.system_busy = machine.and_then(|m| m.busy_since());
+    r.conditions.system_busy = machine.and_then(|m| m.busy_since());
     r.peak_rss_mib = relay.peak_rss_mib();
     let (seen, first_on_broker) = match outcome {
         Ok(seen) => seen,
         Err(e) => {
             stage.dir.keep = true;
-            finish(&mut relay, r).await;
+            stop_relay(&mut relay, &mut r.conditions, false).await;
             return Err(e);
         }
     };
@@ -149,10 +122,8 @@ async fn measure(
         r.flow_eps = Some(events as f64 / (last - at).max(1e-3));
     }
     let per_100k = |s: f64| s / events as f64 * 1e5;
-    r.cpu_s_per_100k = cpu.map(per_100k);
-    r.pg_cpu_s_per_100k = pg_cpu.map(|t| per_100k(t.relay_s()));
-    r.pg_autovacuum_s_per_100k = pg_cpu.map(|t| per_100k(t.autovacuum_s));
-    r.pg_cpu = pg_cpu;
+    r.cost.cpu_s_per_100k = cpu.map(per_100k);
+    r.cost.set_pg(pg_cpu, events);
     let lower = r
         .db_read_eps
         .unwrap_or(f64::MAX)
@@ -165,39 +136,14 @@ async fn measure(
     let limit = Duration::from_secs(60 + events / 5_000);
     match relay.settle(limit).await {
         Ok(took) => r.settle_s = Some(took.as_secs_f64()),
-        Err(e) => r.notes.push(format!("{e:#}")),
+        Err(e) => r.conditions.notes.push(format!("{e:#}")),
     }
     // The whole cost of the backlog, the stream's skipping after the last mark included.
     r.cpu_settled_s_per_100k = relay.cpu_seconds().map(per_100k);
     r.pg_cpu_settled_s_per_100k = pg.totals().await.map(|t| per_100k(t.relay_s()));
     r.peak_rss_settled_mib = relay.peak_rss_mib();
-    finish(&mut relay, r).await;
-    if r.errors > 0 {
-        stage.dir.keep = true;
-    }
+    stage.dir.keep |= stop_relay(&mut relay, &mut r.conditions, false).await;
     Ok(())
-}
-
-/// Waits for a quiet machine; returns the last second's busy share.
-async fn quiet(ctx: &Ctx, r: &mut DrainResult) -> Option<f64> {
-    let (waited, busy) = wait_quiet(ctx.plan.quiet_wait).await;
-    r.quiet_wait_s += waited.as_secs_f64();
-    busy
-}
-
-/// Stops the relay and records its exit and the problems it logged.
-async fn finish(relay: &mut RelayProcess, r: &mut DrainResult) {
-    match relay.stop().await {
-        Ok(status) if status.success() => {}
-        Ok(status) => r.notes.push(format!("relay exit: {status}")),
-        Err(e) => r.notes.push(format!("{e:#}")),
-    }
-    (r.warnings, r.errors) = relay.problems();
-    if r.errors > 0
-        && let Some(line) = relay.first_problem()
-    {
-        r.notes.push(line);
-    }
 }
 
 /// Commits the backlog server-side, `shape.tx_events` per transaction, then
@@ -229,7 +175,7 @@ pub async fn insert_backlog(
 /// destination removed right after.
 async fn broker_ceiling(ctx: &Ctx, broker: BrokerKind, shape: Shape) -> Result<f64> {
     let mark = ctx.cleanup.mark();
-    let name = crate::infra::unique("bench_");
+    let name = crate::kit::unique("bench_");
     let messages = relay_messages(shape, ctx.plan.aggregates);
     let count = ctx.plan.events.min(CEILING_MAX);
     let services: &Services = &ctx.services;

@@ -15,7 +15,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions};
 use rdkafka::client::DefaultClientContext;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -106,14 +106,6 @@ pub async fn connect(url: &str) -> Result<Client> {
     .await
 }
 
-/// A unique lowercase name for benchmark objects.
-pub fn unique(prefix: &str) -> String {
-    format!(
-        "{prefix}{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..12]
-    )
-}
-
 /// Something to remove when the scenario ends.
 #[derive(Debug, Clone)]
 enum Resource {
@@ -196,7 +188,7 @@ pub struct BenchDb {
 impl BenchDb {
     pub async fn create(services: &Services, cleanup: &Cleanup) -> Result<BenchDb> {
         let admin = connect(&services.pg_admin).await?;
-        let name = unique("bench_");
+        let name = crate::kit::unique("bench_");
         bounded(STEP, "CREATE DATABASE", async {
             admin
                 .batch_execute(&format!("CREATE DATABASE {name}"))
@@ -276,20 +268,22 @@ fn kafka_admin(services: &Services) -> Result<AdminClient<DefaultClientContext>>
 
 /// Creates a topic of [`KAFKA_PARTITIONS`] partitions, registered for removal.
 pub async fn create_topic(services: &Services, cleanup: &Cleanup, name: &str) -> Result<()> {
-    let admin = kafka_admin(services)?;
-    let topic = NewTopic::new(name, KAFKA_PARTITIONS, TopicReplication::Fixed(1));
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let results = bounded(STEP, "creating a Kafka topic", async {
-        Ok(admin.create_topics([&topic], &opts).await?)
-    })
-    .await?;
-    cleanup.add(Resource::Topic(name.to_owned()));
-    for r in results {
-        if let Err((t, code)) = r {
-            return Err(anyhow!("creating topic {t}: {code:?}"));
-        }
+    use crate::kit::consumers::{TopicFailed, create_topic};
+    let created = create_topic(&services.kafka, name, KAFKA_PARTITIONS, STEP / 2).await;
+    if matches!(created, Ok(_) | Err(TopicFailed::Refused(_))) {
+        cleanup.add(Resource::Topic(name.to_owned()));
     }
-    Ok(())
+    match created {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(anyhow!("creating topic {name}: TopicAlreadyExists")),
+        Err(TopicFailed::NoClient(e)) => Err(e).context("creating a Kafka admin client"),
+        Err(TopicFailed::Request(e)) => Err(e.into()),
+        Err(TopicFailed::Timeout) => Err(anyhow!(
+            "timed out after {}s: creating a Kafka topic",
+            STEP.as_secs()
+        )),
+        Err(TopicFailed::Refused(code)) => Err(anyhow!("creating topic {name}: {code:?}")),
+    }
 }
 
 async fn delete_topic(services: &Services, name: &str) -> Result<()> {
@@ -394,7 +388,7 @@ impl BrokerCount {
     pub async fn kafka(services: &Services, topic: &str) -> Result<BrokerCount> {
         let consumer: rdkafka::consumer::BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", &services.kafka)
-            .set("group.id", unique("bench_"))
+            .set("group.id", crate::kit::unique("bench_"))
             .set("enable.auto.commit", "false")
             // librdkafka asks for the last stable offset by default, which
             // tansu reports behind the high watermark.
@@ -427,7 +421,7 @@ impl BrokerCount {
     pub async fn read_all(services: &Services, topic: &str) -> Result<u64> {
         let consumer: rdkafka::consumer::BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", &services.kafka)
-            .set("group.id", unique("bench_"))
+            .set("group.id", crate::kit::unique("bench_"))
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "true")
             .create()?;

@@ -141,7 +141,7 @@ impl KafkaWatcher {
     pub fn start(services: &Services, topic: &str, times: Arc<Times>) -> Result<KafkaWatcher> {
         let consumer: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", &services.kafka)
-            .set("group.id", crate::infra::unique("bench_"))
+            .set("group.id", crate::kit::unique("bench_"))
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
             // tansu appears to answer a fetch only when this wait ends, even when

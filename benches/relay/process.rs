@@ -65,7 +65,7 @@ pub struct Workdir {
 
 impl Workdir {
     pub fn new(config: &str) -> Result<Workdir> {
-        let path = std::env::temp_dir().join(crate::infra::unique("outbox-relay-bench-"));
+        let path = std::env::temp_dir().join(crate::kit::unique("outbox-relay-bench-"));
         std::fs::create_dir_all(&path)?;
         std::fs::write(path.join("relay.toml"), config)?;
         Ok(Workdir { path, keep: false })

@@ -1,16 +1,77 @@
 //! What every scenario starts from: a fresh database with a migrated outbox,
 //! a destination of its own on the broker, and the relay's config file.
 
-use crate::infra::{BenchDb, Cleanup, Services, create_topic, declare_rabbit, unique};
+use crate::infra::{BenchDb, Cleanup, Services, create_topic, declare_rabbit, measurement};
+use crate::kit::unique;
 use crate::options::{BrokerKind, Mark, Mode, Plan};
-use crate::process::{Target, Workdir, config_toml, kafka_topic, migrate};
+use crate::process::{Perf, RelayProcess, Target, Workdir, config_toml, kafka_topic, migrate};
+use crate::results::Conditions;
+use crate::system::wait_quiet;
 use anyhow::Result;
+use std::future::Future;
+use std::time::Duration;
 
 /// Shared by every scenario of one invocation.
 pub struct Ctx {
     pub services: Services,
     pub cleanup: Cleanup,
     pub plan: Plan,
+}
+
+/// What one scenario runs against: the invocation's context, the source
+/// mode and the broker.
+#[derive(Clone, Copy)]
+pub struct Case<'a> {
+    pub ctx: &'a Ctx,
+    pub mode: Mode,
+    pub broker: BrokerKind,
+}
+
+impl Case<'_> {
+    /// Runs one measurement within `limit` and cleans up after it; its status.
+    pub async fn status(
+        &self,
+        limit: Duration,
+        measure: impl Future<Output = Result<()>>,
+    ) -> String {
+        measurement(&self.ctx.cleanup, limit, measure)
+            .await
+            .unwrap_or_else(|| "ok".to_owned())
+    }
+
+    /// Waits for a quiet machine, noting how long; returns the last second's busy share.
+    pub async fn quiet(&self, conditions: &mut Conditions) -> Option<f64> {
+        let (waited, busy) = wait_quiet(self.ctx.plan.quiet_wait).await;
+        conditions.quiet_wait_s += waited.as_secs_f64();
+        busy
+    }
+
+    /// `perf record` of the relay while it is measured, when the plan asks for it.
+    pub fn perf(&self, label: &str, relay: &RelayProcess) -> Result<Option<Perf>> {
+        self.ctx
+            .plan
+            .perf
+            .as_deref()
+            .map(|dir| Perf::start(dir, label, relay.pid()))
+            .transpose()
+    }
+}
+
+/// Stops the relay and notes its exit and the problems it logged, the first
+/// of them too when it logged errors or the measurement `failed`. Returns
+/// whether the relay's folder is worth keeping for a look.
+pub async fn stop_relay(relay: &mut RelayProcess, c: &mut Conditions, failed: bool) -> bool {
+    match relay.stop().await {
+        Ok(status) if status.success() => {}
+        Ok(status) => c.notes.push(format!("relay exit: {status}")),
+        Err(e) => c.notes.push(format!("{e:#}")),
+    }
+    (c.warnings, c.errors) = relay.problems();
+    let worth_a_look = c.errors > 0 || failed;
+    if worth_a_look && let Some(line) = relay.first_problem() {
+        c.notes.push(line);
+    }
+    worth_a_look
 }
 
 /// The configuration override of `relay.mark`.
@@ -65,11 +126,7 @@ impl Stage {
 
     /// The `relay.mark` the relay runs with.
     pub fn mark(&self) -> String {
-        self.env
-            .iter()
-            .rev()
-            .find(|(k, _)| k == MARK_ENV)
-            .map_or("update".to_owned(), |(_, v)| v.to_lowercase())
+        mark_in(&self.env)
     }
 
     /// The Kafka topic (or RabbitMQ queue) messages arrive in.
@@ -79,6 +136,14 @@ impl Stage {
             BrokerKind::Rabbitmq => self.destination.clone(),
         }
     }
+}
+
+/// The `relay.mark` of a relay run with these configuration overrides.
+pub fn mark_in(env: &[(String, String)]) -> String {
+    env.iter()
+        .rev()
+        .find(|(k, _)| k == MARK_ENV)
+        .map_or("update".to_owned(), |(_, v)| v.to_lowercase())
 }
 
 /// A Kafka topic `<name>.bench`, or a RabbitMQ exchange and queue `<name>`.

@@ -9,14 +9,13 @@
 //! server's group commit to keep up (each commit waits for a WAL flush).
 //! Its commit time is taken when COMMIT returns.
 
-use crate::infra::{bounded, connect, measurement};
+use crate::infra::{bounded, connect};
 use crate::latency::{Percentiles, Times, watch};
-use crate::options::{BrokerKind, Mode};
 use crate::pgcpu::PgCpu;
-use crate::process::{Perf, RelayProcess, epoch_micros};
-use crate::report::SteadyResult;
-use crate::stage::{Ctx, Stage};
-use crate::system::{CpuTimes, wait_quiet};
+use crate::process::{RelayProcess, epoch_micros};
+use crate::results::{SteadyResult, Writing};
+use crate::stage::{Case, Stage, stop_relay};
+use crate::system::CpuTimes;
 use crate::workload::{INSERT_SQL, Shape, aggregate_id, event_id, new_tag, payload};
 use anyhow::{Result, anyhow};
 use std::sync::Arc;
@@ -26,37 +25,18 @@ use std::time::{Duration, Instant, SystemTime};
 /// Longest wait, after the writer stops, for the last events to arrive.
 const TAIL: Duration = Duration::from_secs(10);
 
-pub async fn run(
-    ctx: &Ctx,
-    mode: Mode,
-    broker: BrokerKind,
-    shape: Shape,
-    rate: u32,
-    run: usize,
-) -> SteadyResult {
-    let mut result = SteadyResult::new(mode, broker, shape, rate, ctx.plan.seconds, run);
+pub async fn run(case: Case<'_>, shape: Shape, rate: u32, run: usize) -> SteadyResult {
+    let seconds = case.ctx.plan.seconds;
+    let mut result = SteadyResult::new(case.mode, case.broker, shape, rate, seconds, run);
     // Whatever hangs (a service, a consumer), the run goes on: the writer's
     // time, the tail and generous room for setting up and cleaning up.
-    let limit = Duration::from_secs(ctx.plan.seconds * 2 + 180);
-    if let Some(failure) = measurement(
-        &ctx.cleanup,
-        limit,
-        measure(ctx, mode, broker, shape, &mut result),
-    )
-    .await
-    {
-        result.status = failure;
-    }
+    let limit = Duration::from_secs(seconds * 2 + 180);
+    result.status = case.status(limit, measure(case, shape, &mut result)).await;
     result
 }
 
-async fn measure(
-    ctx: &Ctx,
-    mode: Mode,
-    broker: BrokerKind,
-    shape: Shape,
-    r: &mut SteadyResult,
-) -> Result<()> {
+async fn measure(case: Case<'_>, shape: Shape, r: &mut SteadyResult) -> Result<()> {
+    let Case { ctx, mode, broker } = case;
     let total = u64::from(r.rate) * r.seconds;
     let mut stage = Stage::new(ctx, mode, broker).await?;
     let times = Arc::new(Times::new(new_tag(), new_tag(), total));
@@ -66,69 +46,71 @@ async fn measure(
     let mut relay = RelayProcess::spawn(&stage.dir, &stage.env)?;
     let outcome = async {
         warm_up(&stage, &mut relay, &times, ctx.plan.aggregates).await?;
-        let (waited, busy) = wait_quiet(ctx.plan.quiet_wait).await;
-        (r.quiet_wait_s, r.busy_before) = (waited.as_secs_f64(), busy);
-        let perf = match &ctx.plan.perf {
-            Some(dir) => Some(Perf::start(dir, &r.label(), relay.pid())?),
-            None => None,
-        };
+        r.conditions.busy_before = case.quiet(&mut r.conditions).await;
+        let perf = case.perf(&r.label(), &relay)?;
         let writer = Writer::new(r.rate, shape, ctx.plan.aggregates, total);
-        r.writer_connections = writer.connections;
+        r.writing.writer_connections = writer.connections;
         let clients = writer.connect(&stage.db.url).await?;
         let machine = CpuTimes::now();
         let pg = PgCpu::start(&ctx.services, &stage.db.name).await?;
         let cpu_before = relay.cpu_seconds();
         let report = writer.run(clients, times.clone()).await?;
-        r.written = report.events;
-        r.achieved_rate = Some(report.events as f64 / report.span.as_secs_f64());
-        r.writer_max_lag_ms = Some(report.max_lag.as_secs_f64() * 1e3);
-        r.tail_s = Some(
+        report.note(&mut r.writing);
+        r.writing.tail_s = Some(
             wait_tail(&stage, &mut relay, &times, report.events, TAIL)
                 .await
                 .as_secs_f64(),
         );
         let pg_cpu = pg.totals().await;
-        r.system_busy = machine.and_then(|m| m.busy_since());
+        r.conditions.system_busy = machine.and_then(|m| m.busy_since());
         if let Some(perf) = perf {
             perf.stop().await;
         }
-        r.cpu_s_per_100k = match (cpu_before, relay.cpu_seconds()) {
+        r.cost.cpu_s_per_100k = match (cpu_before, relay.cpu_seconds()) {
             (Some(a), Some(b)) if report.events > 0 => Some((b - a) / report.events as f64 * 1e5),
             _ => None,
         };
-        let per_100k = |s: f64| s / report.events.max(1) as f64 * 1e5;
-        r.pg_cpu_s_per_100k = pg_cpu.map(|t| per_100k(t.relay_s()));
-        r.pg_autovacuum_s_per_100k = pg_cpu.map(|t| per_100k(t.autovacuum_s));
-        r.pg_cpu = pg_cpu;
+        r.cost.set_pg(pg_cpu, report.events);
         Ok::<_, anyhow::Error>(())
     }
     .await;
     r.peak_rss_mib = relay.peak_rss_mib();
-    match relay.stop().await {
-        Ok(status) if status.success() => {}
-        Ok(status) => r.notes.push(format!("relay exit: {status}")),
-        Err(e) => r.notes.push(format!("{e:#}")),
-    }
-    (r.warnings, r.errors) = relay.problems();
-    if r.errors > 0 || outcome.is_err() {
-        stage.dir.keep = true;
-        if let Some(line) = relay.first_problem() {
-            r.notes.push(line);
-        }
-    }
+    stage.dir.keep |= stop_relay(&mut relay, &mut r.conditions, outcome.is_err()).await;
     outcome?;
-    r.unreceived = r
-        .written
-        .saturating_sub(times.received_count.load(Ordering::Relaxed));
-    r.consumer = Percentiles::of(times.consumer_latencies());
-    let (marked, unmarked) = marked_times(&stage, &times, 0).await?;
-    r.sent_at = Percentiles::of(marked.iter().map(|(commit, sent)| sent - commit).collect());
-    r.unmarked = unmarked;
+    let got = receipts(&mut stage, &times, 0, &mut r.writing).await?;
+    (r.unreceived, r.unmarked) = (got.unreceived, got.unmarked);
+    Ok(())
+}
+
+/// What became of the writer's events (those with `relay_seq > after`).
+pub struct Receipts {
+    /// (commit, `relay_sent_at`) in microseconds of each marked event.
+    pub marked: Vec<(i64, i64)>,
+    pub unreceived: u64,
+    pub unmarked: u64,
+}
+
+/// The writer's events as the consumer received them and the relay marked
+/// them: their latencies into `writing`.
+pub async fn receipts(
+    stage: &mut Stage,
+    times: &Times,
+    after: i64,
+    writing: &mut Writing,
+) -> Result<Receipts> {
+    let received = times.received_count.load(Ordering::Relaxed);
+    writing.consumer = Percentiles::of(times.consumer_latencies());
+    let (marked, unmarked) = marked_times(stage, times, after).await?;
+    writing.sent_at = Percentiles::of(marked.iter().map(|(commit, sent)| sent - commit).collect());
     if unmarked > 0 {
         // Worth a look: every confirmed event should have been marked.
         stage.dir.keep = true;
     }
-    Ok(())
+    Ok(Receipts {
+        marked,
+        unreceived: writing.written.saturating_sub(received),
+        unmarked,
+    })
 }
 
 /// One event through the whole path before measuring: connections made,
@@ -241,6 +223,15 @@ pub struct WriterReport {
     pub span: Duration,
     /// Longest delay of a transaction's start behind its due time.
     pub max_lag: Duration,
+}
+
+impl WriterReport {
+    /// What the writer achieved, into the result.
+    pub fn note(&self, writing: &mut Writing) {
+        writing.written = self.events;
+        writing.achieved_rate = Some(self.events as f64 / self.span.as_secs_f64());
+        writing.writer_max_lag_ms = Some(self.max_lag.as_secs_f64() * 1e3);
+    }
 }
 
 impl Writer {
