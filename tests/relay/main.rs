@@ -10,6 +10,7 @@ mod support;
 mod alert_metrics;
 mod auto;
 mod cdc;
+mod cdc_backlog;
 mod chaos;
 mod cli;
 mod dead_letters;

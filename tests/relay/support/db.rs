@@ -1,0 +1,160 @@
+//! A database of its own for each test, dropped with its slots however the
+//! test ends.
+
+use super::{connect, pg_admin_url, unique};
+use outbox_relay::config::Config;
+use std::time::Duration;
+use tokio_postgres::{Client, NoTls};
+
+/// A database of its own for one test.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub client: Client,
+    /// The cluster's maintenance database, where this one is dropped from.
+    admin_url: String,
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        Self::new_on(&pg_admin_url()).await
+    }
+
+    /// A database of its own on the cluster of `admin_url` (another PostgreSQL version).
+    pub async fn new_on(admin_url: &str) -> TestDb {
+        let admin = connect(admin_url).await;
+        let name = unique("t_");
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create test database");
+        let url = admin_url
+            .rsplit_once('/')
+            .map(|(base, _)| format!("{base}/{name}"))
+            .unwrap();
+        let client = connect(&url).await;
+        TestDb {
+            name,
+            url,
+            client,
+            admin_url: admin_url.to_owned(),
+        }
+    }
+
+    /// Creates the default outbox table through `migrate` (the public contract).
+    pub async fn migrate(&self, config: &Config) {
+        let mut client = connect(&self.url).await;
+        let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(config, false);
+        let steps = outbox_relay::ops::migrate::plan(&client, &opts)
+            .await
+            .expect("plan migration");
+        outbox_relay::ops::migrate::apply(&mut client, &steps)
+            .await
+            .expect("apply migration");
+    }
+
+    /// Inserts one event with only the contract columns, as an application does.
+    pub async fn insert(
+        &self,
+        id: uuid::Uuid,
+        aggregate_type: &str,
+        aggregate_id: &str,
+        payload: serde_json::Value,
+    ) {
+        self.client
+            .execute(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, $2, $3, 'Happened', $4)",
+                &[&id, &aggregate_type, &aggregate_id, &payload],
+            )
+            .await
+            .expect("insert event");
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        self.client.query_one(sql, &[]).await.expect(sql).get(0)
+    }
+
+    pub async fn unsent(&self) -> i64 {
+        self.count("SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL")
+            .await
+    }
+}
+
+/// How long dropping a test database may take before it is left behind
+/// (named `t_…`, it harms no other test).
+const DROP_WAIT: Duration = Duration::from_secs(30);
+
+impl Drop for TestDb {
+    /// Drops the database and its replication slots, when the test passed and
+    /// when it panicked. `drop` cannot await and may run while the test's
+    /// runtime unwinds, so the work gets a thread and a runtime of its own,
+    /// bounded by [`DROP_WAIT`]; failures are ignored, since panicking here
+    /// would abort the test binary.
+    fn drop(&mut self) {
+        let (admin_url, name) = (self.admin_url.clone(), std::mem::take(&mut self.name));
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let dropper = std::thread::Builder::new()
+            .name(format!("drop {name}"))
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                if let Ok(runtime) = runtime {
+                    // The timer is made inside the runtime: it needs its clock.
+                    runtime.block_on(async {
+                        let drop = drop_database_on(&admin_url, &name);
+                        let _ = tokio::time::timeout(DROP_WAIT, drop).await;
+                    });
+                }
+                drop(done);
+            });
+        if dropper.is_ok() {
+            // Disconnected when the thread ends, however it ends.
+            let _ = finished.recv_timeout(DROP_WAIT + Duration::from_secs(1));
+        }
+    }
+}
+
+/// Drops database `name` of the cluster of `admin_url` with its replication
+/// slots, ignoring every failure (see [`TestDb`]'s `Drop`).
+async fn drop_database_on(admin_url: &str, name: &str) {
+    let mut config: tokio_postgres::Config = match admin_url.parse() {
+        Ok(config) => config,
+        Err(_) => return,
+    };
+    config.connect_timeout(Duration::from_secs(10));
+    let Ok((admin, conn)) = config.connect(NoTls).await else {
+        return;
+    };
+    tokio::spawn(conn);
+    let _ = admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1",
+            &[&name],
+        )
+        .await;
+    // A terminated walsender lets go of its slot a moment later.
+    for _ in 0..50 {
+        let dropped = admin
+            .query_one(
+                "SELECT count(pg_drop_replication_slot(slot_name)) FROM pg_replication_slots WHERE database = $1 AND NOT active",
+                &[&name],
+            )
+            .await;
+        let left: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_replication_slots WHERE database = $1",
+                &[&name],
+            )
+            .await
+            .map(|r| r.get(0))
+            .unwrap_or(0);
+        if dropped.is_ok() && left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .await;
+}

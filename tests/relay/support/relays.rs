@@ -1,0 +1,144 @@
+//! The relay under test: in the test process, as a child process, or as a
+//! command run to completion.
+
+use super::{WAIT, relay_bin, unique, wait_for};
+use crate::support::brokers::Inbox;
+use outbox_relay::config::Config;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// A relay running inside the test process.
+pub struct InProcess {
+    pub shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl InProcess {
+    pub fn start(config: Config) -> InProcess {
+        // The relay's own log, when debugging a test.
+        if std::env::var("OUTBOX_RELAY_TEST_LOG").is_ok() {
+            outbox_relay::telemetry::init(&config.log);
+        }
+        let shutdown = CancellationToken::new();
+        let token = shutdown.clone();
+        let task = tokio::spawn(async move { outbox_relay::relay::run(&config, token).await });
+        InProcess { shutdown, task }
+    }
+
+    /// Graceful stop; panics if it takes longer than `WAIT`.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .expect("relay stops within the wait")
+            .expect("relay task did not panic");
+    }
+
+    /// Drops the relay abruptly (no drain): the in-process stand-in for a crash.
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}
+
+/// The relay binary as a child process, for tests that kill it.
+pub struct ChildRelay {
+    child: Child,
+}
+
+impl ChildRelay {
+    pub fn start(config_toml: &str) -> ChildRelay {
+        Self::start_with_env(config_toml, &[])
+    }
+
+    pub fn start_with_env(config_toml: &str, envs: &[(&str, &str)]) -> ChildRelay {
+        let dir = std::env::temp_dir().join(unique("outbox-relay-test-"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config_path = dir.join("relay.toml");
+        std::fs::write(&config_path, config_toml).unwrap();
+        let child = Command::new(relay_bin())
+            .args(["run", "--config"])
+            .arg(&config_path)
+            .env("RUST_LOG", "outbox_relay=info,warn")
+            .envs(envs.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start outbox-relay");
+        ChildRelay { child }
+    }
+
+    /// Waits for the process to exit by itself; `None` if it is still running after `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            if start.elapsed() > WAIT {
+                self.kill();
+                panic!("relay did not exit within {WAIT:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for ChildRelay {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Runs the binary to completion with arguments; returns (exit code, stdout, stderr).
+pub fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
+    let mut cmd = Command::new(relay_bin());
+    cmd.args(args);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run outbox-relay");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Starts the relay `kills` times, each time killing it (SIGKILL) once it
+/// published `per_run` more messages: crashes while busy.
+pub async fn kill_while_busy(toml: &str, inbox: &Inbox, kills: usize, per_run: usize) {
+    for _ in 0..kills {
+        let mut child = ChildRelay::start(toml);
+        let before = inbox.len();
+        wait_for(WAIT, "the relay to publish", || async {
+            (inbox.len() >= before + per_run).then_some(())
+        })
+        .await;
+        child.kill();
+    }
+}
