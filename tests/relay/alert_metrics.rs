@@ -3,8 +3,7 @@
 //! oldest unsent event and the WAL a CDC slot retains. And the names the relay
 //! declares are exactly those it exports.
 
-use crate::kit::free_port;
-use crate::support::proxy::CutBroker;
+use crate::support::proxy::{CutBroker, setup_cut};
 use crate::support::*;
 use outbox_relay::telemetry::metrics;
 use serde_json::json;
@@ -31,19 +30,21 @@ async fn wait_active(port: u16) {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_oldest_unsent_age_grows_while_the_broker_is_unreachable() {
-    let broker = CutBroker::new(Kind::Rabbit).await;
-    let db = TestDb::new().await;
-    let toml = base_toml(&db.url, &broker.sink);
-    db.migrate(&parse(&toml)).await;
-    let port = free_port();
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
+/// The relay serving HTTP, once active and one event went all the way through.
+async fn start_warm(db: &TestDb, broker: &CutBroker, toml: &str) -> (ChildRelay, u16) {
+    let (relay, port) = ChildRelay::serving(toml);
     wait_active(port).await;
-    // The cut comes once the relay publishes (not during its start-up).
     let warm_up = Uuid::new_v4();
     db.insert(warm_up, "order", "w", json!({})).await;
     broker.inbox.wait_ids(&[warm_up.to_string()], WAIT).await;
+    (relay, port)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oldest_unsent_age_grows_while_the_broker_is_unreachable() {
+    let (db, broker, toml) = setup_cut(Mode::Polling, Kind::Rabbit, &[]).await;
+    // The cut comes once the relay publishes (not during its start-up).
+    let (mut relay, port) = start_warm(&db, &broker, &toml).await;
     wait_for(WAIT, "a healthy relay to report age 0", || async {
         (gauge(port, metrics::OLDEST_UNSENT_AGE).await? == 0.0).then_some(())
     })
@@ -93,21 +94,12 @@ async fn the_slot_retains_wal_while_cdc_is_behind() {
     const WRITTEN: usize = 20 * 64 * 1024;
     // What the rows must at least add to the WAL, allowing for compression.
     const AT_LEAST: f64 = (WRITTEN / 2) as f64;
-    let broker = CutBroker::new(Kind::Rabbit).await;
-    let db = TestDb::new().await;
-    let toml = with_mode(&base_toml(&db.url, &broker.sink), Mode::Cdc);
     // Without marking, the slot is the only record of what is unsent, so it
     // must keep the WAL of every unconfirmed event; the flushed position is
     // reported every max_in_flight confirmations.
-    let toml = set(&toml, "relay.mark", "\"none\"");
-    let toml = set(&toml, "relay.max_in_flight", "10");
-    db.migrate(&parse(&toml)).await;
-    let port = free_port();
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
-    wait_active(port).await;
-    let warm_up = Uuid::new_v4();
-    db.insert(warm_up, "order", "w", json!({})).await;
-    broker.inbox.wait_ids(&[warm_up.to_string()], WAIT).await;
+    let sets = [("relay.mark", "\"none\""), ("relay.max_in_flight", "10")];
+    let (db, broker, toml) = setup_cut(Mode::Cdc, Kind::Rabbit, &sets).await;
+    let (mut relay, port) = start_warm(&db, &broker, &toml).await;
     wait_for(WAIT, "the slot gauges to show", || async {
         gauge(port, metrics::SLOT_RETAINED_WAL).await
     })

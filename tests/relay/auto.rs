@@ -165,8 +165,7 @@ async fn auto_polls_under_wal_level_replica_and_streams_after_a_restart_with_log
         "{out}"
     );
 
-    let port = crate::kit::free_port();
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let (mut relay, port) = ChildRelay::serving(&toml);
     let mut committed = Committed::new();
     write(&app, 40, &mut committed).await;
     wait_reading(port, "polling").await;
@@ -209,8 +208,7 @@ async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_on
     .await
     .unwrap();
 
-    let port = crate::kit::free_port();
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let (mut relay, port) = ChildRelay::serving(&toml);
     wait_reading(port, "polling").await;
     let writer = Writer::start(&pg.url("app")).await;
     wait_for(WAIT, "events delivered by polling", || async {
@@ -253,8 +251,7 @@ async fn auto_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
     let slot = slot_of(&toml);
 
     // A first run creates the slot and streams.
-    let port = crate::kit::free_port();
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let (mut relay, port) = ChildRelay::serving(&toml);
     wait_reading(port, "cdc").await;
     let mut committed = Committed::new();
     write(&app, 20, &mut committed).await;
@@ -264,24 +261,7 @@ async fn auto_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
 
     // While no relay runs, events arrive and the slot is lost.
     write(&app, 20, &mut committed).await;
-    app.batch_execute("CREATE TABLE filler (pad text)")
-        .await
-        .unwrap();
-    wait_for(Duration::from_secs(60), "the slot to be lost", || async {
-        app.batch_execute("INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 3000); SELECT pg_switch_wal(); CHECKPOINT;")
-            .await
-            .unwrap();
-        let status: Option<String> = app
-            .query_opt(
-                "SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await
-            .unwrap()
-            .and_then(|r| r.get(0));
-        (status.as_deref() == Some("lost")).then_some(())
-    })
-    .await;
+    lose_slot(&app, &slot, Duration::from_secs(60)).await;
 
     // on_lost_slot = "stop" keeps the slot for the operator; auto polls meanwhile.
     let mut relay = ChildRelay::start(&with_http(&toml, port));

@@ -3,7 +3,7 @@
 //! start-up, and transactions open across it, are in cdc_backlog.rs.
 
 use crate::kit::cluster::PrivatePg;
-use crate::support::brokers::{KafkaTopics, Received};
+use crate::support::brokers::{KafkaTopics, Received, first_ids};
 use crate::support::*;
 use serde_json::json;
 use std::collections::HashSet;
@@ -100,10 +100,7 @@ async fn a_large_transaction_is_streamed_in_bounded_batches() {
         (slot_lag(&db, &slot).await.unwrap_or(i64::MAX) < 1024 * 1024).then_some(())
     })
     .await;
-    wait_for(WAIT, "all rows marked", || async {
-        (db.unsent().await == 0).then_some(())
-    })
-    .await;
+    db.wait_all_marked().await;
     relay.stop().await;
 }
 
@@ -247,13 +244,7 @@ async fn a_postgres_restart_mid_stream_loses_nothing() {
         .wait_ids(&committed, Duration::from_secs(60))
         .await;
     // One aggregate: its first deliveries follow commit order.
-    let mut seen = HashSet::new();
-    let firsts: Vec<String> = got
-        .iter()
-        .map(Received::event_id)
-        .filter(|id| seen.insert(id.clone()))
-        .collect();
-    assert_eq!(firsts, committed);
+    assert_eq!(first_ids(&got), committed);
     relay.stop().await;
 }
 
@@ -274,8 +265,7 @@ async fn a_publication_without_relay_seq_is_refused_while_marking() {
         ))
         .await
         .unwrap();
-    let port = crate::kit::free_port();
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let (mut relay, port) = ChildRelay::serving(&toml);
     // Streamed (not read at start-up): inserted once the relay is streaming.
     let slot = slot_of(&toml);
     wait_for(WAIT, "the relay to start streaming", || async {
@@ -370,16 +360,7 @@ impl LostSlot {
         for id in &waiting {
             insert_at(&app, id).await;
         }
-        app.batch_execute("CREATE TABLE filler (pad text)")
-            .await
-            .unwrap();
-        wait_for(Duration::from_secs(60), "the slot to be lost", || async {
-            app.batch_execute("INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 3000); SELECT pg_switch_wal(); CHECKPOINT;")
-                .await
-                .unwrap();
-            (wal_status(&app, &slot).await.as_deref() == Some("lost")).then_some(())
-        })
-        .await;
+        lose_slot(&app, &slot, Duration::from_secs(60)).await;
         LostSlot {
             _pg: pg,
             app,
@@ -417,8 +398,7 @@ async fn a_lost_slot_is_recreated_and_nothing_is_lost() {
         out.contains("[warn] slot") && out.contains("is lost") && out.contains("recreate"),
         "{out}"
     );
-    let port = crate::kit::free_port();
-    let mut relay = ChildRelay::start(&with_http(&lost.toml, port));
+    let (mut relay, port) = ChildRelay::serving(&lost.toml);
     let got = lost.broker.inbox.wait_ids(&lost.waiting, WAIT).await;
     assert_eq!(
         got.len(),
@@ -443,13 +423,7 @@ async fn a_lost_slot_is_recreated_and_nothing_is_lost() {
     })
     .await;
     relay.terminate();
-    let ids: Vec<String> = lost
-        .broker
-        .inbox
-        .snapshot()
-        .iter()
-        .map(|m| m.event_id())
-        .collect();
+    let ids = lost.broker.inbox.ids_in_order();
     assert_eq!(ids.len(), 11, "each event once: {ids:?}");
 }
 
@@ -464,8 +438,7 @@ async fn a_lost_slot_stops_the_relay_when_told_to_until_it_is_dropped() {
             && out.contains("pg_drop_replication_slot"),
         "{out}"
     );
-    let port = crate::kit::free_port();
-    let mut relay = ChildRelay::start(&with_http(&lost.toml, port));
+    let (mut relay, port) = ChildRelay::serving(&lost.toml);
     wait_for(WAIT, "readiness to name the lost slot", || async {
         let (code, body) = http_get(port, "/readyz").await?;
         (code == 503 && body.contains("is lost")).then_some(())
@@ -476,17 +449,9 @@ async fn a_lost_slot_stops_the_relay_when_told_to_until_it_is_dropped() {
         0,
         "nothing is published from a lost slot"
     );
-    assert_eq!(
-        wal_status(&lost.app, &lost.slot).await.as_deref(),
-        Some("lost"),
-        "the slot is left alone"
-    );
     // The documented recovery: drop the slot; the running relay makes a new
     // one and publishes the unsent rows from the table first.
-    lost.app
-        .execute("SELECT pg_drop_replication_slot($1)", &[&lost.slot])
-        .await
-        .unwrap();
+    drop_lost_slot(&lost.app, &lost.slot).await;
     let got = lost.broker.inbox.wait_ids(&lost.waiting, WAIT).await;
     assert_eq!(got.len(), lost.waiting.len());
     relay.terminate();

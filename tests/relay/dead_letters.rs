@@ -1,7 +1,7 @@
 //! Poison events: dead-lettered with their reason, never dropped; their
 //! aggregate follows them or waits; other aggregates flow; `dlq` resolves them.
 
-use crate::support::brokers::Received;
+use crate::support::brokers::{RabbitExchange, Received};
 use crate::support::*;
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -36,6 +36,14 @@ pub fn dlq_list(path: &str) -> Vec<Value> {
     out.lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
+}
+
+/// Waits until `n` events are dead-lettered.
+async fn wait_dead_letters(path: &str, n: usize, what: &str) {
+    wait_for(WAIT, what, || async {
+        (dlq_list(path).len() == n).then_some(())
+    })
+    .await;
 }
 
 every_mode!(a_poison_event_is_dead_lettered_and_its_aggregate_follows);
@@ -159,11 +167,7 @@ async fn with_wait_later_events_stay_in_the_outbox_until_the_dead_letter_is_drop
         db.insert(*id, "order", "P", json!({})).await;
     }
     let relay = InProcess::start(parse(&toml));
-    wait_for(WAIT, "the poison event dead-lettered", || {
-        let path = path.clone();
-        async move { (dlq_list(&path).len() == 1).then_some(()) }
-    })
-    .await;
+    wait_dead_letters(&path, 1, "the poison event dead-lettered").await;
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(
         db.unsent().await,
@@ -209,9 +213,10 @@ async fn with_wait_later_events_stay_in_the_outbox_until_the_dead_letter_is_drop
     relay.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unroutable_message_is_a_refusal_not_a_delivery() {
-    // A queue bound only to order.* keys: an invoice event has no route.
+/// A relay publishing to `amq.direct` with the aggregate type as routing key,
+/// dead-lettering at the first refusal, and a queue bound only to `order`:
+/// an invoice has no route.
+async fn only_orders_routed() -> (TestDb, Broker, String, RabbitExchange) {
     let (db, broker, toml) = setup(
         Mode::Polling,
         Kind::Rabbit,
@@ -229,7 +234,14 @@ async fn an_unroutable_message_is_a_refusal_not_a_delivery() {
         &format!("exchange = \"{}\"", r.exchange),
         "exchange = \"amq.direct\"",
     );
-    let bound = crate::support::brokers::RabbitExchange::bind_existing("amq.direct", "order").await;
+    let bound = RabbitExchange::bind_existing("amq.direct", "order").await;
+    (db, broker, toml, bound)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_message_is_a_refusal_not_a_delivery() {
+    // A queue bound only to order.* keys: an invoice event has no route.
+    let (db, _broker, toml, bound) = only_orders_routed().await;
     // Interleaved, so returns and acks of neighbours cross.
     let mut routed_ids = Vec::new();
     let unroutable = Uuid::new_v4();
@@ -268,28 +280,11 @@ async fn an_unroutable_message_is_a_refusal_not_a_delivery() {
 async fn returns_are_told_apart_when_an_adopted_table_repeats_ids() {
     // An adopted table whose id column is not unique: a return names only a
     // message id, and must still be charged to the right message.
-    let (db, broker, toml) = setup(
-        Mode::Polling,
-        Kind::Rabbit,
-        &[],
-        &[
-            ("dead_letter.max_attempts", "1"),
-            ("sink.routing_key", "\"{aggregate_type}\""),
-        ],
-    )
-    .await;
-    let Broker::Rabbit(r) = &broker else {
-        unreachable!()
-    };
-    let toml = toml.replace(
-        &format!("exchange = \"{}\"", r.exchange),
-        "exchange = \"amq.direct\"",
-    );
+    let (db, _broker, toml, bound) = only_orders_routed().await;
     db.client
         .batch_execute("ALTER TABLE outbox DROP CONSTRAINT outbox_pkey")
         .await
         .unwrap();
-    let bound = crate::support::brokers::RabbitExchange::bind_existing("amq.direct", "order").await;
     // `shared` is an order (routed) and an invoice (unroutable); `twice` is
     // two unroutable invoices. Routed events in between, so returns and
     // acks of neighbours cross.
@@ -373,19 +368,11 @@ async fn a_redrive_while_the_relay_runs_publishes_in_order() {
             db.insert(*id, "late", "L", json!({})).await;
         }
         let relay = InProcess::start(parse(&toml));
-        wait_for(WAIT, "the late events dead-lettered", || {
-            let path = path.clone();
-            async move { (dlq_list(&path).len() == 4).then_some(()) }
-        })
-        .await;
+        wait_dead_letters(&path, 4, "the late events dead-lettered").await;
         // Another event of the aggregate arrives while it is dead: it follows.
         let after = Uuid::new_v4();
         db.insert(after, "late", "L", json!({})).await;
-        wait_for(WAIT, "the newcomer to follow", || {
-            let path = path.clone();
-            async move { (dlq_list(&path).len() == 5).then_some(()) }
-        })
-        .await;
+        wait_dead_letters(&path, 5, "the newcomer to follow").await;
         let Broker::Kafka(k) = &broker else {
             unreachable!()
         };

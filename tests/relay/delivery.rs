@@ -138,12 +138,7 @@ async fn rolled_back_rows_are_never_published(mode: Mode, kind: Kind) {
     broker.inbox().wait_ids(&strings(&committed), WAIT).await;
     // Give a wrongly published row time to show up before concluding.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let got: HashSet<String> = broker
-        .inbox()
-        .snapshot()
-        .iter()
-        .map(Received::event_id)
-        .collect();
+    let got = broker.inbox().event_ids();
     for id in &rolled_back {
         assert!(!got.contains(id), "rolled-back event {id} was published");
     }
@@ -189,10 +184,7 @@ async fn commits_out_of_sequence_order_are_not_skipped(mode: Mode, kind: Kind) {
         seq < max_fast,
         "the slow row really had the lower sequence value"
     );
-    wait_for(WAIT, "all rows marked", || async {
-        (db.unsent().await == 0).then_some(())
-    })
-    .await;
+    db.wait_all_marked().await;
     relay.stop().await;
 }
 
@@ -327,10 +319,7 @@ async fn a_missing_destination_keeps_rows_unsent_until_it_exists(mode: Mode, kin
         &strings(&late)[..],
         "retried events keep their order"
     );
-    wait_for(WAIT, "all rows marked", || async {
-        (db.unsent().await == 0).then_some(())
-    })
-    .await;
+    db.wait_all_marked().await;
     relay.stop().await;
 }
 
@@ -388,12 +377,7 @@ async fn bad_rows_are_refused_and_other_aggregates_flow(mode: Mode, kind: Kind) 
     broker.inbox().wait_ids(&strings(&good), WAIT).await;
     // Several retry rounds pass; the bad rows (and the follower) stay unsent, the relay stays up.
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    let got: HashSet<String> = broker
-        .inbox()
-        .snapshot()
-        .iter()
-        .map(Received::event_id)
-        .collect();
+    let got = broker.inbox().event_ids();
     let mut unsent_expected = bad_ids.clone();
     unsent_expected.push(blocked_follower.to_string());
     if matches!(kind, Kind::Rabbit) {
@@ -403,18 +387,7 @@ async fn bad_rows_are_refused_and_other_aggregates_flow(mode: Mode, kind: Kind) 
     for id in &unsent_expected {
         assert!(!got.contains(id), "{id} should not have been published");
     }
-    let unsent: Vec<String> = db
-        .client
-        .query(
-            "SELECT id::text FROM outbox WHERE relay_sent_at IS NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let unsent: HashSet<String> = unsent.into_iter().collect();
+    let unsent = db.unsent_ids().await;
     for id in &unsent_expected {
         assert!(unsent.contains(id), "{id} must stay unsent in the outbox");
     }

@@ -1,8 +1,8 @@
 //! Failures the relay must survive without losing an event: broker outages,
 //! restarts, crashes, lost database sessions, a second instance.
 
-use crate::support::brokers::Received;
-use crate::support::proxy::CutBroker;
+use crate::support::brokers::{Received, first_ids};
+use crate::support::proxy::setup_cut;
 use crate::support::*;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
@@ -19,10 +19,7 @@ async fn insert_many(db: &TestDb, n: usize, aggregate: &str) -> Vec<String> {
 
 every_mode!(broker_outage_leaves_rows_unsent_then_recovers);
 async fn broker_outage_leaves_rows_unsent_then_recovers(mode: Mode, kind: Kind) {
-    let broker = CutBroker::new(kind).await;
-    let db = TestDb::new().await;
-    let toml = with_mode(&base_toml(&db.url, &broker.sink), mode);
-    db.migrate(&parse(&toml)).await;
+    let (db, broker, toml) = setup_cut(mode, kind, &[]).await;
 
     // Unreachable from the start: the relay waits and retries, marks nothing.
     broker.proxy().cut();
@@ -49,22 +46,14 @@ async fn broker_outage_leaves_rows_unsent_then_recovers(mode: Mode, kind: Kind) 
         .inbox
         .wait_ids(&second, Duration::from_secs(60))
         .await;
-    wait_for(WAIT, "all rows marked", || async {
-        (db.unsent().await == 0).then_some(())
-    })
-    .await;
+    db.wait_all_marked().await;
     assert_first_deliveries_in_order(&got, &[first, second].concat());
     relay.stop().await;
 }
 
 /// Checks that the first delivery of each id follows `expected`'s order.
 fn assert_first_deliveries_in_order(got: &[Received], expected: &[String]) {
-    let mut seen = HashSet::new();
-    let firsts: Vec<String> = got
-        .iter()
-        .map(Received::event_id)
-        .filter(|id| seen.insert(id.clone()))
-        .collect();
+    let firsts = first_ids(got);
     let wanted: HashSet<&String> = expected.iter().collect();
     let firsts: Vec<&String> = firsts.iter().filter(|id| wanted.contains(id)).collect();
     assert_eq!(
@@ -122,10 +111,7 @@ async fn killed_relay_loses_nothing(mode: Mode, kind: Kind) {
     let ids = writer.await.unwrap();
     let mut child = ChildRelay::start(&toml);
     let got = broker.inbox().wait_ids(&ids, Duration::from_secs(60)).await;
-    wait_for(WAIT, "all rows marked", || async {
-        (db.unsent().await == 0).then_some(())
-    })
-    .await;
+    db.wait_all_marked().await;
     let duplicates = got.len() - ids.len();
     assert!(
         duplicates <= 3 * 200,
@@ -159,23 +145,8 @@ async fn sigterm_drains_in_flight_and_exits_zero() {
     assert_eq!(status.code(), Some(0), "graceful shutdown exits 0");
     // Whatever was confirmed is marked: unsent rows are exactly the undelivered ones.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let delivered: HashSet<String> = broker
-        .inbox()
-        .snapshot()
-        .iter()
-        .map(Received::event_id)
-        .collect();
-    let unsent: HashSet<String> = db
-        .client
-        .query(
-            "SELECT id::text FROM outbox WHERE relay_sent_at IS NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let delivered = broker.inbox().event_ids();
+    let unsent = db.unsent_ids().await;
     for id in &ids {
         assert!(
             delivered.contains(id) != unsent.contains(id),
@@ -225,10 +196,7 @@ async fn terminated_database_sessions_are_survived(mode: Mode, kind: Kind) {
     );
     let second = insert_many(&db, 10, "a").await;
     broker.inbox().wait_ids(&second, WAIT).await;
-    wait_for(WAIT, "all rows marked", || async {
-        (db.unsent().await == 0).then_some(())
-    })
-    .await;
+    db.wait_all_marked().await;
     relay.stop().await;
 }
 
@@ -274,10 +242,7 @@ async fn a_crash_after_confirmation_before_marking_loses_nothing(mode: Mode, kin
     let mut child = ChildRelay::start(&toml);
     let all = [first, second].concat();
     let got = broker.inbox().wait_ids(&all, WAIT).await;
-    wait_for(WAIT, "all rows marked", || async {
-        (db.unsent().await == 0).then_some(())
-    })
-    .await;
+    db.wait_all_marked().await;
     assert_first_deliveries_in_order(&got, &all);
     assert!(
         got.len() - all.len() <= 200 + 500,

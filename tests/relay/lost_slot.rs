@@ -14,7 +14,7 @@
 
 use crate::auto::{Committed, assert_each_once_in_order, unsent, write};
 use crate::kit::cluster::PrivatePg;
-use crate::support::brokers::RabbitExchange;
+use crate::support::brokers::{RabbitExchange, first_ids};
 use crate::support::*;
 use std::process::Command;
 use std::time::Duration;
@@ -120,16 +120,7 @@ impl LostMidStream {
         let slot_name = slot.clone();
         let filler = tokio::spawn(async move {
             let app = connect(&url).await;
-            app.batch_execute("CREATE TABLE filler (pad text)")
-                .await
-                .unwrap();
-            wait_for(Duration::from_secs(90), "the slot to be lost", || async {
-                app.batch_execute("INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 3000); SELECT pg_switch_wal(); CHECKPOINT;")
-                    .await
-                    .unwrap();
-                (wal_status(&app, &slot_name).await.as_deref() == Some("lost")).then_some(())
-            })
-            .await;
+            lose_slot(&app, &slot_name, Duration::from_secs(90)).await;
         });
         if let Some(paused_sender) = paused_sender {
             let log = pg.dir().join("server.log");
@@ -218,17 +209,9 @@ async fn a_slot_lost_mid_stream_stops_the_relay_when_told_to() {
         unsent(&lost.app).await,
         i64::try_from(lost.committed.len() - lost.before).unwrap()
     );
-    assert_eq!(
-        wal_status(&lost.app, &lost.slot).await.as_deref(),
-        Some("lost"),
-        "the slot is left alone"
-    );
     // The documented recovery: the operator drops the slot; the relay makes
     // a new one and publishes the unsent rows first.
-    lost.app
-        .execute("SELECT pg_drop_replication_slot($1)", &[&lost.slot])
-        .await
-        .unwrap();
+    drop_lost_slot(&lost.app, &lost.slot).await;
     write(&lost.app, 10, &mut lost.committed).await;
     assert_each_once_in_order(&lost.broker, &lost.app, &lost.committed).await;
     assert_eq!(lost.relay.terminate().code(), Some(0));
@@ -254,19 +237,8 @@ async fn a_slot_lost_behind_a_running_wal_sender_loses_nothing_and_keeps_order()
         (unsent(&lost.app).await == 0).then_some(())
     })
     .await;
-    let got: Vec<String> = lost
-        .broker
-        .inbox
-        .snapshot()
-        .iter()
-        .map(|m| m.event_id())
-        .collect();
-    let mut seen = std::collections::HashSet::new();
-    let firsts: Vec<&str> = got
-        .iter()
-        .map(String::as_str)
-        .filter(|id| seen.insert(*id))
-        .collect();
+    let got = lost.broker.inbox.snapshot();
+    let firsts = first_ids(&got);
     assert_eq!(firsts.len(), lost.committed.len(), "every event arrived");
     // Only the 20 events of the pause were in flight when the stream ended.
     assert!(
@@ -285,7 +257,7 @@ async fn a_slot_lost_behind_a_running_wal_sender_loses_nothing_and_keeps_order()
             .collect();
         let have: Vec<&str> = firsts
             .iter()
-            .copied()
+            .map(String::as_str)
             .filter(|id| want.contains(id))
             .collect();
         assert_eq!(

@@ -1,8 +1,7 @@
 //! What operators see: metrics, readiness, `status`, several pipelines in one process.
 
-use crate::kit::free_port;
 use crate::support::brokers::RabbitExchange;
-use crate::support::proxy::CutBroker;
+use crate::support::proxy::setup_cut;
 use crate::support::*;
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -10,8 +9,7 @@ use uuid::Uuid;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_are_scraped_after_a_known_workload() {
     let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
-    let port = free_port();
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let (mut relay, port) = ChildRelay::serving(&toml);
     for i in 0..25 {
         db.insert(Uuid::new_v4(), "order", &format!("a{i}"), json!({}))
             .await;
@@ -66,12 +64,8 @@ async fn metrics_are_scraped_after_a_known_workload() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_flips_when_the_broker_goes_away_and_back() {
-    let broker = CutBroker::new(Kind::Rabbit).await;
-    let db = TestDb::new().await;
-    let toml = base_toml(&db.url, &broker.sink);
-    db.migrate(&parse(&toml)).await;
-    let port = free_port();
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let (db, broker, toml) = setup_cut(Mode::Polling, Kind::Rabbit, &[]).await;
+    let (mut relay, port) = ChildRelay::serving(&toml);
     let ready = |want: u16, state: &'static str| async move {
         wait_for(WAIT, &format!("/readyz {want} {state}"), || async {
             let (code, body) = http_get(port, "/readyz").await?;
@@ -92,8 +86,7 @@ async fn readiness_flips_when_the_broker_goes_away_and_back() {
     db.insert(id, "order", "a", json!({})).await;
     broker.inbox.wait_ids(&[id.to_string()], WAIT).await;
     // A second instance is a ready standby.
-    let standby_port = free_port();
-    let mut standby = ChildRelay::start(&with_http(&toml, standby_port));
+    let (mut standby, standby_port) = ChildRelay::serving(&toml);
     wait_for(WAIT, "the standby to report itself", || async {
         let (code, body) = http_get(standby_port, "/readyz").await?;
         (code == 200 && body == "default: standby\n").then_some(())
@@ -168,8 +161,7 @@ async fn one_process_relays_several_pipelines() {
     for c in &configs {
         db.migrate(c).await;
     }
-    let port = free_port();
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let (mut relay, port) = ChildRelay::serving(&toml);
     let (o, b) = (Uuid::new_v4(), Uuid::new_v4());
     for (table, id) in [("orders_outbox", o), ("billing_outbox", b)] {
         db.client

@@ -26,6 +26,19 @@ async fn app_table(db: &TestDb) {
 /// An outbox partitioned by day on `created_at`, before the relay's columns
 /// exist: one partition per `(name, day)`, and a default partition when
 /// `with_default`.
+/// [`setup`] on the application's partitioned table ([`app_table`]).
+async fn partitioned(mode: Mode, kind: Kind, sets: &[(&str, &str)]) -> (TestDb, Broker, String) {
+    let db = TestDb::new().await;
+    app_table(&db).await;
+    let broker = Broker::new(kind, &["order"]).await;
+    let mut toml = with_mode(&base_toml(&db.url, &broker.sink_toml()), mode);
+    for (key, value) in sets {
+        toml = set(&toml, key, value);
+    }
+    db.migrate(&parse(&toml)).await;
+    (db, broker, toml)
+}
+
 async fn day_partitioned(db: &TestDb, days: &[(&str, &str)], with_default: bool) {
     let mut sql = String::from(
         "CREATE TABLE outbox (
@@ -127,12 +140,13 @@ async fn migrate_adopts_an_application_partitioned_table() {
         message.as_deref().is_some_and(|m| m.contains("write-once")),
         "{refused:?}"
     );
-    let (code, out, _) = run_cli(&["migrate", "--dry-run", "--config", &path], &[]);
-    assert_eq!(code, 0, "{out}");
+    let out = cli_says(&["migrate", "--dry-run", "--config", &path], 0, &[]);
     assert!(!out.contains("CREATE"), "nothing left to do: {out}");
-    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
-    assert_eq!(code, 0, "{out}");
-    assert!(out.contains("partitioned by range (created_at)"), "{out}");
+    let out = cli_says(
+        &["check", "--config", &path],
+        0,
+        &["partitioned by range (created_at)"],
+    );
     assert!(!out.contains("[warn] outbox table"), "{out}");
 }
 
@@ -151,17 +165,15 @@ async fn a_table_partitioned_by_an_expression_is_refused_with_the_reason() {
         .await
         .unwrap();
     let path = config_file(&base_toml(&db.url, &rabbit_sink()));
-    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
-    assert_eq!(code, 1, "{out}{err}");
-    assert!(
-        err.contains("partitioned by an expression") && err.contains("partition by columns"),
-        "{err}"
+    cli_complains(
+        &["migrate", "--config", &path],
+        1,
+        &["partitioned by an expression", "partition by columns"],
     );
-    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
-    assert_eq!(code, 1, "{out}");
-    assert!(
-        out.contains("[FAIL] outbox table") && out.contains("partitioned by an expression"),
-        "{out}"
+    cli_says(
+        &["check", "--config", &path],
+        1,
+        &["[FAIL] outbox table", "partitioned by an expression"],
     );
 }
 
@@ -171,14 +183,12 @@ every_mode!(delivers_and_marks_across_partitions_made_while_running);
 /// and to one the application adds while the relay runs are all delivered
 /// and marked.
 async fn delivers_and_marks_across_partitions_made_while_running(mode: Mode, kind: Kind) {
-    let db = TestDb::new().await;
-    app_table(&db).await;
-    let broker = Broker::new(kind, &["order"]).await;
-    let mut toml = with_mode(&base_toml(&db.url, &broker.sink_toml()), mode);
-    toml = set(&toml, "retention.mode", "\"partitions\"");
-    toml = set(&toml, "retention.partition_premake", "1");
+    let sets = [
+        ("retention.mode", "\"partitions\""),
+        ("retention.partition_premake", "1"),
+    ];
+    let (db, broker, toml) = partitioned(mode, kind, &sets).await;
     let config = parse(&toml);
-    db.migrate(&config).await;
     let old = Uuid::new_v4();
     insert_at(&db, old, "2020-06-01 00:00:00+00").await.unwrap();
     let relay = InProcess::start(config.clone());
@@ -406,11 +416,10 @@ async fn partition_retention_refuses_a_layout_it_cannot_use() {
         err.contains("retention.mode") && err.contains("partitioned by list"),
         "{out}{err}"
     );
-    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
-    assert_eq!(code, 1, "{out}");
-    assert!(
-        out.contains("[FAIL] partitions") && out.contains("partitioned by list"),
-        "{out}"
+    cli_says(
+        &["check", "--config", &path],
+        1,
+        &["[FAIL] partitions", "partitioned by list"],
     );
 }
 
@@ -433,11 +442,10 @@ async fn a_publication_naming_the_partitions_is_reported_and_fixed() {
         out.contains("SET (publish_via_partition_root = true)") && !out.contains("ADD TABLE"),
         "{out}"
     );
-    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
-    assert_eq!(code, 1, "{out}");
-    assert!(
-        out.contains("[FAIL] publication") && out.contains("publish_via_partition_root is off"),
-        "{out}"
+    cli_says(
+        &["check", "--config", &path],
+        1,
+        &["[FAIL] publication", "publish_via_partition_root is off"],
     );
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
@@ -503,22 +511,16 @@ every_mode!(a_dead_lettered_row_does_not_hold_its_partition);
 /// transaction); the dead letter keeps its own copy, so once the row's time
 /// is past the window its partition is dropped and the letter stays.
 async fn a_dead_lettered_row_does_not_hold_its_partition(mode: Mode, kind: Kind) {
-    let db = TestDb::new().await;
-    app_table(&db).await;
-    let broker = Broker::new(kind, &["order"]).await;
-    let mut toml = with_mode(&base_toml(&db.url, &broker.sink_toml()), mode);
-    for (key, value) in [
+    let sets = [
         ("retention.mode", "\"partitions\""),
         ("retention.enabled", "false"),
         ("dead_letter.max_attempts", "2"),
         ("relay.reject_retry_base", "\"100ms\""),
         ("relay.reject_retry_max", "\"200ms\""),
         ("sink.message_max_bytes", "4000"),
-    ] {
-        toml = set(&toml, key, value);
-    }
+    ];
+    let (db, broker, toml) = partitioned(mode, kind, &sets).await;
     let config = parse(&toml);
-    db.migrate(&config).await;
     let (poison, good) = (Uuid::new_v4(), Uuid::new_v4());
     db.client
         .execute(

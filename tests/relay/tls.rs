@@ -159,20 +159,7 @@ impl LoggedRelay {
     }
 
     fn terminate(mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            if start.elapsed() > WAIT {
-                let _ = self.child.kill();
-                panic!("the relay did not exit within {WAIT:?} of SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        terminate(&mut self.child)
     }
 }
 

@@ -27,6 +27,14 @@ async fn insert_with_headers(db: &TestDb, id: Uuid, aggregate_id: &str, headers:
         .unwrap();
 }
 
+/// A polling relay on RabbitMQ sending its spans to `endpoint`, with `more` settings.
+async fn traced(endpoint: &str, more: &[(&str, &str)]) -> (TestDb, Broker, String) {
+    let endpoint = format!("\"{endpoint}\"");
+    let mut sets = vec![("telemetry.otlp.endpoint", endpoint.as_str())];
+    sets.extend_from_slice(more);
+    setup(Mode::Polling, Kind::Rabbit, &["order"], &sets).await
+}
+
 fn span_of<'a>(spans: &'a [ReceivedSpan], id: &str) -> Vec<&'a ReceivedSpan> {
     spans
         .iter()
@@ -132,15 +140,9 @@ async fn spans_continue_the_rows_trace(mode: Mode, kind: Kind) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_event_has_failed_then_dead_lettered_spans() {
     let receiver = OtlpReceiver::start().await;
-    let (db, broker, toml) = setup(
-        Mode::Polling,
-        Kind::Rabbit,
-        &["order"],
+    let (db, broker, toml) = traced(
+        &receiver.endpoint(),
         &[
-            (
-                "telemetry.otlp.endpoint",
-                &format!("\"{}\"", receiver.endpoint()),
-            ),
             ("dead_letter.max_attempts", "2"),
             ("relay.reject_retry_base", "\"100ms\""),
             ("relay.reject_retry_max", "\"200ms\""),
@@ -191,15 +193,9 @@ async fn a_refused_event_has_failed_then_dead_lettered_spans() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_collector_does_not_hold_delivery_up() {
     let silent = SilentCollector::start().await;
-    let (db, broker, toml) = setup(
-        Mode::Polling,
-        Kind::Rabbit,
-        &["order"],
+    let (db, broker, toml) = traced(
+        &silent.endpoint(),
         &[
-            (
-                "telemetry.otlp.endpoint",
-                &format!("\"{}\"", silent.endpoint()),
-            ),
             ("telemetry.otlp.max_queue_size", "4"),
             ("relay.shutdown_timeout", "\"3s\""),
         ],
@@ -279,17 +275,9 @@ async fn an_https_collector_of_the_configured_ca_receives_spans() {
     let ca = Ca::new("outbox-relay test collector CA");
     let receiver = OtlpReceiver::start_tls(&ca.server(&["localhost"], &["127.0.0.1"])).await;
     let ca_path = write_ca("collector-ca.pem", &ca);
-    let (db, broker, toml) = setup(
-        Mode::Polling,
-        Kind::Rabbit,
-        &["order"],
-        &[
-            (
-                "telemetry.otlp.endpoint",
-                &format!("\"{}\"", receiver.endpoint()),
-            ),
-            ("telemetry.otlp.ca", &format!("\"{ca_path}\"")),
-        ],
+    let (db, broker, toml) = traced(
+        &receiver.endpoint(),
+        &[("telemetry.otlp.ca", &format!("\"{ca_path}\""))],
     )
     .await;
     assert!(receiver.endpoint().starts_with("https://"));
@@ -320,16 +308,7 @@ async fn an_https_collector_of_the_configured_ca_receives_spans() {
 async fn an_https_collector_of_an_unknown_ca_gets_nothing_and_check_says_why() {
     let ca = Ca::new("outbox-relay test collector CA");
     let receiver = OtlpReceiver::start_tls(&ca.server(&["localhost"], &["127.0.0.1"])).await;
-    let (db, broker, toml) = setup(
-        Mode::Polling,
-        Kind::Rabbit,
-        &["order"],
-        &[(
-            "telemetry.otlp.endpoint",
-            &format!("\"{}\"", receiver.endpoint()),
-        )],
-    )
-    .await;
+    let (db, broker, toml) = traced(&receiver.endpoint(), &[]).await;
     let (_, out, _) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
     let line = out
         .lines()

@@ -93,12 +93,7 @@ async fn cdc_survives_a_kill(admin: &str) {
         .wait_ids(&[first.clone(), second.clone()].concat(), WAIT)
         .await;
     // Duplicates are allowed after a kill; first deliveries keep commit order.
-    let mut seen = std::collections::HashSet::new();
-    let firsts: Vec<String> = got
-        .iter()
-        .map(|m| m.event_id())
-        .filter(|id| seen.insert(id.clone()))
-        .collect();
+    let firsts = crate::support::brokers::first_ids(&got);
     assert_eq!(firsts, [first, second].concat());
     assert!(relay.terminate().success(), "the relay exits 0 on SIGTERM");
 }
@@ -245,8 +240,7 @@ async fn run_refuses_failover_before_17() {
         "true",
     );
     let slot = slot_of(&toml);
-    let port = crate::kit::free_port();
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let (mut relay, port) = ChildRelay::serving(&toml);
     let sent = insert_events(&db, 5).await;
     let refused = || async {
         wait_for(WAIT, "readiness to name the refusal", || async {

@@ -11,7 +11,7 @@ use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,6 +28,16 @@ impl Inbox {
 
     pub fn len(&self) -> usize {
         self.0.lock().unwrap().len()
+    }
+
+    /// The event ids received so far.
+    pub fn event_ids(&self) -> HashSet<String> {
+        self.ids_in_order().into_iter().collect()
+    }
+
+    /// The event id of every message received so far, in arrival order.
+    pub fn ids_in_order(&self) -> Vec<String> {
+        self.snapshot().iter().map(Received::event_id).collect()
     }
 
     /// Waits until at least `n` messages arrived; returns them all.
@@ -83,6 +93,16 @@ impl Inbox {
             ),
         }
     }
+}
+
+/// The event ids of `got` at their first delivery, in arrival order: the
+/// repeats a crash or a retry may bring are left out.
+pub fn first_ids(got: &[Received]) -> Vec<String> {
+    let mut seen = HashSet::new();
+    got.iter()
+        .map(Received::event_id)
+        .filter(|id| seen.insert(id.clone()))
+        .collect()
 }
 
 /// A Kafka topic prefix of its own, and a consumer reading every topic created under it.

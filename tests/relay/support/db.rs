@@ -1,8 +1,9 @@
 //! A database of its own for each test, dropped with its slots however the
 //! test ends.
 
-use super::{connect, pg_admin_url, unique};
+use super::{WAIT, connect, pg_admin_url, unique, wait_for};
 use outbox_relay::config::Config;
+use std::collections::HashSet;
 use std::time::Duration;
 use tokio_postgres::{Client, NoTls};
 
@@ -77,6 +78,21 @@ impl TestDb {
     pub async fn unsent(&self) -> i64 {
         self.count("SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL")
             .await
+    }
+
+    /// The ids of the rows not marked sent.
+    pub async fn unsent_ids(&self) -> HashSet<String> {
+        let sql = "SELECT id::text FROM outbox WHERE relay_sent_at IS NULL";
+        let rows = self.client.query(sql, &[]).await.expect(sql);
+        rows.iter().map(|r| r.get(0)).collect()
+    }
+
+    /// Waits until every row is marked sent.
+    pub async fn wait_all_marked(&self) {
+        wait_for(WAIT, "all rows marked", || async {
+            (self.unsent().await == 0).then_some(())
+        })
+        .await;
     }
 }
 

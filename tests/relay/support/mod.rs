@@ -22,8 +22,12 @@ mod slots;
 pub use db::TestDb;
 pub use http::{http_get, metric};
 pub use relay_config::{base_toml, config_file, parse, rabbit_sink, set, with_http, with_mode};
-pub use relays::{ChildRelay, InProcess, kill_while_busy, run_cli};
-pub use slots::{cluster_that_loses_slots, migrate_at, slot_of, wal_status};
+pub use relays::{
+    ChildRelay, InProcess, cli_complains, cli_says, kill_while_busy, run_cli, terminate,
+};
+pub use slots::{
+    cluster_that_loses_slots, drop_lost_slot, lose_slot, migrate_at, slot_of, wal_status,
+};
 
 use brokers::{Inbox, KafkaTopics, RabbitExchange};
 use std::future::Future;

@@ -162,6 +162,22 @@ enum ProxyOwner {
     Rabbit(Proxy),
 }
 
+/// [`super::setup`] with the broker behind a proxy the test can cut.
+pub async fn setup_cut(
+    mode: super::Mode,
+    kind: super::Kind,
+    sets: &[(&str, &str)],
+) -> (super::TestDb, CutBroker, String) {
+    let broker = CutBroker::new(kind).await;
+    let db = super::TestDb::new().await;
+    let mut toml = super::with_mode(&super::base_toml(&db.url, &broker.sink), mode);
+    for (k, v) in sets {
+        toml = super::set(&toml, k, v);
+    }
+    db.migrate(&super::parse(&toml)).await;
+    (db, broker, toml)
+}
+
 impl CutBroker {
     pub async fn new(kind: super::Kind) -> CutBroker {
         match kind {

@@ -4,7 +4,7 @@
 use super::{WAIT, relay_bin, unique, wait_for};
 use crate::support::brokers::Inbox;
 use outbox_relay::config::Config;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -51,6 +51,12 @@ impl ChildRelay {
         Self::start_with_env(config_toml, &[])
     }
 
+    /// The relay serving its HTTP endpoints on a free port, which it returns.
+    pub fn serving(config_toml: &str) -> (ChildRelay, u16) {
+        let port = crate::kit::free_port();
+        (Self::start(&super::with_http(config_toml, port)), port)
+    }
+
     pub fn start_with_env(config_toml: &str, envs: &[(&str, &str)]) -> ChildRelay {
         let dir = std::env::temp_dir().join(unique("outbox-relay-test-"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -69,7 +75,7 @@ impl ChildRelay {
     }
 
     /// Waits for the process to exit by itself; `None` if it is still running after `limit`.
-    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
         let start = Instant::now();
         while start.elapsed() < limit {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -90,21 +96,8 @@ impl ChildRelay {
     }
 
     /// Sends SIGTERM and waits for the exit status.
-    pub fn terminate(&mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            if start.elapsed() > WAIT {
-                self.kill();
-                panic!("relay did not exit within {WAIT:?} of SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+    pub fn terminate(&mut self) -> ExitStatus {
+        terminate(&mut self.child)
     }
 }
 
@@ -112,6 +105,54 @@ impl Drop for ChildRelay {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Sends SIGTERM to a relay process and waits for its exit status; kills it
+/// and panics if it is still running after [`WAIT`].
+pub fn terminate(child: &mut Child) -> ExitStatus {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if start.elapsed() > WAIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the relay did not exit within {WAIT:?} of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs `outbox-relay <args>` to completion; asserts it exits with `code`
+/// and that its stdout holds each of `says`. Returns stdout.
+pub fn cli_says(args: &[&str], code: i32, says: &[&str]) -> String {
+    cli_expect(args, code, says, |(out, _)| out)
+}
+
+/// Runs `outbox-relay <args>` to completion; asserts it exits with `code`
+/// and that its stderr holds each of `complains`. Returns stderr.
+pub fn cli_complains(args: &[&str], code: i32, complains: &[&str]) -> String {
+    cli_expect(args, code, complains, |(_, err)| err)
+}
+
+/// What [`cli_says`] and [`cli_complains`] share: `stream` picks stdout or stderr.
+fn cli_expect(
+    args: &[&str],
+    code: i32,
+    fragments: &[&str],
+    stream: fn((String, String)) -> String,
+) -> String {
+    let (got, out, err) = run_cli(args, &[]);
+    assert_eq!(got, code, "{out}{err}");
+    let text = stream((out, err));
+    for fragment in fragments {
+        assert!(text.contains(fragment), "{fragment:?} in:\n{text}");
+    }
+    text
 }
 
 /// Runs the binary to completion with arguments; returns (exit code, stdout, stderr).

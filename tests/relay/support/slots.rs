@@ -1,8 +1,10 @@
 //! Private clusters, replication slots and migrations, for the tests that
 //! lose slots or run on a server of their own.
 
+use super::wait_for;
 use crate::kit::cluster::PrivatePg;
 use outbox_relay::config::Config;
+use std::time::Duration;
 use tokio_postgres::Client;
 
 /// The slot name a test config sets (`source.cdc.slot`).
@@ -25,6 +27,34 @@ pub async fn wal_status(client: &Client, slot: &str) -> Option<String> {
         .await
         .unwrap()
         .and_then(|r| r.get(0))
+}
+
+/// Writes WAL (and checkpoints) until the cluster, one of
+/// [`cluster_that_loses_slots`], loses `slot`; panics after `limit`.
+pub async fn lose_slot(app: &Client, slot: &str, limit: Duration) {
+    app.batch_execute("CREATE TABLE filler (pad text)")
+        .await
+        .unwrap();
+    wait_for(limit, "the slot to be lost", || async {
+        app.batch_execute("INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 3000); SELECT pg_switch_wal(); CHECKPOINT;")
+            .await
+            .unwrap();
+        (wal_status(app, slot).await.as_deref() == Some("lost")).then_some(())
+    })
+    .await;
+}
+
+/// Asserts the relay left the lost `slot` alone, then recovers the way the
+/// operator is told to: drops it.
+pub async fn drop_lost_slot(app: &Client, slot: &str) {
+    assert_eq!(
+        wal_status(app, slot).await.as_deref(),
+        Some("lost"),
+        "the slot is left alone"
+    );
+    app.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .unwrap();
 }
 
 /// Migrates the database at `url` the way `outbox-relay migrate` does.
