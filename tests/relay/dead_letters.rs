@@ -38,6 +38,17 @@ pub fn dlq_list(path: &str) -> Vec<Value> {
         .collect()
 }
 
+/// A poison event of aggregate `P`, then three followers of the same aggregate.
+async fn poison_and_followers(db: &TestDb) -> (Uuid, Vec<Uuid>) {
+    let poison = Uuid::new_v4();
+    insert_big(db, poison, "P").await;
+    let followers = ids(3);
+    for id in &followers {
+        db.insert(*id, "order", "P", json!({})).await;
+    }
+    (poison, followers)
+}
+
 /// Waits until `n` events are dead-lettered.
 async fn wait_dead_letters(path: &str, n: usize, what: &str) {
     wait_for(WAIT, what, || async {
@@ -50,12 +61,7 @@ every_mode!(a_poison_event_is_dead_lettered_and_its_aggregate_follows);
 async fn a_poison_event_is_dead_lettered_and_its_aggregate_follows(mode: Mode, kind: Kind) {
     let (db, broker, toml) = setup(mode, kind, &["order"], &poison_settings("\"follow\"")).await;
     let path = config_file(&toml);
-    let poison = Uuid::new_v4();
-    insert_big(&db, poison, "P").await;
-    let followers = ids(3);
-    for id in &followers {
-        db.insert(*id, "order", "P", json!({})).await;
-    }
+    let (poison, followers) = poison_and_followers(&db).await;
     let others = ids(10);
     for (i, id) in others.iter().enumerate() {
         db.insert(*id, "order", &format!("g{i}"), json!({})).await;
@@ -160,12 +166,7 @@ async fn with_wait_later_events_stay_in_the_outbox_until_the_dead_letter_is_drop
 ) {
     let (db, broker, toml) = setup(mode, kind, &["order"], &poison_settings("\"wait\"")).await;
     let path = config_file(&toml);
-    let poison = Uuid::new_v4();
-    insert_big(&db, poison, "P").await;
-    let followers = ids(3);
-    for id in &followers {
-        db.insert(*id, "order", "P", json!({})).await;
-    }
+    let (poison, followers) = poison_and_followers(&db).await;
     let relay = InProcess::start(parse(&toml));
     wait_dead_letters(&path, 1, "the poison event dead-lettered").await;
     tokio::time::sleep(Duration::from_millis(800)).await;

@@ -62,6 +62,17 @@ async fn day_partitioned(db: &TestDb, days: &[(&str, &str)], with_default: bool)
     db.client.batch_execute(&sql).await.unwrap();
 }
 
+/// A partition for the year 2030, as the application would add one.
+async fn partition_2030(db: &TestDb) {
+    db.client
+        .batch_execute(
+            "CREATE TABLE outbox_2030 PARTITION OF outbox
+                 FOR VALUES FROM ('2030-01-01 00:00:00+00') TO ('2031-01-01 00:00:00+00')",
+        )
+        .await
+        .unwrap();
+}
+
 /// Inserts through the parent with `created_at` given.
 async fn insert_at(db: &TestDb, id: Uuid, at: &str) -> Result<u64, tokio_postgres::Error> {
     db.client
@@ -103,13 +114,7 @@ async fn migrate_adopts_an_application_partitioned_table() {
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
     // relay_seq draws from one sequence, in every partition, present and future.
-    db.client
-        .batch_execute(
-            "CREATE TABLE outbox_2030 PARTITION OF outbox
-                 FOR VALUES FROM ('2030-01-01 00:00:00+00') TO ('2031-01-01 00:00:00+00')",
-        )
-        .await
-        .unwrap();
+    partition_2030(&db).await;
     let new = Uuid::new_v4();
     insert_at(&db, new, "2030-06-01 00:00:00+00").await.unwrap();
     assert_eq!(
@@ -204,13 +209,7 @@ async fn delivers_and_marks_across_partitions_made_while_running(mode: Mode, kin
         insert_at(&db, now, "now").await.ok()
     })
     .await;
-    db.client
-        .batch_execute(
-            "CREATE TABLE outbox_2030 PARTITION OF outbox
-                 FOR VALUES FROM ('2030-01-01 00:00:00+00') TO ('2031-01-01 00:00:00+00')",
-        )
-        .await
-        .unwrap();
+    partition_2030(&db).await;
     let later = Uuid::new_v4();
     insert_at(&db, later, "2030-06-01 00:00:00+00")
         .await

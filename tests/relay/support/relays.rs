@@ -76,14 +76,7 @@ impl ChildRelay {
 
     /// Waits for the process to exit by itself; `None` if it is still running after `limit`.
     pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
-        let start = Instant::now();
-        while start.elapsed() < limit {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        None
+        exit_within(&mut self.child, limit)
     }
 
     pub fn kill(&mut self) {
@@ -113,18 +106,24 @@ pub fn terminate(child: &mut Child) -> ExitStatus {
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
+    exit_within(child, WAIT).unwrap_or_else(|| {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the relay did not exit within {WAIT:?} of SIGTERM");
+    })
+}
+
+/// The exit status of `child` once it exits by itself; `None` if it is
+/// still running after `limit`.
+fn exit_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
     let start = Instant::now();
-    loop {
+    while start.elapsed() < limit {
         if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if start.elapsed() > WAIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the relay did not exit within {WAIT:?} of SIGTERM");
+            return Some(status);
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    None
 }
 
 /// Runs `outbox-relay <args>` to completion; asserts it exits with `code`
