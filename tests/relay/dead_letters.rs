@@ -49,6 +49,11 @@ async fn poison_and_followers(db: &TestDb) -> (Uuid, Vec<Uuid>) {
     (poison, followers)
 }
 
+/// `outbox-relay dlq redrive --id <id>`: (exit code, stdout, stderr).
+fn redrive_one(path: &str, id: &str) -> (i32, String, String) {
+    run_cli(&["dlq", "redrive", "--config", path, "--id", id], &[])
+}
+
 /// Waits until `n` events are dead-lettered.
 async fn wait_dead_letters(path: &str, n: usize, what: &str) {
     wait_for(WAIT, what, || async {
@@ -121,17 +126,7 @@ async fn a_poison_event_is_dead_lettered_and_its_aggregate_follows(mode: Mode, k
     let path = config_file(&toml);
     // Redriving the first letter alone, with its followers still open,
     // would split the aggregate: refused, naming the way that keeps order.
-    let (code, _, err) = run_cli(
-        &[
-            "dlq",
-            "redrive",
-            "--config",
-            &path,
-            "--id",
-            &poison.to_string(),
-        ],
-        &[],
-    );
+    let (code, _, err) = redrive_one(&path, &poison.to_string());
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("one of 4 open dead letters of its aggregate (0 earlier, 3 later)")
@@ -177,17 +172,7 @@ async fn with_wait_later_events_stay_in_the_outbox_until_the_dead_letter_is_drop
     );
     assert_eq!(broker.inbox().len(), 0);
     // Redriving one later event alone would break the order: refused.
-    let (code, _, err) = run_cli(
-        &[
-            "dlq",
-            "redrive",
-            "--config",
-            &path,
-            "--id",
-            &Uuid::new_v4().to_string(),
-        ],
-        &[],
-    );
+    let (code, _, err) = redrive_one(&path, &Uuid::new_v4().to_string());
     assert_eq!(code, 1);
     assert!(err.contains("no open dead letter"), "{err}");
     // The operator gives up on the poison event: the others flow, in order.
