@@ -268,19 +268,7 @@ async fn a_publication_without_relay_seq_is_refused_while_marking() {
     let (mut relay, port) = ChildRelay::serving(&toml);
     // Streamed (not read at start-up): inserted once the relay is streaming.
     let slot = slot_of(&toml);
-    wait_for(WAIT, "the relay to start streaming", || async {
-        let active: bool = db
-            .client
-            .query_one(
-                "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await
-            .ok()?
-            .get(0);
-        active.then_some(())
-    })
-    .await;
+    wait_streaming(&db.client, &slot).await;
     let id = Uuid::new_v4();
     db.insert(id, "order", "a", json!({})).await;
     let body = wait_for(WAIT, "readiness to name the missing column", || async {

@@ -98,16 +98,7 @@ impl LostMidStream {
         })
         .await;
         let before = committed.len();
-        let walsender: i32 = wait_for(WAIT, "the relay's WAL sender", || async {
-            app.query_opt(
-                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                &[&slot],
-            )
-            .await
-            .unwrap()
-            .map(|r| r.get(0))
-        })
-        .await;
+        let walsender = wait_streaming(&app, &slot).await;
         let walsender = u32::try_from(walsender).unwrap();
 
         let paused_relay = Paused::pause(relay.pid());

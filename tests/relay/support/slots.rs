@@ -29,6 +29,29 @@ pub async fn wal_status(client: &Client, slot: &str) -> Option<String> {
         .and_then(|r| r.get(0))
 }
 
+/// Waits until a WAL sender streams from `slot` and returns its pid. The
+/// slot is also active while the relay moves it in fast-forward during a
+/// start-up read, from an ordinary session: that does not count.
+pub async fn wait_streaming(client: &Client, slot: &str) -> i32 {
+    wait_for(
+        super::WAIT,
+        "a WAL sender streaming from the slot",
+        || async {
+            client
+                .query_opt(
+                    "SELECT s.active_pid FROM pg_replication_slots s \
+                 JOIN pg_stat_replication r ON r.pid = s.active_pid \
+                 WHERE s.slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .unwrap()
+                .map(|r| r.get(0))
+        },
+    )
+    .await
+}
+
 /// Writes WAL (and checkpoints) until the cluster, one of
 /// [`cluster_that_loses_slots`], loses `slot`; panics after `limit`.
 pub async fn lose_slot(app: &Client, slot: &str, limit: Duration) {

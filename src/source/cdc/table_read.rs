@@ -1,0 +1,239 @@
+//! The start-up read of unsent rows, in rounds, and the slot's fast-forward
+//! moves beside it (see [`TableRead`] and the [module docs](super)).
+
+use super::progress::{CATCH_UP, CdcPosition};
+use super::snapshot::{Snapshot, StartupView};
+use super::stream::lock;
+use super::{CdcReader, CdcServer, Phase};
+use crate::replication::Lsn;
+use crate::source::{SourceError, SourcedEvent};
+use crate::telemetry::events::{InternalEvent, SlotAdvanced};
+use std::time::Duration;
+
+/// A start-up read that handed over at least this many rows is followed by
+/// another (see [`TableRead`]).
+pub const REREAD_ROWS: u64 = 1_000;
+
+/// Reads after the first, at most: a writer faster than the relay never
+/// lets a read come out small, and the stream takes over after these.
+const MAX_REREADS: u32 = 100;
+
+/// Pause before a small read that only waits out the slot's move.
+const REREAD_PAUSE: Duration = Duration::from_millis(20);
+
+/// The start-up read, in one or more rounds.
+///
+/// Each round reads, in `relay_seq` order, the unsent rows of one snapshot.
+/// A round after the first skips the rows whose transaction the previous
+/// round's snapshot saw committed: that round read them (they were unsent
+/// then, being unsent now), and they may still be on their way to the
+/// broker. What is left are the events committed during the previous round.
+///
+/// All rounds feed one pseudo-transaction ([`CATCH_UP`]) of the progress,
+/// which ends after the last round; the stream then skips what the last
+/// snapshot saw (snapshots only grow, so it saw all the earlier ones did).
+///
+/// Without more rounds, the events committed during a long read would reach
+/// the relay only through the stream, after the server decoded all the WAL
+/// written meanwhile: the relay's own marking of the backlog included, a
+/// million row changes after a million-event backlog, which takes seconds.
+/// Each round instead lets the slot be moved past that WAL in fast-forward,
+/// which does not decode row changes.
+pub(super) struct TableRead {
+    cursor: i64,
+    /// Rows handed over, over all rounds.
+    rows: u64,
+    /// Rows handed over by this round.
+    round_rows: u64,
+    /// Rounds after the first.
+    rereads: u32,
+    view: StartupView,
+    /// The previous round's snapshot: rows it saw were read then.
+    seen: Option<Snapshot>,
+    /// The slot being moved to a view's settled position.
+    advance: Option<Advance>,
+}
+
+/// The slot's move, running beside the start-up read; stopped when dropped
+/// (a rewind or a crash: the server finishes it, and the next start waits
+/// for the slot as for any busy one).
+struct Advance {
+    from: Lsn,
+    task: tokio::task::JoinHandle<Result<Lsn, SourceError>>,
+}
+
+impl Drop for Advance {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl TableRead {
+    /// The first round, over `view`.
+    pub(super) fn new(view: StartupView) -> Self {
+        TableRead {
+            cursor: 0,
+            rows: 0,
+            round_rows: 0,
+            rereads: 0,
+            view,
+            seen: None,
+            advance: None,
+        }
+    }
+}
+
+impl<B: CdcServer> CdcReader<B> {
+    /// One page of the start-up read; after a round's last page, the next
+    /// round or the stream.
+    pub(super) async fn table_page(
+        &mut self,
+        max: usize,
+        max_bytes: usize,
+    ) -> Result<(), SourceError> {
+        let Phase::TableRead(read) = &mut self.phase else {
+            return Ok(());
+        };
+        let rows = self.server.table_page(read.cursor, max, max_bytes).await?;
+        let now = chrono::Utc::now();
+        let done = rows.is_empty();
+        for row in rows {
+            read.cursor = row.seq;
+            if read.seen.as_ref().is_some_and(|s| s.saw_committed(row.xid)) {
+                continue; // read by the previous round
+            }
+            read.rows += 1;
+            read.round_rows += 1;
+            let position = CdcPosition {
+                commit_lsn: CATCH_UP,
+                index: u64::try_from(row.seq).unwrap_or_default(),
+                seq: Some(row.seq),
+                xid: None, // read from a snapshot: visible
+            };
+            if lock(&self.progress).event(&position) {
+                let event = SourcedEvent::new(position, row.raw.decode(now));
+                self.pending_bytes += event.bytes();
+                self.pending.push(event);
+            }
+        }
+        if done {
+            self.end_round().await?;
+        }
+        Ok(())
+    }
+
+    /// After a round's last page: another round, or the stream.
+    async fn end_round(&mut self) -> Result<(), SourceError> {
+        let Phase::TableRead(read) = &mut self.phase else {
+            return Ok(());
+        };
+        let moving = read.advance.as_ref().is_some_and(|a| !a.task.is_finished());
+        let large = read.round_rows >= self.settings.reread_rows;
+        let again = (large || moving)
+            && read.rereads < MAX_REREADS
+            && read.view.settled.is_some()
+            && self.settings.messages.is_none();
+        if again {
+            if !large {
+                tokio::time::sleep(REREAD_PAUSE).await;
+            }
+            return self.next_round(large).await;
+        }
+        // Not moving: nothing to wait for. The stream decodes the WAL since
+        // the last move, which holds the marking of small reads only.
+        self.finish_advance().await;
+        self.server.end_table_read().await?;
+        let flushed = {
+            let mut p = lock(&self.progress);
+            let f = p.flushed();
+            p.commit(f);
+            f
+        };
+        let Phase::TableRead(read) = std::mem::replace(&mut self.phase, Phase::Start) else {
+            return Ok(());
+        };
+        tracing::info!(
+            rows = read.rows,
+            reads = read.rereads + 1,
+            "start-up read of unsent rows done"
+        );
+        let skip = Some(StartupView {
+            until: read.view.until.max(flushed),
+            ..read.view
+        });
+        self.phase = Phase::Streaming(Box::new(self.open_stream(skip).await?));
+        Ok(())
+    }
+
+    /// A new snapshot for the events committed during the previous round;
+    /// after a `large` one, the slot is moved past its WAL (each move
+    /// decodes again from the slot's restart position, which takes a few
+    /// hundred milliseconds however little WAL it passes, so small reads
+    /// leave that to the stream).
+    async fn next_round(&mut self, large: bool) -> Result<(), SourceError> {
+        let view = self.server.begin_table_read().await?;
+        let Phase::TableRead(read) = &mut self.phase else {
+            return Ok(());
+        };
+        let previous = std::mem::replace(&mut read.view, view);
+        read.seen = Some(previous.snapshot);
+        read.cursor = 0;
+        read.round_rows = 0;
+        read.rereads += 1;
+        tracing::debug!(
+            reads = read.rereads + 1,
+            "reading the rows committed during the start-up read"
+        );
+        if read.advance.as_ref().is_some_and(|a| a.task.is_finished()) {
+            self.finish_advance().await;
+        }
+        if large {
+            self.advance_to_settled();
+        }
+        Ok(())
+    }
+
+    /// Starts moving the slot to the current view's settled position,
+    /// unless a move is under way or there is nothing to pass.
+    pub(super) fn advance_to_settled(&mut self) {
+        let Phase::TableRead(read) = &mut self.phase else {
+            return;
+        };
+        let from = lock(&self.progress).flushed();
+        if read.advance.is_some() || self.settings.messages.is_some() {
+            // Logical messages live in the WAL alone: the slot must not skip any.
+            return;
+        }
+        read.advance = read.view.settled.filter(|to| *to > from).map(|to| Advance {
+            from,
+            task: tokio::spawn(self.server.advance_slot(to)),
+        });
+    }
+
+    /// Waits for the slot's move, if one runs, and takes its result.
+    async fn finish_advance(&mut self) {
+        let Phase::TableRead(read) = &mut self.phase else {
+            return;
+        };
+        let Some(advance) = &mut read.advance else {
+            return;
+        };
+        // Kept until it ends, so a cancelled call waits for it again.
+        let result = (&mut advance.task).await;
+        let from = advance.from;
+        read.advance = None;
+        match result {
+            Ok(Ok(to)) => {
+                lock(&self.progress).skipped_to(to);
+                SlotAdvanced::Moved {
+                    slot: &self.settings.slot,
+                    from: &from,
+                    to: &to,
+                }
+                .emit();
+            }
+            Ok(Err(e)) => SlotAdvanced::Refused { error: &e }.emit(),
+            Err(e) => SlotAdvanced::Stopped { error: &e }.emit(),
+        }
+    }
+}
