@@ -37,8 +37,9 @@ const REREAD_PAUSE: Duration = Duration::from_millis(20);
 /// the relay only through the stream, after the server decoded all the WAL
 /// written meanwhile: the relay's own marking of the backlog included, a
 /// million row changes after a million-event backlog, which takes seconds.
-/// Each round instead lets the slot be moved past that WAL in fast-forward,
-/// which does not decode row changes.
+/// After each large round the slot is instead moved past that WAL in
+/// fast-forward, which does not decode row changes; small rounds leave
+/// their little WAL to the stream (see `next_round`).
 pub(super) struct TableRead {
     cursor: i64,
     /// Rows handed over, over all rounds.
