@@ -137,6 +137,44 @@ async fn the_slot_skips_a_backlog_while_it_is_published() {
     relay.stop().await;
 }
 
+/// After a backlog, decoding the slot starts again after it: each move of
+/// the slot, and the stream that follows, would otherwise decode the whole
+/// backlog again, for as long as the server writes no new restart point
+/// (every 15 seconds at most). The temporary slot that writes one is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_backlog_the_slot_restarts_after_it() {
+    let db = TestDb::new().await;
+    let broker = RabbitExchange::new().await;
+    let toml = cdc_toml(&db.url, &broker.sink_toml());
+    let slot = slot_of(&toml);
+    db.migrate(&parse(&toml)).await;
+    let early = backlog(&db, 2_000, 20).await;
+    let backlog_end: String = db
+        .client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let backlog_end: outbox_relay::replication::Lsn = backlog_end.parse().unwrap();
+    assert!(restart_position(&db.client, &slot).await < backlog_end);
+    let relay = InProcess::start(parse(&toml));
+    broker.inbox.wait_ids(&early, WAIT).await;
+    db.wait_all_marked().await;
+    // Well within the server's own 15 seconds.
+    wait_for(
+        Duration::from_secs(3),
+        "the slot to restart after the backlog",
+        || async { (restart_position(&db.client, &slot).await >= backlog_end).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        slots_named(&db.client, &slot).await,
+        std::slice::from_ref(&slot),
+        "no temporary slot is left"
+    );
+    relay.stop().await;
+}
+
 /// A transaction that runs on for longer than the relay waits keeps the
 /// slot where it is (the stream skips the backlog instead); its event is
 /// published once it commits.

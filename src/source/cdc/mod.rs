@@ -22,7 +22,9 @@
 //!    stream would otherwise reach only after decoding all the WAL written
 //!    during the read (its marking `UPDATE`s included). After each large
 //!    read the slot is moved on again in fast-forward, so the stream opens
-//!    close to the end of the WAL. See [`TableRead`].
+//!    close to the end of the WAL. See [`TableRead`]. Before each move a
+//!    restart point is written ([`setup::write_restart_point`]), so that
+//!    later decoding starts from there, not from before the backlog.
 //! 4. Stream from the slot's confirmed position.
 //!
 //! # Acknowledgement
@@ -238,6 +240,10 @@ impl<B: CdcServer> CdcReader<B> {
             lock(&self.progress).remember(&done);
         }
         if self.settings.read_table {
+            if self.settings.messages.is_none() {
+                // The slot is moved to the view's settled position.
+                self.server.write_restart_point().await;
+            }
             let view = self.server.begin_table_read().await?;
             lock(&self.progress).begin(CATCH_UP);
             self.phase = Phase::TableRead(TableRead::new(view));

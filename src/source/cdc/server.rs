@@ -64,6 +64,13 @@ pub trait CdcServer: Send + 'static {
     fn begin_table_read(&mut self)
     -> impl Future<Output = Result<StartupView, SourceError>> + Send;
 
+    /// Best effort: writes a position the server can restart decoding from
+    /// (see [`setup::write_restart_point`]), before a view the slot is
+    /// moved to. Nothing where decoding has no restart position.
+    fn write_restart_point(&mut self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
     /// Moves the slot's confirmed position forward to `to` without the
     /// output plugin, on a connection of its own, so that it runs while the
     /// start-up read is published. Returns where the slot got to (the server
@@ -407,6 +414,20 @@ impl CdcServer for PgServer {
         })
     }
 
+    async fn write_restart_point(&mut self) {
+        let started = std::time::Instant::now();
+        let written = match crate::db::connect(&self.db, None).await {
+            Ok(client) => setup::write_restart_point(&client, &self.settings.slot).await,
+            Err(e) => Err(e),
+        };
+        match written {
+            Ok(()) => tracing::debug!(elapsed = ?started.elapsed(), "restart point written"),
+            Err(e) => {
+                tracing::debug!(error = %e, "no restart point; the slot's next move decodes from further back")
+            }
+        }
+    }
+
     fn advance_slot(
         &mut self,
         to: Lsn,
@@ -479,7 +500,7 @@ impl CdcServer for PgServer {
         // pgoutput learned `messages` in PostgreSQL 14 and refuses options it
         // does not know. The relay only skips the messages (its heartbeats
         // move the slot by writing WAL, received or not), so 13 goes without.
-        if major_version(client.server_version()).is_none_or(|v| v >= 14) {
+        if setup::major_version(client.server_version()).is_none_or(|v| v >= 14) {
             options.push(("messages", "true"));
         }
         let stream = client
@@ -559,33 +580,5 @@ impl CdcStream for PgStream {
         if let Err(e) = self.0.finish().await {
             tracing::debug!(error = %e, "ending the replication stream");
         }
-    }
-}
-
-/// The major version in a `server_version` report (`13.23`, `17.10 (Debian ...)`, `18beta1`).
-fn major_version(report: Option<&str>) -> Option<u32> {
-    let digits: String = report?
-        .trim_start()
-        .chars()
-        .take_while(char::is_ascii_digit)
-        .collect();
-    digits.parse().ok()
-}
-
-#[cfg(test)]
-mod version_tests {
-    use super::major_version;
-
-    #[test]
-    fn major_version_of_server_reports() {
-        assert_eq!(major_version(Some("13.23")), Some(13));
-        assert_eq!(
-            major_version(Some("17.10 (Debian 17.10-1.pgdg120+1)")),
-            Some(17)
-        );
-        assert_eq!(major_version(Some("18beta1")), Some(18));
-        assert_eq!(major_version(Some("")), None);
-        assert_eq!(major_version(Some("devel")), None);
-        assert_eq!(major_version(None), None);
     }
 }

@@ -101,6 +101,49 @@ pub fn lost_slot_message(slot: &str, marked: bool) -> String {
     }
 }
 
+/// How long writing a restart point waits for the transactions that were
+/// running when it wrote one (see [`write_restart_point`]).
+const RESTART_POINT_WAIT: &str = "1s";
+
+/// Writes a record of the running transactions to the WAL: a logical slot's
+/// restart position (where every decode of it begins: a move, a new stream)
+/// moves only to such records, which the server otherwise writes every 15
+/// seconds at most. Written just before a position the slot is then moved
+/// past, it lets the slot restart from there rather than from before a
+/// backlog that every later decode would read again.
+///
+/// Creating a logical slot writes one, and needs no more than the
+/// REPLICATION attribute the relay has, so this creates a temporary slot
+/// named after `slot` and drops it. The creation then waits for the
+/// transactions already running to end; that wait is cut short after
+/// [`RESTART_POINT_WAIT`], the record being written by then.
+pub async fn write_restart_point(client: &Client, slot: &str) -> Result<(), DbError> {
+    let base = slot.get(..slot.len().min(54)).unwrap_or(slot);
+    let temporary = format!("{base}_restart");
+    client
+        .batch_execute(&format!("SET statement_timeout = '{RESTART_POINT_WAIT}'"))
+        .await
+        .map_err(|e| q("limiting the wait for a restart point", e))?;
+    let created = client
+        .execute(
+            "SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput', true)",
+            &[&temporary],
+        )
+        .await;
+    match created {
+        Ok(_) => {
+            client
+                .execute("SELECT pg_drop_replication_slot($1)", &[&temporary])
+                .await
+                .map_err(|e| q("dropping the temporary slot of a restart point", e))?;
+            Ok(())
+        }
+        // Cancelled while waiting for running transactions: written.
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED) => Ok(()),
+        Err(e) => Err(q("writing a restart point", e)),
+    }
+}
+
 /// Drops a slot (a lost one, before it is created again).
 pub async fn drop_slot(client: &Client, slot: &str) -> Result<(), DbError> {
     client
@@ -363,6 +406,16 @@ async fn server_version_num(client: &Client) -> Result<u32, String> {
     Ok(version.trim().parse().unwrap_or(0))
 }
 
+/// The major version in a `server_version` report (`13.23`, `17.10 (Debian ...)`, `18beta1`).
+pub fn major_version(report: Option<&str>) -> Option<u32> {
+    let digits: String = report?
+        .trim_start()
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -384,5 +437,18 @@ mod tests {
             "ALTER PUBLICATION \"p\" ADD TABLE \"public\".\"outbox\";\n\
              ALTER PUBLICATION \"p\" SET (publish_via_partition_root = true)"
         );
+    }
+
+    #[test]
+    fn major_version_of_server_reports() {
+        assert_eq!(major_version(Some("13.23")), Some(13));
+        assert_eq!(
+            major_version(Some("17.10 (Debian 17.10-1.pgdg120+1)")),
+            Some(17)
+        );
+        assert_eq!(major_version(Some("18beta1")), Some(18));
+        assert_eq!(major_version(Some("")), None);
+        assert_eq!(major_version(Some("devel")), None);
+        assert_eq!(major_version(None), None);
     }
 }

@@ -172,6 +172,13 @@ impl<B: CdcServer> CdcReader<B> {
     /// hundred milliseconds however little WAL it passes, so small reads
     /// leave that to the stream).
     async fn next_round(&mut self, large: bool) -> Result<(), SourceError> {
+        let moves = large
+            && self.settings.messages.is_none()
+            && matches!(&self.phase, Phase::TableRead(r)
+                if r.advance.as_ref().is_none_or(|a| a.task.is_finished()));
+        if moves {
+            self.server.write_restart_point().await;
+        }
         let view = self.server.begin_table_read().await?;
         let Phase::TableRead(read) = &mut self.phase else {
             return Ok(());

@@ -26,8 +26,8 @@ pub use relays::{
     ChildRelay, InProcess, cli_complains, cli_says, kill_while_busy, run_cli, terminate,
 };
 pub use slots::{
-    cluster_that_loses_slots, drop_lost_slot, lose_slot, migrate_at, slot_of, wait_streaming,
-    wal_status,
+    cluster_that_loses_slots, drop_lost_slot, lose_slot, migrate_at, restart_position, slot_of,
+    slots_named, wait_streaming, wal_status,
 };
 
 use brokers::{Inbox, KafkaTopics, RabbitExchange};

@@ -29,6 +29,33 @@ pub async fn wal_status(client: &Client, slot: &str) -> Option<String> {
         .and_then(|r| r.get(0))
 }
 
+/// Where decoding `slot` starts again (`restart_lsn`).
+pub async fn restart_position(client: &Client, slot: &str) -> outbox_relay::replication::Lsn {
+    let lsn: String = client
+        .query_one(
+            "SELECT restart_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    lsn.parse().unwrap()
+}
+
+/// The replication slots whose names start with `prefix`.
+pub async fn slots_named(client: &Client, prefix: &str) -> Vec<String> {
+    client
+        .query(
+            "SELECT slot_name::text FROM pg_replication_slots WHERE starts_with(slot_name::text, $1)",
+            &[&prefix],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
 /// Waits until a WAL sender streams from `slot` and returns its pid. The
 /// slot is also active while the relay moves it in fast-forward during a
 /// start-up read, from an ordinary session: that does not count.
