@@ -135,24 +135,38 @@ impl CdcServer for SimCdc {
         Ok(())
     }
 
-    async fn stream(&mut self, from: Lsn) -> Result<SimStream, SourceError> {
-        let mut w = lock(&self.world);
-        let Some(id) = w.open_stream() else {
-            return Err(SourceError::SlotBusy("sim".into()));
-        };
-        // The server starts at the slot's confirmed position when that is later.
-        let start = from.max(w.slot_confirmed);
-        let pos = w.wal.partition_point(|t| t.commit_lsn < start);
-        w.note(format!("stream {id} from {start}"));
-        Ok(SimStream {
-            world: self.world.clone(),
-            id,
-            pos,
-            buffer: VecDeque::new(),
-            relation_sent: false,
-            next_keepalive: Instant::now() + KEEPALIVE,
-            message_prefix: self.message_prefix.clone(),
-        })
+    fn stream(
+        &mut self,
+        from: Lsn,
+    ) -> impl Future<Output = Result<SimStream, SourceError>> + Send + 'static {
+        let world = self.world.clone();
+        let message_prefix = self.message_prefix.clone();
+        async move {
+            // Connecting and starting take a while, in which the start-up
+            // read may run more rounds.
+            let setup = Duration::from_micros(lock(&world).rng.u64(0..60_000));
+            tokio::time::sleep(setup).await;
+            let (id, pos) = {
+                let mut w = lock(&world);
+                let Some(id) = w.open_stream() else {
+                    return Err(SourceError::SlotBusy("sim".into()));
+                };
+                // The server starts at the slot's confirmed position when that is later.
+                let start = from.max(w.slot_confirmed);
+                let pos = w.wal.partition_point(|t| t.commit_lsn < start);
+                w.note(format!("stream {id} from {start}"));
+                (id, pos)
+            };
+            Ok(SimStream {
+                world,
+                id,
+                pos,
+                buffer: VecDeque::new(),
+                relation_sent: false,
+                next_keepalive: Instant::now() + KEEPALIVE,
+                message_prefix,
+            })
+        }
     }
 
     async fn heartbeat(&mut self) -> Result<(), SourceError> {

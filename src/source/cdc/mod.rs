@@ -125,7 +125,7 @@ impl CdcSettings {
 
 enum Phase<S> {
     Start,
-    TableRead(TableRead),
+    TableRead(TableRead<S>),
     Streaming(Box<Streaming<S>>),
 }
 

@@ -92,11 +92,12 @@ pub trait CdcServer: Send + 'static {
 
     fn end_table_read(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send;
 
-    /// Starts streaming from the slot at `from`.
+    /// Starts streaming from the slot at `from`, on a connection of its
+    /// own, so that it can open while the start-up read ends.
     fn stream(
         &mut self,
         from: Lsn,
-    ) -> impl Future<Output = Result<Self::Stream, SourceError>> + Send;
+    ) -> impl Future<Output = Result<Self::Stream, SourceError>> + Send + 'static;
 
     /// Writes a tiny logical message so that an idle database's slot moves.
     fn heartbeat(&mut self) -> impl Future<Output = Result<(), SourceError>> + Send;
@@ -489,29 +490,36 @@ impl CdcServer for PgServer {
         Ok(())
     }
 
-    async fn stream(&mut self, from: Lsn) -> Result<PgStream, SourceError> {
-        let pg = crate::db::pg_config(&self.db)?;
-        let client = ReplicationClient::connect(&pg, &self.db.tls()).await?;
+    fn stream(
+        &mut self,
+        from: Lsn,
+    ) -> impl Future<Output = Result<PgStream, SourceError>> + Send + 'static {
+        let db = self.db.clone();
+        let slot = self.settings.slot.clone();
         let names = publication_names(&[&self.settings.publication]);
-        let mut options = vec![
-            ("proto_version", "1"),
-            ("publication_names", names.as_str()),
-        ];
-        // pgoutput learned `messages` in PostgreSQL 14 and refuses options it
-        // does not know. The relay only skips the messages (its heartbeats
-        // move the slot by writing WAL, received or not), so 13 goes without.
-        if setup::major_version(client.server_version()).is_none_or(|v| v >= 14) {
-            options.push(("messages", "true"));
+        async move {
+            let pg = crate::db::pg_config(&db)?;
+            let client = ReplicationClient::connect(&pg, &db.tls()).await?;
+            let mut options = vec![
+                ("proto_version", "1"),
+                ("publication_names", names.as_str()),
+            ];
+            // pgoutput learned `messages` in PostgreSQL 14 and refuses options it
+            // does not know. The relay only skips the messages (its heartbeats
+            // move the slot by writing WAL, received or not), so 13 goes without.
+            if setup::major_version(client.server_version()).is_none_or(|v| v >= 14) {
+                options.push(("messages", "true"));
+            }
+            let stream = client
+                .start_logical_replication(&slot, from, &options)
+                .await?;
+            SlotStreaming {
+                slot: &slot,
+                from: &from,
+            }
+            .emit();
+            Ok(PgStream(stream))
         }
-        let stream = client
-            .start_logical_replication(&self.settings.slot, from, &options)
-            .await?;
-        SlotStreaming {
-            slot: &self.settings.slot,
-            from: &from,
-        }
-        .emit();
-        Ok(PgStream(stream))
     }
 
     async fn heartbeat(&mut self) -> Result<(), SourceError> {

@@ -3,6 +3,7 @@
 
 use super::progress::{CATCH_UP, CdcPosition};
 use super::snapshot::{Snapshot, StartupView};
+use super::stream::Streaming;
 use super::stream::lock;
 use super::{CdcReader, CdcServer, Phase};
 use crate::replication::Lsn;
@@ -37,10 +38,17 @@ const REREAD_PAUSE: Duration = Duration::from_millis(20);
 /// the relay only through the stream, after the server decoded all the WAL
 /// written meanwhile: the relay's own marking of the backlog included, a
 /// million row changes after a million-event backlog, which takes seconds.
-/// After each large round the slot is instead moved past that WAL in
+/// After a large round the slot is instead moved past that WAL in
 /// fast-forward, which does not decode row changes; small rounds leave
-/// their little WAL to the stream (see `next_round`).
-pub(super) struct TableRead {
+/// their little WAL to the stream (see `next_round`). A move starts one
+/// round after the large round, not at once: the next round hands over the
+/// events committed while the backlog was published, which have waited
+/// longest, and a move beside it would take a core from them.
+///
+/// Once the slot no longer moves, the stream is opened beside one more
+/// small round, and taken over when it is open: the events committed while
+/// the server sets it up come from the table.
+pub(super) struct TableRead<S> {
     cursor: i64,
     /// Rows handed over, over all rounds.
     rows: u64,
@@ -48,11 +56,29 @@ pub(super) struct TableRead {
     round_rows: u64,
     /// Rounds after the first.
     rereads: u32,
+    /// Large rounds since the slot last started to move: the WAL of their
+    /// marking is still to be passed.
+    unmoved: u32,
     view: StartupView,
     /// The previous round's snapshot: rows it saw were read then.
     seen: Option<Snapshot>,
     /// The slot being moved to a view's settled position.
     advance: Option<Advance>,
+    /// The stream being opened, to take over after the current round.
+    opening: Option<Opening<S>>,
+}
+
+/// The stream, being opened from `from` beside the last round; closed
+/// when dropped.
+struct Opening<S> {
+    from: Lsn,
+    task: tokio::task::JoinHandle<Result<S, SourceError>>,
+}
+
+impl<S> Drop for Opening<S> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// The slot's move, running beside the start-up read; stopped when dropped
@@ -69,7 +95,7 @@ impl Drop for Advance {
     }
 }
 
-impl TableRead {
+impl<S> TableRead<S> {
     /// The first round, over `view`.
     pub(super) fn new(view: StartupView) -> Self {
         TableRead {
@@ -77,9 +103,11 @@ impl TableRead {
             rows: 0,
             round_rows: 0,
             rereads: 0,
+            unmoved: 0,
             view,
             seen: None,
             advance: None,
+            opening: None,
         }
     }
 }
@@ -130,10 +158,17 @@ impl<B: CdcServer> CdcReader<B> {
         };
         let moving = read.advance.as_ref().is_some_and(|a| !a.task.is_finished());
         let large = read.round_rows >= self.settings.reread_rows;
-        let again = (large || moving)
-            && read.rereads < MAX_REREADS
+        let opening = read.opening.as_ref().map(|o| o.task.is_finished());
+        let can = read.rereads < MAX_REREADS
             && read.view.settled.is_some()
             && self.settings.messages.is_none();
+        // While the stream opens, rounds go on until it is open (then the
+        // slot, which the stream holds, cannot move).
+        let again = can
+            && match opening {
+                Some(open) => !open,
+                None => large || moving || read.unmoved > 0,
+            };
         if again {
             if !large {
                 tokio::time::sleep(REREAD_PAUSE).await;
@@ -143,6 +178,15 @@ impl<B: CdcServer> CdcReader<B> {
         // Not moving: nothing to wait for. The stream decodes the WAL since
         // the last move, which holds the marking of small reads only.
         self.finish_advance().await;
+        if can && opening.is_none() {
+            let from = lock(&self.progress).flushed();
+            let task = tokio::spawn(self.server.stream(from));
+            if let Phase::TableRead(read) = &mut self.phase {
+                read.opening = Some(Opening { from, task });
+            }
+            tokio::time::sleep(REREAD_PAUSE).await;
+            return self.next_round(false).await;
+        }
         self.server.end_table_read().await?;
         let flushed = {
             let mut p = lock(&self.progress);
@@ -150,7 +194,7 @@ impl<B: CdcServer> CdcReader<B> {
             p.commit(f);
             f
         };
-        let Phase::TableRead(read) = std::mem::replace(&mut self.phase, Phase::Start) else {
+        let Phase::TableRead(mut read) = std::mem::replace(&mut self.phase, Phase::Start) else {
             return Ok(());
         };
         tracing::info!(
@@ -162,20 +206,40 @@ impl<B: CdcServer> CdcReader<B> {
             until: read.view.until.max(flushed),
             ..read.view
         });
-        self.phase = Phase::Streaming(Box::new(self.open_stream(skip).await?));
+        let streaming = match read.opening.take() {
+            Some(mut opening) => {
+                let stream = (&mut opening.task).await.map_err(|e| {
+                    SourceError::Stream(format!("opening the replication stream: {e}"))
+                })??;
+                Streaming::new(
+                    stream,
+                    skip,
+                    opening.from,
+                    self.settings.read_table,
+                    self.settings.messages.clone(),
+                )
+            }
+            None => self.open_stream(skip).await?,
+        };
+        self.phase = Phase::Streaming(Box::new(streaming));
         Ok(())
     }
 
     /// A new snapshot for the events committed during the previous round;
-    /// after a `large` one, the slot is moved past its WAL (each move
-    /// decodes again from the slot's restart position, which takes a few
-    /// hundred milliseconds however little WAL it passes, so small reads
-    /// leave that to the stream).
+    /// one round after a large round, the slot is moved past its WAL.
+    /// Small reads leave their WAL to the stream: each move costs a
+    /// restart point and a decode from it.
     async fn next_round(&mut self, large: bool) -> Result<(), SourceError> {
-        let moves = large
+        let Phase::TableRead(read) = &mut self.phase else {
+            return Ok(());
+        };
+        // Large rounds before the one that just ended.
+        let due = read.unmoved > 0;
+        read.unmoved += u32::from(large);
+        let moves = due
             && self.settings.messages.is_none()
-            && matches!(&self.phase, Phase::TableRead(r)
-                if r.advance.as_ref().is_none_or(|a| a.task.is_finished()));
+            && read.opening.is_none()
+            && read.advance.as_ref().is_none_or(|a| a.task.is_finished());
         if moves {
             self.server.write_restart_point().await;
         }
@@ -192,10 +256,14 @@ impl<B: CdcServer> CdcReader<B> {
             reads = read.rereads + 1,
             "reading the rows committed during the start-up read"
         );
+        if moves {
+            // The marking of the round just read comes after this view.
+            read.unmoved = u32::from(large);
+        }
         if read.advance.as_ref().is_some_and(|a| a.task.is_finished()) {
             self.finish_advance().await;
         }
-        if large {
+        if moves {
             self.advance_to_settled();
         }
         Ok(())
@@ -208,7 +276,7 @@ impl<B: CdcServer> CdcReader<B> {
             return;
         };
         let from = lock(&self.progress).flushed();
-        if read.advance.is_some() || self.settings.messages.is_some() {
+        if read.advance.is_some() || read.opening.is_some() || self.settings.messages.is_some() {
             // Logical messages live in the WAL alone: the slot must not skip any.
             return;
         }
