@@ -175,6 +175,37 @@ async fn after_a_backlog_the_slot_restarts_after_it() {
     relay.stop().await;
 }
 
+/// Writing a restart point needs a free slot. On a server with none, the
+/// relay goes on without it: every event of a backlog and after it, once
+/// each, in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_free_slot_the_backlog_is_published_all_the_same() {
+    let pg = crate::kit::cluster::PrivatePg::start(&[
+        "wal_level = logical",
+        "max_replication_slots = 1",
+    ]);
+    let db = TestDb::new_on(&pg.url("postgres")).await;
+    let broker = RabbitExchange::new().await;
+    let toml = cdc_toml(&db.url, &broker.sink_toml());
+    let slot = slot_of(&toml);
+    migrate_at(&db.url, &parse(&toml)).await;
+    let early = backlog(&db, 1_200, 20).await;
+    let relay = InProcess::start(parse(&toml));
+    broker.inbox.wait_ids(&early, WAIT).await;
+    wait_streaming(&db.client, &slot).await;
+    let late = backlog(&db, 10, 1).await;
+    let all = [early, late].concat();
+    let got = broker.inbox.wait_ids(&all, WAIT).await;
+    let order: Vec<String> = got.iter().map(Received::event_id).collect();
+    assert_eq!(order, all, "once each, in commit order");
+    assert_eq!(
+        slots_named(&db.client, "").await,
+        [slot],
+        "the only slot there is"
+    );
+    relay.stop().await;
+}
+
 /// A transaction that runs on for longer than the relay waits keeps the
 /// slot where it is (the stream skips the backlog instead); its event is
 /// published once it commits.
