@@ -139,15 +139,7 @@ async fn an_idle_outbox_on_a_busy_database_does_not_pin_wal() {
 }
 
 pub async fn flushed(app: &tokio_postgres::Client, slot: String) -> outbox_relay::replication::Lsn {
-    let lsn: String = app
-        .query_one(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    lsn.parse().unwrap()
+    slot_position(app, &slot, "confirmed_flush_lsn").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -102,13 +102,7 @@ async fn the_slot_skips_a_backlog_while_it_is_published() {
     let slot = slot_of(&toml);
     db.migrate(&parse(&toml)).await;
     let early = backlog(&db, 2_000, 10).await;
-    let backlog_end: String = db
-        .client
-        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let backlog_end: outbox_relay::replication::Lsn = backlog_end.parse().unwrap();
+    let backlog_end = wal_insert_position(&db.client).await;
     let other = connect(&db.url).await;
     let straddler = open_insert(&other).await;
     let relay = InProcess::start(parse(&toml));
@@ -149,13 +143,7 @@ async fn after_a_backlog_the_slot_restarts_after_it() {
     let slot = slot_of(&toml);
     db.migrate(&parse(&toml)).await;
     let early = backlog(&db, 2_000, 20).await;
-    let backlog_end: String = db
-        .client
-        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let backlog_end: outbox_relay::replication::Lsn = backlog_end.parse().unwrap();
+    let backlog_end = wal_insert_position(&db.client).await;
     assert!(restart_position(&db.client, &slot).await < backlog_end);
     let relay = InProcess::start(parse(&toml));
     broker.inbox.wait_ids(&early, WAIT).await;

@@ -69,7 +69,10 @@ pub(super) struct TableRead<S> {
 }
 
 /// The stream, being opened from `from` beside the last round; closed
-/// when dropped.
+/// when dropped. Nothing reads it or reports to the server before it is
+/// taken over: should the round stall for longer than the server's
+/// `wal_sender_timeout` (the broker down, say), the server ends it, and the
+/// error restarts the source like any other.
 struct Opening<S> {
     from: Lsn,
     task: tokio::task::JoinHandle<Result<S, SourceError>>,

@@ -27,7 +27,7 @@ pub use relays::{
 };
 pub use slots::{
     cluster_that_loses_slots, drop_lost_slot, lose_slot, migrate_at, restart_position, slot_of,
-    slots_named, wait_streaming, wal_status,
+    slot_position, slots_named, wait_streaming, wal_insert_position, wal_status,
 };
 
 use brokers::{Inbox, KafkaTopics, RabbitExchange};

@@ -4,6 +4,7 @@
 use super::wait_for;
 use crate::kit::cluster::PrivatePg;
 use outbox_relay::config::Config;
+use outbox_relay::replication::Lsn;
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -29,13 +30,22 @@ pub async fn wal_status(client: &Client, slot: &str) -> Option<String> {
         .and_then(|r| r.get(0))
 }
 
+/// A position of `slot`: `column` of `pg_replication_slots`.
+pub async fn slot_position(client: &Client, slot: &str, column: &str) -> Lsn {
+    let sql = format!("SELECT {column}::text FROM pg_replication_slots WHERE slot_name = $1");
+    let lsn: String = client.query_one(&sql, &[&slot]).await.unwrap().get(0);
+    lsn.parse().unwrap()
+}
+
 /// Where decoding `slot` starts again (`restart_lsn`).
-pub async fn restart_position(client: &Client, slot: &str) -> outbox_relay::replication::Lsn {
+pub async fn restart_position(client: &Client, slot: &str) -> Lsn {
+    slot_position(client, slot, "restart_lsn").await
+}
+
+/// The WAL insert position now.
+pub async fn wal_insert_position(client: &Client) -> Lsn {
     let lsn: String = client
-        .query_one(
-            "SELECT restart_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
         .await
         .unwrap()
         .get(0);
