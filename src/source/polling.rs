@@ -32,7 +32,7 @@
 //! trigger's NOTIFY, with `poll_interval` as the fallback.
 
 use super::record::{RowRecorder, RowStore};
-use super::rows::{byte_capped, page_rows, read_row, select_list};
+use super::rows::{byte_capped, each_row, page_rows, read_row, select_list};
 use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::PollingConfig;
 use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
@@ -47,6 +47,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Statement};
 
 /// The default NOTIFY channel for a table.
@@ -157,40 +158,36 @@ impl PollingReader {
     async fn page(&self, max: usize, max_bytes: usize) -> Result<Page, SourceError> {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
         let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
-        let read = |rows: &[tokio_postgres::Row], offset: usize| {
-            rows.iter()
-                .filter_map(|r| read_row(r, offset))
-                .collect::<Vec<_>>()
+        // The first page's rows start after the tick's snapshot, which every
+        // row carries (one row of NULLs after it when there are none).
+        let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) = match &self.cur {
+            None => (&self.first_page, 1, vec![&self.prev, &limit, &bytes]),
+            Some(cur) => (
+                &self.next_page,
+                0,
+                vec![&self.cursor, cur, &self.prev, &limit, &bytes],
+            ),
         };
-        let (snapshot, rows, offset) = match &self.cur {
-            None => {
-                let rows = self
-                    .client
-                    .query(&self.first_page, &[&self.prev, &limit, &bytes])
-                    .await
-                    .map_err(|e| DbError::query("reading unsent outbox rows", e))?;
-                let snapshot: String = rows.first().map(|r| r.get(0)).unwrap_or_default();
-                (snapshot, rows, 1)
+        let mut first: Option<(String, usize)> = None;
+        let rows = each_row(&self.client, statement, &params, |row| {
+            if first.is_none() {
+                let snapshot = if offset == 1 {
+                    row.get(0)
+                } else {
+                    String::new()
+                };
+                first = Some((snapshot, page_rows(row)));
             }
-            Some(cur) => {
-                let rows = self
-                    .client
-                    .query(
-                        &self.next_page,
-                        &[&self.cursor, cur, &self.prev, &limit, &bytes],
-                    )
-                    .await
-                    .map_err(|e| DbError::query("reading unsent outbox rows", e))?;
-                (cur.clone(), rows, 0)
-            }
-        };
-        let found = page_rows(&rows);
-        let rows = read(&rows, offset);
+            read_row(row, offset)
+        })
+        .await
+        .map_err(|e| DbError::query("reading unsent outbox rows", e))?;
+        let (snapshot, found) = first.unwrap_or_default();
         Ok(Page {
             // A page cut short by the byte limit has more to come, too.
             full: found >= max || rows.len() < found,
             rows,
-            snapshot,
+            snapshot: self.cur.clone().unwrap_or(snapshot),
         })
     }
 }

@@ -7,7 +7,9 @@
 use crate::config::{ResolvedColumns, SEQ_COLUMN};
 use crate::outbox::RawRow;
 use crate::sql::{quote_ident, quote_literal};
-use tokio_postgres::Row;
+use futures::TryStreamExt;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Row, Statement};
 
 /// Columns of [`select_list`] after `relay_seq`.
 pub const ROW_WIDTH: usize = 9;
@@ -82,13 +84,32 @@ pub fn byte_capped(page: &str, payload: &str, bytes_param: &str) -> String {
     )
 }
 
-/// The `relay_page_rows` column of a [`byte_capped`] page (0 for no rows).
-pub fn page_rows(rows: &[Row]) -> usize {
-    rows.first()
-        .and_then(|r| {
-            r.try_get::<_, Option<i64>>("relay_page_rows")
-                .ok()
-                .flatten()
-        })
+/// The `relay_page_rows` column of a [`byte_capped`] page's row (0 when NULL).
+pub fn page_rows(row: &Row) -> usize {
+    row.try_get::<_, Option<i64>>("relay_page_rows")
+        .ok()
+        .flatten()
         .map_or(0, |n| usize::try_from(n).unwrap_or(0))
+}
+
+/// Runs a page query and hands each row to `each` as it arrives, keeping
+/// what `each` returns. A row borrows the connection's read buffer, so
+/// collecting a page's rows first would hold the whole page in that buffer
+/// (grown to as much again) while `each` copied it out: with large payloads,
+/// three times the page at once. Row by row, the buffer holds about one row.
+pub async fn each_row<T>(
+    client: &Client,
+    statement: &Statement,
+    params: &[&(dyn ToSql + Sync)],
+    mut each: impl FnMut(&Row) -> Option<T>,
+) -> Result<Vec<T>, tokio_postgres::Error> {
+    let rows = client
+        .query_raw(statement, params.iter().map(|p| *p as &dyn ToSql))
+        .await?;
+    let mut rows = std::pin::pin!(rows);
+    let mut out = Vec::new();
+    while let Some(row) = rows.try_next().await? {
+        out.extend(each(&row));
+    }
+    Ok(out)
 }

@@ -17,10 +17,11 @@ use crate::replication::protocol::{
     ReplicationClient, ReplicationMessage, ReplicationStream, publication_names,
 };
 use crate::source::SourceError;
-use crate::source::rows::{byte_capped, read_row, select_list};
+use crate::source::rows::{byte_capped, each_row, read_row, select_list};
 use crate::telemetry::events::{InternalEvent, SlotCreated, SlotRecreated, SlotStreaming};
 use std::future::Future;
 use std::time::Duration;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Statement};
 
 /// One message of the replication stream.
@@ -462,23 +463,18 @@ impl CdcServer for PgServer {
     ) -> Result<Vec<TableRow>, SourceError> {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
         let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
-        let rows = self
-            .client
-            .query(&self.table_page, &[&after, &limit, &bytes])
-            .await
-            .map_err(|e| DbError::query("reading unsent rows at start-up", e))?;
-        Ok(rows
-            .iter()
-            .filter_map(|row| {
-                let (seq, raw) = read_row(row, 0)?;
-                let xid: i64 = row.get(XID_INDEX);
-                Some(TableRow {
-                    seq,
-                    xid: u32::try_from(xid).unwrap_or_default(),
-                    raw,
-                })
+        let params: [&(dyn ToSql + Sync); 3] = [&after, &limit, &bytes];
+        each_row(&self.client, &self.table_page, &params, |row| {
+            let (seq, raw) = read_row(row, 0)?;
+            let xid: i64 = row.get(XID_INDEX);
+            Some(TableRow {
+                seq,
+                xid: u32::try_from(xid).unwrap_or_default(),
+                raw,
             })
-            .collect())
+        })
+        .await
+        .map_err(|e| DbError::query("reading unsent rows at start-up", e).into())
     }
 
     async fn end_table_read(&mut self) -> Result<(), SourceError> {
