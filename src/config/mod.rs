@@ -350,7 +350,7 @@ pub mod defaults {
         500
     }
     pub fn poll_interval() -> Duration {
-        Duration::from_secs(1)
+        Duration::from_millis(50)
     }
     pub fn retention_interval() -> Duration {
         Duration::from_secs(60)

@@ -215,7 +215,10 @@ pub struct PollingConfig {
     #[serde(default = "defaults::poll_interval", with = "duration")]
     pub poll_interval: Duration,
     /// LISTEN for the insert trigger's NOTIFY so new rows are read at once.
-    #[serde(default = "defaults::yes")]
+    /// Off by default: a NOTIFY makes every inserting transaction take one
+    /// lock for the whole database from its commit until the commit is on
+    /// disk, so those commits no longer share WAL flushes.
+    #[serde(default)]
     pub notify: bool,
     /// The NOTIFY channel; default `outbox_relay_<table>`.
     #[serde(default)]
@@ -226,7 +229,7 @@ impl Default for PollingConfig {
     fn default() -> Self {
         PollingConfig {
             poll_interval: defaults::poll_interval(),
-            notify: true,
+            notify: false,
             notify_channel: None,
         }
     }

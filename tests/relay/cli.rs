@@ -14,11 +14,8 @@ async fn migrate_dry_run_changes_nothing_and_migrate_is_idempotent() {
     let (code, out, err) = run_cli(&["migrate", "--config", path, "--dry-run"], &[]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("CREATE TABLE \"public\".\"outbox\""), "{out}");
-    assert!(
-        out.contains("DROP TRIGGER IF EXISTS \"outbox_relay_notify\"")
-            && out.contains("CREATE TRIGGER \"outbox_relay_notify\""),
-        "{out}"
-    );
+    // Wake-ups are off by default: no NOTIFY trigger.
+    assert!(!out.contains("outbox_relay_notify"), "{out}");
     assert!(out.contains("dry run"), "{out}");
     assert_eq!(
         db.count("SELECT count(*) FROM pg_tables WHERE tablename = 'outbox'")
@@ -36,6 +33,58 @@ async fn migrate_dry_run_changes_nothing_and_migrate_is_idempotent() {
     let (code, out, err) = run_cli(&["check", "--config", path], &[]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("all checks passed"), "{out}");
+    assert!(out.contains("the table is read every 50ms"), "{out}");
+}
+
+/// The NOTIFY trigger is there while `notify = true`, and `migrate` drops it
+/// (and its function) once wake-ups are off, since it makes inserting
+/// transactions commit one at a time; `check` says so until then.
+#[tokio::test]
+async fn migrate_installs_the_notify_trigger_only_while_notify_is_on() {
+    let db = TestDb::new().await;
+    let off = base_toml(&db.url, &rabbit_sink());
+    let on = set(&off, "source.polling.notify", "true");
+    let (on, off) = (write_config(&on), write_config(&off));
+    let (on, off) = (on.to_str().unwrap(), off.to_str().unwrap());
+    let triggers = "SELECT count(*) FROM pg_trigger WHERE tgname = 'outbox_relay_notify'";
+    let functions = "SELECT count(*) FROM pg_proc WHERE proname = 'outbox_relay_notify'";
+
+    let (code, out, err) = run_cli(&["migrate", "--config", on], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("create trigger outbox_relay_notify"), "{out}");
+    assert_eq!(
+        (db.count(triggers).await, db.count(functions).await),
+        (1, 1)
+    );
+    let (code, out, err) = run_cli(&["check", "--config", on], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("insert trigger notifies channel outbox_relay_outbox"),
+        "{out}"
+    );
+
+    let (code, out, err) = run_cli(&["check", "--config", off], &[]);
+    assert_eq!(code, 0, "a warning, not a failure: {out}{err}");
+    assert!(
+        out.contains("outbox_relay_notify is installed but the relay does not listen"),
+        "{out}"
+    );
+    let (code, out, err) = run_cli(&["migrate", "--config", off, "--dry-run"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("drop trigger outbox_relay_notify"), "{out}");
+    assert_eq!(db.count(triggers).await, 1, "a dry run changes nothing");
+    let (code, out, err) = run_cli(&["migrate", "--config", off], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(
+        (db.count(triggers).await, db.count(functions).await),
+        (0, 0)
+    );
+    let (code, out, _) = run_cli(&["migrate", "--config", off], &[]);
+    assert_eq!(code, 0);
+    assert!(out.contains("nothing to do"), "second run: {out}");
+    let (code, out, err) = run_cli(&["check", "--config", off], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(!out.contains("outbox_relay_notify"), "{out}");
 }
 
 #[tokio::test]

@@ -202,8 +202,16 @@ async fn terminated_database_sessions_are_survived(mode: Mode, kind: Kind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notify_wakes_the_relay_long_before_the_poll_interval() {
-    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
-    let toml = toml.replace("poll_interval = \"200ms\"", "poll_interval = \"60s\"");
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[
+            ("source.polling.notify", "true"),
+            ("source.polling.poll_interval", "\"60s\""),
+        ],
+    )
+    .await;
     let relay = InProcess::start(parse(&toml));
     // Let the first (empty) poll happen, so only a wake-up can bring the next.
     tokio::time::sleep(Duration::from_millis(500)).await;

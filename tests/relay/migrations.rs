@@ -40,21 +40,22 @@ pub async fn apply_files(client: &Client, files: &[(String, String)]) {
 
 /// The files a database in `mode` needs: the common ones, and the publication in CDC mode.
 pub fn files_for(mode: Mode) -> Vec<(String, String)> {
-    files_with(mode, false)
+    files_with(mode, &[])
 }
 
-/// The files for `mode`, and with `messages` those of `source.cdc.messages`.
-fn files_with(mode: Mode, messages: bool) -> Vec<(String, String)> {
+/// The files for `mode`, then those of the optional folders `extra`
+/// (`notify`: wake-ups; `messages`: `source.cdc.messages`).
+pub fn files_with(mode: Mode, extra: &[&str]) -> Vec<(String, String)> {
     let mut files = migration_files("");
     assert!(
-        files.len() >= 4,
-        "migrations/ has the outbox, NOTIFY, write-once and dead-letter files: {files:?}"
+        files.len() >= 3,
+        "migrations/ has the outbox, write-once and dead-letter files: {files:?}"
     );
     if mode == Mode::Cdc {
         files.extend(migration_files("cdc"));
     }
-    if messages {
-        files.extend(migration_files("messages"));
+    for under in extra {
+        files.extend(migration_files(under));
     }
     files
 }
@@ -114,19 +115,22 @@ fn write_config(toml: &str) -> std::path::PathBuf {
 /// Applies the files (twice: they must be safe to run again) to one database
 /// and `outbox-relay migrate` to another; then `check` passes on the first,
 /// `migrate --dry-run` finds nothing left but `left`, and the catalogs agree.
-async fn files_match_migrate(mode: Mode, messages: bool, left: &[&str]) {
+async fn files_match_migrate(mode: Mode, extra: &[&str], left: &[&str]) {
     let by_files = TestDb::new().await;
     let by_migrate = TestDb::new().await;
-    let files = files_with(mode, messages);
+    let files = files_with(mode, extra);
     apply_files(&by_files.client, &files).await;
     apply_files(&by_files.client, &files).await;
 
     let config = |url: &str| {
-        let toml = with_mode(&base_toml(url, &rabbit_sink()), mode);
-        match messages {
-            true => set(&toml, "source.cdc.messages", "true"),
-            false => toml,
+        let mut toml = with_mode(&base_toml(url, &rabbit_sink()), mode);
+        if extra.contains(&"messages") {
+            toml = set(&toml, "source.cdc.messages", "true");
         }
+        if extra.contains(&"notify") {
+            toml = set(&toml, "source.polling.notify", "true");
+        }
+        toml
     };
     let files_config = write_config(&config(&by_files.url));
     let files_config = files_config.to_str().unwrap();
@@ -184,15 +188,25 @@ async fn files_match_migrate(mode: Mode, messages: bool, left: &[&str]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_files_make_what_migrate_makes_for_polling() {
-    files_match_migrate(Mode::Polling, false, &[]).await;
+    files_match_migrate(Mode::Polling, &[], &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_files_make_what_migrate_makes_for_polling_with_notify() {
+    files_match_migrate(Mode::Polling, &["notify"], &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_files_make_what_migrate_makes_for_cdc_but_the_slot() {
-    files_match_migrate(Mode::Cdc, false, &["create logical replication slot"]).await;
+    files_match_migrate(Mode::Cdc, &[], &["create logical replication slot"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_files_make_what_migrate_makes_for_logical_messages_but_the_slot() {
-    files_match_migrate(Mode::Cdc, true, &["create logical replication slot"]).await;
+    files_match_migrate(
+        Mode::Cdc,
+        &["messages"],
+        &["create logical replication slot"],
+    )
+    .await;
 }

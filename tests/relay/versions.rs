@@ -4,7 +4,7 @@
 //! relay killed and restarted without loss. The main suite runs on 15
 //! (`OUTBOX_RELAY_TEST_PG`). A version whose cluster is missing fails.
 
-use crate::migrations::{apply_files, files_for};
+use crate::migrations::{apply_files, files_for, files_with};
 use crate::support::brokers::RabbitExchange;
 use crate::support::*;
 use serde_json::json;
@@ -42,11 +42,13 @@ async fn check_server_version(admin: &str, major: u32) {
     assert_eq!(num / 10000, major, "{admin} runs PostgreSQL {num}");
 }
 
-/// The files on an empty database leave nothing for `migrate` to do.
+/// The files (with the optional NOTIFY trigger) on an empty database leave
+/// nothing for `migrate` to do.
 async fn migration_files_apply(admin: &str) {
     let db = TestDb::new_on(admin).await;
-    apply_files(&db.client, &files_for(Mode::Polling)).await;
+    apply_files(&db.client, &files_with(Mode::Polling, &["notify"])).await;
     let toml = base_toml(&db.url, &RabbitExchange::new().await.sink_toml());
+    let toml = set(&toml, "source.polling.notify", "true");
     let out = cli_ok(&["migrate", "--config", &config_file(&toml), "--dry-run"]);
     assert!(out.contains("nothing to do"), "after the files: {out}");
 }
@@ -56,6 +58,7 @@ async fn polling_delivers(admin: &str) {
     let db = TestDb::new_on(admin).await;
     let rabbit = RabbitExchange::new().await;
     let toml = base_toml(&db.url, &rabbit.sink_toml());
+    let toml = set(&toml, "source.polling.notify", "true");
     let path = config_file(&toml);
     cli_ok(&["migrate", "--config", &path]);
     let out = cli_ok(&["check", "--config", &path]);

@@ -182,36 +182,47 @@ async fn check_table(config: &Config, client: &tokio_postgres::Client, r: &mut R
     }
 }
 
-/// The NOTIFY trigger that wakes a polling relay, when polling may be used.
+/// The NOTIFY trigger: wanted when polling with `notify = true`, in the
+/// way otherwise (it serialises the commits of inserting transactions).
 async fn check_wakeups(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
     let table = &config.outbox.table;
-    if let Some(channel) = notify_channel(&config.source.polling, table)
-        && config.source.mode.may_poll()
-    {
-        let found = client
-            .query_one(
-                "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = 'outbox_relay_notify'",
-                &[&table.quoted()],
-            )
-            .await
-            .map(|row| row.get::<_, i64>(0) > 0)
-            .unwrap_or(false);
-        if found {
-            r.add(
-                Mark::Ok,
-                "wake-ups",
-                format!("insert trigger notifies channel {channel}"),
-            );
-        } else {
-            r.add(
-                Mark::Warn,
-                "wake-ups",
-                format!(
-                    "no insert trigger: new rows wait up to source.polling.poll_interval ({}); run `outbox-relay migrate`",
-                    humantime::format_duration(config.source.polling.poll_interval)
-                ),
-            );
-        }
+    let polling = &config.source.polling;
+    let found = client
+        .query_one(
+            "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = 'outbox_relay_notify'",
+            &[&table.quoted()],
+        )
+        .await
+        .map(|row| row.get::<_, i64>(0) > 0)
+        .unwrap_or(false);
+    let every = humantime::format_duration(polling.poll_interval);
+    let wanted = notify_channel(polling, table).filter(|_| config.source.mode.may_poll());
+    match (wanted, found) {
+        (Some(channel), true) => r.add(
+            Mark::Ok,
+            "wake-ups",
+            format!("insert trigger notifies channel {channel}"),
+        ),
+        (Some(_), false) => r.add(
+            Mark::Warn,
+            "wake-ups",
+            format!(
+                "no insert trigger: new rows wait up to source.polling.poll_interval ({every}); run `outbox-relay migrate`"
+            ),
+        ),
+        (None, true) => r.add(
+            Mark::Warn,
+            "wake-ups",
+            "the insert trigger outbox_relay_notify is installed but the relay does not listen: \
+             its NOTIFY makes inserting transactions commit one at a time; run `outbox-relay migrate` to drop it"
+                .to_owned(),
+        ),
+        (None, false) if config.source.mode.may_poll() => r.add(
+            Mark::Ok,
+            "wake-ups",
+            format!("none: the table is read every {every} while idle (source.polling.poll_interval)"),
+        ),
+        (None, false) => {}
     }
 }
 

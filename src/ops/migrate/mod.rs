@@ -207,8 +207,9 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         ..unsent
     };
     steps.extend(sent.step(client).await?);
-    if let Some(channel) = &opts.notify_channel {
-        steps.extend(triggers::notify(client, opts, channel).await?);
+    match &opts.notify_channel {
+        Some(channel) => steps.extend(triggers::notify(client, opts, channel).await?),
+        None => steps.extend(triggers::drop_notify(client, &opts.table).await?),
     }
     if let Some(step) = triggers::write_once(
         client,

@@ -60,6 +60,53 @@ CREATE TRIGGER {trigger} AFTER INSERT ON {table} FOR EACH STATEMENT EXECUTE FUNC
     ])
 }
 
+/// Drops the NOTIFY trigger when wake-ups are off (`source.polling.notify =
+/// false`, or CDC): it would still make every inserting transaction hold a
+/// lock for the whole database until its commit is on disk, so concurrent
+/// commits could not share a WAL flush. Its function goes too, unless a
+/// trigger of another table still uses it.
+pub(super) async fn drop_notify(
+    client: &Client,
+    table: &TableName,
+) -> Result<Option<Step>, MigrateError> {
+    let installed = client
+        .query_one(
+            "SELECT count(*) FROM pg_trigger t
+             WHERE t.tgrelid = to_regclass($1) AND t.tgname = $2 AND NOT t.tgisinternal",
+            &[&table.quoted(), &NOTIFY_TRIGGER],
+        )
+        .await?
+        .get::<_, i64>(0)
+        > 0;
+    if !installed {
+        return Ok(None);
+    }
+    let function = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(NOTIFY_TRIGGER)
+    );
+    Ok(Some(Step::new(
+        format!(
+            "drop trigger {NOTIFY_TRIGGER} on {table} (wake-ups are off; its NOTIFY serialises the commits of inserting transactions)"
+        ),
+        format!(
+            "DROP TRIGGER IF EXISTS {trigger} ON {quoted};
+DO $do$
+BEGIN
+    IF to_regprocedure({function_literal}) IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgfoid = to_regprocedure({function_literal})) THEN
+        DROP FUNCTION {function}();
+    END IF;
+END
+$do$",
+            trigger = quote_ident(NOTIFY_TRIGGER),
+            quoted = table.quoted(),
+            function_literal = quote_literal(&format!("{function}()")),
+        ),
+    )))
+}
+
 /// Outbox rows are write-once while unsent. The relay publishes a row as it
 /// was inserted when it streams the WAL (CDC), and as it stands when it
 /// reads the table (polling, CDC start-up reads): an update of an unsent

@@ -12,7 +12,7 @@ pub fn base_toml(db_url: &str, sink: &str) -> String {
 url = "{db_url}"
 
 [source.polling]
-poll_interval = "200ms"
+poll_interval = "50ms"
 
 [relay]
 retry_base = "50ms"

@@ -1,7 +1,11 @@
 -- outbox-relay: wakes a polling relay when rows are inserted (NOTIFY
 -- outbox_relay_outbox once per INSERT statement, the default
--- source.polling.notify_channel). Only polling uses it; with notify = false or
--- in CDC mode it is harmless. Safe to run again.
+-- source.polling.notify_channel). Only with source.polling.notify = true.
+-- The cost is on the application's side: a transaction that notifies holds a
+-- lock for the whole database from its commit until the commit is on disk,
+-- so such commits no longer share WAL flushes (one-row inserts from 48
+-- sessions: about 2,100 commits/s instead of 10,000 on a 2-core machine).
+-- Safe to run again.
 
 CREATE OR REPLACE FUNCTION public.outbox_relay_notify() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
