@@ -32,6 +32,16 @@ pub async fn run(case: Case<'_>, shape: Shape, rate: u32, run: usize) -> SteadyR
     // time, the tail and generous room for setting up and cleaning up.
     let limit = Duration::from_secs(seconds * 2 + 180);
     result.status = case.status(limit, measure(case, shape, &mut result)).await;
+    // Latencies at a lower rate than asked say nothing about the asked rate.
+    if let Some(actual) = result.writing.achieved_rate
+        && result.status == "ok"
+        && actual < 0.95 * f64::from(rate)
+    {
+        result.status = "writer-short".into();
+        result.conditions.notes.push(format!(
+            "the writer committed {actual:.0} events/s of the {rate} asked: the database or the machine could not take more"
+        ));
+    }
     result
 }
 
