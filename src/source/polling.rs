@@ -78,9 +78,22 @@ pub struct PollingReader {
     /// The snapshot of the tick being paged through.
     cur: Option<String>,
     cursor: i64,
-    /// The last tick found nothing: wait for a wake-up or `next_poll`.
+    /// The last tick ended: wait for a wake-up or `next_poll`.
     idle: bool,
     next_poll: Instant,
+    /// Ticks in a row that found nothing.
+    quiet: u32,
+}
+
+/// The wait after a tick that found rows: more are likely on their way.
+const SOON: Duration = Duration::from_millis(10);
+
+/// The wait before the next tick: [`SOON`] after one that found rows, then
+/// twice as long after each one that found none, up to `poll_interval`. A
+/// steady flow is read every 10 ms or so, in batches; an idle table costs a
+/// query per `poll_interval`.
+fn between_ticks(quiet: u32, poll_interval: Duration) -> Duration {
+    SOON.saturating_mul(1 << quiet.min(20)).min(poll_interval)
 }
 
 impl PollingReader {
@@ -150,6 +163,7 @@ impl PollingReader {
             cursor: 0,
             idle: false,
             next_poll: Instant::now(),
+            quiet: 0,
         })
     }
 
@@ -240,10 +254,13 @@ impl Reader for PollingReader {
             if !full {
                 self.prev = self.cur.take();
                 self.cursor = 0;
-                if rows.is_empty() {
-                    self.idle = true;
-                    self.next_poll = Instant::now() + self.poll_interval;
-                }
+                self.quiet = if rows.is_empty() {
+                    self.quiet.saturating_add(1)
+                } else {
+                    0
+                };
+                self.idle = true;
+                self.next_poll = Instant::now() + between_ticks(self.quiet, self.poll_interval);
             }
             if !rows.is_empty() {
                 let now = Utc::now();
@@ -293,5 +310,28 @@ impl<S: RowStore> Acker for PollingAcker<S> {
         letters: Vec<DeadLetter<i64>>,
     ) -> Result<HashSet<String>, SourceError> {
         Ok(self.recorder.dead_letter(&letters).await?.resolved)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ticks_come_soon_after_rows_and_back_off_to_the_interval() {
+        let interval = Duration::from_millis(50);
+        let waits: Vec<u128> = (0..5)
+            .map(|quiet| between_ticks(quiet, interval).as_millis())
+            .collect();
+        assert_eq!(waits, [10, 20, 40, 50, 50]);
+        assert_eq!(
+            between_ticks(u32::MAX, Duration::from_secs(3600)),
+            Duration::from_secs(3600)
+        );
+        // An interval under SOON is kept.
+        assert_eq!(
+            between_ticks(0, Duration::from_millis(5)),
+            Duration::from_millis(5)
+        );
     }
 }
