@@ -6,7 +6,7 @@
 //! another order: a reader that remembers "the highest `relay_seq` seen" skips
 //! a row whose transaction took a lower value and committed later. Instead
 //! the reader works in *ticks*, each bounded by two snapshots of the
-//! transaction state (`pg_current_snapshot()`), as PgQ does:
+//! transaction state (`pg_current_snapshot()`):
 //!
 //! - tick *k* covers exactly the rows whose inserting transaction
 //!   (`relay_xid`) is visible in snapshot *S(k)* and was not in *S(k-1)*, i.e.
@@ -28,8 +28,11 @@
 //! reader then yields them by tick, then by `relay_seq`.
 //!
 //! The first tick after a start or a [`Reader::rewind`] has no previous
-//! snapshot and reads every unsent row. Wake-ups come from the insert
-//! trigger's NOTIFY, with `poll_interval` as the fallback.
+//! snapshot and reads every unsent row. A tick that ends starts the next
+//! after [`between_ticks`]: soon after one that found rows, up to
+//! `poll_interval` after empty ones, or at once on the insert trigger's
+//! NOTIFY when `notify` is on (off by default: it serialises the
+//! application's commits).
 
 use super::record::{RowRecorder, RowStore};
 use super::rows::{byte_capped, each_row, page_rows, read_row, select_list};
