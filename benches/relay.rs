@@ -327,6 +327,7 @@ async fn environment(services: &Services, plan: &Plan) -> Result<serde_json::Val
         "seconds": plan.seconds,
         "runs": plan.runs,
         "aggregates": plan.aggregates,
+        "rabbitmq_queue": plan.rabbitmq_queue.name(),
         "smoke": plan.smoke,
         "phases": plan.phases.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>(),
         "marks": plan.marks.iter().map(|m| m.map_or("default", |m| m.name())).collect::<Vec<_>>(),

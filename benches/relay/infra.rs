@@ -7,6 +7,7 @@
 //! or when the benchmark is interrupted. Replication slots are cluster-wide:
 //! each scenario's slot has a unique name and goes with its database.
 
+use crate::options::QueueType;
 use anyhow::{Context, Result, anyhow};
 use lapin::options::{
     ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
@@ -325,10 +326,15 @@ where
     result
 }
 
-/// A durable topic exchange with a durable queue bound to every routing key,
-/// both named `name`. The queue expires after an hour unused, so an
-/// interrupted benchmark cannot leave it behind for long.
-pub async fn declare_rabbit(services: &Services, cleanup: &Cleanup, name: &str) -> Result<()> {
+/// A durable topic exchange with a durable queue of type `queue` bound to
+/// every routing key, both named `name`. The queue expires after an hour
+/// unused, so an interrupted benchmark cannot leave it behind for long.
+pub async fn declare_rabbit(
+    services: &Services,
+    cleanup: &Cleanup,
+    name: &str,
+    queue: QueueType,
+) -> Result<()> {
     let conn = rabbit_connect(services).await?;
     let result = bounded(STEP, "declaring a RabbitMQ exchange and queue", async {
         let ch = conn.create_channel().await?;
@@ -345,6 +351,10 @@ pub async fn declare_rabbit(services: &Services, cleanup: &Cleanup, name: &str) 
         cleanup.add(Resource::Exchange(name.to_owned()));
         let mut args = FieldTable::default();
         args.insert("x-expires".into(), AMQPValue::LongInt(3_600_000));
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString(queue.name().into()),
+        );
         ch.queue_declare(
             name.into(),
             QueueDeclareOptions {

@@ -67,6 +67,9 @@ pub struct Options {
     /// Distinct aggregate ids, used in rotation.
     #[arg(long, default_value_t = 1000)]
     pub aggregates: u32,
+    /// The type of the RabbitMQ queue the benchmark declares and reads.
+    #[arg(long, value_enum, default_value_t = QueueType::Classic)]
+    pub rabbitmq_queue: QueueType,
     /// Longest wait for a drain, in seconds [default: 60 + events / 500].
     #[arg(long)]
     pub timeout: Option<u64>,
@@ -79,7 +82,8 @@ pub struct Options {
     #[arg(long, value_name = "DIR")]
     pub perf: Option<PathBuf>,
     /// Run the relay with this configuration override, e.g.
-    /// OUTBOX_RELAY__SINK__LINGER=20ms (repeatable; for experiments).
+    /// OUTBOX_RELAY__SINK__LINGER=20ms, or with this setting of its runtime,
+    /// e.g. TOKIO_WORKER_THREADS=1 (repeatable; for experiments).
     #[arg(long, value_name = "OUTBOX_RELAY__SECTION__KEY=VALUE", value_parser = relay_env)]
     pub relay_env: Vec<(String, String)>,
     /// Also append the JSON lines to this file.
@@ -125,6 +129,22 @@ pub enum Phase {
     Drain,
     Steady,
     AfterBacklog,
+}
+
+/// A RabbitMQ queue type (`x-queue-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QueueType {
+    Classic,
+    Quorum,
+}
+
+impl QueueType {
+    pub fn name(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
 }
 
 /// `relay.mark`: what the relay does with a row once the broker confirmed it.
@@ -195,6 +215,7 @@ pub struct Plan {
     pub after_rate: u32,
     pub after_tx_events: u32,
     pub aggregates: u32,
+    pub rabbitmq_queue: QueueType,
     pub drain_timeout: Duration,
     /// `--timeout`, when given.
     pub timeout: Option<Duration>,
@@ -304,6 +325,7 @@ impl Options {
             after_rate,
             after_tx_events: self.after_tx_events.max(1),
             aggregates: self.aggregates.max(1),
+            rabbitmq_queue: self.rabbitmq_queue,
             drain_timeout: Duration::from_secs(self.timeout.unwrap_or(60 + events / 500)),
             timeout: self.timeout.map(Duration::from_secs),
             one_million: million,
@@ -325,11 +347,11 @@ impl Plan {
 
 fn relay_env(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
-        Some((name, value)) if name.starts_with("OUTBOX_RELAY__") => {
+        Some((name, value)) if name.starts_with("OUTBOX_RELAY__") || name.starts_with("TOKIO_") => {
             Ok((name.to_owned(), value.to_owned()))
         }
         _ => Err(format!(
-            "{s:?}: write OUTBOX_RELAY__SECTION__KEY=VALUE, e.g. OUTBOX_RELAY__RELAY__MARK=delete"
+            "{s:?}: write OUTBOX_RELAY__SECTION__KEY=VALUE (or TOKIO_NAME=VALUE for the relay's runtime), e.g. OUTBOX_RELAY__RELAY__MARK=delete"
         )),
     }
 }

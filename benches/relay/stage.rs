@@ -150,6 +150,8 @@ pub fn mark_in(env: &[(String, String)]) -> String {
 pub async fn create_destination(ctx: &Ctx, broker: BrokerKind, name: &str) -> Result<()> {
     match broker {
         BrokerKind::Kafka => create_topic(&ctx.services, &ctx.cleanup, &kafka_topic(name)).await,
-        BrokerKind::Rabbitmq => declare_rabbit(&ctx.services, &ctx.cleanup, name).await,
+        BrokerKind::Rabbitmq => {
+            declare_rabbit(&ctx.services, &ctx.cleanup, name, ctx.plan.rabbitmq_queue).await
+        }
     }
 }
