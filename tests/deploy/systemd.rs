@@ -113,6 +113,13 @@ fn the_systemd_unit_is_hardened_and_outlasts_the_drain() {
         get("ExecStart").ends_with(" run --config /etc/outbox-relay/relay.toml"),
         "{UNIT}: ExecStart"
     );
+    // Priority over the database and broker on a shared host (the README's
+    // "A shared host"); systemd's default weight is 100, its range 1..=10000.
+    let weight: u32 = get("CPUWeight").parse().expect("CPUWeight is a number");
+    assert!(
+        (101..=10_000).contains(&weight),
+        "{UNIT}: CPUWeight={weight} must rank the relay above the default of 100"
+    );
 }
 
 #[test]
