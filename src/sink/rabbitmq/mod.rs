@@ -2,7 +2,10 @@
 //! (<https://www.rabbitmq.com/docs/confirms#publisher-confirms>).
 //!
 //! One channel in confirm mode carries every message, so they are routed in
-//! the order sent. Messages are persistent and published `mandatory`: an
+//! the order sent. `send` queues a message's frames for the client's I/O
+//! thread and returns; the write, like the ack, is part of the confirmation
+//! (a failed write is `Unavailable`), and the pipeline's in-flight limits
+//! bound what is queued. Messages are persistent and published `mandatory`: an
 //! unroutable message comes back as `basic.return` before its `basic.ack`, and
 //! the relay counts it as refused, not delivered. A `basic.nack` (a full
 //! queue with `overflow = reject-publish`, or a broker that could not store
@@ -34,8 +37,12 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareO
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation as Ack, Connection, ConnectionProperties, ExchangeKind,
+    PublisherConfirm,
 };
 use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
 
 pub struct RabbitMqSink {
     unconfirmed: Unconfirmed,
@@ -237,6 +244,48 @@ fn properties(message: &Message) -> Result<BasicProperties, SinkError> {
         .with_headers(headers))
 }
 
+/// A `basic_publish` in progress: it resolves once the connection's I/O
+/// thread wrote the frames.
+type Publish = Pin<Box<dyn Future<Output = lapin::Result<PublisherConfirm>> + Send>>;
+
+/// A persistent, `mandatory` publish of `body` to `(exchange, routing key)`.
+fn publish(
+    channel: Channel,
+    (exchange, routing_key): (ShortString, ShortString),
+    body: Vec<u8>,
+    properties: BasicProperties,
+) -> Publish {
+    Box::pin(async move {
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        channel
+            .basic_publish(exchange, routing_key, options, &body, properties)
+            .await
+    })
+}
+
+/// A message handed to the I/O thread.
+enum Queued {
+    Written(PublisherConfirm),
+    Writing(Publish),
+}
+
+/// Polls `publish` once. That first poll queues the message's frames for
+/// the connection's I/O thread, in the order of these calls; the rest only
+/// waits for the thread to write them. Awaiting that here would make every
+/// message wait for a thread switch before the next is queued, which on busy
+/// cores caps the rate, so the wait goes into the confirmation, under
+/// relay.confirm_timeout like the ack.
+async fn queue(mut publish: Publish) -> lapin::Result<Queued> {
+    match std::future::poll_fn(|cx| Poll::Ready(publish.as_mut().poll(cx))).await {
+        Poll::Ready(Ok(confirm)) => Ok(Queued::Written(confirm)),
+        Poll::Ready(Err(e)) => Err(e),
+        Poll::Pending => Ok(Queued::Writing(publish)),
+    }
+}
+
 impl Sink for RabbitMqSink {
     fn route(&self, event: &OutboxEvent) -> Result<Route, SinkError> {
         self.route_of(event)
@@ -260,6 +309,10 @@ impl Sink for RabbitMqSink {
         within_limit(&message, self.max_bytes)?;
         let properties = properties(&message)?;
         self.ensure_exchange(&exchange).await?;
+        let names = (
+            short(&exchange, "exchange")?,
+            short(&routing_key, "routing key")?,
+        );
         let id = message.id;
         let Some(tag) = self.unconfirmed.publish(&id) else {
             return Err(SinkError::Busy(format!(
@@ -267,21 +320,9 @@ impl Sink for RabbitMqSink {
                  (the outbox's id column repeats a value: give it a unique index)"
             ).into()));
         };
-        let published = self
-            .channel
-            .basic_publish(
-                short(&exchange, "exchange")?,
-                short(&routing_key, "routing key")?,
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &message.body,
-                properties,
-            )
-            .await;
-        let confirm = match published {
-            Ok(confirm) => confirm,
+        let publish = publish(self.channel.clone(), names, message.body, properties);
+        let queued = match queue(publish).await {
+            Ok(queued) => queued,
             Err(e) => {
                 self.unconfirmed.unpublish(&id, tag);
                 return Err(unavailable("publish", e));
@@ -293,6 +334,11 @@ impl Sink for RabbitMqSink {
             tag,
         };
         Ok(Box::pin(async move {
+            let confirm = match queued {
+                Queued::Written(confirm) => confirm,
+                // `settle` forgets the message when dropped.
+                Queued::Writing(publish) => publish.await.map_err(|e| unavailable("publish", e))?,
+            };
             let outcome = confirm.await;
             if let Ok(Ack::Ack(Some(r)) | Ack::Nack(Some(r))) = &outcome {
                 settle.unconfirmed.file(r);
