@@ -45,6 +45,16 @@ impl Lease {
         }
     }
 
+    /// The lease of an owner that took the lock from one that stopped
+    /// cleanly (see [`super::handoff`]): nothing of it can still be
+    /// published, so publishing may start at once.
+    pub fn after_clean_stop(duration: Duration, now: Instant) -> Lease {
+        Lease {
+            from: now,
+            ..Lease::acquired(duration, now)
+        }
+    }
+
     /// A round trip sent at `sent_at` on the ownership session succeeded.
     pub fn renew(&self, sent_at: Instant) {
         let mut until = self.until.lock().unwrap_or_else(|e| e.into_inner());
@@ -134,6 +144,17 @@ mod tests {
             "an expired lease waits for a renewal"
         );
         waiter.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_a_clean_stop_a_new_owner_publishes_at_once_and_still_renews() {
+        let d = Duration::from_secs(3);
+        let start = Instant::now();
+        let lease = Lease::after_clean_stop(d, start);
+        assert!(lease.valid(start), "no embargo after a clean stop");
+        assert!(!lease.valid(start + d), "no renewal: expired");
+        lease.renew(start + d / 2);
+        assert!(lease.valid(start + d));
     }
 
     #[tokio::test(start_paused = true)]

@@ -10,6 +10,7 @@
 
 mod auto;
 pub mod blocks;
+pub mod handoff;
 pub mod lease;
 pub(crate) mod pipeline;
 mod postgres;

@@ -4,7 +4,8 @@
 
 use super::RelayError;
 use super::auto::{self, Modes};
-use super::pipeline::{self, Settings};
+use super::handoff::{self, Claim, Takeover};
+use super::pipeline::{self, Drained, Settings};
 use super::shards::{Balance, Shard};
 use super::supervise::{Backend, Owned, RunEnd};
 use crate::config::ResolvedColumns;
@@ -47,6 +48,9 @@ impl<'a> Postgres<'a> {
     }
 }
 
+/// How a run ended, and whether anything it sent is still unconfirmed.
+type Ended = (RunEnd, Drained);
+
 /// How long a new run waits for the previous run's session to end.
 const PREVIOUS_OWNER_WAIT: Duration = Duration::from_secs(10);
 
@@ -70,8 +74,14 @@ async fn wait_ended(client: &Client, pid: i32) -> Result<(), RelayError> {
     Ok(())
 }
 
+/// The ownership session, and this owner's claim (when the owners table exists).
+pub struct Ownership {
+    client: Client,
+    claim: Option<Claim>,
+}
+
 impl Backend for Postgres<'_> {
-    type Owner = Client;
+    type Owner = Ownership;
 
     /// Connects and polls the shard's advisory lock every `relay.standby_poll`.
     async fn acquire(
@@ -80,7 +90,7 @@ impl Backend for Postgres<'_> {
         balance: &Balance,
         health: &PipelineHealth,
         shutdown: &CancellationToken,
-    ) -> Result<Option<Client>, RelayError> {
+    ) -> Result<Option<(Ownership, Takeover)>, RelayError> {
         let config = self.config;
         let key = shard.lock_key(&ownership_key(&config.outbox.table));
         let client = crate::db::connect(&config.database, None).await?;
@@ -110,7 +120,9 @@ impl Backend for Postgres<'_> {
                 .map_err(|e| DbError::query("taking the ownership lock", e))?
                 .get(0);
             if locked {
-                return Ok(Some(client));
+                let outbox = &config.outbox.table;
+                let (takeover, claim) = handoff::claim(&client, outbox, &key, shard.count).await?;
+                return Ok(Some((Ownership { client, claim }, takeover)));
             }
             // The database answers and another instance is active: a healthy standby.
             health.healthy();
@@ -126,10 +138,46 @@ impl Backend for Postgres<'_> {
     }
 
     /// Relays while holding ownership (the `owner` session, which also marks rows).
-    async fn relay(&self, owner: Client, mut run: Owned<'_>) -> Result<RunEnd, RelayError> {
-        let result = self.relay_with(owner, &mut run).await;
+    async fn relay(&self, owner: Ownership, mut run: Owned<'_>) -> Result<RunEnd, RelayError> {
+        let result = self.relay_with(owner.client, &mut run).await;
         run.telemetry.metrics.reading(None);
-        result
+        let (end, drained) = result?;
+        match (&owner.claim, drained) {
+            (Some(claim), Drained::All) => self.record_clean_stop(claim).await,
+            (Some(_), Drained::Abandoned) => tracing::info!(
+                "messages were left unconfirmed: the next owner waits out this one's lease"
+            ),
+            (None, _) => {}
+        }
+        Ok(end)
+    }
+}
+
+/// How long recording a clean stop may take before it is left undone.
+const CLEAN_STOP_WAIT: Duration = Duration::from_secs(5);
+
+impl Postgres<'_> {
+    /// Tells the next owner it need not wait (see [`handoff`]), on a
+    /// connection of its own: the ownership session closed with the run.
+    /// A failure only costs the next owner the lease.
+    async fn record_clean_stop(&self, claim: &Claim) {
+        let recorded = tokio::time::timeout(CLEAN_STOP_WAIT, async {
+            let client = crate::db::connect(&self.config.database, None).await?;
+            handoff::stopped(&client, claim)
+                .await
+                .map_err(|e| DbError::query("recording a clean stop", e))
+        })
+        .await;
+        match recorded {
+            Ok(Ok(true)) => tracing::debug!("recorded a clean stop for the next owner"),
+            Ok(Ok(false)) => tracing::info!("a newer owner has claimed the outbox since"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not record the clean stop: the next owner waits out this one's lease")
+            }
+            Err(_) => tracing::warn!(
+                "recording the clean stop timed out: the next owner waits out this one's lease"
+            ),
+        }
     }
 }
 
@@ -167,7 +215,7 @@ impl Parts {
 }
 
 impl Postgres<'_> {
-    async fn relay_with(&self, owner: Client, run: &mut Owned<'_>) -> Result<RunEnd, RelayError> {
+    async fn relay_with(&self, owner: Client, run: &mut Owned<'_>) -> Result<Ended, RelayError> {
         let config = self.config;
         let table = &config.outbox.table;
         let columns = inspect::resolve_table(
@@ -213,14 +261,14 @@ impl Postgres<'_> {
             dead_letters.as_ref().map(|t| (t, shard.as_deref())),
         )
         .await?;
-        let end = match reading {
+        let ended = match reading {
             None => self.relay_polling(&parts, recorder, None, run).await?,
             Some(Reading::Polling(blocked)) => {
                 self.relay_polling(&parts, recorder, Some(blocked), run)
                     .await?
             }
             Some(Reading::Cdc) => match self.relay_cdc(&parts, recorder, run).await {
-                Ok(end) => end,
+                Ok(ended) => ended,
                 Err(CdcStart::Failed(e)) => return Err(e),
                 Err(CdcStart::Blocked(blocked, recorder)) => {
                     self.relay_polling(&parts, *recorder, Some(blocked), run)
@@ -228,13 +276,13 @@ impl Postgres<'_> {
                 }
             },
         };
-        if end == RunEnd::SwitchSource {
+        if ended.0 == RunEnd::SwitchSource {
             *self
                 .previous_owner
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()) = pid;
         }
-        Ok(end)
+        Ok(ended)
     }
 
     /// Streams from the slot. In auto mode, a start that finds CDC
@@ -244,7 +292,7 @@ impl Postgres<'_> {
         parts: &Parts,
         recorder: RowRecorder,
         run: &mut Owned<'_>,
-    ) -> Result<RunEnd, CdcStart> {
+    ) -> Result<Ended, CdcStart> {
         let config = self.config;
         let table = &config.outbox.table;
         let fallback = |e: SourceError, recorder: RowRecorder| match blocked_by(&e) {
@@ -264,7 +312,7 @@ impl Postgres<'_> {
             biased;
             _ = run.shutdown.cancelled() => {
                 tracing::info!("stopped cleanly");
-                return Ok(RunEnd::Stopped);
+                return Ok((RunEnd::Stopped, Drained::All));
             }
             started = reader.begin() => {
                 if let Err(e) = started {
@@ -283,9 +331,9 @@ impl Postgres<'_> {
         tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events from the replication slot");
         run.telemetry.metrics.reading(Some("cdc"));
         let cx = parts.context(run);
-        pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+        let drained = pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
         tracing::info!("stopped cleanly");
-        Ok(RunEnd::Stopped)
+        Ok((RunEnd::Stopped, drained))
     }
 
     /// Polls; in auto mode (`blocked` says why CDC is not possible) until
@@ -296,7 +344,7 @@ impl Postgres<'_> {
         recorder: RowRecorder,
         blocked: Option<Blocked>,
         run: &mut Owned<'_>,
-    ) -> Result<RunEnd, RelayError> {
+    ) -> Result<Ended, RelayError> {
         let config = self.config;
         let table = &config.outbox.table;
         let reader = PollingReader::connect(
@@ -315,9 +363,9 @@ impl Postgres<'_> {
             tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events");
             run.telemetry.metrics.reading(Some("polling"));
             let cx = parts.context(run);
-            pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+            let drained = pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
             tracing::info!("stopped cleanly");
-            return Ok(RunEnd::Stopped);
+            return Ok((RunEnd::Stopped, drained));
         };
         self.modes.starting(&Reading::Polling(blocked), config);
         tracing::info!(table = %table, sink = config.sink.kind(), "active: relaying events by polling");
@@ -329,11 +377,11 @@ impl Postgres<'_> {
             result = pipeline::run(reader, acker, sink, cx, run.blocks, &pipeline_token) => result,
             never = auto::watch(config, &self.modes, &pipeline_token, &switch) => match never {},
         };
-        result?;
+        let drained = result?;
         if switch.load(Ordering::SeqCst) && !run.shutdown.is_cancelled() {
-            return Ok(RunEnd::SwitchSource);
+            return Ok((RunEnd::SwitchSource, drained));
         }
         tracing::info!("stopped cleanly");
-        Ok(RunEnd::Stopped)
+        Ok((RunEnd::Stopped, drained))
     }
 }

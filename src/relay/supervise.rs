@@ -8,6 +8,7 @@
 
 use super::RelayError;
 use super::blocks::Blocks;
+use super::handoff::Takeover;
 use super::lease::Lease;
 use super::shards::{Balance, Shard};
 use crate::backoff::Backoff;
@@ -45,16 +46,18 @@ pub trait Backend: Sync {
     type Owner: Send;
 
     /// Waits until this instance owns `shard` (and its share allows one
-    /// more); `None` on shutdown. Reports a healthy standby meanwhile.
+    /// more), and claims it (see [`super::handoff`]); `None` on shutdown.
+    /// Reports a healthy standby meanwhile.
     fn acquire(
         &self,
         shard: Shard,
         balance: &Balance,
         health: &PipelineHealth,
         shutdown: &CancellationToken,
-    ) -> impl Future<Output = Result<Option<Self::Owner>, RelayError>> + Send;
+    ) -> impl Future<Output = Result<Option<(Self::Owner, Takeover)>, RelayError>> + Send;
 
-    /// Connects the source and the sink and relays until `run.shutdown` or a failure.
+    /// Connects the source and the sink and relays until `run.shutdown` or
+    /// a failure; after a clean stop it records one for the next owner.
     fn relay(
         &self,
         owner: Self::Owner,
@@ -155,6 +158,28 @@ type Kept<'a> = (
     &'a SharedProgress,
 );
 
+/// A new owner's lease: at once after a clean stop, else after the previous one's.
+fn lease_for(takeover: Takeover, config: &Config, shard: Shard) -> Lease {
+    let (lease, now) = (config.relay.ownership_lease, Instant::now());
+    match takeover {
+        Takeover::AfterCleanStop => {
+            tracing::info!(
+                shard = shard.index,
+                "the previous owner stopped cleanly: publishing at once"
+            );
+            Lease::after_clean_stop(lease, now)
+        }
+        Takeover::Unknown => {
+            tracing::info!(
+                shard = shard.index,
+                wait_ms = (lease + lease / 10).as_millis() as u64,
+                "waiting out the previous owner's lease before publishing"
+            );
+            Lease::acquired(lease, now)
+        }
+    }
+}
+
 async fn run_once<B: Backend>(
     config: &Config,
     backend: &B,
@@ -162,16 +187,13 @@ async fn run_once<B: Backend>(
     (shard, telemetry, blocks, progress): Kept<'_>,
     shutdown: &CancellationToken,
 ) -> Result<Stop, RelayError> {
-    let Some(owner) = backend
+    let Some((owner, takeover)) = backend
         .acquire(shard, balance, &telemetry.health, shutdown)
         .await?
     else {
         return Ok(Stop::Shutdown);
     };
-    let lease = Arc::new(Lease::acquired(
-        config.relay.ownership_lease,
-        Instant::now(),
-    ));
+    let lease = Arc::new(lease_for(takeover, config, shard));
     balance.acquired();
     telemetry.health.acquired();
     // Gives the shard back when this instance holds more than its share.

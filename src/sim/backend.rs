@@ -8,7 +8,8 @@ use super::world::{Shared, lock};
 use crate::config::ColumnMap;
 use crate::config::{Config, SourceMode};
 use crate::envelope::Envelope;
-use crate::relay::pipeline::{self, Settings};
+use crate::relay::handoff::Takeover;
+use crate::relay::pipeline::{self, Drained, Settings};
 use crate::relay::shards::{Balance, Shard};
 use crate::relay::{Backend, Owned, RelayError, RunEnd};
 use crate::source::cdc::{CdcAcker, CdcReader, CdcSettings, SharedProgress, Timing};
@@ -32,10 +33,16 @@ impl Backend for SimBackend {
         _balance: &Balance,
         health: &PipelineHealth,
         shutdown: &CancellationToken,
-    ) -> Result<Option<u64>, RelayError> {
+    ) -> Result<Option<(u64, Takeover)>, RelayError> {
         loop {
-            if let Some(reign) = lock(&self.world).try_lock(self.instance) {
-                return Ok(Some(reign));
+            let acquired = {
+                let mut world = lock(&self.world);
+                world
+                    .try_lock(self.instance)
+                    .map(|reign| (reign, world.claim(reign)))
+            };
+            if acquired.is_some() {
+                return Ok(acquired);
             }
             health.healthy();
             tokio::select! {
@@ -78,7 +85,9 @@ impl Backend for SimBackend {
                     SimPolling::new(self.world.clone(), config.source.polling.poll_interval);
                 let acker = PollingAcker::new(store);
                 if config.source.mode == SourceMode::Polling {
-                    pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+                    let drained =
+                        pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+                    self.stopped(reign, drained);
                     return Ok(RunEnd::Stopped);
                 }
                 // Auto mode while CDC is impossible: poll until it is
@@ -89,8 +98,9 @@ impl Backend for SimBackend {
                     config.source.auto.probe_interval,
                     token.clone(),
                 );
-                pipeline::run(reader, acker, sink, cx, run.blocks, &token).await?;
+                let drained = pipeline::run(reader, acker, sink, cx, run.blocks, &token).await?;
                 switch.abort();
+                self.stopped(reign, drained);
                 if token.is_cancelled() && !run.shutdown.is_cancelled() {
                     let mut w = lock(&self.world);
                     w.switches += 1;
@@ -102,7 +112,9 @@ impl Backend for SimBackend {
                 let reader = self.cdc_reader(run.progress);
                 let marks_rows = config.relay.mark != crate::config::MarkMode::None;
                 let acker = CdcAcker::new(store, run.progress.clone(), marks_rows);
-                pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+                let drained =
+                    pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
+                self.stopped(reign, drained);
             }
         }
         Ok(RunEnd::Stopped)
@@ -110,6 +122,15 @@ impl Backend for SimBackend {
 }
 
 impl SimBackend {
+    /// A run ended without a failure: when nothing it sent is unconfirmed,
+    /// it tells the next owner so (as the real backend does, on a new
+    /// connection, whether or not the lock is still held).
+    fn stopped(&self, reign: u64, drained: Drained) {
+        if drained == Drained::All {
+            lock(&self.world).stopped_cleanly(reign);
+        }
+    }
+
     /// A CDC reader over the world's WAL.
     fn cdc_reader(&self, progress: &SharedProgress) -> CdcReader<SimCdc> {
         let config = &self.config;

@@ -28,6 +28,8 @@ pub struct Totals {
     pub incidents: u64,
     /// Auto mode's switches from polling back to CDC.
     pub switches: u64,
+    /// Takeovers that started at once after a clean stop.
+    pub clean_takeovers: u64,
     pub simulated: Duration,
 }
 
@@ -39,6 +41,7 @@ impl Totals {
         self.dead_letters += t.dead_letters;
         self.incidents += t.incidents;
         self.switches += t.switches;
+        self.clean_takeovers += t.clean_takeovers;
         self.simulated += t.simulated;
     }
 }
@@ -47,13 +50,14 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
             self.dead_letters,
             self.incidents,
             self.switches,
+            self.clean_takeovers,
             self.simulated.as_secs_f64() / 60.0
         )
     }
@@ -98,6 +102,7 @@ pub fn run(seed: u64) -> Result<Totals, String> {
             dead_letters: w.letters.len() as u64,
             incidents: u64::from(w.incidents),
             switches: u64::from(w.switches),
+            clean_takeovers: u64::from(w.clean_takeovers),
             simulated: outcome.unwrap_or_default(),
         });
     }

@@ -19,6 +19,7 @@ mod duplicates;
 mod extra_columns;
 mod failures;
 mod fencing;
+mod handoff;
 mod logs;
 mod lost_slot;
 mod memory;

@@ -76,6 +76,8 @@ pub struct MigrateOptions {
     pub cdc: Option<CdcObjects>,
     /// The dead-letter table, when dead-lettering is on.
     pub dead_letters: Option<TableName>,
+    /// The table of ownership claims (clean hand-offs between owners).
+    pub owners: TableName,
 }
 
 /// The replication objects of the CDC source.
@@ -118,6 +120,7 @@ impl MigrateOptions {
                 .dead_letter
                 .enabled
                 .then(|| config.dead_letter.table_name(table)),
+            owners: crate::relay::handoff::owners_table(table),
         }
     }
 }
@@ -222,6 +225,15 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     }
     if let Some(dlq) = &opts.dead_letters {
         steps.extend(dead_letter_steps(client, dlq).await?);
+    }
+    if table_info(client, &opts.owners).await?.is_none() {
+        steps.push(Step::new(
+            format!(
+                "create {}, where owners record clean stops so the next starts at once",
+                opts.owners
+            ),
+            crate::relay::handoff::create_sql(&opts.owners),
+        ));
     }
     if let Some(cdc) = &opts.cdc {
         steps.extend(cdc_steps(client, &opts.table, cdc, partitioning.is_some()).await?);

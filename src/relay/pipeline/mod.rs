@@ -133,6 +133,17 @@ pub struct Context<'a> {
     pub lease: std::sync::Arc<super::lease::Lease>,
 }
 
+/// How a run that ended without a failure left what it had sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drained {
+    /// The broker confirmed everything this run sent, and the broker
+    /// connection is closed: nothing of this run can reach the broker any more.
+    All,
+    /// `relay.shutdown_timeout` ran out with messages unconfirmed: the broker
+    /// may still take them.
+    Abandoned,
+}
+
 /// Runs until `shutdown` (then drains and returns `Ok`) or a failure.
 pub async fn run<R, A, K>(
     reader: R,
@@ -141,7 +152,7 @@ pub async fn run<R, A, K>(
     cx: Context<'_>,
     blocks: &mut Blocks,
     shutdown: &CancellationToken,
-) -> Result<(), PipelineError>
+) -> Result<Drained, PipelineError>
 where
     R: Reader,
     A: Acker<Position = R::Position>,

@@ -5,7 +5,7 @@ use super::tasks::{
     AckCommand, Batch, Refreshed, Resolved, Unrecorded, drive_acker, drive_reader, flush, joined,
     task_error,
 };
-use super::{Context, Origin, PipelineError, Settings};
+use super::{Context, Drained, Origin, PipelineError, Settings};
 use crate::dead_letter::DeadLetter;
 use crate::envelope::Envelope;
 use crate::errors::{self, Outcome};
@@ -33,6 +33,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 mod letters;
+
+/// How long closing the broker connection may take at the end of a run.
+const SINK_CLOSE_WAIT: Duration = Duration::from_secs(5);
 
 pub(super) type InFlight<P> = Pin<Box<dyn Future<Output = Answered<P>> + Send>>;
 
@@ -288,11 +291,12 @@ where
         }
     }
 
-    /// Records what the broker confirmed, lets the reader close, closes the sink.
+    /// Records what the broker confirmed, lets the reader close, closes the
+    /// sink; says whether anything sent is still unconfirmed.
     pub(super) async fn finish(
         mut self,
         result: Result<(), PipelineError>,
-    ) -> Result<(), PipelineError> {
+    ) -> Result<Drained, PipelineError> {
         if let Err(e) = &result
             && errors::policy(e.kind()).outcome == Some(Outcome::Unavailable)
         {
@@ -311,6 +315,11 @@ where
             })
             .await;
         }
+        let drained = if self.scheduler.in_flight() == 0 {
+            Drained::All
+        } else {
+            Drained::Abandoned
+        };
         let Pipeline {
             sink,
             rewind_tx,
@@ -322,8 +331,17 @@ where
         if !reader_task.is_finished() {
             let _ = tokio::time::timeout(Duration::from_secs(5), &mut reader_task).await;
         }
-        sink.close().await;
-        result
+        // A broker that stopped answering must not hold the stop up.
+        if tokio::time::timeout(SINK_CLOSE_WAIT, sink.close())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the broker did not answer the close within {}s: leaving the connection",
+                SINK_CLOSE_WAIT.as_secs()
+            );
+        }
+        result.map(|()| drained)
     }
 
     /// Nothing unconfirmed, nothing waiting for the acker.

@@ -7,6 +7,7 @@
 //! instant of (paused, simulated) time.
 
 use crate::outbox::RawRow;
+use crate::relay::handoff::Takeover;
 use crate::replication::Lsn;
 use crate::sink::SinkError;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -165,6 +166,11 @@ pub struct World {
     /// The ownership lock: the holder's reign (one per acquisition).
     pub lock_reign: Option<u64>,
     next_reign: u64,
+    /// The owners table's row: the last claim, and whether its owner
+    /// recorded a clean stop.
+    claimed: Option<u64>,
+    stopped_cleanly: Option<u64>,
+    pub clean_takeovers: u32,
     /// Reign of each instance's current ownership session.
     pub reign_instance: BTreeMap<u64, usize>,
     pub commit_notify: Arc<Notify>,
@@ -225,6 +231,9 @@ impl World {
             next_stream: 1,
             lock_reign: None,
             next_reign: 1,
+            claimed: None,
+            stopped_cleanly: None,
+            clean_takeovers: 0,
             reign_instance: BTreeMap::new(),
             commit_notify: Arc::new(Notify::new()),
             conns: BTreeMap::new(),
@@ -473,6 +482,29 @@ impl World {
             "instance {instance} owns the outbox (reign {reign})"
         ));
         Some(reign)
+    }
+
+    /// A new owner claims the lock (see `relay::handoff`): was the last
+    /// claim's owner stopped cleanly?
+    pub fn claim(&mut self, reign: u64) -> Takeover {
+        let clean = self.claimed.is_some() && self.stopped_cleanly == self.claimed;
+        self.claimed = Some(reign);
+        self.stopped_cleanly = None;
+        if clean {
+            self.clean_takeovers += 1;
+            self.note(format!("reign {reign} takes over after a clean stop"));
+            Takeover::AfterCleanStop
+        } else {
+            Takeover::Unknown
+        }
+    }
+
+    /// `reign` records a clean stop; nothing changes if a newer owner claimed since.
+    pub fn stopped_cleanly(&mut self, reign: u64) {
+        if self.claimed == Some(reign) {
+            self.stopped_cleanly = Some(reign);
+            self.note(format!("reign {reign} stopped cleanly"));
+        }
     }
 
     pub fn owns(&self, reign: u64) -> bool {

@@ -85,6 +85,15 @@ impl Proxy {
         }
     }
 
+    /// Freezes every connection forwarded so far; how many.
+    pub fn freeze_all(&self) -> usize {
+        let connections = self.connections.lock().unwrap();
+        for (_, freeze) in connections.iter() {
+            freeze.send_replace(true);
+        }
+        connections.len()
+    }
+
     /// Drops every connection and refuses new ones.
     pub fn cut(&self) {
         self.up.send_replace(false);

@@ -1,0 +1,141 @@
+//! Clean hand-offs: after an owner stopped cleanly the next one publishes
+//! at once; after a crash, or a stop that left messages unconfirmed, it
+//! waits out `relay.ownership_lease`.
+
+use crate::support::proxy::setup_cut;
+use crate::support::*;
+use outbox_relay::telemetry::metrics;
+use serde_json::json;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// Long enough that an event arriving well within it was not held back by it.
+const LONG_LEASE: &str = "\"60s\"";
+/// Well within the 66 s a new owner waits when it must.
+const AT_ONCE: Duration = Duration::from_secs(20);
+
+/// The owners table's row of the whole outbox: (owner token, stopped).
+async fn claim_row(db: &TestDb) -> Option<(String, bool)> {
+    db.client
+        .query_opt(
+            "SELECT owner, stopped_at IS NOT NULL FROM outbox_relay_owners WHERE lock_key = 'outbox-relay:public.outbox'",
+            &[],
+        )
+        .await
+        .expect("read the owners table")
+        .map(|r| (r.get(0), r.get(1)))
+}
+
+async fn insert_one(db: &TestDb, i: i64) -> String {
+    let id = Uuid::new_v4();
+    db.insert(id, "order", "o1", json!({ "i": i })).await;
+    id.to_string()
+}
+
+every_mode!(a_clean_stop_hands_over_at_once_and_a_crash_does_not);
+async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(
+        mode,
+        kind,
+        &["order"],
+        &[("relay.ownership_lease", LONG_LEASE)],
+    )
+    .await;
+    // As if an earlier owner had stopped cleanly, so the first start need
+    // not wait a minute either.
+    db.client
+        .execute(
+            "INSERT INTO outbox_relay_owners (lock_key, shards, owner, claimed_at, stopped_at)
+             VALUES ('outbox-relay:public.outbox', 1, 'earlier', now(), now())",
+            &[],
+        )
+        .await
+        .expect("seed the owners table");
+
+    let a = InProcess::start(parse(&toml));
+    let first = insert_one(&db, 1).await;
+    broker.inbox().wait_ids(&[first], AT_ONCE).await;
+    let (token_a, stopped) = claim_row(&db).await.expect("A claimed the outbox");
+    assert_ne!(token_a, "earlier", "A wrote its own token");
+    assert!(!stopped, "a running owner's claim is not marked stopped");
+    a.stop().await;
+    assert_eq!(
+        claim_row(&db).await,
+        Some((token_a, true)),
+        "A's clean stop is recorded"
+    );
+
+    // B takes over from a clean stop: well within the lease.
+    let b = InProcess::start(parse(&toml));
+    let second = insert_one(&db, 2).await;
+    broker.inbox().wait_ids(&[second], AT_ONCE).await;
+
+    // B crashes (no drain, nothing recorded): C must wait the lease out.
+    wait_for(WAIT, "B to claim the outbox", || async {
+        claim_row(&db)
+            .await
+            .filter(|(_, stopped)| !stopped)
+            .map(|_| ())
+    })
+    .await;
+    b.abort();
+    let c = InProcess::start(parse(&toml));
+    let third = insert_one(&db, 3).await;
+    let held = broker
+        .inbox()
+        .try_wait_ids(std::slice::from_ref(&third), Duration::from_secs(6))
+        .await;
+    assert!(
+        held.is_err(),
+        "after a crash the next owner publishes nothing within its first lease"
+    );
+    // C stops before publishing it: a clean stop too (nothing unconfirmed),
+    // so D publishes the held event at once. Nothing is lost.
+    c.stop().await;
+    let d = InProcess::start(parse(&toml));
+    broker.inbox().wait_ids(&[third], AT_ONCE).await;
+    d.stop().await;
+}
+
+/// A stop whose `shutdown_timeout` ran out with a message unconfirmed (the
+/// broker connection went silent) leaves no clean mark: the broker may
+/// still take that message, so the next owner must wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_with_unconfirmed_messages_is_not_a_clean_one() {
+    let (db, broker, toml) = setup_cut(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[
+            ("relay.ownership_lease", "\"1s\""),
+            ("relay.shutdown_timeout", "\"1s\""),
+            ("relay.confirm_timeout", "\"60s\""),
+        ],
+    )
+    .await;
+    let (mut a, port) = ChildRelay::serving(&toml);
+    let first = insert_one(&db, 1).await;
+    broker.inbox.wait_ids(&[first], WAIT).await;
+    assert!(
+        broker.proxy().freeze_all() > 0,
+        "the relay's broker connection goes through the proxy"
+    );
+    let second = insert_one(&db, 2).await;
+    let in_flight = format!("{}{{pipeline=\"default\"}}", metrics::IN_FLIGHT);
+    wait_for(WAIT, "the second event to be in flight", || async {
+        let (_, body) = http_get(port, "/metrics").await?;
+        (metric(&body, &in_flight)? >= 1.0).then_some(())
+    })
+    .await;
+    let status = a.terminate();
+    assert!(status.success(), "the relay exits cleanly: {status}");
+    let (_, stopped) = claim_row(&db).await.expect("A claimed the outbox");
+    assert!(
+        !stopped,
+        "a stop that left a message unconfirmed is not recorded as clean"
+    );
+    assert!(
+        !broker.inbox.event_ids().contains(&second),
+        "the frozen connection delivered nothing"
+    );
+    assert_eq!(db.unsent().await, 1, "the unconfirmed event stays unsent");
+}
