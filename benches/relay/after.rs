@@ -15,10 +15,11 @@
 //! Latencies (commit → consumer receipt, commit → `relay_sent_at`) are over
 //! the writer's events only: all of them, and those committed "after the
 //! drain" (after the last backlog event's `relay_sent_at`; in the baseline,
-//! after the relay's first `relay_sent_at`, i.e. once it publishes: a new
-//! owner waits out one ownership lease first). "Behind" is, for each new event committed before
-//! the last backlog event's `relay_sent_at`, how much later than that its own
-//! `relay_sent_at` is (0 when earlier): how long it waited for the backlog.
+//! after the relay's first `relay_sent_at`, i.e. once it publishes; the
+//! warm-up relay's clean stop lets it publish at once). "Behind" is, for
+//! each new event committed before the last backlog event's
+//! `relay_sent_at`, how much later than that its own `relay_sent_at` is (0
+//! when earlier): how long it waited for the backlog.
 
 use crate::drain::insert_backlog;
 use crate::latency::{Percentiles, Times, watch};

@@ -12,7 +12,7 @@
 //! "flow" rate runs from the 50 ms poll that found the first message on the
 //! broker to that end: without the relay's start-up, which includes waiting
 //! out one ownership lease (`relay.ownership_lease`, 3 s by default, plus a
-//! tenth) before a new owner publishes.
+//! tenth) before the database's first owner publishes.
 
 use crate::ceiling;
 use crate::infra::{BrokerCount, Services, bounded};

@@ -233,8 +233,9 @@ pub struct AfterResult {
     pub after_drain_consumer: Option<Percentiles>,
     /// `after_drain_sent_at.p99_ms` / the same run's baseline's.
     pub after_drain_p99_ratio: Option<f64>,
-    /// Relay spawn → its first `relay_sent_at` (a new owner publishes nothing
-    /// during its first `relay.ownership_lease`).
+    /// Relay spawn → its first `relay_sent_at` (the warm-up relay stopped
+    /// cleanly, so the relay publishes at once; without that record a new
+    /// owner publishes nothing during its first `relay.ownership_lease`).
     pub first_sent_s: Option<f64>,
     /// Relay spawn → the last backlog event's `relay_sent_at`.
     pub backlog_drain_s: Option<f64>,

@@ -139,3 +139,42 @@ async fn a_stop_with_unconfirmed_messages_is_not_a_clean_one() {
     );
     assert_eq!(db.unsent().await, 1, "the unconfirmed event stays unsent");
 }
+
+/// Without the owners table (a database `migrate` has not seen since
+/// hand-offs came) `check` says what it costs, and the relay runs as
+/// before: every new owner waits the lease out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_owners_table_check_warns_and_every_start_waits_the_lease() {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[("relay.ownership_lease", LONG_LEASE)],
+    )
+    .await;
+    db.client
+        .batch_execute("DROP TABLE outbox_relay_owners")
+        .await
+        .expect("drop the owners table");
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 0, "a missing owners table is a warning: {out}{err}");
+    assert!(
+        out.contains("public.outbox_relay_owners is missing")
+            && out.contains("run outbox-relay migrate"),
+        "{out}"
+    );
+
+    let relay = InProcess::start(parse(&toml));
+    let id = insert_one(&db, 1).await;
+    let held = broker
+        .inbox()
+        .try_wait_ids(std::slice::from_ref(&id), Duration::from_secs(5))
+        .await;
+    assert!(
+        held.is_err(),
+        "without the table a new owner waits the lease"
+    );
+    relay.stop().await;
+    assert_eq!(db.unsent().await, 1, "nothing was lost");
+}
