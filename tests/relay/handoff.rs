@@ -178,3 +178,55 @@ async fn without_the_owners_table_check_warns_and_every_start_waits_the_lease() 
     relay.stop().await;
     assert_eq!(db.unsent().await, 1, "nothing was lost");
 }
+
+/// A role that may read the owners table but not write it: `check` fails
+/// naming the grant, and the relay publishes nothing (it could not clear a
+/// previous owner's clean mark) until the grant is made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_cannot_claim_is_told_what_to_grant_and_publishes_nothing() {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[("relay.retry_max", "\"1s\"")],
+    )
+    .await;
+    let role = crate::kit::unique("relay_role_");
+    db.client
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN;
+             GRANT ALL ON ALL TABLES IN SCHEMA public TO {role};
+             GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role};
+             REVOKE ALL ON outbox_relay_owners FROM {role};
+             GRANT SELECT ON outbox_relay_owners TO {role};"
+        ))
+        .await
+        .expect("create a role without write access to the owners table");
+    let as_role = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    assert_ne!(as_role, db.url, "the test database URL names its user");
+    let toml = toml.replace(&db.url, &as_role);
+
+    let path = config_file(&toml);
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_owners"),
+        "{out}"
+    );
+
+    let relay = InProcess::start(parse(&toml));
+    let id = insert_one(&db, 1).await;
+    let held = broker
+        .inbox()
+        .try_wait_ids(std::slice::from_ref(&id), Duration::from_secs(5))
+        .await;
+    assert!(held.is_err(), "nothing is published without a claim");
+    db.client
+        .batch_execute(&format!(
+            "GRANT INSERT, UPDATE ON outbox_relay_owners TO {role}"
+        ))
+        .await
+        .expect("grant the rights");
+    broker.inbox().wait_ids(&[id], WAIT).await;
+    relay.stop().await;
+}

@@ -258,9 +258,12 @@ async fn check_owners_table(config: &Config, client: &tokio_postgres::Client, r:
     let owners = crate::relay::handoff::owners_table(&config.outbox.table);
     let row = client
         .query_one(
+            // With a list, has_table_privilege asks for any one of them.
             "SELECT to_regclass($1) IS NOT NULL,
                     to_regclass($1) IS NOT NULL
-                    AND has_table_privilege(to_regclass($1), 'SELECT, INSERT, UPDATE')",
+                    AND has_table_privilege(to_regclass($1), 'SELECT')
+                    AND has_table_privilege(to_regclass($1), 'INSERT')
+                    AND has_table_privilege(to_regclass($1), 'UPDATE')",
             &[&owners.quoted()],
         )
         .await;
