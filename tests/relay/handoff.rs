@@ -32,6 +32,15 @@ async fn insert_one(db: &TestDb, i: i64) -> String {
     id.to_string()
 }
 
+/// Asserts that `id` does not arrive within `secs` seconds: the new owner
+/// is held back (`why` says by what).
+async fn assert_held(inbox: &crate::support::brokers::Inbox, id: &str, secs: u64, why: &str) {
+    let held = inbox
+        .try_wait_ids(&[id.to_owned()], Duration::from_secs(secs))
+        .await;
+    assert!(held.is_err(), "{why}");
+}
+
 every_mode!(a_clean_stop_hands_over_at_once_and_a_crash_does_not);
 async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: Kind) {
     let (db, broker, toml) = setup(
@@ -81,14 +90,13 @@ async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: 
     b.abort();
     let c = InProcess::start(parse(&toml));
     let third = insert_one(&db, 3).await;
-    let held = broker
-        .inbox()
-        .try_wait_ids(std::slice::from_ref(&third), Duration::from_secs(6))
-        .await;
-    assert!(
-        held.is_err(),
-        "after a crash the next owner publishes nothing within its first lease"
-    );
+    assert_held(
+        broker.inbox(),
+        &third,
+        6,
+        "after a crash the next owner publishes nothing within its first lease",
+    )
+    .await;
     // C stops before publishing it: a clean stop too (nothing unconfirmed),
     // so D publishes the held event at once. Nothing is lost.
     c.stop().await;
@@ -167,14 +175,13 @@ async fn without_the_owners_table_check_warns_and_every_start_waits_the_lease() 
 
     let relay = InProcess::start(parse(&toml));
     let id = insert_one(&db, 1).await;
-    let held = broker
-        .inbox()
-        .try_wait_ids(std::slice::from_ref(&id), Duration::from_secs(5))
-        .await;
-    assert!(
-        held.is_err(),
-        "without the table a new owner waits the lease"
-    );
+    assert_held(
+        broker.inbox(),
+        &id,
+        5,
+        "without the table a new owner waits the lease",
+    )
+    .await;
     relay.stop().await;
     assert_eq!(db.unsent().await, 1, "nothing was lost");
 }
@@ -216,11 +223,13 @@ async fn a_role_that_cannot_claim_is_told_what_to_grant_and_publishes_nothing() 
 
     let relay = InProcess::start(parse(&toml));
     let id = insert_one(&db, 1).await;
-    let held = broker
-        .inbox()
-        .try_wait_ids(std::slice::from_ref(&id), Duration::from_secs(5))
-        .await;
-    assert!(held.is_err(), "nothing is published without a claim");
+    assert_held(
+        broker.inbox(),
+        &id,
+        5,
+        "nothing is published without a claim",
+    )
+    .await;
     db.client
         .batch_execute(&format!(
             "GRANT INSERT, UPDATE ON outbox_relay_owners TO {role}"
