@@ -1,8 +1,8 @@
 //! The pipeline simulation: the real supervisor, pipeline, scheduler, CDC
 //! reader and ackers, driven over an in-memory database and broker through
 //! thousands of seeded schedules of writers, refusals, nacks, lost
-//! connections, out-of-order confirmations, crashes at any await point,
-//! terminated ownership sessions (a zombie owner next to a new one),
+//! connections, broker pauses, out-of-order confirmations, crashes at any
+//! await point, terminated ownership sessions (a zombie owner next to a new one),
 //! graceful hand-overs, and operators redriving and dropping dead letters.
 //!
 //! Each schedule runs on a single-threaded runtime with tokio's paused
@@ -14,7 +14,8 @@
 //! After every schedule the checks in [`check`] must hold: no loss, nothing
 //! rolled back published, per-aggregate order of first deliveries, rows
 //! marked and WAL acknowledged only after the broker confirmed, no
-//! publishing by an old owner once a new one published, duplicates within
+//! publishing by an old owner once a new one published, no old owner's
+//! message landing after a new owner's of the same key, duplicates within
 //! the window per incident, and liveness (every refused event ends
 //! delivered or dead-lettered; everything flows once the broker is fixed).
 
@@ -22,6 +23,7 @@ mod backend;
 mod cdc;
 mod check;
 mod db;
+mod faults;
 mod params;
 mod scenario;
 mod sink;

@@ -25,6 +25,9 @@ pub struct Params {
     /// rows marked, the odd aggregates' (one aggregate is written one way),
     /// without marking, any event's.
     pub messages: bool,
+    /// `relay.shutdown_timeout`: usually ample, now and then shorter than
+    /// a broker stall, so that a stop leaves messages on the way.
+    pub shutdown_timeout_ms: u64,
 }
 
 impl Params {
@@ -65,6 +68,7 @@ impl Params {
                 rng.usize(300..6000)
             },
             messages: mode == SourceMode::Cdc && rng.u32(0..3) == 0,
+            shutdown_timeout_ms: if rng.bool() { 100 } else { 5_000 },
         }
     }
 
@@ -114,7 +118,7 @@ messages = {messages}
 mark = "{mark}"
 max_in_flight = {window}
 confirm_timeout = "2s"
-shutdown_timeout = "5s"
+shutdown_timeout = "{shutdown}ms"
 retry_base = "50ms"
 retry_max = "1s"
 reject_retry_base = "50ms"
@@ -141,6 +145,7 @@ enabled = false
                 MarkMode::None => "none",
             },
             window = self.max_in_flight,
+            shutdown = self.shutdown_timeout_ms,
             dl = self.dead_letter,
             attempts = self.max_attempts,
             policy = match self.policy {

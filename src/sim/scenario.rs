@@ -4,9 +4,10 @@
 use super::backend::SimBackend;
 use super::check;
 use super::db::admin;
+use super::faults;
 use super::params::Params;
 use super::world::{BrokerKind, EventFacts, Poison, Shared, World, lock};
-use crate::config::{Config, MarkMode, SourceMode};
+use crate::config::{Config, MarkMode};
 use crate::dead_letter::admin::Target;
 use crate::relay::shards::{Balance, Shard};
 use crate::telemetry::PipelineTelemetry;
@@ -132,14 +133,14 @@ pub fn run(seed: u64) -> Result<Totals, String> {
     Err(report)
 }
 
-struct Instance {
-    id: usize,
+pub(super) struct Instance {
+    pub(super) id: usize,
     handle: Option<JoinHandle<()>>,
     token: CancellationToken,
 }
 
 impl Instance {
-    fn start(world: &Shared, config: &Config, id: usize) -> Instance {
+    pub(super) fn start(world: &Shared, config: &Config, id: usize) -> Instance {
         let token = CancellationToken::new();
         let backend = SimBackend {
             world: world.clone(),
@@ -169,7 +170,7 @@ impl Instance {
 
     /// SIGKILL: the task stops at whatever await it is in; its sessions and
     /// connections end.
-    async fn crash(&mut self, world: &Shared) {
+    pub(super) async fn crash(&mut self, world: &Shared) {
         if let Some(h) = self.handle.take() {
             h.abort();
             let _ = h.await;
@@ -182,7 +183,7 @@ impl Instance {
     }
 
     /// SIGTERM: drain, record, exit.
-    async fn stop(&mut self, world: &Shared) -> Result<(), String> {
+    pub(super) async fn stop(&mut self, world: &Shared) -> Result<(), String> {
         self.token.cancel();
         if let Some(h) = self.handle.take()
             && tokio::time::timeout(Duration::from_secs(120), h)
@@ -221,8 +222,8 @@ async fn drive(
         params.clone(),
     ));
     for _ in 0..params.faults {
-        tokio::time::sleep(Duration::from_millis(rng.u64(50..2_500))).await;
-        fault(&world, &config, &params, &mut rng, &mut instances).await;
+        tokio::time::sleep(Duration::from_millis(rng.u64(50..1_000))).await;
+        faults::fault(&world, &config, &params, &mut rng, &mut instances).await;
     }
     writers
         .await
@@ -447,140 +448,5 @@ fn write_event(
         w.emit_message(xid, id, &format!("a{a}"), event_type, headers);
     } else {
         w.insert(xid, id, &format!("a{a}"), event_type, headers);
-    }
-}
-
-/// One fault or operator action.
-async fn fault(
-    world: &Shared,
-    config: &Config,
-    params: &Params,
-    rng: &mut fastrand::Rng,
-    instances: &mut [Instance],
-) {
-    let i = rng.usize(0..instances.len());
-    if params.mode == SourceMode::Auto && rng.bool() {
-        return toggle_cdc(world);
-    }
-    match rng.u32(0..10) {
-        0 | 1 => crash(world, config, params, rng, &mut instances[i]).await,
-        2 => {
-            // The ownership session ends, the process does not notice yet.
-            let mut w = lock(world);
-            let owner = w.lock_reign.and_then(|r| w.reign_instance.get(&r).copied());
-            if let Some(o) = owner {
-                w.incidents += 1;
-                w.end_sessions(o);
-            }
-        }
-        3 => {
-            let mut w = lock(world);
-            w.note(format!("instance {i} loses its broker connections"));
-            w.incidents += 1;
-            w.kill_conns_of(instances[i].id);
-        }
-        4 => broker_outage(world, rng).await,
-        5 if !params.kafka => {
-            let topic = lock(world).topic(["Created", "Changed", "Closed"][rng.usize(0..3)]);
-            lock(world).busy_topics.insert(topic.clone());
-            lock(world).note(format!("queue of {topic} full"));
-            tokio::time::sleep(Duration::from_millis(rng.u64(100..3_000))).await;
-            lock(world).busy_topics.remove(&topic);
-        }
-        6 => {
-            lock(world).incidents += 1;
-            if let Err(e) = instances[i].stop(world).await {
-                lock(world).violation(e);
-            }
-            instances[i] = Instance::start(world, config, instances[i].id);
-        }
-        7 | 8 => resolve_a_dead_letter(world, rng),
-        _ => {
-            for _ in 0..rng.usize(1..20) {
-                lock(world).unrelated_commit();
-            }
-        }
-    }
-}
-
-/// The server stops or starts allowing logical replication (auto mode).
-fn toggle_cdc(world: &Shared) {
-    let mut w = lock(world);
-    w.cdc_blocked = !w.cdc_blocked;
-    if w.cdc_blocked {
-        // A stream that ends leaves what was in flight unconfirmed.
-        w.incidents += 1;
-    }
-    let now = if w.cdc_blocked {
-        "impossible"
-    } else {
-        "possible again"
-    };
-    w.note(format!("logical replication {now}"));
-}
-
-/// A crash, and a restart after a while; meanwhile the slot may be lost.
-async fn crash(
-    world: &Shared,
-    config: &Config,
-    params: &Params,
-    rng: &mut fastrand::Rng,
-    instance: &mut Instance,
-) {
-    instance.crash(world).await;
-    tokio::time::sleep(Duration::from_millis(rng.u64(0..1_500))).await;
-    // While no relay streams, WAL the slot needed may be removed
-    // (max_slot_wal_keep_size); with rows marked the relay recreates
-    // the slot and the table holds what the lost WAL did.
-    // Not with logical messages: a lost slot stops the relay then.
-    if params.mode != SourceMode::Polling
-        && params.mark != MarkMode::None
-        && !params.messages
-        && rng.u32(0..4) == 0
-    {
-        let mut w = lock(world);
-        if w.slot_active.is_none() {
-            w.note("the slot is lost".into());
-            w.slot_lost = true;
-        }
-    }
-    *instance = Instance::start(world, config, instance.id);
-}
-
-/// The broker goes away for a while, with every connection.
-async fn broker_outage(world: &Shared, rng: &mut fastrand::Rng) {
-    {
-        let mut w = lock(world);
-        w.note("broker outage".into());
-        w.incidents += 1;
-        w.broker_down = true;
-        w.kill_all_conns();
-    }
-    tokio::time::sleep(Duration::from_millis(rng.u64(200..4_000))).await;
-    let mut w = lock(world);
-    w.broker_down = false;
-    w.note("broker back".into());
-}
-
-/// The operator redrives or drops dead letters: one, an aggregate's, or all.
-fn resolve_a_dead_letter(world: &Shared, rng: &mut fastrand::Rng) {
-    let (by_id, by_aggregate) = {
-        let w = lock(world);
-        let open: Vec<_> = w.open_letters().collect();
-        if open.is_empty() {
-            return;
-        }
-        let l = open[rng.usize(0..open.len())];
-        (l.event_id.clone(), l.aggregate.clone())
-    };
-    let target = match rng.u32(0..3) {
-        0 => Target::Id(by_id),
-        1 => Target::Aggregate(by_aggregate),
-        _ => Target::All,
-    };
-    if rng.u32(0..4) == 0 {
-        admin::drop(world, &target);
-    } else if let Err(refused) = admin::redrive(world, &target) {
-        lock(world).note(format!("redrive refused: {refused}"));
     }
 }

@@ -57,6 +57,6 @@ impl Sink for SimSink {
     }
 
     async fn close(self) {
-        lock(&self.world).kill_conn(self.conn);
+        lock(&self.world).close_conn(self.conn);
     }
 }

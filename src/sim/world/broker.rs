@@ -11,6 +11,8 @@ pub struct Delivery {
 
 pub(super) struct BrokerMsg {
     conn: u64,
+    /// The ownership reign of the instance that sent it.
+    reign: u64,
     event_id: String,
     topic: String,
     key: String,
@@ -77,7 +79,12 @@ impl World {
         let topic = self.topic(event_type);
         let now = Instant::now();
         let mut due = now + Duration::from_micros(self.rng.u64(200..20_000));
-        let order_key = (topic.clone(), key.to_owned());
+        if let Some(until) = self.stalled_until.filter(|u| *u > now) {
+            due = due.max(until + Duration::from_micros(self.rng.u64(0..20_000)));
+        }
+        // Order holds per connection only: what another connection sent
+        // may land before or after.
+        let order_key = (conn, topic.clone(), key.to_owned());
         if let Some(last) = self.last_due.get(&order_key) {
             due = due.max(*last);
         }
@@ -94,6 +101,7 @@ impl World {
         let (tx, rx) = oneshot::channel();
         self.inflight.push(BrokerMsg {
             conn,
+            reign,
             event_id: event_id.to_owned(),
             topic,
             key: key.to_owned(),
@@ -195,7 +203,39 @@ impl World {
         self.deliveries.push(Delivery {
             event_id: m.event_id.clone(),
         });
+        let partition = (m.topic.clone(), m.key.clone());
+        let newest = self.landed_reign.entry(partition).or_insert(m.reign);
+        if *newest > m.reign {
+            let v = format!(
+                "{} ({}) sent by reign {} landed after a message of the same key from reign {}: a consumer sees an old owner's message after the new owner's",
+                m.event_id, m.key, m.reign, *newest
+            );
+            self.violation(v);
+        } else {
+            *newest = m.reign;
+        }
         Ok(())
+    }
+
+    /// The relay closes a connection: what it had written is still on the
+    /// way and lands as it would have (a closing client does not call
+    /// written bytes back); the confirmations are lost.
+    pub fn close_conn(&mut self, conn: u64) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        c.1 = true;
+        for c in self.confirms.iter_mut().filter(|c| c.conn == conn) {
+            c.result = Err(SinkError::Unavailable("sim: connection closed".into()));
+        }
+        let unconfirmed = self.inflight.iter().filter(|m| m.conn == conn).count();
+        if unconfirmed > 0 {
+            // Their fate is unknown to the relay: they will be sent again.
+            self.incidents += 1;
+            self.note(format!(
+                "connection {conn} closed with {unconfirmed} messages on the way"
+            ));
+        }
     }
 
     /// A connection dies: each message on it may or may not have arrived.

@@ -179,9 +179,13 @@ pub struct World {
     next_conn: u64,
     inflight: Vec<BrokerMsg>,
     confirms: Vec<PendingConfirm>,
-    /// Per topic and key, the latest due time (deliveries stay in order).
-    last_due: BTreeMap<(String, String), Instant>,
+    /// Per connection, topic and key, the latest due time (deliveries on
+    /// one connection stay in order).
+    last_due: BTreeMap<(u64, String, String), Instant>,
     pub broker_down: bool,
+    /// Until then the broker takes nothing in (a pause): what is sent lands
+    /// after it, in no particular order across connections.
+    pub stalled_until: Option<Instant>,
     pub busy_topics: BTreeSet<String>,
     pub broker_notify: Arc<Notify>,
     // What happened.
@@ -189,6 +193,8 @@ pub struct World {
     /// Per aggregate, its committed events in commit order.
     pub order: BTreeMap<String, Vec<String>>,
     pub deliveries: Vec<Delivery>,
+    /// Per topic and key, the newest reign whose message landed.
+    landed_reign: BTreeMap<(String, String), u64>,
     /// The latest reign that published anything.
     latest_publishing_reign: u64,
     /// Crashes, lost connections and sessions, outages, confirm timeouts:
@@ -242,11 +248,13 @@ impl World {
             confirms: Vec::new(),
             last_due: BTreeMap::new(),
             broker_down: false,
+            stalled_until: None,
             busy_topics: BTreeSet::new(),
             broker_notify: Arc::new(Notify::new()),
             events: BTreeMap::new(),
             order: BTreeMap::new(),
             deliveries: Vec::new(),
+            landed_reign: BTreeMap::new(),
             latest_publishing_reign: 0,
             incidents: 0,
             violations: Vec::new(),

@@ -1,0 +1,178 @@
+//! Faults and operator actions, one at a time, between the writers' commits.
+
+use super::db::admin;
+use super::params::Params;
+use super::scenario::Instance;
+use super::world::{Shared, lock};
+use crate::config::{Config, MarkMode, SourceMode};
+use crate::dead_letter::admin::Target;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// One fault or operator action.
+pub(super) async fn fault(
+    world: &Shared,
+    config: &Config,
+    params: &Params,
+    rng: &mut fastrand::Rng,
+    instances: &mut [Instance],
+) {
+    let i = rng.usize(0..instances.len());
+    if params.mode == SourceMode::Auto && rng.bool() {
+        return toggle_cdc(world);
+    }
+    match rng.u32(0..10) {
+        0 | 1 => crash(world, config, params, rng, &mut instances[i]).await,
+        2 => {
+            // The ownership session ends, the process does not notice yet.
+            let mut w = lock(world);
+            let owner = w.lock_reign.and_then(|r| w.reign_instance.get(&r).copied());
+            if let Some(o) = owner {
+                w.incidents += 1;
+                w.end_sessions(o);
+            }
+        }
+        3 => {
+            let mut w = lock(world);
+            w.note(format!("instance {i} loses its broker connections"));
+            w.incidents += 1;
+            w.kill_conns_of(instances[i].id);
+        }
+        4 if rng.bool() => broker_outage(world, rng).await,
+        4 => broker_stall(world, config, rng, &mut instances[i]).await,
+        5 if params.kafka => broker_stall(world, config, rng, &mut instances[i]).await,
+        5 => {
+            let topic = lock(world).topic(["Created", "Changed", "Closed"][rng.usize(0..3)]);
+            lock(world).busy_topics.insert(topic.clone());
+            lock(world).note(format!("queue of {topic} full"));
+            tokio::time::sleep(Duration::from_millis(rng.u64(100..3_000))).await;
+            lock(world).busy_topics.remove(&topic);
+        }
+        6 => restart(world, config, &mut instances[i]).await,
+        7 | 8 => resolve_a_dead_letter(world, rng),
+        _ => {
+            for _ in 0..rng.usize(1..20) {
+                lock(world).unrelated_commit();
+            }
+        }
+    }
+}
+
+/// SIGTERM, then the instance starts again at once.
+async fn restart(world: &Shared, config: &Config, instance: &mut Instance) {
+    lock(world).incidents += 1;
+    if let Err(e) = instance.stop(world).await {
+        lock(world).violation(e);
+    }
+    *instance = Instance::start(world, config, instance.id);
+}
+
+/// The broker pauses (a long collection, a slow disk): what is sent
+/// meanwhile lands after the pause, in no order across connections; now and
+/// then an instance is restarted during it, so that a short
+/// `relay.shutdown_timeout` leaves messages on the way. The pause stays
+/// under a tenth of `relay.ownership_lease`: a new owner that waits out a
+/// lease publishes that much after the last message the previous one sent.
+async fn broker_stall(
+    world: &Shared,
+    config: &Config,
+    rng: &mut fastrand::Rng,
+    instance: &mut Instance,
+) {
+    let pause_ms = rng.u64(150..250);
+    let pause = Duration::from_millis(pause_ms);
+    debug_assert!(pause + Duration::from_millis(20) < config.relay.ownership_lease / 10);
+    {
+        let mut w = lock(world);
+        w.stalled_until = Some(Instant::now() + pause);
+        w.note(format!("the broker pauses for {pause:?}"));
+    }
+    if rng.u32(0..3) != 0 {
+        // Late enough for messages to be sent into the pause, early
+        // enough for the pause to outlast a short shutdown timeout.
+        tokio::time::sleep(Duration::from_millis(rng.u64(20..pause_ms - 105))).await;
+        restart(world, config, instance).await;
+    }
+}
+
+/// The server stops or starts allowing logical replication (auto mode).
+fn toggle_cdc(world: &Shared) {
+    let mut w = lock(world);
+    w.cdc_blocked = !w.cdc_blocked;
+    if w.cdc_blocked {
+        // A stream that ends leaves what was in flight unconfirmed.
+        w.incidents += 1;
+    }
+    let now = if w.cdc_blocked {
+        "impossible"
+    } else {
+        "possible again"
+    };
+    w.note(format!("logical replication {now}"));
+}
+
+/// A crash, and a restart after a while; meanwhile the slot may be lost.
+async fn crash(
+    world: &Shared,
+    config: &Config,
+    params: &Params,
+    rng: &mut fastrand::Rng,
+    instance: &mut Instance,
+) {
+    instance.crash(world).await;
+    tokio::time::sleep(Duration::from_millis(rng.u64(0..1_500))).await;
+    // While no relay streams, WAL the slot needed may be removed
+    // (max_slot_wal_keep_size); with rows marked the relay recreates
+    // the slot and the table holds what the lost WAL did.
+    // Not with logical messages: a lost slot stops the relay then.
+    if params.mode != SourceMode::Polling
+        && params.mark != MarkMode::None
+        && !params.messages
+        && rng.u32(0..4) == 0
+    {
+        let mut w = lock(world);
+        if w.slot_active.is_none() {
+            w.note("the slot is lost".into());
+            w.slot_lost = true;
+        }
+    }
+    *instance = Instance::start(world, config, instance.id);
+}
+
+/// The broker goes away for a while, with every connection.
+async fn broker_outage(world: &Shared, rng: &mut fastrand::Rng) {
+    {
+        let mut w = lock(world);
+        w.note("broker outage".into());
+        w.incidents += 1;
+        w.broker_down = true;
+        w.kill_all_conns();
+    }
+    tokio::time::sleep(Duration::from_millis(rng.u64(200..4_000))).await;
+    let mut w = lock(world);
+    w.broker_down = false;
+    w.note("broker back".into());
+}
+
+/// The operator redrives or drops dead letters: one, an aggregate's, or all.
+fn resolve_a_dead_letter(world: &Shared, rng: &mut fastrand::Rng) {
+    let (by_id, by_aggregate) = {
+        let w = lock(world);
+        let open: Vec<_> = w.open_letters().collect();
+        if open.is_empty() {
+            return;
+        }
+        let l = open[rng.usize(0..open.len())];
+        (l.event_id.clone(), l.aggregate.clone())
+    };
+    let target = match rng.u32(0..3) {
+        0 => Target::Id(by_id),
+        1 => Target::Aggregate(by_aggregate),
+        _ => Target::All,
+    };
+    if rng.u32(0..4) == 0 {
+        admin::drop(world, &target);
+    } else if let Err(refused) = admin::redrive(world, &target) {
+        lock(world).note(format!("redrive refused: {refused}"));
+    }
+}
