@@ -148,6 +148,69 @@ async fn a_stop_with_unconfirmed_messages_is_not_a_clean_one() {
     assert_eq!(db.unsent().await, 1, "the unconfirmed event stays unsent");
 }
 
+/// When the clean stop cannot be recorded (here the database refuses the
+/// write) the stop still ends promptly, the claim stays unmarked, and the
+/// next owner waits the lease out: a lost record costs latency, never order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_stop_that_cannot_be_recorded_costs_the_next_owner_the_lease() {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[("relay.ownership_lease", LONG_LEASE)],
+    )
+    .await;
+    db.client
+        .execute(
+            "INSERT INTO outbox_relay_owners (lock_key, shards, owner, claimed_at, stopped_at)
+             VALUES ('outbox-relay:public.outbox', 1, 'earlier', now(), now())",
+            &[],
+        )
+        .await
+        .expect("seed the owners table");
+    let a = InProcess::start(parse(&toml));
+    let first = insert_one(&db, 1).await;
+    broker.inbox().wait_ids(&[first], AT_ONCE).await;
+    db.client
+        .batch_execute(
+            "CREATE FUNCTION refuse_stop() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN RAISE EXCEPTION 'stop records refused by the test'; END $$;
+             CREATE TRIGGER refuse_stop BEFORE UPDATE ON outbox_relay_owners
+               FOR EACH ROW WHEN (NEW.stopped_at IS NOT NULL) EXECUTE FUNCTION refuse_stop();",
+        )
+        .await
+        .expect("make recording a clean stop fail");
+    let began = std::time::Instant::now();
+    a.stop().await;
+    assert!(
+        began.elapsed() < Duration::from_secs(15),
+        "the stop did not wait on the failed record: {:?}",
+        began.elapsed()
+    );
+    let (token_a, stopped) = claim_row(&db).await.expect("A claimed the outbox");
+    assert_ne!(token_a, "earlier", "A wrote its own token");
+    assert!(!stopped, "the refused record left the claim unmarked");
+
+    let b = InProcess::start(parse(&toml));
+    let second = insert_one(&db, 2).await;
+    assert_held(
+        broker.inbox(),
+        &second,
+        6,
+        "without the record the next owner publishes nothing within its first lease",
+    )
+    .await;
+    // With the record possible again B's own clean stop hands over at once.
+    db.client
+        .batch_execute("DROP TRIGGER refuse_stop ON outbox_relay_owners")
+        .await
+        .expect("allow stop records again");
+    b.stop().await;
+    let c = InProcess::start(parse(&toml));
+    broker.inbox().wait_ids(&[second], AT_ONCE).await;
+    c.stop().await;
+}
+
 /// Without the owners table (a database `migrate` has not seen since
 /// hand-offs came) `check` says what it costs, and the relay runs as
 /// before: every new owner waits the lease out.
