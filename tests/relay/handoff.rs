@@ -41,6 +41,23 @@ async fn assert_held(inbox: &crate::support::brokers::Inbox, id: &str, secs: u64
     assert!(held.is_err(), "{why}");
 }
 
+/// Starts an owner as if an earlier one had stopped cleanly (so it need
+/// not wait the long lease either) and waits for its first event.
+async fn start_after_a_clean_stop(db: &TestDb, broker: &Broker, toml: &str) -> InProcess {
+    db.client
+        .execute(
+            "INSERT INTO outbox_relay_owners (lock_key, shards, owner, claimed_at, stopped_at)
+             VALUES ('outbox-relay:public.outbox', 1, 'earlier', now(), now())",
+            &[],
+        )
+        .await
+        .expect("seed the owners table");
+    let relay = InProcess::start(parse(toml));
+    let first = insert_one(db, 1).await;
+    broker.inbox().wait_ids(&[first], AT_ONCE).await;
+    relay
+}
+
 every_mode!(a_clean_stop_hands_over_at_once_and_a_crash_does_not);
 async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: Kind) {
     let (db, broker, toml) = setup(
@@ -50,20 +67,7 @@ async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: 
         &[("relay.ownership_lease", LONG_LEASE)],
     )
     .await;
-    // As if an earlier owner had stopped cleanly, so the first start need
-    // not wait a minute either.
-    db.client
-        .execute(
-            "INSERT INTO outbox_relay_owners (lock_key, shards, owner, claimed_at, stopped_at)
-             VALUES ('outbox-relay:public.outbox', 1, 'earlier', now(), now())",
-            &[],
-        )
-        .await
-        .expect("seed the owners table");
-
-    let a = InProcess::start(parse(&toml));
-    let first = insert_one(&db, 1).await;
-    broker.inbox().wait_ids(&[first], AT_ONCE).await;
+    let a = start_after_a_clean_stop(&db, &broker, &toml).await;
     let (token_a, stopped) = claim_row(&db).await.expect("A claimed the outbox");
     assert_ne!(token_a, "earlier", "A wrote its own token");
     assert!(!stopped, "a running owner's claim is not marked stopped");
@@ -160,17 +164,7 @@ async fn a_clean_stop_that_cannot_be_recorded_costs_the_next_owner_the_lease() {
         &[("relay.ownership_lease", LONG_LEASE)],
     )
     .await;
-    db.client
-        .execute(
-            "INSERT INTO outbox_relay_owners (lock_key, shards, owner, claimed_at, stopped_at)
-             VALUES ('outbox-relay:public.outbox', 1, 'earlier', now(), now())",
-            &[],
-        )
-        .await
-        .expect("seed the owners table");
-    let a = InProcess::start(parse(&toml));
-    let first = insert_one(&db, 1).await;
-    broker.inbox().wait_ids(&[first], AT_ONCE).await;
+    let a = start_after_a_clean_stop(&db, &broker, &toml).await;
     db.client
         .batch_execute(
             "CREATE FUNCTION refuse_stop() RETURNS trigger LANGUAGE plpgsql AS
