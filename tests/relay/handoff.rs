@@ -58,6 +58,15 @@ async fn start_after_a_clean_stop(db: &TestDb, broker: &Broker, toml: &str) -> I
     relay
 }
 
+/// Starts an owner that must wait out the lease, and asserts that an event
+/// inserted then is held back for a while (`why` says by what).
+async fn start_held(db: &TestDb, broker: &Broker, toml: &str, why: &str) -> (InProcess, String) {
+    let relay = InProcess::start(parse(toml));
+    let id = insert_one(db, 2).await;
+    assert_held(broker.inbox(), &id, 6, why).await;
+    (relay, id)
+}
+
 every_mode!(a_clean_stop_hands_over_at_once_and_a_crash_does_not);
 async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: Kind) {
     let (db, broker, toml) = setup(
@@ -92,12 +101,10 @@ async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: 
     })
     .await;
     b.abort();
-    let c = InProcess::start(parse(&toml));
-    let third = insert_one(&db, 3).await;
-    assert_held(
-        broker.inbox(),
-        &third,
-        6,
+    let (c, third) = start_held(
+        &db,
+        &broker,
+        &toml,
         "after a crash the next owner publishes nothing within its first lease",
     )
     .await;
@@ -185,12 +192,10 @@ async fn a_clean_stop_that_cannot_be_recorded_costs_the_next_owner_the_lease() {
     assert_ne!(token_a, "earlier", "A wrote its own token");
     assert!(!stopped, "the refused record left the claim unmarked");
 
-    let b = InProcess::start(parse(&toml));
-    let second = insert_one(&db, 2).await;
-    assert_held(
-        broker.inbox(),
-        &second,
-        6,
+    let (b, second) = start_held(
+        &db,
+        &broker,
+        &toml,
         "without the record the next owner publishes nothing within its first lease",
     )
     .await;
