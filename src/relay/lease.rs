@@ -66,6 +66,12 @@ impl Lease {
         }
     }
 
+    /// Has the previous owner's lease run out (or did it stop cleanly)? Only
+    /// then can nothing it sent still reach the broker.
+    pub fn previous_owner_settled(&self, now: Instant) -> bool {
+        now >= self.from
+    }
+
     /// May this instance publish now?
     pub fn valid(&self, now: Instant) -> bool {
         now >= self.from && now < self.until()

@@ -147,6 +147,9 @@ impl Backend for Postgres<'_> {
             (Some(_), Drained::Abandoned) => tracing::info!(
                 "messages were left unconfirmed: the next owner waits out this one's lease"
             ),
+            (Some(_), Drained::PreviousOwnerUnsettled) => tracing::info!(
+                "stopped while waiting out the previous owner's lease: the next owner waits too"
+            ),
             (None, _) => {}
         }
         Ok(end)

@@ -1,6 +1,7 @@
 //! Clean hand-offs: after an owner stopped cleanly the next one publishes
-//! at once; after a crash, or a stop that left messages unconfirmed, it
-//! waits out `relay.ownership_lease`.
+//! at once; after a crash, a stop that left messages unconfirmed, or a stop
+//! while still waiting out a crashed owner's lease, it waits out
+//! `relay.ownership_lease`.
 
 use crate::support::proxy::setup_cut;
 use crate::support::*;
@@ -93,11 +94,11 @@ async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: 
     broker.inbox().wait_ids(&[second], AT_ONCE).await;
 
     // B crashes (no drain, nothing recorded): C must wait the lease out.
-    wait_for(WAIT, "B to claim the outbox", || async {
+    let token_b = wait_for(WAIT, "B to claim the outbox", || async {
         claim_row(&db)
             .await
             .filter(|(_, stopped)| !stopped)
-            .map(|_| ())
+            .map(|(token, _)| token)
     })
     .await;
     b.abort();
@@ -108,12 +109,56 @@ async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: 
         "after a crash the next owner publishes nothing within its first lease",
     )
     .await;
-    // C stops before publishing it: a clean stop too (nothing unconfirmed),
-    // so D publishes the held event at once. Nothing is lost.
+    // C stops while still waiting out B's lease: nothing of its own is
+    // unconfirmed, but B's last messages may still reach the broker, so
+    // this is no clean stop either and D waits too. Nothing is lost.
     c.stop().await;
+    let (token_c, stopped) = claim_row(&db).await.expect("C claimed the outbox");
+    assert_ne!(token_c, token_b, "C claimed the outbox with its own token");
+    assert!(
+        !stopped,
+        "a stop before the previous owner's lease ran out is not recorded as clean"
+    );
     let d = InProcess::start(parse(&toml));
-    broker.inbox().wait_ids(&[third], AT_ONCE).await;
+    assert_held(
+        broker.inbox(),
+        &third,
+        6,
+        "after a stop during the wait for a crashed owner the next owner waits too",
+    )
+    .await;
     d.stop().await;
+    assert!(
+        db.unsent_ids().await.contains(&third),
+        "the held event stays unsent, for the next owner"
+    );
+}
+
+/// An owner that had to wait out a lease (no earlier owner recorded a clean
+/// stop) and stops once it is over, with everything confirmed, stops
+/// cleanly: the wait settled whatever its predecessor might have left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_after_the_lease_wait_is_a_clean_one() {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[("relay.ownership_lease", "\"1s\"")],
+    )
+    .await;
+    let a = InProcess::start(parse(&toml));
+    let first = insert_one(&db, 1).await;
+    broker.inbox().wait_ids(&[first], WAIT).await;
+    wait_for(WAIT, "the first event marked sent", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    a.stop().await;
+    let (_, stopped) = claim_row(&db).await.expect("A claimed the outbox");
+    assert!(
+        stopped,
+        "A's stop after its lease wait is recorded as clean"
+    );
 }
 
 /// A stop whose `shutdown_timeout` ran out with a message unconfirmed (the
@@ -199,15 +244,23 @@ async fn a_clean_stop_that_cannot_be_recorded_costs_the_next_owner_the_lease() {
         "without the record the next owner publishes nothing within its first lease",
     )
     .await;
-    // With the record possible again B's own clean stop hands over at once.
+    // With the record possible again, B's stop is still not a clean one: it
+    // stops while waiting out A's lease, and cannot know what A left.
     db.client
         .batch_execute("DROP TRIGGER refuse_stop ON outbox_relay_owners")
         .await
         .expect("allow stop records again");
     b.stop().await;
-    let c = InProcess::start(parse(&toml));
-    broker.inbox().wait_ids(&[second], AT_ONCE).await;
-    c.stop().await;
+    let (token_b, stopped) = claim_row(&db).await.expect("B claimed the outbox");
+    assert_ne!(token_b, token_a, "B claimed the outbox with its own token");
+    assert!(
+        !stopped,
+        "a stop before the previous owner's lease ran out is not recorded as clean"
+    );
+    assert!(
+        db.unsent_ids().await.contains(&second),
+        "the held event stays unsent, for the next owner"
+    );
 }
 
 /// Without the owners table (a database `migrate` has not seen since

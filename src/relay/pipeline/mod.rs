@@ -133,15 +133,23 @@ pub struct Context<'a> {
     pub lease: std::sync::Arc<super::lease::Lease>,
 }
 
-/// How a run that ended without a failure left what it had sent.
+/// How a run that ended without a failure left what it and earlier owners
+/// had sent: only [`Drained::All`] lets the next owner publish at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Drained {
-    /// The broker confirmed everything this run sent, and the broker
-    /// connection is closed: nothing of this run can reach the broker any more.
+    /// The broker confirmed everything this run sent, the broker connection
+    /// is closed, and the run had waited out the previous owner's lease (or
+    /// took over from a clean stop): nothing of this owner or an earlier one
+    /// can reach the broker any more.
     All,
     /// `relay.shutdown_timeout` ran out with messages unconfirmed: the broker
     /// may still take them.
     Abandoned,
+    /// Everything this run sent was confirmed, but it stopped while still
+    /// waiting out the previous owner's lease: messages of that owner (an
+    /// earlier run of the same process, after a failure, as well) may still
+    /// reach the broker.
+    PreviousOwnerUnsettled,
 }
 
 /// Runs until `shutdown` (then drains and returns `Ok`) or a failure.

@@ -315,10 +315,12 @@ where
             })
             .await;
         }
-        let drained = if self.scheduler.in_flight() == 0 {
-            Drained::All
-        } else {
+        let drained = if self.scheduler.in_flight() > 0 {
             Drained::Abandoned
+        } else if !self.lease.previous_owner_settled(Instant::now()) {
+            Drained::PreviousOwnerUnsettled
+        } else {
+            Drained::All
         };
         let Pipeline {
             sink,
