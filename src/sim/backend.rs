@@ -122,12 +122,16 @@ impl Backend for SimBackend {
 }
 
 impl SimBackend {
-    /// A run ended without a failure: when nothing it sent is unconfirmed,
-    /// it tells the next owner so (as the real backend does, on a new
+    /// A run ended without a failure: when nothing it or an earlier owner
+    /// sent can still land, it tells the next owner so (as the real backend does, on a new
     /// connection, whether or not the lock is still held).
     fn stopped(&self, reign: u64, drained: Drained) {
+        let mut w = lock(&self.world);
         if drained == Drained::All {
-            lock(&self.world).stopped_cleanly(reign);
+            w.stopped_cleanly(reign);
+        } else {
+            w.unclean_stops += 1;
+            w.note(format!("reign {reign} stopped, not cleanly: {drained:?}"));
         }
     }
 

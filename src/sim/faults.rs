@@ -1,7 +1,7 @@
 //! Faults and operator actions, one at a time, between the writers' commits.
 
 use super::db::admin;
-use super::params::Params;
+use super::params::{Focus, Params};
 use super::scenario::Instance;
 use super::world::{Shared, lock};
 use crate::config::{Config, MarkMode, SourceMode};
@@ -18,6 +18,9 @@ pub(super) async fn fault(
     instances: &mut [Instance],
 ) {
     let i = rng.usize(0..instances.len());
+    if params.focus == Focus::HandOver {
+        return stall_and_restart(world, config, rng, &mut instances[i]).await;
+    }
     if params.mode == SourceMode::Auto && rng.bool() {
         return toggle_cdc(world);
     }
@@ -58,6 +61,18 @@ pub(super) async fn fault(
     }
 }
 
+/// The time before the next fault. Hand-over schedules leave a gap longer
+/// than `relay.ownership_lease` now and then, so that the owner stopped
+/// next has waited out its predecessor's lease and may stop cleanly.
+pub(super) fn gap(params: &Params, rng: &mut fastrand::Rng) -> Duration {
+    let ms = if params.focus == Focus::HandOver && rng.u32(0..3) == 0 {
+        rng.u64(3_400..5_000)
+    } else {
+        rng.u64(50..1_000)
+    };
+    Duration::from_millis(ms)
+}
+
 /// SIGTERM, then the instance starts again at once.
 async fn restart(world: &Shared, config: &Config, instance: &mut Instance) {
     lock(world).incidents += 1;
@@ -80,19 +95,55 @@ async fn broker_stall(
     instance: &mut Instance,
 ) {
     let pause_ms = rng.u64(150..250);
+    pause_broker(world, config, pause_ms);
+    if rng.u32(0..3) != 0 {
+        restart_during(pause_ms, world, config, rng, instance).await;
+    }
+}
+
+/// A broker pause with an instance restarted during it.
+async fn stall_and_restart(
+    world: &Shared,
+    config: &Config,
+    rng: &mut fastrand::Rng,
+    instance: &mut Instance,
+) {
+    let pause_ms = rng.u64(150..250);
+    pause_broker(world, config, pause_ms);
+    if rng.bool() {
+        // The run fails with messages sent into the pause; the instance
+        // claims the outbox again and waits out its own lease, and is
+        // stopped during that wait: the next owner must wait as well.
+        tokio::time::sleep(Duration::from_millis(rng.u64(10..40))).await;
+        lock(world).drop_conns_of(instance.id);
+        let wait = rng.u64(60..120).min(pause_ms - 50);
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        return restart(world, config, instance).await;
+    }
+    restart_during(pause_ms, world, config, rng, instance).await;
+}
+
+/// Restarts `instance` late enough in a pause of `pause_ms` for messages to
+/// be sent into it, early enough for the pause to outlast a short shutdown
+/// timeout.
+async fn restart_during(
+    pause_ms: u64,
+    world: &Shared,
+    config: &Config,
+    rng: &mut fastrand::Rng,
+    instance: &mut Instance,
+) {
+    tokio::time::sleep(Duration::from_millis(rng.u64(20..pause_ms - 105))).await;
+    restart(world, config, instance).await;
+}
+
+/// The broker pauses from now for `pause_ms`.
+fn pause_broker(world: &Shared, config: &Config, pause_ms: u64) {
     let pause = Duration::from_millis(pause_ms);
     debug_assert!(pause + Duration::from_millis(20) < config.relay.ownership_lease / 10);
-    {
-        let mut w = lock(world);
-        w.stalled_until = Some(Instant::now() + pause);
-        w.note(format!("the broker pauses for {pause:?}"));
-    }
-    if rng.u32(0..3) != 0 {
-        // Late enough for messages to be sent into the pause, early
-        // enough for the pause to outlast a short shutdown timeout.
-        tokio::time::sleep(Duration::from_millis(rng.u64(20..pause_ms - 105))).await;
-        restart(world, config, instance).await;
-    }
+    let mut w = lock(world);
+    w.stalled_until = Some(Instant::now() + pause);
+    w.note(format!("the broker pauses for {pause:?}"));
 }
 
 /// The server stops or starts allowing logical replication (auto mode).

@@ -3,9 +3,24 @@
 
 use crate::config::{HoldPolicy, MarkMode, SourceMode};
 
+/// Which faults a schedule draws.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Focus {
+    /// Every kind of fault and operator action.
+    Mixed,
+    /// Only broker pauses with an instance stopped during them (half the
+    /// time just after the broker dropped its connections, failing its run),
+    /// under a short `relay.shutdown_timeout`, while the writers still
+    /// commit on a few aggregates: stops that leave messages of this owner
+    /// or of its failed run on the way, and the next owner's publishing
+    /// right behind them.
+    HandOver,
+}
+
 /// The settings of one schedule.
 #[derive(Debug, Clone)]
 pub struct Params {
+    pub focus: Focus,
     pub mode: SourceMode,
     pub mark: MarkMode,
     pub kafka: bool,
@@ -31,7 +46,26 @@ pub struct Params {
 }
 
 impl Params {
-    pub(super) fn random(rng: &mut fastrand::Rng) -> Self {
+    pub(super) fn random(focus: Focus, rng: &mut fastrand::Rng) -> Self {
+        let params = Self::mixed(rng);
+        match focus {
+            Focus::Mixed => params,
+            Focus::HandOver => Params {
+                focus,
+                instances: rng.usize(1..3),
+                transactions: rng.usize(150..400),
+                aggregates: rng.usize(1..4),
+                faults: rng.usize(3..10),
+                shutdown_timeout_ms: 100,
+                // A dead letter holds its aggregate back: on a few
+                // aggregates, little would be left to publish.
+                dead_letter: false,
+                ..params
+            },
+        }
+    }
+
+    fn mixed(rng: &mut fastrand::Rng) -> Self {
         let mode = match rng.u32(0..5) {
             0 | 1 => SourceMode::Polling,
             2 | 3 => SourceMode::Cdc,
@@ -45,6 +79,7 @@ impl Params {
         };
         let kafka = rng.bool();
         Params {
+            focus: Focus::Mixed,
             mode,
             mark,
             kafka,

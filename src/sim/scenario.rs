@@ -5,7 +5,7 @@ use super::backend::SimBackend;
 use super::check;
 use super::db::admin;
 use super::faults;
-use super::params::Params;
+use super::params::{Focus, Params};
 use super::world::{BrokerKind, EventFacts, Poison, Shared, World, lock};
 use crate::config::{Config, MarkMode};
 use crate::dead_letter::admin::Target;
@@ -31,6 +31,8 @@ pub struct Totals {
     pub switches: u64,
     /// Takeovers that started at once after a clean stop.
     pub clean_takeovers: u64,
+    /// Stops not recorded as clean.
+    pub unclean_stops: u64,
     pub simulated: Duration,
 }
 
@@ -43,6 +45,7 @@ impl Totals {
         self.incidents += t.incidents;
         self.switches += t.switches;
         self.clean_takeovers += t.clean_takeovers;
+        self.unclean_stops += t.unclean_stops;
         self.simulated += t.simulated;
     }
 }
@@ -51,7 +54,7 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
@@ -59,13 +62,14 @@ impl fmt::Display for Totals {
             self.incidents,
             self.switches,
             self.clean_takeovers,
+            self.unclean_stops,
             self.simulated.as_secs_f64() / 60.0
         )
     }
 }
 
-/// Runs schedule `seed`; `Err` is a printable report.
-pub fn run(seed: u64) -> Result<Totals, String> {
+/// Runs schedule `seed` of `focus`; `Err` is a printable report.
+pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -74,7 +78,7 @@ pub fn run(seed: u64) -> Result<Totals, String> {
     // The relay's own jitter draws from this thread's generator.
     fastrand::seed(seed);
     let mut rng = fastrand::Rng::with_seed(seed);
-    let params = Params::random(&mut rng);
+    let params = Params::random(focus, &mut rng);
     let mut config = crate::config::load_str(&params.toml())
         .map_err(|e| format!("seed {seed}: the simulated configuration is invalid: {e}"))?;
     // Below what a configuration may say, to make a few events fill it.
@@ -104,6 +108,7 @@ pub fn run(seed: u64) -> Result<Totals, String> {
             incidents: u64::from(w.incidents),
             switches: u64::from(w.switches),
             clean_takeovers: u64::from(w.clean_takeovers),
+            unclean_stops: u64::from(w.unclean_stops),
             simulated: outcome.unwrap_or_default(),
         });
     }
@@ -222,7 +227,7 @@ async fn drive(
         params.clone(),
     ));
     for _ in 0..params.faults {
-        tokio::time::sleep(Duration::from_millis(rng.u64(50..1_000))).await;
+        tokio::time::sleep(faults::gap(&params, &mut rng)).await;
         faults::fault(&world, &config, &params, &mut rng, &mut instances).await;
     }
     writers

@@ -276,6 +276,44 @@ impl World {
         }
     }
 
+    /// The broker drops `instance`'s connections (a restart of its own, a
+    /// proxy's idle cut): what the relay wrote before still lands when due,
+    /// but every answer the relay waits for on them fails now.
+    pub fn drop_conns_of(&mut self, instance: usize) {
+        let now = Instant::now();
+        let ids: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, (i, broken))| *i == instance && !broken)
+            .map(|(id, _)| *id)
+            .collect();
+        let dropped = || {
+            Err(SinkError::Unavailable(
+                "sim: the broker dropped the connection".into(),
+            ))
+        };
+        for conn in ids {
+            if let Some(c) = self.conns.get_mut(&conn) {
+                c.1 = true;
+            }
+            let mut on_the_way = 0;
+            for m in self.inflight.iter_mut().filter(|m| m.conn == conn) {
+                let reply = std::mem::replace(&mut m.reply, oneshot::channel().0);
+                let _ = reply.send(dropped());
+                on_the_way += 1;
+            }
+            for c in self.confirms.iter_mut().filter(|c| c.conn == conn) {
+                c.result = dropped();
+                c.at = now;
+            }
+            self.incidents += 1;
+            self.note(format!(
+                "the broker drops connection {conn} with {on_the_way} messages on the way"
+            ));
+        }
+        self.broker_notify.notify_one();
+    }
+
     pub fn kill_conns_of(&mut self, instance: usize) {
         let ids: Vec<u64> = self
             .conns

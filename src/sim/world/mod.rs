@@ -171,6 +171,9 @@ pub struct World {
     claimed: Option<u64>,
     stopped_cleanly: Option<u64>,
     pub clean_takeovers: u32,
+    /// Stops not recorded as clean: messages of this or an earlier owner
+    /// may still land.
+    pub unclean_stops: u32,
     /// Reign of each instance's current ownership session.
     pub reign_instance: BTreeMap<u64, usize>,
     pub commit_notify: Arc<Notify>,
@@ -240,6 +243,7 @@ impl World {
             claimed: None,
             stopped_cleanly: None,
             clean_takeovers: 0,
+            unclean_stops: 0,
             reign_instance: BTreeMap::new(),
             commit_notify: Arc::new(Notify::new()),
             conns: BTreeMap::new(),
