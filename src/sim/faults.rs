@@ -19,7 +19,7 @@ pub(super) async fn fault(
 ) {
     let i = rng.usize(0..instances.len());
     if params.focus == Focus::HandOver {
-        return stall_and_restart(world, config, rng, &mut instances[i]).await;
+        return broker_stall(world, config, params, rng, &mut instances[i]).await;
     }
     if params.mode == SourceMode::Auto && rng.bool() {
         return toggle_cdc(world);
@@ -42,8 +42,8 @@ pub(super) async fn fault(
             w.kill_conns_of(instances[i].id);
         }
         4 if rng.bool() => broker_outage(world, rng).await,
-        4 => broker_stall(world, config, rng, &mut instances[i]).await,
-        5 if params.kafka => broker_stall(world, config, rng, &mut instances[i]).await,
+        4 => broker_stall(world, config, params, rng, &mut instances[i]).await,
+        5 if params.kafka => broker_stall(world, config, params, rng, &mut instances[i]).await,
         5 => {
             let topic = lock(world).topic(["Created", "Changed", "Closed"][rng.usize(0..3)]);
             lock(world).busy_topics.insert(topic.clone());
@@ -88,39 +88,31 @@ async fn restart(world: &Shared, config: &Config, instance: &mut Instance) {
 /// `relay.shutdown_timeout` leaves messages on the way. The pause stays
 /// under a tenth of `relay.ownership_lease`: a new owner that waits out a
 /// lease publishes that much after the last message the previous one sent.
+/// Hand-over schedules restart an instance in every pause, half the time
+/// after its run failed.
 async fn broker_stall(
     world: &Shared,
     config: &Config,
+    params: &Params,
     rng: &mut fastrand::Rng,
     instance: &mut Instance,
 ) {
     let pause_ms = rng.u64(150..250);
     pause_broker(world, config, pause_ms);
-    if rng.u32(0..3) != 0 {
-        restart_during(pause_ms, world, config, rng, instance).await;
+    match params.focus {
+        Focus::Mixed if rng.u32(0..3) == 0 => {}
+        Focus::HandOver if rng.bool() => {
+            // The run fails with messages sent into the pause; the instance
+            // claims the outbox again and waits out its own lease, and is
+            // stopped during that wait: the next owner must wait as well.
+            tokio::time::sleep(Duration::from_millis(rng.u64(10..40))).await;
+            lock(world).drop_conns_of(instance.id);
+            let wait = rng.u64(60..120).min(pause_ms - 50);
+            tokio::time::sleep(Duration::from_millis(wait)).await;
+            restart(world, config, instance).await;
+        }
+        _ => restart_during(pause_ms, world, config, rng, instance).await,
     }
-}
-
-/// A broker pause with an instance restarted during it.
-async fn stall_and_restart(
-    world: &Shared,
-    config: &Config,
-    rng: &mut fastrand::Rng,
-    instance: &mut Instance,
-) {
-    let pause_ms = rng.u64(150..250);
-    pause_broker(world, config, pause_ms);
-    if rng.bool() {
-        // The run fails with messages sent into the pause; the instance
-        // claims the outbox again and waits out its own lease, and is
-        // stopped during that wait: the next owner must wait as well.
-        tokio::time::sleep(Duration::from_millis(rng.u64(10..40))).await;
-        lock(world).drop_conns_of(instance.id);
-        let wait = rng.u64(60..120).min(pause_ms - 50);
-        tokio::time::sleep(Duration::from_millis(wait)).await;
-        return restart(world, config, instance).await;
-    }
-    restart_during(pause_ms, world, config, rng, instance).await;
 }
 
 /// Restarts `instance` late enough in a pause of `pause_ms` for messages to

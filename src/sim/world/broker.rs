@@ -281,12 +281,7 @@ impl World {
     /// but every answer the relay waits for on them fails now.
     pub fn drop_conns_of(&mut self, instance: usize) {
         let now = Instant::now();
-        let ids: Vec<u64> = self
-            .conns
-            .iter()
-            .filter(|(_, (i, broken))| *i == instance && !broken)
-            .map(|(id, _)| *id)
-            .collect();
+        let ids = self.open_conns_of(instance);
         let dropped = || {
             Err(SinkError::Unavailable(
                 "sim: the broker dropped the connection".into(),
@@ -314,14 +309,16 @@ impl World {
         self.broker_notify.notify_one();
     }
 
-    pub fn kill_conns_of(&mut self, instance: usize) {
-        let ids: Vec<u64> = self
-            .conns
+    fn open_conns_of(&self, instance: usize) -> Vec<u64> {
+        self.conns
             .iter()
             .filter(|(_, (i, broken))| *i == instance && !broken)
             .map(|(id, _)| *id)
-            .collect();
-        for id in ids {
+            .collect()
+    }
+
+    pub fn kill_conns_of(&mut self, instance: usize) {
+        for id in self.open_conns_of(instance) {
             self.kill_conn(id);
         }
     }
