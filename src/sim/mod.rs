@@ -20,7 +20,8 @@
 //! publishing by an old owner once a new one published, no old owner's
 //! message landing after a new owner's of the same key, duplicates within
 //! the window per incident, and liveness (every refused event ends
-//! delivered or dead-lettered; everything flows once the broker is fixed).
+//! delivered or dead-lettered; everything flows once the broker is fixed;
+//! then the CDC slot holds no WAL back).
 
 mod backend;
 mod cdc;
@@ -34,6 +35,7 @@ mod world;
 
 use params::Focus;
 use scenario::Totals;
+use std::sync::mpsc::RecvTimeoutError;
 
 /// Schedules per suite run, of every kind of fault.
 const DEFAULT_SEEDS: u64 = 1_000;
@@ -67,7 +69,7 @@ fn run_seeds(focus: Focus, default_seeds: u64) -> Totals {
     let mut failures = Vec::new();
     let mut totals = Totals::default();
     for seed in seeds {
-        match scenario::run(seed, focus) {
+        match run_bounded(seed, focus) {
             Ok(t) => totals.add(&t),
             Err(report) => {
                 eprintln!("{report}");
@@ -84,6 +86,30 @@ fn run_seeds(focus: Focus, default_seeds: u64) -> Totals {
         "simulation seeds {failures:?} ({focus:?}) broke a guarantee (reports above); replay one with OUTBOX_RELAY_SIM_SEED=<seed> cargo nextest run sim::"
     );
     totals
+}
+
+/// Wall time one schedule may take (they take well under a second): a
+/// task that never yields keeps the paused clock from moving, and the
+/// schedule would never end.
+const SCHEDULE_WALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Runs schedule `seed` on a thread of its own, and reports it failed when
+/// it is not done within [`SCHEDULE_WALL_LIMIT`] (the thread is left
+/// spinning; the test fails and its process ends).
+fn run_bounded(seed: u64, focus: Focus) -> Result<Totals, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(scenario::run(seed, focus));
+    });
+    match rx.recv_timeout(SCHEDULE_WALL_LIMIT) {
+        Ok(outcome) => outcome,
+        Err(RecvTimeoutError::Timeout) => Err(format!(
+            "simulation seed {seed} ({focus:?}) did not finish within {SCHEDULE_WALL_LIMIT:?} of wall time: a task that never yields (a busy loop) stops the simulated clock"
+        )),
+        Err(RecvTimeoutError::Disconnected) => Err(format!(
+            "simulation seed {seed} ({focus:?}) panicked (message above)"
+        )),
+    }
 }
 
 #[test]

@@ -7,7 +7,7 @@ use super::db::admin;
 use super::faults;
 use super::params::{Focus, Params};
 use super::world::{BrokerKind, EventFacts, Poison, Shared, World, lock};
-use crate::config::{Config, MarkMode};
+use crate::config::{Config, MarkMode, SourceMode};
 use crate::dead_letter::admin::Target;
 use crate::relay::shards::{Balance, Shard};
 use crate::telemetry::PipelineTelemetry;
@@ -254,6 +254,16 @@ async fn drive(
         Duration::from_secs(600),
         "marking of delivered rows",
         |w| !marks || w.unsent().next().is_none(),
+    )
+    .await?;
+    // Nothing left to send: the slot holds no WAL back (a held-back or
+    // dead-lettered event included, which the table keeps).
+    let streams = params.mode != SourceMode::Polling;
+    wait_until(
+        &world,
+        Duration::from_secs(600),
+        "slot's confirmed position, to the end of the WAL,",
+        |w| !streams || w.cdc_blocked || w.slot_confirmed >= w.insert_lsn(),
     )
     .await?;
     for i in instances.iter_mut() {
