@@ -116,6 +116,7 @@ impl RowStore for SimStore {
                 let event_id = l.raw.id.clone().unwrap_or_default();
                 w.note(format!("dead letter: {event_id} of {aggregate}"));
                 let letter_id = w.letters.len() as i64 + 1;
+                let replayed = w.deliveries.iter().any(|d| d.event_id == event_id);
                 w.letters.push(super::world::Letter {
                     letter_id,
                     event_id,
@@ -124,6 +125,7 @@ impl RowStore for SimStore {
                     resolution: None,
                     requested: false,
                     wal: l.wal,
+                    replayed,
                 });
                 out.written.push(i);
             }

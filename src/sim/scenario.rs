@@ -456,10 +456,15 @@ fn write_event(
             poison,
             refusals: 0,
             dropped: false,
+            poisoned: poison != Poison::None,
+            message: false,
         },
     );
     let event_type = ["Created", "Changed", "Closed"][rng.usize(0..3)];
     if params.as_message(a, rng) {
+        if let Some(facts) = w.events.get_mut(id) {
+            facts.message = true;
+        }
         w.emit_message(xid, id, &format!("a{a}"), event_type, headers);
     } else {
         w.insert(xid, id, &format!("a{a}"), event_type, headers);

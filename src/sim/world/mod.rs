@@ -106,6 +106,8 @@ pub struct Letter {
     pub requested: bool,
     /// Where the event is in the WAL (CDC).
     pub wal: Option<(Lsn, u64)>,
+    /// The event had been delivered before it was dead-lettered (a replay).
+    pub replayed: bool,
 }
 
 /// What the checks know about an event.
@@ -118,6 +120,11 @@ pub struct EventFacts {
     /// Refused by the broker so far (for `Flaky`).
     pub refusals: u32,
     pub dropped: bool,
+    /// Written poisoned (the cure clears `poison`, not this).
+    pub poisoned: bool,
+    /// Written as a logical message: nothing in the table to hold it back
+    /// in, so a held-back message goes to the dead-letter table instead.
+    pub message: bool,
 }
 
 /// How the simulated broker behaves.
