@@ -68,6 +68,24 @@ async fn start_held(db: &TestDb, broker: &Broker, toml: &str, why: &str) -> (InP
     (relay, id)
 }
 
+/// An owner that claimed after `previous` stopped during its lease wait:
+/// its claim stands unmarked and `held` stays unsent, for the next owner.
+async fn assert_stopped_unclean(db: &TestDb, previous: &str, held: &str) {
+    let (token, stopped) = claim_row(db).await.expect("the owner claimed the outbox");
+    assert_ne!(
+        token, previous,
+        "the owner claimed the outbox with its own token"
+    );
+    assert!(
+        !stopped,
+        "a stop before the previous owner's lease ran out is not recorded as clean"
+    );
+    assert!(
+        db.unsent_ids().await.contains(held),
+        "the held event stays unsent, for the next owner"
+    );
+}
+
 every_mode!(a_clean_stop_hands_over_at_once_and_a_crash_does_not);
 async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: Kind) {
     let (db, broker, toml) = setup(
@@ -113,12 +131,7 @@ async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: 
     // unconfirmed, but B's last messages may still reach the broker, so
     // this is no clean stop either and D waits too. Nothing is lost.
     c.stop().await;
-    let (token_c, stopped) = claim_row(&db).await.expect("C claimed the outbox");
-    assert_ne!(token_c, token_b, "C claimed the outbox with its own token");
-    assert!(
-        !stopped,
-        "a stop before the previous owner's lease ran out is not recorded as clean"
-    );
+    assert_stopped_unclean(&db, &token_b, &third).await;
     let d = InProcess::start(parse(&toml));
     assert_held(
         broker.inbox(),
@@ -251,16 +264,7 @@ async fn a_clean_stop_that_cannot_be_recorded_costs_the_next_owner_the_lease() {
         .await
         .expect("allow stop records again");
     b.stop().await;
-    let (token_b, stopped) = claim_row(&db).await.expect("B claimed the outbox");
-    assert_ne!(token_b, token_a, "B claimed the outbox with its own token");
-    assert!(
-        !stopped,
-        "a stop before the previous owner's lease ran out is not recorded as clean"
-    );
-    assert!(
-        db.unsent_ids().await.contains(&second),
-        "the held event stays unsent, for the next owner"
-    );
+    assert_stopped_unclean(&db, &token_a, &second).await;
 }
 
 /// Without the owners table (a database `migrate` has not seen since
