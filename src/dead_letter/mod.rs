@@ -24,7 +24,7 @@ use crate::outbox::RawRow;
 use crate::replication::Lsn;
 use crate::sql::quote_ident;
 use chrono::{DateTime, Utc};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use tokio_postgres::{Client, Statement};
 
 /// One event on its way to the dead-letter table.
@@ -51,6 +51,12 @@ impl<P> DeadLetter<P> {
         self.raw.aggregate_id.as_deref().unwrap_or("")
     }
 }
+
+/// Aggregates with open dead letters, each with the WAL place (commit LSN,
+/// index) of its earliest open letter when every open letter of it has one
+/// (CDC). An event of the aggregate replayed from before that place was
+/// delivered before the letter was written, and is no follower of it.
+pub type OpenLetters = HashMap<String, Option<(Lsn, u64)>>;
 
 /// A dead letter an operator asked to publish again, as stored.
 #[derive(Debug, Clone)]
@@ -206,8 +212,13 @@ impl Recorder {
                 "SELECT EXISTS (SELECT 1 FROM {t} WHERE aggregate_id = $1 AND resolution IS NULL)"
             ))
             .await?,
+            // Per aggregate, the earliest open letter's WAL place; a letter
+            // without one (read by polling or the start-up read) sorts first,
+            // so the place is unknown then.
             open: prepare(format!(
-                "SELECT DISTINCT aggregate_id FROM {t} WHERE resolution IS NULL"
+                "SELECT DISTINCT ON (aggregate_id) aggregate_id, source_lsn::text, source_index
+                 FROM {t} WHERE resolution IS NULL
+                 ORDER BY aggregate_id, source_lsn NULLS FIRST, source_index NULLS FIRST"
             ))
             .await?,
             // A request on an aggregate's oldest open letter covers the
@@ -333,12 +344,20 @@ impl Recorder {
     pub async fn open_aggregates(
         &self,
         client: &Client,
-    ) -> Result<HashSet<String>, tokio_postgres::Error> {
+    ) -> Result<OpenLetters, tokio_postgres::Error> {
         Ok(client
             .query(&self.open, &[])
             .await?
             .iter()
-            .filter_map(|r| r.get::<_, Option<String>>(0))
+            .filter_map(|r| {
+                let aggregate = r.get::<_, Option<String>>(0)?;
+                let lsn: Option<String> = r.get(1);
+                let index: Option<i64> = r.get(2);
+                let place = lsn
+                    .and_then(|l| l.parse::<Lsn>().ok())
+                    .zip(index.and_then(|i| u64::try_from(i).ok()));
+                Some((aggregate, place))
+            })
             .collect())
     }
 

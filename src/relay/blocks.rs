@@ -13,10 +13,15 @@
 //! reconnects), so a refused event is retried on its own schedule rather
 //! than at every reconnect. An aggregate whose event went to the dead-letter
 //! table stays blocked ("dead") until an operator redrives or drops it.
+//! Events of a dead aggregate from before its first dead letter (a CDC
+//! stream replays them after a restart) were delivered before it: they are
+//! not held back behind it.
 
 use crate::backoff;
+use crate::dead_letter::OpenLetters;
+use crate::replication::Lsn;
 use chrono::{DateTime, Utc};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -39,6 +44,8 @@ pub struct Block {
     /// When it became dead ([`Blocks::generation`] at the time), so a view of
     /// the dead-letter table taken earlier cannot resolve it.
     pub dead_since: u64,
+    /// Where the aggregate's first dead letter is in the WAL, when known.
+    dead_at: Option<(Lsn, u64)>,
 }
 
 /// Blocked or dead aggregates the relay keeps track of, at most; past this
@@ -95,6 +102,7 @@ impl Blocks {
                 first_failed_at,
                 dead: false,
                 dead_since: 0,
+                dead_at: None,
             },
         );
         (&self.map[aggregate], true)
@@ -115,14 +123,27 @@ impl Blocks {
             .map(|b| b.event_id.as_deref().unwrap_or(""))
     }
 
-    /// The aggregate's event went to the dead-letter table.
-    pub fn mark_dead(&mut self, aggregate: &str) {
+    /// The aggregate's event (at `wal`, when read from the WAL) went to the
+    /// dead-letter table.
+    pub fn mark_dead(&mut self, aggregate: &str, wal: Option<(Lsn, u64)>) {
         self.generation += 1;
         if let Some(b) = self.map.get_mut(aggregate) {
             b.dead = true;
             b.until = None;
             b.dead_since = self.generation;
+            b.dead_at = wal;
         }
+    }
+
+    /// True when `aggregate` is dead and an event of it at `wal` comes
+    /// before its first dead letter: that event was delivered before the
+    /// letter was written (the relay dead-letters an aggregate's first
+    /// event the broker did not confirm), and is here again only because
+    /// the stream replayed it. Unknown places answer false.
+    pub fn delivered_before_dead_letter(&self, aggregate: &str, wal: Option<(Lsn, u64)>) -> bool {
+        self.map.get(aggregate).is_some_and(|b| {
+            b.dead && matches!((wal, b.dead_at), (Some(event), Some(letter)) if event < letter)
+        })
     }
 
     /// The current generation: dead blocks marked later have a greater `dead_since`.
@@ -130,11 +151,12 @@ impl Blocks {
         self.generation
     }
 
-    /// Aggregates with open dead letters (from the table): dead, whatever
-    /// state they were in.
-    pub fn set_dead(&mut self, aggregates: impl IntoIterator<Item = String>) {
+    /// Aggregates with open dead letters (from the table, with the place of
+    /// the first): dead, whatever state they were in. One already dead keeps
+    /// the earlier place, and an unknown one stays unknown.
+    pub fn set_dead(&mut self, aggregates: impl IntoIterator<Item = (String, Option<(Lsn, u64)>)>) {
         self.generation += 1;
-        for a in aggregates {
+        for (a, place) in aggregates {
             let b = self.map.entry(a).or_insert_with(|| Block {
                 event_id: None,
                 reason: "open dead letter".into(),
@@ -142,9 +164,15 @@ impl Blocks {
                 rounds: 0,
                 until: None,
                 first_failed_at: Utc::now(),
-                dead: true,
+                dead: false,
                 dead_since: 0,
+                dead_at: None,
             });
+            b.dead_at = match (b.dead, b.dead_at, place) {
+                (false, _, place) => place,
+                (true, Some(known), Some(place)) => Some(known.min(place)),
+                (true, _, _) => None,
+            };
             b.dead = true;
             b.until = None;
             b.dead_since = self.generation;
@@ -155,11 +183,11 @@ impl Blocks {
     /// taken at generation `seen`): an operator redrove or dropped their dead
     /// letters. They are unblocked and returned. Aggregates that died after
     /// `seen` are left alone: the view could not know them.
-    pub fn resolve_missing(&mut self, open: &HashSet<String>, seen: u64) -> Vec<String> {
+    pub fn resolve_missing(&mut self, open: &OpenLetters, seen: u64) -> Vec<String> {
         let gone: Vec<String> = self
             .map
             .iter()
-            .filter(|(a, b)| b.dead && b.dead_since <= seen && !open.contains(*a))
+            .filter(|(a, b)| b.dead && b.dead_since <= seen && !open.contains_key(*a))
             .map(|(a, _)| a.clone())
             .collect();
         for a in &gone {
@@ -318,7 +346,7 @@ mod tests {
         let mut b = blocks();
         let now = Instant::now();
         b.block("a", Some("e1"), "refused".into(), now, true);
-        b.mark_dead("a");
+        b.mark_dead("a", None);
         let (after, new) = b.block("a", Some("e2"), "refused too".into(), now, true);
         assert!(after.dead && !new);
         assert_eq!(b.next_expiry(), None);
@@ -330,7 +358,7 @@ mod tests {
     fn the_table_makes_a_retrying_aggregate_dead() {
         let mut b = blocks();
         b.block("a", Some("e1"), "refused".into(), Instant::now(), true);
-        b.set_dead(["a".to_owned()]);
+        b.set_dead([("a".to_owned(), None)]);
         assert!(b.is_dead("a"));
         assert_eq!(b.next_expiry(), None);
     }
@@ -340,13 +368,44 @@ mod tests {
         let mut b = blocks();
         let now = Instant::now();
         b.block("x", Some("x1"), "r".into(), now, true);
-        b.mark_dead("x");
+        b.mark_dead("x", None);
         let seen = b.generation();
         // The refresh question went out here; then p dies.
         b.block("p", Some("p1"), "r".into(), now, true);
-        b.mark_dead("p");
-        let open: HashSet<String> = HashSet::new(); // the view knows neither
+        b.mark_dead("p", None);
+        let open = OpenLetters::new(); // the view knows neither
         assert_eq!(b.resolve_missing(&open, seen), vec!["x".to_owned()]);
         assert!(b.is_dead("p"), "p died after the view was taken");
+    }
+
+    #[test]
+    fn only_events_before_the_first_dead_letter_were_delivered() {
+        let at = |lsn, index| Some((Lsn(lsn), index));
+        let mut b = blocks();
+        b.block("a", Some("e3"), "refused".into(), Instant::now(), true);
+        b.mark_dead("a", at(200, 1));
+        assert!(b.delivered_before_dead_letter("a", at(200, 0)));
+        assert!(b.delivered_before_dead_letter("a", at(100, 7)));
+        assert!(
+            !b.delivered_before_dead_letter("a", at(200, 1)),
+            "the letter itself"
+        );
+        assert!(!b.delivered_before_dead_letter("a", at(300, 0)));
+        assert!(
+            !b.delivered_before_dead_letter("a", None),
+            "a place unknown"
+        );
+        assert!(!b.delivered_before_dead_letter("b", at(1, 0)), "not dead");
+        // The table knows an earlier letter: the earlier place counts.
+        b.set_dead([("a".to_owned(), at(150, 0))]);
+        assert!(!b.delivered_before_dead_letter("a", at(160, 0)));
+        assert!(b.delivered_before_dead_letter("a", at(140, 0)));
+        // An open letter without a place (read by polling) makes it unknown.
+        b.set_dead([("a".to_owned(), None)]);
+        assert!(!b.delivered_before_dead_letter("a", at(1, 0)));
+        // Dead from the table alone: its place is the table's.
+        b.set_dead([("c".to_owned(), at(50, 2))]);
+        assert!(b.delivered_before_dead_letter("c", at(50, 1)));
+        assert!(!b.delivered_before_dead_letter("c", at(50, 3)));
     }
 }

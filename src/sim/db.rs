@@ -7,7 +7,7 @@
 
 use super::world::{Resolution, Shared, lock};
 use crate::config::MarkMode;
-use crate::dead_letter::{DeadLetter, Written};
+use crate::dead_letter::{DeadLetter, OpenLetters, Written};
 use crate::source::record::RowStore;
 use crate::source::{Reader, SourceError, SourcedEvent};
 use std::collections::HashSet;
@@ -116,7 +116,6 @@ impl RowStore for SimStore {
                 let event_id = l.raw.id.clone().unwrap_or_default();
                 w.note(format!("dead letter: {event_id} of {aggregate}"));
                 let letter_id = w.letters.len() as i64 + 1;
-                let replayed = w.deliveries.iter().any(|d| d.event_id == event_id);
                 w.letters.push(super::world::Letter {
                     letter_id,
                     event_id,
@@ -125,7 +124,6 @@ impl RowStore for SimStore {
                     resolution: None,
                     requested: false,
                     wal: l.wal,
-                    replayed,
                 });
                 out.written.push(i);
             }
@@ -136,9 +134,17 @@ impl RowStore for SimStore {
         .await
     }
 
-    async fn open_dead_letters(&self) -> Result<HashSet<String>, SourceError> {
-        self.statement(|w| w.open_letters().map(|l| l.aggregate.clone()).collect())
-            .await
+    async fn open_dead_letters(&self) -> Result<OpenLetters, SourceError> {
+        self.statement(|w| {
+            // As the real query: the earliest place, unknown when any is.
+            let mut open = OpenLetters::new();
+            for l in w.open_letters() {
+                let place = open.entry(l.aggregate.clone()).or_insert(l.wal);
+                *place = place.zip(l.wal).map(|(a, b)| a.min(b));
+            }
+            open
+        })
+        .await
     }
 
     async fn heartbeat(&self) -> Result<(), SourceError> {

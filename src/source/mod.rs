@@ -191,10 +191,11 @@ pub trait Acker: Send + 'static {
         letters: Vec<crate::dead_letter::DeadLetter<Self::Position>>,
     ) -> impl Future<Output = Result<std::collections::HashSet<String>, SourceError>> + Send;
 
-    /// Aggregates with a dead letter nobody redrove or dropped yet.
+    /// Aggregates with a dead letter nobody redrove or dropped yet, and
+    /// where the first one is.
     fn open_dead_letters(
         &mut self,
-    ) -> impl Future<Output = Result<std::collections::HashSet<String>, SourceError>> + Send {
+    ) -> impl Future<Output = Result<crate::dead_letter::OpenLetters, SourceError>> + Send {
         self.store().open_dead_letters()
     }
 

@@ -9,9 +9,8 @@ use super::SourceError;
 use crate::config::MarkMode;
 use crate::config::TableName;
 use crate::db::DbError;
-use crate::dead_letter::{DeadLetter, Recorder, Requested, Written};
+use crate::dead_letter::{DeadLetter, OpenLetters, Recorder, Requested, Written};
 use crate::outbox::mark_sql;
-use std::collections::HashSet;
 use std::future::Future;
 use tokio_postgres::{Client, Statement};
 
@@ -32,10 +31,8 @@ pub trait RowStore: Send + Sync + 'static {
         letters: &[DeadLetter<P>],
     ) -> impl Future<Output = Result<Written, SourceError>> + Send;
 
-    /// Aggregates with open dead letters.
-    fn open_dead_letters(
-        &self,
-    ) -> impl Future<Output = Result<HashSet<String>, SourceError>> + Send;
+    /// Aggregates with open dead letters, and where their first one is.
+    fn open_dead_letters(&self) -> impl Future<Output = Result<OpenLetters, SourceError>> + Send;
 
     /// One round trip on the ownership session.
     fn heartbeat(&self) -> impl Future<Output = Result<(), SourceError>> + Send;
@@ -196,13 +193,13 @@ impl RowStore for RowRecorder {
             .map_err(|e| DbError::query("writing dead letters", e).into())
     }
 
-    async fn open_dead_letters(&self) -> Result<HashSet<String>, SourceError> {
+    async fn open_dead_letters(&self) -> Result<OpenLetters, SourceError> {
         match &self.dead_letters {
             Some(r) => r
                 .open_aggregates(&self.client)
                 .await
                 .map_err(|e| DbError::query("reading open dead letters", e).into()),
-            None => Ok(HashSet::new()),
+            None => Ok(OpenLetters::new()),
         }
     }
 

@@ -55,6 +55,17 @@ where
             let Some(event) = self.waiting.pop_front() else {
                 return Ok(());
             };
+            if let Origin::Source(p) = &event.position
+                && self
+                    .blocks
+                    .delivered_before_dead_letter(event.aggregate_id(), p.wal())
+            {
+                // Replayed from before its aggregate's dead letter: the
+                // broker confirmed it before the letter was written.
+                tracing::debug!(aggregate_id = %event.aggregate_id(), "a replayed event delivered before its aggregate's dead letter is not sent again");
+                self.pending_acks.push(event.position);
+                continue;
+            }
             let route = event.event.as_ref().ok().map(|e| self.sink.route(e));
             // A redriven letter goes although its aggregate is dead.
             let blocked = matches!(event.position, Origin::Source(_))
@@ -446,7 +457,7 @@ where
     /// Writes the aggregate's dead letter; the events held back behind it
     /// follow it or wait, per `dead_letter.aggregate`.
     fn dead_letter(&mut self, aggregate: &str, letter: DeadLetter<P>, parked: Vec<Event<P>>) {
-        self.blocks.mark_dead(aggregate);
+        self.blocks.mark_dead(aggregate, letter.wal);
         self.pending_letters.push(letter);
         for e in parked {
             self.defer(e, true);

@@ -106,8 +106,6 @@ pub struct Letter {
     pub requested: bool,
     /// Where the event is in the WAL (CDC).
     pub wal: Option<(Lsn, u64)>,
-    /// The event had been delivered before it was dead-lettered (a replay).
-    pub replayed: bool,
 }
 
 /// What the checks know about an event.
