@@ -5,9 +5,14 @@
 //! the first refusal after the aggregate was (re)tried opens a round and
 //! counts one attempt against `dead_letter.max_attempts`; refusals of later
 //! events of the same aggregate in that round (they were in flight behind
-//! it) count nothing, so whatever the order and mix of refusals, an
-//! aggregate that keeps being refused reaches `max_attempts`. Back-pressure
-//! (a RabbitMQ nack) opens rounds for the backoff but never counts.
+//! it) count nothing. Answers are handled in send order, so a round is
+//! opened by the aggregate's first unconfirmed event; one opened by another
+//! event means the earlier opener went through (confirmed here, or by
+//! another owner while this one had lost the outbox), and the count starts
+//! again. So an event is dead-lettered after the broker refused it
+//! `max_attempts` times itself, and one that keeps being refused gets
+//! there. Back-pressure (a RabbitMQ nack) opens rounds for the backoff but
+//! never counts.
 //!
 //! Blocks outlive a pipeline restart (the supervisor keeps [`Blocks`] across
 //! reconnects), so a refused event is retried on its own schedule rather
@@ -85,7 +90,11 @@ impl Blocks {
         let (attempts, rounds, first_failed_at) = match self.map.get(aggregate) {
             // Dead stays dead; a later event refused in the same round adds nothing.
             Some(b) if b.dead || b.until.is_some() => return (&self.map[aggregate], false),
-            Some(b) => (b.attempts, b.rounds, b.first_failed_at),
+            Some(b) if b.event_id.as_deref() == event_id => {
+                (b.attempts, b.rounds, b.first_failed_at)
+            }
+            // The previous opener went through: this event's count starts.
+            Some(_) => (0, 0, Utc::now()),
             None => (0, 0, Utc::now()),
         };
         let attempts = attempts.saturating_add(u32::from(counted));
@@ -287,25 +296,36 @@ mod tests {
     }
 
     #[test]
-    fn alternating_refusals_still_reach_max_attempts() {
+    fn refusals_behind_the_opener_count_nothing() {
         let mut b = blocks();
         let now = Instant::now();
         let mut attempts = 0;
-        for round in 0..6 {
-            // Two events in flight; which refusal is handled first alternates.
-            let (first, second) = if round % 2 == 0 {
-                ("e1", "e2")
-            } else {
-                ("e2", "e1")
-            };
-            let (block, new) = b.block("a", Some(first), "refused".into(), now, true);
+        for _ in 0..6 {
+            // Two events in flight; answers come in send order.
+            let (block, new) = b.block("a", Some("e1"), "refused".into(), now, true);
             assert!(new);
             attempts = block.attempts;
-            let (_, new) = b.block("a", Some(second), "refused".into(), now, true);
+            let (_, new) = b.block("a", Some("e2"), "refused".into(), now, true);
             assert!(!new, "a second refusal of the same round opens nothing");
             b.release_expired(now + Duration::from_secs(3600));
         }
         assert_eq!(attempts, 6);
+    }
+
+    #[test]
+    fn a_round_opened_by_another_event_counts_afresh() {
+        let mut b = blocks();
+        let now = Instant::now();
+        for _ in 0..2 {
+            b.block("a", Some("e1"), "refused".into(), now, true);
+            b.release_expired(now + Duration::from_secs(3600));
+        }
+        // e1 went through elsewhere (another owner delivered it): e2's
+        // refusals are its own.
+        let (block, new) = b.block("a", Some("e2"), "refused".into(), now, true);
+        assert!(new);
+        assert_eq!(block.attempts, 1);
+        assert_eq!(block.event_id.as_deref(), Some("e2"));
     }
 
     #[test]

@@ -81,6 +81,7 @@ pub fn finally(w: &World, params: &Params) -> Vec<String> {
         }
     }
     out.extend(only_refused_events_dead_lettered(w));
+    out.extend(dead_lettered_after_max_attempts(w, params));
     // Duplicates only from incidents, each bounded by the window.
     let duplicates = w.deliveries.len() - first.len();
     // The documented bound: the in-flight window per incident; without
@@ -137,6 +138,31 @@ fn only_refused_events_dead_lettered(w: &World) -> Vec<String> {
             out.push(format!(
                 "{} ({}) was dead-lettered although the broker never refused it and no earlier event of its aggregate was",
                 l.event_id, l.aggregate
+            ));
+        }
+    }
+    out
+}
+
+/// An event the broker refused goes to the dead-letter table on its own
+/// account (not following an earlier letter) only after the broker refused
+/// it `dead_letter.max_attempts` times: refusals of other events of its
+/// aggregate, confirmed since, do not count toward it.
+fn dead_lettered_after_max_attempts(w: &World, params: &Params) -> Vec<String> {
+    let mut out = Vec::new();
+    for l in w.letters.iter().filter(|l| !l.follows) {
+        let Some(e) = w.events.get(&l.event_id) else {
+            continue;
+        };
+        // Only the broker's refusals are counted here: one the sink makes
+        // before sending, or an unreadable row, are not seen by it.
+        if e.refusals == 0 || e.message {
+            continue;
+        }
+        if e.refusals < params.max_attempts {
+            out.push(format!(
+                "{} ({}) was dead-lettered after {} refusal(s) of its own, fewer than max_attempts = {}",
+                l.event_id, l.aggregate, e.refusals, params.max_attempts
             ));
         }
     }

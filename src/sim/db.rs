@@ -124,6 +124,7 @@ impl RowStore for SimStore {
                     resolution: None,
                     requested: false,
                     wal: l.wal,
+                    follows: l.follows.is_some(),
                 });
                 out.written.push(i);
             }

@@ -106,6 +106,8 @@ pub struct Letter {
     pub requested: bool,
     /// Where the event is in the WAL (CDC).
     pub wal: Option<(Lsn, u64)>,
+    /// Written as the follower of an earlier letter of its aggregate.
+    pub follows: bool,
 }
 
 /// What the checks know about an event.
