@@ -54,8 +54,9 @@ impl<P> DeadLetter<P> {
 
 /// Aggregates with open dead letters, each with the WAL place (commit LSN,
 /// index) of its earliest open letter when every open letter of it has one
-/// (CDC). An event of the aggregate replayed from before that place was
-/// delivered before the letter was written, and is no follower of it.
+/// from this server's WAL, counted as this relay counts (CDC). An event of
+/// the aggregate replayed from before that place was delivered before the
+/// letter was written, and is no follower of it.
 pub type OpenLetters = HashMap<String, Option<(Lsn, u64)>>;
 
 /// A dead letter an operator asked to publish again, as stored.
@@ -67,10 +68,12 @@ pub struct Requested {
 
 /// Columns added after the first release, with their types: `migrate` adds
 /// them to an existing table.
-pub const LATER_COLUMNS: [(&str, &str); 4] = [
+pub const LATER_COLUMNS: [(&str, &str); 5] = [
     ("redrive_requested_at", "timestamptz"),
     ("source_lsn", "pg_lsn"),
     ("source_index", "bigint"),
+    // Whose WAL `source_lsn` is in (see [`Recorder::new`]).
+    ("source_system", "text"),
     // The `[[outbox.columns.extra]]` and routing columns' values, a JSON
     // object, so a redriven letter carries them as the original would have.
     ("extra", "text"),
@@ -107,7 +110,8 @@ pub fn create_sql(table: &TableName) -> Vec<String> {
     redrive_requested_at timestamptz,
     source_lsn pg_lsn,
     source_index bigint,
-    extra text
+    extra text,
+    source_system text
 )"
         ),
         format!(
@@ -166,6 +170,8 @@ pub fn aggregate_lock_key(table: &TableName, aggregate: &str) -> String {
 /// requested redrives, on the ownership connection.
 pub struct Recorder {
     table: TableName,
+    /// Whose WAL the places written refer to; `None` when unknown.
+    origin: Option<String>,
     insert: Statement,
     still_open: Statement,
     open: Statement,
@@ -190,22 +196,45 @@ pub const REQUESTED_BATCH: i64 = 500;
 
 impl Recorder {
     /// `shard`: an SQL condition on `aggregate_id` selecting the letters
-    /// this pipeline redrives (its shard), or `None` for all.
+    /// this pipeline redrives (its shard), or `None` for all. `messages`:
+    /// the WAL index of an event counts logical messages too
+    /// (`source.cdc.messages`). A letter's WAL place is kept with the
+    /// server's system identifier and that way of counting, so a place
+    /// from another server (the database restored or moved) or counted
+    /// otherwise is never compared with this stream's.
     pub async fn new(
         client: &Client,
         table: &TableName,
         shard: Option<&str>,
+        messages: bool,
     ) -> Result<Self, tokio_postgres::Error> {
         let t = table.quoted();
         let shard = shard.map(|c| format!(" AND {c}")).unwrap_or_default();
         let prepare = |sql: String| async move { client.prepare(&sql).await };
+        // Unknown (no right to read it) leaves every place unknown.
+        let origin = client
+            .query_one(
+                "SELECT system_identifier::text FROM pg_control_system()",
+                &[],
+            )
+            .await
+            .ok()
+            .map(|r| {
+                let system: String = r.get(0);
+                if messages {
+                    format!("{system}+messages")
+                } else {
+                    system
+                }
+            });
         Ok(Recorder {
             table: table.clone(),
+            origin,
             insert: prepare(format!(
                 "INSERT INTO {t} (id, outbox_seq, aggregate_type, aggregate_id, event_type, event_version,
                                   payload, headers, created_at, reason, attempts, first_failed_at, last_failed_at,
-                                  source_lsn, source_index, extra)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::text::pg_lsn, $15, $16)"
+                                  source_lsn, source_index, extra, source_system)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::text::pg_lsn, $15, $16, $17)"
             ))
             .await?,
             still_open: prepare(format!(
@@ -213,12 +242,16 @@ impl Recorder {
             ))
             .await?,
             // Per aggregate, the earliest open letter's WAL place; a letter
-            // without one (read by polling or the start-up read) sorts first,
-            // so the place is unknown then.
+            // without one of this origin (read by polling or the start-up
+            // read, or from another server) sorts first, so the place is
+            // unknown then.
             open: prepare(format!(
-                "SELECT DISTINCT ON (aggregate_id) aggregate_id, source_lsn::text, source_index
-                 FROM {t} WHERE resolution IS NULL
-                 ORDER BY aggregate_id, source_lsn NULLS FIRST, source_index NULLS FIRST"
+                "SELECT DISTINCT ON (aggregate_id) aggregate_id, lsn::text, index
+                 FROM (SELECT aggregate_id,
+                              CASE WHEN source_system = $1 THEN source_lsn END AS lsn,
+                              CASE WHEN source_system = $1 THEN source_index END AS index
+                       FROM {t} WHERE resolution IS NULL) open
+                 ORDER BY aggregate_id, lsn NULLS FIRST, index NULLS FIRST"
             ))
             .await?,
             // A request on an aggregate's oldest open letter covers the
@@ -302,9 +335,13 @@ impl Recorder {
             }
             let r = &l.raw;
             let attempts = i32::try_from(l.attempts).unwrap_or(i32::MAX);
-            let (lsn, index) = match l.wal {
-                Some((lsn, index)) => (Some(lsn.to_string()), i64::try_from(index).ok()),
-                None => (None, None),
+            let (lsn, index, origin) = match l.wal {
+                Some((lsn, index)) => (
+                    Some(lsn.to_string()),
+                    i64::try_from(index).ok(),
+                    self.origin.as_deref(),
+                ),
+                None => (None, None, None),
             };
             tx.execute(
                 &self.insert,
@@ -325,6 +362,7 @@ impl Recorder {
                     &lsn,
                     &index,
                     &r.extra,
+                    &origin,
                 ],
             )
             .await?;
@@ -346,7 +384,7 @@ impl Recorder {
         client: &Client,
     ) -> Result<OpenLetters, tokio_postgres::Error> {
         Ok(client
-            .query(&self.open, &[])
+            .query(&self.open, &[&self.origin])
             .await?
             .iter()
             .filter_map(|r| {

@@ -9,18 +9,20 @@
 //! opened by the aggregate's first unconfirmed event; one opened by another
 //! event means the earlier opener went through (confirmed here, or by
 //! another owner while this one had lost the outbox), and the count starts
-//! again. So an event is dead-lettered after the broker refused it
+//! again. So an event is dead-lettered after it was refused at least
 //! `max_attempts` times itself, and one that keeps being refused gets
-//! there. Back-pressure (a RabbitMQ nack) opens rounds for the backoff but
-//! never counts.
+//! there (a retry that reads the aggregate's events in another order, from
+//! the table instead of the WAL, can restart the count once). Back-pressure
+//! (a RabbitMQ nack) opens rounds for the backoff but never counts.
 //!
 //! Blocks outlive a pipeline restart (the supervisor keeps [`Blocks`] across
 //! reconnects), so a refused event is retried on its own schedule rather
 //! than at every reconnect. An aggregate whose event went to the dead-letter
 //! table stays blocked ("dead") until an operator redrives or drops it.
-//! Events of a dead aggregate from before its first dead letter (a CDC
-//! stream replays them after a restart) were delivered before it: they are
-//! not held back behind it.
+//! Events of a dead aggregate from before its earliest open dead letter in
+//! the WAL (a CDC stream replays them after a restart) were delivered before
+//! it: they are not held back behind it. The place is known only when every
+//! open letter of the aggregate has one from this server's WAL.
 
 use crate::backoff;
 use crate::dead_letter::OpenLetters;
@@ -49,7 +51,7 @@ pub struct Block {
     /// When it became dead ([`Blocks::generation`] at the time), so a view of
     /// the dead-letter table taken earlier cannot resolve it.
     pub dead_since: u64,
-    /// Where the aggregate's first dead letter is in the WAL, when known.
+    /// Where the aggregate's earliest open dead letter is in the WAL, when known.
     dead_at: Option<(Lsn, u64)>,
 }
 

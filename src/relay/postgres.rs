@@ -262,6 +262,7 @@ impl Postgres<'_> {
             table,
             config.relay.mark,
             dead_letters.as_ref().map(|t| (t, shard.as_deref())),
+            config.source.cdc.messages,
         )
         .await?;
         let ended = match reading {

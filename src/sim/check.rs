@@ -118,8 +118,9 @@ pub fn finally(w: &World, params: &Params) -> Vec<String> {
 /// broker never refused is dead-lettered only behind an earlier letter of
 /// its aggregate (following it), never first. (A logical message held back
 /// has no row to wait in, and goes to the dead-letter table.)
-/// An event replayed after it was delivered (CDC without marking replays
-/// from the slot after a restart) is no follower either.
+/// This covers an event replayed after it was delivered (CDC without
+/// marking replays from the slot after a restart) when no earlier event of
+/// its aggregate was dead-lettered.
 fn only_refused_events_dead_lettered(w: &World) -> Vec<String> {
     let mut out = Vec::new();
     for l in &w.letters {

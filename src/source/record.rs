@@ -77,12 +77,14 @@ pub struct RowRecorder {
 
 impl RowRecorder {
     /// `dead_letters`: the dead-letter table, when dead-lettering is on, and
-    /// an SQL condition on its `aggregate_id` selecting this pipeline's shard.
+    /// an SQL condition on its `aggregate_id` selecting this pipeline's shard;
+    /// `messages`: `source.cdc.messages` (see [`Recorder::new`]).
     pub async fn new(
         client: Client,
         table: &TableName,
         mark: MarkMode,
         dead_letters: Option<(&TableName, Option<&str>)>,
+        messages: bool,
     ) -> Result<Self, SourceError> {
         let mark = match mark_sql(table, mark) {
             Some(sql) => Some(
@@ -94,7 +96,7 @@ impl RowRecorder {
             None => None,
         };
         let dead_letters = match dead_letters {
-            Some((t, shard)) => Some(Recorder::new(&client, t, shard).await.map_err(|e| {
+            Some((t, shard)) => Some(Recorder::new(&client, t, shard, messages).await.map_err(|e| {
                 match e.code().map(|c| c.code()) {
                     Some("42P01") => SourceError::Setup(format!(
                         "the dead-letter table {t} does not exist; run `outbox-relay migrate` (or set dead_letter.enabled = false)"

@@ -34,6 +34,7 @@ async fn marking_waits_until_a_streamed_transaction_is_visible() {
         &config.outbox.table,
         MarkMode::Update,
         None,
+        false,
     )
     .await
     .unwrap();

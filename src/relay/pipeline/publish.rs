@@ -62,7 +62,7 @@ where
             {
                 // Replayed from before its aggregate's dead letter: the
                 // broker confirmed it before the letter was written.
-                tracing::debug!(aggregate_id = %event.aggregate_id(), "a replayed event delivered before its aggregate's dead letter is not sent again");
+                tracing::debug!(aggregate_id = %event.aggregate_id(), wal = ?p.wal(), "a replayed event delivered before its aggregate's dead letter is not sent again");
                 self.pending_acks.push(event.position);
                 continue;
             }
