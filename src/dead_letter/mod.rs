@@ -166,6 +166,25 @@ pub fn aggregate_lock_key(table: &TableName, aggregate: &str) -> String {
     format!("outbox-relay:dead-letters:{table}:{aggregate}")
 }
 
+/// Whose WAL the places of letters written now are in: the server's system
+/// identifier, and whether event indexes count logical messages. `None`
+/// (no right to read the identifier) leaves every place unknown.
+async fn wal_origin(client: &Client, messages: bool) -> Option<String> {
+    let row = client
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
+        .await
+        .ok()?;
+    let system: String = row.get(0);
+    Some(if messages {
+        format!("{system}+messages")
+    } else {
+        system
+    })
+}
+
 /// Writes dead letters and marks their outbox rows, and carries out
 /// requested redrives, on the ownership connection.
 pub struct Recorder {
@@ -174,6 +193,9 @@ pub struct Recorder {
     origin: Option<String>,
     insert: Statement,
     still_open: Statement,
+    /// Per aggregate, the earliest open letter's WAL place; a letter without
+    /// one of this origin (read by polling or the start-up read, or from
+    /// another server) sorts first, so the place is unknown then.
     open: Statement,
     extend_requests: Statement,
     requested: Statement,
@@ -211,25 +233,9 @@ impl Recorder {
         let t = table.quoted();
         let shard = shard.map(|c| format!(" AND {c}")).unwrap_or_default();
         let prepare = |sql: String| async move { client.prepare(&sql).await };
-        // Unknown (no right to read it) leaves every place unknown.
-        let origin = client
-            .query_one(
-                "SELECT system_identifier::text FROM pg_control_system()",
-                &[],
-            )
-            .await
-            .ok()
-            .map(|r| {
-                let system: String = r.get(0);
-                if messages {
-                    format!("{system}+messages")
-                } else {
-                    system
-                }
-            });
         Ok(Recorder {
             table: table.clone(),
-            origin,
+            origin: wal_origin(client, messages).await,
             insert: prepare(format!(
                 "INSERT INTO {t} (id, outbox_seq, aggregate_type, aggregate_id, event_type, event_version,
                                   payload, headers, created_at, reason, attempts, first_failed_at, last_failed_at,
@@ -241,10 +247,6 @@ impl Recorder {
                 "SELECT EXISTS (SELECT 1 FROM {t} WHERE aggregate_id = $1 AND resolution IS NULL)"
             ))
             .await?,
-            // Per aggregate, the earliest open letter's WAL place; a letter
-            // without one of this origin (read by polling or the start-up
-            // read, or from another server) sorts first, so the place is
-            // unknown then.
             open: prepare(format!(
                 "SELECT DISTINCT ON (aggregate_id) aggregate_id, lsn::text, index
                  FROM (SELECT aggregate_id,

@@ -14,6 +14,7 @@ mod cdc_backlog;
 mod chaos;
 mod cli;
 mod dead_letters;
+mod dead_letters_replay;
 mod delivery;
 mod duplicates;
 mod extra_columns;

@@ -1,0 +1,110 @@
+//! Dead letters and a CDC replay after a crash: events delivered before an
+//! aggregate's dead letter come again from the WAL, and are told apart from
+//! its followers by their WAL place, on the server that recorded it only.
+
+use crate::dead_letters::{dlq_list, insert_big, poison_settings, wait_dead_letters};
+use crate::support::*;
+use serde_json::json;
+use uuid::Uuid;
+
+/// CDC without marking: after a crash the stream replays from the slot's
+/// confirmed position, which can lie before events delivered ahead of a dead
+/// letter of their aggregate. Those were delivered; they follow nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_after_a_crash_does_not_dead_letter_what_came_before_the_letter() {
+    let (delivered, letters) = replay_after_a_crash_behind_a_letter(None).await;
+    assert_eq!(
+        letters.len(),
+        2,
+        "the event delivered before the dead letter ({delivered}) was replayed, not dead-lettered: {letters:?}"
+    );
+}
+
+/// A WAL place recorded by another server (the database restored or moved
+/// elsewhere) says nothing about this one's WAL: the replayed event is
+/// taken for a follower, as when no place is known. Kept, never skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wal_place_from_another_server_is_not_trusted() {
+    let (delivered, letters) = replay_after_a_crash_behind_a_letter(Some("1234567890")).await;
+    assert_eq!(letters.len(), 3, "{letters:?}");
+    assert_eq!(letters[2], delivered, "kept behind the letter");
+}
+
+/// One delivered event, then a poison event and its follower of the same
+/// aggregate, then a SIGKILL that leaves the slot before all three; with
+/// `foreign`, the letters' place is then made to look recorded elsewhere.
+/// Returns the delivered event's id and the dead letters' ids after the
+/// restart has streamed past the replay.
+async fn replay_after_a_crash_behind_a_letter(foreign: Option<&str>) -> (String, Vec<String>) {
+    let (db, broker, toml) =
+        setup(Mode::Cdc, Kind::Rabbit, &[], &poison_settings("\"follow\"")).await;
+    let toml = set(&toml, "relay.mark", "\"none\"");
+    // PostgreSQL hears of the flushed position only now and then (and when
+    // the stream restarts, as a retry does): the kill below leaves the slot
+    // before every event of this test.
+    let toml = set(&toml, "source.cdc.status_interval", "\"10m\"");
+    let toml = set(&toml, "dead_letter.max_attempts", "1");
+    let path = config_file(&toml);
+    let slot = slot_of(&toml);
+    let mut relay = ChildRelay::start(&toml);
+    wait_streaming(&db.client, &slot).await;
+    let before = wal_insert_position(&db.client).await;
+    let (delivered, poison, follower) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    db.insert(delivered, "order", "P", json!({})).await;
+    broker
+        .inbox()
+        .wait_ids(&[delivered.to_string()], WAIT)
+        .await;
+    insert_big(&db, poison, "P").await;
+    db.insert(follower, "order", "P", json!({})).await;
+    wait_dead_letters(&path, 2, "the poison event and its follower").await;
+    let confirmed = slot_position(&db.client, &slot, "confirmed_flush_lsn").await;
+    assert!(
+        confirmed <= before,
+        "the slot was confirmed to {confirmed} before the kill: nothing would be replayed"
+    );
+    relay.kill();
+    let system: String = db
+        .client
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let recorded: Vec<Option<String>> = db
+        .client
+        .query(
+            "SELECT source_system FROM outbox_dead_letters ORDER BY dead_letter_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(recorded, vec![Some(system.clone()), Some(system)]);
+    if let Some(other) = foreign {
+        db.client
+            .execute(
+                "UPDATE outbox_dead_letters SET source_system = $1",
+                &[&other],
+            )
+            .await
+            .unwrap();
+    }
+    let mut relay = ChildRelay::start(&toml);
+    // The stream is read in WAL order: once a later event arrives, the
+    // replayed ones were handled.
+    let later = Uuid::new_v4();
+    db.insert(later, "order", "G", json!({})).await;
+    broker.inbox().wait_ids(&[later.to_string()], WAIT).await;
+    let letters: Vec<String> = dlq_list(&path)
+        .iter()
+        .map(|l| l["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(letters[..2], [poison.to_string(), follower.to_string()]);
+    assert_eq!(relay.terminate().code(), Some(0));
+    (delivered.to_string(), letters)
+}
