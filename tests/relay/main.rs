@@ -29,6 +29,7 @@ mod migrations;
 mod operations;
 mod partitions;
 mod retention;
+mod roles;
 mod routing;
 mod schema;
 mod tls;

@@ -1,0 +1,84 @@
+//! The least-privilege role of docs/operations.md, made by exactly the SQL
+//! there: `check` passes and the relay delivers and dead-letters, in both
+//! modes.
+
+use crate::dead_letters::{insert_big, poison_settings, wait_dead_letters};
+use crate::support::*;
+use serde_json::json;
+
+/// The `sql` blocks of the operations guide's section on database roles,
+/// in order (polling, then what CDC adds).
+fn documented_grants() -> Vec<String> {
+    let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+        .expect("docs/operations.md");
+    let section = guide
+        .split("## Database roles with least privilege")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("the section on database roles");
+    section
+        .split("```sql\n")
+        .skip(1)
+        .map(|block| block.split("```").next().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// The documented statements for `mode`, for a role named `role`.
+fn grants_for(mode: Mode, role: &str) -> String {
+    let blocks = documented_grants();
+    assert_eq!(blocks.len(), 2, "polling, then CDC: {blocks:?}");
+    let take = if mode == Mode::Cdc { 2 } else { 1 };
+    blocks[..take]
+        .iter()
+        .map(|b| rename_role(b, role))
+        .collect()
+}
+
+/// `sql` with the role `outbox_relay` (a whole word, not the prefix of a
+/// table name) called `role`.
+fn rename_role(sql: &str, role: &str) -> String {
+    const NAME: &str = "outbox_relay";
+    let mut out = String::new();
+    let mut rest = sql;
+    while let Some(at) = rest.find(NAME) {
+        let after = &rest[at + NAME.len()..];
+        let whole = !after.starts_with(|c: char| c.is_alphanumeric() || c == '_')
+            && !rest[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == '.');
+        out.push_str(&rest[..at]);
+        out.push_str(if whole { role } else { NAME });
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
+every_mode!(the_documented_role_is_enough);
+async fn the_documented_role_is_enough(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &poison_settings("\"follow\"")).await;
+    let role = crate::kit::unique("relay_least_");
+    db.client
+        .batch_execute(&grants_for(mode, &role))
+        .await
+        .expect("the documented statements run");
+    let as_role = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    assert_ne!(as_role, db.url, "the test database URL names its user");
+    let toml = toml.replace(&db.url, &as_role);
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 0, "check as the documented role: {out}{err}");
+
+    let relay = InProcess::start(parse(&toml));
+    let events = ids(3);
+    for (i, id) in events.iter().enumerate() {
+        db.insert(*id, "order", &format!("g{i}"), json!({})).await;
+    }
+    let poison = uuid::Uuid::new_v4();
+    insert_big(&db, poison, "P").await;
+    broker.inbox().wait_ids(&strings(&events), WAIT).await;
+    wait_dead_letters(&path, 1, "the poison event in the dead-letter table").await;
+    wait_for(WAIT, "every row marked", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
