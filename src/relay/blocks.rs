@@ -95,9 +95,9 @@ impl Blocks {
             Some(b) if b.event_id.as_deref() == event_id => {
                 (b.attempts, b.rounds, b.first_failed_at)
             }
-            // The previous opener went through: this event's count starts.
-            Some(_) => (0, 0, Utc::now()),
-            None => (0, 0, Utc::now()),
+            // None yet, or the previous opener went through: this event's
+            // count starts.
+            _ => (0, 0, Utc::now()),
         };
         let attempts = attempts.saturating_add(u32::from(counted));
         let rounds = rounds.saturating_add(1);

@@ -328,9 +328,7 @@ async fn a_role_that_cannot_claim_is_told_what_to_grant_and_publishes_nothing() 
         ))
         .await
         .expect("create a role without write access to the owners table");
-    let as_role = db.url.replacen("postgres@", &format!("{role}@"), 1);
-    assert_ne!(as_role, db.url, "the test database URL names its user");
-    let toml = toml.replace(&db.url, &as_role);
+    let toml = toml.replace(&db.url, &db.url_as(&role));
 
     let path = config_file(&toml);
     let (code, out, _) = run_cli(&["check", "--config", &path], &[]);

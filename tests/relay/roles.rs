@@ -60,9 +60,7 @@ async fn the_documented_role_is_enough(mode: Mode, kind: Kind) {
         .batch_execute(&grants_for(mode, &role))
         .await
         .expect("the documented statements run");
-    let as_role = db.url.replacen("postgres@", &format!("{role}@"), 1);
-    assert_ne!(as_role, db.url, "the test database URL names its user");
-    let toml = toml.replace(&db.url, &as_role);
+    let toml = toml.replace(&db.url, &db.url_as(&role));
     let path = config_file(&toml);
     let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
     assert_eq!(code, 0, "check as the documented role: {out}{err}");

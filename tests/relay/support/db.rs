@@ -75,6 +75,13 @@ impl TestDb {
         self.client.query_one(sql, &[]).await.expect(sql).get(0)
     }
 
+    /// This database's URL, for `role` instead of the test user.
+    pub fn url_as(&self, role: &str) -> String {
+        let url = self.url.replacen("postgres@", &format!("{role}@"), 1);
+        assert_ne!(url, self.url, "the test database URL names its user");
+        url
+    }
+
     pub async fn unsent(&self) -> i64 {
         self.count("SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL")
             .await
