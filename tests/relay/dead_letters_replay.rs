@@ -4,6 +4,7 @@
 
 use crate::dead_letters::{dlq_list, insert_big, poison_settings, wait_dead_letters};
 use crate::support::*;
+use outbox_relay::telemetry::metrics;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -94,12 +95,26 @@ async fn replay_after_a_crash_behind_a_letter(foreign: Option<&str>) -> (String,
             .await
             .unwrap();
     }
-    let mut relay = ChildRelay::start(&toml);
+    let (mut relay, port) = ChildRelay::serving(&toml);
     // The stream is read in WAL order: once a later event arrives, the
     // replayed ones were handled.
     let later = Uuid::new_v4();
     db.insert(later, "order", "G", json!({})).await;
     broker.inbox().wait_ids(&[later.to_string()], WAIT).await;
+    // Only the later event was published by this relay: a replay
+    // acknowledged without being sent is not counted as published.
+    let (published, confirmed) = wait_for(WAIT, "the later event to be counted", || async {
+        let (_, body) = http_get(port, "/metrics").await?;
+        let published = metric_sum(&body, metrics::EVENTS_PUBLISHED);
+        let confirmed = metric_sum(&body, "outbox_relay_commit_to_confirm_seconds_count");
+        (published >= 1.0 && confirmed >= 1.0).then_some((published, confirmed))
+    })
+    .await;
+    assert_eq!(
+        (published, confirmed),
+        (1.0, 1.0),
+        "events published (and confirmed) after the restart"
+    );
     let letters: Vec<String> = dlq_list(&path)
         .iter()
         .map(|l| l["id"].as_str().unwrap().to_owned())

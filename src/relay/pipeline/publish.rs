@@ -64,6 +64,7 @@ where
                 // broker confirmed it before the letter was written.
                 tracing::debug!(aggregate_id = %event.aggregate_id(), wal = ?p.wal(), "a replayed event delivered before its aggregate's dead letter is not sent again");
                 self.pending_acks.push(event.position);
+                self.pending_replayed += 1;
                 continue;
             }
             let route = event.event.as_ref().ok().map(|e| self.sink.route(e));

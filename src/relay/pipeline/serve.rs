@@ -76,6 +76,9 @@ pub(super) struct Pipeline<'a, P, K> {
     pub(super) in_flight: FuturesUnordered<InFlight<P>>,
     /// Confirmed positions not yet handed to the acker.
     pub(super) pending_acks: Vec<Origin<P>>,
+    /// How many of them are replays acknowledged without being sent again
+    /// (delivered before their aggregate's dead letter): not published now.
+    pub(super) pending_replayed: usize,
     /// The spans of those of them that have one (export on), ended once recorded.
     pub(super) pending_spans: Vec<EventSpan>,
     /// When the current batch reached the pipeline: where event spans start.
@@ -167,6 +170,7 @@ where
             scheduler: Scheduler::new(settings.per_aggregate),
             in_flight: FuturesUnordered::new(),
             pending_acks: Vec::new(),
+            pending_replayed: 0,
             pending_spans: Vec::new(),
             read_at: std::time::SystemTime::now(),
             pending_letters: Vec::new(),
@@ -439,10 +443,13 @@ where
         } else {
             let acks = std::mem::take(&mut self.pending_acks);
             self.unrecorded.add(acks.len());
-            let m = &self.telemetry.metrics;
-            m.published.increment(acks.len() as u64);
-            m.last_publish
-                .set(Utc::now().timestamp_millis() as f64 / 1000.0);
+            let published = acks.len() - std::mem::take(&mut self.pending_replayed);
+            if published > 0 {
+                let m = &self.telemetry.metrics;
+                m.published.increment(published as u64);
+                m.last_publish
+                    .set(Utc::now().timestamp_millis() as f64 / 1000.0);
+            }
             let mut sources = Vec::with_capacity(acks.len());
             let mut letters = Vec::new();
             for a in acks {

@@ -69,3 +69,11 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
             .flatten()
     })
 }
+
+/// The sum of a metric's series, whatever their labels.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{')?.rsplit_once(' '))
+        .filter_map(|(_, v)| v.parse::<f64>().ok())
+        .sum()
+}

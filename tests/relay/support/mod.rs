@@ -20,7 +20,7 @@ mod relays;
 mod slots;
 
 pub use db::TestDb;
-pub use http::{http_get, metric};
+pub use http::{http_get, metric, metric_sum};
 pub use relay_config::{base_toml, config_file, parse, rabbit_sink, set, with_http, with_mode};
 pub use relays::{
     ChildRelay, InProcess, cli_complains, cli_says, kill_while_busy, run_cli, terminate,
