@@ -176,6 +176,12 @@ async fn wal_origin(client: &Client, messages: bool) -> Option<String> {
             &[],
         )
         .await
+        .map_err(|e| {
+            tracing::warn!(
+                error = %crate::db::error_text(&e),
+                "cannot read the server's system identifier (pg_control_system()); dead letters written now record no trusted WAL place, so after a crash a CDC replay may dead-letter events delivered before a letter as its followers: grant EXECUTE on pg_control_system() to the relay's role"
+            )
+        })
         .ok()?;
     let system: String = row.get(0);
     Some(if messages {
