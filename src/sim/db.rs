@@ -53,7 +53,9 @@ impl SimStore {
     }
 }
 
-fn mark_rows(w: &mut super::world::World, mark: MarkMode, seqs: &[i64], check: bool) {
+/// Marks the unsent rows of `seqs`; returns how many it changed.
+fn mark_rows(w: &mut super::world::World, mark: MarkMode, seqs: &[i64], check: bool) -> u64 {
+    let mut changed = 0;
     for seq in seqs {
         let Some(row) = w.rows.get(seq).filter(|r| !r.sent) else {
             continue;
@@ -75,7 +77,9 @@ fn mark_rows(w: &mut super::world::World, mark: MarkMode, seqs: &[i64], check: b
             }
             MarkMode::None => {}
         }
+        changed += 1;
     }
+    changed
 }
 
 impl RowStore for SimStore {
@@ -83,9 +87,9 @@ impl RowStore for SimStore {
         Ok(())
     }
 
-    async fn mark(&self, seqs: &[i64]) -> Result<(), SourceError> {
+    async fn mark(&self, seqs: &[i64]) -> Result<u64, SourceError> {
         if self.mark == MarkMode::None || seqs.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
         let mark = self.mark;
         self.statement(|w| mark_rows(w, mark, seqs, true)).await

@@ -304,8 +304,9 @@ impl<S: RowStore> Acker for PollingAcker<S> {
         &self.recorder
     }
 
+    /// The rows were read through a snapshot, so they are visible.
     async fn ack(&mut self, positions: Vec<i64>) -> Result<(), SourceError> {
-        self.recorder.mark(&positions).await
+        self.recorder.mark(&positions).await.map(drop)
     }
 
     async fn dead_letter(

@@ -23,7 +23,9 @@ pub trait RowStore: Send + Sync + 'static {
     fn wait_visible(&self, xids: Vec<u32>) -> impl Future<Output = Result<(), SourceError>> + Send;
 
     /// Marks (or deletes) the rows; nothing when rows are left alone.
-    fn mark(&self, seqs: &[i64]) -> impl Future<Output = Result<(), SourceError>> + Send;
+    /// Returns how many rows it changed: fewer than asked when some were
+    /// marked before or are not visible to the statement yet.
+    fn mark(&self, seqs: &[i64]) -> impl Future<Output = Result<u64, SourceError>> + Send;
 
     /// Writes dead letters and marks their rows in one transaction.
     fn dead_letter<P: Sync>(
@@ -170,16 +172,15 @@ impl RowStore for RowRecorder {
         }
     }
 
-    async fn mark(&self, seqs: &[i64]) -> Result<(), SourceError> {
-        if let Some(mark) = &self.mark
-            && !seqs.is_empty()
-        {
-            self.client
+    async fn mark(&self, seqs: &[i64]) -> Result<u64, SourceError> {
+        match &self.mark {
+            Some(mark) if !seqs.is_empty() => Ok(self
+                .client
                 .execute(mark, &[&seqs])
                 .await
-                .map_err(|e| DbError::query("marking rows sent", e))?;
+                .map_err(|e| DbError::query("marking rows sent", e))?),
+            _ => Ok(0),
         }
-        Ok(())
     }
 
     async fn dead_letter<P: Sync>(
