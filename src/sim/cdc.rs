@@ -82,7 +82,9 @@ impl CdcServer for SimCdc {
     }
 
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
-        let w = lock(&self.world);
+        let mut w = lock(&self.world);
+        // A snapshot sees every commit before it.
+        w.unseen.clear();
         self.snapshot = Some(w.unsent().cloned().collect());
         // A simulated commit enters the WAL and becomes visible at once,
         // so every commit before the insert position is seen.

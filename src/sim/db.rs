@@ -57,7 +57,11 @@ impl SimStore {
 fn mark_rows(w: &mut super::world::World, mark: MarkMode, seqs: &[i64], check: bool) -> u64 {
     let mut changed = 0;
     for seq in seqs {
-        let Some(row) = w.rows.get(seq).filter(|r| !r.sent) else {
+        let Some(row) = w
+            .rows
+            .get(seq)
+            .filter(|r| !r.sent && !w.unseen.contains(&r.xid))
+        else {
             continue;
         };
         let id = row.id.clone();
@@ -83,8 +87,9 @@ fn mark_rows(w: &mut super::world::World, mark: MarkMode, seqs: &[i64], check: b
 }
 
 impl RowStore for SimStore {
-    async fn wait_visible(&self, _xids: Vec<u32>) -> Result<(), SourceError> {
-        Ok(())
+    async fn wait_visible(&self, xids: Vec<u32>) -> Result<(), SourceError> {
+        self.statement(|w| w.unseen.retain(|x| !xids.contains(&(*x as u32))))
+            .await
     }
 
     async fn mark(&self, seqs: &[i64]) -> Result<u64, SourceError> {
@@ -274,7 +279,9 @@ impl Reader for SimPolling {
             }
             latency(&self.world).await;
             let (snapshot, rows, found) = {
-                let w = lock(&self.world);
+                let mut w = lock(&self.world);
+                // A snapshot sees every commit before it.
+                w.unseen.clear();
                 let snapshot = self.cur.unwrap_or(w.commits.len());
                 let from = self.prev.unwrap_or(0);
                 let tick: HashSet<u64> = w.commits[from.min(snapshot)..snapshot]
