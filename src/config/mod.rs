@@ -393,7 +393,7 @@ pub mod defaults {
         Duration::from_secs(10)
     }
     pub fn max_in_flight() -> usize {
-        2000
+        8000
     }
     pub fn max_in_flight_bytes() -> usize {
         64 << 20

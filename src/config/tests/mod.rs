@@ -42,7 +42,7 @@ fn defaults_apply() {
     assert_eq!(c.outbox.table.to_string(), "public.outbox");
     assert_eq!(c.source.mode, SourceMode::Polling);
     assert_eq!(c.source.batch_size, 500);
-    assert_eq!(c.relay.max_in_flight, 2000);
+    assert_eq!(c.relay.max_in_flight, 8000);
     assert_eq!(c.relay.confirm_timeout, Duration::from_secs(30));
     let SinkConfig::Kafka(k) = &c.sink else {
         panic!()
