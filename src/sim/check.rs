@@ -92,11 +92,13 @@ pub fn finally(w: &World, params: &Params) -> Vec<String> {
     } else {
         params.max_in_flight as u64
     };
-    let bound = u64::from(w.incidents) * per_incident;
+    // And, without marking, what was confirmed behind an event held back
+    // after a refusal when an incident struck.
+    let bound = u64::from(w.incidents) * per_incident + w.repeats_behind_held;
     if duplicates as u64 > bound {
         out.push(format!(
-            "{duplicates} duplicates, over {} incidents x {per_incident}",
-            w.incidents
+            "{duplicates} duplicates, over {} incidents x {per_incident} + {} confirmed behind a held-back event",
+            w.incidents, w.repeats_behind_held
         ));
     }
     // Marked modes end with nothing unsent.

@@ -31,14 +31,14 @@ pub(super) async fn fault(
             let mut w = lock(world);
             let owner = w.lock_reign.and_then(|r| w.reign_instance.get(&r).copied());
             if let Some(o) = owner {
-                w.incidents += 1;
+                w.incident();
                 w.end_sessions(o);
             }
         }
         3 => {
             let mut w = lock(world);
             w.note(format!("instance {i} loses its broker connections"));
-            w.incidents += 1;
+            w.incident();
             w.kill_conns_of(instances[i].id);
         }
         4 if rng.bool() => broker_outage(world, rng).await,
@@ -75,7 +75,7 @@ pub(super) fn gap(params: &Params, rng: &mut fastrand::Rng) -> Duration {
 
 /// SIGTERM, then the instance starts again at once.
 async fn restart(world: &Shared, config: &Config, instance: &mut Instance) {
-    lock(world).incidents += 1;
+    lock(world).incident();
     if let Err(e) = instance.stop(world).await {
         lock(world).violation(e);
     }
@@ -144,7 +144,7 @@ fn toggle_cdc(world: &Shared) {
     w.cdc_blocked = !w.cdc_blocked;
     if w.cdc_blocked {
         // A stream that ends leaves what was in flight unconfirmed.
-        w.incidents += 1;
+        w.incident();
     }
     let now = if w.cdc_blocked {
         "impossible"
@@ -187,7 +187,7 @@ async fn broker_outage(world: &Shared, rng: &mut fastrand::Rng) {
     {
         let mut w = lock(world);
         w.note("broker outage".into());
-        w.incidents += 1;
+        w.incident();
         w.broker_down = true;
         w.kill_all_conns();
     }

@@ -182,7 +182,7 @@ impl Instance {
         }
         let mut w = lock(world);
         w.note(format!("instance {} crashes", self.id));
-        w.incidents += 1;
+        w.incident();
         w.kill_conns_of(self.id);
         w.end_sessions(self.id);
     }

@@ -29,6 +29,42 @@ pub(super) struct PendingConfirm {
 }
 
 impl World {
+    /// An incident: it may repeat up to a window of events (two without
+    /// marking). Without marking, an event held back after a refusal keeps
+    /// the slot before it until it is delivered or dead-lettered, so the
+    /// next stream also repeats every event confirmed after it: those are
+    /// counted too.
+    pub fn incident(&mut self) {
+        self.incidents += 1;
+        if self.marks_rows {
+            return;
+        }
+        let delivered: BTreeSet<&str> = self
+            .deliveries
+            .iter()
+            .map(|d| d.event_id.as_str())
+            .collect();
+        let lettered: BTreeSet<&str> = self.letters.iter().map(|l| l.event_id.as_str()).collect();
+        let held = |id: &str| {
+            self.events.get(id).is_some_and(|f| f.refusals > 0)
+                && !delivered.contains(id)
+                && !lettered.contains(id)
+        };
+        let Some(first) = self
+            .wal
+            .iter()
+            .position(|tx| tx.rows.iter().any(|r| held(&r.id)))
+        else {
+            return;
+        };
+        let behind = self.wal[first..]
+            .iter()
+            .flat_map(|tx| &tx.rows)
+            .filter(|r| delivered.contains(r.id.as_str()))
+            .count();
+        self.repeats_behind_held += behind as u64;
+    }
+
     pub fn connect(&mut self, instance: usize) -> Result<u64, SinkError> {
         if self.broker_down {
             return Err(SinkError::Unavailable("sim: the broker is down".into()));
@@ -96,7 +132,7 @@ impl World {
             Duration::from_micros(self.rng.u64(0..30_000))
         };
         if due + confirm_after >= now + self.confirm_timeout {
-            self.incidents += 1;
+            self.incident();
         }
         let (tx, rx) = oneshot::channel();
         self.inflight.push(BrokerMsg {
@@ -158,7 +194,7 @@ impl World {
                     && !c.1
                 {
                     c.1 = true;
-                    self.incidents += 1;
+                    self.incident();
                 }
             }
             self.confirms.push(PendingConfirm {
@@ -231,7 +267,7 @@ impl World {
         let unconfirmed = self.inflight.iter().filter(|m| m.conn == conn).count();
         if unconfirmed > 0 {
             // Their fate is unknown to the relay: they will be sent again.
-            self.incidents += 1;
+            self.incident();
             self.note(format!(
                 "connection {conn} closed with {unconfirmed} messages on the way"
             ));
@@ -301,7 +337,7 @@ impl World {
                 c.result = dropped();
                 c.at = now;
             }
-            self.incidents += 1;
+            self.incident();
             self.note(format!(
                 "the broker drops connection {conn} with {on_the_way} messages on the way"
             ));

@@ -214,6 +214,9 @@ pub struct World {
     /// Crashes, lost connections and sessions, outages, confirm timeouts:
     /// each may cause up to a window of duplicates.
     pub incidents: u32,
+    /// CDC without marking: events confirmed behind a held-back one when an
+    /// incident struck (see [`World::incident`]).
+    pub repeats_behind_held: u64,
     pub violations: Vec<String>,
     pub log: VecDeque<String>,
 }
@@ -273,6 +276,7 @@ impl World {
             landed_reign: BTreeMap::new(),
             latest_publishing_reign: 0,
             incidents: 0,
+            repeats_behind_held: 0,
             violations: Vec::new(),
             log: VecDeque::new(),
         }
