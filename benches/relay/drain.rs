@@ -10,9 +10,8 @@
 //! "update"`; with "delete", the 50 ms poll that found no row left; with
 //! "none" (CDC), the 50 ms poll that found every event on the broker. The
 //! "flow" rate runs from the 50 ms poll that found the first message on the
-//! broker to that end: without the relay's start-up, which includes waiting
-//! out one ownership lease (`relay.ownership_lease`, 3 s by default, plus a
-//! tenth) before the database's first owner publishes.
+//! broker to that end: without the relay's start-up (connecting, claiming
+//! the outbox; `migrate` created it, so its first owner waits no lease).
 
 use crate::ceiling;
 use crate::infra::{BrokerCount, Services, bounded};
@@ -60,8 +59,7 @@ async fn measure(
     r.db_mark_eps = Some(ceiling::database_mark(&stage.db.url, events).await?);
     r.broker_eps = Some(broker_ceiling(ctx, broker, shape).await?);
 
-    // The broker's count of messages: when the first arrived (the relay
-    // publishes nothing during its first ownership lease), and with mark =
+    // The broker's count of messages: when the first arrived, and with mark =
     // "none", where nothing in the table changes, when all did.
     let counter = match broker {
         BrokerKind::Kafka => BrokerCount::kafka(&ctx.services, &stage.inbox(broker)).await?,

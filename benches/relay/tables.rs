@@ -216,7 +216,7 @@ pub fn print_drains(drains: &[DrainResult]) {
     ];
     print_table(
         "Backlog drain (medians of runs; ratio = drain / min(db read, broker publish), per run; \
-         flow = from the first message on the broker (after the relay's start-up and ownership lease); \
+         flow = from the first message on the broker (after the relay's start-up); \
          cpu/100k: the relay's CPU s per 100k events, pg/100k: PostgreSQL's serving it)",
         &table,
         groups(drains, DrainResult::key),

@@ -16,7 +16,13 @@
 //!   own token (a newer owner's claim is never overwritten).
 //!
 //! So `stopped_at` is set exactly when the last owner that claimed the row
-//! has stopped publishing for good. Rows of another shard count that were
+//! has stopped publishing for good.
+//!
+//! When `migrate` creates the outbox table and this one in the same run,
+//! nothing can ever have relayed that outbox: it also writes a *genesis*
+//! row (an empty `lock_key`, stopped), and the first owner to claim while
+//! the table holds nothing else publishes at once. Any claim ends that: the
+//! next owner finds the claimer's row. Rows of another shard count that were
 //! claimed and not stopped make every takeover wait the lease (owners of
 //! other locks over the same rows could still be publishing). Without the
 //! table nobody can leave the mark, and every takeover waits, as before.
@@ -49,11 +55,27 @@ pub fn create_sql(owners: &TableName) -> String {
     )
 }
 
+/// The genesis row's key: no ownership lock is named by an empty string.
+const GENESIS_KEY: &str = "";
+
+/// The genesis row, for `migrate` when it creates the outbox table and this
+/// table in one run (see the module docs).
+pub fn genesis_sql(owners: &TableName) -> String {
+    format!(
+        "INSERT INTO {} (lock_key, shards, owner, claimed_at, stopped_at)
+VALUES ('{GENESIS_KEY}', 0, 'migrate: a new outbox, never relayed', now(), now())
+ON CONFLICT (lock_key) DO NOTHING",
+        owners.quoted()
+    )
+}
+
 /// What a new owner knows about the one before it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Takeover {
     /// The previous owner of this lock stopped cleanly: publish at once.
     AfterCleanStop,
+    /// Nobody ever claimed this outbox, which `migrate` created: publish at once.
+    NewOutbox,
     /// No such record: wait out the previous owner's lease.
     Unknown,
 }
@@ -79,17 +101,21 @@ pub async fn claim(
     let token = uuid::Uuid::new_v4().to_string();
     let sql = format!(
         "WITH prev AS (SELECT stopped_at FROM {t} WHERE lock_key = $1),
+              fresh AS (SELECT bool_and(lock_key = '{GENESIS_KEY}') AND count(*) > 0 AS yes FROM {t}),
               others AS (SELECT count(*) AS n FROM {t} WHERE shards <> $2 AND stopped_at IS NULL),
               mine AS (INSERT INTO {t} (lock_key, shards, owner, claimed_at) VALUES ($1, $2, $3, now())
                        ON CONFLICT (lock_key) DO UPDATE SET shards = EXCLUDED.shards,
                            owner = EXCLUDED.owner, claimed_at = EXCLUDED.claimed_at, stopped_at = NULL)
-         SELECT coalesce((SELECT stopped_at IS NOT NULL FROM prev), false) AND (SELECT n FROM others) = 0"
+         SELECT coalesce((SELECT stopped_at IS NOT NULL FROM prev), false) AND (SELECT n FROM others) = 0,
+                coalesce((SELECT yes FROM fresh), false)"
     );
     let shards = i32::try_from(shards).unwrap_or(i32::MAX);
     match client.query_one(&sql, &[&key, &shards, &token]).await {
         Ok(row) => {
-            let clean: bool = row.get(0);
-            let takeover = if clean {
+            let (clean, fresh): (bool, bool) = (row.get(0), row.get(1));
+            let takeover = if fresh {
+                Takeover::NewOutbox
+            } else if clean {
                 Takeover::AfterCleanStop
             } else {
                 Takeover::Unknown

@@ -169,6 +169,13 @@ fn lease_for(takeover: Takeover, config: &Config, shard: Shard) -> Lease {
             );
             Lease::after_clean_stop(lease, now)
         }
+        Takeover::NewOutbox => {
+            tracing::info!(
+                shard = shard.index,
+                "nobody has relayed this outbox since migrate created it: publishing at once"
+            );
+            Lease::after_clean_stop(lease, now)
+        }
         Takeover::Unknown => {
             tracing::info!(
                 shard = shard.index,

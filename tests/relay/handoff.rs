@@ -147,7 +147,87 @@ async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: 
     );
 }
 
-/// An owner that had to wait out a lease (no earlier owner recorded a clean
+/// Records an earlier owner's claim that it never marked stopped (it
+/// crashed, or may still be publishing).
+async fn seed_unclean_claim(db: &TestDb) {
+    db.client
+        .execute(
+            "INSERT INTO outbox_relay_owners (lock_key, shards, owner, claimed_at)
+             VALUES ('outbox-relay:public.outbox', 1, 'crashed', now())",
+            &[],
+        )
+        .await
+        .expect("seed the owners table");
+}
+
+every_mode!(the_first_owner_of_a_new_outbox_publishes_at_once);
+/// `migrate` created the outbox, so nobody can have relayed it: the first
+/// owner publishes at once, well within a long lease. Its claim ends that:
+/// after it crashes the next owner waits.
+async fn the_first_owner_of_a_new_outbox_publishes_at_once(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(
+        mode,
+        kind,
+        &["order"],
+        &[("relay.ownership_lease", LONG_LEASE)],
+    )
+    .await;
+    let a = InProcess::start(parse(&toml));
+    let first = insert_one(&db, 1).await;
+    broker.inbox().wait_ids(&[first], AT_ONCE).await;
+    let (token, stopped) = claim_row(&db).await.expect("A claimed the outbox");
+    assert!(!stopped, "A's claim is open while it runs");
+    a.abort();
+    let (b, held) = start_held(
+        &db,
+        &broker,
+        &toml,
+        "after the first owner crashed the next one waits its lease",
+    )
+    .await;
+    b.stop().await;
+    assert_stopped_unclean(&db, &token, &held).await;
+}
+
+/// `migrate` run on an outbox that already existed (created by hand, or by
+/// a version before hand-offs) cannot know who relayed it: no genesis row,
+/// and the first owner waits out the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_outbox_gets_no_genesis_row_and_its_first_owner_waits() {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[("relay.ownership_lease", LONG_LEASE)],
+    )
+    .await;
+    db.client
+        .batch_execute("DROP TABLE outbox_relay_owners")
+        .await
+        .expect("drop the owners table");
+    db.migrate(&parse(&toml)).await;
+    let rows: i64 = db
+        .client
+        .query_one("SELECT count(*) FROM outbox_relay_owners", &[])
+        .await
+        .expect("count owners rows")
+        .get(0);
+    assert_eq!(
+        rows, 0,
+        "migrate wrote no genesis row for an existing outbox"
+    );
+    let (relay, id) = start_held(
+        &db,
+        &broker,
+        &toml,
+        "the first owner of an outbox migrate did not create waits its lease",
+    )
+    .await;
+    relay.stop().await;
+    assert!(db.unsent_ids().await.contains(&id), "nothing was lost");
+}
+
+/// An owner that had to wait out a lease (an earlier owner recorded no clean
 /// stop) and stops once it is over, with everything confirmed, stops
 /// cleanly: the wait settled whatever its predecessor might have left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -159,6 +239,7 @@ async fn a_stop_after_the_lease_wait_is_a_clean_one() {
         &[("relay.ownership_lease", "\"1s\"")],
     )
     .await;
+    seed_unclean_claim(&db).await;
     let a = InProcess::start(parse(&toml));
     let first = insert_one(&db, 1).await;
     broker.inbox().wait_ids(&[first], WAIT).await;

@@ -226,17 +226,40 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     if let Some(dlq) = &opts.dead_letters {
         steps.extend(dead_letter_steps(client, dlq).await?);
     }
-    if table_info(client, &opts.owners).await?.is_none() {
-        steps.push(Step::new(
-            format!(
-                "create {}, where owners record clean stops so the next starts at once",
-                opts.owners
-            ),
-            crate::relay::handoff::create_sql(&opts.owners),
-        ));
-    }
+    steps.extend(owners_steps(client, opts, info.is_none()).await?);
     if let Some(cdc) = &opts.cdc {
         steps.extend(cdc_steps(client, &opts.table, cdc, partitioning.is_some()).await?);
+    }
+    Ok(steps)
+}
+
+/// The owners table when it is missing; with a `new_outbox` (created in
+/// this run, so nobody can have relayed it) its genesis row too, so the
+/// first owner need not wait out a predecessor's lease.
+async fn owners_steps(
+    client: &Client,
+    opts: &MigrateOptions,
+    new_outbox: bool,
+) -> Result<Vec<Step>, MigrateError> {
+    let mut steps = Vec::new();
+    if table_info(client, &opts.owners).await?.is_some() {
+        return Ok(steps);
+    }
+    steps.push(Step::new(
+        format!(
+            "create {}, where owners record clean stops so the next starts at once",
+            opts.owners
+        ),
+        crate::relay::handoff::create_sql(&opts.owners),
+    ));
+    if new_outbox {
+        steps.push(Step::new(
+            format!(
+                "record in {} that the new outbox was never relayed, so its first owner starts at once",
+                opts.owners
+            ),
+            crate::relay::handoff::genesis_sql(&opts.owners),
+        ));
     }
     Ok(steps)
 }

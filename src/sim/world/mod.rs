@@ -520,10 +520,16 @@ impl World {
     /// A new owner claims the lock (see `relay::handoff`): was the last
     /// claim's owner stopped cleanly?
     pub fn claim(&mut self, reign: u64) -> Takeover {
+        // `migrate` created the outbox and the owners table together, with
+        // the genesis row: the first claim finds nothing else.
+        let first = self.claimed.is_none();
         let clean = self.claimed.is_some() && self.stopped_cleanly == self.claimed;
         self.claimed = Some(reign);
         self.stopped_cleanly = None;
-        if clean {
+        if first {
+            self.note(format!("reign {reign} is the new outbox's first owner"));
+            Takeover::NewOutbox
+        } else if clean {
             self.clean_takeovers += 1;
             self.note(format!("reign {reign} takes over after a clean stop"));
             Takeover::AfterCleanStop
