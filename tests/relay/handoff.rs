@@ -15,6 +15,17 @@ const LONG_LEASE: &str = "\"60s\"";
 /// Well within the 66 s a new owner waits when it must.
 const AT_ONCE: Duration = Duration::from_secs(20);
 
+/// An outbox of "order" events whose new owners wait [`LONG_LEASE`] when they must.
+async fn long_lease(mode: Mode, kind: Kind) -> (TestDb, Broker, String) {
+    setup(
+        mode,
+        kind,
+        &["order"],
+        &[("relay.ownership_lease", LONG_LEASE)],
+    )
+    .await
+}
+
 /// The owners table's row of the whole outbox: (owner token, stopped).
 async fn claim_row(db: &TestDb) -> Option<(String, bool)> {
     db.client
@@ -88,13 +99,7 @@ async fn assert_stopped_unclean(db: &TestDb, previous: &str, held: &str) {
 
 every_mode!(a_clean_stop_hands_over_at_once_and_a_crash_does_not);
 async fn a_clean_stop_hands_over_at_once_and_a_crash_does_not(mode: Mode, kind: Kind) {
-    let (db, broker, toml) = setup(
-        mode,
-        kind,
-        &["order"],
-        &[("relay.ownership_lease", LONG_LEASE)],
-    )
-    .await;
+    let (db, broker, toml) = long_lease(mode, kind).await;
     let a = start_after_a_clean_stop(&db, &broker, &toml).await;
     let (token_a, stopped) = claim_row(&db).await.expect("A claimed the outbox");
     assert_ne!(token_a, "earlier", "A wrote its own token");
@@ -165,13 +170,7 @@ every_mode!(the_first_owner_of_a_new_outbox_publishes_at_once);
 /// owner publishes at once, well within a long lease. Its claim ends that:
 /// after it crashes the next owner waits.
 async fn the_first_owner_of_a_new_outbox_publishes_at_once(mode: Mode, kind: Kind) {
-    let (db, broker, toml) = setup(
-        mode,
-        kind,
-        &["order"],
-        &[("relay.ownership_lease", LONG_LEASE)],
-    )
-    .await;
+    let (db, broker, toml) = long_lease(mode, kind).await;
     let a = InProcess::start(parse(&toml));
     let first = insert_one(&db, 1).await;
     broker.inbox().wait_ids(&[first], AT_ONCE).await;
@@ -189,22 +188,23 @@ async fn the_first_owner_of_a_new_outbox_publishes_at_once(mode: Mode, kind: Kin
     assert_stopped_unclean(&db, &token, &held).await;
 }
 
+/// A polling outbox to RabbitMQ with a long lease, as a database looks
+/// that `migrate` last saw before hand-offs came: no owners table.
+async fn without_owners_table() -> (TestDb, Broker, String) {
+    let (db, broker, toml) = long_lease(Mode::Polling, Kind::Rabbit).await;
+    db.client
+        .batch_execute("DROP TABLE outbox_relay_owners")
+        .await
+        .expect("drop the owners table");
+    (db, broker, toml)
+}
+
 /// `migrate` run on an outbox that already existed (created by hand, or by
 /// a version before hand-offs) cannot know who relayed it: no genesis row,
 /// and the first owner waits out the lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_existing_outbox_gets_no_genesis_row_and_its_first_owner_waits() {
-    let (db, broker, toml) = setup(
-        Mode::Polling,
-        Kind::Rabbit,
-        &["order"],
-        &[("relay.ownership_lease", LONG_LEASE)],
-    )
-    .await;
-    db.client
-        .batch_execute("DROP TABLE outbox_relay_owners")
-        .await
-        .expect("drop the owners table");
+    let (db, broker, toml) = without_owners_table().await;
     db.migrate(&parse(&toml)).await;
     let rows: i64 = db
         .client
@@ -303,13 +303,7 @@ async fn a_stop_with_unconfirmed_messages_is_not_a_clean_one() {
 /// next owner waits the lease out: a lost record costs latency, never order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clean_stop_that_cannot_be_recorded_costs_the_next_owner_the_lease() {
-    let (db, broker, toml) = setup(
-        Mode::Polling,
-        Kind::Rabbit,
-        &["order"],
-        &[("relay.ownership_lease", LONG_LEASE)],
-    )
-    .await;
+    let (db, broker, toml) = long_lease(Mode::Polling, Kind::Rabbit).await;
     let a = start_after_a_clean_stop(&db, &broker, &toml).await;
     db.client
         .batch_execute(
@@ -353,17 +347,7 @@ async fn a_clean_stop_that_cannot_be_recorded_costs_the_next_owner_the_lease() {
 /// before: every new owner waits the lease out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_owners_table_check_warns_and_every_start_waits_the_lease() {
-    let (db, broker, toml) = setup(
-        Mode::Polling,
-        Kind::Rabbit,
-        &["order"],
-        &[("relay.ownership_lease", LONG_LEASE)],
-    )
-    .await;
-    db.client
-        .batch_execute("DROP TABLE outbox_relay_owners")
-        .await
-        .expect("drop the owners table");
+    let (db, broker, toml) = without_owners_table().await;
     let path = config_file(&toml);
     let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
     assert_eq!(code, 0, "a missing owners table is a warning: {out}{err}");
