@@ -111,12 +111,16 @@ impl LostMidStream {
         let slot = slot_of(&toml);
         migrate_at(&pg.url("app"), &parse(&toml)).await;
 
+        // The first events wait in the table, so the relay's start-up read
+        // takes them all and ends before they are marked (a new outbox's
+        // first owner publishes at once: events written meanwhile could
+        // still be in that read's last round at the pause).
+        let mut committed = Committed::new();
+        write(&app, 20, &mut committed).await;
         let port = crate::kit::free_port();
         let relay = ChildRelay::start(&with_http(&toml, port));
         // The relay streams, and has marked everything: nothing is in flight
         // at the pause, so nothing may be sent twice.
-        let mut committed = Committed::new();
-        write(&app, 20, &mut committed).await;
         let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
         broker.inbox.wait_ids(&ids, WAIT).await;
         wait_for(WAIT, "the streamed rows marked", || async {
