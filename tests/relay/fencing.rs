@@ -54,6 +54,66 @@ async fn owner_session(db: &TestDb) -> (i32, u16) {
     .await
 }
 
+/// What the database shows when a takeover does not happen: who holds the
+/// ownership lock, whether the terminated session is still there, what
+/// every session of the test's database is doing, and the owners table.
+async fn takeover_state(db: &TestDb, terminated: i32) -> String {
+    let sessions = db
+        .client
+        .query(
+            "SELECT a.pid, a.client_port, a.state, a.wait_event_type, a.wait_event,
+                    a.backend_start::text, left(a.query, 80),
+                    EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid
+                            AND l.locktype = 'advisory' AND l.granted)
+             FROM pg_stat_activity a
+             WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+        .map(|rows| {
+            rows.iter()
+                .map(|r| {
+                    format!(
+                        "pid {} port {:?} state {:?} wait {:?}/{:?} since {:?} lock {} query {:?}",
+                        r.get::<_, i32>(0),
+                        r.get::<_, Option<i32>>(1),
+                        r.get::<_, Option<String>>(2),
+                        r.get::<_, Option<String>>(3),
+                        r.get::<_, Option<String>>(4),
+                        r.get::<_, Option<String>>(5),
+                        r.get::<_, bool>(7),
+                        r.get::<_, Option<String>>(6),
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("\n  ")
+        })
+        .unwrap_or_else(|e| format!("(sessions not read: {e})"));
+    let owners = db
+        .client
+        .query(
+            "SELECT lock_key, owner, claimed_at::text, stopped_at::text FROM outbox_relay_owners",
+            &[],
+        )
+        .await
+        .map(|rows| {
+            rows.iter()
+                .map(|r| {
+                    format!(
+                        "{:?} {:?} claimed {:?} stopped {:?}",
+                        r.get::<_, String>(0),
+                        r.get::<_, String>(1),
+                        r.get::<_, Option<String>>(2),
+                        r.get::<_, Option<String>>(3),
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+        .unwrap_or_else(|e| format!("(owners not read: {e})"));
+    format!("terminated pid {terminated}; sessions:\n  {sessions}\nowners: {owners}")
+}
+
 every_mode!(a_partitioned_owner_stops_before_the_standby_starts);
 async fn a_partitioned_owner_stops_before_the_standby_starts(mode: Mode, kind: Kind) {
     let (db, broker, toml) = setup(
@@ -99,15 +159,21 @@ async fn a_partitioned_owner_stops_before_the_standby_starts(mode: Mode, kind: K
     assert!(ended);
     let source =
         |m: &crate::support::brokers::Received| m.json()["source"].as_str().map(str::to_owned);
-    wait_for(WAIT, "B to publish", || async {
-        broker
-            .inbox()
-            .snapshot()
-            .iter()
-            .any(|m| source(m).as_deref() == Some("relay-b"))
-            .then_some(())
-    })
-    .await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while !broker
+        .inbox()
+        .snapshot()
+        .iter()
+        .any(|m| source(m).as_deref() == Some("relay-b"))
+    {
+        if std::time::Instant::now() > deadline {
+            panic!(
+                "timed out after {WAIT:?} waiting for B to publish; {}",
+                takeover_state(&db, owner_pid).await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // Writes go on a while under B, then everything must arrive.
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop.store(true, Ordering::Relaxed);
