@@ -59,6 +59,18 @@ struct Sent<O> {
 struct Aggregate<P, O, R> {
     sent: VecDeque<Sent<O>>,
     parked: VecDeque<(SourcedEvent<P>, R)>,
+    /// How many of `sent` were answered with a failure.
+    failures: usize,
+}
+
+impl<P, O, R> Aggregate<P, O, R> {
+    fn new() -> Self {
+        Aggregate {
+            sent: VecDeque::new(),
+            parked: VecDeque::new(),
+            failures: 0,
+        }
+    }
 }
 
 /// The in-memory part of the window: what is unconfirmed or waiting, per
@@ -106,7 +118,7 @@ impl<P, O, R: Laned> Scheduler<P, O, R> {
                 lane.is_some()
                     && last.lane.as_deref() == lane
                     && a.sent.len() < self.per_aggregate
-                    && !a.sent.iter().any(|s| s.failed)
+                    && a.failures == 0
             }
         }
     }
@@ -128,10 +140,7 @@ impl<P, O, R: Laned> Scheduler<P, O, R> {
         let key = aggregate.to_owned();
         self.aggregates
             .entry(key)
-            .or_insert_with(|| Aggregate {
-                sent: VecDeque::new(),
-                parked: VecDeque::new(),
-            })
+            .or_insert_with(Aggregate::new)
             .parked
             .push_back((event, route));
         self.parked += 1;
@@ -144,10 +153,7 @@ impl<P, O, R: Laned> Scheduler<P, O, R> {
         self.next_ticket += 1;
         self.aggregates
             .entry(aggregate.to_owned())
-            .or_insert_with(|| Aggregate {
-                sent: VecDeque::new(),
-                parked: VecDeque::new(),
-            })
+            .or_insert_with(Aggregate::new)
             .sent
             .push_back(Sent {
                 ticket,
@@ -162,11 +168,17 @@ impl<P, O, R: Laned> Scheduler<P, O, R> {
     /// The answer to `ticket` came (it is handled in turn, see
     /// [`Scheduler::next_answer`]); `failed` when it is not a confirmation.
     pub fn answered(&mut self, aggregate: &str, ticket: u64, outcome: O, failed: bool) {
-        if let Some(s) = self
-            .aggregates
-            .get_mut(aggregate)
-            .and_then(|a| a.sent.iter_mut().find(|s| s.ticket == ticket))
-        {
+        // Tickets grow in send order, so an aggregate's are sorted.
+        let Some(a) = self.aggregates.get_mut(aggregate) else {
+            return;
+        };
+        if let Ok(i) = a.sent.binary_search_by_key(&ticket, |s| s.ticket) {
+            let s = &mut a.sent[i];
+            match (s.failed, failed) {
+                (false, true) => a.failures += 1,
+                (true, false) => a.failures -= 1,
+                _ => {}
+            }
             s.outcome = Some(outcome);
             s.failed = failed;
         }
@@ -178,7 +190,11 @@ impl<P, O, R: Laned> Scheduler<P, O, R> {
         if a.sent.front().is_none_or(|s| s.outcome.is_none()) {
             return None;
         }
-        let outcome = a.sent.pop_front().and_then(|s| s.outcome);
+        let sent = a.sent.pop_front()?;
+        if sent.failed {
+            a.failures -= 1;
+        }
+        let outcome = sent.outcome;
         self.in_flight -= 1;
         self.forget_if_idle(aggregate);
         outcome
@@ -323,6 +339,30 @@ mod tests {
         let t2 = go(&mut s, &b, 2, "a", lane("t")).unwrap();
         s.answered("a", t2, 2, true);
         assert!(go(&mut s, &b, 3, "a", lane("t")).is_none());
+    }
+
+    #[test]
+    fn the_lane_opens_again_once_the_failure_is_handled() {
+        let b = blocks();
+        let mut s = Scheduler::new(None);
+        let t1 = go(&mut s, &b, 1, "a", lane("t")).unwrap();
+        let t2 = go(&mut s, &b, 2, "a", lane("t")).unwrap();
+        let t3 = go(&mut s, &b, 3, "a", lane("t")).unwrap();
+        s.answered("a", t2, 2, true);
+        assert!(s.next_parked("a", false).is_none());
+        assert!(go(&mut s, &b, 4, "a", lane("t")).is_none(), "parked");
+        s.answered("a", t1, 1, false);
+        s.answered("a", t3, 3, false);
+        assert_eq!(s.next_answer("a"), Some(1));
+        assert!(
+            s.next_parked("a", false).is_none(),
+            "the failure is not handled yet"
+        );
+        assert_eq!(s.next_answer("a"), Some(2));
+        let (next, _) = s
+            .next_parked("a", false)
+            .expect("behind a confirmed message the lane is open again");
+        assert_eq!(next.position, 4);
     }
 
     #[test]
