@@ -266,8 +266,24 @@ impl Envelope {
             extensions: Extensions(attributes),
             data: &event.payload,
         };
+        // Room for the fields and the JSON around them, so that the body
+        // is written without growing (extensions may still grow it).
+        let fields = [
+            ce.id,
+            ce.source,
+            ce.event_type,
+            ce.subject,
+            &ce.time,
+            ce.aggregatetype,
+            ce.data.get(),
+            ce.traceparent.unwrap_or_default(),
+            ce.tracestate.unwrap_or_default(),
+        ];
+        let mut body = Vec::with_capacity(fields.iter().map(|f| f.len()).sum::<usize>() + 256);
         // Serializing borrowed strings and already-valid JSON cannot fail.
-        let body = serde_json::to_vec(&ce).unwrap_or_default();
+        if serde_json::to_writer(&mut body, &ce).is_err() {
+            body.clear();
+        }
         let headers: Vec<(String, String)> = vec![
             (header::CONTENT_TYPE.into(), STRUCTURED_CONTENT_TYPE.into()),
             (header::EVENT_ID.into(), event.id.clone()),
