@@ -145,7 +145,28 @@ async fn a_partitioned_owner_stops_before_the_standby_starts(mode: Mode, kind: K
     })
     .await;
     let b = InProcess::start(parse(&toml_b));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // B must be a standby polling the lock before A is cut off: A gives
+    // ownership up a few seconds later and takes the lock again if nobody
+    // else has.
+    wait_for(
+        WAIT,
+        "B to stand by, polling the ownership lock",
+        || async {
+            let polling: i64 = db
+                .client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND pid <> $1
+                   AND query LIKE 'SELECT pg_try_advisory_lock%'",
+                    &[&owner_pid],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (polling > 0).then_some(())
+        },
+    )
+    .await;
 
     // A's ownership session goes silent; the server ends it (as its TCP
     // keepalive would), which frees the lock for B. A hears nothing.
