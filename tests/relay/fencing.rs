@@ -58,60 +58,38 @@ async fn owner_session(db: &TestDb) -> (i32, u16) {
 /// ownership lock, whether the terminated session is still there, what
 /// every session of the test's database is doing, and the owners table.
 async fn takeover_state(db: &TestDb, terminated: i32) -> String {
-    let sessions = db
-        .client
-        .query(
-            "SELECT a.pid, a.client_port, a.state, a.wait_event_type, a.wait_event,
-                    a.backend_start::text, left(a.query, 80),
-                    EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid
-                            AND l.locktype = 'advisory' AND l.granted)
-             FROM pg_stat_activity a
-             WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()",
-            &[],
-        )
-        .await
-        .map(|rows| {
-            rows.iter()
-                .map(|r| {
-                    format!(
-                        "pid {} port {:?} state {:?} wait {:?}/{:?} since {:?} lock {} query {:?}",
-                        r.get::<_, i32>(0),
-                        r.get::<_, Option<i32>>(1),
-                        r.get::<_, Option<String>>(2),
-                        r.get::<_, Option<String>>(3),
-                        r.get::<_, Option<String>>(4),
-                        r.get::<_, Option<String>>(5),
-                        r.get::<_, bool>(7),
-                        r.get::<_, Option<String>>(6),
-                    )
-                })
-                .collect::<Vec<_>>()
-                .join("\n  ")
-        })
-        .unwrap_or_else(|e| format!("(sessions not read: {e})"));
-    let owners = db
-        .client
-        .query(
-            "SELECT lock_key, owner, claimed_at::text, stopped_at::text FROM outbox_relay_owners",
-            &[],
-        )
-        .await
-        .map(|rows| {
-            rows.iter()
-                .map(|r| {
-                    format!(
-                        "{:?} {:?} claimed {:?} stopped {:?}",
-                        r.get::<_, String>(0),
-                        r.get::<_, String>(1),
-                        r.get::<_, Option<String>>(2),
-                        r.get::<_, Option<String>>(3),
-                    )
-                })
-                .collect::<Vec<_>>()
-                .join("; ")
-        })
-        .unwrap_or_else(|e| format!("(owners not read: {e})"));
+    let sessions = listed(
+        db,
+        "SELECT format('pid %s port %s state %s wait %s/%s since %s lock %s query %L',
+                       a.pid, a.client_port, a.state, a.wait_event_type, a.wait_event,
+                       a.backend_start, EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid
+                                                AND l.locktype = 'advisory' AND l.granted),
+                       left(a.query, 80))
+         FROM pg_stat_activity a
+         WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()",
+        "\n  ",
+    )
+    .await;
+    let owners = listed(
+        db,
+        "SELECT format('%L %L claimed %s stopped %s', lock_key, owner, claimed_at, stopped_at)
+         FROM outbox_relay_owners",
+        "; ",
+    )
+    .await;
     format!("terminated pid {terminated}; sessions:\n  {sessions}\nowners: {owners}")
+}
+
+/// The one text column of each row of `sql`, joined by `separator`.
+async fn listed(db: &TestDb, sql: &str, separator: &str) -> String {
+    match db.client.query(sql, &[]).await {
+        Ok(rows) => rows
+            .iter()
+            .map(|r| r.get::<_, Option<String>>(0).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join(separator),
+        Err(e) => format!("(not read: {e})"),
+    }
 }
 
 every_mode!(a_partitioned_owner_stops_before_the_standby_starts);
