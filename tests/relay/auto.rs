@@ -125,7 +125,28 @@ pub(crate) async fn assert_each_once_in_order(
         .iter()
         .map(Received::event_id)
         .collect();
-    assert_eq!(got.len(), committed.len(), "each event exactly once");
+    let index: HashMap<&str, usize> = committed
+        .iter()
+        .enumerate()
+        .map(|(i, (_, id))| (id.as_str(), i))
+        .collect();
+    let twice: Vec<String> = got
+        .iter()
+        .enumerate()
+        .filter(|(at, id)| got[..*at].contains(id))
+        .map(|(at, id)| {
+            format!(
+                "event {:?} (committed {:?}th) again at arrival {at}",
+                id,
+                index.get(id.as_str())
+            )
+        })
+        .collect();
+    assert_eq!(
+        got.len(),
+        committed.len(),
+        "each event exactly once; repeated: {twice:?}"
+    );
     let aggregate_of: HashMap<&str, &str> = committed
         .iter()
         .map(|(a, id)| (id.as_str(), a.as_str()))
