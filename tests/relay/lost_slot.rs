@@ -111,18 +111,24 @@ impl LostMidStream {
         let slot = slot_of(&toml);
         migrate_at(&pg.url("app"), &parse(&toml)).await;
 
-        // The first events wait in the table, so the relay's start-up read
-        // takes them all and ends before they are marked (a new outbox's
-        // first owner publishes at once: events written meanwhile could
-        // still be in that read's last round at the pause).
+        // The first events wait in the table: the relay's start-up read
+        // takes them.
         let mut committed = Committed::new();
         write(&app, 20, &mut committed).await;
         let port = crate::kit::free_port();
-        let relay = ChildRelay::start(&with_http(&toml, port));
-        // The relay streams, and has marked everything: nothing is in flight
-        // at the pause, so nothing may be sent twice.
+        let relay = ChildRelay::start_logged(&with_http(&toml, port));
+        // The relay streams, its start-up read is over (it goes on for a
+        // round after the stream opened, and would read what is written
+        // during the pause), and it has marked everything: nothing is in
+        // flight at the pause, so nothing may be sent twice.
         let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
         broker.inbox.wait_ids(&ids, WAIT).await;
+        wait_for(WAIT, "the start-up read to end", || async {
+            relay
+                .logged("start-up read of unsent rows done")
+                .then_some(())
+        })
+        .await;
         wait_for(WAIT, "the streamed rows marked", || async {
             (unsent(&app).await == 0).then_some(())
         })

@@ -4,7 +4,9 @@
 use super::{WAIT, relay_bin, unique, wait_for};
 use crate::support::brokers::Inbox;
 use outbox_relay::config::Config;
+use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -44,6 +46,8 @@ impl InProcess {
 /// The relay binary as a child process, for tests that kill it.
 pub struct ChildRelay {
     child: Child,
+    /// Its log so far, when started with [`ChildRelay::start_logged`].
+    log: Option<Arc<Mutex<String>>>,
 }
 
 impl ChildRelay {
@@ -58,20 +62,52 @@ impl ChildRelay {
     }
 
     pub fn start_with_env(config_toml: &str, envs: &[(&str, &str)]) -> ChildRelay {
+        let child = Self::spawn(config_toml, envs, Stdio::inherit());
+        ChildRelay { child, log: None }
+    }
+
+    /// As [`ChildRelay::start`], keeping its log for [`ChildRelay::logged`]
+    /// (and passing it on to the test's output).
+    pub fn start_logged(config_toml: &str) -> ChildRelay {
+        let mut child = Self::spawn(config_toml, &[], Stdio::piped());
+        let log = Arc::new(Mutex::new(String::new()));
+        let (stderr, kept) = (child.stderr.take(), log.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr.expect("piped stderr")).lines() {
+                let Ok(line) = line else { return };
+                eprintln!("{line}");
+                let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+                kept.push_str(&line);
+                kept.push('\n');
+            }
+        });
+        ChildRelay {
+            child,
+            log: Some(log),
+        }
+    }
+
+    fn spawn(config_toml: &str, envs: &[(&str, &str)], stderr: Stdio) -> Child {
         let dir = std::env::temp_dir().join(unique("outbox-relay-test-"));
         std::fs::create_dir_all(&dir).unwrap();
         let config_path = dir.join("relay.toml");
         std::fs::write(&config_path, config_toml).unwrap();
-        let child = Command::new(relay_bin())
+        Command::new(relay_bin())
             .args(["run", "--config"])
             .arg(&config_path)
             .env("RUST_LOG", "outbox_relay=info,warn")
             .envs(envs.iter().copied())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
-            .expect("start outbox-relay");
-        ChildRelay { child }
+            .expect("start outbox-relay")
+    }
+
+    /// Whether a relay started with [`ChildRelay::start_logged`] logged
+    /// `text` so far.
+    pub fn logged(&self, text: &str) -> bool {
+        let log = self.log.as_ref().expect("started with start_logged");
+        log.lock().unwrap_or_else(|e| e.into_inner()).contains(text)
     }
 
     /// Waits for the process to exit by itself; `None` if it is still running after `limit`.
