@@ -46,21 +46,19 @@ impl<S: RowStore> Acker for CdcAcker<S> {
         let mut seqs: Vec<i64> = positions.iter().filter_map(|p| p.seq).collect();
         seqs.sort_unstable();
         seqs.dedup();
-        let marked = if self.marks_rows && !seqs.is_empty() {
-            self.recorder.mark(&seqs).await?
-        } else {
-            seqs.len() as u64
-        };
-        if marked < seqs.len() as u64 {
-            tracing::debug!(
-                rows = seqs.len(),
-                marked,
-                "not every confirmed row was marked at once (not visible yet, or marked before): waiting for their transactions, then marking again"
-            );
-            self.recorder
-                .wait_visible(positions.iter().filter_map(|p| p.xid).collect())
-                .await?;
-            self.recorder.mark(&seqs).await?;
+        if self.marks_rows && !seqs.is_empty() {
+            let marked = self.recorder.mark(&seqs).await?;
+            if marked < seqs.len() as u64 {
+                tracing::debug!(
+                    rows = seqs.len(),
+                    marked,
+                    "not every confirmed row was marked at once (not visible yet, or marked before): waiting for their transactions, then marking again"
+                );
+                self.recorder
+                    .wait_visible(positions.iter().filter_map(|p| p.xid).collect())
+                    .await?;
+                self.recorder.mark(&seqs).await?;
+            }
         }
         let mut progress = lock(&self.progress);
         for p in &positions {
