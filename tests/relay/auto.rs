@@ -135,11 +135,8 @@ pub(crate) async fn assert_each_once_in_order(
         .enumerate()
         .filter(|(at, id)| got[..*at].contains(id))
         .map(|(at, id)| {
-            format!(
-                "event {:?} (committed {:?}th) again at arrival {at}",
-                id,
-                index.get(id.as_str())
-            )
+            let committed_at = index.get(id.as_str()).map_or("?".into(), usize::to_string);
+            format!("event {id} (commit {committed_at}) again at arrival {at}")
         })
         .collect();
     assert_eq!(
