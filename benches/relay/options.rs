@@ -122,6 +122,14 @@ impl BrokerKind {
             BrokerKind::Rabbitmq => "rabbitmq",
         }
     }
+
+    /// The broker's process name on this machine (`/proc/<pid>/comm`).
+    pub fn process_name(self) -> &'static str {
+        match self {
+            BrokerKind::Kafka => "tansu",
+            BrokerKind::Rabbitmq => "beam.smp",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -41,6 +41,8 @@ pub struct Conditions {
     pub busy_before: Option<f64>,
     /// Share of all cores busy while measuring (relay, database, broker and anything else).
     pub system_busy: Option<f64>,
+    /// The broker's resident memory before measuring, in MiB.
+    pub broker_rss_mib: Option<f64>,
     pub warnings: usize,
     pub errors: usize,
     pub notes: Vec<String>,

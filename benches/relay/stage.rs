@@ -6,7 +6,7 @@ use crate::kit::unique;
 use crate::options::{BrokerKind, Mark, Mode, Plan};
 use crate::process::{Perf, RelayProcess, Target, Workdir, config_toml, kafka_topic, migrate};
 use crate::results::Conditions;
-use crate::system::wait_quiet;
+use crate::system::{resident_mib, wait_quiet};
 use anyhow::Result;
 use std::future::Future;
 use std::time::Duration;
@@ -43,6 +43,7 @@ impl Case<'_> {
     pub async fn quiet(&self, conditions: &mut Conditions) -> Option<f64> {
         let (waited, busy) = wait_quiet(self.ctx.plan.quiet_wait).await;
         conditions.quiet_wait_s += waited.as_secs_f64();
+        conditions.broker_rss_mib = resident_mib(self.broker.process_name());
         busy
     }
 

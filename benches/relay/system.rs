@@ -42,6 +42,31 @@ impl CpuTimes {
     }
 }
 
+/// Resident memory of the processes named `comm` (as in `/proc/<pid>/comm`),
+/// summed, in MiB; `None` when none runs. A broker that keeps every message
+/// in memory grows over a long invocation and slows the machine with it.
+pub fn resident_mib(comm: &str) -> Option<f64> {
+    let mut total_kib = None;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let dir = entry.path();
+        let comm_of = std::fs::read_to_string(dir.join("comm"));
+        if !comm_of.is_ok_and(|c| c.trim_end() == comm) {
+            continue;
+        }
+        let Ok(status) = std::fs::read_to_string(dir.join("status")) else {
+            continue;
+        };
+        let kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok());
+        if let Some(kib) = kib {
+            *total_kib.get_or_insert(0) += kib;
+        }
+    }
+    total_kib.map(|k| k as f64 / 1024.0)
+}
+
 /// Waits until the machine was quiet for a whole second, at most `limit`;
 /// returns the time waited and the last second's busy share.
 pub async fn wait_quiet(limit: Duration) -> (Duration, Option<f64>) {
