@@ -122,7 +122,7 @@ async fn measure(case: Case<'_>, backlog: Option<Backlog>, r: &mut AfterResult) 
         let tail = wait_tail(&stage, &mut relay, &times, report.events, limit).await;
         r.writing.tail_s = Some(tail.as_secs_f64());
         let pg_cpu = pg.totals().await;
-        r.conditions.system_busy = machine.and_then(|m| m.busy_since());
+        r.conditions.measured_since(machine);
         if let Some(perf) = perf {
             perf.stop().await;
         }

@@ -84,7 +84,7 @@ async fn measure(
     }
     let cpu = relay.cpu_seconds();
     let pg_cpu = pg.totals().await;
-    r.conditions.system_busy = machine.and_then(|m| m.busy_since());
+    r.conditions.measured_since(machine);
     r.peak_rss_mib = relay.peak_rss_mib();
     let (seen, first_on_broker) = match outcome {
         Ok(seen) => seen,

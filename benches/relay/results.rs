@@ -4,6 +4,7 @@
 use crate::latency::Percentiles;
 use crate::options::{Backlog, BrokerKind, Mode};
 use crate::pgcpu::PgCpuTotals;
+use crate::system::CpuTimes;
 use crate::workload::Shape;
 use serde::Serialize;
 
@@ -41,11 +42,22 @@ pub struct Conditions {
     pub busy_before: Option<f64>,
     /// Share of all cores busy while measuring (relay, database, broker and anything else).
     pub system_busy: Option<f64>,
+    /// Share of all cores' time stolen by the hypervisor while measuring
+    /// (part of `system_busy`).
+    pub steal: Option<f64>,
     /// The broker's resident memory before measuring, in MiB.
     pub broker_rss_mib: Option<f64>,
     pub warnings: usize,
     pub errors: usize,
     pub notes: Vec<String>,
+}
+
+impl Conditions {
+    /// How busy the machine was since `machine` (the start of the measurement).
+    pub fn measured_since(&mut self, machine: Option<CpuTimes>) {
+        self.system_busy = machine.and_then(|m| m.busy_since());
+        self.steal = machine.and_then(|m| m.steal_since());
+    }
 }
 
 /// A steady writer's run, and the latencies of its events.

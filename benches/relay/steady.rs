@@ -72,7 +72,7 @@ async fn measure(case: Case<'_>, shape: Shape, r: &mut SteadyResult) -> Result<(
                 .as_secs_f64(),
         );
         let pg_cpu = pg.totals().await;
-        r.conditions.system_busy = machine.and_then(|m| m.busy_since());
+        r.conditions.measured_since(machine);
         if let Some(perf) = perf {
             perf.stop().await;
         }

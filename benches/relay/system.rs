@@ -14,6 +14,7 @@ const QUIET: f64 = 0.35;
 #[derive(Debug, Clone, Copy)]
 pub struct CpuTimes {
     busy: u64,
+    steal: u64,
     total: u64,
 }
 
@@ -30,6 +31,7 @@ impl CpuTimes {
         let idle = fields.get(3)? + fields.get(4)?;
         Some(CpuTimes {
             busy: total - idle,
+            steal: *fields.get(7)?,
             total,
         })
     }
@@ -39,6 +41,15 @@ impl CpuTimes {
         let now = CpuTimes::now()?;
         let total = now.total.checked_sub(self.total)?;
         (total > 0).then(|| (now.busy - self.busy) as f64 / total as f64)
+    }
+
+    /// Share of all cores' time the hypervisor gave to other guests since
+    /// `self` (0 to 1; counted as busy). On a shared host it makes a slow
+    /// day look like a slow relay.
+    pub fn steal_since(&self) -> Option<f64> {
+        let now = CpuTimes::now()?;
+        let total = now.total.checked_sub(self.total)?;
+        (total > 0).then(|| (now.steal - self.steal) as f64 / total as f64)
     }
 }
 

@@ -148,12 +148,20 @@ fn cost<'a, R: Measured + 'a>() -> Group<'a, R> {
         col("pg/100k", 7, 2, |r| r.cost().pg_cpu_s_per_100k),
         col("rss MiB", 7, 1, |r| r.peak_rss_mib()),
         Group::new(vec![right("busy", 4)], vec![busy()]),
+        Group::new(vec![right("steal", 5)], vec![steal()]),
     ])
 }
 
 fn busy<'a, R: Measured + 'a>() -> Cell<'a, R> {
     cell(4, |runs: &[&R]| {
         percent(median(runs.iter().map(|r| r.conditions().system_busy)))
+    })
+}
+
+/// The hypervisor's share of the machine while measuring (part of "busy").
+fn steal<'a, R: Measured + 'a>() -> Cell<'a, R> {
+    cell(5, |runs: &[&R]| {
+        percent(median(runs.iter().map(|r| r.conditions().steal)))
     })
 }
 
