@@ -55,8 +55,8 @@ pub struct Conditions {
 impl Conditions {
     /// How busy the machine was since `machine` (the start of the measurement).
     pub fn measured_since(&mut self, machine: Option<CpuTimes>) {
-        self.system_busy = machine.and_then(|m| m.busy_since());
-        self.steal = machine.and_then(|m| m.steal_since());
+        let shares = machine.and_then(|m| m.shares_since());
+        (self.system_busy, self.steal) = (shares.map(|s| s.0), shares.map(|s| s.1));
     }
 }
 

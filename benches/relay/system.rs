@@ -38,18 +38,17 @@ impl CpuTimes {
 
     /// Share of all cores busy since `self` (0 to 1).
     pub fn busy_since(&self) -> Option<f64> {
-        let now = CpuTimes::now()?;
-        let total = now.total.checked_sub(self.total)?;
-        (total > 0).then(|| (now.busy - self.busy) as f64 / total as f64)
+        self.shares_since().map(|(busy, _)| busy)
     }
 
-    /// Share of all cores' time the hypervisor gave to other guests since
-    /// `self` (0 to 1; counted as busy). On a shared host it makes a slow
-    /// day look like a slow relay.
-    pub fn steal_since(&self) -> Option<f64> {
+    /// Shares of all cores' time since `self` (0 to 1): busy, and the part
+    /// of it the hypervisor gave to other guests (steal). On a shared host
+    /// steal makes a slow day look like a slow relay.
+    pub fn shares_since(&self) -> Option<(f64, f64)> {
         let now = CpuTimes::now()?;
         let total = now.total.checked_sub(self.total)?;
-        (total > 0).then(|| (now.steal - self.steal) as f64 / total as f64)
+        let share = |part: u64| part as f64 / total as f64;
+        (total > 0).then(|| (share(now.busy - self.busy), share(now.steal - self.steal)))
     }
 }
 
