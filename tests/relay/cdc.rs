@@ -104,6 +104,50 @@ async fn a_large_transaction_is_streamed_in_bounded_batches() {
     relay.stop().await;
 }
 
+/// Transactions that reached the relay while it was not reading (here:
+/// stopped with SIGSTOP, as a busy relay falls behind) are handed to the
+/// pipeline together, not one hand-over per transaction; each still
+/// arrives once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactions_waiting_in_the_stream_are_handed_over_together() {
+    let db = TestDb::new().await;
+    let broker = KafkaTopics::new();
+    broker.create("burst").await;
+    let toml = cdc_toml(&db.url, &broker.sink_toml());
+    db.migrate(&parse(&toml)).await;
+    let (mut relay, port) = ChildRelay::serving(&toml);
+    let insert = "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+                  VALUES ($1, 'burst', 'one', 'E', '{}')";
+    let first = Uuid::new_v4();
+    db.client.execute(insert, &[&first]).await.unwrap();
+    broker.inbox.wait_len(1, WAIT).await;
+    let paused = Paused::pause(relay.pid());
+    let n = 1_000;
+    let mut ids = vec![first.to_string()];
+    for _ in 0..n {
+        let id = Uuid::new_v4();
+        db.client.execute(insert, &[&id]).await.unwrap();
+        ids.push(id.to_string());
+    }
+    paused.resume();
+    broker.inbox.wait_len(n + 1, Duration::from_secs(120)).await;
+    assert_eq!(
+        broker.inbox.ids_in_order(),
+        ids,
+        "each once, in commit order"
+    );
+    let series = "outbox_relay_batch_size_count{pipeline=\"default\"}";
+    let (_, body) = http_get(port, "/metrics").await.expect("a scrape");
+    let batches = metric(&body, series).expect("the batch-size histogram");
+    // One hand-over per transaction would be 1,001 batches.
+    assert!(
+        batches <= (n / 4) as f64,
+        "{batches} batches for {} one-event transactions",
+        n + 1
+    );
+    relay.terminate();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_outbox_on_a_busy_database_does_not_pin_wal() {
     let db = TestDb::new().await;

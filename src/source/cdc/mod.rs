@@ -55,6 +55,7 @@ use crate::config::{Config, MarkMode};
 use crate::config::{ResolvedColumns, TableName};
 use crate::replication::Lsn;
 use crate::telemetry::events::{InternalEvent, StreamClosed};
+use futures::FutureExt;
 use progress::CATCH_UP;
 use snapshot::StartupView;
 use std::time::Duration;
@@ -296,56 +297,92 @@ impl<B: CdcServer> CdcReader<B> {
             _ = sleep_until_opt(self.next_heartbeat) => Wake::Heartbeat,
         };
         match wake {
-            Wake::Message(message) => {
-                let Some(message) = message? else {
-                    return Err(SourceError::Stream(
-                        "the server ended the replication stream".into(),
-                    ));
-                };
-                let before = self.pending.len();
-                let (reply, step) = s.handle(
-                    message,
-                    &self.table,
-                    &self.columns,
-                    &self.progress,
-                    &mut self.pending,
-                )?;
-                self.pending_bytes += self.pending[before..]
-                    .iter()
-                    .map(SourcedEvent::bytes)
-                    .sum::<usize>();
-                // A busy stream still reports on time (the select
-                // prefers messages).
-                if reply
-                    || Instant::now() >= s.next_status
-                    || report_due(&self.progress, self.settings.report_every)
-                {
-                    s.send_status(&self.progress, self.timing.status_every)
-                        .await?;
-                }
-                if matches!(step, Step::Committed) && !self.pending.is_empty() {
-                    return Ok(true);
-                }
-            }
+            Wake::Message(message) => self.on_message(message).await,
             Wake::Status => {
-                s.send_status(&self.progress, self.timing.status_every)
-                    .await?
+                self.send_status().await?;
+                Ok(false)
             }
             Wake::Report => {
                 if report_due(&self.progress, self.settings.report_every) {
-                    s.send_status(&self.progress, self.timing.status_every)
-                        .await?;
+                    self.send_status().await?;
                 }
+                Ok(false)
             }
-            Wake::Silence => {
-                return Err(SourceError::Stream(format!(
-                    "no message from the server for {}s; reconnecting",
-                    self.timing.silence_limit.as_secs()
-                )));
+            Wake::Silence => Err(SourceError::Stream(format!(
+                "no message from the server for {}s; reconnecting",
+                self.timing.silence_limit.as_secs()
+            ))),
+            Wake::Heartbeat => {
+                self.heartbeat().await?;
+                Ok(false)
             }
-            Wake::Heartbeat => self.heartbeat().await?,
         }
-        Ok(false)
+    }
+
+    /// After a commit, the transactions already received join the batch
+    /// (up to its limits) instead of waiting for a hand-over each: when the
+    /// stream runs ahead of the relay, one hand-over carries many of them.
+    /// Never waits for a message: what is not ready yet goes in a later
+    /// batch (a transaction may be split, as at the batch's limits).
+    async fn take_ready(&mut self, max: usize, max_bytes: usize) -> Result<(), SourceError> {
+        while self.pending.len() < max && self.pending_bytes < max_bytes {
+            let Phase::Streaming(s) = &mut self.phase else {
+                return Ok(());
+            };
+            // The stream's next() is cancel-safe (the select above drops it
+            // on every timer), so looking without waiting loses nothing.
+            let Some(message) = s.stream.next().now_or_never() else {
+                return Ok(());
+            };
+            self.on_message(message).await?;
+        }
+        Ok(())
+    }
+
+    /// Handles one message of the stream (reporting the position when the
+    /// server asks or a report is due). True when a committed transaction
+    /// left events to hand over.
+    async fn on_message(
+        &mut self,
+        message: Result<Option<StreamMessage>, SourceError>,
+    ) -> Result<bool, SourceError> {
+        let Phase::Streaming(s) = &mut self.phase else {
+            return Ok(false);
+        };
+        let Some(message) = message? else {
+            return Err(SourceError::Stream(
+                "the server ended the replication stream".into(),
+            ));
+        };
+        let before = self.pending.len();
+        let (reply, step) = s.handle(
+            message,
+            &self.table,
+            &self.columns,
+            &self.progress,
+            &mut self.pending,
+        )?;
+        self.pending_bytes += self.pending[before..]
+            .iter()
+            .map(SourcedEvent::bytes)
+            .sum::<usize>();
+        // A busy stream still reports on time (the select prefers messages).
+        if reply
+            || Instant::now() >= s.next_status
+            || report_due(&self.progress, self.settings.report_every)
+        {
+            s.send_status(&self.progress, self.timing.status_every)
+                .await?;
+        }
+        Ok(matches!(step, Step::Committed) && !self.pending.is_empty())
+    }
+
+    async fn send_status(&mut self) -> Result<(), SourceError> {
+        if let Phase::Streaming(s) = &mut self.phase {
+            s.send_status(&self.progress, self.timing.status_every)
+                .await?;
+        }
+        Ok(())
     }
 
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
@@ -405,6 +442,7 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                 }
                 Phase::Streaming(_) => {
                     if self.stream_step().await? {
+                        self.take_ready(max, max_bytes).await?;
                         return Ok(self.take_pending());
                     }
                 }

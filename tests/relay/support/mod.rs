@@ -13,6 +13,7 @@ pub mod brokers;
 mod db;
 mod http;
 pub mod otlp;
+mod pause;
 pub mod proxy;
 pub mod rabbit_node;
 mod relay_config;
@@ -21,6 +22,7 @@ mod slots;
 
 pub use db::TestDb;
 pub use http::{http_get, metric, metric_sum};
+pub use pause::Paused;
 pub use relay_config::{base_toml, config_file, parse, rabbit_sink, set, with_http, with_mode};
 pub use relays::{
     ChildRelay, InProcess, cli_complains, cli_says, kill_while_busy, run_cli, terminate,
