@@ -2,8 +2,8 @@
 
 use super::publish::{Answer, Answered, Routed};
 use super::tasks::{
-    AckCommand, Batch, Refreshed, Resolved, Unrecorded, drive_acker, drive_reader, flush, joined,
-    task_error,
+    AckCommand, Batch, Confirmed, Refreshed, Resolved, Unrecorded, drive_acker, drive_reader,
+    flush, joined, task_error,
 };
 use super::{Context, Drained, Origin, PipelineError, Settings};
 use crate::dead_letter::DeadLetter;
@@ -422,14 +422,16 @@ where
         flush(&self.ack_tx).await
     }
 
-    /// The acker's next command: dead letters go before later acknowledgements
-    /// only in the order they arose, so both are sent as they are, letters first
-    /// (a letter never depends on a later acknowledgement).
+    /// The acker's next command (it carries them out in order). Dead letters
+    /// go first, with the confirmations that arose before them: the events
+    /// of an aggregate confirmed before its letter are recorded no later
+    /// than the letter, or after a crash between the two they would be read
+    /// again as unsent and follow a letter they came before.
     fn next_command(&mut self) -> AckCommand<P> {
         if !self.pending_letters.is_empty() {
             let letters = std::mem::take(&mut self.pending_letters);
             self.unrecorded.add(letters.len());
-            AckCommand::DeadLetter(letters)
+            AckCommand::DeadLetter(self.confirmed(), letters)
         } else if let Some((id, reason, counts)) = self.pending_letter_refusals.pop() {
             // The aggregate's redrive ends here (its other letters were dropped).
             if let Some(aggregate) = self.letter_aggregates.remove(&id) {
@@ -441,36 +443,45 @@ where
         } else if !self.pending_releases.is_empty() {
             AckCommand::Release(std::mem::take(&mut self.pending_releases))
         } else {
-            let acks = std::mem::take(&mut self.pending_acks);
-            self.unrecorded.add(acks.len());
-            let published = acks.len() - std::mem::take(&mut self.pending_replayed);
-            if published > 0 {
-                let m = &self.telemetry.metrics;
-                m.published.increment(published as u64);
-                m.last_publish
-                    .set(Utc::now().timestamp_millis() as f64 / 1000.0);
+            AckCommand::Ack(self.confirmed())
+        }
+    }
+
+    /// The confirmations waiting, taken for the acker.
+    fn confirmed(&mut self) -> Confirmed<P> {
+        let acks = std::mem::take(&mut self.pending_acks);
+        self.unrecorded.add(acks.len());
+        let published = acks.len() - std::mem::take(&mut self.pending_replayed);
+        if published > 0 {
+            let m = &self.telemetry.metrics;
+            m.published.increment(published as u64);
+            m.last_publish
+                .set(Utc::now().timestamp_millis() as f64 / 1000.0);
+        }
+        let mut positions = Vec::with_capacity(acks.len());
+        let mut letters = Vec::new();
+        for a in acks {
+            match a {
+                Origin::Source(p) => positions.push(p),
+                Origin::Letter(id) => letters.push(id),
             }
-            let mut sources = Vec::with_capacity(acks.len());
-            let mut letters = Vec::new();
-            for a in acks {
-                match a {
-                    Origin::Source(p) => sources.push(p),
-                    Origin::Letter(id) => letters.push(id),
+        }
+        for id in &letters {
+            self.letters_handed += 1;
+            let Some(aggregate) = self.letter_aggregates.remove(id) else {
+                continue;
+            };
+            if let Some(n) = self.redriving.get_mut(&aggregate) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.redriving.remove(&aggregate);
                 }
             }
-            for id in &letters {
-                self.letters_handed += 1;
-                let Some(aggregate) = self.letter_aggregates.remove(id) else {
-                    continue;
-                };
-                if let Some(n) = self.redriving.get_mut(&aggregate) {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        self.redriving.remove(&aggregate);
-                    }
-                }
-            }
-            AckCommand::Ack(sources, letters, std::mem::take(&mut self.pending_spans))
+        }
+        Confirmed {
+            positions,
+            letters,
+            spans: std::mem::take(&mut self.pending_spans),
         }
     }
 

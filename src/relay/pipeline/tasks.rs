@@ -88,12 +88,13 @@ pub type Refreshed = (OpenLetters, Vec<Requested>);
 
 /// Work for the acker, carried out in the order sent.
 pub enum AckCommand<P> {
-    /// Confirmed: source positions to record, and redriven letters; the
-    /// spans of those that have one end once they are recorded.
-    Ack(Vec<P>, Vec<i64>, Vec<EventSpan>),
+    Ack(Confirmed<P>),
     /// Events left unsent in the source (their aggregate is held back).
     Release(Vec<P>),
-    DeadLetter(Vec<DeadLetter<P>>),
+    /// Dead letters, after the confirmations that arose before them: an
+    /// aggregate's events confirmed before its letter are recorded first,
+    /// so a crash between the two never leaves them unsent behind it.
+    DeadLetter(Confirmed<P>, Vec<DeadLetter<P>>),
     /// A redriven letter was refused again: its id, why, and whether it counts.
     LetterRefused(i64, String, bool),
     OpenDeadLetters(oneshot::Sender<Refreshed>),
@@ -239,7 +240,7 @@ pub async fn drive_acker<A: Acker>(
     unrecorded: Arc<Unrecorded>,
 ) -> Result<(), SourceError> {
     let mut countdown = abort_before_ack_countdown();
-    let mut done = Recorded::default();
+    let mut done = Confirmed::default();
     loop {
         let first = match tokio::time::timeout_at(lease.renew_by(), rx.recv()).await {
             Ok(Some(cmd)) => cmd,
@@ -256,14 +257,11 @@ pub async fn drive_acker<A: Acker>(
         let mut next = Some(first);
         while let Some(cmd) = next {
             match cmd {
-                AckCommand::Ack(p, l, s) => {
-                    done.positions.extend(p);
-                    done.letters.extend(l);
-                    done.spans.extend(s);
-                }
+                AckCommand::Ack(confirmed) => done.extend(confirmed),
                 AckCommand::Release(p) => acker.release(p),
                 AckCommand::Flush(tx) => flushes.push(tx),
-                AckCommand::DeadLetter(letters) => {
+                AckCommand::DeadLetter(confirmed, letters) => {
+                    done.extend(confirmed);
                     done.record(&mut acker, &mut countdown, &unrecorded).await?;
                     let n = letters.len();
                     let found = acker.dead_letter(letters).await?;
@@ -296,16 +294,18 @@ pub async fn drive_acker<A: Acker>(
     }
 }
 
-/// Confirmations gathered for one recording.
-struct Recorded<P> {
-    positions: Vec<P>,
-    letters: Vec<i64>,
-    spans: Vec<EventSpan>,
+/// Confirmed: source positions to record, and redriven letters; the
+/// spans of those that have one end once they are recorded. The acker
+/// gathers consecutive ones into one recording.
+pub struct Confirmed<P> {
+    pub positions: Vec<P>,
+    pub letters: Vec<i64>,
+    pub spans: Vec<EventSpan>,
 }
 
-impl<P> Default for Recorded<P> {
+impl<P> Default for Confirmed<P> {
     fn default() -> Self {
-        Recorded {
+        Confirmed {
             positions: Vec::new(),
             letters: Vec::new(),
             spans: Vec::new(),
@@ -313,7 +313,13 @@ impl<P> Default for Recorded<P> {
     }
 }
 
-impl<P: Send + Sync + 'static> Recorded<P> {
+impl<P: Send + Sync + 'static> Confirmed<P> {
+    fn extend(&mut self, more: Confirmed<P>) {
+        self.positions.extend(more.positions);
+        self.letters.extend(more.letters);
+        self.spans.extend(more.spans);
+    }
+
     async fn record<A: Acker<Position = P>>(
         &mut self,
         acker: &mut A,

@@ -30,15 +30,16 @@ pub(super) struct PendingConfirm {
 
 impl World {
     /// An incident: it may repeat up to a window of events (two without
-    /// marking). Without marking, an event held back after a refusal keeps
-    /// the slot before it until it is delivered or dead-lettered, so the
-    /// next stream also repeats every event confirmed after it: those are
-    /// counted too.
+    /// marking). An event held back after a refusal whose only record is
+    /// the WAL (every event without marking; a logical message with it)
+    /// keeps the slot before it until it is delivered or dead-lettered, so
+    /// the next stream also repeats every such event confirmed after it:
+    /// those are counted too. With marking, rows confirmed after it are
+    /// marked and not repeated.
     pub fn incident(&mut self) {
         self.incidents += 1;
-        if self.marks_rows {
-            return;
-        }
+        let marks_rows = self.marks_rows;
+        let wal_only = |message: bool| !marks_rows || message;
         let delivered: BTreeSet<&str> = self
             .deliveries
             .iter()
@@ -46,7 +47,9 @@ impl World {
             .collect();
         let lettered: BTreeSet<&str> = self.letters.iter().map(|l| l.event_id.as_str()).collect();
         let held = |id: &str| {
-            self.events.get(id).is_some_and(|f| f.refusals > 0)
+            self.events
+                .get(id)
+                .is_some_and(|f| f.refusals > 0 && wal_only(f.message))
                 && !delivered.contains(id)
                 && !lettered.contains(id)
         };
@@ -60,7 +63,7 @@ impl World {
         let behind = self.wal[first..]
             .iter()
             .flat_map(|tx| &tx.rows)
-            .filter(|r| delivered.contains(r.id.as_str()))
+            .filter(|r| wal_only(r.message) && delivered.contains(r.id.as_str()))
             .count();
         self.repeats_behind_held += behind as u64;
     }
