@@ -92,8 +92,8 @@ pub fn finally(w: &World, params: &Params) -> Vec<String> {
     } else {
         params.max_in_flight as u64
     };
-    // And what was confirmed behind an event held back after a refusal
-    // when an incident struck, where the WAL is the only record (without
+    // And what was confirmed behind an event held back after a refusal or
+    // a nack when an incident struck, where the WAL is the only record (without
     // marking; logical messages with it).
     let bound = u64::from(w.incidents) * per_incident + w.repeats_behind_held;
     if duplicates as u64 > bound {

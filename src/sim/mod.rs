@@ -47,8 +47,9 @@ const DEFAULT_HAND_OVER_SEEDS: u64 = 300;
 /// hunts found them), replayed in every default run of every kind of fault:
 /// 60680, events confirmed before their aggregate's dead letter recorded
 /// after it, and read again after a crash as its followers; 60543,
-/// logical messages repeated behind a held-back one with marking.
-const FOUND_SEEDS: &[u64] = &[60543, 60680];
+/// logical messages repeated behind a held-back one with marking; 64752,
+/// events repeated behind one pushed back (not refused) without marking.
+const FOUND_SEEDS: &[u64] = &[60543, 60680, 64752];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())

@@ -455,6 +455,7 @@ fn write_event(
             aborted: false,
             poison,
             refusals: 0,
+            nacks: 0,
             dropped: false,
             poisoned: poison != Poison::None,
             message: false,

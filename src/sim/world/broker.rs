@@ -30,12 +30,12 @@ pub(super) struct PendingConfirm {
 
 impl World {
     /// An incident: it may repeat up to a window of events (two without
-    /// marking). An event held back after a refusal whose only record is
-    /// the WAL (every event without marking; a logical message with it)
-    /// keeps the slot before it until it is delivered or dead-lettered, so
-    /// the next stream also repeats every such event confirmed after it:
-    /// those are counted too. With marking, rows confirmed after it are
-    /// marked and not repeated.
+    /// marking). An event held back after a refusal or a nack whose only
+    /// record is the WAL (every event without marking; a logical message
+    /// with it) keeps the slot before it until it is delivered or
+    /// dead-lettered, so the next stream also repeats every such event
+    /// confirmed after it: those are counted too. With marking, rows
+    /// confirmed after it are marked and not repeated.
     pub fn incident(&mut self) {
         self.incidents += 1;
         let marks_rows = self.marks_rows;
@@ -49,7 +49,7 @@ impl World {
         let held = |id: &str| {
             self.events
                 .get(id)
-                .is_some_and(|f| f.refusals > 0 && wal_only(f.message))
+                .is_some_and(|f| f.refusals + f.nacks > 0 && wal_only(f.message))
                 && !delivered.contains(id)
                 && !lettered.contains(id)
         };
@@ -231,6 +231,7 @@ impl World {
             return Err(SinkError::Rejected("sim: invalid destination".into()));
         }
         if self.busy_topics.contains(&m.topic) {
+            facts.nacks += 1;
             self.note(format!("broker nacks {} (busy)", m.event_id));
             return Err(SinkError::Busy("sim: queue full".into()));
         }

@@ -119,6 +119,8 @@ pub struct EventFacts {
     pub poison: Poison,
     /// Refused by the broker so far (for `Flaky`).
     pub refusals: u32,
+    /// Pushed back by the broker (a nack: back-pressure) so far.
+    pub nacks: u32,
     pub dropped: bool,
     /// Written poisoned (the cure clears `poison`, not this).
     pub poisoned: bool,
