@@ -19,7 +19,9 @@ fn lost_session() -> SourceError {
 }
 
 /// A statement's round trip: a little latency, then the statement at one
-/// instant, then a little more before the answer arrives.
+/// instant, then a little more before the answer arrives. A session that
+/// ends meanwhile may take the answer with it: the statement took effect,
+/// and the relay sees an error (a commit whose reply was lost).
 async fn latency(world: &Shared) {
     let d = Duration::from_micros(lock(world).rng.u64(0..3_000));
     tokio::time::sleep(d).await;
@@ -49,6 +51,14 @@ impl SimStore {
             f(&mut w)
         };
         latency(&self.world).await;
+        let mut w = lock(&self.world);
+        if !w.owns(self.reign) && w.rng.bool() {
+            w.note(format!(
+                "reign {}: a statement took effect, its answer is lost",
+                self.reign
+            ));
+            return Err(lost_session());
+        }
         Ok(out)
     }
 }

@@ -426,7 +426,8 @@ where
     /// go first, with the confirmations that arose before them: the events
     /// of an aggregate confirmed before its letter are recorded no later
     /// than the letter, or after a crash between the two they would be read
-    /// again as unsent and follow a letter they came before.
+    /// again as unsent and follow a letter they came before. A redriven
+    /// letter refused again takes them along too.
     fn next_command(&mut self) -> AckCommand<P> {
         if !self.pending_letters.is_empty() {
             let letters = std::mem::take(&mut self.pending_letters);
@@ -439,7 +440,7 @@ where
                 self.letter_aggregates.retain(|_, a| *a != aggregate);
             }
             self.letters_handed += 1;
-            AckCommand::LetterRefused(id, reason, counts)
+            AckCommand::LetterRefused(self.confirmed(), id, reason, counts)
         } else if !self.pending_releases.is_empty() {
             AckCommand::Release(std::mem::take(&mut self.pending_releases))
         } else {

@@ -95,8 +95,10 @@ pub enum AckCommand<P> {
     /// aggregate's events confirmed before its letter are recorded first,
     /// so a crash between the two never leaves them unsent behind it.
     DeadLetter(Confirmed<P>, Vec<DeadLetter<P>>),
-    /// A redriven letter was refused again: its id, why, and whether it counts.
-    LetterRefused(i64, String, bool),
+    /// A redriven letter was refused again: its id, why, and whether it
+    /// counts; after the confirmations that arose before (the letters of
+    /// its aggregate published before it are recorded redriven first).
+    LetterRefused(Confirmed<P>, i64, String, bool),
     OpenDeadLetters(oneshot::Sender<Refreshed>),
     /// Answered once everything sent before it is recorded.
     Flush(oneshot::Sender<()>),
@@ -270,7 +272,8 @@ pub async fn drive_acker<A: Acker>(
                         resolved.add(found);
                     }
                 }
-                AckCommand::LetterRefused(id, reason, counts) => {
+                AckCommand::LetterRefused(confirmed, id, reason, counts) => {
+                    done.extend(confirmed);
                     done.record(&mut acker, &mut countdown, &unrecorded).await?;
                     acker.letter_refused(id, reason, counts).await?;
                 }
