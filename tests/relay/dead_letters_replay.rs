@@ -1,6 +1,7 @@
-//! Dead letters and a CDC replay after a crash: events delivered before an
-//! aggregate's dead letter come again from the WAL, and are told apart from
-//! its followers by their WAL place, on the server that recorded it only.
+//! Dead letters and a crash: events delivered before an aggregate's dead
+//! letter are recorded no later than the letter; a CDC replay brings them
+//! again from the WAL, and they are told apart from its followers by their
+//! WAL place, on the server that recorded it only.
 
 use crate::dead_letters::{dlq_list, insert_big, poison_settings, wait_dead_letters};
 use crate::support::*;
@@ -122,4 +123,68 @@ async fn replay_after_a_crash_behind_a_letter(foreign: Option<&str>) -> (String,
     assert_eq!(letters[..2], [poison.to_string(), follower.to_string()]);
     assert_eq!(relay.terminate().code(), Some(0));
     (delivered.to_string(), letters)
+}
+
+every_mode!(a_crash_right_after_a_dead_letter_leaves_nothing_delivered_behind_it);
+/// Events of an aggregate the broker confirmed just before refusing its
+/// poison event are recorded with the dead letter, not after it: a crash
+/// right after the letter's transaction committed leaves none of them
+/// unsent, to be read again after the restart and taken for followers.
+async fn a_crash_right_after_a_dead_letter_leaves_nothing_delivered_behind_it(
+    mode: Mode,
+    kind: Kind,
+) {
+    if !cfg!(feature = "failpoints") {
+        panic!(
+            "this test injects a crash through the `failpoints` feature: run the suite with --features failpoints (scripts/test.sh does)"
+        );
+    }
+    let (db, broker, toml) = setup(mode, kind, &["order"], &poison_settings("\"follow\"")).await;
+    let toml = set(&toml, "dead_letter.max_attempts", "1");
+    let path = config_file(&toml);
+    // Confirmed one after another up to the poison event, whose refusal
+    // comes at once (it is over the size limit): the last confirmations
+    // are still on their way to the acker when the letter is.
+    let delivered = ids(20);
+    for id in &delivered {
+        db.insert(*id, "order", "P", json!({})).await;
+    }
+    let poison = Uuid::new_v4();
+    insert_big(&db, poison, "P").await;
+    let follower = Uuid::new_v4();
+    db.insert(follower, "order", "P", json!({})).await;
+    let mut relay = ChildRelay::start_with_env(
+        &toml,
+        &[("OUTBOX_RELAY_FAILPOINT", "abort-after-dead-letter:1")],
+    );
+    let status = relay
+        .wait_exit(WAIT)
+        .expect("the failpoint aborts the relay after the first dead letter");
+    assert!(!status.success(), "aborted: {status:?}");
+    let letters = dlq_list(&path);
+    assert_eq!(
+        letters.first().and_then(|l| l["id"].as_str()),
+        Some(poison.to_string().as_str()),
+        "the poison event's letter was written before the abort: {letters:?}"
+    );
+    let mut relay = ChildRelay::start(&toml);
+    wait_dead_letters(&path, 2, "the poison event and its follower").await;
+    // Every event before the poison one reached the broker, and none of
+    // them went to the dead-letter table after the restart.
+    broker.inbox().wait_ids(&strings(&delivered), WAIT).await;
+    // Once nothing is unsent, everything read after the restart is recorded.
+    wait_for(WAIT, "nothing left unsent", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    let letters: Vec<String> = dlq_list(&path)
+        .iter()
+        .map(|l| l["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        letters,
+        [poison.to_string(), follower.to_string()],
+        "only the poison event and its follower are dead letters"
+    );
+    assert_eq!(relay.terminate().code(), Some(0));
 }

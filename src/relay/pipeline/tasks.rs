@@ -210,23 +210,34 @@ async fn read_batch<R: Reader>(
     Ok(events)
 }
 
-/// Crash-injection hook for the test suite, compiled only with the
+/// Crash-injection hooks for the test suite, compiled only with the
 /// `failpoints` feature: `OUTBOX_RELAY_FAILPOINT=abort-before-ack:N` aborts
 /// the process just before the N-th acknowledgement, i.e. after the broker
 /// confirmed messages and before their rows are marked (or their WAL
 /// position reported): the most dangerous moment to crash.
+/// `abort-after-dead-letter:N` aborts right after the N-th write of dead
+/// letters committed.
 #[cfg(feature = "failpoints")]
-fn abort_before_ack_countdown() -> Option<u32> {
+fn failpoint_countdown(name: &str) -> Option<u32> {
     std::env::var("OUTBOX_RELAY_FAILPOINT")
         .ok()?
-        .strip_prefix("abort-before-ack:")?
+        .strip_prefix(name)?
+        .strip_prefix(':')?
         .parse()
         .ok()
 }
 
 #[cfg(not(feature = "failpoints"))]
-fn abort_before_ack_countdown() -> Option<u32> {
+fn failpoint_countdown(_name: &str) -> Option<u32> {
     None
+}
+
+/// Counts a failpoint's countdown down; true when it reaches zero.
+fn failpoint_hit(countdown: &mut Option<u32>) -> bool {
+    countdown.as_mut().is_some_and(|n| {
+        *n = n.saturating_sub(1);
+        *n == 0
+    })
 }
 
 /// Records progress in command order, merging consecutive acknowledgements
@@ -241,7 +252,8 @@ pub async fn drive_acker<A: Acker>(
     lease: Arc<Lease>,
     unrecorded: Arc<Unrecorded>,
 ) -> Result<(), SourceError> {
-    let mut countdown = abort_before_ack_countdown();
+    let mut countdown = failpoint_countdown("abort-before-ack");
+    let mut letters_countdown = failpoint_countdown("abort-after-dead-letter");
     let mut done = Confirmed::default();
     loop {
         let first = match tokio::time::timeout_at(lease.renew_by(), rx.recv()).await {
@@ -267,6 +279,10 @@ pub async fn drive_acker<A: Acker>(
                     done.record(&mut acker, &mut countdown, &unrecorded).await?;
                     let n = letters.len();
                     let found = acker.dead_letter(letters).await?;
+                    if cfg!(feature = "failpoints") && failpoint_hit(&mut letters_countdown) {
+                        eprintln!("failpoint abort-after-dead-letter: aborting");
+                        std::process::abort();
+                    }
                     unrecorded.recorded(n);
                     if !found.is_empty() {
                         resolved.add(found);
@@ -361,16 +377,12 @@ async fn record<A: Acker>(
     if positions.is_empty() {
         return Ok(());
     }
-    if let Some(n) = countdown.as_mut() {
-        *n = n.saturating_sub(1);
-        #[cfg(feature = "failpoints")]
-        if *n == 0 {
-            eprintln!(
-                "failpoint abort-before-ack: aborting with {} confirmed, unrecorded events",
-                positions.len()
-            );
-            std::process::abort();
-        }
+    if cfg!(feature = "failpoints") && failpoint_hit(countdown) {
+        eprintln!(
+            "failpoint abort-before-ack: aborting with {} confirmed, unrecorded events",
+            positions.len()
+        );
+        std::process::abort();
     }
     let started = std::time::Instant::now();
     let n = positions.len();
