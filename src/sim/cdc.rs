@@ -284,6 +284,11 @@ impl SimStream {
 impl CdcStream for SimStream {
     async fn next(&mut self) -> Result<Option<StreamMessage>, SourceError> {
         loop {
+            if lock(&self.world).cut_stream == Some(self.id) {
+                return Err(SourceError::Stream(
+                    "sim: the replication connection dropped".into(),
+                ));
+            }
             if let Some(m) = self.buffer.pop_front() {
                 return Ok(Some(m));
             }

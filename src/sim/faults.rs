@@ -53,6 +53,16 @@ pub(super) async fn fault(
         }
         6 => restart(world, config, &mut instances[i]).await,
         7 | 8 => resolve_a_dead_letter(world, rng),
+        9 if params.mode != SourceMode::Polling && rng.bool() => {
+            // The replication connection drops, between two messages of a
+            // transaction as likely as not.
+            let mut w = lock(world);
+            if let Some(id) = w.slot_active {
+                w.note(format!("stream {id} loses its connection"));
+                w.incident();
+                w.cut_stream = Some(id);
+            }
+        }
         _ => {
             for _ in 0..rng.usize(1..20) {
                 lock(world).unrelated_commit();

@@ -3,8 +3,10 @@
 //! thousands of seeded schedules of writers, refusals, nacks, lost
 //! connections, connections the broker drops, broker pauses, out-of-order
 //! confirmations, crashes at any await point, terminated ownership sessions
-//! (a zombie owner next to a new one), graceful hand-overs, and operators
-//! redriving and dropping dead letters.
+//! (a zombie owner next to a new one, a statement that took effect but
+//! whose answer was lost), replication connections dropped in the middle of
+//! a transaction, start-up reads without a settled WAL position, graceful
+//! hand-overs, and operators redriving and dropping dead letters.
 //!
 //! Each schedule runs on a single-threaded runtime with tokio's paused
 //! clock, so a seed replays the same schedule:

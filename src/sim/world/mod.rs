@@ -169,6 +169,9 @@ pub struct World {
     pub slot_lost: bool,
     /// The stream currently reading the slot.
     pub slot_active: Option<u64>,
+    /// A stream whose connection dropped: it fails at its next message,
+    /// in the middle of a transaction or not.
+    pub cut_stream: Option<u64>,
     /// The server allows no logical replication for now (`wal_level`
     /// lowered, no free slot): a CDC start fails, a stream ends, and
     /// `source.mode = "auto"` polls until it is allowed again.
@@ -252,6 +255,7 @@ impl World {
             slot_confirmed: Lsn(0x1000),
             slot_lost: false,
             slot_active: None,
+            cut_stream: None,
             cdc_blocked: false,
             switches: 0,
             next_stream: 1,
