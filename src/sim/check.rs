@@ -86,8 +86,11 @@ pub fn finally(w: &World, params: &Params) -> Vec<String> {
     let duplicates = w.deliveries.len() - first.len();
     // The documented bound: the in-flight window per incident; without
     // marking, CDC may also repeat what was confirmed since the slot was
-    // last told (at most another window).
-    let per_incident = if params.mark == MarkMode::None {
+    // last told (at most another window), and so may logical messages
+    // with marking (the WAL is their only record too).
+    let wal_only =
+        params.mark == MarkMode::None || (params.messages && params.mode != SourceMode::Polling);
+    let per_incident = if wal_only {
         params.max_in_flight as u64 * 2
     } else {
         params.max_in_flight as u64

@@ -50,8 +50,10 @@ const DEFAULT_HAND_OVER_SEEDS: u64 = 300;
 /// 60680, events confirmed before their aggregate's dead letter recorded
 /// after it, and read again after a crash as its followers; 60543,
 /// logical messages repeated behind a held-back one with marking; 64752,
-/// events repeated behind one pushed back (not refused) without marking.
-const FOUND_SEEDS: &[u64] = &[60543, 60680, 64752];
+/// events repeated behind one pushed back (not refused) without marking;
+/// 82375, logical messages confirmed behind an unconfirmed event repeated
+/// by the next owner with marking.
+const FOUND_SEEDS: &[u64] = &[60543, 60680, 64752, 82375];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -62,9 +64,12 @@ fn env_u64(name: &str) -> Option<u64> {
 /// schedule, if any broke a guarantee. Returns the totals for the caller's own checks.
 fn run_seeds(focus: Focus, default_seeds: u64, found: &[u64]) -> Totals {
     if std::env::var("OUTBOX_RELAY_SIM_TRACE").is_ok() {
-        // The relay's own logs, for replaying one seed.
+        // The relay's own logs, and the simulation's notes as they happen,
+        // for replaying one seed.
         let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new("outbox_relay=debug"))
+            .with_env_filter(tracing_subscriber::EnvFilter::new(
+                "outbox_relay=debug,sim=info",
+            ))
             .with_test_writer()
             .without_time()
             .try_init();

@@ -224,6 +224,8 @@ pub struct World {
     pub repeats_behind_held: u64,
     pub violations: Vec<String>,
     pub log: VecDeque<String>,
+    /// `OUTBOX_RELAY_SIM_TRACE`: notes are also logged as they happen.
+    trace: bool,
 }
 
 /// Lines of history kept for a failure report.
@@ -285,10 +287,15 @@ impl World {
             repeats_behind_held: 0,
             violations: Vec::new(),
             log: VecDeque::new(),
+            trace: std::env::var("OUTBOX_RELAY_SIM_TRACE").is_ok(),
         }
     }
 
     pub fn note(&mut self, line: String) {
+        if self.trace {
+            // Between the relay's own lines, at the simulated time.
+            tracing::info!(target: "sim", at = ?tokio::time::Instant::now(), "{line}");
+        }
         if self.log.len() == LOG_LINES {
             self.log.pop_front();
         }
