@@ -22,7 +22,10 @@
 //! Events of a dead aggregate from before its earliest open dead letter in
 //! the WAL (a CDC stream replays them after a restart) were delivered before
 //! it: they are not held back behind it. The place is known only when every
-//! open letter of the aggregate has one from this server's WAL.
+//! open letter of the aggregate has one from this server's WAL. A row read
+//! from the table needs no place: the confirmations of an aggregate that
+//! arose before its dead letter are recorded no later than the letter, so
+//! an unsent row of a dead aggregate was never delivered.
 
 use crate::backoff;
 use crate::dead_letter::OpenLetters;
