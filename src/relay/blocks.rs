@@ -25,7 +25,7 @@
 //! open letter of the aggregate has one from this server's WAL. A row read
 //! from the table needs no place: the confirmations of an aggregate that
 //! arose before its dead letter are recorded no later than the letter, so
-//! an unsent row of a dead aggregate was never delivered.
+//! an unsent row of a dead aggregate was not confirmed before it.
 
 use crate::backoff;
 use crate::dead_letter::OpenLetters;
