@@ -75,6 +75,7 @@ impl CdcServer for SimCdc {
             // WAL held must come from the start-up read.
             w.slot_lost = false;
             w.slot_confirmed = w.insert_lsn();
+            w.slot_saved = w.slot_confirmed;
             let at = w.slot_confirmed;
             w.note(format!("lost slot recreated at {at}"));
         }

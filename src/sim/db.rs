@@ -144,6 +144,7 @@ impl RowStore for SimStore {
                     requested: false,
                     wal: l.wal,
                     follows: l.follows.is_some(),
+                    after_deliveries: w.deliveries.len(),
                 });
                 out.written.push(i);
             }

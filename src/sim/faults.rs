@@ -55,9 +55,11 @@ pub(super) async fn fault(
         7 | 8 => resolve_a_dead_letter(world, rng),
         9 if params.mode != SourceMode::Polling && rng.bool() => {
             // The replication connection drops, between two messages of a
-            // transaction as likely as not.
+            // transaction as likely as not; or the database restarts.
             let mut w = lock(world);
-            if let Some(id) = w.slot_active {
+            if rng.u32(0..3) == 0 {
+                w.database_restart();
+            } else if let Some(id) = w.slot_active {
                 w.note(format!("stream {id} loses its connection"));
                 w.incident();
                 w.cut_stream = Some(id);

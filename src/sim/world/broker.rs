@@ -34,12 +34,11 @@ impl World {
     /// record is the WAL (every event without marking; a logical message
     /// with it) keeps the slot before it until it is delivered or
     /// dead-lettered, so the next stream also repeats every such event
-    /// confirmed after it: those are counted too. With marking, rows
-    /// confirmed after it are marked and not repeated.
+    /// confirmed after it until then: the first such event is pinned, and
+    /// [`World::repeats_behind_pins`] counts them in the end. With marking,
+    /// rows confirmed after it are marked and not repeated.
     pub fn incident(&mut self) {
         self.incidents += 1;
-        let marks_rows = self.marks_rows;
-        let wal_only = |message: bool| !marks_rows || message;
         let delivered: BTreeSet<&str> = self
             .deliveries
             .iter()
@@ -49,23 +48,60 @@ impl World {
         let held = |id: &str| {
             self.events
                 .get(id)
-                .is_some_and(|f| f.refusals + f.nacks > 0 && wal_only(f.message))
+                .is_some_and(|f| f.refusals + f.nacks > 0 && self.wal_only(f.message))
                 && !delivered.contains(id)
                 && !lettered.contains(id)
         };
-        let Some(first) = self
+        let pin = self
             .wal
             .iter()
-            .position(|tx| tx.rows.iter().any(|r| held(&r.id)))
-        else {
-            return;
-        };
-        let behind = self.wal[first..]
-            .iter()
             .flat_map(|tx| &tx.rows)
-            .filter(|r| wal_only(r.message) && delivered.contains(r.id.as_str()))
-            .count();
-        self.repeats_behind_held += behind as u64;
+            .find(|r| held(&r.id))
+            .map(|r| r.id.clone());
+        self.pins.extend(pin);
+    }
+
+    /// Whether the WAL is an event's only record.
+    pub fn wal_only(&self, message: bool) -> bool {
+        !self.marks_rows || message
+    }
+
+    /// Events whose only record is the WAL, confirmed behind an event
+    /// pinned at an incident before that event was delivered or
+    /// dead-lettered (at most: a restart between repeats only those
+    /// confirmed before it).
+    pub fn repeats_behind_pins(&self) -> u64 {
+        let mut first: BTreeMap<&str, usize> = BTreeMap::new();
+        for (i, d) in self.deliveries.iter().enumerate() {
+            first.entry(d.event_id.as_str()).or_insert(i);
+        }
+        let mut total = 0;
+        for pin in &self.pins {
+            let resolved = first
+                .get(pin.as_str())
+                .copied()
+                .or_else(|| {
+                    self.letters
+                        .iter()
+                        .find(|l| &l.event_id == pin)
+                        .map(|l| l.after_deliveries)
+                })
+                .unwrap_or(self.deliveries.len());
+            let Some(at) = self
+                .wal
+                .iter()
+                .position(|tx| tx.rows.iter().any(|r| &r.id == pin))
+            else {
+                continue;
+            };
+            total += self.wal[at..]
+                .iter()
+                .flat_map(|tx| &tx.rows)
+                .filter(|r| self.wal_only(r.message))
+                .filter(|r| first.get(r.id.as_str()).is_some_and(|&i| i < resolved))
+                .count() as u64;
+        }
+        total
     }
 
     pub fn connect(&mut self, instance: usize) -> Result<u64, SinkError> {

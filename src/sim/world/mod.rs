@@ -108,6 +108,8 @@ pub struct Letter {
     pub wal: Option<(Lsn, u64)>,
     /// Written as the follower of an earlier letter of its aggregate.
     pub follows: bool,
+    /// Deliveries made before it was written.
+    pub after_deliveries: usize,
 }
 
 /// What the checks know about an event.
@@ -165,6 +167,10 @@ pub struct World {
     /// Aggregates whose dead-letter lock a redrive holds.
     pub redrive_locks: BTreeSet<String>,
     pub slot_confirmed: Lsn,
+    /// The slot's position as last saved to disk (every third move, as a
+    /// checkpoint would): a database crash takes the slot back to it.
+    pub slot_saved: Lsn,
+    slot_moves: u32,
     /// PostgreSQL removed WAL the slot still needed (`wal_status = lost`).
     pub slot_lost: bool,
     /// The stream currently reading the slot.
@@ -219,9 +225,12 @@ pub struct World {
     /// Crashes, lost connections and sessions, outages, confirm timeouts:
     /// each may cause up to a window of duplicates.
     pub incidents: u32,
-    /// CDC without marking: events confirmed behind a held-back one when an
-    /// incident struck (see [`World::incident`]).
-    pub repeats_behind_held: u64,
+    /// Per incident, the first event held back then whose only record is
+    /// the WAL (see [`World::incident`]).
+    pub pins: Vec<String>,
+    /// Events whose only record is the WAL, delivered, and forgotten by the
+    /// slot in a database restart.
+    pub repeats_forgotten: u64,
     pub violations: Vec<String>,
     pub log: VecDeque<String>,
     /// `OUTBOX_RELAY_SIM_TRACE`: notes are also logged as they happen.
@@ -255,6 +264,8 @@ impl World {
             letters: Vec::new(),
             redrive_locks: BTreeSet::new(),
             slot_confirmed: Lsn(0x1000),
+            slot_saved: Lsn(0x1000),
+            slot_moves: 0,
             slot_lost: false,
             slot_active: None,
             cut_stream: None,
@@ -284,7 +295,8 @@ impl World {
             landed_reign: BTreeMap::new(),
             latest_publishing_reign: 0,
             incidents: 0,
-            repeats_behind_held: 0,
+            pins: Vec::new(),
+            repeats_forgotten: 0,
             violations: Vec::new(),
             log: VecDeque::new(),
             trace: std::env::var("OUTBOX_RELAY_SIM_TRACE").is_ok(),
@@ -504,6 +516,43 @@ impl World {
             self.violation(p);
         }
         self.slot_confirmed = flushed;
+        self.slot_moves += 1;
+        if self.slot_moves % 3 == 0 {
+            self.slot_saved = flushed;
+        }
+    }
+
+    /// The database crashes and restarts: every session ends, and the slot
+    /// goes back to its last saved position. Events delivered since then
+    /// whose only record is the WAL may be repeated: they are counted.
+    pub fn database_restart(&mut self) {
+        let (saved, confirmed) = (self.slot_saved, self.slot_confirmed);
+        self.note(format!(
+            "the database restarts: the slot goes back from {confirmed} to {saved}"
+        ));
+        self.incident();
+        let delivered: BTreeSet<&str> = self
+            .deliveries
+            .iter()
+            .map(|d| d.event_id.as_str())
+            .collect();
+        let forgotten = self
+            .wal
+            .iter()
+            .filter(|t| t.commit_lsn >= saved && t.commit_lsn < confirmed)
+            .flat_map(|t| &t.rows)
+            .filter(|r| self.wal_only(r.message) && delivered.contains(r.id.as_str()))
+            .count();
+        self.repeats_forgotten += forgotten as u64;
+        self.slot_confirmed = saved;
+        if let Some(id) = self.slot_active {
+            self.cut_stream = Some(id);
+        }
+        if let Some(r) = self.lock_reign
+            && let Some(&owner) = self.reign_instance.get(&r)
+        {
+            self.end_sessions(owner);
+        }
     }
 
     /// The event is safe whatever happens to the WAL before it.
