@@ -18,12 +18,24 @@ fn lost_session() -> SourceError {
     SourceError::Stream("sim: the ownership session is gone".into())
 }
 
-/// A statement's round trip: a little latency, then the statement at one
-/// instant, then a little more before the answer arrives. A session that
+/// A statement's round trip: a little latency (now and then a long one),
+/// then the statement at one instant, then a little more before the answer
+/// arrives. A session that
 /// ends meanwhile may take the answer with it: the statement took effect,
 /// and the relay sees an error (a commit whose reply was lost).
 async fn latency(world: &Shared) {
-    let d = Duration::from_micros(lock(world).rng.u64(0..3_000));
+    let d = {
+        let mut w = lock(world);
+        if w.rng.u32(0..400) == 0 {
+            // Now and then a statement waits on a lock or a stalled disk,
+            // at times for longer than the ownership lease.
+            let d = Duration::from_millis(w.rng.u64(300..4_500));
+            w.note(format!("a statement takes {d:?}"));
+            d
+        } else {
+            Duration::from_micros(w.rng.u64(0..3_000))
+        }
+    };
     tokio::time::sleep(d).await;
 }
 

@@ -4,7 +4,8 @@
 //! connections, connections the broker drops, broker pauses, out-of-order
 //! confirmations, crashes at any await point, terminated ownership sessions
 //! (a zombie owner next to a new one, a statement that took effect but
-//! whose answer was lost), replication connections dropped in the middle of
+//! whose answer was lost), statements slower than the ownership lease,
+//! replication connections dropped in the middle of
 //! a transaction, start-up reads without a settled WAL position, graceful
 //! hand-overs, and operators redriving and dropping dead letters.
 //!
