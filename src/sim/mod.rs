@@ -5,9 +5,10 @@
 //! confirmations, crashes at any await point, terminated ownership sessions
 //! (a zombie owner next to a new one, a statement that took effect but
 //! whose answer was lost), statements slower than the ownership lease,
-//! replication connections dropped in the middle of
-//! a transaction, start-up reads without a settled WAL position, graceful
-//! hand-overs, and operators redriving and dropping dead letters.
+//! replication connections dropped in the middle of a transaction,
+//! database restarts that take the slot back to its last saved position,
+//! start-up reads without a settled WAL position, graceful hand-overs, and
+//! operators redriving and dropping dead letters.
 //!
 //! Each schedule runs on a single-threaded runtime with tokio's paused
 //! clock, so a seed replays the same schedule:
