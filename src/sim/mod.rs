@@ -54,8 +54,12 @@ const DEFAULT_HAND_OVER_SEEDS: u64 = 300;
 /// logical messages repeated behind a held-back one with marking; 64752,
 /// events repeated behind one pushed back (not refused) without marking;
 /// 82375, logical messages confirmed behind an unconfirmed event repeated
-/// by the next owner with marking.
-const FOUND_SEEDS: &[u64] = &[60543, 60680, 64752, 82375];
+/// by the next owner with marking; 208811, events read as an aggregate's
+/// redrive ended, before the table showed it resolved, dead-lettered as
+/// followers of letters already published (and so ahead of earlier events
+/// of the aggregate). A seed's schedule changes whenever the simulation
+/// does, so one may stop reproducing what it found.
+const FOUND_SEEDS: &[u64] = &[60543, 60680, 64752, 82375, 208811];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())

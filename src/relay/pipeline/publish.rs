@@ -100,8 +100,8 @@ where
             while let Some(answer) = self.scheduler.next_answer(aggregate) {
                 self.handle(aggregate, answer)?;
             }
-            let blocked =
-                self.blocks.is_blocked(aggregate) && !self.redriving.contains_key(aggregate);
+            let blocked = self.blocks.is_blocked(aggregate)
+                && !self.redriving.get(aggregate).is_some_and(|n| *n > 0);
             let Some((next, route)) = self.scheduler.next_parked(aggregate, blocked) else {
                 return Ok(());
             };
@@ -477,6 +477,10 @@ where
     /// request; back-pressure keeps it, for the next refresh).
     fn letter_refused(&mut self, id: i64, aggregate: &str, reason: String, counts: bool) {
         self.pending_letter_refusals.push((id, reason, counts));
+        // The aggregate's redrive ends here (its other letters were dropped):
+        // it is dead again, and nothing of it waits for a resolution.
+        self.redriving.remove(aggregate);
+        self.letter_aggregates.retain(|_, a| a != aggregate);
         self.waiting.retain(|e| {
             !(e.aggregate_id() == aggregate && matches!(e.position, Origin::Letter(_)))
         });

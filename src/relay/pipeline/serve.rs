@@ -92,7 +92,11 @@ pub(super) struct Pipeline<'a, P, K> {
     /// Redriven letters refused again, for the acker.
     pub(super) pending_letter_refusals: Vec<(i64, String, bool)>,
     /// Aggregates whose requested letters are being published: letters
-    /// not yet handed to the acker.
+    /// not yet handed to the acker. An aggregate stays here with none
+    /// until the dead-letter table shows its letters resolved (or one is
+    /// refused again): until then its events wait in the source, where they
+    /// are read again once it flows, instead of following letters that are
+    /// already published.
     pub(super) redriving: HashMap<String, usize>,
     /// The aggregate of each redriven letter not yet handed to the acker.
     pub(super) letter_aggregates: HashMap<i64, String>,
@@ -221,6 +225,9 @@ where
                 "aggregates with open dead letters are held back; see `outbox-relay dlq list`"
             );
         }
+        // Dead in an earlier run and resolved since (a redrive it finished,
+        // an operator's drop): the view is newer than every mark.
+        self.blocks.resolve_missing(&open, self.blocks.generation());
         self.blocks.set_dead(open);
         Ok(())
     }
@@ -377,9 +384,10 @@ where
     /// Everything sent is confirmed and recorded: re-read from the recorded point.
     async fn rewind(&mut self) -> Result<(), PipelineError> {
         // The reader starts over: what it would have been told to let go of
-        // is read afresh, and requested letters are fetched again.
+        // is read afresh, and requested letters are fetched again (their
+        // aggregates still wait for the table to show them resolved).
         self.pending_releases.clear();
-        self.redriving.clear();
+        self.redriving.values_mut().for_each(|n| *n = 0);
         self.letter_aggregates.clear();
         flush(&self.ack_tx).await?;
         self.epoch += 1;
@@ -434,11 +442,6 @@ where
             self.unrecorded.add(letters.len());
             AckCommand::DeadLetter(self.confirmed(), letters)
         } else if let Some((id, reason, counts)) = self.pending_letter_refusals.pop() {
-            // The aggregate's redrive ends here (its other letters were dropped).
-            if let Some(aggregate) = self.letter_aggregates.remove(&id) {
-                self.redriving.remove(&aggregate);
-                self.letter_aggregates.retain(|_, a| *a != aggregate);
-            }
             self.letters_handed += 1;
             AckCommand::LetterRefused(self.confirmed(), id, reason, counts)
         } else if !self.pending_releases.is_empty() {
@@ -474,9 +477,6 @@ where
             };
             if let Some(n) = self.redriving.get_mut(&aggregate) {
                 *n = n.saturating_sub(1);
-                if *n == 0 {
-                    self.redriving.remove(&aggregate);
-                }
             }
         }
         Confirmed {

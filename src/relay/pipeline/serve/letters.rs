@@ -25,6 +25,7 @@ where
         for a in aggregates {
             any |= self.blocks.is_blocked(&a);
             self.blocks.resolve(&a);
+            self.redriving.remove(&a);
         }
         if any {
             AggregatesResumed::Resolved.emit();
@@ -36,6 +37,9 @@ where
     pub(super) fn refreshed(&mut self, (open, requested): Refreshed, seen: u64, handed: u64) {
         self.refresh.waiting = None;
         let gone = self.blocks.resolve_missing(&open, seen);
+        for a in &gone {
+            self.redriving.remove(a);
+        }
         if !gone.is_empty() && self.intake != Intake::Rewinding {
             AggregatesResumed::Refreshed {
                 aggregates: gone.len(),
@@ -60,7 +64,8 @@ where
         let mut started: HashMap<String, usize> = HashMap::new();
         for r in requested {
             let aggregate = r.raw.aggregate_id.clone().unwrap_or_default();
-            if self.redriving.contains_key(&aggregate) || !self.blocks.is_dead(&aggregate) {
+            let publishing = self.redriving.get(&aggregate).is_some_and(|n| *n > 0);
+            if publishing || !self.blocks.is_dead(&aggregate) {
                 continue;
             }
             *started.entry(aggregate.clone()).or_default() += 1;
