@@ -101,7 +101,7 @@ where
                 self.handle(aggregate, answer)?;
             }
             let blocked = self.blocks.is_blocked(aggregate)
-                && !self.redriving.get(aggregate).is_some_and(|n| *n > 0);
+                && self.redriving.get(aggregate).is_none_or(|n| *n == 0);
             let Some((next, route)) = self.scheduler.next_parked(aggregate, blocked) else {
                 return Ok(());
             };

@@ -517,7 +517,7 @@ impl World {
         }
         self.slot_confirmed = flushed;
         self.slot_moves += 1;
-        if self.slot_moves % 3 == 0 {
+        if self.slot_moves.is_multiple_of(3) {
             self.slot_saved = flushed;
         }
     }
