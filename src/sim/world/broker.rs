@@ -23,6 +23,7 @@ pub(super) struct BrokerMsg {
 
 pub(super) struct PendingConfirm {
     conn: u64,
+    event_id: String,
     at: Instant,
     reply: oneshot::Sender<Result<(), SinkError>>,
     result: Result<(), SinkError>,
@@ -30,13 +31,14 @@ pub(super) struct PendingConfirm {
 
 impl World {
     /// An incident: it may repeat up to a window of events (two without
-    /// marking). An event held back after a refusal or a nack whose only
-    /// record is the WAL (every event without marking; a logical message
-    /// with it) keeps the slot before it until it is delivered or
-    /// dead-lettered, so the next stream also repeats every such event
-    /// confirmed after it until then: the first such event is pinned, and
-    /// [`World::repeats_behind_pins`] counts them in the end. With marking,
-    /// rows confirmed after it are marked and not repeated.
+    /// marking). An event whose only record is the WAL (every event without
+    /// marking; a logical message with it) that waits for its confirmation,
+    /// or for a retry after a refusal or a nack, keeps the slot before it
+    /// until it is delivered (again) or dead-lettered, so the next stream
+    /// also repeats every such event confirmed after it until then: the
+    /// first such event is pinned, and [`World::repeats_behind_pins`]
+    /// counts them in the end. With marking, rows confirmed after it are
+    /// marked and not repeated.
     pub fn incident(&mut self) {
         self.incidents += 1;
         let delivered: BTreeSet<&str> = self
@@ -45,19 +47,31 @@ impl World {
             .map(|d| d.event_id.as_str())
             .collect();
         let lettered: BTreeSet<&str> = self.letters.iter().map(|l| l.event_id.as_str()).collect();
+        let unconfirmed: BTreeSet<&str> = self
+            .inflight
+            .iter()
+            .map(|m| m.event_id.as_str())
+            .chain(self.confirms.iter().map(|c| c.event_id.as_str()))
+            .collect();
         let held = |id: &str| {
-            self.events
+            let refused = self
+                .events
                 .get(id)
-                .is_some_and(|f| f.refusals + f.nacks > 0 && self.wal_only(f.message))
+                .is_some_and(|f| f.refusals + f.nacks > 0)
                 && !delivered.contains(id)
-                && !lettered.contains(id)
+                && !lettered.contains(id);
+            (refused || unconfirmed.contains(id))
+                && self
+                    .events
+                    .get(id)
+                    .is_some_and(|f| self.wal_only(f.message))
         };
         let pin = self
             .wal
             .iter()
             .flat_map(|tx| &tx.rows)
             .find(|r| held(&r.id))
-            .map(|r| r.id.clone());
+            .map(|r| (r.id.clone(), self.deliveries.len()));
         self.pins.extend(pin);
     }
 
@@ -68,22 +82,26 @@ impl World {
 
     /// Events whose only record is the WAL, confirmed behind an event
     /// pinned at an incident before that event was delivered or
-    /// dead-lettered (at most: a restart between repeats only those
-    /// confirmed before it).
+    /// dead-lettered after it (at most: a restart between repeats only
+    /// those confirmed before it).
     pub fn repeats_behind_pins(&self) -> u64 {
         let mut first: BTreeMap<&str, usize> = BTreeMap::new();
         for (i, d) in self.deliveries.iter().enumerate() {
             first.entry(d.event_id.as_str()).or_insert(i);
         }
         let mut total = 0;
-        for pin in &self.pins {
-            let resolved = first
-                .get(pin.as_str())
-                .copied()
+        for (pin, at_incident) in &self.pins {
+            let resolved = self
+                .deliveries
+                .iter()
+                .enumerate()
+                .skip(*at_incident)
+                .find(|(_, d)| &d.event_id == pin)
+                .map(|(i, _)| i)
                 .or_else(|| {
                     self.letters
                         .iter()
-                        .find(|l| &l.event_id == pin)
+                        .find(|l| &l.event_id == pin && l.after_deliveries >= *at_incident)
                         .map(|l| l.after_deliveries)
                 })
                 .unwrap_or(self.deliveries.len());
@@ -238,6 +256,7 @@ impl World {
             }
             self.confirms.push(PendingConfirm {
                 conn: m.conn,
+                event_id: m.event_id.clone(),
                 at: now + m.confirm_after,
                 reply: m.reply,
                 result,

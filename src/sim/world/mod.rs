@@ -225,9 +225,10 @@ pub struct World {
     /// Crashes, lost connections and sessions, outages, confirm timeouts:
     /// each may cause up to a window of duplicates.
     pub incidents: u32,
-    /// Per incident, the first event held back then whose only record is
-    /// the WAL (see [`World::incident`]).
-    pub pins: Vec<String>,
+    /// Per incident, the first event then unconfirmed or held back whose
+    /// only record is the WAL, and the deliveries made by then (see
+    /// [`World::incident`]).
+    pub pins: Vec<(String, usize)>,
     /// Events whose only record is the WAL, delivered, and forgotten by the
     /// slot in a database restart.
     pub repeats_forgotten: u64,
