@@ -339,34 +339,54 @@ async fn returns_are_told_apart_when_an_adopted_table_repeats_ids() {
     relay.stop().await;
 }
 
+/// A running relay (Kafka) that dead-lettered `n` events of aggregate `L`:
+/// the "late" topic does not exist yet, so they were refused. `refresh`
+/// replaces `dead_letter.refresh_interval`. Returns the config's path too.
+async fn late_events_dead_lettered(
+    mode: Mode,
+    n: usize,
+    refresh: Option<&str>,
+) -> (TestDb, Broker, String, Vec<Uuid>, InProcess) {
+    let (db, broker, toml) = setup(
+        mode,
+        Kind::Kafka,
+        &["order"],
+        &poison_settings("\"follow\""),
+    )
+    .await;
+    let toml = match refresh {
+        Some(every) => set(&toml, "dead_letter.refresh_interval", every),
+        None => toml,
+    };
+    let path = config_file(&toml);
+    let late = ids(n);
+    for id in &late {
+        db.insert(*id, "late", "L", json!({})).await;
+    }
+    let relay = InProcess::start(parse(&toml));
+    wait_dead_letters(&path, n, "the late events dead-lettered").await;
+    (db, broker, path, late, relay)
+}
+
+/// Creates the "late" topic and asks for every dead letter's redrive.
+async fn create_late_and_redrive(broker: &Broker, path: &str) {
+    let Broker::Kafka(k) = broker else {
+        unreachable!()
+    };
+    k.create("late").await;
+    let (code, out, err) = run_cli(&["dlq", "redrive", "--config", path, "--all"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_while_the_relay_runs_publishes_in_order() {
     for mode in [Mode::Polling, Mode::Cdc] {
-        // The "late" topic does not exist yet: its events are refused, then dead-lettered.
-        let (db, broker, toml) = setup(
-            mode,
-            Kind::Kafka,
-            &["order"],
-            &poison_settings("\"follow\""),
-        )
-        .await;
-        let path = config_file(&toml);
-        let late = ids(4);
-        for id in &late {
-            db.insert(*id, "late", "L", json!({})).await;
-        }
-        let relay = InProcess::start(parse(&toml));
-        wait_dead_letters(&path, 4, "the late events dead-lettered").await;
+        let (db, broker, path, late, relay) = late_events_dead_lettered(mode, 4, None).await;
         // Another event of the aggregate arrives while it is dead: it follows.
         let after = Uuid::new_v4();
         db.insert(after, "late", "L", json!({})).await;
         wait_dead_letters(&path, 5, "the newcomer to follow").await;
-        let Broker::Kafka(k) = &broker else {
-            unreachable!()
-        };
-        k.create("late").await;
-        let (code, out, err) = run_cli(&["dlq", "redrive", "--config", &path, "--all"], &[]);
-        assert_eq!(code, 0, "{out}{err}");
+        create_late_and_redrive(&broker, &path).await;
         let expected: Vec<String> = strings(&late)
             .into_iter()
             .chain([after.to_string()])
@@ -391,28 +411,10 @@ async fn a_redrive_while_the_relay_runs_publishes_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_arriving_as_a_redrive_ends_flow_after_it() {
     for mode in [Mode::Polling, Mode::Cdc] {
-        let (db, broker, toml) = setup(
-            mode,
-            Kind::Kafka,
-            &["order"],
-            &poison_settings("\"follow\""),
-        )
-        .await;
         // A long gap between looks at the table, for the events to arrive in.
-        let toml = set(&toml, "dead_letter.refresh_interval", "\"3s\"");
-        let path = config_file(&toml);
-        let late = ids(3);
-        for id in &late {
-            db.insert(*id, "late", "L", json!({})).await;
-        }
-        let relay = InProcess::start(parse(&toml));
-        wait_dead_letters(&path, 3, "the late events dead-lettered").await;
-        let Broker::Kafka(k) = &broker else {
-            unreachable!()
-        };
-        k.create("late").await;
-        let (code, out, err) = run_cli(&["dlq", "redrive", "--config", &path, "--all"], &[]);
-        assert_eq!(code, 0, "{out}{err}");
+        let (db, broker, path, late, relay) =
+            late_events_dead_lettered(mode, 3, Some("\"3s\"")).await;
+        create_late_and_redrive(&broker, &path).await;
         broker.inbox().wait_ids(&strings(&late), WAIT).await;
         // Once the relay has recorded the letters' confirmations too, well
         // before its next look at the table.
