@@ -95,15 +95,15 @@ pub fn finally(w: &World, params: &Params) -> Vec<String> {
     } else {
         params.max_in_flight as u64
     };
-    // And what was confirmed behind an event held back after a refusal or
-    // a nack when an incident struck, where the WAL is the only record
-    // (without marking; logical messages with it), and what a database
-    // restart made the slot forget.
+    // And, where the WAL is the only record (without marking; logical
+    // messages with it), what was confirmed behind an event that waited
+    // for its confirmation or its retry when an incident struck, and what
+    // a database restart made the slot forget.
     let behind = w.repeats_behind_pins() + w.repeats_forgotten;
     let bound = u64::from(w.incidents) * per_incident + behind;
     if duplicates as u64 > bound {
         out.push(format!(
-            "{duplicates} duplicates, over {} incidents x {per_incident} + {behind} confirmed behind a held-back event or forgotten by the slot",
+            "{duplicates} duplicates, over {} incidents x {per_incident} + {behind} confirmed behind a waiting event or forgotten by the slot",
             w.incidents
         ));
     }

@@ -20,9 +20,9 @@ fn lost_session() -> SourceError {
 
 /// A statement's round trip: a little latency (now and then a long one),
 /// then the statement at one instant, then a little more before the answer
-/// arrives. A session that
-/// ends meanwhile may take the answer with it: the statement took effect,
-/// and the relay sees an error (a commit whose reply was lost).
+/// arrives. A session that ends meanwhile may take the answer with it: the
+/// statement took effect, and the relay sees an error (a commit whose reply
+/// was lost).
 async fn latency(world: &Shared) {
     let d = {
         let mut w = lock(world);

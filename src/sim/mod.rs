@@ -67,7 +67,8 @@ fn env_u64(name: &str) -> Option<u64> {
 
 /// Runs the seeds the environment names (else `default_seeds` from 0 and
 /// the `found` ones) and fails the test, after printing each failed
-/// schedule, if any broke a guarantee. Returns the totals for the caller's own checks.
+/// schedule, if any broke a guarantee. Returns the totals for the caller's
+/// own checks.
 fn run_seeds(focus: Focus, default_seeds: u64, found: &[u64]) -> Totals {
     if std::env::var("OUTBOX_RELAY_SIM_TRACE").is_ok() {
         // The relay's own logs, and the simulation's notes as they happen,
