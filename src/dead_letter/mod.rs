@@ -18,11 +18,11 @@
 //! (a polling restart, a replayed WAL) can put one next to its original.
 
 pub mod admin;
+pub mod lookups;
 
 use crate::config::TableName;
 use crate::outbox::RawRow;
 use crate::replication::Lsn;
-use crate::sql::quote_ident;
 use chrono::{DateTime, Utc};
 use std::collections::{HashMap, HashSet};
 use tokio_postgres::{Client, Statement};
@@ -79,17 +79,11 @@ pub const LATER_COLUMNS: [(&str, &str); 5] = [
     ("extra", "text"),
 ];
 
-/// `CREATE TABLE` and its index, for `migrate`.
+/// `CREATE TABLE` and its indexes, for `migrate`.
 pub fn create_sql(table: &TableName) -> Vec<String> {
     let t = table.quoted();
-    let mut index = format!("{}_open", table.name);
-    while index.len() > 63 {
-        index.remove(0);
-    }
-    let index = quote_ident(&index);
-    vec![
-        format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
+    let mut sql = vec![format!(
+        "CREATE TABLE IF NOT EXISTS {t} (
     dead_letter_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     id text NOT NULL,
     outbox_seq bigint,
@@ -113,11 +107,13 @@ pub fn create_sql(table: &TableName) -> Vec<String> {
     extra text,
     source_system text
 )"
-        ),
-        format!(
-            "CREATE INDEX IF NOT EXISTS {index} ON {t} (aggregate_id, dead_letter_id) WHERE resolution IS NULL"
-        ),
-    ]
+    )];
+    sql.extend(
+        lookups::indexes(table)
+            .iter()
+            .map(|index| lookups::create_index_sql(table, index)),
+    );
+    sql
 }
 
 /// Adds the later columns that `existing` (the table's columns) lacks.
@@ -201,7 +197,8 @@ pub struct Recorder {
     still_open: Statement,
     /// Per aggregate, the earliest open letter's WAL place; a letter without
     /// one of this origin (read by polling or the start-up read, or from
-    /// another server) sorts first, so the place is unknown then.
+    /// another server) makes the place unknown. The statements of the
+    /// periodic look are in [`lookups`].
     open: Statement,
     extend_requests: Statement,
     requested: Statement,
@@ -253,42 +250,9 @@ impl Recorder {
                 "SELECT EXISTS (SELECT 1 FROM {t} WHERE aggregate_id = $1 AND resolution IS NULL)"
             ))
             .await?,
-            open: prepare(format!(
-                "SELECT DISTINCT ON (aggregate_id) aggregate_id, lsn::text, index
-                 FROM (SELECT aggregate_id,
-                              CASE WHEN source_system = $1 THEN source_lsn END AS lsn,
-                              CASE WHEN source_system = $1 THEN source_index END AS index
-                       FROM {t} WHERE resolution IS NULL) open
-                 ORDER BY aggregate_id, lsn NULLS FIRST, index NULLS FIRST"
-            ))
-            .await?,
-            // A request on an aggregate's oldest open letter covers the
-            // followers the relay wrote after it too: they go back with it.
-            extend_requests: prepare(format!(
-                "UPDATE {t} l SET redrive_requested_at = now()
-                 WHERE l.resolution IS NULL AND l.redrive_requested_at IS NULL{shard}
-                   AND EXISTS (SELECT 1 FROM {t} r WHERE r.resolution IS NULL AND r.redrive_requested_at IS NOT NULL
-                               AND r.aggregate_id IS NOT DISTINCT FROM l.aggregate_id
-                               AND r.dead_letter_id < l.dead_letter_id
-                               AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.resolution IS NULL
-                                               AND e.redrive_requested_at IS NULL
-                                               AND e.aggregate_id IS NOT DISTINCT FROM r.aggregate_id
-                                               AND e.dead_letter_id < r.dead_letter_id))"
-            ))
-            .await?,
-            // A requested letter is published only when no open letter of its
-            // aggregate that nobody asked for comes before it.
-            requested: prepare(format!(
-                "SELECT l.dead_letter_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.event_version,
-                        l.payload, l.headers, l.created_at, l.extra
-                 FROM {t} l
-                 WHERE l.resolution IS NULL AND l.redrive_requested_at IS NOT NULL{shard}
-                   AND NOT EXISTS (SELECT 1 FROM {t} e WHERE e.resolution IS NULL AND e.redrive_requested_at IS NULL
-                                   AND e.aggregate_id IS NOT DISTINCT FROM l.aggregate_id
-                                   AND e.dead_letter_id < l.dead_letter_id)
-                 ORDER BY l.dead_letter_id LIMIT $1"
-            ))
-            .await?,
+            open: prepare(lookups::open_sql(table)).await?,
+            extend_requests: prepare(lookups::extend_requests_sql(table, &shard)).await?,
+            requested: prepare(lookups::requested_sql(table, &shard)).await?,
             sent: prepare(format!(
                 "UPDATE {t} SET resolution = 'redriven', resolved_at = now()
                  WHERE dead_letter_id = ANY($1) AND resolution IS NULL"

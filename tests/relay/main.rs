@@ -13,6 +13,7 @@ mod cdc;
 mod cdc_backlog;
 mod chaos;
 mod cli;
+mod dead_letter_lookups;
 mod dead_letters;
 mod dead_letters_replay;
 mod delivery;

@@ -47,7 +47,7 @@ impl Index<'_> {
     }
 
     /// The step creating it.
-    fn create(&self) -> Step {
+    pub(super) fn create(&self) -> Step {
         Step {
             description: format!("create index {} ({})", self.name, self.purpose),
             sql: format!(

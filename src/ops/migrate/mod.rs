@@ -17,7 +17,7 @@ mod table;
 mod triggers;
 
 pub use indexes::seq_index;
-use indexes::{Index, seq_unique_steps, unsent_index};
+use indexes::{Index, drop_invalid_index, seq_unique_steps, unsent_index};
 use table::{alter_table, create_table, event_columns};
 
 /// `outbox-relay migrate`: plans each pipeline's steps, prints them, and
@@ -269,13 +269,17 @@ async fn dead_letter_steps(client: &Client, dlq: &TableName) -> Result<Vec<Step>
     let mut steps = Vec::new();
     match table_info(client, dlq).await? {
         None => {
-            for (i, sql) in crate::dead_letter::create_sql(dlq).into_iter().enumerate() {
-                let what = if i == 0 {
-                    "create the dead-letter table"
-                } else {
-                    "index its open dead letters"
-                };
-                steps.push(Step::new(format!("{what} {dlq}"), sql));
+            let indexes = crate::dead_letter::lookups::indexes(dlq);
+            let mut sql = crate::dead_letter::create_sql(dlq).into_iter();
+            steps
+                .extend(sql.next().map(|create| {
+                    Step::new(format!("create the dead-letter table {dlq}"), create)
+                }));
+            for (index, sql) in indexes.iter().zip(sql) {
+                steps.push(Step::new(
+                    format!("create index {} ({})", index.name, index.purpose),
+                    sql,
+                ));
             }
         }
         Some(info) => {
@@ -284,6 +288,29 @@ async fn dead_letter_steps(client: &Client, dlq: &TableName) -> Result<Vec<Step>
                     format!("add the columns redrives and CDC replays need to {dlq}"),
                     sql,
                 ));
+            }
+            // Indexes a later version added, built without blocking the
+            // relay's writes to the table.
+            for index in crate::dead_letter::lookups::indexes(dlq) {
+                if let Some(drop) = drop_invalid_index(client, dlq, &index.name, true).await? {
+                    steps.push(drop);
+                }
+                let index = Index {
+                    table: dlq,
+                    concurrently: true,
+                    name: index.name,
+                    definition: index.definition.to_owned(),
+                    purpose: index.purpose,
+                    unique: false,
+                };
+                if steps
+                    .last()
+                    .is_some_and(|s| s.sql.starts_with("DROP INDEX"))
+                {
+                    steps.push(index.create());
+                } else {
+                    steps.extend(index.step(client).await?);
+                }
             }
         }
     }

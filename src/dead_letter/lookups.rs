@@ -1,0 +1,185 @@
+//! The relay's periodic look at the dead-letter table, and the indexes that
+//! keep it cheap however many letters are open.
+//!
+//! Every `dead_letter.refresh_interval` the relay asks three things: which
+//! aggregates have open letters (and the WAL place of each one's earliest),
+//! which requests an operator made cover an aggregate's later letters too,
+//! and which requested letters may be published now. A dead aggregate whose
+//! events keep arriving under `dead_letter.aggregate = "follow"` gathers a
+//! letter per event for as long as nobody acts: a busy aggregate over a
+//! weekend leaves a million. So each answer is found by index probes per
+//! aggregate (a loose scan over the aggregates of an index, then a lookup
+//! or two in each) or per requested letter, never by reading every open
+//! letter: the cost grows with the number of dead aggregates and the
+//! letters being redriven, not with the letters waiting.
+//!
+//! Letters without an aggregate id (rows that lacked one) form one group of
+//! their own, as they do for the relay; the look at open aggregates leaves
+//! them out, as the relay holds nothing back for them.
+
+use crate::config::TableName;
+use crate::sql::quote_ident;
+
+/// The dead-letter table's indexes, `(name suffix, what follows ON table,
+/// what it is for)`: `migrate` creates them, and the files under
+/// `migrations/` do the same.
+const INDEXES: [(&str, &str, &str); 4] = [
+    (
+        "open",
+        "(aggregate_id, dead_letter_id) WHERE resolution IS NULL",
+        "open dead letters per aggregate, in order",
+    ),
+    (
+        "waiting",
+        "(aggregate_id, dead_letter_id) WHERE resolution IS NULL AND redrive_requested_at IS NULL",
+        "open dead letters nobody asked to redrive, per aggregate",
+    ),
+    (
+        "requested",
+        "(dead_letter_id) WHERE resolution IS NULL AND redrive_requested_at IS NOT NULL",
+        "dead letters an operator asked to redrive, in order",
+    ),
+    (
+        "placed",
+        "(aggregate_id, source_system, source_lsn NULLS FIRST, source_index NULLS FIRST) WHERE resolution IS NULL",
+        "where each aggregate's earliest open dead letter is in the WAL",
+    ),
+];
+
+/// One of the dead-letter table's indexes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LetterIndex {
+    /// Unqualified; it lives in the table's schema.
+    pub name: String,
+    /// What follows `ON table`.
+    pub definition: &'static str,
+    pub purpose: &'static str,
+}
+
+/// The indexes of dead-letter table `table`.
+pub fn indexes(table: &TableName) -> Vec<LetterIndex> {
+    INDEXES
+        .iter()
+        .map(|(suffix, definition, purpose)| {
+            // An identifier holds 63 bytes: the end, which names the
+            // purpose, is kept.
+            let mut name = format!("{}_{suffix}", table.name);
+            while name.len() > 63 {
+                name.remove(0);
+            }
+            LetterIndex {
+                name,
+                definition,
+                purpose,
+            }
+        })
+        .collect()
+}
+
+/// `CREATE INDEX IF NOT EXISTS` of `index` on `table`.
+pub fn create_index_sql(table: &TableName, index: &LetterIndex) -> String {
+    format!(
+        "CREATE INDEX IF NOT EXISTS {} ON {} {}",
+        quote_ident(&index.name),
+        table.quoted(),
+        index.definition
+    )
+}
+
+/// Per aggregate with open letters, the WAL place (`lsn`, `index`) of its
+/// earliest open letter when every open letter of it has one from WAL `$1`
+/// (NULLs otherwise): a loose scan over the aggregates of the `open` index,
+/// then probes of the `placed` index.
+pub fn open_sql(table: &TableName) -> String {
+    let t = table.quoted();
+    let unplaced = |condition: &str| {
+        format!(
+            "NOT EXISTS (SELECT 1 FROM {t} u WHERE u.resolution IS NULL AND u.aggregate_id = g.a AND {condition})"
+        )
+    };
+    format!(
+        "WITH RECURSIVE g(a) AS (
+             SELECT min(aggregate_id) FROM {t} WHERE resolution IS NULL
+           UNION ALL
+             SELECT (SELECT min(aggregate_id) FROM {t} WHERE resolution IS NULL AND aggregate_id > g.a)
+             FROM g WHERE g.a IS NOT NULL
+         )
+         SELECT g.a, p.lsn::text, p.index
+         FROM g LEFT JOIN LATERAL (
+             SELECT f.source_lsn AS lsn, f.source_index AS index FROM {t} f
+             WHERE f.resolution IS NULL AND f.aggregate_id = g.a AND f.source_system = $1
+             ORDER BY f.source_system, f.source_lsn NULLS FIRST, f.source_index NULLS FIRST LIMIT 1
+         ) p ON {} AND {} AND {}
+         WHERE g.a IS NOT NULL",
+        unplaced("u.source_system IS NULL"),
+        unplaced("u.source_system < $1"),
+        unplaced("u.source_system > $1"),
+    )
+}
+
+/// Marks requested the open letters of every aggregate whose earliest open
+/// letter is requested: an operator's request on an aggregate's oldest
+/// letter covers the followers the relay wrote after it, which go back with
+/// it. A loose scan over the `open` index yields each aggregate with its
+/// earliest open letter in one probe (ordered by both columns, so no other
+/// index can serve it: a lookup of an aggregate's first letter by id alone
+/// may be planned along the primary key, which reads every letter before
+/// it). `shard`: `" AND <condition on aggregate_id>"` or empty.
+pub fn extend_requests_sql(table: &TableName, shard: &str) -> String {
+    let t = table.quoted();
+    format!(
+        "WITH RECURSIVE g(a, first) AS (
+             (SELECT aggregate_id, dead_letter_id FROM {t}
+              WHERE resolution IS NULL AND aggregate_id IS NOT NULL
+              ORDER BY aggregate_id, dead_letter_id LIMIT 1)
+           UNION ALL
+             SELECT n.aggregate_id, n.dead_letter_id FROM g, LATERAL (
+                 SELECT aggregate_id, dead_letter_id FROM {t}
+                 WHERE resolution IS NULL AND aggregate_id > g.a
+                 ORDER BY aggregate_id, dead_letter_id LIMIT 1) n
+         ),
+         asked AS (
+             SELECT g.a FROM g JOIN {t} f ON f.dead_letter_id = g.first
+             WHERE f.redrive_requested_at IS NOT NULL
+         ),
+         named AS (
+             UPDATE {t} l SET redrive_requested_at = now() FROM asked
+             WHERE l.aggregate_id = asked.a AND l.resolution IS NULL AND l.redrive_requested_at IS NULL{shard}
+             RETURNING 1
+         ),
+         unnamed AS (
+             UPDATE {t} l SET redrive_requested_at = now()
+             WHERE l.aggregate_id IS NULL AND l.resolution IS NULL AND l.redrive_requested_at IS NULL{shard}
+               AND (SELECT f.redrive_requested_at IS NOT NULL FROM {t} f
+                    WHERE f.resolution IS NULL AND f.aggregate_id IS NULL
+                    ORDER BY f.aggregate_id, f.dead_letter_id LIMIT 1)
+             RETURNING 1
+         )
+         SELECT (SELECT count(*) FROM named) + (SELECT count(*) FROM unnamed)"
+    )
+}
+
+/// The requested letters that may be published now, oldest first, at most
+/// `$1`: those with no open letter of their aggregate before them that
+/// nobody asked for. Read in order from the `requested` index, each probing
+/// the `waiting` index. `shard` as for [`extend_requests_sql`].
+pub fn requested_sql(table: &TableName, shard: &str) -> String {
+    let t = table.quoted();
+    let before = |group: &str| {
+        format!(
+            "NOT EXISTS (SELECT 1 FROM {t} e WHERE e.resolution IS NULL AND e.redrive_requested_at IS NULL
+                         AND e.aggregate_id {group} AND e.dead_letter_id < l.dead_letter_id)"
+        )
+    };
+    format!(
+        "SELECT l.dead_letter_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.event_version,
+                l.payload, l.headers, l.created_at, l.extra
+         FROM {t} l
+         WHERE l.resolution IS NULL AND l.redrive_requested_at IS NOT NULL{shard}
+           AND {named}
+           AND (l.aggregate_id IS NOT NULL OR {unnamed})
+         ORDER BY l.dead_letter_id LIMIT $1",
+        named = before("= l.aggregate_id"),
+        unnamed = before("IS NULL"),
+    )
+}
