@@ -58,7 +58,9 @@ pub struct Snapshot {
     pub active: Option<Holder>,
     /// With shards: how many shard locks are held, of how many.
     pub shards_owned: Option<(i64, u32)>,
-    pub backlog: i64,
+    /// Unsent rows; `None` with `relay.mark = "none"`, where the table does
+    /// not say what was sent (the slot's lag does).
+    pub backlog: Option<i64>,
     pub oldest_unsent_age_seconds: Option<f64>,
     pub dead_letters: Option<i64>,
     pub last_publish: Option<DateTime<Utc>>,
@@ -78,19 +80,25 @@ pub async fn snapshot(
 ) -> Result<Snapshot, DbError> {
     let table = &config.outbox.table;
     let t = table.quoted();
-    let backlog: i64 = client
-        .query_one(
-            &format!("SELECT count(*) FROM {t} WHERE {SENT_AT_COLUMN} IS NULL"),
-            &[],
-        )
-        .await
-        .map_err(q("counting unsent rows"))?
-        .get(0);
-    let columns = crate::outbox::inspect::table_info(client, table)
-        .await
-        .map_err(q("reading the outbox table"))?
-        .map(|info| config.outbox.columns.resolve(&info.names()));
-    let oldest_unsent_age_seconds = oldest_unsent_age(client, config, columns.as_ref()).await?;
+    let (backlog, oldest_unsent_age_seconds) = if config.relay.mark == MarkMode::None {
+        // Every row looks unsent: counting them would count the table.
+        (None, None)
+    } else {
+        let backlog: i64 = client
+            .query_one(
+                &format!("SELECT count(*) FROM {t} WHERE {SENT_AT_COLUMN} IS NULL"),
+                &[],
+            )
+            .await
+            .map_err(q("counting unsent rows"))?
+            .get(0);
+        let columns = crate::outbox::inspect::table_info(client, table)
+            .await
+            .map_err(q("reading the outbox table"))?
+            .map(|info| config.outbox.columns.resolve(&info.names()));
+        let age = oldest_unsent_age(client, config, columns.as_ref()).await?;
+        (Some(backlog), age)
+    };
     let dead_letters = open_dead_letters(client, config).await;
     let last_publish = if with_last_publish && config.relay.mark == MarkMode::Update {
         client
@@ -268,6 +276,10 @@ async fn auto_status(
     })
 }
 
+/// The backlog with `relay.mark = "none"`.
+pub const UNMARKED: &str =
+    "not known from the table (relay.mark = \"none\"): the slot's lag says how far behind";
+
 /// A readable block for one snapshot.
 pub fn render(s: &Snapshot) -> String {
     let mut out = format!(
@@ -277,7 +289,11 @@ pub fn render(s: &Snapshot) -> String {
     let mut line = |k: &str, v: String| out.push_str(&format!("  {k:<22} {v}\n"));
     let (owner_key, owner) = owner(s);
     line(owner_key, owner);
-    line("backlog", format!("{} unsent event(s)", s.backlog));
+    line(
+        "backlog",
+        s.backlog
+            .map_or(UNMARKED.into(), |n| format!("{n} unsent event(s)")),
+    );
     line("oldest unsent", oldest_unsent(s));
     line(
         "dead letters",
@@ -332,7 +348,7 @@ fn oldest_unsent(s: &Snapshot) -> String {
             humantime::format_duration(std::time::Duration::from_secs(a as u64)).to_string()
                 + " old"
         }
-        None if s.backlog == 0 => "-".into(),
+        None if s.backlog.is_none_or(|n| n == 0) => "-".into(),
         None => "unknown (no created_at column)".into(),
     }
 }
@@ -406,7 +422,8 @@ pub async fn sample(
         if let Some(c) = &client {
             match snapshot(c, &config, false).await {
                 Ok(s) => {
-                    m.backlog.set(s.backlog as f64);
+                    // Zero with mark = "none": the slot's gauges measure the lag.
+                    m.backlog.set(s.backlog.unwrap_or(0) as f64);
                     m.oldest_unsent_age
                         .set(s.oldest_unsent_age_seconds.unwrap_or(0.0));
                     if let Some(n) = s.dead_letters {

@@ -203,3 +203,53 @@ async fn one_process_relays_several_pipelines() {
     assert_eq!(names.len(), 2);
     assert_eq!(relay.terminate().code(), Some(0));
 }
+
+/// Without marking (CDC, `relay.mark = "none"`) every row of the table looks
+/// unsent: `status`, `check` and the gauges say the table cannot tell,
+/// instead of counting the table as a backlog that never shrinks (and
+/// firing the backlog alert on the oldest row's age).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_marking_the_backlog_is_not_counted_from_the_table() {
+    let (db, broker, toml) =
+        setup(Mode::Cdc, Kind::Rabbit, &[], &[("relay.mark", "\"none\"")]).await;
+    let path = config_file(&toml);
+    let (mut relay, port) = ChildRelay::serving(&toml);
+    for i in 0..5 {
+        db.insert(Uuid::new_v4(), "order", &format!("a{i}"), json!({}))
+            .await;
+    }
+    broker.inbox().wait_len(5, WAIT).await;
+    assert_eq!(db.unsent().await, 5, "the rows stay, unmarked");
+    let p = "pipeline=\"default\"";
+    let published = format!("outbox_relay_events_published_total{{destination=\"rabbitmq\",{p}}}");
+    wait_for(WAIT, "the metrics to show the events published", || async {
+        let (_, body) = http_get(port, "/metrics").await?;
+        (metric(&body, &published) == Some(5.0)).then_some(())
+    })
+    .await;
+    // Samples are taken every 200 ms: a few after the rows were written.
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    let (_, body) = http_get(port, "/metrics").await.expect("metrics");
+    for gauge in [
+        "outbox_relay_backlog_events",
+        "outbox_relay_oldest_unsent_age_seconds",
+    ] {
+        assert_eq!(
+            metric(&body, &format!("{gauge}{{{p}}}")),
+            Some(0.0),
+            "{gauge}: {body}"
+        );
+    }
+    let s = status_json(&path).remove(0);
+    assert_eq!(s["backlog"], Value::Null, "{s}");
+    assert_eq!(s["oldest_unsent_age_seconds"], Value::Null, "{s}");
+    let text = run_cli(&["status", "--config", &path], &[]).1;
+    assert!(text.contains("not known from the table"), "{text}");
+    let (_, out, _) = run_cli(&["check", "--config", &path], &[]);
+    let backlog = out
+        .lines()
+        .find(|l| l.contains("backlog"))
+        .unwrap_or_default();
+    assert!(backlog.contains("not known from the table"), "{out}");
+    assert_eq!(relay.terminate().code(), Some(0));
+}
