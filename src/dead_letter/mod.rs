@@ -127,19 +127,30 @@ pub fn upgrade_sql(table: &TableName, existing: &[String]) -> Option<String> {
 }
 
 /// WAL positions of events dead-lettered at or after `from` (CDC), which a
-/// replay from `from` must not handle again.
+/// replay from `from` must not handle again. Only places recorded on this
+/// server, counted as this relay counts (`messages`: `source.cdc.messages`),
+/// are returned: the replay skips the event at each one as done, so a
+/// place from another server's WAL (the database restored or moved) or
+/// counted otherwise could name a different event, which would then be
+/// acknowledged without being sent. A letter with no such place is handled
+/// again if replayed: dead-lettered twice, never lost.
 pub async fn wal_positions_since(
     client: &Client,
     table: &TableName,
     from: Lsn,
+    messages: bool,
 ) -> Result<Vec<(Lsn, u64)>, tokio_postgres::Error> {
+    let Some(origin) = wal_origin(client, messages).await else {
+        return Ok(Vec::new());
+    };
     let rows = client
         .query(
             &format!(
-                "SELECT source_lsn::text, source_index FROM {} WHERE source_lsn >= $1::text::pg_lsn",
+                "SELECT source_lsn::text, source_index FROM {}
+                 WHERE source_lsn >= $1::text::pg_lsn AND source_system = $2",
                 table.quoted()
             ),
-            &[&from.to_string()],
+            &[&from.to_string(), &origin],
         )
         .await?;
     Ok(rows

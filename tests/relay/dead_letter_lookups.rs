@@ -427,3 +427,90 @@ async fn migrate_gives_an_older_dead_letter_table_the_looks_indexes() {
         "nothing is left to build: {out}"
     );
 }
+
+/// A CDC replay (without marking, or of logical messages) skips the events
+/// at the WAL places of dead letters as done: only places recorded on this
+/// server and counted as this relay counts may be skipped, or a letter
+/// carried over from another server (or written with `source.cdc.messages`
+/// set otherwise) could name an event that was never sent.
+#[tokio::test]
+async fn a_replay_skips_only_places_recorded_on_this_server_as_it_counts() {
+    use outbox_relay::dead_letter::wal_positions_since;
+    use outbox_relay::replication::Lsn;
+    let db = TestDb::new().await;
+    let table = dead_letter_table(&db).await;
+    let system: String = db
+        .client
+        .query_one(
+            "SELECT system_identifier::text FROM pg_control_system()",
+            &[],
+        )
+        .await
+        .expect("system identifier")
+        .get(0);
+    let counting_messages = format!("{system}+messages");
+    let letters: Vec<Letter> = vec![
+        (
+            Some("a"),
+            Some(&system),
+            Some("0/100"),
+            Some(1),
+            false,
+            false,
+        ),
+        (
+            Some("a"),
+            Some(&counting_messages),
+            Some("0/100"),
+            Some(2),
+            false,
+            false,
+        ),
+        (
+            Some("a"),
+            Some("another server"),
+            Some("0/100"),
+            Some(3),
+            false,
+            false,
+        ),
+        (Some("a"), None, Some("0/100"), Some(4), false, false),
+        (
+            Some("a"),
+            Some(&system),
+            Some("0/10"),
+            Some(5),
+            false,
+            false,
+        ),
+        (
+            Some("a"),
+            Some(&system),
+            Some("0/200"),
+            Some(6),
+            false,
+            true,
+        ),
+    ];
+    write(&db.client, &table, &letters).await;
+    let from: Lsn = "0/50".parse().expect("lsn");
+    let at = |index: u64| {
+        let lsn: Lsn = if index == 6 { "0/200" } else { "0/100" }
+            .parse()
+            .expect("lsn");
+        (lsn, index)
+    };
+    let mut counted_apart = wal_positions_since(&db.client, &table, from, false)
+        .await
+        .expect("positions");
+    counted_apart.sort();
+    assert_eq!(
+        counted_apart,
+        [at(1), at(6)],
+        "this server, messages not counted"
+    );
+    let counted_with = wal_positions_since(&db.client, &table, from, true)
+        .await
+        .expect("positions");
+    assert_eq!(counted_with, [at(2)], "this server, messages counted");
+}

@@ -533,7 +533,8 @@ impl CdcServer for PgServer {
         let Some(table) = &self.settings.dead_letters else {
             return Ok(Vec::new());
         };
-        crate::dead_letter::wal_positions_since(&self.client, table, from)
+        let messages = self.settings.messages.is_some();
+        crate::dead_letter::wal_positions_since(&self.client, table, from, messages)
             .await
             .map_err(|e| DbError::query("reading dead-lettered WAL positions", e).into())
     }
