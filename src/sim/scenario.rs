@@ -176,19 +176,24 @@ impl Instance {
     /// SIGKILL: the task stops at whatever await it is in; its sessions and
     /// connections end.
     pub(super) async fn crash(&mut self, world: &Shared) {
+        {
+            // The session ends with the process: before its task is
+            // dropped, so the drop does not count the incident again.
+            let mut w = lock(world);
+            w.note(format!("instance {} crashes", self.id));
+            w.incident();
+            w.end_sessions(self.id);
+        }
         if let Some(h) = self.handle.take() {
             h.abort();
             let _ = h.await;
         }
-        let mut w = lock(world);
-        w.note(format!("instance {} crashes", self.id));
-        w.incident();
-        w.kill_conns_of(self.id);
-        w.end_sessions(self.id);
+        lock(world).kill_conns_of(self.id);
     }
 
     /// SIGTERM: drain, record, exit.
     pub(super) async fn stop(&mut self, world: &Shared) -> Result<(), String> {
+        lock(world).stopping.insert(self.id);
         self.token.cancel();
         if let Some(h) = self.handle.take()
             && tokio::time::timeout(Duration::from_secs(120), h)
@@ -201,6 +206,7 @@ impl Instance {
             ));
         }
         let mut w = lock(world);
+        w.stopping.remove(&self.id);
         w.note(format!("instance {} stopped", self.id));
         w.kill_conns_of(self.id);
         w.end_sessions(self.id);

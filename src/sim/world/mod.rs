@@ -199,6 +199,9 @@ pub struct World {
     pub unclean_stops: u32,
     /// Reign of each instance's current ownership session.
     pub reign_instance: BTreeMap<u64, usize>,
+    /// Instances the schedule is stopping (SIGTERM): their sessions' end is
+    /// its doing, counted there.
+    pub stopping: BTreeSet<usize>,
     pub commit_notify: Arc<Notify>,
     // The broker.
     conns: BTreeMap<u64, (usize, bool)>,
@@ -281,6 +284,7 @@ impl World {
             clean_takeovers: 0,
             unclean_stops: 0,
             reign_instance: BTreeMap::new(),
+            stopping: BTreeSet::new(),
             commit_notify: Arc::new(Notify::new()),
             conns: BTreeMap::new(),
             next_conn: 1,
@@ -525,10 +529,21 @@ impl World {
     }
 
     /// The ownership session of `reign` closes (its connection was dropped).
+    /// When the relay drops it of its own accord (it gave ownership up:
+    /// the session did not answer within the lease, or a failure restarted
+    /// it), not stopped and not crashed by the schedule, that is an
+    /// incident: what it had confirmed and not recorded is sent again.
     pub fn release(&mut self, reign: u64) {
         if self.lock_reign == Some(reign) {
             self.lock_reign = None;
             self.note(format!("reign {reign} ends"));
+            let stopping = self
+                .reign_instance
+                .get(&reign)
+                .is_some_and(|i| self.stopping.contains(i));
+            if !stopping && self.stopped_cleanly != Some(reign) {
+                self.incident();
+            }
         }
     }
 
