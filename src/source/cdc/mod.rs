@@ -180,6 +180,7 @@ impl<B: CdcServer> CdcReader<B> {
         progress: SharedProgress,
         timing: Timing,
     ) -> Self {
+        lock(&progress).report_every(settings.report_every);
         CdcReader {
             server,
             table: table.clone(),
@@ -284,15 +285,13 @@ impl<B: CdcServer> CdcReader<B> {
             return Ok(false);
         };
         let silence = s.last_message.max(s.paused_at) + self.timing.silence_limit;
-        // Confirmations waiting for a report are looked at now and then.
-        let report_check =
-            (lock(&self.progress).unreported() > 0).then(|| Instant::now() + REPORT_CHECK);
+        let due = lock(&self.progress).report_due();
         // Messages first: after a pause they are waiting unread.
         let wake = tokio::select! {
             biased;
             message = s.stream.next() => Wake::Message(message),
             _ = tokio::time::sleep_until(s.next_status) => Wake::Status,
-            _ = sleep_until_opt(report_check) => Wake::Report,
+            () = due.notified() => Wake::Report,
             _ = tokio::time::sleep_until(silence) => Wake::Silence,
             _ = sleep_until_opt(self.next_heartbeat) => Wake::Heartbeat,
         };
@@ -399,13 +398,10 @@ fn report_due(progress: &SharedProgress, every: u64) -> bool {
     lock(progress).unreported() >= every
 }
 
-/// How often a paused reader looks whether confirmations are due for a report.
-const REPORT_CHECK: Duration = Duration::from_millis(100);
-
 enum Wake<M> {
     Message(M),
     Status,
-    /// Time to look whether confirmations are due for a report.
+    /// Enough confirmations piled up for a report.
     Report,
     Silence,
     Heartbeat,
@@ -480,11 +476,14 @@ impl<B: CdcServer> Reader for CdcReader<B> {
         // While the relay is not taking events, keep the server informed (it
         // would end a silent connection) without reading more, and report
         // confirmations as they pile up.
+        let due = lock(&self.progress).report_due();
         match &mut self.phase {
             Phase::Streaming(s) => loop {
                 s.paused_at = Instant::now();
-                let check = Instant::now() + REPORT_CHECK;
-                tokio::time::sleep_until(s.next_status.min(check)).await;
+                tokio::select! {
+                    _ = tokio::time::sleep_until(s.next_status) => {}
+                    () = due.notified() => {}
+                }
                 if Instant::now() >= s.next_status
                     || report_due(&self.progress, self.settings.report_every)
                 {

@@ -14,6 +14,8 @@
 
 use crate::replication::Lsn;
 use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
+use tokio::sync::Notify;
 
 /// Where an event sits in the stream: its transaction's commit LSN and its
 /// index in the transaction (for rows from the start-up table read, the
@@ -59,6 +61,10 @@ pub struct Progress {
     server_end: Lsn,
     /// Events confirmed since the flushed position was last reported.
     unreported: u64,
+    /// Confirmations that make a report due (see [`Progress::report_every`]).
+    report_every: u64,
+    /// Woken when `unreported` reaches `report_every`.
+    report_due: Arc<Notify>,
 }
 
 impl Progress {
@@ -71,7 +77,22 @@ impl Progress {
             ahead_cap,
             server_end: flushed,
             unreported: 0,
+            report_every: u64::MAX,
+            report_due: Arc::new(Notify::new()),
         }
+    }
+
+    /// A report falls due once `every` confirmations piled up: the reader
+    /// waiting on [`Progress::report_due`] is woken then, not at its next
+    /// look, so that no more than `every` confirmed events are left for a
+    /// crash to repeat.
+    pub fn report_every(&mut self, every: u64) {
+        self.report_every = every.max(1);
+    }
+
+    /// Woken when a report falls due (see [`Progress::report_every`]).
+    pub fn report_due(&self) -> Arc<Notify> {
+        Arc::clone(&self.report_due)
     }
 
     /// The position to report as flushed.
@@ -179,6 +200,9 @@ impl Progress {
     /// The broker confirmed the event (and its row was marked).
     pub fn confirm(&mut self, pos: &CdcPosition) {
         self.unreported += 1;
+        if self.unreported == self.report_every {
+            self.report_due.notify_one();
+        }
         if self.settle(pos) && self.confirmed_ahead.len() < self.ahead_cap {
             self.confirmed_ahead.insert((pos.commit_lsn, pos.index));
         }
@@ -311,6 +335,35 @@ mod tests {
             "both transactions complete, in order"
         );
         assert!(p.idle());
+    }
+
+    /// The reader is woken as soon as a window of confirmations piled up,
+    /// whatever it is waiting for: a crash then repeats no more than that.
+    #[tokio::test]
+    async fn a_report_falls_due_when_a_window_of_confirmations_piled_up() {
+        let mut p = Progress::new(Lsn(10), 100);
+        p.report_every(2);
+        let due = p.report_due();
+        p.begin(Lsn(100));
+        for i in 0..3 {
+            p.event(&pos(100, i));
+        }
+        p.commit(Lsn(110));
+        let woken = |due: &Notify| {
+            let mut waiting = std::pin::pin!(due.notified());
+            let waker = std::task::Waker::noop();
+            waiting
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(waker))
+                .is_ready()
+        };
+        p.confirm(&pos(100, 0));
+        assert!(!woken(&due), "one confirmation is no window");
+        p.confirm(&pos(100, 1));
+        assert!(woken(&due), "two are");
+        p.reported();
+        p.confirm(&pos(100, 2));
+        assert!(!woken(&due), "counted again from the report");
     }
 
     #[test]
