@@ -243,13 +243,42 @@ async fn without_marking_the_backlog_is_not_counted_from_the_table() {
     let s = status_json(&path).remove(0);
     assert_eq!(s["backlog"], Value::Null, "{s}");
     assert_eq!(s["oldest_unsent_age_seconds"], Value::Null, "{s}");
+    // What says how far behind it is instead: the slot, streaming.
+    assert_eq!(s["slot"]["streaming"], true, "{s}");
+    assert!(s["slot"]["retained_wal_bytes"].as_i64().is_some(), "{s}");
+    assert!(s["slot"]["confirmed_lag_bytes"].as_i64().is_some(), "{s}");
     let text = run_cli(&["status", "--config", &path], &[]).1;
     assert!(text.contains("not known from the table"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.contains("slot") && l.contains("streaming") && l.contains("retains")),
+        "{text}"
+    );
     let (_, out, _) = run_cli(&["check", "--config", &path], &[]);
-    let backlog = out
-        .lines()
-        .find(|l| l.contains("backlog"))
-        .unwrap_or_default();
-    assert!(backlog.contains("not known from the table"), "{out}");
+    // A check's line: its mark, then what it checked.
+    let line = |what: &str| {
+        out.lines()
+            .find(|l| l.get(7..).is_some_and(|rest| rest.starts_with(what)))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert!(
+        line("backlog").contains("not known from the table"),
+        "{out}"
+    );
+    assert!(
+        line("ownership").contains("another instance is active"),
+        "{out}"
+    );
+    assert!(
+        line("slot").contains("streaming") && line("slot").contains("retains"),
+        "{out}"
+    );
     assert_eq!(relay.terminate().code(), Some(0));
+    let (_, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert!(
+        out.lines()
+            .any(|l| l.contains("ownership") && l.contains("no instance is active")),
+        "{out}"
+    );
 }
