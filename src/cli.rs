@@ -117,8 +117,8 @@ pub enum DlqCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Put dead letters back into the outbox, in order, to be published again
-    /// (with the rows of their aggregates still waiting behind them).
+    /// Ask the active relay to publish dead letters again, in order, from the
+    /// dead-letter table (their aggregates' waiting events follow them).
     Redrive {
         #[command(flatten)]
         config: ConfigArg,

@@ -79,9 +79,10 @@ fn print_entries(entries: &[Entry], json: bool) {
         "event id", "aggregate type", "aggregate id", "event type", "attempts", "dead-lettered at"
     );
     for e in entries {
-        let status = match &e.resolution {
-            Some(r) => format!(" [{r}]"),
-            None => String::new(),
+        let status = match (&e.resolution, e.redrive_requested_at) {
+            (Some(r), _) => format!(" [{r}]"),
+            (None, Some(_)) => " [redrive requested]".to_owned(),
+            (None, None) => String::new(),
         };
         println!(
             "{:<38} {:<16} {:<20} {:<18} {:>8}  {:<20} {}{status}",

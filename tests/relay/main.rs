@@ -17,6 +17,7 @@ mod dead_letter_lookups;
 mod dead_letters;
 mod dead_letters_replay;
 mod delivery;
+mod dlq_commands;
 mod duplicates;
 mod extra_columns;
 mod failures;

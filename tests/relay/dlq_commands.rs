@@ -1,0 +1,94 @@
+//! `outbox-relay dlq`: what an operator sees and asks for, on letters written
+//! straight into the dead-letter table (no relay runs: requests stay
+//! pending, as they do until the active relay takes them).
+
+use crate::support::*;
+use serde_json::Value;
+
+fn dlq(args: &[&str], path: &str) -> String {
+    let mut all = vec!["dlq"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--config", path]);
+    let (code, out, err) = run_cli(&all, &[]);
+    assert_eq!(code, 0, "dlq {args:?}: {out}{err}");
+    out
+}
+
+fn listed(args: &[&str], path: &str) -> Vec<Value> {
+    let mut all = vec!["list", "--json"];
+    all.extend_from_slice(args);
+    dlq(&all, path)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+/// `(id, aggregate)` of each letter listed.
+fn letters(listed: &[Value]) -> Vec<(String, String)> {
+    listed
+        .iter()
+        .map(|l| {
+            (
+                l["id"].as_str().unwrap_or_default().to_owned(),
+                l["aggregate_id"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn an_operator_lists_redrives_and_drops_dead_letters() {
+    let db = TestDb::new().await;
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    for (id, aggregate) in [("e1", "a"), ("e2", "a"), ("e3", "b"), ("e4", "c")] {
+        db.client
+            .execute(
+                "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, reason,
+                                                  attempts, first_failed_at, last_failed_at)
+                 VALUES ($1, 'order', $2, 'OrderCreated', 'message too large', 5, now(), now())",
+                &[&id, &aggregate],
+            )
+            .await
+            .expect("a letter");
+    }
+    assert_eq!(letters(&listed(&[], &path)).len(), 4);
+    assert_eq!(
+        letters(&listed(&["--aggregate", "a"], &path)),
+        [("e1".into(), "a".into()), ("e2".into(), "a".into())],
+        "one aggregate's, oldest first"
+    );
+
+    // Requests stay pending until the active relay takes them: both forms say so.
+    dlq(&["redrive", "--aggregate", "a"], &path);
+    dlq(&["redrive", "--id", "e3"], &path);
+    let requested: Vec<String> = listed(&[], &path)
+        .iter()
+        .filter(|l| !l["redrive_requested_at"].is_null())
+        .map(|l| l["id"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(requested, ["e1", "e2", "e3"]);
+    let text = dlq(&["list"], &path);
+    for (id, pending) in [("e1", true), ("e2", true), ("e3", true), ("e4", false)] {
+        let row = text.lines().find(|l| l.starts_with(id)).unwrap_or_default();
+        assert_eq!(row.contains("[redrive requested]"), pending, "{text}");
+    }
+
+    // Dropped letters leave the open list and stay in the table.
+    dlq(&["drop", "--aggregate", "c"], &path);
+    assert!(!letters(&listed(&[], &path)).iter().any(|(_, a)| a == "c"));
+    let everything = dlq(&["list", "--all"], &path);
+    let dropped = everything
+        .lines()
+        .find(|l| l.starts_with("e4"))
+        .unwrap_or_default();
+    assert!(dropped.contains("[dropped]"), "{everything}");
+    dlq(&["drop", "--all"], &path);
+    assert_eq!(dlq(&["list"], &path).trim(), "no dead letters");
+    assert_eq!(
+        letters(&listed(&["--all"], &path)).len(),
+        4,
+        "kept for the record"
+    );
+}
