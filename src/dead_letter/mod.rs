@@ -116,6 +116,20 @@ pub fn create_sql(table: &TableName) -> Vec<String> {
     sql
 }
 
+/// What to do when dead-letter table `table` is missing.
+pub fn missing_table(table: &TableName) -> String {
+    format!(
+        "the dead-letter table {table} does not exist; run `outbox-relay migrate` (or set dead_letter.enabled = false)"
+    )
+}
+
+/// What to do when dead-letter table `table` lacks a column (`which`).
+pub fn missing_column(table: &TableName, which: &str) -> String {
+    format!(
+        "the dead-letter table {table} lacks a column this version uses ({which}); run `outbox-relay migrate`"
+    )
+}
+
 /// Adds the later columns that `existing` (the table's columns) lacks.
 pub fn upgrade_sql(table: &TableName, existing: &[String]) -> Option<String> {
     let missing: Vec<String> = LATER_COLUMNS

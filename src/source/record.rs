@@ -98,18 +98,16 @@ impl RowRecorder {
             None => None,
         };
         let dead_letters = match dead_letters {
-            Some((t, shard)) => Some(Recorder::new(&client, t, shard, messages).await.map_err(|e| {
-                match e.code().map(|c| c.code()) {
-                    Some("42P01") => SourceError::Setup(format!(
-                        "the dead-letter table {t} does not exist; run `outbox-relay migrate` (or set dead_letter.enabled = false)"
-                    )),
-                    Some("42703") => SourceError::Setup(format!(
-                        "the dead-letter table {t} lacks a column this version uses ({}); run `outbox-relay migrate`",
-                        crate::db::error_text(&e)
+            Some((t, shard)) => Some(Recorder::new(&client, t, shard, messages).await.map_err(
+                |e| match e.code().map(|c| c.code()) {
+                    Some("42P01") => SourceError::Setup(crate::dead_letter::missing_table(t)),
+                    Some("42703") => SourceError::Setup(crate::dead_letter::missing_column(
+                        t,
+                        &crate::db::error_text(&e),
                     )),
                     _ => DbError::query("preparing the dead-letter statements", e).into(),
-                }
-            })?),
+                },
+            )?),
             None => None,
         };
         Ok(RowRecorder {

@@ -409,6 +409,11 @@ async fn migrate_gives_an_older_dead_letter_table_the_looks_indexes() {
         )
         .await
         .expect("an older table");
+    let checked = dead_letters_line(&path);
+    assert!(
+        checked.starts_with("[warn]") && checked.contains("lacks the index(es)"),
+        "check names what migrate would build: {checked}"
+    );
     let (code, out, err) = run_cli(&["migrate", "--config", &path, "--dry-run"], &[]);
     assert_eq!(code, 0, "{out}{err}");
     assert_eq!(
@@ -420,6 +425,11 @@ async fn migrate_gives_an_older_dead_letter_table_the_looks_indexes() {
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
     assert_eq!(look_indexes(&db).await, all, "migrate built them again");
+    let checked = dead_letters_line(&path);
+    assert!(
+        checked.starts_with("[ok  ]") && checked.contains("is ready"),
+        "{checked}"
+    );
     let (code, out, err) = run_cli(&["migrate", "--config", &path, "--dry-run"], &[]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(
@@ -513,4 +523,49 @@ async fn a_replay_skips_only_places_recorded_on_this_server_as_it_counts() {
         .await
         .expect("positions");
     assert_eq!(counted_with, [at(2)], "this server, messages counted");
+}
+
+/// `check`'s line on the dead-letter table.
+fn dead_letters_line(path: &str) -> String {
+    let (_, out, _) = run_cli(&["check", "--config", path], &[]);
+    out.lines()
+        .find(|l| {
+            l.get(7..)
+                .is_some_and(|rest| rest.starts_with("dead letters"))
+        })
+        .unwrap_or_else(|| panic!("no dead-letter line: {out}"))
+        .to_owned()
+}
+
+/// A dead-letter table the relay cannot use fails `check` with what to do,
+/// as `run` would fail.
+#[tokio::test]
+async fn check_fails_a_dead_letter_table_that_is_missing_or_lacks_a_column() {
+    let db = TestDb::new().await;
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    db.client
+        .batch_execute("ALTER TABLE outbox_dead_letters DROP COLUMN source_system")
+        .await
+        .expect("an older table");
+    let checked = dead_letters_line(&path);
+    assert!(
+        checked.starts_with("[FAIL]")
+            && checked.contains("lacks a column this version uses (source_system)")
+            && checked.contains("run `outbox-relay migrate`"),
+        "{checked}"
+    );
+    db.client
+        .batch_execute("DROP TABLE outbox_dead_letters")
+        .await
+        .expect("no table");
+    let checked = dead_letters_line(&path);
+    assert!(
+        checked.starts_with("[FAIL]")
+            && checked.contains("does not exist; run `outbox-relay migrate`"),
+        "{checked}"
+    );
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}");
 }

@@ -8,8 +8,10 @@ use crate::outbox::ownership_key;
 use crate::source::auto::Reading;
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
+use dead_letters::check_dead_letters;
 use peers::{check_broker, check_traces};
 
+mod dead_letters;
 mod peers;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,6 +113,7 @@ async fn check_database(config: &Config, r: &mut Report) {
     );
 
     check_table(config, &client, r).await;
+    check_dead_letters(config, &client, r).await;
     check_wakeups(config, &client, r).await;
     if config.retention.mode == crate::config::RetentionMode::Partitions {
         check_partitions(config, &client, r).await;
