@@ -247,3 +247,90 @@ fn a_bad_environment_override_names_its_variable() {
         .unwrap();
     assert_eq!(c[0].source.batch_size, 42);
 }
+
+/// `config/reference.toml` holds the defaults: with only its required keys
+/// (the database URL and the brokers) the relay is configured exactly as
+/// with the whole file. And the README's table shows each value there as
+/// its key's default (the first literal of the default column).
+#[test]
+fn the_reference_file_holds_the_defaults_and_the_readme_shows_them() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("config/reference.toml")).unwrap();
+    let required = r#"
+[database]
+url = "postgres://relay@127.0.0.1:5432/app"
+
+[sink]
+type = "kafka"
+brokers = "127.0.0.1:9092"
+"#;
+    // Values the relay derives when a key is unset (the optional columns'
+    // names, names made from the table's), and an example property.
+    let mut file: toml::Table = toml::from_str(&text).unwrap();
+    for (section, keys) in [
+        (
+            "outbox.columns",
+            &["event_version", "headers", "created_at"][..],
+        ),
+        ("source.polling", &["notify_channel"][..]),
+        ("source.cdc", &["slot", "publication"][..]),
+        ("sink", &["properties"][..]),
+    ] {
+        let mut t = &mut file;
+        for part in section.split('.') {
+            t = t.get_mut(part).and_then(toml::Value::as_table_mut).unwrap();
+        }
+        for k in keys {
+            assert!(t.remove(*k).is_some(), "{section}.{k} is in the file");
+        }
+    }
+    let reduced = toml::to_string(&file).unwrap();
+    let (whole, defaults) = (load_str(&reduced).unwrap(), load_str(required).unwrap());
+    assert_eq!(
+        format!("{whole:#?}"),
+        format!("{defaults:#?}"),
+        "config/reference.toml differs from the defaults"
+    );
+
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let documented = |key: &str| -> Option<String> {
+        let row = readme
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{key}` |")))?;
+        let cell = row.split(" | ").nth(1)?;
+        let literal = cell.strip_prefix('`')?.split('`').next()?;
+        Some(literal.to_owned())
+    };
+    let table: toml::Table = toml::from_str(&text).unwrap();
+    let mut compared = 0;
+    let mut walk = vec![(String::new(), &table)];
+    while let Some((prefix, t)) = walk.pop() {
+        for (k, v) in t {
+            let key = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            let value = match v {
+                toml::Value::Table(inner) if key != "sink.properties" => {
+                    walk.push((key, inner));
+                    continue;
+                }
+                toml::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            // Required keys have no default; the README says so instead.
+            if ["database.url", "sink.brokers"].contains(&key.as_str()) {
+                continue;
+            }
+            // A row whose default is described in words, or made from a
+            // name (`outbox_relay_<table>`), shows no literal to compare.
+            let Some(shown) = documented(&key).filter(|d| !d.contains('<')) else {
+                continue;
+            };
+            assert_eq!(shown, value, "README's default for `{key}`");
+            compared += 1;
+        }
+    }
+    assert!(compared > 40, "only {compared} defaults compared");
+}
