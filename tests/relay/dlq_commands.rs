@@ -92,3 +92,51 @@ async fn an_operator_lists_redrives_and_drops_dead_letters() {
         "kept for the record"
     );
 }
+
+/// A file with several pipelines: commands that act on one outbox need
+/// `--pipeline`, and an unknown name is refused with the ones there are.
+#[tokio::test]
+async fn commands_on_one_outbox_choose_their_pipeline() {
+    let db = TestDb::new().await;
+    let toml = format!(
+        "{}\n[pipelines.orders.outbox]\ntable = \"public.orders_outbox\"\n\n[pipelines.billing.outbox]\ntable = \"public.billing_outbox\"\n",
+        base_toml(&db.url, &rabbit_sink())
+    );
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    db.client
+        .execute(
+            "INSERT INTO billing_outbox_dead_letters (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at)
+             VALUES ('e1', 'b', 'refused', 5, now(), now())",
+            &[],
+        )
+        .await
+        .expect("a billing letter");
+    for command in [
+        &["dlq", "list"][..],
+        &["retention", "--once", "--dry-run"][..],
+    ] {
+        let mut args = command.to_vec();
+        args.extend_from_slice(&["--config", &path]);
+        let (code, out, err) = run_cli(&args, &[]);
+        assert_ne!(code, 0, "{command:?}: {out}");
+        assert!(
+            err.contains("defines 2 pipelines") && err.contains("choose it with --pipeline"),
+            "{command:?}: {err}"
+        );
+    }
+    assert_eq!(letters(&listed(&["--pipeline", "billing"], &path)).len(), 1);
+    assert!(listed(&["--pipeline", "orders"], &path).is_empty());
+    let (code, _, err) = run_cli(
+        &["dlq", "list", "--config", &path, "--pipeline", "shipping"],
+        &[],
+    );
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("has no pipeline \"shipping\"")
+            && err.contains("orders")
+            && err.contains("billing"),
+        "{err}"
+    );
+}
