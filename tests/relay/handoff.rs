@@ -298,6 +298,53 @@ async fn a_stop_with_unconfirmed_messages_is_not_a_clean_one() {
     assert_eq!(db.unsent().await, 1, "the unconfirmed event stays unsent");
 }
 
+/// The first SIGTERM waits (up to `relay.shutdown_timeout`) for what is in
+/// flight; a second one exits at once, with 130, marking nothing the broker
+/// did not confirm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_exits_at_once() {
+    let (db, broker, toml) = setup_cut(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[
+            ("relay.shutdown_timeout", "\"60s\""),
+            ("relay.confirm_timeout", "\"60s\""),
+        ],
+    )
+    .await;
+    let (mut a, port) = ChildRelay::serving(&toml);
+    let first = insert_one(&db, 1).await;
+    broker.inbox.wait_ids(&[first], WAIT).await;
+    assert!(
+        broker.proxy().freeze_all() > 0,
+        "the broker connection goes through the proxy"
+    );
+    insert_one(&db, 2).await;
+    let in_flight = format!("{}{{pipeline=\"default\"}}", metrics::IN_FLIGHT);
+    wait_for(WAIT, "the second event to be in flight", || async {
+        let (_, body) = http_get(port, "/metrics").await?;
+        (metric(&body, &in_flight)? >= 1.0).then_some(())
+    })
+    .await;
+    let signal = |pid: u32| {
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .expect("kill")
+    };
+    signal(a.pid());
+    assert!(
+        a.wait_exit(Duration::from_secs(2)).is_none(),
+        "the first signal waits for the confirmation"
+    );
+    signal(a.pid());
+    let status = a
+        .wait_exit(Duration::from_secs(10))
+        .expect("the second signal ends the relay at once");
+    assert_eq!(status.code(), Some(130), "{status}");
+    assert_eq!(db.unsent().await, 1, "the unconfirmed event stays unsent");
+}
+
 /// When the clean stop cannot be recorded (here the database refuses the
 /// write) the stop still ends promptly, the claim stays unmarked, and the
 /// next owner waits the lease out: a lost record costs latency, never order.
