@@ -377,6 +377,16 @@ async fn tables_it_must_not_or_cannot_clean_are_skipped_with_a_note() {
         "{report}"
     );
 
+    // Without marking (CDC) no row is known to be sent: none is cleaned.
+    let unmarked = set(
+        &set(&toml, "source.mode", "\"cdc\""),
+        "relay.mark",
+        "\"none\"",
+    );
+    let report = retention::once(&c, &parse(&unmarked), false).await.unwrap();
+    assert_eq!(report.outbox, Cleanup::Skipped(Skip::MarkNone));
+    assert_eq!(count_of(&db, "old").await, 5, "left alone");
+
     let config = parse(&set(&toml, "dead_letter.enabled", "false"));
     let report = retention::once(&c, &config, false).await.unwrap();
     assert_eq!(report.dead_letters, Cleanup::Skipped(Skip::DeadLettersOff));
@@ -563,4 +573,42 @@ async fn the_retention_command_prints_a_summary() {
     );
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("error: cannot connect to PostgreSQL"), "{err}");
+}
+
+/// Rows another session holds locked are skipped, not waited for, and
+/// cleaned by the next run once free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locked_rows_are_left_for_the_next_run() {
+    let (db, toml) = outbox(&[]).await;
+    rows(&db, "old", 20, "30 days", Some("8 days")).await;
+    rows(&db, "held", 5, "30 days", Some("8 days")).await;
+    let config = parse(&toml);
+    let c = client(&config).await;
+    let mut holder = connect(&db.url).await;
+    let tx = holder.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM outbox WHERE aggregate_type = 'held' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let report = tokio::time::timeout(WAIT, retention::once(&c, &config, false))
+        .await
+        .expect("the cleanup does not wait for the lock")
+        .expect("cleanup");
+    assert!(
+        matches!(report.outbox, Cleanup::Done { rows: 20, .. }),
+        "{report}"
+    );
+    assert_eq!(
+        (count_of(&db, "old").await, count_of(&db, "held").await),
+        (0, 5)
+    );
+    tx.rollback().await.unwrap();
+    let report = retention::once(&c, &config, false).await.expect("cleanup");
+    assert!(
+        matches!(report.outbox, Cleanup::Done { rows: 5, .. }),
+        "{report}"
+    );
+    assert_eq!(count_of(&db, "held").await, 0);
 }
