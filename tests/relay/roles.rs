@@ -80,3 +80,54 @@ async fn the_documented_role_is_enough(mode: Mode, kind: Kind) {
     .await;
     relay.stop().await;
 }
+
+/// What CDC's `migrate` cannot do itself it refuses before changing
+/// anything, saying what to run: publishing a table the role does not own,
+/// and creating a slot without the REPLICATION attribute.
+#[tokio::test]
+async fn cdc_migrate_names_what_the_role_lacks() {
+    let db = TestDb::new().await;
+    let polling = base_toml(&db.url, &rabbit_sink());
+    let (code, out, err) = run_cli(&["migrate", "--config", &config_file(&polling)], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let cdc = with_mode(&polling, Mode::Cdc);
+
+    // Not the table's owner: no publication of it.
+    let stranger = crate::kit::unique("relay_stranger_");
+    db.client
+        .batch_execute(&format!(
+            "CREATE ROLE {stranger} LOGIN REPLICATION;
+             GRANT SELECT, UPDATE ON ALL TABLES IN SCHEMA public TO {stranger};"
+        ))
+        .await
+        .expect("a role that does not own the table");
+    let path = config_file(&cdc.replace(&db.url, &db.url_as(&stranger)));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        err.contains("needs ownership of the table") && err.contains("CREATE PUBLICATION"),
+        "{err}"
+    );
+
+    // The owner without REPLICATION: the publication is made, no slot.
+    let owner = crate::kit::unique("relay_owner_");
+    db.client
+        .batch_execute(&format!(
+            "CREATE ROLE {owner} LOGIN;
+             ALTER TABLE outbox OWNER TO {owner};
+             CREATE PUBLICATION outbox_relay_outbox FOR TABLE outbox WITH (publish = 'insert');"
+        ))
+        .await
+        .expect("a role that owns the table");
+    let path = config_file(&cdc.replace(&db.url, &db.url_as(&owner)));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        err.contains("needs the REPLICATION attribute") && err.contains("ALTER ROLE"),
+        "{err}"
+    );
+    let slots = db
+        .count("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()")
+        .await;
+    assert_eq!(slots, 0, "nothing was created");
+}

@@ -317,6 +317,19 @@ async fn dead_letter_steps(client: &Client, dlq: &TableName) -> Result<Vec<Step>
     Ok(steps)
 }
 
+/// Whether this role may add `table` to a publication: it owns the table
+/// (or is a member of its owner, or a superuser), or the table does not
+/// exist yet (migrate creates it).
+async fn may_publish(client: &Client, table: &TableName) -> Result<bool, MigrateError> {
+    Ok(client
+        .query_opt(
+            "SELECT pg_has_role(current_user, c.relowner, 'USAGE') FROM pg_class c WHERE c.oid = to_regclass($1)",
+            &[&table.quoted()],
+        )
+        .await?
+        .is_none_or(|row| row.get(0)))
+}
+
 /// The publication (inserts only) and the slot, after checking what migrate cannot fix.
 /// `partitioned`: the publication must publish through the root.
 async fn cdc_steps(
@@ -351,13 +364,23 @@ async fn cdc_steps(
                 setup::via_root_sql(&cdc.publication),
             ))
         }
-        exists => steps.push(Step::new(
-            format!(
-                "publish inserts into {table} as publication {}",
-                cdc.publication
-            ),
-            setup::publication_sql(&cdc.publication, table, exists.is_some(), partitioned),
-        )),
+        exists => {
+            if !may_publish(client, table).await? {
+                return Err(MigrateError::Prerequisite(format!(
+                    "publishing {table} (publication {}) needs ownership of the table: run migrate as its owner, \
+                     or have the owner run: {}",
+                    cdc.publication,
+                    setup::publication_sql(&cdc.publication, table, exists.is_some(), partitioned)
+                )));
+            }
+            steps.push(Step::new(
+                format!(
+                    "publish inserts into {table} as publication {}",
+                    cdc.publication
+                ),
+                setup::publication_sql(&cdc.publication, table, exists.is_some(), partitioned),
+            ))
+        }
     }
     if cdc.slot_now && setup::slot_info(client, &cdc.slot).await?.is_none() {
         if !setup::can_replicate(client).await? {
