@@ -449,15 +449,7 @@ async fn a_replay_skips_only_places_recorded_on_this_server_as_it_counts() {
     use outbox_relay::replication::Lsn;
     let db = TestDb::new().await;
     let table = dead_letter_table(&db).await;
-    let system: String = db
-        .client
-        .query_one(
-            "SELECT system_identifier::text FROM pg_control_system()",
-            &[],
-        )
-        .await
-        .expect("system identifier")
-        .get(0);
+    let system = db.system_identifier().await;
     let counting_messages = format!("{system}+messages");
     let letters: Vec<Letter> = vec![
         (

@@ -70,15 +70,7 @@ async fn replay_after_a_crash_behind_a_letter(foreign: Option<&str>) -> (String,
         "the slot was confirmed to {confirmed} before the kill: nothing would be replayed"
     );
     relay.kill();
-    let system: String = db
-        .client
-        .query_one(
-            "SELECT system_identifier::text FROM pg_control_system()",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let system = db.system_identifier().await;
     let recorded: Vec<Option<String>> = db
         .client
         .query(

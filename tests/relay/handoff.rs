@@ -3,7 +3,7 @@
 //! while still waiting out a crashed owner's lease, it waits out
 //! `relay.ownership_lease`.
 
-use crate::support::proxy::setup_cut;
+use crate::support::proxy::{CutBroker, setup_cut};
 use crate::support::*;
 use outbox_relay::telemetry::metrics;
 use serde_json::json;
@@ -255,22 +255,17 @@ async fn a_stop_after_the_lease_wait_is_a_clean_one() {
     );
 }
 
-/// A stop whose `shutdown_timeout` ran out with a message unconfirmed (the
-/// broker connection went silent) leaves no clean mark: the broker may
-/// still take that message, so the next owner must wait.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stop_with_unconfirmed_messages_is_not_a_clean_one() {
-    let (db, broker, toml) = setup_cut(
-        Mode::Polling,
-        Kind::Rabbit,
-        &[
-            ("relay.ownership_lease", "\"1s\""),
-            ("relay.shutdown_timeout", "\"1s\""),
-            ("relay.confirm_timeout", "\"60s\""),
-        ],
-    )
-    .await;
-    let (mut a, port) = ChildRelay::serving(&toml);
+/// A polling relay (with `sets`) that delivered one event, then sent a
+/// second into a broker connection that went silent: the second waits for
+/// its confirmation (`relay.confirm_timeout` is a minute). Returns the
+/// relay and the second event's id.
+async fn one_in_flight_to_a_frozen_broker(
+    sets: &[(&str, &str)],
+) -> (TestDb, CutBroker, ChildRelay, String) {
+    let mut all = vec![("relay.confirm_timeout", "\"60s\"")];
+    all.extend_from_slice(sets);
+    let (db, broker, toml) = setup_cut(Mode::Polling, Kind::Rabbit, &all).await;
+    let (relay, port) = ChildRelay::serving(&toml);
     let first = insert_one(&db, 1).await;
     broker.inbox.wait_ids(&[first], WAIT).await;
     assert!(
@@ -283,6 +278,19 @@ async fn a_stop_with_unconfirmed_messages_is_not_a_clean_one() {
         let (_, body) = http_get(port, "/metrics").await?;
         (metric(&body, &in_flight)? >= 1.0).then_some(())
     })
+    .await;
+    (db, broker, relay, second)
+}
+
+/// A stop whose `shutdown_timeout` ran out with a message unconfirmed (the
+/// broker connection went silent) leaves no clean mark: the broker may
+/// still take that message, so the next owner must wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_with_unconfirmed_messages_is_not_a_clean_one() {
+    let (db, broker, mut a, second) = one_in_flight_to_a_frozen_broker(&[
+        ("relay.ownership_lease", "\"1s\""),
+        ("relay.shutdown_timeout", "\"1s\""),
+    ])
     .await;
     let status = a.terminate();
     assert!(status.success(), "the relay exits cleanly: {status}");
@@ -303,29 +311,8 @@ async fn a_stop_with_unconfirmed_messages_is_not_a_clean_one() {
 /// did not confirm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_exits_at_once() {
-    let (db, broker, toml) = setup_cut(
-        Mode::Polling,
-        Kind::Rabbit,
-        &[
-            ("relay.shutdown_timeout", "\"60s\""),
-            ("relay.confirm_timeout", "\"60s\""),
-        ],
-    )
-    .await;
-    let (mut a, port) = ChildRelay::serving(&toml);
-    let first = insert_one(&db, 1).await;
-    broker.inbox.wait_ids(&[first], WAIT).await;
-    assert!(
-        broker.proxy().freeze_all() > 0,
-        "the broker connection goes through the proxy"
-    );
-    insert_one(&db, 2).await;
-    let in_flight = format!("{}{{pipeline=\"default\"}}", metrics::IN_FLIGHT);
-    wait_for(WAIT, "the second event to be in flight", || async {
-        let (_, body) = http_get(port, "/metrics").await?;
-        (metric(&body, &in_flight)? >= 1.0).then_some(())
-    })
-    .await;
+    let (db, _broker, mut a, _) =
+        one_in_flight_to_a_frozen_broker(&[("relay.shutdown_timeout", "\"60s\"")]).await;
     let signal = |pid: u32| {
         std::process::Command::new("kill")
             .args(["-TERM", &pid.to_string()])

@@ -46,8 +46,23 @@ impl Index<'_> {
         Ok((!exists).then(|| self.create()))
     }
 
+    /// The steps that leave it built and valid: dropped first when a
+    /// concurrent build that failed left it invalid, then created unless it
+    /// exists.
+    pub(super) async fn steps(
+        &self,
+        client: &Client,
+        steps: &mut Vec<Step>,
+    ) -> Result<(), MigrateError> {
+        match drop_invalid_index(client, self.table, &self.name, self.concurrently).await? {
+            Some(drop) => steps.extend([drop, self.create()]),
+            None => steps.extend(self.step(client).await?),
+        }
+        Ok(())
+    }
+
     /// The step creating it.
-    pub(super) fn create(&self) -> Step {
+    fn create(&self) -> Step {
         Step {
             description: format!("create index {} ({})", self.name, self.purpose),
             sql: format!(
@@ -102,7 +117,7 @@ pub(super) async fn refuse_seq_twins(
 
 /// A step dropping `index` when it exists but is invalid (a `CREATE INDEX
 /// CONCURRENTLY` that failed), so it can be built again.
-pub(super) async fn drop_invalid_index(
+async fn drop_invalid_index(
     client: &Client,
     table: &TableName,
     index: &str,
@@ -135,13 +150,8 @@ pub(super) async fn seq_unique_steps(
     existing: bool,
     steps: &mut Vec<Step>,
 ) -> Result<(), MigrateError> {
-    let index = seq_index(&opts.table);
     if info.is_some_and(|i| i.column(SEQ_COLUMN).is_some()) {
         refuse_seq_twins(client, &opts.table).await?;
-        // A concurrent build that failed leaves an invalid index behind.
-        if let Some(drop) = drop_invalid_index(client, &opts.table, &index, existing).await? {
-            steps.push(drop);
-        }
     }
     // A partitioned table's unique index must hold its partition key.
     let key: Vec<String> =
@@ -149,21 +159,14 @@ pub(super) async fn seq_unique_steps(
             .iter()
             .map(|c| quote_ident(c))
             .collect();
-    let index = Index {
+    Index {
         table: &opts.table,
         concurrently: existing,
-        name: index,
+        name: seq_index(&opts.table),
         definition: format!("({})", key.join(", ")),
         purpose: "one row per relay_seq",
         unique: true,
-    };
-    if steps
-        .last()
-        .is_some_and(|s| s.sql.starts_with("DROP INDEX"))
-    {
-        steps.push(index.create());
-    } else {
-        steps.extend(index.step(client).await?);
     }
-    Ok(())
+    .steps(client, steps)
+    .await
 }

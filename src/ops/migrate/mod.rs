@@ -17,7 +17,7 @@ mod table;
 mod triggers;
 
 pub use indexes::seq_index;
-use indexes::{Index, drop_invalid_index, seq_unique_steps, unsent_index};
+use indexes::{Index, seq_unique_steps, unsent_index};
 use table::{alter_table, create_table, event_columns};
 
 /// `outbox-relay migrate`: plans each pipeline's steps, prints them, and
@@ -292,25 +292,16 @@ async fn dead_letter_steps(client: &Client, dlq: &TableName) -> Result<Vec<Step>
             // Indexes a later version added, built without blocking the
             // relay's writes to the table.
             for index in crate::dead_letter::lookups::indexes(dlq) {
-                if let Some(drop) = drop_invalid_index(client, dlq, &index.name, true).await? {
-                    steps.push(drop);
-                }
-                let index = Index {
+                Index {
                     table: dlq,
                     concurrently: true,
                     name: index.name,
                     definition: index.definition.to_owned(),
                     purpose: index.purpose,
                     unique: false,
-                };
-                if steps
-                    .last()
-                    .is_some_and(|s| s.sql.starts_with("DROP INDEX"))
-                {
-                    steps.push(index.create());
-                } else {
-                    steps.extend(index.step(client).await?);
                 }
+                .steps(client, &mut steps)
+                .await?;
             }
         }
     }

@@ -82,6 +82,18 @@ impl TestDb {
         url
     }
 
+    /// The server's system identifier, as dead letters record it.
+    pub async fn system_identifier(&self) -> String {
+        self.client
+            .query_one(
+                "SELECT system_identifier::text FROM pg_control_system()",
+                &[],
+            )
+            .await
+            .expect("system identifier")
+            .get(0)
+    }
+
     pub async fn unsent(&self) -> i64 {
         self.count("SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL")
             .await
