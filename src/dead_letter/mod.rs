@@ -219,7 +219,9 @@ pub struct Recorder {
     /// Whose WAL the places written refer to; `None` when unknown.
     origin: Option<String>,
     insert: Statement,
-    still_open: Statement,
+    /// Whether the aggregate's earliest open letter is requested; no row
+    /// when none is open.
+    first_open: Statement,
     /// Per aggregate, the earliest open letter's WAL place; a letter without
     /// one of this origin (read by polling or the start-up read, or from
     /// another server) makes the place unknown. The statements of the
@@ -267,12 +269,14 @@ impl Recorder {
             insert: prepare(format!(
                 "INSERT INTO {t} (id, outbox_seq, aggregate_type, aggregate_id, event_type, event_version,
                                   payload, headers, created_at, reason, attempts, first_failed_at, last_failed_at,
-                                  source_lsn, source_index, extra, source_system)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::text::pg_lsn, $15, $16, $17)"
+                                  source_lsn, source_index, extra, source_system, redrive_requested_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::text::pg_lsn, $15, $16, $17,
+                         CASE WHEN $18 THEN now() END)"
             ))
             .await?,
-            still_open: prepare(format!(
-                "SELECT EXISTS (SELECT 1 FROM {t} WHERE aggregate_id = $1 AND resolution IS NULL)"
+            first_open: prepare(format!(
+                "SELECT redrive_requested_at IS NOT NULL FROM {t} WHERE aggregate_id = $1 AND resolution IS NULL
+                 ORDER BY aggregate_id, dead_letter_id LIMIT 1"
             ))
             .await?,
             open: prepare(lookups::open_sql(table)).await?,
@@ -323,13 +327,18 @@ impl Recorder {
             if out.resolved.contains(aggregate) {
                 continue;
             }
-            if l.follows.is_some() {
-                let open: bool = tx.query_one(&self.still_open, &[&aggregate]).await?.get(0);
-                if !open {
-                    out.resolved.insert(aggregate.to_owned());
-                    continue;
-                }
-            }
+            // A follower goes with its aggregate's letters: none open, it is
+            // published instead; their redrive asked for, it is asked for too.
+            let requested = match l.follows {
+                Some(_) => match tx.query_opt(&self.first_open, &[&aggregate]).await? {
+                    Some(row) => row.get::<_, bool>(0),
+                    None => {
+                        out.resolved.insert(aggregate.to_owned());
+                        continue;
+                    }
+                },
+                None => false,
+            };
             let r = &l.raw;
             let attempts = i32::try_from(l.attempts).unwrap_or(i32::MAX);
             let (lsn, index, origin) = match l.wal {
@@ -360,6 +369,7 @@ impl Recorder {
                     &index,
                     &r.extra,
                     &origin,
+                    &requested,
                 ],
             )
             .await?;

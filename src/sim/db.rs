@@ -144,6 +144,12 @@ impl RowStore for SimStore {
                     out.resolved.insert(aggregate);
                     continue;
                 }
+                // As the real write: a follower of letters whose redrive was
+                // asked for is asked for too.
+                let requested = l.follows.is_some()
+                    && w.open_letters()
+                        .find(|o| o.aggregate == aggregate)
+                        .is_some_and(|o| o.requested);
                 let event_id = l.raw.id.clone().unwrap_or_default();
                 w.note(format!("dead letter: {event_id} of {aggregate}"));
                 let letter_id = w.letters.len() as i64 + 1;
@@ -153,7 +159,7 @@ impl RowStore for SimStore {
                     aggregate,
                     raw: l.raw.clone(),
                     resolution: None,
-                    requested: false,
+                    requested,
                     wal: l.wal,
                     follows: l.follows.is_some(),
                     after_deliveries: w.deliveries.len(),

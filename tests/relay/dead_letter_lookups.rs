@@ -561,3 +561,75 @@ async fn check_fails_a_dead_letter_table_that_is_missing_or_lacks_a_column() {
     let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
     assert_eq!(code, 1, "{out}");
 }
+
+/// A follower written while its aggregate's letters wait to be redriven is
+/// asked for too, so it goes with them (an operator's request covers the
+/// followers written meanwhile): else the redrive would end with it left
+/// open, and the aggregate dead until asked again.
+#[tokio::test]
+async fn a_follower_of_letters_being_redriven_goes_with_them() {
+    use outbox_relay::dead_letter::{DeadLetter, Recorder};
+    use outbox_relay::outbox::RawRow;
+    let mut db = TestDb::new().await;
+    let table = dead_letter_table(&db).await;
+    let letters: Vec<Letter> = vec![
+        (Some("asked"), None, None, None, true, false),
+        (Some("waiting"), None, None, None, false, false),
+    ];
+    write(&db.client, &table, &letters).await;
+    let recorder = Recorder::new(&db.client, &table, None, false)
+        .await
+        .expect("recorder");
+    let follower = |aggregate: &str, id: &str| DeadLetter {
+        position: (),
+        seq: None,
+        wal: None,
+        raw: RawRow {
+            id: Some(id.to_owned()),
+            aggregate_id: Some(aggregate.to_owned()),
+            ..RawRow::default()
+        },
+        reason: "follows".to_owned(),
+        attempts: 0,
+        first_failed_at: chrono::Utc::now(),
+        last_failed_at: chrono::Utc::now(),
+        follows: Some("e0".to_owned()),
+    };
+    let written = recorder
+        .write(
+            &mut db.client,
+            &[
+                follower("asked", "f1"),
+                follower("waiting", "f2"),
+                follower("gone", "f3"),
+            ],
+            None,
+        )
+        .await
+        .expect("write");
+    assert_eq!(
+        written.written,
+        [0, 1],
+        "no follower of an aggregate with no open letter"
+    );
+    assert!(written.resolved.contains("gone"));
+    let requested: Vec<(String, bool)> = db
+        .client
+        .query(
+            &format!(
+                "SELECT id, redrive_requested_at IS NOT NULL FROM {} WHERE id LIKE 'f%' ORDER BY id",
+                table.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("followers")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        requested,
+        [("f1".to_owned(), true), ("f2".to_owned(), false)],
+        "asked for exactly when its aggregate's earliest letter is"
+    );
+}
