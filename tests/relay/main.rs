@@ -30,6 +30,7 @@ mod messages;
 mod migrations;
 mod operations;
 mod partitions;
+mod rabbit_exchanges;
 mod retention;
 mod roles;
 mod routing;
