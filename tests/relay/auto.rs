@@ -313,3 +313,60 @@ fn auto_with_unmarked_rows_is_refused_as_a_configuration_error() {
         "{err}"
     );
 }
+
+/// What keeps auto mode from CDC on a server that allows it, as `status`
+/// and `check` name it: no slot when the relay may not create one, a role
+/// without the REPLICATION attribute; and CDC possible once both are fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_names_a_missing_slot_and_a_role_that_may_not_stream() {
+    let db = TestDb::new().await;
+    let broker = RabbitExchange::new().await;
+    let toml = auto_toml(&db.url, &broker.sink_toml());
+    db.migrate(&parse(&toml)).await;
+    let source_line = |toml: &str| {
+        let (_, out, _) = run_cli(&["check", "--config", &config_file(toml)], &[]);
+        out.lines()
+            .find(|l| l.get(7..).is_some_and(|rest| rest.starts_with("source")))
+            .unwrap_or_else(|| panic!("no source line: {out}"))
+            .to_owned()
+    };
+
+    let no_slot = set(&toml, "source.cdc.create_slot", "false");
+    let status = status_json(&no_slot);
+    assert_eq!(status["auto"]["blocked_reason"], "no_slot", "{status}");
+    assert!(
+        status["auto"]["blocked"]
+            .as_str()
+            .is_some_and(|b| b.contains("source.cdc.create_slot = true")),
+        "{status}"
+    );
+    assert!(source_line(&no_slot).starts_with("[warn]"));
+
+    let role = unique("relay_nostream_");
+    db.client
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN; GRANT SELECT, UPDATE ON ALL TABLES IN SCHEMA public TO {role};"
+        ))
+        .await
+        .expect("a role without REPLICATION");
+    let limited = toml.replace(&db.url, &db.url_as(&role));
+    let status = status_json(&limited);
+    assert_eq!(
+        status["auto"]["blocked_reason"], "replication_privilege",
+        "{status}"
+    );
+    assert!(
+        status["auto"]["blocked"]
+            .as_str()
+            .is_some_and(|b| b.contains("ALTER ROLE")),
+        "{status}"
+    );
+
+    let status = status_json(&toml);
+    assert_eq!(status["auto"]["cdc_possible"], true, "{status}");
+    let line = source_line(&toml);
+    assert!(
+        line.starts_with("[ok  ]") && line.contains("CDC is possible"),
+        "{line}"
+    );
+}
