@@ -4,8 +4,7 @@
 
 use crate::support::*;
 use outbox_relay::config::Config;
-use outbox_relay::errors::ErrorKind;
-use outbox_relay::ops::retention::{self, Cleanup, Skip};
+use outbox_relay::ops::retention::{self, Cleanup};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -13,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 /// A migrated outbox (the relay never runs: the sink is only there to be valid)
 /// with the given `[retention]` and other settings.
-async fn outbox(sets: &[(&str, &str)]) -> (TestDb, String) {
+pub(crate) async fn outbox(sets: &[(&str, &str)]) -> (TestDb, String) {
     let sink = format!(
         "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
         amqp_url()
@@ -29,7 +28,7 @@ async fn outbox(sets: &[(&str, &str)]) -> (TestDb, String) {
 
 /// Inserts `n` rows of `aggregate_type`, created `created_ago` and sent
 /// `sent_ago` ago (unsent when `None`), in one statement.
-async fn rows(
+pub(crate) async fn rows(
     db: &TestDb,
     aggregate_type: &str,
     n: i32,
@@ -48,7 +47,7 @@ async fn rows(
         .expect("insert rows");
 }
 
-async fn count_of(db: &TestDb, aggregate_type: &str) -> i64 {
+pub(crate) async fn count_of(db: &TestDb, aggregate_type: &str) -> i64 {
     db.client
         .query_one(
             "SELECT count(*) FROM outbox WHERE aggregate_type = $1",
@@ -59,7 +58,7 @@ async fn count_of(db: &TestDb, aggregate_type: &str) -> i64 {
         .get(0)
 }
 
-async fn client(config: &Config) -> tokio_postgres::Client {
+pub(crate) async fn client(config: &Config) -> tokio_postgres::Client {
     retention::connect(config)
         .await
         .expect("connect for retention")
@@ -362,53 +361,6 @@ async fn resolved_dead_letters_go_after_their_own_window_and_open_ones_stay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tables_it_must_not_or_cannot_clean_are_skipped_with_a_note() {
-    let (db, toml) = outbox(&[("relay.mark", "\"delete\"")]).await;
-    rows(&db, "old", 5, "30 days", Some("8 days")).await;
-    let config = parse(&toml);
-    let c = client(&config).await;
-    let report = retention::once(&c, &config, false).await.expect("cleanup");
-    assert_eq!(report.outbox, Cleanup::Skipped(Skip::MarkDelete));
-    assert_eq!(count_of(&db, "old").await, 5, "left alone");
-    assert!(
-        report
-            .to_string()
-            .contains("sent rows skipped: relay.mark = \"delete\""),
-        "{report}"
-    );
-
-    // Without marking (CDC) no row is known to be sent: none is cleaned.
-    let unmarked = set(
-        &set(&toml, "source.mode", "\"cdc\""),
-        "relay.mark",
-        "\"none\"",
-    );
-    let report = retention::once(&c, &parse(&unmarked), false).await.unwrap();
-    assert_eq!(report.outbox, Cleanup::Skipped(Skip::MarkNone));
-    assert_eq!(count_of(&db, "old").await, 5, "left alone");
-
-    let config = parse(&set(&toml, "dead_letter.enabled", "false"));
-    let report = retention::once(&c, &config, false).await.unwrap();
-    assert_eq!(report.dead_letters, Cleanup::Skipped(Skip::DeadLettersOff));
-
-    let config = parse(&set(&toml, "dead_letter.table", "\"public.elsewhere\""));
-    let report = retention::once(&c, &config, false).await.unwrap();
-    assert!(
-        matches!(
-            report.dead_letters,
-            Cleanup::Skipped(Skip::NoDeadLetterTable(_))
-        ),
-        "{report}"
-    );
-
-    let missing = set(&toml, "outbox.table", "\"public.missing\"");
-    let config = parse(&set(&missing, "relay.mark", "\"update\""));
-    let e = retention::once(&c, &config, false).await.unwrap_err();
-    assert!(e.to_string().contains("outbox-relay migrate"), "{e}");
-    assert_eq!(e.kind(), ErrorKind::NeedsOperator);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_its_index_it_still_cleans_and_says_to_migrate() {
     let (db, toml) = outbox(&[("retention.batch_size", "100")]).await;
     let config = parse(&toml);
@@ -573,42 +525,4 @@ async fn the_retention_command_prints_a_summary() {
     );
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("error: cannot connect to PostgreSQL"), "{err}");
-}
-
-/// Rows another session holds locked are skipped, not waited for, and
-/// cleaned by the next run once free.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn locked_rows_are_left_for_the_next_run() {
-    let (db, toml) = outbox(&[]).await;
-    rows(&db, "old", 20, "30 days", Some("8 days")).await;
-    rows(&db, "held", 5, "30 days", Some("8 days")).await;
-    let config = parse(&toml);
-    let c = client(&config).await;
-    let mut holder = connect(&db.url).await;
-    let tx = holder.transaction().await.unwrap();
-    tx.execute(
-        "SELECT 1 FROM outbox WHERE aggregate_type = 'held' FOR UPDATE",
-        &[],
-    )
-    .await
-    .unwrap();
-    let report = tokio::time::timeout(WAIT, retention::once(&c, &config, false))
-        .await
-        .expect("the cleanup does not wait for the lock")
-        .expect("cleanup");
-    assert!(
-        matches!(report.outbox, Cleanup::Done { rows: 20, .. }),
-        "{report}"
-    );
-    assert_eq!(
-        (count_of(&db, "old").await, count_of(&db, "held").await),
-        (0, 5)
-    );
-    tx.rollback().await.unwrap();
-    let report = retention::once(&c, &config, false).await.expect("cleanup");
-    assert!(
-        matches!(report.outbox, Cleanup::Done { rows: 5, .. }),
-        "{report}"
-    );
-    assert_eq!(count_of(&db, "held").await, 0);
 }

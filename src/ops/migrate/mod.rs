@@ -308,6 +308,50 @@ async fn dead_letter_steps(client: &Client, dlq: &TableName) -> Result<Vec<Step>
     Ok(steps)
 }
 
+/// The step that makes the publication carry the table's inserts, unless it
+/// does; refused when the role may not add the table to a publication.
+async fn publication_step(
+    client: &Client,
+    table: &TableName,
+    cdc: &CdcObjects,
+    partitioned: bool,
+) -> Result<Option<Step>, MigrateError> {
+    Ok(
+        match setup::publication_covers(client, &cdc.publication, table).await? {
+            Some(true) => None,
+            _ if partitioned
+                && setup::publishes_partitions(client, &cdc.publication, table).await? =>
+            {
+                Some(Step::new(
+                    format!(
+                        "publish inserts into {table} under its own name (publication {} names its partitions)",
+                        cdc.publication
+                    ),
+                    setup::via_root_sql(&cdc.publication),
+                ))
+            }
+            exists => {
+                let sql =
+                    setup::publication_sql(&cdc.publication, table, exists.is_some(), partitioned);
+                if !may_publish(client, table).await? {
+                    return Err(MigrateError::Prerequisite(format!(
+                        "publishing {table} (publication {}) needs ownership of the table: run migrate as its owner, \
+                     or have the owner run: {sql}",
+                        cdc.publication,
+                    )));
+                }
+                Some(Step::new(
+                    format!(
+                        "publish inserts into {table} as publication {}",
+                        cdc.publication
+                    ),
+                    sql,
+                ))
+            }
+        },
+    )
+}
+
 /// Whether this role may add `table` to a publication: it owns the table
 /// (or is a member of its owner, or a superuser), or the table does not
 /// exist yet (migrate creates it).
@@ -344,35 +388,7 @@ async fn cdc_steps(
         }
         steps.extend(emit::step(client, table, prefix).await?);
     }
-    match setup::publication_covers(client, &cdc.publication, table).await? {
-        Some(true) => {}
-        _ if partitioned && setup::publishes_partitions(client, &cdc.publication, table).await? => {
-            steps.push(Step::new(
-                format!(
-                    "publish inserts into {table} under its own name (publication {} names its partitions)",
-                    cdc.publication
-                ),
-                setup::via_root_sql(&cdc.publication),
-            ))
-        }
-        exists => {
-            if !may_publish(client, table).await? {
-                return Err(MigrateError::Prerequisite(format!(
-                    "publishing {table} (publication {}) needs ownership of the table: run migrate as its owner, \
-                     or have the owner run: {}",
-                    cdc.publication,
-                    setup::publication_sql(&cdc.publication, table, exists.is_some(), partitioned)
-                )));
-            }
-            steps.push(Step::new(
-                format!(
-                    "publish inserts into {table} as publication {}",
-                    cdc.publication
-                ),
-                setup::publication_sql(&cdc.publication, table, exists.is_some(), partitioned),
-            ))
-        }
-    }
+    steps.extend(publication_step(client, table, cdc, partitioned).await?);
     if cdc.slot_now && setup::slot_info(client, &cdc.slot).await?.is_none() {
         if !setup::can_replicate(client).await? {
             return Err(MigrateError::Prerequisite(format!(

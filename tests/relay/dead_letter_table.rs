@@ -1,0 +1,276 @@
+//! The dead-letter table itself (real PostgreSQL): what `migrate` and
+//! `check` make of it, how a follower is written, and which of its WAL
+//! places a CDC replay may skip.
+
+use crate::dead_letter_lookups::{Letter, dead_letter_table, write};
+use crate::support::*;
+
+/// The look's indexes on the dead-letter table, valid ones.
+async fn look_indexes(db: &TestDb) -> Vec<String> {
+    let mut names: Vec<String> = db
+        .client
+        .query(
+            "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+             WHERE i.indrelid = 'public.outbox_dead_letters'::regclass AND i.indisvalid
+               AND NOT i.indisprimary",
+            &[],
+        )
+        .await
+        .expect("indexes")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn migrate_gives_an_older_dead_letter_table_the_looks_indexes() {
+    let db = TestDb::new().await;
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let all = look_indexes(&db).await;
+    assert_eq!(
+        all,
+        [
+            "outbox_dead_letters_open",
+            "outbox_dead_letters_placed",
+            "outbox_dead_letters_requested",
+            "outbox_dead_letters_waiting"
+        ],
+        "a new dead-letter table gets every index"
+    );
+    // A table from before the look used them, with a letter in it.
+    db.client
+        .batch_execute(
+            "DROP INDEX outbox_dead_letters_placed, outbox_dead_letters_requested, outbox_dead_letters_waiting;
+             INSERT INTO outbox_dead_letters (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at)
+             VALUES ('e1', 'a', 'refused', 5, now(), now())",
+        )
+        .await
+        .expect("an older table");
+    let checked = dead_letters_line(&path);
+    assert!(
+        checked.starts_with("[warn]") && checked.contains("lacks the index(es)"),
+        "check names what migrate would build: {checked}"
+    );
+    let (code, out, err) = run_cli(&["migrate", "--config", &path, "--dry-run"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(
+        out.matches("CREATE INDEX CONCURRENTLY IF NOT EXISTS")
+            .count(),
+        3,
+        "the missing indexes are built without blocking writers: {out}"
+    );
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(look_indexes(&db).await, all, "migrate built them again");
+    let checked = dead_letters_line(&path);
+    assert!(
+        checked.starts_with("[ok  ]") && checked.contains("is ready"),
+        "{checked}"
+    );
+    let (code, out, err) = run_cli(&["migrate", "--config", &path, "--dry-run"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        !out.contains("CREATE INDEX"),
+        "nothing is left to build: {out}"
+    );
+}
+
+/// A CDC replay (without marking, or of logical messages) skips the events
+/// at the WAL places of dead letters as done: only places recorded on this
+/// server and counted as this relay counts may be skipped, or a letter
+/// carried over from another server (or written with `source.cdc.messages`
+/// set otherwise) could name an event that was never sent.
+#[tokio::test]
+async fn a_replay_skips_only_places_recorded_on_this_server_as_it_counts() {
+    use outbox_relay::dead_letter::wal_positions_since;
+    use outbox_relay::replication::Lsn;
+    let db = TestDb::new().await;
+    let table = dead_letter_table(&db).await;
+    let system = db.system_identifier().await;
+    let counting_messages = format!("{system}+messages");
+    let letters: Vec<Letter> = vec![
+        (
+            Some("a"),
+            Some(&system),
+            Some("0/100"),
+            Some(1),
+            false,
+            false,
+        ),
+        (
+            Some("a"),
+            Some(&counting_messages),
+            Some("0/100"),
+            Some(2),
+            false,
+            false,
+        ),
+        (
+            Some("a"),
+            Some("another server"),
+            Some("0/100"),
+            Some(3),
+            false,
+            false,
+        ),
+        (Some("a"), None, Some("0/100"), Some(4), false, false),
+        (
+            Some("a"),
+            Some(&system),
+            Some("0/10"),
+            Some(5),
+            false,
+            false,
+        ),
+        (
+            Some("a"),
+            Some(&system),
+            Some("0/200"),
+            Some(6),
+            false,
+            true,
+        ),
+    ];
+    write(&db.client, &table, &letters).await;
+    let from: Lsn = "0/50".parse().expect("lsn");
+    let at = |index: u64| {
+        let lsn: Lsn = if index == 6 { "0/200" } else { "0/100" }
+            .parse()
+            .expect("lsn");
+        (lsn, index)
+    };
+    let mut counted_apart = wal_positions_since(&db.client, &table, from, false)
+        .await
+        .expect("positions");
+    counted_apart.sort();
+    assert_eq!(
+        counted_apart,
+        [at(1), at(6)],
+        "this server, messages not counted"
+    );
+    let counted_with = wal_positions_since(&db.client, &table, from, true)
+        .await
+        .expect("positions");
+    assert_eq!(counted_with, [at(2)], "this server, messages counted");
+}
+
+/// `check`'s line on the dead-letter table.
+fn dead_letters_line(path: &str) -> String {
+    let (_, out, _) = run_cli(&["check", "--config", path], &[]);
+    out.lines()
+        .find(|l| {
+            l.get(7..)
+                .is_some_and(|rest| rest.starts_with("dead letters"))
+        })
+        .unwrap_or_else(|| panic!("no dead-letter line: {out}"))
+        .to_owned()
+}
+
+/// A dead-letter table the relay cannot use fails `check` with what to do,
+/// as `run` would fail.
+#[tokio::test]
+async fn check_fails_a_dead_letter_table_that_is_missing_or_lacks_a_column() {
+    let db = TestDb::new().await;
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    db.client
+        .batch_execute("ALTER TABLE outbox_dead_letters DROP COLUMN source_system")
+        .await
+        .expect("an older table");
+    let checked = dead_letters_line(&path);
+    assert!(
+        checked.starts_with("[FAIL]")
+            && checked.contains("lacks a column this version uses (source_system)")
+            && checked.contains("run `outbox-relay migrate`"),
+        "{checked}"
+    );
+    db.client
+        .batch_execute("DROP TABLE outbox_dead_letters")
+        .await
+        .expect("no table");
+    let checked = dead_letters_line(&path);
+    assert!(
+        checked.starts_with("[FAIL]")
+            && checked.contains("does not exist; run `outbox-relay migrate`"),
+        "{checked}"
+    );
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}");
+}
+
+/// A follower written while its aggregate's letters wait to be redriven is
+/// asked for too, so it goes with them (an operator's request covers the
+/// followers written meanwhile): else the redrive would end with it left
+/// open, and the aggregate dead until asked again.
+#[tokio::test]
+async fn a_follower_of_letters_being_redriven_goes_with_them() {
+    use outbox_relay::dead_letter::{DeadLetter, Recorder};
+    use outbox_relay::outbox::RawRow;
+    let mut db = TestDb::new().await;
+    let table = dead_letter_table(&db).await;
+    let letters: Vec<Letter> = vec![
+        (Some("asked"), None, None, None, true, false),
+        (Some("waiting"), None, None, None, false, false),
+    ];
+    write(&db.client, &table, &letters).await;
+    let recorder = Recorder::new(&db.client, &table, None, false)
+        .await
+        .expect("recorder");
+    let follower = |aggregate: &str, id: &str| DeadLetter {
+        position: (),
+        seq: None,
+        wal: None,
+        raw: RawRow {
+            id: Some(id.to_owned()),
+            aggregate_id: Some(aggregate.to_owned()),
+            ..RawRow::default()
+        },
+        reason: "follows".to_owned(),
+        attempts: 0,
+        first_failed_at: chrono::Utc::now(),
+        last_failed_at: chrono::Utc::now(),
+        follows: Some("e0".to_owned()),
+    };
+    let written = recorder
+        .write(
+            &mut db.client,
+            &[
+                follower("asked", "f1"),
+                follower("waiting", "f2"),
+                follower("gone", "f3"),
+            ],
+            None,
+        )
+        .await
+        .expect("write");
+    assert_eq!(
+        written.written,
+        [0, 1],
+        "no follower of an aggregate with no open letter"
+    );
+    assert!(written.resolved.contains("gone"));
+    let requested: Vec<(String, bool)> = db
+        .client
+        .query(
+            &format!(
+                "SELECT id, redrive_requested_at IS NOT NULL FROM {} WHERE id LIKE 'f%' ORDER BY id",
+                table.quoted()
+            ),
+            &[],
+        )
+        .await
+        .expect("followers")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        requested,
+        [("f1".to_owned(), true), ("f2".to_owned(), false)],
+        "asked for exactly when its aggregate's earliest letter is"
+    );
+}
