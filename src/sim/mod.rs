@@ -62,10 +62,14 @@ const DEFAULT_HAND_OVER_SEEDS: u64 = 300;
 /// more than a window of confirmations left unreported to the slot
 /// without marking when a crash struck; 419262, a follower written between
 /// a redrive's look at the table and its end, left open and unrequested:
-/// its aggregate waited for the redrive to end, for ever. A seed's schedule
+/// its aggregate waited for the redrive to end, for ever; 429080, the
+/// relay's loop polling a look at the dead-letter table again after the
+/// acker had failed to answer it (a panic). A seed's schedule
 /// changes whenever the simulation does, so one may stop reproducing what
 /// it found.
-const FOUND_SEEDS: &[u64] = &[60543, 60680, 64752, 82375, 208811, 405406, 408482, 419262];
+const FOUND_SEEDS: &[u64] = &[
+    60543, 60680, 64752, 82375, 208811, 405406, 408482, 419262, 429080,
+];
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())

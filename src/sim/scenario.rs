@@ -153,17 +153,27 @@ impl Instance {
             config: config.clone(),
         };
         let t = token.clone();
+        let w = world.clone();
         let handle = tokio::spawn(async move {
+            use futures::FutureExt;
             let telemetry = PipelineTelemetry::new(&backend.config);
-            crate::relay::supervise::supervise(
+            let run = crate::relay::supervise::supervise(
                 &backend.config,
                 &backend,
                 Shard::whole(),
                 Balance::unlimited(),
                 telemetry,
                 t,
-            )
-            .await;
+            );
+            // A panic is a bug whatever the guarantees say afterwards.
+            if let Err(panic) = std::panic::AssertUnwindSafe(run).catch_unwind().await {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|m| (*m).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                lock(&w).violation(format!("instance {id} panicked: {message}"));
+            }
         });
         lock(world).note(format!("instance {id} starts"));
         Instance {

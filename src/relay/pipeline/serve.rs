@@ -277,9 +277,15 @@ where
                 },
                 // 5. Operators resolved dead letters (seen by the acker, or by the refresh).
                 found = self.resolved.next() => self.resolve(found),
-                Ok((found, seen, handed)) = letters::wait_refresh(&mut self.refresh.waiting), if self.refresh.waiting.is_some() => {
-                    self.refreshed(found, seen, handed)
-                }
+                answer = letters::wait_refresh(&mut self.refresh.waiting), if self.refresh.waiting.is_some() => match answer {
+                    Ok((found, seen, handed)) => self.refreshed(found, seen, handed),
+                    // The acker dropped the question: it failed (a receiver
+                    // that answered must not be polled again).
+                    Err(()) => {
+                        self.refresh.waiting = None;
+                        return Err(task_error(&mut self.acker_task, "acker").await);
+                    }
+                },
                 // Only dead aggregates need watching. Dead letters still to be
                 // written go first: the acker answers in order, so the view it
                 // returns includes every aggregate dead by now.
