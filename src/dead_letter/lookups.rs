@@ -117,10 +117,16 @@ pub fn open_sql(table: &TableName) -> String {
     )
 }
 
+/// Letters one look marks requested, at most: a statement on the ownership
+/// session must end well within the lease, and a redrive publishes a tenth
+/// of this per look ([`super::REQUESTED_BATCH`]).
+pub const EXTEND_BATCH: i64 = 5_000;
+
 /// Marks requested the open letters of every aggregate whose earliest open
-/// letter is requested: an operator's request on an aggregate's oldest
-/// letter covers the followers the relay wrote after it, which go back with
-/// it. A loose scan over the `open` index yields each aggregate with its
+/// letter is requested, oldest first, [`EXTEND_BATCH`] at most (the next
+/// look goes on): an operator's request on an aggregate's oldest letter
+/// covers the followers the relay wrote after it, which go back with it.
+/// A loose scan over the `open` index yields each aggregate with its
 /// earliest open letter in one probe (ordered by both columns, so no other
 /// index can serve it: a lookup of an aggregate's first letter by id alone
 /// may be planned along the primary key, which reads every letter before
@@ -143,13 +149,21 @@ pub fn extend_requests_sql(table: &TableName, shard: &str) -> String {
              WHERE f.redrive_requested_at IS NOT NULL
          ),
          named AS (
-             UPDATE {t} l SET redrive_requested_at = now() FROM asked
-             WHERE l.aggregate_id = asked.a AND l.resolution IS NULL AND l.redrive_requested_at IS NULL{shard}
+             UPDATE {t} l SET redrive_requested_at = now()
+             WHERE l.dead_letter_id IN (
+                 SELECT w.dead_letter_id FROM asked JOIN {t} w ON w.aggregate_id = asked.a
+                 WHERE w.resolution IS NULL AND w.redrive_requested_at IS NULL{shard}
+                 ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH})
+               AND l.resolution IS NULL AND l.redrive_requested_at IS NULL
              RETURNING 1
          ),
          unnamed AS (
              UPDATE {t} l SET redrive_requested_at = now()
-             WHERE l.aggregate_id IS NULL AND l.resolution IS NULL AND l.redrive_requested_at IS NULL{shard}
+             WHERE l.dead_letter_id IN (
+                 SELECT w.dead_letter_id FROM {t} w
+                 WHERE w.aggregate_id IS NULL AND w.resolution IS NULL AND w.redrive_requested_at IS NULL{shard}
+                 ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH})
+               AND l.resolution IS NULL AND l.redrive_requested_at IS NULL
                AND (SELECT f.redrive_requested_at IS NOT NULL FROM {t} f
                     WHERE f.resolution IS NULL AND f.aggregate_id IS NULL
                     ORDER BY f.aggregate_id, f.dead_letter_id LIMIT 1)

@@ -337,13 +337,30 @@ async fn a_look_reads_a_few_letters_per_dead_aggregate_however_many_wait() {
         ))
         .await
         .expect("request");
-    let extended: i64 = db
-        .client
-        .query_one(&looking_up(&table, "")[1], &[])
-        .await
-        .expect("extend")
-        .get(0);
-    assert_eq!(extended, FOLLOWERS - 1, "the request covers the followers");
+    // Look after look, a bounded batch each, oldest first, until all are.
+    let mut batches = Vec::new();
+    loop {
+        let extended: i64 = db
+            .client
+            .query_one(&looking_up(&table, "")[1], &[])
+            .await
+            .expect("extend")
+            .get(0);
+        if extended == 0 {
+            break;
+        }
+        batches.push(extended);
+        assert!(batches.len() < 100, "the extension ends: {batches:?}");
+    }
+    assert!(
+        batches.iter().all(|b| *b <= lookups::EXTEND_BATCH),
+        "{batches:?}"
+    );
+    assert_eq!(
+        batches.iter().sum::<i64>(),
+        FOLLOWERS - 1,
+        "the request covers the followers"
+    );
     db.client
         .batch_execute(&format!(
             "UPDATE {t} SET resolution = 'redriven', resolved_at = now()
