@@ -32,6 +32,7 @@ mod migrations;
 mod operations;
 mod partitions;
 mod rabbit_exchanges;
+mod redrive;
 mod retention;
 mod retention_skips;
 mod roles;

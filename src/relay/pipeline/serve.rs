@@ -212,13 +212,17 @@ where
             return Ok(());
         }
         let (tx, rx) = oneshot::channel();
-        let open = match self.ack_tx.send(AckCommand::OpenDeadLetters(tx)).await {
-            Ok(()) => rx.await.ok().map(|(open, _)| open),
+        let answer = match self.ack_tx.send(AckCommand::OpenDeadLetters(tx)).await {
+            Ok(()) => rx.await.ok(),
             Err(_) => None,
         };
-        let Some(open) = open else {
+        let Some((open, requested)) = answer else {
             return Err(task_error(&mut self.acker_task, "acker").await);
         };
+        if !requested.is_empty() {
+            // Asked for while no relay ran: the first look comes at once.
+            self.refresh.next = Some(Instant::now());
+        }
         if !open.is_empty() {
             tracing::warn!(
                 aggregates = open.len(),
@@ -483,6 +487,14 @@ where
             };
             if let Some(n) = self.redriving.get_mut(&aggregate) {
                 *n = n.saturating_sub(1);
+                if *n == 0 {
+                    // Look again once these are recorded (the loop looks
+                    // only with nothing left for the acker): a redrive larger
+                    // than one look's batch goes on at the broker's pace, and
+                    // its aggregate resumes at once, instead of one batch per
+                    // dead_letter.refresh_interval.
+                    self.refresh.next = Some(Instant::now());
+                }
             }
         }
         Confirmed {

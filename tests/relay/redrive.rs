@@ -1,0 +1,53 @@
+//! A redrive larger than one look's batch: the relay looks again as soon as
+//! a batch is published, so it goes on at the broker's pace, in order, and
+//! its aggregate resumes at once, whatever `dead_letter.refresh_interval`.
+
+use crate::dead_letters::dlq_list;
+use crate::support::*;
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_of_many_batches_goes_on_without_waiting_for_the_next_look() {
+    const LETTERS: usize = 1_200; // more than two looks' batches of 500
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[("dead_letter.refresh_interval", "\"1h\"")],
+    )
+    .await;
+    let path = config_file(&toml);
+    db.client
+        .execute(
+            "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload,
+                                              created_at, reason, attempts, first_failed_at, last_failed_at)
+             SELECT 'r' || lpad(g::text, 5, '0'), 'order', 'A', 'OrderCreated', '{}', now()::text,
+                    'message too large', 5, now(), now()
+             FROM generate_series(1, $1::int) g",
+            &[&(LETTERS as i32)],
+        )
+        .await
+        .expect("letters of one aggregate");
+    let (code, out, err) = run_cli(
+        &["dlq", "redrive", "--aggregate", "A", "--config", &path],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+
+    // With a look an hour apart, only the relay's own looks move it on.
+    let relay = InProcess::start(parse(&toml));
+    let expected: Vec<String> = (1..=LETTERS).map(|i| format!("r{i:05}")).collect();
+    let got = broker.inbox().wait_ids(&expected, WAIT).await;
+    let order: Vec<String> = got.iter().map(|m| m.event_id()).collect();
+    assert_eq!(order[..LETTERS], expected[..], "in order, each once");
+    wait_for(WAIT, "every letter resolved", || {
+        let path = path.clone();
+        async move { dlq_list(&path).is_empty().then_some(()) }
+    })
+    .await;
+    // The aggregate flows again: a new event of it is published.
+    let later = uuid::Uuid::new_v4();
+    db.insert(later, "order", "A", json!({})).await;
+    broker.inbox().wait_ids(&[later.to_string()], WAIT).await;
+    relay.stop().await;
+}
