@@ -117,14 +117,14 @@ pub fn open_sql(table: &TableName) -> String {
     )
 }
 
-/// Letters one look marks requested, at most: a statement on the ownership
-/// session must end well within the lease, and a redrive publishes a tenth
-/// of this per look ([`super::REQUESTED_BATCH`]).
+/// Letters one extending statement marks requested, at most: a statement
+/// on the ownership session must end well within the lease (a look runs as
+/// many as it takes).
 pub const EXTEND_BATCH: i64 = 5_000;
 
 /// Marks requested the open letters of every aggregate whose earliest open
-/// letter is requested, oldest first, [`EXTEND_BATCH`] at most (the next
-/// look goes on): an operator's request on an aggregate's oldest letter
+/// letter is requested, in each aggregate's order, [`EXTEND_BATCH`] at most;
+/// returns how many: an operator's request on an aggregate's oldest letter
 /// covers the followers the relay wrote after it, which go back with it.
 /// A loose scan over the `open` index yields each aggregate with its
 /// earliest open letter in one probe (ordered by both columns, so no other

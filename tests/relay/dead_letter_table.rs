@@ -274,3 +274,40 @@ async fn a_follower_of_letters_being_redriven_goes_with_them() {
         "asked for exactly when its aggregate's earliest letter is"
     );
 }
+
+/// One look marks every follower a request covers before it hands any
+/// letter over, however many, in statements of a bounded size: else an
+/// aggregate whose requested letters went first would be left with
+/// followers nobody asked for, and dead for good.
+#[tokio::test]
+async fn a_look_extends_every_request_before_it_hands_letters_over() {
+    use outbox_relay::dead_letter::{Recorder, lookups};
+    let db = TestDb::new().await;
+    let table = dead_letter_table(&db).await;
+    let t = table.quoted();
+    // "a" sorts first and has more followers than one statement marks;
+    // "b" has a requested letter, then one nobody asked for yet.
+    let many = lookups::EXTEND_BATCH + 10;
+    db.client
+        .batch_execute(&format!(
+            "INSERT INTO {t} (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at, redrive_requested_at)
+             VALUES ('a0', 'a', 'refused', 5, now(), now(), now()), ('b0', 'b', 'refused', 5, now(), now(), now());
+             INSERT INTO {t} (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at)
+             SELECT 'a' || g, 'a', 'follows', 0, now(), now() FROM generate_series(1, {many}) g;
+             INSERT INTO {t} (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at)
+             VALUES ('b1', 'b', 'follows', 0, now(), now());"
+        ))
+        .await
+        .expect("letters");
+    let recorder = Recorder::new(&db.client, &table, None, false)
+        .await
+        .expect("recorder");
+    let handed = recorder.requested(&db.client).await.expect("a look");
+    assert_eq!(handed.len(), 500, "one look's batch");
+    let unrequested = db
+        .count(&format!(
+            "SELECT count(*) FROM {t} WHERE resolution IS NULL AND redrive_requested_at IS NULL"
+        ))
+        .await;
+    assert_eq!(unrequested, 0, "every follower of a request is asked for");
+}
