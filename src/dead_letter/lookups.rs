@@ -117,15 +117,15 @@ pub fn open_sql(table: &TableName) -> String {
     )
 }
 
-/// Letters one extending statement marks requested, at most: a statement
-/// on the ownership session must end well within the lease (a look runs as
-/// many as it takes).
-pub const EXTEND_BATCH: i64 = 5_000;
+/// Letters one look marks requested, at most: a statement on the ownership
+/// session must end well within the lease (about half a second here).
+pub const EXTEND_BATCH: i64 = 20_000;
 
 /// Marks requested the open letters of every aggregate whose earliest open
-/// letter is requested, in each aggregate's order, [`EXTEND_BATCH`] at most;
-/// returns how many: an operator's request on an aggregate's oldest letter
-/// covers the followers the relay wrote after it, which go back with it.
+/// letter is requested, in each aggregate's order, [`EXTEND_BATCH`] at most
+/// (the next look goes on); returns how many: an operator's request on an
+/// aggregate's oldest letter covers the followers the relay wrote after it,
+/// which go back with it.
 /// A loose scan over the `open` index yields each aggregate with its
 /// earliest open letter in one probe (ordered by both columns, so no other
 /// index can serve it: a lookup of an aggregate's first letter by id alone
@@ -174,15 +174,20 @@ pub fn extend_requests_sql(table: &TableName, shard: &str) -> String {
 }
 
 /// The requested letters that may be published now, oldest first, at most
-/// `$1`: those with no open letter of their aggregate before them that
-/// nobody asked for. Read in order from the `requested` index, each probing
-/// the `waiting` index. `shard` as for [`extend_requests_sql`].
+/// `$1`: those of aggregates with no open letter nobody asked for (one
+/// before them holds them back; one after them is a follower the
+/// extension has not reached yet, and publishing the letters first would
+/// leave it first, unrequested, and the request ended). Read in order from
+/// the `requested` index, each probing the `waiting` index. `shard` as for
+/// [`extend_requests_sql`].
 pub fn requested_sql(table: &TableName, shard: &str) -> String {
     let t = table.quoted();
-    let before = |group: &str| {
+    // OFFSET 0 keeps each a probe per letter: flattened into an anti-join,
+    // the plan would read every requested letter before the LIMIT.
+    let none_waiting = |group: &str| {
         format!(
             "NOT EXISTS (SELECT 1 FROM {t} e WHERE e.resolution IS NULL AND e.redrive_requested_at IS NULL
-                         AND e.aggregate_id {group} AND e.dead_letter_id < l.dead_letter_id)"
+                         AND e.aggregate_id {group} OFFSET 0)"
         )
     };
     format!(
@@ -193,7 +198,7 @@ pub fn requested_sql(table: &TableName, shard: &str) -> String {
            AND {named}
            AND (l.aggregate_id IS NOT NULL OR {unnamed})
          ORDER BY l.dead_letter_id LIMIT $1",
-        named = before("= l.aggregate_id"),
-        unnamed = before("IS NULL"),
+        named = none_waiting("= l.aggregate_id"),
+        unnamed = none_waiting("IS NULL"),
     )
 }

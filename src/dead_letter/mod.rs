@@ -411,17 +411,7 @@ impl Recorder {
         &self,
         client: &Client,
     ) -> Result<Vec<Requested>, tokio_postgres::Error> {
-        // Every follower a request covers is marked before any of its
-        // aggregate's letters is handed over (once they are published, the
-        // earliest open letter would be a follower nobody asked for): in
-        // statements of at most EXTEND_BATCH letters, each one short for the
-        // ownership session.
-        loop {
-            let extended: i64 = client.query_one(&self.extend_requests, &[]).await?.get(0);
-            if extended < lookups::EXTEND_BATCH {
-                break;
-            }
-        }
+        client.execute(&self.extend_requests, &[]).await?;
         Ok(client
             .query(&self.requested, &[&REQUESTED_BATCH])
             .await?

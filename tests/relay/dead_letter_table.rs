@@ -275,18 +275,18 @@ async fn a_follower_of_letters_being_redriven_goes_with_them() {
     );
 }
 
-/// One look marks every follower a request covers before it hands any
-/// letter over, however many, in statements of a bounded size: else an
-/// aggregate whose requested letters went first would be left with
-/// followers nobody asked for, and dead for good.
+/// A look hands over no letter of an aggregate whose request the
+/// extension has not yet carried to every follower (it marks a bounded
+/// batch per look): published first, those letters would leave a follower
+/// nobody asked for as the aggregate's earliest, and the request ended.
 #[tokio::test]
-async fn a_look_extends_every_request_before_it_hands_letters_over() {
+async fn a_look_hands_over_only_aggregates_the_extension_has_covered() {
     use outbox_relay::dead_letter::{Recorder, lookups};
     let db = TestDb::new().await;
     let table = dead_letter_table(&db).await;
     let t = table.quoted();
-    // "a" sorts first and has more followers than one statement marks;
-    // "b" has a requested letter, then one nobody asked for yet.
+    // "a" sorts first and has more followers than one look marks; "b" has
+    // a requested letter, then one nobody asked for yet.
     let many = lookups::EXTEND_BATCH + 10;
     db.client
         .batch_execute(&format!(
@@ -302,12 +302,32 @@ async fn a_look_extends_every_request_before_it_hands_letters_over() {
     let recorder = Recorder::new(&db.client, &table, None, false)
         .await
         .expect("recorder");
-    let handed = recorder.requested(&db.client).await.expect("a look");
-    assert_eq!(handed.len(), 500, "one look's batch");
-    let unrequested = db
-        .count(&format!(
-            "SELECT count(*) FROM {t} WHERE resolution IS NULL AND redrive_requested_at IS NULL"
-        ))
-        .await;
-    assert_eq!(unrequested, 0, "every follower of a request is asked for");
+    let unrequested_sql = format!(
+        "SELECT count(*) FROM {t} WHERE resolution IS NULL AND redrive_requested_at IS NULL"
+    );
+    let first = recorder.requested(&db.client).await.expect("a look");
+    assert!(
+        db.count(&unrequested_sql).await > 0,
+        "one look marks a bounded batch"
+    );
+    assert!(
+        first.is_empty(),
+        "nothing handed over while followers wait: {}",
+        first.len()
+    );
+    let mut looks = 1;
+    let handed = loop {
+        let handed = recorder.requested(&db.client).await.expect("a look");
+        looks += 1;
+        if !handed.is_empty() || looks > 10 {
+            break handed;
+        }
+    };
+    assert_eq!(
+        db.count(&unrequested_sql).await,
+        0,
+        "every follower is asked for by now"
+    );
+    assert_eq!(handed.len(), 500, "then a look's batch, oldest first");
+    assert_eq!(handed[0].raw.id.as_deref(), Some("a0"));
 }
