@@ -150,19 +150,19 @@ pub fn extend_requests_sql(table: &TableName, shard: &str) -> String {
          ),
          named AS (
              UPDATE {t} l SET redrive_requested_at = now()
-             WHERE l.dead_letter_id IN (
+             WHERE l.dead_letter_id = ANY (ARRAY (
                  SELECT w.dead_letter_id FROM asked JOIN {t} w ON w.aggregate_id = asked.a
                  WHERE w.resolution IS NULL AND w.redrive_requested_at IS NULL{shard}
-                 ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH})
+                 ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH}))
                AND l.resolution IS NULL AND l.redrive_requested_at IS NULL
              RETURNING 1
          ),
          unnamed AS (
              UPDATE {t} l SET redrive_requested_at = now()
-             WHERE l.dead_letter_id IN (
+             WHERE l.dead_letter_id = ANY (ARRAY (
                  SELECT w.dead_letter_id FROM {t} w
                  WHERE w.aggregate_id IS NULL AND w.resolution IS NULL AND w.redrive_requested_at IS NULL{shard}
-                 ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH})
+                 ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH}))
                AND l.resolution IS NULL AND l.redrive_requested_at IS NULL
                AND (SELECT f.redrive_requested_at IS NOT NULL FROM {t} f
                     WHERE f.resolution IS NULL AND f.aggregate_id IS NULL
@@ -182,12 +182,14 @@ pub fn extend_requests_sql(table: &TableName, shard: &str) -> String {
 /// [`extend_requests_sql`].
 pub fn requested_sql(table: &TableName, shard: &str) -> String {
     let t = table.quoted();
-    // OFFSET 0 keeps each a probe per letter: flattened into an anti-join,
-    // the plan would read every requested letter before the LIMIT.
+    // Each a probe per letter along the `waiting` index, with statistics or
+    // without (a table just filled): ordered by its columns, no other index
+    // serves it as cheaply; and OFFSET 0 keeps it a probe (flattened into an
+    // anti-join, the plan read every requested letter).
     let none_waiting = |group: &str| {
         format!(
             "NOT EXISTS (SELECT 1 FROM {t} e WHERE e.resolution IS NULL AND e.redrive_requested_at IS NULL
-                         AND e.aggregate_id {group} OFFSET 0)"
+                         AND e.aggregate_id {group} ORDER BY e.aggregate_id, e.dead_letter_id LIMIT 1 OFFSET 0)"
         )
     };
     format!(
