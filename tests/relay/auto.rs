@@ -325,10 +325,7 @@ async fn auto_names_a_missing_slot_and_a_role_that_may_not_stream() {
     db.migrate(&parse(&toml)).await;
     let source_line = |toml: &str| {
         let (_, out, _) = run_cli(&["check", "--config", &config_file(toml)], &[]);
-        out.lines()
-            .find(|l| l.get(7..).is_some_and(|rest| rest.starts_with("source")))
-            .unwrap_or_else(|| panic!("no source line: {out}"))
-            .to_owned()
+        check_line(&out, "source")
     };
 
     let no_slot = set(&toml, "source.cdc.create_slot", "false");

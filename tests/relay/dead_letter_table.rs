@@ -161,13 +161,7 @@ async fn a_replay_skips_only_places_recorded_on_this_server_as_it_counts() {
 /// `check`'s line on the dead-letter table.
 fn dead_letters_line(path: &str) -> String {
     let (_, out, _) = run_cli(&["check", "--config", path], &[]);
-    out.lines()
-        .find(|l| {
-            l.get(7..)
-                .is_some_and(|rest| rest.starts_with("dead letters"))
-        })
-        .unwrap_or_else(|| panic!("no dead-letter line: {out}"))
-        .to_owned()
+    check_line(&out, "dead letters")
 }
 
 /// A dead-letter table the relay cannot use fails `check` with what to do,

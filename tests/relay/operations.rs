@@ -255,13 +255,7 @@ async fn without_marking_the_backlog_is_not_counted_from_the_table() {
         "{text}"
     );
     let (_, out, _) = run_cli(&["check", "--config", &path], &[]);
-    // A check's line: its mark, then what it checked.
-    let line = |what: &str| {
-        out.lines()
-            .find(|l| l.get(7..).is_some_and(|rest| rest.starts_with(what)))
-            .unwrap_or_default()
-            .to_owned()
-    };
+    let line = |what: &str| check_line(&out, what);
     assert!(
         line("backlog").contains("not known from the table"),
         "{out}"

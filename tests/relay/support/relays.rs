@@ -162,6 +162,15 @@ fn exit_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
     None
 }
 
+/// The line of `check`'s output (`out`) for `what` ("[mark] what ..."),
+/// empty when there is none.
+pub fn check_line(out: &str, what: &str) -> String {
+    out.lines()
+        .find(|l| l.get(7..).is_some_and(|rest| rest.starts_with(what)))
+        .unwrap_or_default()
+        .to_owned()
+}
+
 /// Runs `outbox-relay <args>` to completion; asserts it exits with `code`
 /// and that its stdout holds each of `says`. Returns stdout.
 pub fn cli_says(args: &[&str], code: i32, says: &[&str]) -> String {
