@@ -66,6 +66,17 @@ pub struct Requested {
     pub raw: RawRow,
 }
 
+/// One look at the requested letters.
+#[derive(Debug, Default)]
+pub struct Requests {
+    /// Letters to publish again, oldest first.
+    pub letters: Vec<Requested>,
+    /// The look extended a request to a full batch of followers
+    /// ([`lookups::EXTEND_BATCH`]): more may be waiting, so look again soon
+    /// instead of a whole refresh interval later.
+    pub extending: bool,
+}
+
 /// Columns added after the first release, with their types: `migrate` adds
 /// them to an existing table.
 pub const LATER_COLUMNS: [(&str, &str); 5] = [
@@ -407,12 +418,9 @@ impl Recorder {
     }
 
     /// Letters an operator asked to publish again, oldest first.
-    pub async fn requested(
-        &self,
-        client: &Client,
-    ) -> Result<Vec<Requested>, tokio_postgres::Error> {
-        client.execute(&self.extend_requests, &[]).await?;
-        Ok(client
+    pub async fn requested(&self, client: &Client) -> Result<Requests, tokio_postgres::Error> {
+        let extended: i64 = client.query_one(&self.extend_requests, &[]).await?.get(0);
+        let letters = client
             .query(&self.requested, &[&REQUESTED_BATCH])
             .await?
             .iter()
@@ -430,7 +438,11 @@ impl Recorder {
                     extra: r.get(9),
                 },
             })
-            .collect())
+            .collect();
+        Ok(Requests {
+            letters,
+            extending: extended >= lookups::EXTEND_BATCH,
+        })
     }
 
     /// The broker confirmed these letters: they are redriven.

@@ -190,7 +190,7 @@ impl RowStore for SimStore {
         self.statement(|_| ()).await
     }
 
-    async fn requested_letters(&self) -> Result<Vec<crate::dead_letter::Requested>, SourceError> {
+    async fn requested_letters(&self) -> Result<crate::dead_letter::Requests, SourceError> {
         self.statement(|w| {
             // Aggregates whose oldest open letter is requested: the request
             // covers all their open letters.
@@ -209,7 +209,11 @@ impl RowStore for SimStore {
                 }
             }
             out.truncate(crate::dead_letter::REQUESTED_BATCH as usize);
-            out
+            // The model extends a request in one step: nothing is left over.
+            crate::dead_letter::Requests {
+                letters: out,
+                extending: false,
+            }
         })
         .await
     }

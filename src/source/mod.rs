@@ -203,7 +203,7 @@ pub trait Acker: Send + 'static {
     /// [`crate::dead_letter`]).
     fn requested_letters(
         &mut self,
-    ) -> impl Future<Output = Result<Vec<crate::dead_letter::Requested>, SourceError>> + Send {
+    ) -> impl Future<Output = Result<crate::dead_letter::Requests, SourceError>> + Send {
         self.store().requested_letters()
     }
 

@@ -9,7 +9,7 @@ use super::SourceError;
 use crate::config::MarkMode;
 use crate::config::TableName;
 use crate::db::DbError;
-use crate::dead_letter::{DeadLetter, OpenLetters, Recorder, Requested, Written};
+use crate::dead_letter::{DeadLetter, OpenLetters, Recorder, Requests, Written};
 use crate::outbox::mark_sql;
 use std::future::Future;
 use tokio_postgres::{Client, Statement};
@@ -40,8 +40,7 @@ pub trait RowStore: Send + Sync + 'static {
     fn heartbeat(&self) -> impl Future<Output = Result<(), SourceError>> + Send;
 
     /// Dead letters an operator asked to publish again, oldest first.
-    fn requested_letters(&self)
-    -> impl Future<Output = Result<Vec<Requested>, SourceError>> + Send;
+    fn requested_letters(&self) -> impl Future<Output = Result<Requests, SourceError>> + Send;
 
     /// The broker confirmed these redriven letters.
     fn letters_sent(&self, ids: &[i64]) -> impl Future<Output = Result<(), SourceError>> + Send;
@@ -212,13 +211,13 @@ impl RowStore for RowRecorder {
         Ok(())
     }
 
-    async fn requested_letters(&self) -> Result<Vec<Requested>, SourceError> {
+    async fn requested_letters(&self) -> Result<Requests, SourceError> {
         match &self.dead_letters {
             Some(r) => r
                 .requested(&self.client)
                 .await
                 .map_err(|e| DbError::query("reading requested redrives", e).into()),
-            None => Ok(Vec::new()),
+            None => Ok(Requests::default()),
         }
     }
 

@@ -305,15 +305,16 @@ async fn a_look_hands_over_only_aggregates_the_extension_has_covered() {
         "one look marks a bounded batch"
     );
     assert!(
-        first.is_empty(),
+        first.letters.is_empty(),
         "nothing handed over while followers wait: {}",
-        first.len()
+        first.letters.len()
     );
+    assert!(first.extending, "a full batch extended: look again soon");
     let mut looks = 1;
     let handed = loop {
         let handed = recorder.requested(&db.client).await.expect("a look");
         looks += 1;
-        if !handed.is_empty() || looks > 10 {
+        if !handed.letters.is_empty() || looks > 10 {
             break handed;
         }
     };
@@ -322,6 +323,11 @@ async fn a_look_hands_over_only_aggregates_the_extension_has_covered() {
         0,
         "every follower is asked for by now"
     );
-    assert_eq!(handed.len(), 500, "then a look's batch, oldest first");
-    assert_eq!(handed[0].raw.id.as_deref(), Some("a0"));
+    assert!(!handed.extending, "the extension is done");
+    assert_eq!(
+        handed.letters.len(),
+        500,
+        "then a look's batch, oldest first"
+    );
+    assert_eq!(handed.letters[0].raw.id.as_deref(), Some("a0"));
 }

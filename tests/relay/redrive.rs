@@ -51,3 +51,50 @@ async fn a_redrive_of_many_batches_goes_on_without_waiting_for_the_next_look() {
     broker.inbox().wait_ids(&[later.to_string()], WAIT).await;
     relay.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_on_many_followers_is_extended_look_after_look_without_waiting() {
+    // More followers than one look extends (lookups::EXTEND_BATCH, 20,000).
+    const LETTERS: i32 = 20_050;
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[("dead_letter.refresh_interval", "\"1h\"")],
+    )
+    .await;
+    // As the relay leaves them: the operator asked for the aggregate's
+    // oldest letter; its followers are not requested yet.
+    db.client
+        .execute(
+            "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload,
+                                              created_at, reason, attempts, first_failed_at, last_failed_at,
+                                              redrive_requested_at)
+             SELECT 'r' || lpad(g::text, 5, '0'), 'order', 'A', 'OrderCreated', '{}', now()::text,
+                    'message too large', 5, now(), now(), CASE WHEN g = 1 THEN now() END
+             FROM generate_series(1, $1::int) g",
+            &[&LETTERS],
+        )
+        .await
+        .expect("letters of one aggregate");
+
+    // The look on start extends the request to 20,000 followers and hands
+    // nothing over (the aggregate is not covered yet); with the next look an
+    // hour away, only an immediate one publishes anything.
+    let relay = InProcess::start(parse(&toml));
+    let first: Vec<String> = (1..=500).map(|i| format!("r{i:05}")).collect();
+    let got = broker.inbox().wait_ids(&first, WAIT).await;
+    let order: Vec<String> = got.iter().map(|m| m.event_id()).collect();
+    assert_eq!(order[..first.len()], first[..], "in order, each once");
+    let unrequested: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM outbox_dead_letters WHERE redrive_requested_at IS NULL AND resolution IS NULL",
+            &[],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(unrequested, 0, "every follower is requested");
+    relay.stop().await;
+}

@@ -219,7 +219,7 @@ where
         let Some((open, requested)) = answer else {
             return Err(task_error(&mut self.acker_task, "acker").await);
         };
-        if !requested.is_empty() {
+        if !requested.letters.is_empty() || requested.extending {
             // Asked for while no relay ran: the first look comes at once.
             self.refresh.next = Some(Instant::now());
         }

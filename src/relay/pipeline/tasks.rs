@@ -2,7 +2,7 @@
 //! batches, and the acker, recording progress in order.
 
 use super::PipelineError;
-use crate::dead_letter::{DeadLetter, OpenLetters, Requested};
+use crate::dead_letter::{DeadLetter, OpenLetters, Requests};
 use crate::relay::lease::Lease;
 use crate::source::budget::Budget;
 use crate::source::{Acker, Reader, SourceError, SourcedEvent};
@@ -84,7 +84,7 @@ pub struct Batch<P> {
 
 /// What a refresh of the dead-letter table found: the aggregates with open
 /// letters, and the letters an operator asked to publish again.
-pub type Refreshed = (OpenLetters, Vec<Requested>);
+pub type Refreshed = (OpenLetters, Requests);
 
 /// Work for the acker, carried out in the order sent.
 pub enum AckCommand<P> {

@@ -113,7 +113,7 @@ mod tests {
     //! decode a commit before other sessions see it on demand (the window
     //! is microseconds), so the order of calls is checked here.
     use super::*;
-    use crate::dead_letter::{OpenLetters, Requested, Written};
+    use crate::dead_letter::{OpenLetters, Requests, Written};
     use crate::source::cdc::progress::Progress;
     use std::sync::{Arc, Mutex};
 
@@ -156,8 +156,8 @@ mod tests {
         async fn heartbeat(&self) -> Result<(), SourceError> {
             Ok(())
         }
-        async fn requested_letters(&self) -> Result<Vec<Requested>, SourceError> {
-            Ok(Vec::new())
+        async fn requested_letters(&self) -> Result<Requests, SourceError> {
+            Ok(Requests::default())
         }
         async fn letters_sent(&self, _ids: &[i64]) -> Result<(), SourceError> {
             Ok(())

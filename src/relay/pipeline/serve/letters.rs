@@ -47,9 +47,14 @@ where
             .emit();
             self.rewind_later();
         }
+        if requested.extending {
+            // A request is being extended to many followers, one batch per
+            // look: look again at once rather than a whole interval later.
+            self.refresh.next = Some(Instant::now());
+        }
         // A view older than letters handed over since may still list them.
         if handed == self.letters_handed {
-            self.redrive(requested);
+            self.redrive(requested.letters);
         }
     }
 
