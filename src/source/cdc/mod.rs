@@ -479,16 +479,17 @@ impl<B: CdcServer> Reader for CdcReader<B> {
         let due = lock(&self.progress).report_due();
         match &mut self.phase {
             Phase::Streaming(s) => loop {
-                s.paused_at = Instant::now();
-                tokio::select! {
-                    _ = tokio::time::sleep_until(s.next_status) => {}
-                    () = due.notified() => {}
-                }
+                // First: a report left due (a send cut short) goes at once.
                 if Instant::now() >= s.next_status
                     || report_due(&self.progress, self.settings.report_every)
                 {
                     s.send_status(&self.progress, self.timing.status_every)
                         .await?;
+                }
+                s.paused_at = Instant::now();
+                tokio::select! {
+                    _ = tokio::time::sleep_until(s.next_status) => {}
+                    () = due.notified() => {}
                 }
             },
             _ => std::future::pending().await,

@@ -106,9 +106,15 @@ impl Progress {
         self.unreported
     }
 
-    /// The flushed position was just reported to the server.
-    pub fn reported(&mut self) {
-        self.unreported = 0;
+    /// The flushed position was just reported to the server, covering the
+    /// first `counted` of the [`Progress::unreported`] confirmations (those
+    /// that came while it was sent are still to report).
+    pub fn reported(&mut self, counted: u64) {
+        self.unreported = self.unreported.saturating_sub(counted);
+        if self.unreported >= self.report_every {
+            // A window came while it was sent: its wake-up was spent on this one.
+            self.report_due.notify_one();
+        }
     }
 
     /// Nothing read is waiting for the broker.
@@ -345,7 +351,7 @@ mod tests {
         p.report_every(2);
         let due = p.report_due();
         p.begin(Lsn(100));
-        for i in 0..3 {
+        for i in 0..5 {
             p.event(&pos(100, i));
         }
         p.commit(Lsn(110));
@@ -361,9 +367,18 @@ mod tests {
         assert!(!woken(&due), "one confirmation is no window");
         p.confirm(&pos(100, 1));
         assert!(woken(&due), "two are");
-        p.reported();
+        p.reported(2);
         p.confirm(&pos(100, 2));
         assert!(!woken(&due), "counted again from the report");
+        // A report of that one is being sent while two more come (their
+        // wake-up goes to the report under way): once sent, it covers only
+        // what it counted, and the two are a window, due at once.
+        p.confirm(&pos(100, 3));
+        assert!(woken(&due));
+        p.confirm(&pos(100, 4));
+        p.reported(1);
+        assert_eq!(p.unreported(), 2);
+        assert!(woken(&due), "what came meanwhile is a window");
     }
 
     #[test]

@@ -102,13 +102,15 @@ impl<S: CdcStream> Streaming<S> {
         progress: &Mutex<Progress>,
         interval: std::time::Duration,
     ) -> Result<(), SourceError> {
-        let flushed = {
-            let mut p = lock(progress);
-            p.reported();
-            p.flushed()
+        let (flushed, counted) = {
+            let p = lock(progress);
+            (p.flushed(), p.unreported())
         };
         let write = self.received.max(flushed);
         self.stream.send_status(write, flushed).await?;
+        // Only once sent: a send cut short (the reader's select moved on)
+        // leaves the report due, so the next step sends it again.
+        lock(progress).reported(counted);
         self.next_status = Instant::now() + interval;
         Ok(())
     }
@@ -432,3 +434,56 @@ pub fn lock(progress: &Mutex<Progress>) -> std::sync::MutexGuard<'_, Progress> {
 }
 
 pub type SharedProgress = Arc<Mutex<Progress>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream whose status message never finishes sending.
+    struct Stuck;
+
+    impl CdcStream for Stuck {
+        async fn next(&mut self) -> Result<Option<StreamMessage>, SourceError> {
+            std::future::pending().await
+        }
+        async fn send_status(&mut self, _: Lsn, _: Lsn) -> Result<(), SourceError> {
+            std::future::pending().await
+        }
+        async fn finish(self) {}
+    }
+
+    /// A status message cut short counts nothing as reported: the report
+    /// stays due, instead of a window of confirmations going unreported
+    /// until the next one piles up.
+    #[tokio::test]
+    async fn a_status_message_cut_short_leaves_its_report_due() {
+        let progress = Mutex::new(Progress::new(Lsn(10), 100));
+        {
+            let mut p = lock(&progress);
+            p.begin(Lsn(100));
+            for i in 0..3 {
+                p.event(&CdcPosition {
+                    commit_lsn: Lsn(100),
+                    index: i,
+                    seq: None,
+                    xid: None,
+                });
+            }
+            p.commit(Lsn(110));
+            for i in 0..3 {
+                p.confirm(&CdcPosition {
+                    commit_lsn: Lsn(100),
+                    index: i,
+                    seq: None,
+                    xid: None,
+                });
+            }
+        }
+        assert_eq!(lock(&progress).unreported(), 3);
+        let mut s = Streaming::new(Stuck, None, Lsn(10), false, None);
+        let send = s.send_status(&progress, std::time::Duration::from_secs(10));
+        let cut = tokio::time::timeout(std::time::Duration::from_millis(20), send).await;
+        assert!(cut.is_err(), "the send never finishes");
+        assert_eq!(lock(&progress).unreported(), 3, "still to report");
+    }
+}
