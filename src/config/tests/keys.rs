@@ -55,7 +55,7 @@ fn the_readme_documents_every_key() {
 }
 
 /// Sets a dotted key in a TOML table, creating sections as needed.
-fn set_key(table: &mut toml::Table, key: &str, value: toml::Value) {
+pub(super) fn set_key(table: &mut toml::Table, key: &str, value: toml::Value) {
     let mut parts: Vec<&str> = key.split('.').collect();
     let leaf = parts.pop().unwrap();
     let mut t = table;

@@ -2,6 +2,7 @@ use super::*;
 
 mod columns;
 mod keys;
+mod ranges;
 mod services;
 mod sink;
 mod source;

@@ -1,0 +1,123 @@
+//! The ranges the README's key table states are the ones enforced: each
+//! end accepted, one step past it refused with the key's name.
+
+use super::*;
+
+/// How a key's value is counted.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Count,
+    Millis,
+    Bytes,
+    Characters,
+}
+
+/// A number of the README's units as the smallest step of its kind
+/// (milliseconds, bytes), and that kind.
+fn fine(n: u64, unit: &str) -> Option<(u64, Kind)> {
+    Some(match unit {
+        "" => (n, Kind::Count),
+        "characters" => (n, Kind::Characters),
+        "ms" => (n, Kind::Millis),
+        "s" => (n * 1000, Kind::Millis),
+        "h" => (n * 3_600_000, Kind::Millis),
+        "MiB" => (n << 20, Kind::Bytes),
+        "GiB" => (n << 30, Kind::Bytes),
+        _ => return None,
+    })
+}
+
+/// `(key, low, high, kind)` of each row of the README's key tables that
+/// states a range as `(low to high)`; a unit is written after the high end
+/// and, when it differs, after the low end too (`10 ms to 1 h`).
+fn readme_ranges() -> Vec<(String, u64, u64, Kind)> {
+    let readme = include_str!("../../../README.md");
+    let number = |s: &str| s.replace(',', "").parse::<u64>().ok();
+    let mut out = Vec::new();
+    for line in readme.lines() {
+        let Some((key, rest)) = line
+            .strip_prefix("| `")
+            .and_then(|rest| rest.split_once("` |"))
+        else {
+            continue;
+        };
+        let Some(meaning) = rest.split(" | ").nth(1) else {
+            continue;
+        };
+        for part in meaning.split('(').skip(1) {
+            let inner = part.split([')', ';']).next().unwrap_or("");
+            let Some((low, high)) = inner.split_once(" to ") else {
+                continue;
+            };
+            let (high, unit) = high.split_once(' ').unwrap_or((high, ""));
+            let (low, low_unit) = low.split_once(' ').unwrap_or((low, unit));
+            let (Some(l), Some(h)) = (number(low), number(high)) else {
+                continue;
+            };
+            let (Some((l, kind)), Some((h, high_kind))) = (fine(l, low_unit), fine(h, unit)) else {
+                panic!("{key}: a range in units this test does not know: {inner:?}");
+            };
+            assert_eq!(kind, high_kind, "{key}: {inner:?}");
+            out.push((key.to_owned(), l, h, kind));
+        }
+    }
+    out
+}
+
+/// `n` steps of `kind` as the key takes them.
+fn value(kind: Kind, n: u64) -> toml::Value {
+    match kind {
+        Kind::Millis => toml::Value::String(format!("{n}ms")),
+        Kind::Characters => toml::Value::String("p".repeat(n as usize)),
+        Kind::Count | Kind::Bytes => toml::Value::Integer(n as i64),
+    }
+}
+
+/// The problems the loader reports about `key` set to `v` (on the
+/// reference configuration, with what the key needs to be read at all).
+fn problems(key: &str, v: toml::Value) -> Vec<String> {
+    let mut table: toml::Table = toml::from_str(include_str!("../../../config/reference.toml"))
+        .expect("the reference configuration");
+    let needs: Vec<(&str, toml::Value)> = match key {
+        "source.cdc.message_prefix" => vec![("source.cdc.messages", true.into())],
+        "retention.partition_premake" => vec![("retention.mode", "partitions".into())],
+        _ => Vec::new(),
+    };
+    for (k, v) in needs {
+        keys::set_key(&mut table, k, v);
+    }
+    keys::set_key(&mut table, key, v);
+    match load_str(&toml::to_string(&table).unwrap()) {
+        Ok(_) => Vec::new(),
+        Err(e) => e
+            .to_string()
+            .lines()
+            .filter(|l| l.contains(&format!("{key}: ")) || l.contains(&format!("{key} (")))
+            .map(str::to_owned)
+            .collect(),
+    }
+}
+
+#[test]
+fn every_range_the_readme_states_is_enforced_at_both_ends() {
+    let ranges = readme_ranges();
+    assert!(
+        ranges.len() >= 10,
+        "the README's ranges were not found: {ranges:?}"
+    );
+    for (key, low, high, kind) in ranges {
+        for (n, accepted) in [
+            (low, true),
+            (high, true),
+            (low - 1, false),
+            (high + 1, false),
+        ] {
+            let found = problems(&key, value(kind, n));
+            assert_eq!(
+                found.is_empty(),
+                accepted,
+                "{key} = {n} ({kind:?}; README: {low} to {high}): {found:?}"
+            );
+        }
+    }
+}
