@@ -123,9 +123,11 @@ pub const EXTEND_BATCH: i64 = 20_000;
 
 /// Marks requested the open letters of every aggregate whose earliest open
 /// letter is requested, in each aggregate's order, [`EXTEND_BATCH`] at most
-/// (the next look goes on); returns how many: an operator's request on an
-/// aggregate's oldest letter covers the followers the relay wrote after it,
-/// which go back with it.
+/// of the named aggregates' and as many of the letters without an
+/// aggregate (the next look goes on); returns whether either batch was
+/// full, so more may be waiting: an operator's request on an aggregate's
+/// oldest letter covers the followers the relay wrote after it, which go
+/// back with it.
 /// A loose scan over the `open` index yields each aggregate with its
 /// earliest open letter in one probe (ordered by both columns, so no other
 /// index can serve it: a lookup of an aggregate's first letter by id alone
@@ -148,28 +150,36 @@ pub fn extend_requests_sql(table: &TableName, shard: &str) -> String {
              SELECT g.a FROM g JOIN {t} f ON f.dead_letter_id = g.first
              WHERE f.redrive_requested_at IS NOT NULL
          ),
-         named AS (
-             UPDATE {t} l SET redrive_requested_at = now()
-             WHERE l.dead_letter_id = ANY (ARRAY (
+         named_ids AS (
+             SELECT ARRAY (
                  SELECT w.dead_letter_id FROM asked JOIN {t} w ON w.aggregate_id = asked.a
                  WHERE w.resolution IS NULL AND w.redrive_requested_at IS NULL{shard}
-                 ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH}))
+                 ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH}) AS ids
+         ),
+         named AS (
+             UPDATE {t} l SET redrive_requested_at = now()
+             WHERE l.dead_letter_id = ANY ((SELECT ids FROM named_ids)::bigint[])
                AND l.resolution IS NULL AND l.redrive_requested_at IS NULL
              RETURNING 1
          ),
-         unnamed AS (
-             UPDATE {t} l SET redrive_requested_at = now()
-             WHERE l.dead_letter_id = ANY (ARRAY (
+         unnamed_ids AS (
+             SELECT ARRAY (
                  SELECT w.dead_letter_id FROM {t} w
                  WHERE w.aggregate_id IS NULL AND w.resolution IS NULL AND w.redrive_requested_at IS NULL{shard}
-                 ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH}))
+                   AND (SELECT f.redrive_requested_at IS NOT NULL FROM {t} f
+                        WHERE f.resolution IS NULL AND f.aggregate_id IS NULL
+                        ORDER BY f.aggregate_id, f.dead_letter_id LIMIT 1)
+                 ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH}) AS ids
+         ),
+         unnamed AS (
+             UPDATE {t} l SET redrive_requested_at = now()
+             WHERE l.dead_letter_id = ANY ((SELECT ids FROM unnamed_ids)::bigint[])
                AND l.resolution IS NULL AND l.redrive_requested_at IS NULL
-               AND (SELECT f.redrive_requested_at IS NOT NULL FROM {t} f
-                    WHERE f.resolution IS NULL AND f.aggregate_id IS NULL
-                    ORDER BY f.aggregate_id, f.dead_letter_id LIMIT 1)
              RETURNING 1
          )
-         SELECT (SELECT count(*) FROM named) + (SELECT count(*) FROM unnamed)"
+         SELECT (SELECT count(*) FROM named) + (SELECT count(*) FROM unnamed),
+                (SELECT cardinality(ids) FROM named_ids) = {EXTEND_BATCH}
+                OR (SELECT cardinality(ids) FROM unnamed_ids) = {EXTEND_BATCH}"
     )
 }
 

@@ -419,7 +419,7 @@ impl Recorder {
 
     /// Letters an operator asked to publish again, oldest first.
     pub async fn requested(&self, client: &Client) -> Result<Requests, tokio_postgres::Error> {
-        let extended: i64 = client.query_one(&self.extend_requests, &[]).await?.get(0);
+        let full: bool = client.query_one(&self.extend_requests, &[]).await?.get(1);
         let letters = client
             .query(&self.requested, &[&REQUESTED_BATCH])
             .await?
@@ -441,7 +441,7 @@ impl Recorder {
             .collect();
         Ok(Requests {
             letters,
-            extending: extended >= lookups::EXTEND_BATCH,
+            extending: full,
         })
     }
 

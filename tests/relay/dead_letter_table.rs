@@ -331,3 +331,44 @@ async fn a_look_hands_over_only_aggregates_the_extension_has_covered() {
     );
     assert_eq!(handed.letters[0].raw.id.as_deref(), Some("a0"));
 }
+
+/// A look asks to be followed at once only while a request has followers
+/// left to reach: letters without an aggregate nobody asked for, however
+/// many, do not make it look again and again.
+#[tokio::test]
+async fn a_look_asks_for_another_only_while_a_request_has_followers_left() {
+    use outbox_relay::dead_letter::{Recorder, lookups};
+    let db = TestDb::new().await;
+    let table = dead_letter_table(&db).await;
+    let t = table.quoted();
+    let many = lookups::EXTEND_BATCH + 5;
+    db.client
+        .batch_execute(&format!(
+            "INSERT INTO {t} (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at)
+             SELECT 'n' || g, NULL, 'refused', 1, now(), now() FROM generate_series(1, {many}) g"
+        ))
+        .await
+        .expect("letters");
+    let recorder = Recorder::new(&db.client, &table, None, false)
+        .await
+        .expect("recorder");
+    let look = recorder.requested(&db.client).await.expect("a look");
+    assert!(
+        !look.extending && look.letters.is_empty(),
+        "nothing asked for"
+    );
+
+    // Asked for the oldest: two looks reach every follower, then it goes.
+    db.client
+        .batch_execute(&format!(
+            "UPDATE {t} SET redrive_requested_at = now() WHERE id = 'n1'"
+        ))
+        .await
+        .expect("request");
+    let look = recorder.requested(&db.client).await.expect("a look");
+    assert!(look.extending && look.letters.is_empty(), "a full batch");
+    let look = recorder.requested(&db.client).await.expect("a look");
+    assert!(!look.extending, "the rest");
+    assert_eq!(look.letters.len(), 500);
+    assert_eq!(look.letters[0].raw.id.as_deref(), Some("n1"));
+}
