@@ -284,6 +284,11 @@ impl<B: CdcServer> CdcReader<B> {
         let Phase::Streaming(s) = &mut self.phase else {
             return Ok(false);
         };
+        if report_due(&self.progress, self.settings.report_every) {
+            // Left due (a send cut short): its wake-up was spent.
+            s.send_status(&self.progress, self.timing.status_every)
+                .await?;
+        }
         let silence = s.last_message.max(s.paused_at) + self.timing.silence_limit;
         let due = lock(&self.progress).report_due();
         // Messages first: after a pause they are waiting unread.
