@@ -5,14 +5,20 @@
 //! snapshots, unsent rows in `relay_seq` order); the SQL itself is tested
 //! against PostgreSQL.
 
-use super::world::{Resolution, Shared, lock};
+use super::world::{Letter, Resolution, Shared, lock};
 use crate::config::MarkMode;
 use crate::dead_letter::{DeadLetter, OpenLetters, Written};
 use crate::source::record::RowStore;
 use crate::source::{Reader, SourceError, SourcedEvent};
-use std::collections::HashSet;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::Duration;
 use tokio::time::Instant;
+
+/// The model's counterparts of the relay's `lookups::EXTEND_BATCH` and
+/// `dead_letter::REQUESTED_BATCH`, small enough that the simulation's
+/// requests take several looks.
+const EXTEND_BATCH: usize = 2;
+const REQUESTED_BATCH: usize = 3;
 
 fn lost_session() -> SourceError {
     SourceError::Stream("sim: the ownership session is gone".into())
@@ -153,7 +159,7 @@ impl RowStore for SimStore {
                 let event_id = l.raw.id.clone().unwrap_or_default();
                 w.note(format!("dead letter: {event_id} of {aggregate}"));
                 let letter_id = w.letters.len() as i64 + 1;
-                w.letters.push(super::world::Letter {
+                w.letters.push(Letter {
                     letter_id,
                     event_id,
                     aggregate,
@@ -192,27 +198,52 @@ impl RowStore for SimStore {
 
     async fn requested_letters(&self) -> Result<crate::dead_letter::Requests, SourceError> {
         self.statement(|w| {
-            // Aggregates whose oldest open letter is requested: the request
-            // covers all their open letters.
-            let mut first: std::collections::BTreeMap<String, bool> = Default::default();
-            for l in w.letters.iter().filter(|l| l.resolution.is_none()) {
+            // As the relay's statements do, in batches far smaller than
+            // theirs, so a request takes several looks: a request on an
+            // aggregate's oldest open letter is extended to its followers in
+            // (aggregate, letter) order, EXTEND_BATCH per look; then the
+            // requested letters of aggregates with no open letter nobody
+            // asked for are handed over, oldest first, REQUESTED_BATCH at most.
+            let open = |l: &&mut Letter| l.resolution.is_none();
+            let mut first: BTreeMap<String, bool> = BTreeMap::new();
+            for l in w.letters.iter_mut().filter(open) {
                 first.entry(l.aggregate.clone()).or_insert(l.requested);
             }
-            let mut out = Vec::new();
-            for l in w.letters.iter_mut().filter(|l| l.resolution.is_none()) {
-                if first.get(&l.aggregate) == Some(&true) {
-                    l.requested = true;
-                    out.push(crate::dead_letter::Requested {
-                        letter_id: l.letter_id,
-                        raw: l.raw.clone(),
-                    });
-                }
+            let mut followers: Vec<&mut Letter> = w
+                .letters
+                .iter_mut()
+                .filter(open)
+                .filter(|l| !l.requested && first.get(&l.aggregate) == Some(&true))
+                .collect();
+            followers.sort_by(|a, b| (&a.aggregate, a.letter_id).cmp(&(&b.aggregate, b.letter_id)));
+            let extended = followers.len().min(EXTEND_BATCH);
+            for l in followers.into_iter().take(EXTEND_BATCH) {
+                l.requested = true;
             }
-            out.truncate(crate::dead_letter::REQUESTED_BATCH as usize);
-            // The model extends a request in one step: nothing is left over.
+            if extended > 0 {
+                w.note(format!("a look extended requests to {extended} followers"));
+            }
+            let waiting: BTreeSet<String> = w
+                .letters
+                .iter_mut()
+                .filter(open)
+                .filter(|l| !l.requested)
+                .map(|l| l.aggregate.clone())
+                .collect();
+            let letters: Vec<_> = w
+                .letters
+                .iter_mut()
+                .filter(open)
+                .filter(|l| l.requested && !waiting.contains(&l.aggregate))
+                .take(REQUESTED_BATCH)
+                .map(|l| crate::dead_letter::Requested {
+                    letter_id: l.letter_id,
+                    raw: l.raw.clone(),
+                })
+                .collect();
             crate::dead_letter::Requests {
-                letters: out,
-                extending: false,
+                letters,
+                extending: extended == EXTEND_BATCH,
             }
         })
         .await

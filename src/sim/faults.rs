@@ -227,7 +227,29 @@ fn resolve_a_dead_letter(world: &Shared, rng: &mut fastrand::Rng) {
     };
     if rng.u32(0..4) == 0 {
         admin::drop(world, &target);
+    } else if let (Target::Aggregate(aggregate), 0) = (&target, rng.u32(0..2)) {
+        request_oldest_by_hand(world, aggregate);
     } else if let Err(refused) = admin::redrive(world, &target) {
         lock(world).note(format!("redrive refused: {refused}"));
     }
+}
+
+/// The operator asks for the aggregate's oldest open letter only, by hand
+/// in SQL (or a relay of an earlier version wrote followers unrequested):
+/// the relay's looks extend the request to the followers.
+fn request_oldest_by_hand(world: &Shared, aggregate: &str) {
+    let mut w = lock(world);
+    let Some(l) = w
+        .letters
+        .iter_mut()
+        .find(|l| l.resolution.is_none() && l.aggregate == aggregate)
+    else {
+        return;
+    };
+    l.requested = true;
+    let note = format!(
+        "the oldest letter of {aggregate}, {}, requested by hand",
+        l.event_id
+    );
+    w.note(note);
 }
