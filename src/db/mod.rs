@@ -32,7 +32,8 @@ pub enum DbError {
         #[source]
         source: Option<tokio_postgres::Error>,
     },
-    #[error("{context}: {source}")]
+    // The driver's own text of a server error is only "db error".
+    #[error("{context}: {}", error_text(.source))]
     Query {
         context: String,
         #[source]

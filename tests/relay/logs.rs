@@ -127,3 +127,20 @@ async fn cdc_says_active_only_after_its_setup_checks_pass() {
     let log = run_and_read_log(&cdc, Duration::ZERO, WAIT, |log| log.contains(active));
     assert!(log.contains(active), "{log}");
 }
+
+/// A failed statement's error carries the server's message, not the
+/// driver's bare "db error".
+#[tokio::test]
+async fn a_failed_statement_says_what_the_server_said() {
+    let db = TestDb::new().await;
+    let e = db
+        .client
+        .query("SELECT * FROM no_such_table_here", &[])
+        .await
+        .expect_err("no such table");
+    let text = outbox_relay::db::DbError::query("reading the outbox", e).to_string();
+    assert_eq!(
+        text,
+        "reading the outbox: relation \"no_such_table_here\" does not exist"
+    );
+}
