@@ -40,4 +40,5 @@ mod routing;
 mod schema;
 mod tls;
 mod tracing;
+mod troubleshooting;
 mod versions;

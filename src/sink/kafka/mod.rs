@@ -112,7 +112,10 @@ impl KafkaSink {
         })?
         .map_err(|e| {
             SinkError::Unavailable(Reason::caused_by(
-                format!("cannot reach Kafka at {}: {e}", self.brokers),
+                format!(
+                    "cannot reach Kafka at {}: {e}; check sink.brokers and that the broker is up",
+                    self.brokers
+                ),
                 e,
             ))
         })?;

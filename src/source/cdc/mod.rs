@@ -208,7 +208,7 @@ impl<B: CdcServer> CdcReader<B> {
                     if last_said.is_none_or(|t| now - t >= SLOT_BUSY_REMINDER) {
                         tracing::warn!(
                             slot = %slot,
-                            "the replication slot is in use by another process; waiting for it to be released"
+                            "replication slot {slot:?} is in use by another process; waiting for it to be released"
                         );
                         last_said = Some(now);
                     }

@@ -226,10 +226,10 @@ pub async fn wal_sender_timeout_ms(client: &Client) -> Result<i64, DbError> {
         .get(0))
 }
 
-/// What a failure to create the slot says when no slot was free
-/// (SQLSTATE 53400): `source.mode = "auto"` polls then.
+/// What a failure to create the slot adds to the server's "all replication
+/// slots are in use" (SQLSTATE 53400): `source.mode = "auto"` polls then.
 pub const NO_FREE_SLOT_HINT: &str =
-    "; all replication slots are in use: raise max_replication_slots or drop an unused slot";
+    "; raise max_replication_slots (restart needed) or drop an unused slot";
 /// ... and when `wal_level` is not `logical` (SQLSTATE 55000).
 pub const WAL_LEVEL_HINT: &str = "; wal_level must be logical";
 
