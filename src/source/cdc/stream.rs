@@ -459,24 +459,20 @@ mod tests {
     async fn a_status_message_cut_short_leaves_its_report_due() {
         let progress = Mutex::new(Progress::new(Lsn(10), 100));
         {
+            let at = |index| CdcPosition {
+                commit_lsn: Lsn(100),
+                index,
+                seq: None,
+                xid: None,
+            };
             let mut p = lock(&progress);
             p.begin(Lsn(100));
             for i in 0..3 {
-                p.event(&CdcPosition {
-                    commit_lsn: Lsn(100),
-                    index: i,
-                    seq: None,
-                    xid: None,
-                });
+                p.event(&at(i));
             }
             p.commit(Lsn(110));
             for i in 0..3 {
-                p.confirm(&CdcPosition {
-                    commit_lsn: Lsn(100),
-                    index: i,
-                    seq: None,
-                    xid: None,
-                });
+                p.confirm(&at(i));
             }
         }
         assert_eq!(lock(&progress).unreported(), 3);
