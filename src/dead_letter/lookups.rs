@@ -135,6 +135,16 @@ pub const EXTEND_BATCH: i64 = 20_000;
 /// it). `shard`: `" AND <condition on aggregate_id>"` or empty.
 pub fn extend_requests_sql(table: &TableName, shard: &str) -> String {
     let t = table.quoted();
+    // Marks requested the candidates the CTE `ids` chose (re-checked: a
+    // dlq command may have resolved or requested some meanwhile).
+    let mark = |ids: &str| {
+        format!(
+            "UPDATE {t} l SET redrive_requested_at = now()
+             WHERE l.dead_letter_id = ANY ((SELECT ids FROM {ids})::bigint[])
+               AND l.resolution IS NULL AND l.redrive_requested_at IS NULL
+             RETURNING 1"
+        )
+    };
     format!(
         "WITH RECURSIVE g(a, first) AS (
              (SELECT aggregate_id, dead_letter_id FROM {t}
@@ -156,12 +166,7 @@ pub fn extend_requests_sql(table: &TableName, shard: &str) -> String {
                  WHERE w.resolution IS NULL AND w.redrive_requested_at IS NULL{shard}
                  ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH}) AS ids
          ),
-         named AS (
-             UPDATE {t} l SET redrive_requested_at = now()
-             WHERE l.dead_letter_id = ANY ((SELECT ids FROM named_ids)::bigint[])
-               AND l.resolution IS NULL AND l.redrive_requested_at IS NULL
-             RETURNING 1
-         ),
+         named AS ({mark_named}),
          unnamed_ids AS (
              SELECT ARRAY (
                  SELECT w.dead_letter_id FROM {t} w
@@ -171,15 +176,12 @@ pub fn extend_requests_sql(table: &TableName, shard: &str) -> String {
                         ORDER BY f.aggregate_id, f.dead_letter_id LIMIT 1)
                  ORDER BY w.aggregate_id, w.dead_letter_id LIMIT {EXTEND_BATCH}) AS ids
          ),
-         unnamed AS (
-             UPDATE {t} l SET redrive_requested_at = now()
-             WHERE l.dead_letter_id = ANY ((SELECT ids FROM unnamed_ids)::bigint[])
-               AND l.resolution IS NULL AND l.redrive_requested_at IS NULL
-             RETURNING 1
-         )
+         unnamed AS ({mark_unnamed})
          SELECT (SELECT count(*) FROM named) + (SELECT count(*) FROM unnamed),
                 (SELECT cardinality(ids) FROM named_ids) = {EXTEND_BATCH}
-                OR (SELECT cardinality(ids) FROM unnamed_ids) = {EXTEND_BATCH}"
+                OR (SELECT cardinality(ids) FROM unnamed_ids) = {EXTEND_BATCH}",
+        mark_named = mark("named_ids"),
+        mark_unnamed = mark("unnamed_ids"),
     )
 }
 
