@@ -171,6 +171,7 @@ impl CdcServer for SimCdc {
                 relation_sent: false,
                 next_keepalive: Instant::now() + KEEPALIVE,
                 message_prefix,
+                unflushed: None,
             })
         }
     }
@@ -198,6 +199,9 @@ pub struct SimStream {
     relation_sent: bool,
     next_keepalive: Instant,
     message_prefix: String,
+    /// A status message written but not yet flushed (a send cut short):
+    /// it goes with the next one, or is lost with the connection.
+    unflushed: Option<Lsn>,
 }
 
 fn text(s: &str) -> TupleValue {
@@ -323,7 +327,15 @@ impl CdcStream for SimStream {
     }
 
     async fn send_status(&mut self, _write: Lsn, flushed: Lsn) -> Result<(), SourceError> {
-        lock(&self.world).confirm_slot(flushed);
+        // As the replication connection does: the message is written to the
+        // buffer at once, and the flush that follows may be cut short by the
+        // reader's select (it then goes with the next message).
+        let queued = self.unflushed.map_or(flushed, |u| u.max(flushed));
+        self.unflushed = Some(queued);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        if let Some(lsn) = self.unflushed.take() {
+            lock(&self.world).confirm_slot(lsn);
+        }
         Ok(())
     }
 
