@@ -6,16 +6,22 @@ use crate::dead_letters::dlq_list;
 use crate::support::*;
 use serde_json::json;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redrive_of_many_batches_goes_on_without_waiting_for_the_next_look() {
-    const LETTERS: usize = 1_200; // more than two looks' batches of 500
-    let (db, broker, toml) = setup(
+/// A polling relay to RabbitMQ whose periodic looks are an hour apart: only
+/// the looks it hurries move a redrive on.
+async fn looks_an_hour_apart() -> (TestDb, Broker, String) {
+    setup(
         Mode::Polling,
         Kind::Rabbit,
         &[],
         &[("dead_letter.refresh_interval", "\"1h\"")],
     )
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_of_many_batches_goes_on_without_waiting_for_the_next_look() {
+    const LETTERS: usize = 1_200; // more than two looks' batches of 500
+    let (db, broker, toml) = looks_an_hour_apart().await;
     let path = config_file(&toml);
     db.client
         .execute(
@@ -56,13 +62,7 @@ async fn a_redrive_of_many_batches_goes_on_without_waiting_for_the_next_look() {
 async fn a_request_on_many_followers_is_extended_look_after_look_without_waiting() {
     // More followers than one look extends (lookups::EXTEND_BATCH, 20,000).
     const LETTERS: i32 = 20_050;
-    let (db, broker, toml) = setup(
-        Mode::Polling,
-        Kind::Rabbit,
-        &[],
-        &[("dead_letter.refresh_interval", "\"1h\"")],
-    )
-    .await;
+    let (db, broker, toml) = looks_an_hour_apart().await;
     // As the relay leaves them: the operator asked for the aggregate's
     // oldest letter; its followers are not requested yet.
     db.client

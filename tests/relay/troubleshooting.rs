@@ -54,12 +54,18 @@ fn configuration_problems_are_named_key_by_key() {
 fn check_names_unreachable_services_and_where_to_look() {
     let closed = crate::kit::free_port();
     let db = format!("postgres://postgres@127.0.0.1:{closed}/nowhere");
-    let kafka = format!("[sink]\ntype = \"kafka\"\nbrokers = \"127.0.0.1:{closed}\"\n");
-    let (code, out, err) = run_cli(
-        &["check", "--config", &config_file(&base_toml(&db, &kafka))],
-        &[],
-    );
-    assert_eq!(code, 1, "{out}{err}");
+    // `check` with this sink: exit code 1, the report.
+    let check = |sink: &str| {
+        let (code, out, err) = run_cli(
+            &["check", "--config", &config_file(&base_toml(&db, sink))],
+            &[],
+        );
+        assert_eq!(code, 1, "{out}{err}");
+        out
+    };
+    let out = check(&format!(
+        "[sink]\ntype = \"kafka\"\nbrokers = \"127.0.0.1:{closed}\"\n"
+    ));
     let database = check_line(&out, "database");
     assert!(
         database.starts_with(&format!(
@@ -74,14 +80,9 @@ fn check_names_unreachable_services_and_where_to_look() {
         "{out}"
     );
 
-    let rabbit = format!(
+    let out = check(&format!(
         "[sink]\ntype = \"rabbitmq\"\nurl = \"amqp://guest:guest@127.0.0.1:{closed}/%2f\"\n"
-    );
-    let (code, out, err) = run_cli(
-        &["check", "--config", &config_file(&base_toml(&db, &rabbit))],
-        &[],
-    );
-    assert_eq!(code, 1, "{out}{err}");
+    ));
     let broker = check_line(&out, "broker");
     assert!(
         broker.contains(&format!(
