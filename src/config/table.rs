@@ -47,6 +47,17 @@ impl TableName {
         format!("{}.{}", quote_ident(&self.schema), quote_ident(&self.name))
     }
 
+    /// A relay-owned table beside this one, in its schema, named
+    /// `<name><suffix>` with the name's start trimmed to PostgreSQL's 63-byte
+    /// limit (the suffix, which says what the table is, stays whole).
+    pub fn sibling(&self, suffix: &str) -> TableName {
+        let mut name = format!("{}{suffix}", self.name);
+        while name.len() > 63 {
+            name.remove(0);
+        }
+        TableName::new(&self.schema, &name)
+    }
+
     /// A name derived from this table for relay-owned objects (index, trigger,
     /// channel), truncated to PostgreSQL's 63-byte identifier limit.
     pub fn derived(&self, prefix: &str) -> String {

@@ -17,6 +17,7 @@
 
 mod event;
 pub mod inspect;
+pub mod progress;
 mod shard;
 
 pub use event::{OutboxEvent, RawRow, RowError};

@@ -34,11 +34,7 @@ use tokio_postgres::error::SqlState;
 
 /// The relay-owned table of ownership claims next to `outbox`.
 pub fn owners_table(outbox: &TableName) -> TableName {
-    let mut name = format!("{}_relay_owners", outbox.name);
-    while name.len() > 63 {
-        name.remove(0);
-    }
-    TableName::new(&outbox.schema, &name)
+    outbox.sibling("_relay_owners")
 }
 
 /// `CREATE TABLE` for `migrate`.

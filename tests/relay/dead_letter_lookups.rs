@@ -245,7 +245,7 @@ async fn the_look_at_open_letters_answers_as_reading_every_letter_would() {
 /// node, the rows it returned over all its loops and those its filters
 /// removed. A statement that reads every open letter handles at least as
 /// many rows as there are.
-async fn rows_handled(
+pub(crate) async fn rows_handled(
     client: &mut Client,
     sql: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],

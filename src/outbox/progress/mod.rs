@@ -1,0 +1,147 @@
+//! Recording "sent" by ranges of `relay_seq` instead of updating each row
+//! (`docs/design/marking-by-ranges.md`). **Not wired in yet**: no mode of
+//! the relay uses these statements; they are built and proven here first
+//! (`tests/relay/marking_ranges.rs`), then the readers, the recorder and the
+//! fold task take them up.
+//!
+//! A committed outbox row is *sent* exactly when at least one of these holds:
+//!
+//! 1. its `relay_sent_at` is set (another marking mode, or an earlier one);
+//! 2. its `relay_seq` lies in a range of the progress table (a confirmed batch,
+//!    recorded by one INSERT);
+//! 3. its transaction is visible in the *frontier* (the newest snapshot the
+//!    fold wrote) and its `relay_seq` is not *held open*.
+//!
+//! The fold ([`fold`]) moves the frontier forward. Before it writes a
+//! frontier, every row visible in it is sent by 1 or 2, or held open (the
+//! rows the relay had not confirmed yet); it deletes a progress row only in
+//! the round that writes a frontier in which every row that progress row
+//! names is visible. So a row that is sent stays sent, and the progress
+//! table keeps only the last few seconds of batches.
+
+pub mod fold;
+pub mod read;
+
+use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
+
+/// The objects that record "sent" for one outbox table.
+#[derive(Debug, Clone)]
+pub struct Ranges {
+    pub outbox: TableName,
+    /// One row per recorded batch: `seqs int8multirange`.
+    pub progress: TableName,
+    /// The frontier's history; the newest row is the frontier.
+    pub frontier: TableName,
+    /// Rows a frontier passed before they were recorded.
+    pub held: TableName,
+    /// `<outbox>_relay_sent(relay_seq, relay_xid, relay_sent_at)`: the
+    /// predicate, for operators, `check` and tests.
+    pub sent_function: TableName,
+    /// Unsent rows by transaction: the fold and the readers find the
+    /// transactions a snapshot had not seen through it.
+    pub xid_index: String,
+}
+
+impl Ranges {
+    pub fn new(outbox: &TableName) -> Self {
+        Ranges {
+            outbox: outbox.clone(),
+            progress: outbox.sibling("_relay_progress"),
+            frontier: outbox.sibling("_relay_frontier"),
+            held: outbox.sibling("_relay_held"),
+            sent_function: outbox.sibling("_relay_sent"),
+            xid_index: outbox.derived("outbox_relay_xid"),
+        }
+    }
+
+    /// The statements that create the objects (PostgreSQL 14 or later: the
+    /// progress rows are multiranges). Safe to run again.
+    pub fn create_sql(&self) -> Vec<String> {
+        let (p, f, h, t) = (
+            self.progress.quoted(),
+            self.frontier.quoted(),
+            self.held.quoted(),
+            self.outbox.quoted(),
+        );
+        vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {p} (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    seqs int8multirange NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now()
+)"
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {f} (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    snapshot pg_snapshot NOT NULL,
+    max_seq bigint NOT NULL,
+    last_recorded_at timestamptz,
+    folded_at timestamptz NOT NULL DEFAULT now()
+)"
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {h} (
+    {SEQ_COLUMN} bigint PRIMARY KEY,
+    held_at timestamptz NOT NULL DEFAULT now(),
+    sent_at timestamptz
+)"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {t} ({XID_COLUMN}) INCLUDE ({SEQ_COLUMN}) WHERE {SENT_AT_COLUMN} IS NULL",
+                crate::sql::quote_ident(&self.xid_index)
+            ),
+            format!(
+                "CREATE OR REPLACE FUNCTION {}(bigint, xid8, timestamptz) RETURNS boolean
+LANGUAGE sql STABLE AS $fn$
+SELECT $3 IS NOT NULL
+    OR COALESCE($1 <@ ({recorded}), false)
+    OR (COALESCE(pg_visible_in_snapshot($2, ({frontier})), false)
+        AND NOT EXISTS (SELECT 1 FROM {h} h WHERE h.{SEQ_COLUMN} = $1 AND h.sent_at IS NULL))
+$fn$",
+                self.sent_function.quoted(),
+                recorded = self.recorded(),
+                frontier = self.frontier_snapshot(),
+            ),
+        ]
+    }
+
+    /// The union of the progress rows (NULL when there are none), as a
+    /// scalar subquery body.
+    pub fn recorded(&self) -> String {
+        format!(
+            "SELECT range_agg(r) FROM {}, unnest(seqs) r",
+            self.progress.quoted()
+        )
+    }
+
+    /// The frontier's snapshot (NULL before the first fold).
+    pub fn frontier_snapshot(&self) -> String {
+        format!(
+            "SELECT snapshot FROM {} ORDER BY id DESC LIMIT 1",
+            self.frontier.quoted()
+        )
+    }
+
+    /// The condition that row `alias` is unsent: none of the three holds.
+    pub fn unsent(&self, alias: &str) -> String {
+        format!(
+            "{alias}.{SENT_AT_COLUMN} IS NULL
+             AND NOT COALESCE({alias}.{SEQ_COLUMN} <@ ({recorded}), false)
+             AND NOT (COALESCE(pg_visible_in_snapshot({alias}.{XID_COLUMN}, ({frontier})), false)
+                      AND NOT EXISTS (SELECT 1 FROM {held} h
+                                      WHERE h.{SEQ_COLUMN} = {alias}.{SEQ_COLUMN} AND h.sent_at IS NULL))",
+            recorded = self.recorded(),
+            frontier = self.frontier_snapshot(),
+            held = self.held.quoted(),
+        )
+    }
+
+    /// Records a confirmed batch (`$1`, its `relay_seq` values) as one row.
+    pub fn record_sql(&self) -> String {
+        format!(
+            "INSERT INTO {} (seqs) SELECT range_agg(int8range(s, s, '[]')) FROM unnest($1::bigint[]) s HAVING count(*) > 0",
+            self.progress.quoted()
+        )
+    }
+}

@@ -1,0 +1,195 @@
+//! Reading unsent rows when "sent" is recorded by ranges.
+//!
+//! Every read asks for the unsent rows visible in a snapshot *cur* that
+//! were not visible in a *base*: the previous tick's snapshot (a steady
+//! tick), or the frontier (a first read after a start or a rewind, and
+//! `status`), in which case the rows the frontier holds open are read too.
+//! Every unsent row could be found through the `relay_sent_at IS NULL`
+//! index, but with ranges that index holds every row, sent or not, so the
+//! rows visited are chosen by two branches, merged in `relay_seq` order:
+//!
+//! - **bulk**: rows above the highest `relay_seq` visible in the base, in
+//!   order through that index;
+//! - **stragglers**: rows at or below it whose transaction the base had not
+//!   seen (a transaction that took a low `relay_seq` and committed late): a
+//!   committed transaction is invisible in a snapshot exactly when its id is
+//!   at or above the snapshot's `xmax` or in its `xip`, which the index on
+//!   `relay_xid` finds. On a first read, the held-open rows join them.
+//!
+//! Both branches filter on the whole predicate ([`Ranges::unsent`]): the
+//! split decides which rows are visited, never which count as unsent, and
+//! it needs no exactness of the base's highest `relay_seq` either (a wrong
+//! one only moves rows from one branch to the other).
+
+use super::Ranges;
+use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, XID_COLUMN};
+
+/// The split point when the base has no rows: below every `relay_seq`.
+const BELOW_ALL: &str = "(-9223372036854775808)::bigint";
+
+/// A read's statements (see [`Ranges::read_sql`]).
+#[derive(Debug, Clone)]
+pub struct ReadSql {
+    /// `$1` the base snapshot as text, or NULL for a first read (the
+    /// frontier and the held-open rows), `$2` the base's highest
+    /// `relay_seq` (ignored on a first read; NULL when the base had no
+    /// rows), `$3` the page's size. Each row: *cur* as text, its highest
+    /// `relay_seq`, the base's highest (resolved), the stragglers
+    /// (`bigint[]`), then the page's columns; one row of NULLs after the
+    /// first four when the page is empty.
+    pub first_page: String,
+    /// `$1` the cursor (last `relay_seq` read), `$2` *cur*, `$3` the base
+    /// snapshot or NULL, `$4` the base's highest `relay_seq` (as the first
+    /// page resolved it), `$5` the stragglers, `$6` the page's size.
+    pub next_page: String,
+    /// A first read's size: `count(*)` and the lowest `relay_seq`, with no
+    /// parameters (`status`).
+    pub backlog: String,
+}
+
+/// The parts of one page: what the placeholders are in this statement.
+struct Page<'a> {
+    cursor: &'a str,
+    base_snapshot: &'a str,
+    base_max: &'a str,
+    stragglers: &'a str,
+    /// A visibility condition for a page read after *cur* was taken.
+    cur: Option<&'a str>,
+    limit: Option<&'a str>,
+}
+
+impl Ranges {
+    /// The statements of a read. `cols` is the select list (its first
+    /// column `relay_seq`, the others unqualified); `shard` a condition on
+    /// the outbox's columns, prefixed with ` AND `, or empty.
+    pub fn read_sql(&self, cols: &str, shard: &str) -> ReadSql {
+        let first = self.page(
+            cols,
+            shard,
+            &Page {
+                cursor: BELOW_ALL,
+                base_snapshot: "$1::text",
+                base_max: "(SELECT max_seq FROM base)",
+                stragglers: "(SELECT seqs FROM strag)::bigint[]",
+                cur: None,
+                limit: Some("$3"),
+            },
+        );
+        let first_page = format!(
+            "{base_and_stragglers}
+             SELECT pg_current_snapshot()::text, (SELECT max({SEQ_COLUMN}) FROM {t}),
+                    (SELECT max_seq FROM base), (SELECT seqs FROM strag), e.*
+             FROM (SELECT 1) one LEFT JOIN LATERAL ({first}) e ON true",
+            base_and_stragglers = self.base_and_stragglers(shard, "$1::text", "$2::bigint"),
+            t = self.outbox.quoted(),
+        );
+        let next_page = self.page(
+            cols,
+            shard,
+            &Page {
+                cursor: "$1",
+                base_snapshot: "$3::text",
+                base_max: "$4::bigint",
+                stragglers: "$5::bigint[]",
+                cur: Some("$2::text::pg_snapshot"),
+                limit: Some("$6"),
+            },
+        );
+        let all = self.page(
+            SEQ_COLUMN,
+            "",
+            &Page {
+                cursor: BELOW_ALL,
+                base_snapshot: "NULL::text",
+                base_max: "(SELECT max_seq FROM base)",
+                stragglers: "(SELECT seqs FROM strag)::bigint[]",
+                cur: None,
+                limit: None,
+            },
+        );
+        let backlog = format!(
+            "{} SELECT count(*), min({SEQ_COLUMN}) FROM ({all}) backlog",
+            self.base_and_stragglers("", "NULL::text", "NULL::bigint"),
+        );
+        ReadSql {
+            first_page,
+            next_page,
+            backlog,
+        }
+    }
+
+    /// The CTEs `base` (snapshot and highest `relay_seq`) and `strag` (the
+    /// stragglers, as a sorted array) for a base given as a snapshot's text
+    /// (NULL: the frontier) and its highest `relay_seq`.
+    fn base_and_stragglers(&self, shard: &str, snapshot: &str, max: &str) -> String {
+        let (t, f, h) = (
+            self.outbox.quoted(),
+            self.frontier.quoted(),
+            self.held.quoted(),
+        );
+        format!(
+            "WITH base AS MATERIALIZED (
+                 SELECT CASE WHEN {snapshot} IS NULL THEN ({frontier}) ELSE {snapshot}::pg_snapshot END AS snap,
+                        COALESCE(CASE WHEN {snapshot} IS NULL
+                                      THEN (SELECT max_seq FROM {f} ORDER BY id DESC LIMIT 1)
+                                      ELSE {max} END, {BELOW_ALL}) AS max_seq
+             ),
+             -- The transactions running at the base, on their own: next to
+             -- a condition on relay_seq, the planner would read that index.
+             running AS MATERIALIZED (
+                 SELECT o.{SEQ_COLUMN} AS seq FROM {t} o
+                 WHERE o.{SENT_AT_COLUMN} IS NULL{shard}
+                   AND o.{XID_COLUMN} = ANY ((SELECT ARRAY(SELECT pg_snapshot_xip(snap)) FROM base)::xid8[])
+             ),
+             -- The later transactions bounded on both sides: a range of
+             -- unknown bounds is estimated narrow, so the planner goes
+             -- through the index on relay_xid rather than relay_seq's.
+             strag AS MATERIALIZED (
+                 SELECT COALESCE(array_agg(s.seq ORDER BY s.seq), '{{}}'::bigint[]) AS seqs FROM (
+                     SELECT o.{SEQ_COLUMN} AS seq FROM {t} o
+                     WHERE o.{SENT_AT_COLUMN} IS NULL{shard}
+                       AND o.{SEQ_COLUMN} <= (SELECT max_seq FROM base)
+                       AND o.{XID_COLUMN} >= (SELECT pg_snapshot_xmax(snap) FROM base)
+                       AND o.{XID_COLUMN} < pg_snapshot_xmax(pg_current_snapshot())
+                     UNION
+                     SELECT seq FROM running WHERE seq <= (SELECT max_seq FROM base)
+                     UNION
+                     SELECT h.{SEQ_COLUMN} FROM {h} h WHERE h.sent_at IS NULL AND {snapshot} IS NULL
+                 ) s
+             )",
+            frontier = self.frontier_snapshot(),
+        )
+    }
+
+    fn page(&self, cols: &str, shard: &str, p: &Page) -> String {
+        let t = self.outbox.quoted();
+        let limit = p.limit.map(|l| format!(" LIMIT {l}")).unwrap_or_default();
+        let cur = p
+            .cur
+            .map(|c| format!(" AND pg_visible_in_snapshot(o.{XID_COLUMN}, {c})"))
+            .unwrap_or_default();
+        let filter = format!(
+            "{unsent}
+               AND ({base} IS NULL OR NOT pg_visible_in_snapshot(o.{XID_COLUMN}, {base}::pg_snapshot)){cur}{shard}",
+            unsent = self.unsent("o"),
+            base = p.base_snapshot,
+        );
+        format!(
+            "SELECT * FROM (
+                 (SELECT {cols} FROM {t} o
+                  WHERE o.{SENT_AT_COLUMN} IS NULL AND o.{SEQ_COLUMN} > GREATEST({cursor}, {base_max})
+                    AND {filter}
+                  ORDER BY o.{SEQ_COLUMN}{limit})
+                 UNION ALL
+                 (SELECT {cols} FROM {t} o
+                  WHERE o.{SEQ_COLUMN} = ANY ({stragglers})
+                    AND o.{SEQ_COLUMN} > {cursor} AND o.{SEQ_COLUMN} <= {base_max}
+                    AND {filter}
+                  ORDER BY o.{SEQ_COLUMN}{limit})
+             ) page ORDER BY {SEQ_COLUMN}{limit}",
+            cursor = p.cursor,
+            base_max = p.base_max,
+            stragglers = p.stragglers,
+        )
+    }
+}

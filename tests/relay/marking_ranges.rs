@@ -1,0 +1,459 @@
+//! Recording "sent" by ranges (`outbox::progress`, not yet used by the
+//! relay), against real PostgreSQL: random histories of concurrent
+//! transactions (late commits, rollbacks), recordings, marks and folds,
+//! where every read must equal a scan of the whole table through the
+//! predicate, nothing may count as sent that was not recorded or marked,
+//! and a sent row stays sent; and the reads' plans visit the new rows, not
+//! the retained ones.
+
+use crate::dead_letter_lookups::rows_handled;
+use crate::support::*;
+use outbox_relay::config::TableName;
+use outbox_relay::outbox::progress::Ranges;
+use outbox_relay::outbox::progress::fold::{Advance, Capture};
+use std::collections::{BTreeSet, VecDeque};
+use std::time::Duration;
+use tokio_postgres::Client;
+
+async fn outbox_with_ranges(db: &TestDb) -> Ranges {
+    db.migrate(&parse(&base_toml(&db.url, &rabbit_sink())))
+        .await;
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    for sql in ranges.create_sql() {
+        db.client.batch_execute(&sql).await.expect("create");
+    }
+    ranges
+}
+
+const INSERT: &str = "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+                      VALUES (gen_random_uuid(), 'order', 'o', 'created', '{}')";
+
+async fn seqs(
+    client: &Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Vec<i64> {
+    client
+        .query(sql, params)
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}\n{sql}"))
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// A read of the unsent rows from `base` (a snapshot and its highest
+/// `relay_seq`; `None`: a first read), page by page. Returns the rows and
+/// the read's own snapshot with its highest `relay_seq`, the next base.
+async fn read(
+    client: &Client,
+    ranges: &Ranges,
+    base: &Option<(String, Option<i64>)>,
+    page: i64,
+) -> (Vec<i64>, (String, Option<i64>)) {
+    let sql = ranges.read_sql("relay_seq", "");
+    let (snap, max) = match base {
+        Some((s, m)) => (Some(s.clone()), *m),
+        None => (None, None),
+    };
+    let rows = client
+        .query(&sql.first_page, &[&snap, &max, &page])
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", sql.first_page));
+    let cur: String = rows[0].get(0);
+    let cur_max: Option<i64> = rows[0].get(1);
+    let base_max: i64 = rows[0].get(2);
+    let stragglers: Vec<i64> = rows[0].get(3);
+    let mut got: Vec<i64> = rows
+        .iter()
+        .filter_map(|r| r.get::<_, Option<i64>>(4))
+        .collect();
+    let mut last = got.len() as i64;
+    while last == page {
+        let cursor = *got.last().unwrap();
+        let more = seqs(
+            client,
+            &sql.next_page,
+            &[&cursor, &cur, &snap, &base_max, &stragglers, &page],
+        )
+        .await;
+        last = more.len() as i64;
+        got.extend(more);
+    }
+    (got, (cur, cur_max))
+}
+
+/// The unsent rows by the predicate, one row at a time: what every read
+/// must return (those not visible in `base`, when given).
+async fn brute_force(client: &Client, ranges: &Ranges, base: Option<&str>) -> Vec<i64> {
+    let sql = format!(
+        "SELECT relay_seq FROM outbox
+         WHERE NOT {}(relay_seq, relay_xid, relay_sent_at)
+           AND ($1::text IS NULL OR NOT pg_visible_in_snapshot(relay_xid, $1::text::pg_snapshot))
+         ORDER BY relay_seq",
+        ranges.sent_function.quoted()
+    );
+    seqs(client, &sql, &[&base]).await
+}
+
+/// A writer holding a transaction open, or idle.
+struct Writer {
+    client: Client,
+    open: bool,
+}
+
+/// What a history did, for the checks.
+#[derive(Default)]
+struct Ledger {
+    /// Every `relay_seq` recorded or marked.
+    confirmed: BTreeSet<i64>,
+    /// Rows that counted as sent at the last check.
+    sent: BTreeSet<i64>,
+    reads: usize,
+    advanced: usize,
+    held: u64,
+    deleted: u64,
+    backlog: usize,
+}
+
+async fn check_sent(db: &TestDb, ranges: &Ranges, ledger: &mut Ledger, step: &str) {
+    let sent: BTreeSet<i64> = seqs(
+        &db.client,
+        &format!(
+            "SELECT relay_seq FROM outbox WHERE {}(relay_seq, relay_xid, relay_sent_at)",
+            ranges.sent_function.quoted()
+        ),
+        &[],
+    )
+    .await
+    .into_iter()
+    .collect();
+    let unconfirmed: Vec<_> = sent.difference(&ledger.confirmed).collect();
+    assert!(
+        unconfirmed.is_empty(),
+        "{step}: counted as sent, never recorded or marked: {unconfirmed:?}"
+    );
+    // A recorded row is sent from the moment it is visible (recorded ahead
+    // of its commit, as CDC does), whatever the fold did meanwhile.
+    let visible = seqs(&db.client, "SELECT relay_seq FROM outbox", &[]).await;
+    let confirmed_unsent: Vec<_> = visible
+        .iter()
+        .filter(|s| ledger.confirmed.contains(s) && !sent.contains(s))
+        .collect();
+    assert!(
+        confirmed_unsent.is_empty(),
+        "{step}: recorded or marked, yet unsent: {confirmed_unsent:?}"
+    );
+    let unsent_again: Vec<_> = ledger.sent.difference(&sent).collect();
+    assert!(
+        unsent_again.is_empty(),
+        "{step}: sent rows became unsent: {unsent_again:?}"
+    );
+    ledger.sent = sent;
+}
+
+/// One random history of `steps` steps; checks after each.
+async fn history(seed: u64, steps: usize) -> Ledger {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let db = TestDb::new().await;
+    let ranges = outbox_with_ranges(&db).await;
+    let mut writers = Vec::new();
+    for _ in 0..4 {
+        writers.push(Writer {
+            client: connect(&db.url).await,
+            open: false,
+        });
+    }
+    let mut fold = connect(&db.url).await;
+    let mut captures: VecDeque<Capture> = VecDeque::new();
+    let mut tick: Option<(String, Option<i64>)> = None;
+    let mut ledger = Ledger::default();
+    for step in 0..steps {
+        let what = rng.u32(0..100);
+        let label = format!("seed {seed} step {step} ({what})");
+        match what {
+            0..=29 => {
+                let w = &mut writers[rng.usize(0..4)];
+                if !w.open {
+                    w.client.batch_execute("BEGIN").await.unwrap();
+                    w.open = true;
+                }
+                for _ in 0..rng.u32(1..4) {
+                    w.client.batch_execute(INSERT).await.unwrap();
+                }
+                if rng.bool() {
+                    w.client.batch_execute("COMMIT").await.unwrap();
+                    w.open = false;
+                }
+            }
+            30..=44 => {
+                let w = &mut writers[rng.usize(0..4)];
+                if w.open {
+                    let end = if rng.u32(0..5) == 0 {
+                        "ROLLBACK"
+                    } else {
+                        "COMMIT"
+                    };
+                    w.client.batch_execute(end).await.unwrap();
+                    w.open = false;
+                }
+            }
+            45..=59 => {
+                // The relay confirms some of what it read.
+                let unsent = brute_force(&db.client, &ranges, None).await;
+                let batch: Vec<i64> = unsent.into_iter().filter(|_| rng.u32(0..3) > 0).collect();
+                db.client
+                    .execute(&ranges.record_sql(), &[&batch])
+                    .await
+                    .unwrap();
+                ledger.confirmed.extend(batch);
+            }
+            60..=61 => {
+                // CDC confirms a transaction decoded from the WAL a moment
+                // before its rows are visible: recorded ahead of its commit.
+                let w = &writers[rng.usize(0..4)];
+                if w.open {
+                    let own = seqs(
+                        &w.client,
+                        "SELECT relay_seq FROM outbox WHERE relay_xid = pg_current_xact_id()",
+                        &[],
+                    )
+                    .await;
+                    db.client
+                        .execute(&ranges.record_sql(), &[&own])
+                        .await
+                        .unwrap();
+                    ledger.confirmed.extend(own);
+                }
+            }
+            62..=63 => {
+                // Another marking mode (or an operator) sets relay_sent_at.
+                if let Some(&seq) = brute_force(&db.client, &ranges, None).await.first() {
+                    db.client
+                        .execute(
+                            "UPDATE outbox SET relay_sent_at = now() WHERE relay_seq = $1",
+                            &[&seq],
+                        )
+                        .await
+                        .unwrap();
+                    ledger.confirmed.insert(seq);
+                }
+            }
+            64..=73 => {
+                // Now and then a quiet moment, so that some captures settle
+                // (other tests' short transactions end within the wait).
+                let quiet = rng.u32(0..3) == 0;
+                if quiet {
+                    for w in writers.iter_mut().filter(|w| w.open) {
+                        w.client.batch_execute("COMMIT").await.unwrap();
+                        w.open = false;
+                    }
+                }
+                let settle = Duration::from_millis(if quiet { 2_000 } else { 30 });
+                captures.push_back(ranges.capture(&fold, settle).await.unwrap());
+            }
+            74..=83 => {
+                if let Some(target) = captures.pop_front() {
+                    let limit = if rng.bool() { 2 } else { 1000 };
+                    match ranges.advance(&mut fold, &target, limit).await.unwrap() {
+                        Advance::Advanced { held, deleted, .. } => {
+                            ledger.advanced += 1;
+                            ledger.held += held;
+                            ledger.deleted += deleted;
+                            check_frontier(&db.client, &ranges, &ledger.confirmed, &label).await;
+                        }
+                        Advance::Backlog => ledger.backlog += 1,
+                        Advance::Stale => panic!("{label}: captures are taken in order"),
+                    }
+                }
+            }
+            _ => {
+                let page = rng.i64(1..6);
+                let (first, cur) = read(&db.client, &ranges, &None, page).await;
+                assert_eq!(
+                    first,
+                    brute_force(&db.client, &ranges, None).await,
+                    "{label}: first read"
+                );
+                if let Some(base) = &tick {
+                    let (steady, _) = read(&db.client, &ranges, &tick, page).await;
+                    let want = brute_force(&db.client, &ranges, Some(&base.0)).await;
+                    assert_eq!(steady, want, "{label}: steady read");
+                }
+                tick = Some(cur);
+                let row = db
+                    .client
+                    .query_one(&ranges.read_sql("relay_seq", "").backlog, &[])
+                    .await
+                    .unwrap();
+                let (count, lowest): (i64, Option<i64>) = (row.get(0), row.get(1));
+                assert_eq!(
+                    (count as usize, lowest),
+                    (first.len(), first.first().copied()),
+                    "{label}: backlog"
+                );
+                ledger.reads += 1;
+            }
+        }
+        check_sent(&db, &ranges, &mut ledger, &label).await;
+    }
+    ledger
+}
+
+/// I2, as it can be seen after the round (its progress rows may be gone):
+/// every row visible in the frontier and not held open was recorded or
+/// marked.
+async fn check_frontier(client: &Client, ranges: &Ranges, confirmed: &BTreeSet<i64>, label: &str) {
+    let passed: Vec<i64> = seqs(
+        client,
+        &format!(
+            "SELECT o.relay_seq FROM outbox o
+             WHERE pg_visible_in_snapshot(o.relay_xid, ({frontier}))
+               AND NOT EXISTS (SELECT 1 FROM {held} h WHERE h.relay_seq = o.relay_seq AND h.sent_at IS NULL)",
+            frontier = ranges.frontier_snapshot(),
+            held = ranges.held.quoted(),
+        ),
+        &[],
+    )
+    .await
+    .into_iter()
+    .filter(|s| !confirmed.contains(s))
+    .collect();
+    assert!(
+        passed.is_empty(),
+        "{label}: the frontier passed unconfirmed rows {passed:?}"
+    );
+}
+
+#[tokio::test]
+async fn reads_equal_the_predicate_and_nothing_counts_as_sent_unconfirmed_over_random_histories() {
+    let mut total = Ledger::default();
+    for seed in 1..=8 {
+        let l = history(seed, 200).await;
+        total.reads += l.reads;
+        total.advanced += l.advanced;
+        total.held += l.held;
+        total.deleted += l.deleted;
+        total.backlog += l.backlog;
+    }
+    // The histories reach every path: reads, folds that hold rows open,
+    // delete progress rows, and give up while many rows are unrecorded.
+    assert!(total.reads > 50, "reads {}", total.reads);
+    assert!(total.advanced > 20, "advanced {}", total.advanced);
+    assert!(total.held > 0, "no row was ever held open");
+    assert!(total.deleted > 0, "no progress row was ever deleted");
+    assert!(total.backlog > 0, "no fold ever gave up");
+}
+
+#[tokio::test]
+async fn a_capture_older_than_the_frontier_is_refused() {
+    let db = TestDb::new().await;
+    let ranges = outbox_with_ranges(&db).await;
+    let mut fold = connect(&db.url).await;
+    let older = ranges.capture(&fold, Duration::from_secs(2)).await.unwrap();
+    db.client.batch_execute(INSERT).await.unwrap();
+    let newer = ranges.capture(&fold, Duration::from_secs(2)).await.unwrap();
+    assert!(newer.settled && older.settled);
+    let advanced = ranges.advance(&mut fold, &newer, 10).await.unwrap();
+    assert!(
+        matches!(advanced, Advance::Advanced { held: 1, .. }),
+        "{advanced:?}"
+    );
+    // Moving back would make the row the newer frontier held open look
+    // as if no frontier had passed it, and the one it covers unseen.
+    assert_eq!(
+        ranges.advance(&mut fold, &older, 10).await.unwrap(),
+        Advance::Stale
+    );
+    assert_eq!(brute_force(&db.client, &ranges, None).await, vec![1]);
+}
+
+#[tokio::test]
+async fn reads_visit_the_rows_since_the_frontier_not_the_retained_ones() {
+    const RETAINED: i64 = 100_000;
+    let mut db = TestDb::new().await;
+    let ranges = outbox_with_ranges(&db).await;
+    db.client
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'order', 'o' || i % 100, 'created', '{{}}' FROM generate_series(1, {RETAINED}) i"
+        ))
+        .await
+        .unwrap();
+    let all: Vec<i64> = (1..=RETAINED).collect();
+    db.client
+        .execute(&ranges.record_sql(), &[&all])
+        .await
+        .unwrap();
+    let mut fold = connect(&db.url).await;
+    let capture = ranges.capture(&fold, Duration::from_secs(5)).await.unwrap();
+    let advanced = ranges.advance(&mut fold, &capture, 10).await.unwrap();
+    assert_eq!(
+        advanced,
+        Advance::Advanced {
+            held: 0,
+            closed: 0,
+            deleted: 1
+        }
+    );
+    db.client
+        .batch_execute("VACUUM ANALYZE outbox")
+        .await
+        .unwrap();
+    let (_, before) = read(&db.client, &ranges, &None, 100).await;
+    // A late committer: its relay_seq is below rows committed before it.
+    let mut late = connect(&db.url).await;
+    let late_tx = late.transaction().await.unwrap();
+    late_tx.batch_execute(INSERT).await.unwrap();
+    for _ in 0..20 {
+        db.client.batch_execute(INSERT).await.unwrap();
+    }
+    late_tx.commit().await.unwrap();
+    let sql = ranges.read_sql("relay_seq", "");
+    let first = (None::<String>, None::<i64>, 100_i64);
+    let steady = (Some(before.0.clone()), before.1, 100_i64);
+    let costs = [
+        rows_handled(
+            &mut db.client,
+            &sql.first_page,
+            &[&first.0, &first.1, &first.2],
+        )
+        .await,
+        rows_handled(
+            &mut db.client,
+            &sql.first_page,
+            &[&steady.0, &steady.1, &steady.2],
+        )
+        .await,
+        rows_handled(&mut db.client, &sql.backlog, &[]).await,
+    ];
+    assert!(
+        costs.iter().all(|&c| c < 500.0),
+        "rows handled (first read, steady, backlog): {costs:?}"
+    );
+    // The fold's look at what a new frontier would pass reads as little.
+    let capture = ranges.capture(&fold, Duration::from_secs(5)).await.unwrap();
+    let fold_cost = rows_handled(
+        &mut db.client,
+        &ranges.unrecorded_sql(),
+        &[&capture.snapshot, &1000_i64],
+    )
+    .await;
+    assert!(
+        fold_cost < 500.0,
+        "rows handled by the fold's look: {fold_cost}"
+    );
+    let want: Vec<i64> = (RETAINED + 1..=RETAINED + 21).collect();
+    assert_eq!(read(&db.client, &ranges, &None, 100).await.0, want);
+    assert_eq!(read(&db.client, &ranges, &Some(before), 7).await.0, want);
+    // Without the split, the unsent index holds every retained row.
+    let every = format!(
+        "SELECT relay_seq FROM outbox o WHERE {} ORDER BY relay_seq LIMIT 100",
+        ranges.unsent("o")
+    );
+    let scan = rows_handled(&mut db.client, &every, &[]).await;
+    assert!(
+        scan > RETAINED as f64,
+        "a scan of the unsent index handled {scan}"
+    );
+}
