@@ -164,9 +164,20 @@ pub enum MarkMode {
     /// Leave the row alone (CDC only: the slot records progress). Rows
     /// written before the slot existed are not published.
     None,
+    /// Record each confirmed batch as one row of `relay_seq` ranges
+    /// (`outbox::progress`); experimental: polling only, no retention, and
+    /// `run` refuses it unless `OUTBOX_RELAY_EXPERIMENTAL=ranges`.
+    Ranges,
 }
 
-keyword_enum!(MarkMode { Update = "update", Delete = "delete", None = "none" });
+keyword_enum!(MarkMode { Update = "update", Delete = "delete", None = "none", Ranges = "ranges" });
+
+impl MarkMode {
+    /// Whether the table records what was sent (every mode but `none`).
+    pub fn records_sent(self) -> bool {
+        self != MarkMode::None
+    }
+}
 
 /// `[relay]`: the pipeline between source and broker.
 #[derive(Debug, Clone, Deserialize)]

@@ -181,3 +181,13 @@ pub fn error_text(e: &tokio_postgres::Error) -> String {
         }
     }
 }
+
+/// The server's `server_version_num` (150020 for 15.20; 0 if unreadable).
+pub async fn server_version_num(client: &Client) -> Result<u32, String> {
+    let version: String = client
+        .query_one("SHOW server_version_num", &[])
+        .await
+        .map_err(|e| format!("reading server_version_num: {}", error_text(&e)))?
+        .get(0);
+    Ok(version.trim().parse().unwrap_or(0))
+}

@@ -22,6 +22,9 @@ pub enum DaemonError {
     },
     #[error(transparent)]
     Trace(#[from] telemetry::trace::TraceError),
+    /// An experimental setting without its switch.
+    #[error("{0}")]
+    Experimental(String),
 }
 
 /// `outbox-relay run`: logging, signal handlers, then [`run`] until SIGTERM
@@ -43,6 +46,13 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
     let Some(first) = configs.first() else {
         return Ok(());
     };
+    let experimental = std::env::var(crate::ops::fold::EXPERIMENTAL_ENV).ok();
+    if let Some(problem) = configs
+        .iter()
+        .find_map(|c| crate::ops::fold::experimental_problem(c, experimental.as_deref()))
+    {
+        return Err(DaemonError::Experimental(problem));
+    }
     // One exporter for the process; flushed once every pipeline has drained.
     let tracer = telemetry::trace::EventTracer::start(&first.telemetry.otlp)?;
     let health = Arc::new(Health::default());
@@ -80,6 +90,10 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
             tasks.spawn(async move {
                 crate::ops::retention::run_scheduled(&config, Some(metrics), token).await
             });
+        }
+        {
+            let (config, token) = (config.clone(), shutdown.clone());
+            tasks.spawn(async move { crate::ops::fold::run_scheduled(&config, token).await });
         }
         let token = shutdown.clone();
         tasks.spawn(async move { crate::relay::run_observed(&config, t, token).await });

@@ -7,6 +7,7 @@
 pub mod check;
 pub mod daemon;
 pub mod dlq;
+pub mod fold;
 pub mod migrate;
 pub mod retention;
 pub mod status;

@@ -218,6 +218,7 @@ async fn clean(
     report.outbox = match (config.relay.mark, rows_of) {
         (MarkMode::Delete, _) => Cleanup::Skipped(Skip::MarkDelete),
         (MarkMode::None, _) => Cleanup::Skipped(Skip::MarkNone),
+        (MarkMode::Ranges, _) => Cleanup::Skipped(Skip::MarkRanges),
         (MarkMode::Update, None) => Cleanup::Skipped(Skip::ByPartition),
         (MarkMode::Update, Some(rows_of)) => {
             // The index is the outbox's: a partition's copy has another name.

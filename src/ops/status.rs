@@ -83,6 +83,8 @@ pub async fn snapshot(
     let (backlog, oldest_unsent_age_seconds) = if config.relay.mark == MarkMode::None {
         // Every row looks unsent: counting them would count the table.
         (None, None)
+    } else if config.relay.mark == MarkMode::Ranges {
+        ranges_backlog(client, config).await?
     } else {
         let backlog: i64 = client
             .query_one(
@@ -100,14 +102,21 @@ pub async fn snapshot(
         (Some(backlog), age)
     };
     let dead_letters = open_dead_letters(client, config).await;
-    let last_publish = if with_last_publish && config.relay.mark == MarkMode::Update {
-        client
+    let last_publish = match config.relay.mark {
+        MarkMode::Update if with_last_publish => client
             .query_one(&format!("SELECT max({SENT_AT_COLUMN}) FROM {t}"), &[])
             .await
             .map_err(q("reading the last publish time"))?
-            .get(0)
-    } else {
-        None
+            .get(0),
+        MarkMode::Ranges if with_last_publish => {
+            let ranges = crate::outbox::progress::Ranges::new(table);
+            client
+                .query_one(&ranges.last_recorded_sql(), &[])
+                .await
+                .map_err(q("reading the last publish time"))?
+                .get(0)
+        }
+        _ => None,
     };
     let key = ownership_key(table);
     let active = active_instance(client, &key).await?;
@@ -128,6 +137,41 @@ pub async fn snapshot(
         slot,
         auto,
     })
+}
+
+/// With `relay.mark = "ranges"`: the unsent rows by the frontier, the
+/// held rows and the progress table, and the oldest one's age.
+async fn ranges_backlog(
+    client: &Client,
+    config: &Config,
+) -> Result<(Option<i64>, Option<f64>), DbError> {
+    let table = &config.outbox.table;
+    let ranges = crate::outbox::progress::Ranges::new(table);
+    let row = client
+        .query_one(&ranges.read_sql(SEQ_COLUMN, "").backlog, &[])
+        .await
+        .map_err(q("counting unsent rows"))?;
+    let (count, oldest): (i64, Option<i64>) = (row.get(0), row.get(1));
+    let columns = crate::outbox::inspect::table_info(client, table)
+        .await
+        .map_err(q("reading the outbox table"))?
+        .map(|info| config.outbox.columns.resolve(&info.names()));
+    let age = match (oldest, columns.and_then(|c| c.created_at)) {
+        (Some(seq), Some(created_at)) => client
+            .query_opt(
+                &format!(
+                    "SELECT EXTRACT(EPOCH FROM now() - {}::timestamptz)::float8 FROM {} WHERE {SEQ_COLUMN} = $1",
+                    quote_ident(&created_at),
+                    table.quoted()
+                ),
+                &[&seq],
+            )
+            .await
+            .map_err(q("reading the oldest unsent row"))?
+            .map(|r| r.get::<_, f64>(0).max(0.0)),
+        _ => None,
+    };
+    Ok((Some(count), age))
 }
 
 /// Seconds since the oldest unsent row was written, when the table has a

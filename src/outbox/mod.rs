@@ -26,7 +26,9 @@ pub use shard::Shard;
 use crate::config::{MarkMode, SENT_AT_COLUMN, SEQ_COLUMN, TableName};
 
 /// The statement that records confirmed rows (by `relay_seq`, `$1`), or
-/// `None` when rows are left alone.
+/// `None` when rows are left alone. It may write no outbox row at all
+/// (`ranges`): what it returns counts rows marked only with `update` and
+/// `delete`.
 pub fn mark_sql(table: &TableName, mark: MarkMode) -> Option<String> {
     let t = table.quoted();
     match mark {
@@ -36,6 +38,7 @@ pub fn mark_sql(table: &TableName, mark: MarkMode) -> Option<String> {
         MarkMode::Delete => Some(format!(
             "DELETE FROM {t} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} = ANY($1)"
         )),
+        MarkMode::Ranges => Some(progress::Ranges::new(table).record_sql()),
         MarkMode::None => None,
     }
 }

@@ -357,6 +357,7 @@ impl Postgres<'_> {
             &parts.columns,
             &config.source.polling,
             run.shard,
+            config.relay.mark,
         )
         .await?;
         let acker = PollingAcker::new(recorder);

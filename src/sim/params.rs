@@ -178,6 +178,7 @@ enabled = false
                 MarkMode::Update => "update",
                 MarkMode::Delete => "delete",
                 MarkMode::None => "none",
+                MarkMode::Ranges => "ranges",
             },
             window = self.max_in_flight,
             shutdown = self.shutdown_timeout_ms,

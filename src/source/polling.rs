@@ -75,6 +75,9 @@ pub struct PollingReader {
     first_page: Statement,
     /// Continues a tick from the cursor.
     next_page: Statement,
+    /// With `relay.mark = "ranges"`: what a tick's pages share besides the
+    /// snapshots (`outbox::progress::read`).
+    ranges: Option<RangesTick>,
     poll_interval: Duration,
     /// The previous tick's snapshot; `None` reads every unsent row.
     prev: Option<String>,
@@ -87,6 +90,20 @@ pub struct PollingReader {
     /// Ticks in a row that found nothing.
     quiet: u32,
 }
+
+/// A tick's state when sent rows are recorded by ranges: the highest
+/// `relay_seq` visible in the previous tick's snapshot and in this one's,
+/// and what the first page resolved for the next ones.
+#[derive(Debug, Default)]
+struct RangesTick {
+    prev_max: Option<i64>,
+    cur_max: Option<i64>,
+    base_max: i64,
+    stragglers: Vec<i64>,
+}
+
+/// What a ranges tick's first page says besides the rows.
+type RangesHead = (Option<i64>, i64, Vec<i64>);
 
 /// The wait after a tick that found rows: more are likely on their way.
 const SOON: Duration = Duration::from_millis(10);
@@ -106,6 +123,7 @@ impl PollingReader {
         columns: &ResolvedColumns,
         polling: &PollingConfig,
         shard: Shard,
+        mark: crate::config::MarkMode,
     ) -> Result<Self, SourceError> {
         let wakeups = Arc::new(Notify::new());
         let client = crate::db::connect(db, Some(wakeups.clone())).await?;
@@ -115,37 +133,8 @@ impl PollingReader {
                 .await
                 .map_err(|e| DbError::query("LISTEN for new-row notifications", e))?;
         }
-        let t = table.quoted();
-        let cols = select_list(columns);
-        let shard = shard
-            .condition(&quote_ident(&columns.aggregate_id))
-            .map(|c| format!(" AND {c}"))
-            .unwrap_or_default();
-        let first = byte_capped(
-            &format!(
-                "SELECT {cols} FROM {t}
-                 WHERE {SENT_AT_COLUMN} IS NULL{shard}
-                   AND ($1::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $1::text::pg_snapshot))
-                 ORDER BY {SEQ_COLUMN} LIMIT $2"
-            ),
-            &columns.payload,
-            "$3",
-        );
-        let first_page = format!(
-            "WITH snap AS (SELECT pg_current_snapshot() AS cur)
-             SELECT snap.cur::text, e.* FROM snap LEFT JOIN LATERAL ({first}) e ON true"
-        );
-        let next_page = byte_capped(
-            &format!(
-                "SELECT {cols} FROM {t}
-                 WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1{shard}
-                   AND pg_visible_in_snapshot({XID_COLUMN}, $2::text::pg_snapshot)
-                   AND ($3::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $3::text::pg_snapshot))
-                 ORDER BY {SEQ_COLUMN} LIMIT $4"
-            ),
-            &columns.payload,
-            "$5",
-        );
+        let ranges = mark == crate::config::MarkMode::Ranges;
+        let (first_page, next_page) = statements(table, columns, shard, ranges);
         let prepare = |sql: String| {
             let client = &client;
             async move {
@@ -160,6 +149,7 @@ impl PollingReader {
             next_page: prepare(next_page).await?,
             client,
             wakeups,
+            ranges: ranges.then(RangesTick::default),
             poll_interval: polling.poll_interval,
             prev: None,
             cur: None,
@@ -177,22 +167,45 @@ impl PollingReader {
         let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
         // The first page's rows start after the tick's snapshot, which every
         // row carries (one row of NULLs after it when there are none).
-        let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) = match &self.cur {
-            None => (&self.first_page, 1, vec![&self.prev, &limit, &bytes]),
-            Some(cur) => (
-                &self.next_page,
-                0,
-                vec![&self.cursor, cur, &self.prev, &limit, &bytes],
-            ),
-        };
+        let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) =
+            match (&self.cur, &self.ranges) {
+                (None, None) => (&self.first_page, 1, vec![&self.prev, &limit, &bytes]),
+                (Some(cur), None) => (
+                    &self.next_page,
+                    0,
+                    vec![&self.cursor, cur, &self.prev, &limit, &bytes],
+                ),
+                (None, Some(r)) => (
+                    &self.first_page,
+                    4,
+                    vec![&self.prev, &r.prev_max, &limit, &bytes],
+                ),
+                (Some(cur), Some(r)) => (
+                    &self.next_page,
+                    0,
+                    vec![
+                        &self.cursor,
+                        cur,
+                        &self.prev,
+                        &r.base_max,
+                        &r.stragglers,
+                        &limit,
+                        &bytes,
+                    ],
+                ),
+            };
         let mut first: Option<(String, usize)> = None;
+        let mut head: Option<RangesHead> = None;
         let rows = each_row(&self.client, statement, &params, |row| {
             if first.is_none() {
-                let snapshot = if offset == 1 {
+                let snapshot = if offset > 0 {
                     row.get(0)
                 } else {
                     String::new()
                 };
+                if offset == 4 {
+                    head = Some((row.get(1), row.get(2), row.get(3)));
+                }
                 first = Some((snapshot, page_rows(row)));
             }
             read_row(row, offset)
@@ -205,8 +218,59 @@ impl PollingReader {
             full: found >= max || rows.len() < found,
             rows,
             snapshot: self.cur.clone().unwrap_or(snapshot),
+            head,
         })
     }
+}
+
+/// A tick's two statements, first page and next: with `ranges`, those of
+/// `outbox::progress::read`, else by `relay_sent_at IS NULL`.
+fn statements(
+    table: &TableName,
+    columns: &ResolvedColumns,
+    shard: Shard,
+    ranges: bool,
+) -> (String, String) {
+    let t = table.quoted();
+    let cols = select_list(columns);
+    let shard = shard
+        .condition(&quote_ident(&columns.aggregate_id))
+        .map(|c| format!(" AND {c}"))
+        .unwrap_or_default();
+    if ranges {
+        let sql = crate::outbox::progress::Ranges::new(table).read_sql_wrapped(
+            &cols,
+            &shard,
+            &|page, bytes| byte_capped(&page, &columns.payload, bytes),
+        );
+        return (sql.first_page, sql.next_page);
+    }
+    let first = byte_capped(
+        &format!(
+            "SELECT {cols} FROM {t}
+             WHERE {SENT_AT_COLUMN} IS NULL{shard}
+               AND ($1::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $1::text::pg_snapshot))
+             ORDER BY {SEQ_COLUMN} LIMIT $2"
+        ),
+        &columns.payload,
+        "$3",
+    );
+    let first_page = format!(
+        "WITH snap AS (SELECT pg_current_snapshot() AS cur)
+         SELECT snap.cur::text, e.* FROM snap LEFT JOIN LATERAL ({first}) e ON true"
+    );
+    let next_page = byte_capped(
+        &format!(
+            "SELECT {cols} FROM {t}
+             WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1{shard}
+               AND pg_visible_in_snapshot({XID_COLUMN}, $2::text::pg_snapshot)
+               AND ($3::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $3::text::pg_snapshot))
+             ORDER BY {SEQ_COLUMN} LIMIT $4"
+        ),
+        &columns.payload,
+        "$5",
+    );
+    (first_page, next_page)
 }
 
 /// One page of a tick.
@@ -214,6 +278,9 @@ struct Page {
     snapshot: String,
     rows: Vec<(i64, RawRow)>,
     full: bool,
+    /// A ranges tick's first page: *cur*'s highest `relay_seq`, the base's,
+    /// the stragglers.
+    head: Option<RangesHead>,
 }
 
 impl Reader for PollingReader {
@@ -246,16 +313,23 @@ impl Reader for PollingReader {
                 snapshot,
                 rows,
                 full,
+                head,
             } = self.page(max, max_bytes).await?;
             // No await below: the state moves in one step, keeping the call cancel-safe.
             if self.cur.is_none() {
                 self.cur = Some(snapshot);
+                if let (Some(r), Some((cur_max, base_max, stragglers))) = (&mut self.ranges, head) {
+                    (r.cur_max, r.base_max, r.stragglers) = (cur_max, base_max, stragglers);
+                }
             }
             if let Some((seq, _)) = rows.last() {
                 self.cursor = *seq;
             }
             if !full {
                 self.prev = self.cur.take();
+                if let Some(r) = &mut self.ranges {
+                    r.prev_max = r.cur_max;
+                }
                 self.cursor = 0;
                 self.quiet = if rows.is_empty() {
                     self.quiet.saturating_add(1)
@@ -277,6 +351,9 @@ impl Reader for PollingReader {
 
     fn rewind(&mut self) {
         self.prev = None;
+        if let Some(r) = &mut self.ranges {
+            r.prev_max = None;
+        }
         self.cur = None;
         self.cursor = 0;
         self.idle = false;

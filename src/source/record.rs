@@ -88,12 +88,15 @@ impl RowRecorder {
         messages: bool,
     ) -> Result<Self, SourceError> {
         let mark = match mark_sql(table, mark) {
-            Some(sql) => Some(
-                client
-                    .prepare(&sql)
-                    .await
-                    .map_err(|e| DbError::query("preparing the mark-sent statement", e))?,
-            ),
+            Some(sql) => Some(client.prepare(&sql).await.map_err(|e| {
+                match (mark, e.code().map(|c| c.code())) {
+                    (MarkMode::Ranges, Some("42P01")) => SourceError::Setup(format!(
+                        "relay.mark = \"ranges\" records sent rows in {}, which does not exist: run outbox-relay migrate",
+                        crate::outbox::progress::Ranges::new(table).progress
+                    )),
+                    _ => DbError::query("preparing the mark-sent statement", e).into(),
+                }
+            })?),
             None => None,
         };
         let dead_letters = match dead_letters {

@@ -33,6 +33,7 @@ mod migrations;
 mod operations;
 mod partitions;
 mod rabbit_exchanges;
+mod ranges_delivery;
 mod redrive;
 mod retention;
 mod retention_skips;

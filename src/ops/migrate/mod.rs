@@ -78,6 +78,8 @@ pub struct MigrateOptions {
     pub dead_letters: Option<TableName>,
     /// The table of ownership claims (clean hand-offs between owners).
     pub owners: TableName,
+    /// `relay.mark = "ranges"`: the tables that record sent rows by ranges.
+    pub ranges: bool,
 }
 
 /// The replication objects of the CDC source.
@@ -121,6 +123,7 @@ impl MigrateOptions {
                 .enabled
                 .then(|| config.dead_letter.table_name(table)),
             owners: crate::relay::handoff::owners_table(table),
+            ranges: config.relay.mark == crate::config::MarkMode::Ranges,
         }
     }
 }
@@ -210,6 +213,9 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         ..unsent
     };
     steps.extend(sent.step(client).await?);
+    if opts.ranges {
+        steps.extend(ranges_steps(client, opts, existing).await?);
+    }
     match &opts.notify_channel {
         Some(channel) => steps.extend(triggers::notify(client, opts, channel).await?),
         None => steps.extend(triggers::drop_notify(client, &opts.table).await?),
@@ -230,6 +236,57 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
     if let Some(cdc) = &opts.cdc {
         steps.extend(cdc_steps(client, &opts.table, cdc, partitioning.is_some()).await?);
     }
+    Ok(steps)
+}
+
+/// With `relay.mark = "ranges"` (PostgreSQL 14 or later): the progress,
+/// frontier and held tables and the predicate's function when the progress
+/// table is missing, and the index on `relay_xid`.
+async fn ranges_steps(
+    client: &Client,
+    opts: &MigrateOptions,
+    existing: bool,
+) -> Result<Vec<Step>, MigrateError> {
+    if let Some(problem) = crate::outbox::progress::version_problem(client)
+        .await
+        .map_err(MigrateError::Prerequisite)?
+    {
+        return Err(MigrateError::Prerequisite(problem));
+    }
+    let ranges = crate::outbox::progress::Ranges::new(&opts.table);
+    let mut steps = Vec::new();
+    if table_info(client, &ranges.progress).await?.is_none() {
+        let what = [
+            format!(
+                "create {}, one row of relay_seq ranges per confirmed batch",
+                ranges.progress
+            ),
+            format!(
+                "create {}, the snapshots the fold moved the frontier to",
+                ranges.frontier
+            ),
+            format!(
+                "create {}, rows the frontier passed before they were recorded",
+                ranges.held
+            ),
+            format!(
+                "create the function {}, which says whether a row was sent",
+                ranges.sent_function
+            ),
+        ];
+        for (description, sql) in what.into_iter().zip(ranges.tables_sql()) {
+            steps.push(Step::new(description, sql));
+        }
+    }
+    let xid = Index {
+        table: &opts.table,
+        concurrently: existing,
+        name: ranges.xid_index.clone(),
+        definition: crate::outbox::progress::Ranges::xid_index_definition(),
+        purpose: "unsent rows by transaction, for the fold and the reads",
+        unique: false,
+    };
+    steps.extend(xid.step(client).await?);
     Ok(steps)
 }
 

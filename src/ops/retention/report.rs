@@ -33,6 +33,8 @@ pub enum Skip {
     MarkDelete,
     /// `relay.mark = "none"`: rows are never marked, so none is known to be sent.
     MarkNone,
+    /// `relay.mark = "ranges"`: its retention is not built yet.
+    MarkRanges,
     /// `dead_letter.enabled = false`.
     DeadLettersOff,
     /// `retention.mode = "partitions"` on an outbox without a default
@@ -52,6 +54,9 @@ impl fmt::Display for Skip {
             }
             Skip::MarkNone => f.write_str(
                 "relay.mark = \"none\" never marks rows sent, so none can be told apart",
+            ),
+            Skip::MarkRanges => f.write_str(
+                "relay.mark = \"ranges\" (experimental) has no retention of sent rows yet",
             ),
             Skip::DeadLettersOff => f.write_str("dead_letter.enabled = false"),
             Skip::ByPartition => {

@@ -24,6 +24,18 @@ pub mod read;
 
 use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 
+/// Why ranges cannot work on this server, if they cannot: multiranges came
+/// with PostgreSQL 14.
+pub async fn version_problem(client: &tokio_postgres::Client) -> Result<Option<String>, String> {
+    let version = crate::db::server_version_num(client).await?;
+    Ok((version < 140_000).then(|| {
+        format!(
+            "relay.mark = \"ranges\" needs PostgreSQL 14 or later (multiranges); this server is version {version}: \
+             use relay.mark = \"update\", or upgrade"
+        )
+    }))
+}
+
 /// The objects that record "sent" for one outbox table.
 #[derive(Debug, Clone)]
 pub struct Ranges {
@@ -57,11 +69,27 @@ impl Ranges {
     /// The statements that create the objects (PostgreSQL 14 or later: the
     /// progress rows are multiranges). Safe to run again.
     pub fn create_sql(&self) -> Vec<String> {
-        let (p, f, h, t) = (
+        let mut sql = self.tables_sql();
+        sql.push(format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {} {}",
+            crate::sql::quote_ident(&self.xid_index),
+            self.outbox.quoted(),
+            Self::xid_index_definition()
+        ));
+        sql
+    }
+
+    /// What follows `ON <outbox>` in the index on `relay_xid`.
+    pub fn xid_index_definition() -> String {
+        format!("({XID_COLUMN}) INCLUDE ({SEQ_COLUMN}) WHERE {SENT_AT_COLUMN} IS NULL")
+    }
+
+    /// The three tables and the predicate's function (no index on the outbox).
+    pub fn tables_sql(&self) -> Vec<String> {
+        let (p, f, h) = (
             self.progress.quoted(),
             self.frontier.quoted(),
             self.held.quoted(),
-            self.outbox.quoted(),
         );
         vec![
             format!(
@@ -86,10 +114,6 @@ impl Ranges {
     held_at timestamptz NOT NULL DEFAULT now(),
     sent_at timestamptz
 )"
-            ),
-            format!(
-                "CREATE INDEX IF NOT EXISTS {} ON {t} ({XID_COLUMN}) INCLUDE ({SEQ_COLUMN}) WHERE {SENT_AT_COLUMN} IS NULL",
-                crate::sql::quote_ident(&self.xid_index)
             ),
             format!(
                 "CREATE OR REPLACE FUNCTION {}(bigint, xid8, timestamptz) RETURNS boolean
@@ -134,6 +158,16 @@ $fn$",
             recorded = self.recorded(),
             frontier = self.frontier_snapshot(),
             held = self.held.quoted(),
+        )
+    }
+
+    /// When the newest recorded batch was confirmed (NULL: none yet).
+    pub fn last_recorded_sql(&self) -> String {
+        format!(
+            "SELECT GREATEST((SELECT max(recorded_at) FROM {}),
+                             (SELECT last_recorded_at FROM {} ORDER BY id DESC LIMIT 1))",
+            self.progress.quoted(),
+            self.frontier.quoted()
         )
     }
 

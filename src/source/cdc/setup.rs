@@ -376,7 +376,7 @@ pub async fn slot_failover(client: &Client, slot: &str) -> Result<Option<bool>, 
 
 /// Why `source.cdc.failover` cannot be honoured here: failover slots came with PostgreSQL 17.
 pub async fn failover_problem(client: &Client) -> Result<Option<String>, String> {
-    let version = server_version_num(client).await?;
+    let version = crate::db::server_version_num(client).await?;
     Ok((version < 170_000).then(|| {
         format!(
             "source.cdc.failover needs PostgreSQL 17 or later (failover slots); this server is version {version}: \
@@ -388,22 +388,13 @@ pub async fn failover_problem(client: &Client) -> Result<Option<String>, String>
 /// Why `source.cdc.messages` cannot work on this server, if it cannot:
 /// pgoutput sends logical messages from PostgreSQL 14 on.
 pub async fn messages_problem(client: &Client) -> Result<Option<String>, String> {
-    let version = server_version_num(client).await?;
+    let version = crate::db::server_version_num(client).await?;
     Ok((version < 140_000).then(|| {
         format!(
             "source.cdc.messages needs PostgreSQL 14 or later (pgoutput sends logical messages from 14 on); \
              this server is version {version}: set source.cdc.messages = false and write events as rows, or upgrade"
         )
     }))
-}
-
-async fn server_version_num(client: &Client) -> Result<u32, String> {
-    let version: String = client
-        .query_one("SHOW server_version_num", &[])
-        .await
-        .map_err(|e| format!("reading server_version_num: {}", error_text(&e)))?
-        .get(0);
-    Ok(version.trim().parse().unwrap_or(0))
 }
 
 /// The major version in a `server_version` report (`13.23`, `17.10 (Debian ...)`, `18beta1`).

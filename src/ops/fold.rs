@@ -1,0 +1,174 @@
+//! The fold `run` schedules with `relay.mark = "ranges"` (experimental):
+//! every few seconds it moves the frontier to the capture it took a round
+//! earlier and deletes the progress rows that frontier covers
+//! (`outbox::progress::fold`). One instance at a time folds an outbox;
+//! failures are logged and retried, they never end it.
+
+use crate::backoff::Backoff;
+use crate::config::{Config, MarkMode};
+use crate::db::DbError;
+use crate::outbox::progress::Ranges;
+use crate::outbox::progress::fold::{Advance, Capture};
+use std::time::Duration;
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+
+/// The pause between rounds while the relay keeps up: a capture is about
+/// this old when the frontier moves to it, so the relay has confirmed what
+/// it had in flight then.
+pub const INTERVAL: Duration = Duration::from_secs(2);
+
+/// The pause grows to this while a drain is under way (rows visible in the
+/// capture that are not recorded yet are more than [`HOLD_LIMIT`]).
+const BACKLOG_INTERVAL_MAX: Duration = Duration::from_secs(60);
+
+/// Rows a round holds open at most; more means the relay is draining.
+const HOLD_LIMIT: i64 = 2_000;
+
+/// How long a capture waits for the transactions running at its start.
+const SETTLE: Duration = Duration::from_secs(2);
+
+/// The environment variable that lets `run` use experimental features.
+pub const EXPERIMENTAL_ENV: &str = "OUTBOX_RELAY_EXPERIMENTAL";
+
+/// Why `run` refuses `relay.mark = "ranges"` here, if it does.
+pub fn experimental_problem(config: &Config, allowed: Option<&str>) -> Option<String> {
+    let allowed = allowed.is_some_and(|v| v.split(',').any(|f| f.trim() == "ranges"));
+    (config.relay.mark == MarkMode::Ranges && !allowed).then(|| {
+        format!(
+            "pipeline {}: relay.mark = \"ranges\" is experimental (no retention, polling only): \
+             set {EXPERIMENTAL_ENV}=ranges to run it, or use \"update\"",
+            config.name
+        )
+    })
+}
+
+/// The key of the advisory lock one folding instance holds.
+fn lock_key(config: &Config) -> String {
+    format!("outbox-relay-fold:{}", config.outbox.table)
+}
+
+/// Runs rounds until `shutdown`; returns at once unless `relay.mark = "ranges"`.
+pub async fn run_scheduled(config: &Config, shutdown: CancellationToken) {
+    if config.relay.mark != MarkMode::Ranges {
+        return;
+    }
+    let pipeline = config.name.as_str();
+    let ranges = Ranges::new(&config.outbox.table);
+    let mut backoff = Backoff::new(config.relay.retry_base, config.relay.retry_max);
+    let mut folder: Option<Folder> = None;
+    let mut wait = INTERVAL;
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+        let round = async {
+            let f = match folder.take() {
+                Some(f) if !f.client.is_closed() => folder.insert(f),
+                _ => folder.insert(Folder::connect(config).await?),
+            };
+            f.round(&ranges).await
+        };
+        match round.await {
+            Ok(Some(Advance::Backlog)) => {
+                backoff.reset();
+                wait = (wait * 2).clamp(INTERVAL, BACKLOG_INTERVAL_MAX);
+                tracing::debug!(pipeline, next_in = ?wait, "fold waits: the relay is draining");
+            }
+            Ok(outcome) => {
+                backoff.reset();
+                wait = INTERVAL;
+                if let Some(Advance::Advanced {
+                    held,
+                    closed,
+                    deleted,
+                }) = outcome
+                {
+                    tracing::debug!(pipeline, held, closed, deleted, "fold moved the frontier");
+                }
+            }
+            Err(e) => {
+                folder = None;
+                wait = backoff.next_delay();
+                tracing::warn!(pipeline, error = %e, retry_in = ?wait, "fold failed; retrying");
+            }
+        }
+    }
+}
+
+/// The folding connection, with the capture a round took for the next.
+struct Folder {
+    client: Client,
+    key: String,
+    locked: bool,
+    pending: Option<Capture>,
+}
+
+impl Folder {
+    async fn connect(config: &Config) -> Result<Folder, DbError> {
+        let client = crate::db::connect(&config.database, None).await?;
+        Ok(Folder {
+            client,
+            key: lock_key(config),
+            locked: false,
+            pending: None,
+        })
+    }
+
+    /// One round: under the lock, moves the frontier to the pending capture
+    /// (if any), then takes the next. `None`: another instance folds, or
+    /// there was no capture yet.
+    async fn round(&mut self, ranges: &Ranges) -> Result<Option<Advance>, DbError> {
+        if !self.locked {
+            // Held by this session until its connection ends.
+            self.locked = self
+                .client
+                .query_one(
+                    "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+                    &[&self.key],
+                )
+                .await
+                .map_err(|e| DbError::query("taking the fold lock", e))?
+                .get(0);
+            if !self.locked {
+                return Ok(None);
+            }
+        }
+        let outcome = match self.pending.take() {
+            Some(target) => Some(
+                ranges
+                    .advance(&mut self.client, &target, HOLD_LIMIT)
+                    .await?,
+            ),
+            None => None,
+        };
+        self.pending = Some(ranges.capture(&self.client, SETTLE).await?);
+        Ok(outcome)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_run_only_when_the_environment_allows_them() {
+        let toml = |mark: &str| {
+            format!(
+                "[database]\nurl = \"postgres://relay@localhost/db\"\n[relay]\nmark = \"{mark}\"\n[sink]\ntype = \"rabbitmq\"\nurl = \"amqp://localhost\"\n"
+            )
+        };
+        let ranges = crate::config::load_str(&toml("ranges")).expect("loads");
+        let refused = experimental_problem(&ranges, None).expect("refused");
+        assert!(
+            refused.contains("OUTBOX_RELAY_EXPERIMENTAL=ranges"),
+            "{refused}"
+        );
+        assert!(experimental_problem(&ranges, Some("other")).is_some());
+        assert!(experimental_problem(&ranges, Some("other, ranges")).is_none());
+        let update = crate::config::load_str(&toml("update")).expect("loads");
+        assert!(experimental_problem(&update, None).is_none());
+    }
+}

@@ -1,0 +1,150 @@
+//! `relay.mark = "ranges"` (experimental, polling) end to end, against real
+//! PostgreSQL and brokers: every event published once, no outbox row
+//! written, the fold moving the frontier past what was recorded, a restart
+//! publishing only what is new, and `run` refusing the mode without its
+//! switch.
+
+use crate::support::brokers::Received;
+use crate::support::*;
+use outbox_relay::config::TableName;
+use outbox_relay::outbox::progress::Ranges;
+use std::collections::HashMap;
+use uuid::Uuid;
+
+const SWITCH: (&str, &str) = ("OUTBOX_RELAY_EXPERIMENTAL", "ranges");
+
+/// Inserts `n` events of aggregate `agg` in transactions of `per_tx`.
+async fn insert(db: &TestDb, agg: &str, n: usize, per_tx: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for (c, chunk) in super::support::ids(n).chunks(per_tx).enumerate() {
+        let values: Vec<String> = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let i = c * per_tx + i;
+                format!("('{id}', 'order', '{agg}', 'created', '{{\"i\": {i}}}')")
+            })
+            .collect();
+        db.client
+            .batch_execute(&format!(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES {}",
+                values.join(", ")
+            ))
+            .await
+            .unwrap();
+        ids.extend(chunk.iter().map(Uuid::to_string));
+    }
+    ids
+}
+
+fn deliveries(got: &[Received]) -> HashMap<String, usize> {
+    let mut n = HashMap::new();
+    for m in got {
+        *n.entry(m.event_id()).or_default() += 1;
+    }
+    n
+}
+
+async fn count(db: &TestDb, sql: &str) -> i64 {
+    db.client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+async fn publishes_once_and_writes_no_row(kind: Kind) {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        kind,
+        &["order"],
+        &[("relay.mark", "\"ranges\"")],
+    )
+    .await;
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    // A late committer: it takes relay_seq values below rows committed
+    // before it.
+    let late_client = connect(&db.url).await;
+    late_client.batch_execute("BEGIN").await.unwrap();
+    late_client
+        .batch_execute("INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+                        VALUES ('00000000-0000-0000-0000-00000000000a', 'order', 'late', 'created', '{}')")
+        .await
+        .unwrap();
+    let mut ids = insert(&db, "a", 200, 10).await;
+    let mut relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    late_client.batch_execute("COMMIT").await.unwrap();
+    ids.push("00000000-0000-0000-0000-00000000000a".into());
+    ids.extend(insert(&db, "b", 100, 1).await);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    // The fold moves the frontier past everything and deletes the
+    // progress rows it covers; the table says nothing is unsent.
+    let progress = format!("SELECT count(*) FROM {}", ranges.progress.quoted());
+    wait_for(WAIT, "the fold to cover every recorded batch", || async {
+        (count(&db, &progress).await == 0).then_some(())
+    })
+    .await;
+    let backlog = ranges.read_sql("relay_seq", "").backlog;
+    assert_eq!(count(&db, &backlog).await, 0);
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE relay_sent_at IS NOT NULL"
+        )
+        .await,
+        0
+    );
+    let frontier = format!("SELECT count(*) FROM {}", ranges.frontier.quoted());
+    assert!(count(&db, &frontier).await >= 1);
+    let status = outbox_relay::ops::status::snapshot(&db.client, &parse(&toml), true)
+        .await
+        .unwrap();
+    assert_eq!(status.backlog, Some(0));
+    assert!(
+        status.last_publish.is_some(),
+        "the last publish time comes from the progress"
+    );
+    // A crash, new events, a restart: only the new ones are published.
+    relay.kill();
+    let before = broker.inbox().len();
+    let new = insert(&db, "c", 50, 5).await;
+    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    broker.inbox().wait_ids(&new, WAIT).await;
+    let got = broker.inbox().snapshot();
+    let n = deliveries(&got);
+    let twice: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
+    assert!(twice.is_empty(), "published other than once: {twice:?}");
+    assert_eq!(got.len(), before + new.len(), "nothing old published again");
+    assert_each_aggregate_in_order(&got);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_with_ranges_to_rabbitmq_publishes_once_and_writes_no_row() {
+    publishes_once_and_writes_no_row(Kind::Rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_with_ranges_to_kafka_publishes_once_and_writes_no_row() {
+    publishes_once_and_writes_no_row(Kind::Kafka).await;
+}
+
+#[test]
+fn run_refuses_ranges_without_the_experimental_switch() {
+    let toml = set(
+        &base_toml("postgres://relay@127.0.0.1:1/app", &rabbit_sink()),
+        "relay.mark",
+        "\"ranges\"",
+    );
+    let path = config_file(&toml);
+    let (code, _, err) = run_cli(&["run", "--config", &path], &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("relay.mark = \"ranges\" is experimental")
+            && err.contains("OUTBOX_RELAY_EXPERIMENTAL=ranges"),
+        "{err}"
+    );
+    let cdc = set(&toml, "source.mode", "\"cdc\"");
+    let (code, _, err) = run_cli(&["run", "--config", &config_file(&cdc)], &[SWITCH]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("relay.mark") && err.contains("source.mode = \"polling\" only"),
+        "{err}"
+    );
+}
