@@ -148,3 +148,49 @@ fn run_refuses_ranges_without_the_experimental_switch() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_recorded_with_their_transaction_and_not_read_again() {
+    use crate::dead_letters::{dlq_list, insert_big, poison_settings, wait_dead_letters};
+    let mut sets = poison_settings("\"follow\"");
+    sets.push(("relay.mark", "\"ranges\""));
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &sets).await;
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    let path = config_file(&toml);
+    insert_big(&db, Uuid::new_v4(), "P").await;
+    insert(&db, "P", 2, 1).await;
+    let others = insert(&db, "g", 20, 4).await;
+    let mut relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    broker.inbox().wait_ids(&others, WAIT).await;
+    wait_dead_letters(
+        &path,
+        3,
+        "the poison event and its two followers dead-lettered",
+    )
+    .await;
+    let backlog = ranges.read_sql("relay_seq", "").backlog;
+    assert_eq!(
+        count(&db, &backlog).await,
+        0,
+        "dead-lettered rows are recorded"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE relay_sent_at IS NOT NULL"
+        )
+        .await,
+        0
+    );
+    relay.kill();
+    let before = broker.inbox().len();
+    let new = insert(&db, "h", 1, 1).await;
+    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    broker.inbox().wait_ids(&new, WAIT).await;
+    assert_eq!(
+        broker.inbox().len(),
+        before + 1,
+        "nothing read again after the restart"
+    );
+    assert_eq!(dlq_list(&path).len(), 3, "nothing dead-lettered again");
+}
