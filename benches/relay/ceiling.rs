@@ -229,19 +229,14 @@ pub async fn database(db_url: &str, expected: u64) -> Result<f64> {
     Ok(rows as f64 / elapsed.as_secs_f64())
 }
 
-/// Rows per statement of the marking ceiling (the relay merges up to 5,000).
-const MARK_BATCH: i64 = 1_000;
-
-/// Rows per second of the relay's marking statement, on a copy of the
-/// backlog with the same indexes (dropped afterwards).
-pub async fn database_mark(db_url: &str, expected: u64) -> Result<f64> {
-    let client = connect(db_url).await?;
-    let limit = limit_for(expected) + Duration::from_secs(expected / 5_000);
+/// A copy of the backlog with the outbox's indexes, `bench_mark_copy`.
+async fn copy_backlog(client: &tokio_postgres::Client, limit: Duration) -> Result<()> {
     let setup = [
         "DROP TABLE IF EXISTS bench_mark_copy",
         "CREATE TABLE bench_mark_copy AS SELECT * FROM outbox",
         "ALTER TABLE bench_mark_copy ADD PRIMARY KEY (id)",
         "CREATE INDEX ON bench_mark_copy (relay_seq) WHERE relay_sent_at IS NULL",
+        "CREATE UNIQUE INDEX ON bench_mark_copy (relay_seq)",
         // One by one: VACUUM refuses to run in a transaction block.
         "VACUUM (ANALYZE) bench_mark_copy",
     ];
@@ -255,7 +250,18 @@ pub async fn database_mark(db_url: &str, expected: u64) -> Result<f64> {
             Ok(())
         },
     )
-    .await?;
+    .await
+}
+
+/// Rows per statement of the marking ceiling (the relay merges up to 5,000).
+const MARK_BATCH: i64 = 1_000;
+
+/// Rows per second of the relay's marking statement, on a copy of the
+/// backlog with the same indexes (dropped afterwards).
+pub async fn database_mark(db_url: &str, expected: u64) -> Result<f64> {
+    let client = connect(db_url).await?;
+    let limit = limit_for(expected) + Duration::from_secs(expected / 5_000);
+    copy_backlog(&client, limit).await?;
     let mark = client
         .prepare(
             "UPDATE bench_mark_copy SET relay_sent_at = now()
@@ -291,4 +297,98 @@ pub async fn database_mark(db_url: &str, expected: u64) -> Result<f64> {
         ));
     }
     Ok(marked as f64 / elapsed.as_secs_f64())
+}
+
+/// What recording "sent" by ranges (`outbox::progress`, not yet used by the
+/// relay) costs the database on a copy of the backlog.
+#[derive(Debug, Clone, Copy)]
+pub struct RecordCeiling {
+    /// Rows per second recorded in batches of 1,000 consecutive `relay_seq`
+    /// values, one INSERT each (as Kafka confirms).
+    pub contiguous_eps: f64,
+    /// The same with every batch every other value of 2,000 (1,000 ranges
+    /// of one: the worst a RabbitMQ drain of many aggregates could give).
+    pub scattered_eps: f64,
+    /// Rows per second of the fold's first round over the recorded copy
+    /// (no frontier yet: it looks at every row once).
+    pub fold_eps: f64,
+}
+
+pub async fn database_record(db_url: &str, expected: u64) -> Result<RecordCeiling> {
+    use outbox_relay::config::TableName;
+    use outbox_relay::outbox::progress::Ranges;
+    use outbox_relay::outbox::progress::fold::Advance;
+    let mut client = connect(db_url).await?;
+    let limit = limit_for(expected) + Duration::from_secs(expected / 5_000);
+    copy_backlog(&client, limit).await?;
+    let ranges = Ranges::new(&TableName::new("public", "bench_mark_copy"));
+    let drop = format!(
+        "DROP TABLE IF EXISTS bench_mark_copy, {}, {}, {}; DROP FUNCTION IF EXISTS {}",
+        ranges.progress.quoted(),
+        ranges.frontier.quoted(),
+        ranges.held.quoted(),
+        ranges.sent_function.quoted()
+    );
+    let result = bounded(limit, "the database recording ceiling", async {
+        for sql in ranges.create_sql() {
+            client.batch_execute(&sql).await?;
+        }
+        let record = client.prepare(&ranges.record_sql()).await?;
+        let row = client
+            .query_one(
+                "SELECT min(relay_seq), max(relay_seq) FROM bench_mark_copy",
+                &[],
+            )
+            .await?;
+        let (first, last): (i64, i64) = (
+            row.get::<_, Option<i64>>(0).unwrap_or(1),
+            row.get::<_, Option<i64>>(1).unwrap_or(0),
+        );
+        let mut timed = Vec::new();
+        for scattered in [false, true] {
+            client
+                .batch_execute(&format!("TRUNCATE {}", ranges.progress.quoted()))
+                .await?;
+            let batches: Vec<Vec<i64>> = if scattered {
+                (first..=last)
+                    .step_by(2 * MARK_BATCH as usize)
+                    .flat_map(|from| {
+                        let to = (from + 2 * MARK_BATCH).min(last + 1);
+                        [
+                            (from..to).step_by(2).collect(),
+                            (from + 1..to).step_by(2).collect(),
+                        ]
+                    })
+                    .collect()
+            } else {
+                (first..=last)
+                    .step_by(MARK_BATCH as usize)
+                    .map(|from| (from..(from + MARK_BATCH).min(last + 1)).collect())
+                    .collect()
+            };
+            let rows: usize = batches.iter().map(Vec::len).sum();
+            let start = Instant::now();
+            for batch in &batches {
+                client.execute(&record, &[batch]).await?;
+            }
+            timed.push(rows as f64 / start.elapsed().as_secs_f64());
+        }
+        let capture = ranges.capture(&client, Duration::from_secs(5)).await?;
+        let start = Instant::now();
+        let advanced = ranges.advance(&mut client, &capture, 1_000).await?;
+        let fold_eps = expected as f64 / start.elapsed().as_secs_f64();
+        if !matches!(advanced, Advance::Advanced { .. }) {
+            return Err(anyhow!(
+                "the fold did not advance over the recorded copy: {advanced:?}"
+            ));
+        }
+        Ok(RecordCeiling {
+            contiguous_eps: timed[0],
+            scattered_eps: timed[1],
+            fold_eps,
+        })
+    })
+    .await;
+    let _ = client.batch_execute(&drop).await;
+    result
 }

@@ -57,6 +57,10 @@ async fn measure(
     case.quiet(&mut r.conditions).await;
     r.db_read_eps = Some(ceiling::database(&stage.db.url, events).await?);
     r.db_mark_eps = Some(ceiling::database_mark(&stage.db.url, events).await?);
+    let record = ceiling::database_record(&stage.db.url, events).await?;
+    r.db_record_eps = Some(record.contiguous_eps);
+    r.db_record_scattered_eps = Some(record.scattered_eps);
+    r.db_fold_eps = Some(record.fold_eps);
     r.broker_eps = Some(broker_ceiling(ctx, broker, shape).await?);
 
     // The broker's count of messages: when the first arrived, and with mark =
@@ -70,6 +74,7 @@ async fn measure(
         "none" if counter.exact() => "broker holds every event (50 ms poll)",
         "none" => "last change of the topic's high watermarks (50 ms poll), then read back",
         "delete" => "no row left (50 ms poll)",
+        "ranges" => "last recorded batch",
         _ => "last relay_sent_at",
     };
 
@@ -250,7 +255,12 @@ async fn wait_drained(
         let precise = stage.mark() == "update";
         if !by_broker && (!precise || last_db_poll.elapsed() >= Duration::from_millis(200)) {
             last_db_poll = Instant::now();
-            if stage.db.all_sent().await? {
+            let drained = if stage.mark() == "ranges" {
+                ranges_drained(stage).await?
+            } else {
+                stage.db.all_sent().await?
+            };
+            if drained {
                 return Ok((polled, first));
             }
         }
@@ -270,8 +280,33 @@ async fn wait_drained(
     }
 }
 
-/// Seconds since the epoch of the first and last `relay_sent_at` (none when rows were deleted).
+/// The outbox's ranges, for `relay.mark = "ranges"`.
+fn ranges() -> outbox_relay::outbox::progress::Ranges {
+    outbox_relay::outbox::progress::Ranges::new(&outbox_relay::config::TableName::new(
+        "public", "outbox",
+    ))
+}
+
+/// With `relay.mark = "ranges"`: nothing unsent by the progress and the frontier.
+async fn ranges_drained(stage: &Stage) -> Result<bool> {
+    let backlog = ranges().read_sql("relay_seq", "").backlog;
+    let unsent: i64 = stage.db.client.query_one(&backlog, &[]).await?.get(0);
+    Ok(unsent == 0)
+}
+
+/// Seconds since the epoch of the first and last `relay_sent_at` (none when
+/// rows were deleted); with ranges, only the last recorded batch's time.
 async fn mark_times(stage: &Stage) -> Result<(Option<f64>, Option<f64>)> {
+    if stage.mark() == "ranges" {
+        if !ranges_drained(stage).await? {
+            return Err(anyhow!("rows unsent after the drain"));
+        }
+        let last = format!(
+            "SELECT extract(epoch FROM ({}))::float8",
+            ranges().last_recorded_sql()
+        );
+        return Ok((None, stage.db.client.query_one(&last, &[]).await?.get(0)));
+    }
     let row = stage
         .db
         .client

@@ -161,6 +161,8 @@ pub enum Mark {
     Update,
     Delete,
     None,
+    /// Experimental: the relay runs it with `OUTBOX_RELAY_EXPERIMENTAL=ranges`.
+    Ranges,
 }
 
 impl Mark {
@@ -169,12 +171,18 @@ impl Mark {
             Mark::Update => "update",
             Mark::Delete => "delete",
             Mark::None => "none",
+            Mark::Ranges => "ranges",
         }
     }
 
-    /// The relay refuses `mark = "none"` with the polling source.
+    /// The relay refuses `mark = "none"` with the polling source, and
+    /// `"ranges"` (so far) with CDC.
     pub fn allowed(self, mode: Mode) -> bool {
-        self != Mark::None || mode == Mode::Cdc
+        match self {
+            Mark::None => mode == Mode::Cdc,
+            Mark::Ranges => mode == Mode::Polling,
+            _ => true,
+        }
     }
 }
 

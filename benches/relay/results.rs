@@ -104,6 +104,12 @@ pub struct DrainResult {
     pub broker_eps: Option<f64>,
     /// Not part of the ratio: the database's rate of marking rows sent.
     pub db_mark_eps: Option<f64>,
+    /// Not part of the ratio: recording by ranges (`outbox::progress`, not
+    /// yet used by the relay), consecutive and scattered batches, and the
+    /// fold's first round, rows per second.
+    pub db_record_eps: Option<f64>,
+    pub db_record_scattered_eps: Option<f64>,
+    pub db_fold_eps: Option<f64>,
     /// `events_per_s` / min(`db_read_eps`, `broker_eps`).
     pub ratio: Option<f64>,
     /// `flow_eps` / min(`db_read_eps`, `broker_eps`): without the start-up.

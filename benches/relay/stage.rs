@@ -103,6 +103,9 @@ impl Stage {
         if let Some(mark) = mark {
             env.retain(|(k, _)| k != MARK_ENV);
             env.push((MARK_ENV.to_owned(), mark.name().to_owned()));
+            if mark == Mark::Ranges {
+                env.push(("OUTBOX_RELAY_EXPERIMENTAL".to_owned(), "ranges".to_owned()));
+            }
         }
         let db = BenchDb::create(&ctx.services, &ctx.cleanup).await?;
         let destination = unique("bench_");

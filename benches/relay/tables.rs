@@ -205,7 +205,12 @@ pub fn print_drains(drains: &[DrainResult]) {
             col("broker/s", 8, 0, |r| r.broker_eps),
             col("ratio", 5, 2, |r| r.ratio),
         ]),
-        col("dbmark/s", 8, 0, |r| r.db_mark_eps),
+        Group::of([
+            col("dbmark/s", 8, 0, |r| r.db_mark_eps),
+            col("dbrec/s", 8, 0, |r| r.db_record_eps),
+            col("scat/s", 8, 0, |r| r.db_record_scattered_eps),
+            col("fold/s", 8, 0, |r| r.db_fold_eps),
+        ]),
         Group::of([
             col("cpu/100k", 8, 2, |r| r.cost.cpu_s_per_100k),
             col("pg/100k", 7, 2, |r| r.cost.pg_cpu_s_per_100k),
