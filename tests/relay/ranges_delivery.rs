@@ -101,6 +101,11 @@ async fn publishes_once_and_writes_no_row(kind: Kind) {
         status.last_publish.is_some(),
         "the last publish time comes from the progress"
     );
+    let (_, out, err) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    assert!(
+        out.contains("0 unsent row(s)"),
+        "check counts by the frontier: {out}{err}"
+    );
     // A crash, new events, a restart: only the new ones are published.
     relay.kill();
     let before = broker.inbox().len();

@@ -316,3 +316,59 @@ async fn logical_messages_from_14_on() {
     rabbit.inbox.wait_ids(&[id.to_string()], WAIT).await;
     relay.stop().await;
 }
+
+/// `relay.mark = "ranges"` (experimental) records multiranges, from 14 on:
+/// `migrate` refuses it on 13 with the reason; on 14 and 18 the relay
+/// delivers with it, the fold covers what it recorded, nothing is unsent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranges_from_14_on() {
+    use outbox_relay::config::TableName;
+    use outbox_relay::outbox::progress::Ranges;
+    use outbox_relay::outbox::progress::fold::Advance;
+    let rabbit = RabbitExchange::new().await;
+    let ranges_toml = |url: &str| {
+        set(
+            &base_toml(url, &rabbit.sink_toml()),
+            "relay.mark",
+            "\"ranges\"",
+        )
+    };
+    let old = TestDb::new_on(&admin_url(13)).await;
+    let (code, out, err) = run_cli(
+        &["migrate", "--config", &config_file(&ranges_toml(&old.url))],
+        &[],
+    );
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("relay.mark = \"ranges\" needs PostgreSQL 14"),
+        "the reason is named: {out}{err}"
+    );
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    for major in [14, 18] {
+        let db = TestDb::new_on(&admin_url(major)).await;
+        let toml = ranges_toml(&db.url);
+        cli_ok(&["migrate", "--config", &config_file(&toml)]);
+        let relay = InProcess::start(parse(&toml));
+        let sent = insert_events(&db, 20).await;
+        rabbit.inbox.wait_ids(&sent, WAIT).await;
+        relay.stop().await;
+        let mut fold = connect(&db.url).await;
+        let capture = ranges
+            .capture(&fold, std::time::Duration::from_secs(5))
+            .await
+            .unwrap();
+        let advanced = ranges.advance(&mut fold, &capture, 100).await.unwrap();
+        assert!(
+            matches!(advanced, Advance::Advanced { held: 0, .. }),
+            "{major}: {advanced:?}"
+        );
+        let backlog = ranges.read_sql("relay_seq", "").backlog;
+        let unsent: i64 = db.client.query_one(&backlog, &[]).await.unwrap().get(0);
+        assert_eq!(unsent, 0, "PostgreSQL {major}");
+        assert_eq!(
+            db.count("SELECT count(*) FROM outbox WHERE relay_sent_at IS NOT NULL")
+                .await,
+            0
+        );
+    }
+}

@@ -336,11 +336,16 @@ async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut
     if config.relay.mark == crate::config::MarkMode::None {
         return r.add(Mark::Ok, "backlog", crate::ops::status::UNMARKED);
     }
-    let sql = format!(
-        "SELECT count(*) FROM {} WHERE {} IS NULL",
-        config.outbox.table.quoted(),
-        crate::config::SENT_AT_COLUMN
-    );
+    let ranges = (config.relay.mark == crate::config::MarkMode::Ranges)
+        .then(|| crate::outbox::progress::Ranges::new(&config.outbox.table));
+    let sql = match &ranges {
+        Some(r) => r.read_sql(crate::config::SEQ_COLUMN, "").backlog,
+        None => format!(
+            "SELECT count(*) FROM {} WHERE {} IS NULL",
+            config.outbox.table.quoted(),
+            crate::config::SENT_AT_COLUMN
+        ),
+    };
     match client.query_one(&sql, &[]).await {
         Ok(row) => r.add(
             Mark::Ok,
@@ -350,10 +355,11 @@ async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut
         Err(e) => r.add(Mark::Warn, "backlog", db::error_text(&e)),
     }
     let c = &config.outbox.columns;
-    let (table, unsent) = (
-        config.outbox.table.quoted(),
-        format!("{} IS NULL", crate::config::SENT_AT_COLUMN),
-    );
+    let table = config.outbox.table.quoted();
+    let unsent = match &ranges {
+        Some(r) => r.unsent(&table),
+        None => format!("{} IS NULL", crate::config::SENT_AT_COLUMN),
+    };
     // Rows that name their own destination do not use the templates'.
     let own = c.destination.as_deref().map(crate::sql::quote_ident);
     let templated = own
