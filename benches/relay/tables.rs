@@ -309,19 +309,26 @@ pub fn print_marks(drains: &[DrainResult]) {
     let table = [
         Group::new(key_heads(&[right("shape", 9), right("events", 7)]), vec![]),
         Group::new(
-            vec![right("update", 8), right("delete", 8), right("none", 8)],
-            vec![flow("update"), flow("delete"), flow("none")],
+            vec![
+                right("update", 8),
+                right("delete", 8),
+                right("none", 8),
+                right("ranges", 8),
+            ],
+            vec![flow("update"), flow("delete"), flow("none"), flow("ranges")],
         ),
         Group::new(
             vec![
                 right("update/none", 11),
                 right("delete/none", 11),
                 right("delete/update", 13),
+                right("ranges/update", 13),
             ],
             vec![
                 within(11, "update", "none"),
                 within(11, "delete", "none"),
                 within(13, "delete", "update"),
+                within(13, "ranges", "update"),
             ],
         ),
         Group::new(
@@ -329,8 +336,9 @@ pub fn print_marks(drains: &[DrainResult]) {
                 right("cpu update", 16),
                 right("cpu delete", 16),
                 right("cpu none", 16),
+                right("cpu ranges", 16),
             ],
-            vec![cpu("update"), cpu("delete"), cpu("none")],
+            vec![cpu("update"), cpu("delete"), cpu("none"), cpu("ranges")],
         ),
     ];
     print_table(
