@@ -149,13 +149,50 @@ $fn$",
 
     /// The condition that row `alias` is unsent: none of the three holds.
     pub fn unsent(&self, alias: &str) -> String {
+        self.unsent_with(
+            alias,
+            &format!(
+                "COALESCE({alias}.{SEQ_COLUMN} <@ ({}), false)",
+                self.recorded()
+            ),
+        )
+    }
+
+    /// [`Ranges::unsent`] for rows above `lower` only: the union is taken of
+    /// the recorded ranges that reach above it. Confirmations arrive out of
+    /// order, so a drain records many scattered ranges; a page above a
+    /// cursor needs only the recent ones.
+    pub fn unsent_above(&self, alias: &str, lower: &str) -> String {
+        self.unsent_with(
+            alias,
+            &format!(
+                "COALESCE({alias}.{SEQ_COLUMN} <@ (SELECT range_agg(r) FROM {} p, unnest(p.seqs) r
+                                                  WHERE upper(p.seqs) > {lower} AND upper(r) > {lower}), false)",
+                self.progress.quoted()
+            ),
+        )
+    }
+
+    /// [`Ranges::unsent`] probing the progress rows for each row: for a few
+    /// rows (the stragglers), cheaper than the union of every range.
+    pub fn unsent_probed(&self, alias: &str) -> String {
+        self.unsent_with(
+            alias,
+            &format!(
+                "EXISTS (SELECT 1 FROM {} p WHERE p.seqs @> {alias}.{SEQ_COLUMN})",
+                self.progress.quoted()
+            ),
+        )
+    }
+
+    /// The predicate's negation with `recorded` as clause 2.
+    fn unsent_with(&self, alias: &str, recorded: &str) -> String {
         format!(
             "{alias}.{SENT_AT_COLUMN} IS NULL
-             AND NOT COALESCE({alias}.{SEQ_COLUMN} <@ ({recorded}), false)
+             AND NOT {recorded}
              AND NOT (COALESCE(pg_visible_in_snapshot({alias}.{XID_COLUMN}, ({frontier})), false)
                       AND NOT EXISTS (SELECT 1 FROM {held} h
                                       WHERE h.{SEQ_COLUMN} = {alias}.{SEQ_COLUMN} AND h.sent_at IS NULL))",
-            recorded = self.recorded(),
             frontier = self.frontier_snapshot(),
             held = self.held.quoted(),
         )

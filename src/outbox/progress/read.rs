@@ -184,28 +184,29 @@ impl Ranges {
             .cur
             .map(|c| format!(" AND pg_visible_in_snapshot(o.{XID_COLUMN}, {c})"))
             .unwrap_or_default();
-        let filter = format!(
-            "{unsent}
-               AND ({base} IS NULL OR NOT pg_visible_in_snapshot(o.{XID_COLUMN}, {base}::pg_snapshot)){cur}{shard}",
-            unsent = self.unsent("o"),
+        let rest = format!(
+            "AND ({base} IS NULL OR NOT pg_visible_in_snapshot(o.{XID_COLUMN}, {base}::pg_snapshot)){cur}{shard}",
             base = p.base_snapshot,
         );
+        let bulk_lower = format!("GREATEST({}, {})", p.cursor, p.base_max);
+        let bulk = format!("{} {rest}", self.unsent_above("o", &bulk_lower));
+        let stragglers = format!("{} {rest}", self.unsent_probed("o"));
         format!(
             "SELECT * FROM (
                  (SELECT {cols} FROM {t} o
-                  WHERE o.{SENT_AT_COLUMN} IS NULL AND o.{SEQ_COLUMN} > GREATEST({cursor}, {base_max})
-                    AND {filter}
+                  WHERE o.{SENT_AT_COLUMN} IS NULL AND o.{SEQ_COLUMN} > {bulk_lower}
+                    AND {bulk}
                   ORDER BY o.{SEQ_COLUMN}{limit})
                  UNION ALL
                  (SELECT {cols} FROM {t} o
-                  WHERE o.{SEQ_COLUMN} = ANY ({stragglers})
+                  WHERE o.{SEQ_COLUMN} = ANY ({stragglers_of})
                     AND o.{SEQ_COLUMN} > {cursor} AND o.{SEQ_COLUMN} <= {base_max}
-                    AND {filter}
+                    AND {stragglers}
                   ORDER BY o.{SEQ_COLUMN}{limit})
              ) page ORDER BY {SEQ_COLUMN}{limit}",
             cursor = p.cursor,
             base_max = p.base_max,
-            stragglers = p.stragglers,
+            stragglers_of = p.stragglers,
         )
     }
 }
