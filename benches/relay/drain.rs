@@ -259,7 +259,7 @@ async fn wait_drained(
             let drained = if stage.mark() == "ranges" {
                 ranges_covered(stage).await?
             } else {
-                stage.db.all_sent().await?
+                stage.all_sent().await?
             };
             if drained {
                 return Ok((polled, first));
@@ -306,7 +306,7 @@ async fn ranges_covered(stage: &Stage) -> Result<bool> {
     let sql = format!(
         "WITH above AS (SELECT int8range(COALESCE((SELECT max_seq FROM {f} ORDER BY id DESC LIMIT 1), 0),
                                          (SELECT max(relay_seq) FROM outbox), '(]') AS r)
-         SELECT NOT EXISTS (SELECT 1 FROM {h} WHERE sent_at IS NULL)
+         SELECT NOT EXISTS (SELECT 1 FROM {h})
             AND (isempty((SELECT r FROM above))
                  OR COALESCE(({recorded}) @> (SELECT r FROM above), false))",
         f = r.frontier.quoted(),

@@ -7,7 +7,7 @@ use crate::options::{BrokerKind, Mark, Mode, Plan};
 use crate::process::{Perf, RelayProcess, Target, Workdir, config_toml, kafka_topic, migrate};
 use crate::results::Conditions;
 use crate::system::{resident_mib, wait_quiet};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use std::future::Future;
 use std::time::Duration;
 
@@ -75,6 +75,15 @@ pub async fn stop_relay(relay: &mut RelayProcess, c: &mut Conditions, failed: bo
     worth_a_look
 }
 
+/// With `relay.mark = "ranges"`: a copy of each progress row as inserted.
+const RECORDED_LOG: &str = "
+CREATE TABLE bench_recorded (seqs int8multirange NOT NULL, at timestamptz NOT NULL);
+CREATE INDEX ON bench_recorded USING gist (seqs);
+CREATE FUNCTION bench_log_recorded() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO bench_recorded VALUES (NEW.seqs, NEW.recorded_at); RETURN NULL; END $$;
+CREATE TRIGGER bench_log_recorded AFTER INSERT ON outbox_relay_progress
+    FOR EACH ROW EXECUTE FUNCTION bench_log_recorded();";
+
 /// The configuration override of `relay.mark`.
 pub const MARK_ENV: &str = "OUTBOX_RELAY__RELAY__MARK";
 
@@ -103,9 +112,10 @@ impl Stage {
         if let Some(mark) = mark {
             env.retain(|(k, _)| k != MARK_ENV);
             env.push((MARK_ENV.to_owned(), mark.name().to_owned()));
-            if mark == Mark::Ranges {
-                env.push(("OUTBOX_RELAY_EXPERIMENTAL".to_owned(), "ranges".to_owned()));
-            }
+        }
+        let ranges = mark_in(&env) == "ranges";
+        if ranges {
+            env.push(("OUTBOX_RELAY_EXPERIMENTAL".to_owned(), "ranges".to_owned()));
         }
         let db = BenchDb::create(&ctx.services, &ctx.cleanup).await?;
         let destination = unique("bench_");
@@ -120,12 +130,34 @@ impl Stage {
         };
         let dir = Workdir::new(&config_toml(&ctx.services, &target))?;
         migrate(&dir, &env).await?;
+        if ranges {
+            // Each recorded batch with its time, kept after the fold
+            // deletes it: the steady state's commit -> recorded latency.
+            db.client
+                .batch_execute(RECORDED_LOG)
+                .await
+                .context("logging recorded batches")?;
+        }
         Ok(Stage {
             db,
             destination,
             dir,
             env,
         })
+    }
+
+    /// Whether every row is sent: marked, or with ranges recorded or
+    /// passed by the frontier.
+    pub async fn all_sent(&self) -> Result<bool> {
+        if self.mark() != "ranges" {
+            return self.db.all_sent().await;
+        }
+        let r = outbox_relay::outbox::progress::Ranges::new(&outbox_relay::config::TableName::new(
+            "public", "outbox",
+        ));
+        let backlog = r.read_sql("relay_seq", "").backlog;
+        let unsent: i64 = self.db.client.query_one(&backlog, &[]).await?.get(0);
+        Ok(unsent == 0)
     }
 
     /// The `relay.mark` the relay runs with.

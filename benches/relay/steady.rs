@@ -146,7 +146,7 @@ pub async fn warm_up(
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(60) {
         relay.ensure_running()?;
-        if times.warmup_seen.load(Ordering::Relaxed) && stage.db.all_sent().await? {
+        if times.warmup_seen.load(Ordering::Relaxed) && stage.all_sent().await? {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -167,7 +167,7 @@ pub async fn wait_tail(
     let start = Instant::now();
     while start.elapsed() < limit && relay.exited().is_none() {
         let received = times.received_count.load(Ordering::Relaxed) >= written;
-        if received && stage.db.all_sent().await.unwrap_or(false) {
+        if received && stage.all_sent().await.unwrap_or(false) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -182,11 +182,19 @@ pub async fn marked_times(
     times: &Times,
     after: i64,
 ) -> Result<(Vec<(i64, i64)>, u64)> {
+    // With ranges, the time the batch holding the row was recorded.
+    let sent_at = if stage.mark() == "ranges" {
+        "(SELECT min(b.at) FROM bench_recorded b WHERE b.seqs @> relay_seq)"
+    } else {
+        "relay_sent_at"
+    };
     let rows = stage
         .db
         .client
         .query(
-            "SELECT id, (extract(epoch FROM relay_sent_at) * 1000000)::int8, relay_seq FROM outbox WHERE relay_seq > $1 ORDER BY relay_seq",
+            &format!(
+                "SELECT id, (extract(epoch FROM {sent_at}) * 1000000)::int8, relay_seq FROM outbox WHERE relay_seq > $1 ORDER BY relay_seq"
+            ),
             &[&after],
         )
         .await?;

@@ -12,7 +12,7 @@ const WINDOW: usize = 100;
 const KILLS: usize = 3;
 
 /// Writes `n` events over eight aggregates at a steady pace.
-fn start_writer(url: String, n: usize) -> tokio::task::JoinHandle<Vec<String>> {
+pub(crate) fn start_writer(url: String, n: usize) -> tokio::task::JoinHandle<Vec<String>> {
     tokio::spawn(async move {
         let c = connect(&url).await;
         let mut ids = Vec::new();

@@ -199,3 +199,33 @@ async fn dead_letters_are_recorded_with_their_transaction_and_not_read_again() {
     );
     assert_eq!(dlq_list(&path).len(), 3, "nothing dead-lettered again");
 }
+
+/// SIGKILLs while a writer is busy: every event arrives, each aggregate's
+/// first deliveries in order, and what comes again is at most what was in
+/// flight or confirmed and not yet recorded at each kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkills_lose_nothing_and_repeat_at_most_the_window() {
+    const WINDOW: usize = 100;
+    const KILLS: usize = 3;
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Kafka,
+        &["order"],
+        &[("relay.mark", "\"ranges\"")],
+    )
+    .await;
+    let toml = set(&toml, "relay.max_in_flight", &WINDOW.to_string());
+    let toml = set(&toml, "relay.ownership_lease", "\"1s\"");
+    let writer = crate::duplicates::start_writer(db.url.clone(), 2100);
+    kill_while_busy_with_env(&toml, &[SWITCH], broker.inbox(), KILLS, 300).await;
+    let ids = writer.await.unwrap();
+    let mut child = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let got = broker.inbox().wait_ids(&ids, WAIT).await;
+    let duplicates = got.len() - ids.len();
+    assert!(
+        duplicates <= KILLS * WINDOW,
+        "{duplicates} duplicates exceed {KILLS} kills x {WINDOW}"
+    );
+    assert_each_aggregate_in_order(&got);
+    assert_eq!(child.terminate().code(), Some(0));
+}

@@ -14,7 +14,8 @@
 //!    visible in *C* and not in the frontier that are neither marked nor
 //!    recorded are held open (unless there are more than a limit of them: a
 //!    drain is under way, and the round gives up until it ends); held rows
-//!    that are now recorded or marked are closed; the frontier becomes *C*;
+//!    that are now recorded or marked are closed (deleted: the frontier
+//!    covers them from now on); the frontier becomes *C*;
 //!    and, when *C* settled, the progress rows up to *M* are deleted.
 //!
 //! Between the two steps the relay confirms what it had in flight at *C*,
@@ -46,7 +47,7 @@ pub enum Advance {
     Advanced {
         /// Rows newly held open.
         held: u64,
-        /// Held rows closed (recorded or marked since).
+        /// Held rows closed (recorded or marked since), deleted.
         closed: u64,
         /// Progress rows deleted.
         deleted: u64,
@@ -177,7 +178,7 @@ impl Ranges {
             .execute(
                 &format!(
                     "INSERT INTO {h} ({SEQ_COLUMN}) SELECT unnest($1::bigint[])
-                     ON CONFLICT ({SEQ_COLUMN}) DO UPDATE SET held_at = now(), sent_at = NULL"
+                     ON CONFLICT ({SEQ_COLUMN}) DO UPDATE SET held_at = now()"
                 ),
                 &[&unrecorded],
             )
@@ -186,9 +187,8 @@ impl Ranges {
         let closed = tx
             .execute(
                 &format!(
-                    "UPDATE {h} h SET sent_at = now()
-                     WHERE h.sent_at IS NULL
-                       AND (COALESCE(h.{SEQ_COLUMN} <@ ({recorded}), false)
+                    "DELETE FROM {h} h
+                     WHERE (COALESCE(h.{SEQ_COLUMN} <@ ({recorded}), false)
                             OR EXISTS (SELECT 1 FROM {t} o WHERE o.{SEQ_COLUMN} = h.{SEQ_COLUMN}
                                        AND o.{SENT_AT_COLUMN} IS NOT NULL))",
                     recorded = self.recorded(),

@@ -44,7 +44,8 @@ pub struct Ranges {
     pub progress: TableName,
     /// The frontier's history; the newest row is the frontier.
     pub frontier: TableName,
-    /// Rows a frontier passed before they were recorded.
+    /// Rows a frontier passed before they were recorded: *held open* while
+    /// here; the fold deletes each once it is recorded or marked.
     pub held: TableName,
     /// `<outbox>_relay_sent(relay_seq, relay_xid, relay_sent_at)`: the
     /// predicate, for operators, `check` and tests.
@@ -111,8 +112,7 @@ impl Ranges {
             format!(
                 "CREATE TABLE IF NOT EXISTS {h} (
     {SEQ_COLUMN} bigint PRIMARY KEY,
-    held_at timestamptz NOT NULL DEFAULT now(),
-    sent_at timestamptz
+    held_at timestamptz NOT NULL DEFAULT now()
 )"
             ),
             format!(
@@ -121,7 +121,7 @@ LANGUAGE sql STABLE AS $fn$
 SELECT $3 IS NOT NULL
     OR COALESCE($1 <@ ({recorded}), false)
     OR (COALESCE(pg_visible_in_snapshot($2, ({frontier})), false)
-        AND NOT EXISTS (SELECT 1 FROM {h} h WHERE h.{SEQ_COLUMN} = $1 AND h.sent_at IS NULL))
+        AND NOT EXISTS (SELECT 1 FROM {h} h WHERE h.{SEQ_COLUMN} = $1))
 $fn$",
                 self.sent_function.quoted(),
                 recorded = self.recorded(),
@@ -192,7 +192,7 @@ $fn$",
              AND NOT {recorded}
              AND NOT (COALESCE(pg_visible_in_snapshot({alias}.{XID_COLUMN}, ({frontier})), false)
                       AND NOT EXISTS (SELECT 1 FROM {held} h
-                                      WHERE h.{SEQ_COLUMN} = {alias}.{SEQ_COLUMN} AND h.sent_at IS NULL))",
+                                      WHERE h.{SEQ_COLUMN} = {alias}.{SEQ_COLUMN}))",
             frontier = self.frontier_snapshot(),
             held = self.held.quoted(),
         )

@@ -170,7 +170,7 @@ impl Ranges {
                      UNION
                      SELECT seq FROM running WHERE seq <= (SELECT max_seq FROM base)
                      UNION
-                     SELECT h.{SEQ_COLUMN} FROM {h} h WHERE h.sent_at IS NULL AND {snapshot} IS NULL
+                     SELECT h.{SEQ_COLUMN} FROM {h} h WHERE {snapshot} IS NULL
                  ) s
              )",
             frontier = self.frontier_snapshot(),

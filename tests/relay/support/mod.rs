@@ -25,7 +25,8 @@ pub use http::{http_get, metric, metric_sum};
 pub use pause::Paused;
 pub use relay_config::{base_toml, config_file, parse, rabbit_sink, set, with_http, with_mode};
 pub use relays::{
-    ChildRelay, InProcess, check_line, cli_complains, cli_says, kill_while_busy, run_cli, terminate,
+    ChildRelay, InProcess, check_line, cli_complains, cli_says, kill_while_busy,
+    kill_while_busy_with_env, run_cli, terminate,
 };
 pub use slots::{
     cluster_that_loses_slots, drop_lost_slot, lose_slot, migrate_at, restart_position, slot_of,

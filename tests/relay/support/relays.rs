@@ -217,8 +217,19 @@ pub fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
 /// Starts the relay `kills` times, each time killing it (SIGKILL) once it
 /// published `per_run` more messages: crashes while busy.
 pub async fn kill_while_busy(toml: &str, inbox: &Inbox, kills: usize, per_run: usize) {
+    kill_while_busy_with_env(toml, &[], inbox, kills, per_run).await
+}
+
+/// [`kill_while_busy`] with the relay's environment extended by `envs`.
+pub async fn kill_while_busy_with_env(
+    toml: &str,
+    envs: &[(&str, &str)],
+    inbox: &Inbox,
+    kills: usize,
+    per_run: usize,
+) {
     for _ in 0..kills {
-        let mut child = ChildRelay::start(toml);
+        let mut child = ChildRelay::start_with_env(toml, envs);
         let before = inbox.len();
         wait_for(WAIT, "the relay to publish", || async {
             (inbox.len() >= before + per_run).then_some(())
