@@ -135,13 +135,10 @@ impl PollingReader {
         }
         let ranges = mark == crate::config::MarkMode::Ranges;
         if ranges {
-            // Planning a ranges tick's first page costs more than running
-            // it, and its plan is the same for any parameters (each index
-            // condition is on a parameter or a subquery's result).
             client
-                .batch_execute("SET plan_cache_mode = force_generic_plan")
+                .batch_execute(crate::outbox::progress::read::READER_SESSION)
                 .await
-                .map_err(|e| DbError::query("setting plan_cache_mode", e))?;
+                .map_err(|e| DbError::query("setting the planner up for ranges", e))?;
         }
         let (first_page, next_page) = statements(table, columns, shard, ranges);
         let prepare = |sql: String| {

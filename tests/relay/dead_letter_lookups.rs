@@ -250,17 +250,6 @@ pub(crate) async fn rows_handled(
     sql: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
 ) -> f64 {
-    fn walk(node: &Value) -> f64 {
-        let n = |k: &str| node.get(k).and_then(Value::as_f64).unwrap_or(0.0);
-        let own = n("Actual Rows") * n("Actual Loops").max(1.0)
-            + n("Rows Removed by Filter")
-            + n("Rows Removed by Index Recheck")
-            + n("Rows Removed by Join Filter");
-        own + node
-            .get("Plans")
-            .and_then(Value::as_array)
-            .map_or(0.0, |plans| plans.iter().map(walk).sum())
-    }
     let tx = client.transaction().await.expect("begin");
     let rows = tx
         .query(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"), params)
@@ -268,7 +257,20 @@ pub(crate) async fn rows_handled(
         .expect("explain");
     let plan: Value = rows[0].get(0);
     tx.rollback().await.expect("rollback");
-    walk(&plan[0]["Plan"])
+    handled(&plan[0]["Plan"])
+}
+
+/// The rows a plan's node and those below it handled (see [`rows_handled`]).
+pub(crate) fn handled(node: &Value) -> f64 {
+    let n = |k: &str| node.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+    let own = n("Actual Rows") * n("Actual Loops").max(1.0)
+        + n("Rows Removed by Filter")
+        + n("Rows Removed by Index Recheck")
+        + n("Rows Removed by Join Filter");
+    own + node
+        .get("Plans")
+        .and_then(Value::as_array)
+        .map_or(0.0, |plans| plans.iter().map(handled).sum())
 }
 
 /// What the three statements of a look (open aggregates, extending

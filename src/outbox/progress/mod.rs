@@ -50,8 +50,10 @@ pub struct Ranges {
     /// `<outbox>_relay_sent(relay_seq, relay_xid, relay_sent_at)`: the
     /// predicate, for operators, `check` and tests.
     pub sent_function: TableName,
-    /// Unsent rows by transaction: the fold and the readers find the
-    /// transactions a snapshot had not seen through it.
+    /// Rows by transaction: the fold and the readers find the transactions
+    /// a snapshot had not seen through it. Not partial: the index on unsent
+    /// rows has the same predicate and, on a young table, the planner took
+    /// it instead (and kept it in the reader's one plan).
     pub xid_index: String,
 }
 
@@ -82,7 +84,7 @@ impl Ranges {
 
     /// What follows `ON <outbox>` in the index on `relay_xid`.
     pub fn xid_index_definition() -> String {
-        format!("({XID_COLUMN}) INCLUDE ({SEQ_COLUMN}) WHERE {SENT_AT_COLUMN} IS NULL")
+        format!("({XID_COLUMN}) INCLUDE ({SEQ_COLUMN})")
     }
 
     /// The three tables and the predicate's function (no index on the outbox).

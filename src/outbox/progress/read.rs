@@ -24,6 +24,15 @@
 use super::Ranges;
 use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, XID_COLUMN};
 
+/// The settings of a session that runs the reads. Planning a tick's first
+/// page costs more than running it, and its plan is the same for any
+/// parameters (each index condition is on a parameter or a subquery's
+/// result): one generic plan. That plan must not be the table scan a young
+/// table's statistics suggest, kept for the session's life: every read is
+/// index-driven by design.
+pub const READER_SESSION: &str =
+    "SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off";
+
 /// The split point when the base has no rows: below every `relay_seq`.
 const BELOW_ALL: &str = "(-9223372036854775808)::bigint";
 
@@ -154,8 +163,7 @@ impl Ranges {
              -- a condition on relay_seq, the planner would read that index.
              running AS MATERIALIZED (
                  SELECT o.{SEQ_COLUMN} AS seq FROM {t} o
-                 WHERE o.{SENT_AT_COLUMN} IS NULL{shard}
-                   AND o.{XID_COLUMN} = ANY ((SELECT ARRAY(SELECT pg_snapshot_xip(snap)) FROM base)::xid8[])
+                 WHERE o.{XID_COLUMN} = ANY ((SELECT ARRAY(SELECT pg_snapshot_xip(snap)) FROM base)::xid8[]){shard}
              ),
              -- The later transactions bounded on both sides: a range of
              -- unknown bounds is estimated narrow, so the planner goes
@@ -163,10 +171,9 @@ impl Ranges {
              strag AS MATERIALIZED (
                  SELECT COALESCE(array_agg(s.seq ORDER BY s.seq), '{{}}'::bigint[]) AS seqs FROM (
                      SELECT o.{SEQ_COLUMN} AS seq FROM {t} o
-                     WHERE o.{SENT_AT_COLUMN} IS NULL{shard}
-                       AND o.{SEQ_COLUMN} <= (SELECT max_seq FROM base)
-                       AND o.{XID_COLUMN} >= (SELECT pg_snapshot_xmax(snap) FROM base)
+                     WHERE o.{XID_COLUMN} >= (SELECT pg_snapshot_xmax(snap) FROM base)
                        AND o.{XID_COLUMN} < pg_snapshot_xmax(pg_current_snapshot())
+                       AND o.{SEQ_COLUMN} <= (SELECT max_seq FROM base){shard}
                      UNION
                      SELECT seq FROM running WHERE seq <= (SELECT max_seq FROM base)
                      UNION
