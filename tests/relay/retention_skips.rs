@@ -37,7 +37,12 @@ async fn tables_it_must_not_or_cannot_clean_are_skipped_with_a_note() {
     let ranges = set(&toml, "relay.mark", "\"ranges\"");
     let report = retention::once(&c, &parse(&ranges), false).await.unwrap();
     assert_eq!(report.outbox, Cleanup::Skipped(Skip::MarkRanges));
-    assert!(report.to_string().contains("has no retention of sent rows yet"), "{report}");
+    assert!(
+        report
+            .to_string()
+            .contains("has no retention of sent rows yet"),
+        "{report}"
+    );
     assert_eq!(count_of(&db, "old").await, 5, "left alone");
 
     let config = parse(&set(&toml, "dead_letter.enabled", "false"));
