@@ -229,3 +229,31 @@ async fn sigkills_lose_nothing_and_repeat_at_most_the_window() {
     assert_each_aggregate_in_order(&got);
     assert_eq!(child.terminate().code(), Some(0));
 }
+
+/// An outbox migrated for another mode: the relay with ranges stops
+/// starting with what to run, not a bare "relation does not exist".
+#[tokio::test]
+async fn a_missing_progress_table_says_to_run_migrate() {
+    use outbox_relay::config::MarkMode;
+    use outbox_relay::source::record::RowRecorder;
+    let (db, _broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &[]).await;
+    let config = parse(&toml);
+    let refused = RowRecorder::new(
+        connect(&db.url).await,
+        &config.outbox.table,
+        MarkMode::Ranges,
+        None,
+        false,
+    )
+    .await
+    .err()
+    .expect("refused");
+    assert_eq!(
+        refused.to_string(),
+        "relay.mark = \"ranges\" records sent rows in public.outbox_relay_progress, which does not exist: run outbox-relay migrate"
+    );
+    assert_eq!(
+        refused.kind(),
+        outbox_relay::errors::ErrorKind::NeedsOperator
+    );
+}
