@@ -281,20 +281,6 @@ async fn wait_drained(
     }
 }
 
-/// The outbox's ranges, for `relay.mark = "ranges"`.
-fn ranges() -> outbox_relay::outbox::progress::Ranges {
-    outbox_relay::outbox::progress::Ranges::new(&outbox_relay::config::TableName::new(
-        "public", "outbox",
-    ))
-}
-
-/// With `relay.mark = "ranges"`: nothing unsent by the progress and the frontier.
-async fn ranges_drained(stage: &Stage) -> Result<bool> {
-    let backlog = ranges().read_sql("relay_seq", "").backlog;
-    let unsent: i64 = stage.db.client.query_one(&backlog, &[]).await?.get(0);
-    Ok(unsent == 0)
-}
-
 /// The drain's end with ranges, cheaply enough to ask every 50 ms (the
 /// backlog's count reads every row the frontier does not cover yet, and
 /// during a drain that is all of them): nothing held open, and the recorded
@@ -302,7 +288,7 @@ async fn ranges_drained(stage: &Stage) -> Result<bool> {
 /// for a backlog committed before the relay started, as here; the full
 /// count confirms it afterwards ([`mark_times`]).
 async fn ranges_covered(stage: &Stage) -> Result<bool> {
-    let r = ranges();
+    let r = crate::stage::outbox_ranges();
     let sql = format!(
         "WITH above AS (SELECT int8range(COALESCE((SELECT max_seq FROM {f} ORDER BY id DESC LIMIT 1), 0),
                                          (SELECT max(relay_seq) FROM outbox), '(]') AS r)
@@ -320,12 +306,12 @@ async fn ranges_covered(stage: &Stage) -> Result<bool> {
 /// rows were deleted); with ranges, only the last recorded batch's time.
 async fn mark_times(stage: &Stage) -> Result<(Option<f64>, Option<f64>)> {
     if stage.mark() == "ranges" {
-        if !ranges_drained(stage).await? {
+        if !stage.all_sent().await? {
             return Err(anyhow!("rows unsent after the drain"));
         }
         let last = format!(
             "SELECT extract(epoch FROM ({}))::float8",
-            ranges().last_recorded_sql()
+            crate::stage::outbox_ranges().last_recorded_sql()
         );
         return Ok((None, stage.db.client.query_one(&last, &[]).await?.get(0)));
     }

@@ -84,6 +84,13 @@ BEGIN INSERT INTO bench_recorded VALUES (NEW.seqs, NEW.recorded_at); RETURN NULL
 CREATE TRIGGER bench_log_recorded AFTER INSERT ON outbox_relay_progress
     FOR EACH ROW EXECUTE FUNCTION bench_log_recorded();";
 
+/// The benchmark outbox's ranges, for `relay.mark = "ranges"`.
+pub fn outbox_ranges() -> outbox_relay::outbox::progress::Ranges {
+    outbox_relay::outbox::progress::Ranges::new(&outbox_relay::config::TableName::new(
+        "public", "outbox",
+    ))
+}
+
 /// The configuration override of `relay.mark`.
 pub const MARK_ENV: &str = "OUTBOX_RELAY__RELAY__MARK";
 
@@ -152,10 +159,7 @@ impl Stage {
         if self.mark() != "ranges" {
             return self.db.all_sent().await;
         }
-        let r = outbox_relay::outbox::progress::Ranges::new(&outbox_relay::config::TableName::new(
-            "public", "outbox",
-        ));
-        let backlog = r.read_sql("relay_seq", "").backlog;
+        let backlog = outbox_ranges().read_sql("relay_seq", "").backlog;
         let unsent: i64 = self.db.client.query_one(&backlog, &[]).await?.get(0);
         Ok(unsent == 0)
     }
