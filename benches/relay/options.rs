@@ -175,12 +175,10 @@ impl Mark {
         }
     }
 
-    /// The relay refuses `mark = "none"` with the polling source, and
-    /// `"ranges"` (so far) with CDC.
+    /// The relay refuses `mark = "none"` with the polling source.
     pub fn allowed(self, mode: Mode) -> bool {
         match self {
             Mark::None => mode == Mode::Cdc,
-            Mark::Ranges => mode == Mode::Polling,
             _ => true,
         }
     }

@@ -104,9 +104,9 @@ pub struct DrainResult {
     pub broker_eps: Option<f64>,
     /// Not part of the ratio: the database's rate of marking rows sent.
     pub db_mark_eps: Option<f64>,
-    /// Not part of the ratio: recording by ranges (`outbox::progress`, not
-    /// yet used by the relay), consecutive and scattered batches, and the
-    /// fold's first round, rows per second.
+    /// Not part of the ratio: the statements of `relay.mark = "ranges"`
+    /// (`outbox::progress`) on a copy: recording consecutive and scattered
+    /// batches, and the fold's first round, rows per second.
     pub db_record_eps: Option<f64>,
     pub db_record_scattered_eps: Option<f64>,
     pub db_fold_eps: Option<f64>,

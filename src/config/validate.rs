@@ -249,10 +249,10 @@ impl Config {
                 "\"auto\" needs relay.mark = \"update\" or \"delete\": switching between CDC and polling relies on the table to say what is unsent; use source.mode = \"cdc\" with mark = \"none\"",
             );
         }
-        if self.relay.mark == super::MarkMode::Ranges && s.mode != super::SourceMode::Polling {
+        if self.relay.mark == super::MarkMode::Ranges && s.mode == super::SourceMode::Auto {
             c.problem(
                 "relay.mark",
-                "\"ranges\" (experimental) works with source.mode = \"polling\" only so far; use \"update\"",
+                "\"ranges\" (experimental) works with source.mode = \"polling\" or \"cdc\" so far, not \"auto\"; use \"update\"",
             );
         }
         if self.relay.mark == super::MarkMode::None && s.mode == super::SourceMode::Polling {

@@ -9,7 +9,7 @@ use super::pipeline::{self, Drained, Settings};
 use super::shards::{Balance, Shard};
 use super::supervise::{Backend, Owned, RunEnd};
 use crate::config::ResolvedColumns;
-use crate::config::{Config, MarkMode, SourceMode};
+use crate::config::{Config, SourceMode};
 use crate::db::DbError;
 use crate::envelope::Envelope;
 use crate::envelope::routing::Routing;
@@ -327,8 +327,7 @@ impl Postgres<'_> {
         if config.source.mode == SourceMode::Auto {
             self.modes.starting(&Reading::Cdc, config);
         }
-        let marks_rows = config.relay.mark != MarkMode::None;
-        let acker = CdcAcker::new(recorder, run.progress.clone(), marks_rows);
+        let acker = CdcAcker::new(recorder, run.progress.clone(), config.relay.mark);
         let sink = AnySink::connect(&config.sink)
             .await?
             .with_routing(parts.routing.clone());

@@ -110,8 +110,7 @@ impl Backend for SimBackend {
             }
             _ => {
                 let reader = self.cdc_reader(run.progress);
-                let marks_rows = config.relay.mark != crate::config::MarkMode::None;
-                let acker = CdcAcker::new(store, run.progress.clone(), marks_rows);
+                let acker = CdcAcker::new(store, run.progress.clone(), config.relay.mark);
                 let drained =
                     pipeline::run(reader, acker, sink, cx, run.blocks, run.shutdown).await?;
                 self.stopped(reign, drained);

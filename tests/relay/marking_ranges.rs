@@ -1,7 +1,8 @@
-//! Recording "sent" by ranges (`outbox::progress`, not yet used by the
-//! relay), against real PostgreSQL: random histories of concurrent
+//! Recording "sent" by ranges (`outbox::progress`, `relay.mark =
+//! "ranges"`), against real PostgreSQL: random histories of concurrent
 //! transactions (late commits, rollbacks), recordings, marks and folds,
-//! where every read must equal a scan of the whole table through the
+//! where every read (a polling tick's, and a CDC start-up round's in one
+//! REPEATABLE READ snapshot) must equal a scan of the whole table through the
 //! predicate, nothing may count as sent that was not recorded or marked,
 //! and a sent row stays sent; and the reads' plans visit the new rows, not
 //! the retained ones.
@@ -166,6 +167,7 @@ async fn history(seed: u64, steps: usize) -> Ledger {
         });
     }
     let mut fold = connect(&db.url).await;
+    let round = connect(&db.url).await;
     let mut captures: VecDeque<Capture> = VecDeque::new();
     let mut tick: Option<(String, Option<i64>)> = None;
     let mut ledger = Ledger::default();
@@ -281,6 +283,17 @@ async fn history(seed: u64, steps: usize) -> Ledger {
                     let want = brute_force(&db.client, &ranges, Some(&base.0)).await;
                     assert_eq!(steady, want, "{label}: steady read");
                 }
+                // A CDC start-up round: the same read in one REPEATABLE
+                // READ transaction, from the frontier or the previous read.
+                let base = if step % 2 == 0 { None } else { tick.clone() };
+                round
+                    .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                    .await
+                    .unwrap();
+                let (got, _) = read(&round, &ranges, &base, page).await;
+                let want = brute_force(&round, &ranges, base.as_ref().map(|b| b.0.as_str())).await;
+                round.batch_execute("COMMIT").await.unwrap();
+                assert_eq!(got, want, "{label}: a start-up round in one snapshot");
                 tick = Some(cur);
                 let row = db
                     .client

@@ -1,4 +1,4 @@
-//! `relay.mark = "ranges"` (experimental, polling) end to end, against real
+//! `relay.mark = "ranges"` (experimental; polling and CDC) end to end, against real
 //! PostgreSQL and brokers: every event published once, no outbox row
 //! written, the fold moving the frontier past what was recorded, a restart
 //! publishing only what is new, and `run` refusing the mode without its
@@ -49,14 +49,8 @@ async fn count(db: &TestDb, sql: &str) -> i64 {
     db.client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
-async fn publishes_once_and_writes_no_row(kind: Kind) {
-    let (db, broker, toml) = setup(
-        Mode::Polling,
-        kind,
-        &["order"],
-        &[("relay.mark", "\"ranges\"")],
-    )
-    .await;
+async fn publishes_once_and_writes_no_row(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &[("relay.mark", "\"ranges\"")]).await;
     let ranges = Ranges::new(&TableName::new("public", "outbox"));
     // A late committer: it takes relay_seq values below rows committed
     // before it.
@@ -122,12 +116,24 @@ async fn publishes_once_and_writes_no_row(kind: Kind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_with_ranges_to_rabbitmq_publishes_once_and_writes_no_row() {
-    publishes_once_and_writes_no_row(Kind::Rabbit).await;
+    publishes_once_and_writes_no_row(Mode::Polling, Kind::Rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_with_ranges_to_kafka_publishes_once_and_writes_no_row() {
-    publishes_once_and_writes_no_row(Kind::Kafka).await;
+    publishes_once_and_writes_no_row(Mode::Polling, Kind::Kafka).await;
+}
+
+/// CDC: the start-up read after the kill goes by the frontier, and the
+/// stream skips what it read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdc_with_ranges_to_rabbitmq_publishes_once_and_writes_no_row() {
+    publishes_once_and_writes_no_row(Mode::Cdc, Kind::Rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdc_with_ranges_to_kafka_publishes_once_and_writes_no_row() {
+    publishes_once_and_writes_no_row(Mode::Cdc, Kind::Kafka).await;
 }
 
 #[test]
@@ -145,11 +151,11 @@ fn run_refuses_ranges_without_the_experimental_switch() {
             && err.contains("OUTBOX_RELAY_EXPERIMENTAL=ranges"),
         "{err}"
     );
-    let cdc = set(&toml, "source.mode", "\"cdc\"");
-    let (code, _, err) = run_cli(&["run", "--config", &config_file(&cdc)], &[SWITCH]);
+    let auto = set(&toml, "source.mode", "\"auto\"");
+    let (code, _, err) = run_cli(&["run", "--config", &config_file(&auto)], &[SWITCH]);
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("relay.mark") && err.contains("source.mode = \"polling\" only"),
+        err.contains("relay.mark") && err.contains("not \"auto\""),
         "{err}"
     );
 }
@@ -203,12 +209,11 @@ async fn dead_letters_are_recorded_with_their_transaction_and_not_read_again() {
 /// SIGKILLs while a writer is busy: every event arrives, each aggregate's
 /// first deliveries in order, and what comes again is at most what was in
 /// flight or confirmed and not yet recorded at each kill.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkills_lose_nothing_and_repeat_at_most_the_window() {
+async fn sigkills_lose_nothing_and_repeat_at_most_the_window(mode: Mode) {
     const WINDOW: usize = 100;
     const KILLS: usize = 3;
     let (db, broker, toml) = setup(
-        Mode::Polling,
+        mode,
         Kind::Kafka,
         &["order"],
         &[("relay.mark", "\"ranges\"")],
@@ -228,6 +233,16 @@ async fn sigkills_lose_nothing_and_repeat_at_most_the_window() {
     );
     assert_each_aggregate_in_order(&got);
     assert_eq!(child.terminate().code(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_sigkills_with_ranges_lose_nothing_and_repeat_at_most_the_window() {
+    sigkills_lose_nothing_and_repeat_at_most_the_window(Mode::Polling).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdc_sigkills_with_ranges_lose_nothing_and_repeat_at_most_the_window() {
+    sigkills_lose_nothing_and_repeat_at_most_the_window(Mode::Cdc).await;
 }
 
 /// An outbox migrated for another mode: the relay with ranges stops

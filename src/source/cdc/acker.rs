@@ -4,6 +4,7 @@
 
 use super::progress::{CATCH_UP, CdcPosition};
 use super::stream::{SharedProgress, lock};
+use crate::config::MarkMode;
 use crate::dead_letter::DeadLetter;
 use crate::replication::Lsn;
 use crate::source::record::{RowRecorder, RowStore};
@@ -15,16 +16,16 @@ use std::collections::HashSet;
 pub struct CdcAcker<S = RowRecorder> {
     recorder: S,
     progress: SharedProgress,
-    marks_rows: bool,
+    mark: MarkMode,
 }
 
 impl<S: RowStore> CdcAcker<S> {
-    /// `marks_rows`: `relay.mark` is `update` or `delete`.
-    pub fn new(recorder: S, progress: SharedProgress, marks_rows: bool) -> Self {
+    /// `mark`: `relay.mark`, which says how `recorder` records sent rows.
+    pub fn new(recorder: S, progress: SharedProgress, mark: MarkMode) -> Self {
         CdcAcker {
             recorder,
             progress,
-            marks_rows,
+            mark,
         }
     }
 }
@@ -42,13 +43,18 @@ impl<S: RowStore> Acker for CdcAcker<S> {
     /// rows than it was given (a commit decoded before other sessions see
     /// it, or rows marked before a crash), it waits until the transactions
     /// are visible and marks again; the statement skips marked rows.
+    ///
+    /// With `ranges` the statement writes no outbox row, only the batch's
+    /// `relay_seq` ranges, whether or not their transactions are visible
+    /// yet: it runs once, and nothing waits (the fold deletes a progress row
+    /// only once every row it names is visible, `outbox::progress`).
     async fn ack(&mut self, positions: Vec<CdcPosition>) -> Result<(), SourceError> {
         let mut seqs: Vec<i64> = positions.iter().filter_map(|p| p.seq).collect();
         seqs.sort_unstable();
         seqs.dedup();
-        if self.marks_rows && !seqs.is_empty() {
+        if self.mark.records_sent() && !seqs.is_empty() {
             let marked = self.recorder.mark(&seqs).await?;
-            if marked < seqs.len() as u64 {
+            if self.mark != MarkMode::Ranges && marked < seqs.len() as u64 {
                 tracing::debug!(
                     rows = seqs.len(),
                     marked,
@@ -88,7 +94,7 @@ impl<S: RowStore> Acker for CdcAcker<S> {
     /// wait for it. Without marking, or for a logical message (no `seq`),
     /// the WAL is its only record, so it does.
     fn release(&mut self, positions: Vec<CdcPosition>) {
-        if self.marks_rows {
+        if self.mark.records_sent() {
             let mut progress = lock(&self.progress);
             for p in positions.iter().filter(|p| p.seq.is_some()) {
                 progress.release(p);
@@ -176,34 +182,42 @@ mod tests {
         }
     }
 
-    async fn ack(counts: &[u64], positions: Vec<CdcPosition>, marks_rows: bool) -> Vec<String> {
+    async fn ack(counts: &[u64], positions: Vec<CdcPosition>, mark: MarkMode) -> Vec<String> {
         let progress = Arc::new(Mutex::new(Progress::new(Lsn(1), 16)));
-        let mut acker = CdcAcker::new(Scripted::new(counts), progress, marks_rows);
+        let mut acker = CdcAcker::new(Scripted::new(counts), progress, mark);
         acker.ack(positions).await.unwrap();
         acker.recorder.calls.into_inner().unwrap()
     }
 
     #[tokio::test]
     async fn one_statement_when_every_row_was_marked() {
-        let calls = ack(&[2], vec![at(2, 7), at(1, 7)], true).await;
+        let calls = ack(&[2], vec![at(2, 7), at(1, 7)], MarkMode::Update).await;
         assert_eq!(calls, ["mark [1, 2]"]);
     }
 
     #[tokio::test]
     async fn rows_not_marked_at_once_are_marked_once_visible() {
-        let calls = ack(&[1, 1], vec![at(1, 7), at(2, 8)], true).await;
+        let calls = ack(&[1, 1], vec![at(1, 7), at(2, 8)], MarkMode::Update).await;
         assert_eq!(calls, ["mark [1, 2]", "wait [7, 8]", "mark [1, 2]"]);
     }
 
     #[tokio::test]
     async fn a_seq_given_twice_is_one_row() {
-        let calls = ack(&[1], vec![at(1, 7), at(1, 7)], true).await;
+        let calls = ack(&[1], vec![at(1, 7), at(1, 7)], MarkMode::Update).await;
         assert_eq!(calls, ["mark [1]"]);
     }
 
     #[tokio::test]
     async fn nothing_is_marked_with_mark_none() {
-        let calls = ack(&[], vec![at(1, 7)], false).await;
+        let calls = ack(&[], vec![at(1, 7)], MarkMode::None).await;
         assert!(calls.is_empty(), "{calls:?}");
+    }
+
+    /// The ranges statement inserts one progress row however many rows its
+    /// batch names, visible yet or not: one statement, no wait.
+    #[tokio::test]
+    async fn ranges_are_recorded_once_without_waiting() {
+        let calls = ack(&[1], vec![at(1, 7), at(2, 8), at(3, 8)], MarkMode::Ranges).await;
+        assert_eq!(calls, ["mark [1, 2, 3]"]);
     }
 }

@@ -6,9 +6,9 @@
 //!
 //! 1. Check `wal_level`, the publication, the slot (creating it when
 //!    missing); a lost slot is a specific error with its recovery.
-//! 2. When rows are marked (`relay.mark` is `update` or `delete`), read the
-//!    unsent rows from the table in one REPEATABLE READ snapshot, in
-//!    `relay_seq` order. This publishes rows written before the slot existed,
+//! 2. When rows are marked (`relay.mark` is `update`, `delete` or
+//!    `ranges`), read the unsent rows from the table in one REPEATABLE READ
+//!    snapshot, in `relay_seq` order (`startup_rows`). This publishes rows written before the slot existed,
 //!    rows a refused event held back, and recovers from a dropped slot.
 //!    Transactions whose rows this read produced are skipped when the stream
 //!    replays them (matched by xid, until the stream passes the WAL position
@@ -41,6 +41,7 @@ pub mod progress;
 pub mod server;
 pub mod setup;
 pub mod snapshot;
+mod startup_rows;
 mod stream;
 mod table_read;
 
@@ -82,6 +83,9 @@ pub struct CdcSettings {
     pub heartbeat_interval: Option<Duration>,
     /// Rows are marked, so unsent rows can be read from the table at start-up.
     pub read_table: bool,
+    /// Sent rows are recorded by ranges (`relay.mark = "ranges"`): the
+    /// start-up read goes by the frontier (`startup_rows`).
+    pub ranges: bool,
     /// A lost slot is dropped and created again (`source.cdc.on_lost_slot`).
     pub recreate_lost_slot: bool,
     /// The pipeline's name, for metrics.
@@ -111,6 +115,7 @@ impl CdcSettings {
             status_interval: cdc.status_interval,
             heartbeat_interval: cdc.heartbeat_interval,
             read_table: config.relay.mark != MarkMode::None,
+            ranges: config.relay.mark == MarkMode::Ranges,
             recreate_lost_slot: cdc.recreates_lost_slot(config.relay.mark),
             pipeline: config.name.clone(),
             dead_letters: config

@@ -7,8 +7,9 @@
 use super::CdcSettings;
 use super::setup;
 use super::snapshot::{Snapshot, StartupView};
+use super::startup_rows::StartupRows;
 use crate::config::DatabaseConfig;
-use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
+use crate::config::{ResolvedColumns, TableName};
 use crate::db::DbError;
 use crate::outbox::RawRow;
 use crate::replication::Lsn;
@@ -17,12 +18,10 @@ use crate::replication::protocol::{
     ReplicationClient, ReplicationMessage, ReplicationStream, publication_names,
 };
 use crate::source::SourceError;
-use crate::source::rows::{byte_capped, each_row, read_row, select_list};
 use crate::telemetry::events::{InternalEvent, SlotCreated, SlotRecreated, SlotStreaming};
 use std::future::Future;
 use std::time::Duration;
-use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Statement};
+use tokio_postgres::Client;
 
 /// One message of the replication stream.
 #[derive(Debug)]
@@ -135,13 +134,10 @@ pub struct PgServer {
     table: TableName,
     settings: CdcSettings,
     client: Client,
-    table_page: Statement,
+    startup_rows: StartupRows,
     /// The start-up read's REPEATABLE READ transaction is open.
     snapshot_open: bool,
 }
-
-/// Column of the 32-bit xid in the start-up read, after `relay_seq` and the row.
-const XID_INDEX: usize = 1 + crate::source::rows::ROW_WIDTH;
 
 /// How long the start-up read waits for transactions running when it began
 /// to end, so that the slot can skip the WAL before it; and how often it looks.
@@ -262,19 +258,7 @@ impl PgServer {
         settings: CdcSettings,
     ) -> Result<(Self, Timing), SourceError> {
         let client = crate::db::connect(db, None).await?;
-        let sql = byte_capped(
-            &format!(
-                "SELECT {}, ({XID_COLUMN}::text::bigint % 4294967296)::bigint FROM {} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1 ORDER BY {SEQ_COLUMN} LIMIT $2",
-                select_list(columns),
-                table.quoted()
-            ),
-            &columns.payload,
-            "$3",
-        );
-        let table_page = client
-            .prepare(&sql)
-            .await
-            .map_err(|e| DbError::query("preparing the start-up read", e))?;
+        let startup_rows = StartupRows::prepare(&client, table, columns, settings.ranges).await?;
         let timeout_ms = setup::wal_sender_timeout_ms(&client).await?;
         let timing = if timeout_ms > 0 {
             let timeout = Duration::from_millis(timeout_ms.unsigned_abs());
@@ -294,7 +278,7 @@ impl PgServer {
                 table: table.clone(),
                 settings,
                 client,
-                table_page,
+                startup_rows,
                 snapshot_open: false,
             },
             timing,
@@ -372,6 +356,7 @@ impl CdcServer for PgServer {
                 .await
                 .map_err(|e| DbError::query("ending the start-up read", e))?;
         }
+        self.startup_rows.restart();
         self.check_server().await?;
         let info = self.usable_slot().await?;
         self.open_slot(info).await
@@ -385,13 +370,15 @@ impl CdcServer for PgServer {
                 .map_err(|e| DbError::query("ending a start-up read", e))?;
         }
         let settled = self.settled_position().await?;
+        self.startup_rows.next_round();
         // The read waits while the broker catches up, so a server-wide
         // idle-in-transaction timeout must not end it.
         self.client
-            .batch_execute(
+            .batch_execute(&format!(
                 "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; \
-                 SET LOCAL idle_in_transaction_session_timeout = 0",
-            )
+                 SET LOCAL idle_in_transaction_session_timeout = 0; {}",
+                self.startup_rows.transaction_settings()
+            ))
             .await
             .map_err(|e| DbError::query("starting the start-up read", e))?;
         self.snapshot_open = true;
@@ -461,20 +448,9 @@ impl CdcServer for PgServer {
         max: usize,
         max_bytes: usize,
     ) -> Result<Vec<TableRow>, SourceError> {
-        let limit = i64::try_from(max).unwrap_or(i64::MAX);
-        let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
-        let params: [&(dyn ToSql + Sync); 3] = [&after, &limit, &bytes];
-        each_row(&self.client, &self.table_page, &params, |row| {
-            let (seq, raw) = read_row(row, 0)?;
-            let xid: i64 = row.get(XID_INDEX);
-            Some(TableRow {
-                seq,
-                xid: u32::try_from(xid).unwrap_or_default(),
-                raw,
-            })
-        })
-        .await
-        .map_err(|e| DbError::query("reading unsent rows at start-up", e).into())
+        self.startup_rows
+            .page(&self.client, after, max, max_bytes)
+            .await
     }
 
     async fn end_table_read(&mut self) -> Result<(), SourceError> {

@@ -1,0 +1,200 @@
+//! The start-up read's statements: the unsent rows of a round's snapshot,
+//! in `relay_seq` order, a page at a time.
+//!
+//! When rows are marked, the unsent rows are those with
+//! `relay_sent_at IS NULL`, read through that partial index from the start.
+//!
+//! When sent rows are recorded by ranges (`relay.mark = "ranges"`,
+//! [`crate::outbox::progress`]), no outbox row changes when it is sent, so
+//! that index holds every row. Each round instead reads the rows of its
+//! snapshot that a *base* did not see, through the bulk and straggler
+//! branches of `outbox::progress::read`: the first round's base is the
+//! frontier (with the rows it holds open), a later round's the previous
+//! round's snapshot, whose unsent rows that round read. Both branches filter
+//! on the whole predicate, so a round hands over exactly the unsent rows a
+//! scan of the table would; what it visits is O(rows since the base).
+
+use super::server::TableRow;
+use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
+use crate::db::DbError;
+use crate::outbox::progress::{Ranges, read};
+use crate::source::SourceError;
+use crate::source::rows::{ROW_WIDTH, byte_capped, each_row, read_row, select_list};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Row, Statement};
+
+/// The columns a ranges round's first page puts before the rows: *cur*,
+/// its highest `relay_seq`, the base's, the stragglers.
+const HEAD: usize = 4;
+
+/// Column of the 32-bit xid within a page's row, after `relay_seq` and the row.
+const XID_INDEX: usize = 1 + ROW_WIDTH;
+
+/// How the start-up read finds unsent rows.
+pub(super) enum StartupRows {
+    /// `relay_sent_at IS NULL` (`$1` the cursor, `$2` the page's size,
+    /// `$3` its bytes).
+    Marked(Statement),
+    Ranges(RangesRead),
+}
+
+/// The ranges statements, and what a round's pages share.
+pub(super) struct RangesRead {
+    first_page: Statement,
+    next_page: Statement,
+    /// The previous round's snapshot and highest visible `relay_seq`, the
+    /// base of this round; `None` in a start's first round (the frontier).
+    base: Option<(String, Option<i64>)>,
+    /// This round's, once its first page ran.
+    head: Option<Head>,
+}
+
+/// What a ranges round's first page resolved for the next pages.
+struct Head {
+    cur: String,
+    cur_max: Option<i64>,
+    base_max: i64,
+    stragglers: Vec<i64>,
+}
+
+impl StartupRows {
+    pub(super) async fn prepare(
+        client: &Client,
+        table: &TableName,
+        columns: &ResolvedColumns,
+        ranges: bool,
+    ) -> Result<Self, SourceError> {
+        let cols = format!(
+            "{}, ({XID_COLUMN}::text::bigint % 4294967296)::bigint AS relay_xid32",
+            select_list(columns)
+        );
+        let capped = |page: String, bytes: &str| byte_capped(&page, &columns.payload, bytes);
+        let prepare = |sql: String| async move {
+            client
+                .prepare(&sql)
+                .await
+                .map_err(|e| match e.code().map(|c| c.code()) {
+                    Some("42P01") if ranges => SourceError::Setup(format!(
+                        "relay.mark = \"ranges\" reads what was sent from the tables of outbox-relay migrate: run it ({})",
+                        crate::db::error_text(&e)
+                    )),
+                    _ => SourceError::from(DbError::query("preparing the start-up read", e)),
+                })
+        };
+        if !ranges {
+            let sql = capped(
+                format!(
+                    "SELECT {cols} FROM {} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1 ORDER BY {SEQ_COLUMN} LIMIT $2",
+                    table.quoted()
+                ),
+                "$3",
+            );
+            return Ok(StartupRows::Marked(prepare(sql).await?));
+        }
+        let sql = Ranges::new(table).read_sql_wrapped(&cols, "", &capped);
+        Ok(StartupRows::Ranges(RangesRead {
+            first_page: prepare(sql.first_page).await?,
+            next_page: prepare(sql.next_page).await?,
+            base: None,
+            head: None,
+        }))
+    }
+
+    /// What the start-up read's transaction sets after its BEGIN: with
+    /// ranges, the reading session's planner settings
+    /// ([`read::READER_SESSION`]), for this transaction only.
+    pub(super) fn transaction_settings(&self) -> String {
+        match self {
+            StartupRows::Marked(_) => String::new(),
+            StartupRows::Ranges(_) => read::READER_SESSION.replace("SET ", "SET LOCAL "),
+        }
+    }
+
+    /// A new start: its first round reads from the frontier.
+    pub(super) fn restart(&mut self) {
+        if let StartupRows::Ranges(r) = self {
+            (r.base, r.head) = (None, None);
+        }
+    }
+
+    /// A new round: the one that ended is its base.
+    pub(super) fn next_round(&mut self) {
+        if let StartupRows::Ranges(r) = self
+            && let Some(head) = r.head.take()
+        {
+            r.base = Some((head.cur, head.cur_max));
+        }
+    }
+
+    /// Up to `max` unsent rows of the round's snapshot after `after`,
+    /// whose payloads take no more than `max_bytes` (one row at least).
+    pub(super) async fn page(
+        &mut self,
+        client: &Client,
+        after: i64,
+        max: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<TableRow>, SourceError> {
+        let limit = i64::try_from(max).unwrap_or(i64::MAX);
+        let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+        let r = match self {
+            StartupRows::Marked(statement) => {
+                let params: [&(dyn ToSql + Sync); 3] = [&after, &limit, &bytes];
+                return each_row(client, statement, &params, |row| table_row(row, 0))
+                    .await
+                    .map_err(|e| DbError::query("reading unsent rows at start-up", e).into());
+            }
+            StartupRows::Ranges(r) => r,
+        };
+        let (base, base_max) = match &r.base {
+            Some((snapshot, max)) => (Some(snapshot.clone()), *max),
+            None => (None, None),
+        };
+        let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) = match &r.head {
+            None => (&r.first_page, HEAD, vec![&base, &base_max, &limit, &bytes]),
+            Some(h) => (
+                &r.next_page,
+                0,
+                vec![
+                    &after,
+                    &h.cur,
+                    &base,
+                    &h.base_max,
+                    &h.stragglers,
+                    &limit,
+                    &bytes,
+                ],
+            ),
+        };
+        let mut head = None;
+        let rows = each_row(client, statement, &params, |row| {
+            if offset == HEAD && head.is_none() {
+                head = Some(Head {
+                    cur: row.get(0),
+                    cur_max: row.get(1),
+                    base_max: row.get(2),
+                    stragglers: row.get(3),
+                });
+            }
+            table_row(row, offset)
+        })
+        .await
+        .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e))?;
+        if head.is_some() {
+            r.head = head;
+        }
+        Ok(rows)
+    }
+}
+
+/// A page's row from column `offset` on; `None` for the row of NULLs an
+/// empty ranges first page returns.
+fn table_row(row: &Row, offset: usize) -> Option<TableRow> {
+    let (seq, raw) = read_row(row, offset)?;
+    let xid: i64 = row.get(offset + XID_INDEX);
+    Some(TableRow {
+        seq,
+        xid: u32::try_from(xid).unwrap_or_default(),
+        raw,
+    })
+}
