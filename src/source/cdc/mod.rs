@@ -8,8 +8,9 @@
 //!    missing); a lost slot is a specific error with its recovery.
 //! 2. When rows are marked (`relay.mark` is `update`, `delete` or
 //!    `ranges`), read the unsent rows from the table in one REPEATABLE READ
-//!    snapshot, in `relay_seq` order (`startup_rows`). This publishes rows written before the slot existed,
-//!    rows a refused event held back, and recovers from a dropped slot.
+//!    snapshot, in `relay_seq` order (`startup_rows`). This publishes rows
+//!    written before the slot existed, rows a refused event held back, and
+//!    recovers from a dropped slot.
 //!    Transactions whose rows this read produced are skipped when the stream
 //!    replays them (matched by xid, until the stream passes the WAL position
 //!    taken with the snapshot). Meanwhile the slot is moved past the WAL
