@@ -63,6 +63,18 @@ pub async fn run(case: Case<'_>, backlog: Option<Backlog>, run: usize) -> AfterR
     result
 }
 
+/// The time the last of the rows up to `$1` was marked, and how many are not.
+const LAST_BACKLOG_MARKED: &str = "SELECT (extract(epoch FROM max(relay_sent_at)) * 1000000)::int8, \
+     count(*) FILTER (WHERE relay_sent_at IS NULL) FROM outbox WHERE relay_seq <= $1";
+
+/// The same with ranges: the last recorded batch naming one of those rows
+/// (a later repeat of a row counts, an upper bound), and how many of them
+/// no batch names.
+const LAST_BACKLOG_RECORDED: &str = "SELECT (extract(epoch FROM max(b.at)) * 1000000)::int8, \
+     (SELECT count(*) FROM outbox o WHERE o.relay_seq <= $1 \
+        AND NOT COALESCE((SELECT range_agg(r) FROM bench_recorded, unnest(seqs) r) @> o.relay_seq, false)) \
+     FROM bench_recorded b WHERE b.seqs && int8multirange(int8range(NULL, $1, '(]'))";
+
 async fn measure(case: Case<'_>, backlog: Option<Backlog>, r: &mut AfterResult) -> Result<()> {
     let Case { ctx, mode, broker } = case;
     let p = &ctx.plan;
@@ -144,11 +156,16 @@ async fn measure(case: Case<'_>, backlog: Option<Backlog>, r: &mut AfterResult) 
     let spawned = epoch_micros(relay.spawned_at);
     let first_new = marked.iter().map(|(_, sent)| *sent).min();
     r.first_new_sent_s = first_new.map(|s| (s - spawned) as f64 / 1e6);
+    let ranges = stage.mark() == "ranges";
     let first_sent: Option<i64> = stage
         .db
         .client
         .query_one(
-            "SELECT (extract(epoch FROM min(relay_sent_at)) * 1000000)::int8 FROM outbox WHERE relay_sent_at >= to_timestamp($1::float8)",
+            if ranges {
+                "SELECT (extract(epoch FROM min(at)) * 1000000)::int8 FROM bench_recorded WHERE at >= to_timestamp($1::float8)"
+            } else {
+                "SELECT (extract(epoch FROM min(relay_sent_at)) * 1000000)::int8 FROM outbox WHERE relay_sent_at >= to_timestamp($1::float8)"
+            },
             &[&(spawned as f64 / 1e6)],
         )
         .await?
@@ -162,7 +179,11 @@ async fn measure(case: Case<'_>, backlog: Option<Backlog>, r: &mut AfterResult) 
             .db
             .client
             .query_one(
-                "SELECT (extract(epoch FROM max(relay_sent_at)) * 1000000)::int8, count(*) FILTER (WHERE relay_sent_at IS NULL) FROM outbox WHERE relay_seq <= $1",
+                if ranges {
+                    LAST_BACKLOG_RECORDED
+                } else {
+                    LAST_BACKLOG_MARKED
+                },
                 &[&backlog_last_seq],
             )
             .await?;

@@ -323,12 +323,14 @@ pub fn print_marks(drains: &[DrainResult]) {
                 right("delete/none", 11),
                 right("delete/update", 13),
                 right("ranges/update", 13),
+                right("ranges/none", 11),
             ],
             vec![
                 within(11, "update", "none"),
                 within(11, "delete", "none"),
                 within(13, "delete", "update"),
                 within(13, "ranges", "update"),
+                within(11, "ranges", "none"),
             ],
         ),
         Group::new(
