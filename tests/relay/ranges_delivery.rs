@@ -49,8 +49,10 @@ async fn count(db: &TestDb, sql: &str) -> i64 {
     db.client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
-async fn publishes_once_and_writes_no_row(mode: Mode, kind: Kind) {
-    let (db, broker, toml) = setup(mode, kind, &["order"], &[("relay.mark", "\"ranges\"")]).await;
+async fn publishes_once_and_writes_no_row(mode: Mode, kind: Kind, extra: &[(&str, &str)]) {
+    let mut sets = vec![("relay.mark", "\"ranges\"")];
+    sets.extend_from_slice(extra);
+    let (db, broker, toml) = setup(mode, kind, &["order"], &sets).await;
     let ranges = Ranges::new(&TableName::new("public", "outbox"));
     // A late committer: it takes relay_seq values below rows committed
     // before it.
@@ -62,6 +64,9 @@ async fn publishes_once_and_writes_no_row(mode: Mode, kind: Kind) {
         .await
         .unwrap();
     let mut ids = insert(&db, "a", 200, 10).await;
+    for agg in ["d", "e", "f", "g", "h"] {
+        ids.extend(insert(&db, agg, 4, 2).await);
+    }
     let mut relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
     broker.inbox().wait_ids(&ids, WAIT).await;
     late_client.batch_execute("COMMIT").await.unwrap();
@@ -116,24 +121,31 @@ async fn publishes_once_and_writes_no_row(mode: Mode, kind: Kind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_with_ranges_to_rabbitmq_publishes_once_and_writes_no_row() {
-    publishes_once_and_writes_no_row(Mode::Polling, Kind::Rabbit).await;
+    publishes_once_and_writes_no_row(Mode::Polling, Kind::Rabbit, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_with_ranges_to_kafka_publishes_once_and_writes_no_row() {
-    publishes_once_and_writes_no_row(Mode::Polling, Kind::Kafka).await;
+    publishes_once_and_writes_no_row(Mode::Polling, Kind::Kafka, &[]).await;
+}
+
+/// Shards: every branch of each shard's reads carries the shard's
+/// condition, and the late committer's row is its shard's straggler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharded_polling_with_ranges_publishes_once_and_writes_no_row() {
+    publishes_once_and_writes_no_row(Mode::Polling, Kind::Rabbit, &[("relay.shards", "4")]).await;
 }
 
 /// CDC: the start-up read after the kill goes by the frontier, and the
 /// stream skips what it read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cdc_with_ranges_to_rabbitmq_publishes_once_and_writes_no_row() {
-    publishes_once_and_writes_no_row(Mode::Cdc, Kind::Rabbit).await;
+    publishes_once_and_writes_no_row(Mode::Cdc, Kind::Rabbit, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cdc_with_ranges_to_kafka_publishes_once_and_writes_no_row() {
-    publishes_once_and_writes_no_row(Mode::Cdc, Kind::Kafka).await;
+    publishes_once_and_writes_no_row(Mode::Cdc, Kind::Kafka, &[]).await;
 }
 
 #[test]
