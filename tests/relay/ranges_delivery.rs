@@ -284,3 +284,64 @@ async fn a_missing_progress_table_says_to_run_migrate() {
         outbox_relay::errors::ErrorKind::NeedsOperator
     );
 }
+
+/// The backend holding the fold's lock, if one does.
+async fn fold_backend(db: &TestDb) -> Option<i32> {
+    db.client
+        .query_opt(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
+               AND ((classid::int8 << 32) | objid::int8) = hashtextextended('outbox-relay-fold:public.outbox', 0)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+/// The fold's session is ended five times while events flow (whatever it
+/// was doing: a capture, a round's transaction, waiting): the relay goes
+/// on publishing, the fold comes back on a new session and covers every
+/// recorded batch, and nothing is published twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fold_comes_back_after_losing_its_session() {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[("relay.mark", "\"ranges\"")],
+    )
+    .await;
+    let toml = set(&toml, "relay.retry_max", "\"1s\"");
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    let progress = format!("SELECT count(*) FROM {}", ranges.progress.quoted());
+    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let mut ids = Vec::new();
+    let mut ended = Vec::new();
+    for round in 0..5 {
+        ids.extend(insert(&db, &format!("k{round}"), 40, 4).await);
+        let pid = wait_for(WAIT, "a session to hold the fold's lock", || async {
+            fold_backend(&db).await.filter(|p| !ended.contains(p))
+        })
+        .await;
+        let ended_now: bool = db
+            .client
+            .query_one("SELECT pg_terminate_backend($1)", &[&pid])
+            .await
+            .unwrap()
+            .get(0);
+        assert!(ended_now, "the fold's backend {pid} was ended");
+        ended.push(pid);
+    }
+    ids.extend(insert(&db, "after", 20, 2).await);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    wait_for(WAIT, "a new fold session to cover every batch", || async {
+        let back = fold_backend(&db).await.is_some_and(|p| !ended.contains(&p));
+        (back && count(&db, &progress).await == 0).then_some(())
+    })
+    .await;
+    let backlog = ranges.read_sql("relay_seq", "").backlog;
+    assert_eq!(count(&db, &backlog).await, 0);
+    let got = broker.inbox().snapshot();
+    assert_eq!(got.len(), ids.len(), "each event published once");
+    assert_each_aggregate_in_order(&got);
+}
