@@ -345,3 +345,81 @@ async fn the_fold_comes_back_after_losing_its_session() {
     assert_eq!(got.len(), ids.len(), "each event published once");
     assert_each_aggregate_in_order(&got);
 }
+
+/// `check` with ranges: ready after migrate; a warning for a missing xid
+/// index and for progress no fold covered; a failure naming the GRANT a
+/// role lacks, and one saying to run migrate when a table is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_reports_the_tables_that_record_what_was_sent() {
+    let (db, _broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[("relay.mark", "\"ranges\"")],
+    )
+    .await;
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    let check = |toml: &str| {
+        let (code, out, err) = run_cli(&["check", "--config", &config_file(toml)], &[]);
+        let line = out
+            .lines()
+            .skip_while(|l| !l.contains("] ranges"))
+            .take_while(|l| l.contains("] ranges") || l.starts_with("       "))
+            .collect::<Vec<_>>()
+            .join("\n");
+        (code, line, format!("{out}{err}"))
+    };
+    let (code, line, all) = check(&toml);
+    assert_eq!(code, 0, "{all}");
+    assert!(
+        line.starts_with("[ok  ] ranges") && line.contains("(0 progress row(s))"),
+        "{all}"
+    );
+
+    db.client
+        .batch_execute(&format!(
+            "DROP INDEX {};
+             INSERT INTO {} (seqs, recorded_at) VALUES ('{{[1,2)}}', now() - interval '5 minutes')",
+            ranges.xid_index,
+            ranges.progress.quoted()
+        ))
+        .await
+        .unwrap();
+    let (code, line, all) = check(&toml);
+    assert_eq!(code, 0, "warnings only: {all}");
+    assert!(line.starts_with("[warn] ranges"), "{all}");
+    assert!(line.contains(&ranges.xid_index), "{all}");
+    assert!(line.contains("no fold has covered them"), "{all}");
+
+    let role = crate::kit::unique("relay_ranges_");
+    db.client
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN;
+             GRANT ALL ON ALL TABLES IN SCHEMA public TO {role};
+             GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role};
+             REVOKE INSERT ON {progress} FROM {role};",
+            progress = ranges.progress.quoted()
+        ))
+        .await
+        .unwrap();
+    let (code, line, all) = check(&toml.replace(&db.url, &db.url_as(&role)));
+    assert_ne!(code, 0, "{all}");
+    assert!(
+        line.starts_with("[FAIL] ranges")
+            && line.contains("GRANT INSERT ON public.outbox_relay_progress"),
+        "{all}"
+    );
+
+    db.client
+        .batch_execute(&format!("DROP TABLE {}", ranges.frontier.quoted()))
+        .await
+        .unwrap();
+    let (code, line, all) = check(&toml);
+    assert_ne!(code, 0, "{all}");
+    assert!(
+        line.starts_with("[FAIL] ranges")
+            && line.contains("public.outbox_relay_frontier does not exist")
+            && line.contains("outbox-relay migrate"),
+        "{all}"
+    );
+}

@@ -33,19 +33,7 @@ pub(super) async fn check_dead_letters(config: &Config, client: &Client, r: &mut
     }
     let mut missing = Vec::new();
     for index in lookups::indexes(&table) {
-        let qualified = format!(
-            "{}.{}",
-            crate::sql::quote_ident(&table.schema),
-            crate::sql::quote_ident(&index.name)
-        );
-        let valid = client
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) AND indisvalid)",
-                &[&qualified],
-            )
-            .await
-            .map(|row| row.get::<_, bool>(0));
-        match valid {
+        match inspect::index_is_valid(client, &table.schema, &index.name).await {
             Ok(true) => {}
             Ok(false) => missing.push(format!("{} ({})", index.name, index.purpose)),
             Err(e) => return r.add(Mark::Warn, "dead letters", db::error_text(&e)),

@@ -4,15 +4,14 @@ use super::{ConfigFile, Failure};
 use crate::config::{Config, SourceMode, TableName};
 use crate::db;
 use crate::outbox::inspect;
-use crate::outbox::ownership_key;
 use crate::source::auto::Reading;
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
-use dead_letters::check_dead_letters;
 use peers::{check_broker, check_traces};
 
 mod dead_letters;
 mod peers;
+mod ranges;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mark {
@@ -113,7 +112,8 @@ async fn check_database(config: &Config, r: &mut Report) {
     );
 
     check_table(config, &client, r).await;
-    check_dead_letters(config, &client, r).await;
+    dead_letters::check_dead_letters(config, &client, r).await;
+    ranges::check_ranges(config, &client, r).await;
     check_wakeups(config, &client, r).await;
     if config.retention.mode == crate::config::RetentionMode::Partitions {
         check_partitions(config, &client, r).await;
@@ -232,7 +232,7 @@ async fn check_wakeups(config: &Config, client: &tokio_postgres::Client, r: &mut
 
 /// Whether another instance holds the outbox now.
 async fn check_ownership(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
-    let key = ownership_key(&config.outbox.table);
+    let key = crate::outbox::ownership_key(&config.outbox.table);
     match client
         .query_one(
             "SELECT pg_try_advisory_lock(hashtextextended($1, 0)) AS free,
