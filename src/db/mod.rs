@@ -191,3 +191,24 @@ pub async fn server_version_num(client: &Client) -> Result<u32, String> {
         .get(0);
     Ok(version.trim().parse().unwrap_or(0))
 }
+
+/// Whether the index `name` in `schema` exists and is valid (a `CREATE
+/// INDEX CONCURRENTLY` that failed leaves an invalid one).
+pub async fn index_is_valid(
+    client: &Client,
+    schema: &str,
+    name: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    let qualified = format!(
+        "{}.{}",
+        crate::sql::quote_ident(schema),
+        crate::sql::quote_ident(name)
+    );
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) AND indisvalid)",
+            &[&qualified],
+        )
+        .await?
+        .get(0))
+}

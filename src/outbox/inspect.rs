@@ -110,27 +110,6 @@ impl TableInfo {
     }
 }
 
-/// Whether the index `name` in `schema` exists and is valid (a `CREATE
-/// INDEX CONCURRENTLY` that failed leaves an invalid one).
-pub async fn index_is_valid(
-    client: &impl GenericClient,
-    schema: &str,
-    name: &str,
-) -> Result<bool, tokio_postgres::Error> {
-    let qualified = format!(
-        "{}.{}",
-        crate::sql::quote_ident(schema),
-        crate::sql::quote_ident(name)
-    );
-    Ok(client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) AND indisvalid)",
-            &[&qualified],
-        )
-        .await?
-        .get(0))
-}
-
 /// Reads the table's columns and privileges; `None` when the table does not exist.
 pub async fn table_info(
     client: &impl GenericClient,

@@ -33,7 +33,7 @@ pub(super) async fn check_dead_letters(config: &Config, client: &Client, r: &mut
     }
     let mut missing = Vec::new();
     for index in lookups::indexes(&table) {
-        match inspect::index_is_valid(client, &table.schema, &index.name).await {
+        match db::index_is_valid(client, &table.schema, &index.name).await {
             Ok(true) => {}
             Ok(false) => missing.push(format!("{} ({})", index.name, index.purpose)),
             Err(e) => return r.add(Mark::Warn, "dead letters", db::error_text(&e)),

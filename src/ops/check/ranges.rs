@@ -51,7 +51,7 @@ pub(super) async fn check_ranges(config: &Config, client: &Client, r: &mut Repor
     }
     let mut warnings = Vec::new();
     let schema = &config.outbox.table.schema;
-    if !inspect::index_is_valid(client, schema, &ranges.xid_index)
+    if !db::index_is_valid(client, schema, &ranges.xid_index)
         .await
         .unwrap_or(false)
     {
