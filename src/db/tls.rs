@@ -21,6 +21,8 @@ use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::Mutex;
+use std::time::SystemTime;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_openssl::SslStream;
 
@@ -155,6 +157,36 @@ impl TlsConnector {
         })
     }
 
+    /// The context for `opts`, built once and shared by later connections.
+    ///
+    /// Building one loads the system's CA store, tens of milliseconds of
+    /// CPU, and the relay opens connections throughout a run (the CDC
+    /// start-up read's slot moves and streams, the fold, retention). The
+    /// context is built again when `opts` or the modification time of a
+    /// file it names changes, so a rotated client certificate or CA bundle
+    /// takes effect at the next connection, as before.
+    pub fn cached(opts: &TlsOptions) -> Result<Self, TlsError> {
+        type Entry = (TlsOptions, Vec<Option<SystemTime>>, TlsConnector);
+        static BUILT: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+        let stamps: Vec<Option<SystemTime>> =
+            [&opts.root_cert, &opts.client_cert, &opts.client_key]
+                .into_iter()
+                .map(|p| {
+                    p.as_ref()
+                        .and_then(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+                })
+                .collect();
+        let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, _, connector)) = built.iter().find(|(o, t, _)| o == opts && *t == stamps) {
+            return Ok(connector.clone());
+        }
+        let connector = TlsConnector::new(opts)?;
+        // One context per set of options: a changed file replaces it.
+        built.retain(|(o, _, _)| o != opts);
+        built.push((opts.clone(), stamps, connector.clone()));
+        Ok(connector)
+    }
+
     /// The `sslmode` this context was built for.
     pub fn mode(&self) -> SslMode {
         self.mode
@@ -220,7 +252,7 @@ pub fn make_tls_connector(
 ) -> Result<postgres_openssl::MakeTlsConnector, TlsError> {
     let TlsConnector {
         connector, mode, ..
-    } = TlsConnector::new(opts)?;
+    } = TlsConnector::cached(opts)?;
     let mut make = postgres_openssl::MakeTlsConnector::new(connector);
     make.set_callback(move |config, _host| {
         configure_session(mode, config);
@@ -351,6 +383,61 @@ mod tests {
         for mode in [SslMode::Require, SslMode::VerifyCa, SslMode::VerifyFull] {
             assert!(matches!(tokio_postgres_ssl_mode(mode), Pg::Require));
         }
+    }
+
+    /// A second connection with the same options shares the context; a
+    /// certificate file written again (rotated) gets a new one.
+    #[test]
+    fn contexts_are_shared_until_a_file_changes() {
+        let dir =
+            std::env::temp_dir().join(format!("outbox-relay-tls-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let root = dir.join("root.crt");
+        let key = PKey::generate_ed25519().expect("key");
+        let mut name = openssl::x509::X509NameBuilder::new().expect("name");
+        name.append_entry_by_text("CN", "outbox-relay test CA")
+            .expect("cn");
+        let name = name.build();
+        let mut builder = openssl::x509::X509::builder().expect("builder");
+        builder.set_subject_name(&name).expect("subject");
+        builder.set_issuer_name(&name).expect("issuer");
+        builder.set_pubkey(&key).expect("pubkey");
+        builder
+            .set_not_before(&openssl::asn1::Asn1Time::days_from_now(0).expect("now"))
+            .expect("not before");
+        builder
+            .set_not_after(&openssl::asn1::Asn1Time::days_from_now(1).expect("later"))
+            .expect("not after");
+        builder.sign(&key, MessageDigest::null()).expect("sign");
+        let pem = builder.build().to_pem().expect("pem");
+        std::fs::write(&root, &pem).expect("write");
+        let options = TlsOptions {
+            root_cert: Some(root.clone()),
+            ..opts(SslMode::VerifyCa)
+        };
+        let context = |c: &TlsConnector| std::ptr::from_ref(c.connector.context()) as usize;
+        let first = TlsConnector::cached(&options).expect("built");
+        let again = TlsConnector::cached(&options).expect("cached");
+        assert_eq!(context(&first), context(&again), "shared");
+        let other = TlsConnector::cached(&opts(SslMode::Require)).expect("built");
+        assert_ne!(
+            context(&first),
+            context(&other),
+            "other options, other context"
+        );
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+        std::fs::File::options()
+            .write(true)
+            .open(&root)
+            .and_then(|f| f.set_modified(later))
+            .expect("touch");
+        let rotated = TlsConnector::cached(&options).expect("rebuilt");
+        assert_ne!(
+            context(&first),
+            context(&rotated),
+            "a changed file, a new context"
+        );
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
     #[test]

@@ -64,7 +64,7 @@ pub(super) async fn connect(
         .ok_or_else(|| ProtocolError::Config("no user is configured".to_owned()))?;
     let connector = match tls.mode {
         SslMode::Disable => None,
-        _ => Some(TlsConnector::new(tls)?),
+        _ => Some(TlsConnector::cached(tls)?),
     };
     let timeout = config
         .get_connect_timeout()
