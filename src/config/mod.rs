@@ -201,6 +201,10 @@ pub struct RelayConfig {
     pub confirm_timeout: Duration,
     #[serde(default)]
     pub mark: MarkMode,
+    /// With `mark = "ranges"`: the pause between the fold's rounds while
+    /// the relay keeps up (`ops::fold`).
+    #[serde(default = "defaults::fold_interval", with = "duration")]
+    pub fold_interval: Duration,
     /// On SIGTERM, how long to wait for in-flight confirmations.
     #[serde(default = "defaults::shutdown_timeout", with = "duration")]
     pub shutdown_timeout: Duration,
@@ -236,6 +240,7 @@ impl Default for RelayConfig {
             max_in_flight_per_aggregate: None,
             confirm_timeout: defaults::confirm_timeout(),
             mark: MarkMode::default(),
+            fold_interval: defaults::fold_interval(),
             shutdown_timeout: defaults::shutdown_timeout(),
             retry_base: defaults::retry_base(),
             retry_max: defaults::retry_max(),
@@ -411,6 +416,9 @@ pub mod defaults {
     }
     pub fn confirm_timeout() -> Duration {
         Duration::from_secs(30)
+    }
+    pub fn fold_interval() -> Duration {
+        Duration::from_secs(2)
     }
     pub fn shutdown_timeout() -> Duration {
         Duration::from_secs(30)

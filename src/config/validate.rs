@@ -434,6 +434,7 @@ impl Config {
             );
         }
         c.duration("relay.confirm_timeout", r.confirm_timeout, SEC, HOUR);
+        c.duration("relay.fold_interval", r.fold_interval, SEC, 60 * SEC);
         c.duration(
             "relay.shutdown_timeout",
             r.shutdown_timeout,

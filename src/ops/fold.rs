@@ -1,5 +1,5 @@
 //! The fold `run` schedules with `relay.mark = "ranges"` (experimental):
-//! every few seconds it moves the frontier to the capture it took a round
+//! every `relay.fold_interval` it moves the frontier to the capture it took a round
 //! earlier and deletes the progress rows that frontier covers
 //! (`outbox::progress::fold`). One instance at a time folds an outbox;
 //! failures are logged and retried, they never end it.
@@ -12,11 +12,6 @@ use crate::outbox::progress::fold::{Advance, Capture};
 use std::time::Duration;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
-
-/// The pause between rounds while the relay keeps up: a capture is about
-/// this old when the frontier moves to it, so the relay has confirmed what
-/// it had in flight then.
-pub const INTERVAL: Duration = Duration::from_secs(2);
 
 /// The pause grows to this while a drain is under way (rows visible in the
 /// capture that are not recorded yet are more than [`HOLD_LIMIT`]).
@@ -57,7 +52,11 @@ pub async fn run_scheduled(config: &Config, shutdown: CancellationToken) {
     let ranges = Ranges::new(&config.outbox.table);
     let mut backoff = Backoff::new(config.relay.retry_base, config.relay.retry_max);
     let mut folder: Option<Folder> = None;
-    let mut wait = INTERVAL;
+    // The pause between rounds while the relay keeps up: a capture is
+    // about this old when the frontier moves to it, so the relay has
+    // confirmed what it had in flight then.
+    let interval = config.relay.fold_interval;
+    let mut wait = interval;
     loop {
         tokio::select! {
             biased;
@@ -74,12 +73,12 @@ pub async fn run_scheduled(config: &Config, shutdown: CancellationToken) {
         match round.await {
             Ok(Some(Advance::Backlog)) => {
                 backoff.reset();
-                wait = (wait * 2).clamp(INTERVAL, BACKLOG_INTERVAL_MAX);
+                wait = (wait * 2).clamp(interval, BACKLOG_INTERVAL_MAX.max(interval));
                 tracing::debug!(pipeline, next_in = ?wait, "fold waits: the relay is draining");
             }
             Ok(outcome) => {
                 backoff.reset();
-                wait = INTERVAL;
+                wait = interval;
                 if let Some(Advance::Advanced {
                     held,
                     closed,

@@ -423,3 +423,32 @@ async fn check_reports_the_tables_that_record_what_was_sent() {
         "{all}"
     );
 }
+
+/// `relay.fold_interval` paces the fold: at a minute, nothing recorded is
+/// folded within seconds of its publication.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fold_waits_its_interval() {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[
+            ("relay.mark", "\"ranges\""),
+            ("relay.fold_interval", "\"60s\""),
+        ],
+    )
+    .await;
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let ids = insert(&db, "p", 20, 5).await;
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    // Three default intervals: a 2 s fold would have covered them by then.
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    let progress = format!("SELECT count(*) FROM {}", ranges.progress.quoted());
+    assert!(
+        count(&db, &progress).await > 0,
+        "folded before its interval"
+    );
+    let frontier = format!("SELECT count(*) FROM {}", ranges.frontier.quoted());
+    assert_eq!(count(&db, &frontier).await, 0, "no frontier yet");
+}

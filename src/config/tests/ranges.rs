@@ -109,6 +109,7 @@ fn every_range_the_readme_states_is_enforced_at_both_ends() {
             "source.auto.probe_interval",
             "relay.max_in_flight",
             "relay.max_in_flight_bytes",
+            "relay.fold_interval",
             "relay.shards",
             "dead_letter.max_attempts",
             "retention.partition_premake",

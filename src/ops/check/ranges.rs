@@ -9,8 +9,9 @@ use crate::outbox::inspect;
 use crate::outbox::progress::{Ranges, version_problem};
 use tokio_postgres::Client;
 
-/// Progress rows older than this mean no fold covers them: the fold is
-/// not running, or a transaction outlives its settle wait.
+/// Progress rows older than this (or 20 fold intervals, if longer) mean
+/// no fold covers them: the fold is not running, or a transaction
+/// outlives its settle wait.
 const STALE_PROGRESS_SECONDS: f64 = 60.0;
 
 const ITEM: &str = "ranges";
@@ -68,7 +69,8 @@ pub(super) async fn check_ranges(config: &Config, client: &Client, r: &mut Repor
         Ok(row) => (row.get(0), row.get(1)),
         Err(e) => return r.add(Mark::Warn, ITEM, db::error_text(&e)),
     };
-    if oldest > STALE_PROGRESS_SECONDS {
+    let stale = STALE_PROGRESS_SECONDS.max(20.0 * config.relay.fold_interval.as_secs_f64());
+    if oldest > stale {
         warnings.push(format!(
             "{rows} progress row(s), the oldest {oldest:.0} s old: no fold has covered them (is a relay running, or a transaction open that long?)"
         ));
