@@ -285,11 +285,13 @@ async fn a_missing_progress_table_says_to_run_migrate() {
     );
 }
 
-/// The backend holding the fold's lock, if one does.
+/// The backend holding the fold's lock in this test's database, if one
+/// does (other tests' databases have outboxes of the same name).
 async fn fold_backend(db: &TestDb) -> Option<i32> {
     db.client
         .query_opt(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
                AND ((classid::int8 << 32) | objid::int8) = hashtextextended('outbox-relay-fold:public.outbox', 0)",
             &[],
         )
