@@ -141,13 +141,16 @@ impl PollingReader {
                 .map_err(|e| DbError::query("setting the planner up for ranges", e))?;
         }
         let (first_page, next_page) = statements(table, columns, shard, ranges);
+        let missing = ranges.then(|| crate::outbox::progress::Ranges::new(table));
         let prepare = |sql: String| {
-            let client = &client;
+            let (client, missing) = (&client, &missing);
             async move {
-                client
-                    .prepare(&sql)
-                    .await
-                    .map_err(|e| DbError::query("preparing the outbox query", e))
+                client.prepare(&sql).await.map_err(|e| {
+                    match missing.as_ref().and_then(|r| r.missing_table_problem(&e)) {
+                        Some(problem) => SourceError::Setup(problem),
+                        None => DbError::query("preparing the outbox query", e).into(),
+                    }
+                })
             }
         };
         Ok(PollingReader {

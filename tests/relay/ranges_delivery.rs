@@ -454,3 +454,35 @@ async fn the_fold_waits_its_interval() {
     let frontier = format!("SELECT count(*) FROM {}", ranges.frontier.quoted());
     assert_eq!(count(&db, &frontier).await, 0, "no frontier yet");
 }
+
+/// A table of ranges dropped after migrate: each source's reader says
+/// which tables it reads and to run migrate, and publishes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_frontier_says_to_run_migrate_in_each_mode() {
+    for mode in [Mode::Polling, Mode::Cdc] {
+        let (db, broker, toml) = setup(
+            mode,
+            Kind::Rabbit,
+            &["order"],
+            &[("relay.mark", "\"ranges\"")],
+        )
+        .await;
+        let ranges = Ranges::new(&TableName::new("public", "outbox"));
+        db.client
+            .batch_execute(&format!("DROP TABLE {}", ranges.frontier.quoted()))
+            .await
+            .unwrap();
+        insert(&db, "m", 3, 1).await;
+        let log = crate::schema::run_until_logged_with_env(
+            &config_file(&toml),
+            "run outbox-relay migrate",
+            &[SWITCH],
+        );
+        assert!(
+            log.contains("public.outbox_relay_frontier")
+                && log.contains("run outbox-relay migrate"),
+            "{mode:?}: {log}"
+        );
+        assert_eq!(broker.inbox().len(), 0, "{mode:?}: nothing published");
+    }
+}

@@ -9,11 +9,17 @@ use uuid::Uuid;
 /// Runs the relay until its log says `needle` (it keeps retrying a table it
 /// cannot use, and says why each time); returns the log so far.
 fn run_until_logged(path: &str, needle: &str) -> String {
+    run_until_logged_with_env(path, needle, &[])
+}
+
+/// [`run_until_logged`] with more environment variables.
+pub(crate) fn run_until_logged_with_env(path: &str, needle: &str, envs: &[(&str, &str)]) -> String {
     let log = std::path::Path::new(path).with_extension("log");
     let file = std::fs::File::create(&log).unwrap();
     let mut child = std::process::Command::new(crate::support::relay_bin())
         .args(["run", "--config", path])
         .env("RUST_LOG", "outbox_relay=info,warn")
+        .envs(envs.iter().copied())
         .stdout(std::process::Stdio::null())
         .stderr(file)
         .spawn()

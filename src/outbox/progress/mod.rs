@@ -69,6 +69,21 @@ impl Ranges {
         }
     }
 
+    /// What to tell the operator when a statement on these tables failed
+    /// because one does not exist (`42P01`): an outbox migrated for another
+    /// mode, or a table dropped. `None` for any other error.
+    pub fn missing_table_problem(&self, e: &tokio_postgres::Error) -> Option<String> {
+        (e.code().map(|c| c.code()) == Some("42P01")).then(|| {
+            format!(
+                "relay.mark = \"ranges\" reads what was sent from {}, {} and {} ({}): run outbox-relay migrate",
+                self.progress,
+                self.frontier,
+                self.held,
+                crate::db::error_text(e)
+            )
+        })
+    }
+
     /// The statements that create the objects (PostgreSQL 14 or later: the
     /// progress rows are multiranges). Safe to run again.
     pub fn create_sql(&self) -> Vec<String> {

@@ -70,16 +70,13 @@ impl StartupRows {
         );
         let capped = |page: String, bytes: &str| byte_capped(&page, &columns.payload, bytes);
         let prepare = |sql: String| async move {
-            client
-                .prepare(&sql)
-                .await
-                .map_err(|e| match e.code().map(|c| c.code()) {
-                    Some("42P01") if ranges => SourceError::Setup(format!(
-                        "relay.mark = \"ranges\" reads what was sent from the tables of outbox-relay migrate: run it ({})",
-                        crate::db::error_text(&e)
-                    )),
-                    _ => SourceError::from(DbError::query("preparing the start-up read", e)),
-                })
+            client.prepare(&sql).await.map_err(|e| {
+                match Some(Ranges::new(table)).filter(|_| ranges) {
+                    Some(r) => r.missing_table_problem(&e).map(SourceError::Setup),
+                    None => None,
+                }
+                .unwrap_or_else(|| DbError::query("preparing the start-up read", e).into())
+            })
         };
         if !ranges {
             let sql = capped(
