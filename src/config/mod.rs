@@ -95,7 +95,8 @@ impl Config {
     /// retention cleaning up marked rows.
     pub fn deletes_rows(&self) -> bool {
         self.relay.mark == MarkMode::Delete
-            || (self.relay.mark == MarkMode::Update && self.retention.enabled)
+            || (matches!(self.relay.mark, MarkMode::Update | MarkMode::Ranges)
+                && self.retention.enabled)
     }
 }
 

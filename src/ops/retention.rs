@@ -26,6 +26,11 @@
 //! Without the index (a table `migrate` has not updated yet) the cleanup still
 //! works, scanning in any order, and its report says to run `migrate`.
 //!
+//! With `relay.mark = "ranges"` no row has `relay_sent_at`: rows go by the
+//! fold's frontier instead, through the index on `relay_xid` (see
+//! [`crate::outbox::progress::retain`]), after the rows another mode marked
+//! before.
+//!
 //! With `retention.mode = "partitions"` sent rows leave with their whole
 //! partition instead, and partitions are created ahead of time: see
 //! [`partitions`].
@@ -42,6 +47,7 @@ use crate::config::{Config, MarkMode, RetentionMode};
 use crate::config::{SENT_AT_COLUMN, TableName};
 use crate::db::DbError;
 use crate::errors::ErrorKind;
+use crate::outbox::progress::Ranges;
 use crate::outbox::sent_index;
 use crate::sql::quote_ident;
 use chrono::{DateTime, Utc};
@@ -84,6 +90,9 @@ pub enum RetentionError {
     /// The outbox's layout does not suit `retention.mode = "partitions"`; the message says why.
     #[error("{0}")]
     Partitions(String),
+    /// A table of `relay.mark = "ranges"` is missing; the message names them.
+    #[error("{0}")]
+    MissingRanges(String),
 }
 
 impl RetentionError {
@@ -92,7 +101,8 @@ impl RetentionError {
             RetentionError::Db(e) => e.kind(),
             RetentionError::MissingTable(_)
             | RetentionError::MissingColumn(_)
-            | RetentionError::Partitions(_) => ErrorKind::NeedsOperator,
+            | RetentionError::Partitions(_)
+            | RetentionError::MissingRanges(_) => ErrorKind::NeedsOperator,
         }
     }
 }
@@ -215,26 +225,10 @@ async fn clean(
         report.partitions = Some(done);
         rows_of = default;
     }
-    report.outbox = match (config.relay.mark, rows_of) {
-        (MarkMode::Delete, _) => Cleanup::Skipped(Skip::MarkDelete),
-        (MarkMode::None, _) => Cleanup::Skipped(Skip::MarkNone),
-        (MarkMode::Ranges, _) => Cleanup::Skipped(Skip::MarkRanges),
-        (MarkMode::Update, None) => Cleanup::Skipped(Skip::ByPartition),
-        (MarkMode::Update, Some(rows_of)) => {
-            // The index is the outbox's: a partition's copy has another name.
-            let indexed = check_outbox(client, table).await?;
-            if !indexed {
-                report.hint = Some(format!(
-                    "index {} is missing, so every batch scans the table: run outbox-relay migrate",
-                    sent_index(table)
-                ));
-            }
-            let target = Target::sent_rows(&rows_of, indexed);
-            let (cleanup, interrupted) = batches.run(client, &target, sent_cutoff, stop).await?;
-            report.interrupted = interrupted;
-            cleanup
-        }
-    };
+    let (outbox, interrupted) =
+        clean_outbox(client, config, rows_of, &batches, sent_cutoff, stop, report).await?;
+    report.outbox = outbox;
+    report.interrupted = interrupted;
     report.dead_letters = if !config.dead_letter.enabled {
         Cleanup::Skipped(Skip::DeadLettersOff)
     } else if report.interrupted {
@@ -254,6 +248,66 @@ async fn clean(
         }
     };
     Ok(())
+}
+
+/// Cleans the sent rows of `rows_of` (the outbox, or its default partition;
+/// `None`: sent rows leave with their partitions); says whether `stop`
+/// ended it early.
+async fn clean_outbox(
+    client: &Client,
+    config: &Config,
+    rows_of: Option<TableName>,
+    batches: &Batches,
+    cutoff: DateTime<Utc>,
+    stop: &CancellationToken,
+    report: &mut Report,
+) -> Result<(Cleanup, bool), RetentionError> {
+    let table = &config.outbox.table;
+    let rows_of = match (config.relay.mark, rows_of) {
+        (MarkMode::Delete, _) => return Ok((Cleanup::Skipped(Skip::MarkDelete), false)),
+        (MarkMode::None, _) => return Ok((Cleanup::Skipped(Skip::MarkNone), false)),
+        (MarkMode::Update | MarkMode::Ranges, None) => {
+            return Ok((Cleanup::Skipped(Skip::ByPartition), false));
+        }
+        (MarkMode::Update | MarkMode::Ranges, Some(rows_of)) => rows_of,
+    };
+    // The index is the outbox's: a partition's copy has another name.
+    let indexed = check_outbox(client, table).await?;
+    if !indexed {
+        report.hint = Some(format!(
+            "index {} is missing, so every batch scans the table: run outbox-relay migrate",
+            sent_index(table)
+        ));
+    }
+    // With ranges, rows marked by another mode before still go this way.
+    let marked = Target::sent_rows(&rows_of, indexed);
+    let (cleanup, interrupted) = batches.run(client, &marked, cutoff, stop).await?;
+    if config.relay.mark != MarkMode::Ranges || interrupted {
+        return Ok((cleanup, interrupted));
+    }
+    let ranges = Ranges::new(table);
+    let recorded = Target::recorded_rows(&ranges, &rows_of);
+    let (more, interrupted) = batches.run(client, &recorded, cutoff, stop).await?;
+    if !batches.dry_run {
+        client
+            .execute(&ranges.prune_frontier_sql(), &[&cutoff])
+            .await
+            .map_err(|e| ranges_failure(&ranges, "pruning the frontier's history", e))?;
+    }
+    let sum = Cleanup::Done {
+        rows: cleanup.rows() + more.rows(),
+        batches: cleanup.batches() + more.batches(),
+    };
+    Ok((sum, interrupted))
+}
+
+/// A failed statement on the tables of ranges: a missing one is a setup
+/// problem that says to run `migrate`.
+fn ranges_failure(ranges: &Ranges, what: &str, e: tokio_postgres::Error) -> RetentionError {
+    match ranges.missing_table_problem(&e) {
+        Some(problem) => RetentionError::MissingRanges(problem),
+        None => DbError::query(what.to_string(), e).into(),
+    }
 }
 
 /// Creates the partitions due and drops the expired ones; returns what it
@@ -287,8 +341,11 @@ async fn cycle_partitions(
         }
         done.created.push(name);
     }
+    let ranges = (config.relay.mark == MarkMode::Ranges).then(|| Ranges::new(table));
     for p in partitions::expired(&existing, cutoff) {
-        match partitions::drop_expired(client, table, &p.name, cutoff, dry_run).await? {
+        let dropped =
+            partitions::drop_expired(client, table, &p.name, cutoff, ranges.as_ref(), dry_run);
+        match dropped.await? {
             partitions::Outcome::Dropped => done.dropped.push(p.name.clone()),
             partitions::Outcome::Kept(why) => done.kept.push((p.name.clone(), why)),
         }
@@ -336,6 +393,10 @@ struct Target {
     what: String,
     delete: String,
     count: String,
+    /// Rows recorded by these ranges: `delete` also takes `$3`, where the
+    /// previous batch ended (text, `'0'` at first), and returns one row,
+    /// the rows deleted and where this batch ended.
+    recorded: Option<Ranges>,
 }
 
 impl Target {
@@ -362,6 +423,18 @@ impl Target {
                    AND {eligible}"
             ),
             count: format!("SELECT count(*) FROM {t} WHERE {eligible}"),
+            recorded: None,
+        }
+    }
+
+    /// Rows recorded by ranges and folded before the cut-off (see
+    /// [`crate::outbox::progress::retain`]), by transaction.
+    fn recorded_rows(ranges: &Ranges, table: &TableName) -> Target {
+        Target {
+            what: format!("deleting recorded rows from {table}"),
+            delete: ranges.retention_delete_sql(table),
+            count: ranges.retention_count_sql(table),
+            recorded: Some(ranges.clone()),
         }
     }
 
@@ -378,6 +451,7 @@ impl Target {
                    AND {eligible}"
             ),
             count: format!("SELECT count(*) FROM {t} WHERE {eligible}"),
+            recorded: None,
         }
     }
 }
@@ -407,7 +481,10 @@ impl Batches {
         cutoff: DateTime<Utc>,
         stop: &CancellationToken,
     ) -> Result<(Cleanup, bool), RetentionError> {
-        let failed = |e| DbError::query(target.what.clone(), e);
+        let failed = |e| match &target.recorded {
+            Some(ranges) => ranges_failure(ranges, &target.what, e),
+            None => RetentionError::from(DbError::query(target.what.clone(), e)),
+        };
         if self.dry_run {
             let rows: i64 = client
                 .query_one(&target.count, &[&cutoff])
@@ -421,11 +498,23 @@ impl Batches {
         let statement = client.prepare(&target.delete).await.map_err(failed)?;
         let limit = i64::try_from(self.size).unwrap_or(i64::MAX);
         let (mut rows, mut batches) = (0, 0);
+        let mut from = String::from("0");
         loop {
-            let deleted = client
-                .execute(&statement, &[&cutoff, &limit])
-                .await
-                .map_err(failed)?;
+            let deleted = if target.recorded.is_some() {
+                let row = client
+                    .query_one(&statement, &[&cutoff, &limit, &from])
+                    .await
+                    .map_err(failed)?;
+                if let Some(end) = row.get::<_, Option<String>>(1) {
+                    from = end;
+                }
+                row.get::<_, i64>(0).max(0) as u64
+            } else {
+                client
+                    .execute(&statement, &[&cutoff, &limit])
+                    .await
+                    .map_err(failed)?
+            };
             if deleted > 0 {
                 rows += deleted;
                 batches += 1;

@@ -36,6 +36,7 @@ mod rabbit_exchanges;
 mod ranges_delivery;
 mod redrive;
 mod retention;
+mod retention_ranges;
 mod retention_skips;
 mod roles;
 mod routing;

@@ -116,6 +116,8 @@ struct Ledger {
     held: u64,
     deleted: u64,
     backlog: usize,
+    /// Rows retention deleted.
+    retained: usize,
 }
 
 async fn check_sent(db: &TestDb, ranges: &Ranges, ledger: &mut Ledger, step: &str) {
@@ -152,6 +154,36 @@ async fn check_sent(db: &TestDb, ranges: &Ranges, ledger: &mut Ledger, step: &st
         "{step}: sent rows became unsent: {unsent_again:?}"
     );
     ledger.sent = sent;
+}
+
+/// One run of retention's batches with the newest frontier as its cut-off's;
+/// returns the rows it deleted.
+async fn retain(client: &Client, ranges: &Ranges) -> BTreeSet<i64> {
+    let all = "SELECT relay_seq FROM outbox";
+    let before: BTreeSet<i64> = seqs(client, all, &[]).await.into_iter().collect();
+    let cutoff = chrono::Utc::now() + chrono::Duration::hours(1);
+    let table = TableName::new("public", "outbox");
+    let mut from = String::from("0");
+    let mut total = 0;
+    loop {
+        let row = client
+            .query_one(
+                &ranges.retention_delete_sql(&table),
+                &[&cutoff, &3i64, &from],
+            )
+            .await
+            .expect("a retention batch");
+        let (n, end): (i64, Option<String>) = (row.get(0), row.get(1));
+        total += n as usize;
+        match end {
+            Some(end) if n == 3 => from = end,
+            _ => break,
+        }
+    }
+    let after: BTreeSet<i64> = seqs(client, all, &[]).await.into_iter().collect();
+    let deleted: BTreeSet<i64> = before.difference(&after).copied().collect();
+    assert_eq!(deleted.len(), total, "what the batches counted");
+    deleted
 }
 
 /// One random history of `steps` steps; checks after each.
@@ -270,6 +302,18 @@ async fn history(seed: u64, steps: usize) -> Ledger {
                     }
                 }
             }
+            84..=86 => {
+                // Retention, at a cut-off after every frontier: it may
+                // delete only rows that count as sent.
+                let deleted = retain(&db.client, &ranges).await;
+                let unsent: Vec<_> = deleted.difference(&ledger.sent).collect();
+                assert!(
+                    unsent.is_empty(),
+                    "{label}: retention deleted unsent rows {unsent:?}"
+                );
+                ledger.sent.retain(|s| !deleted.contains(s));
+                ledger.retained += deleted.len();
+            }
             _ => {
                 let page = rng.i64(1..6);
                 let (first, cur) = read(&db.client, &ranges, &None, page).await;
@@ -349,6 +393,7 @@ async fn reads_equal_the_predicate_and_nothing_counts_as_sent_unconfirmed_over_r
         total.held += l.held;
         total.deleted += l.deleted;
         total.backlog += l.backlog;
+        total.retained += l.retained;
     }
     // The histories reach every path: reads, folds that hold rows open,
     // delete progress rows, and give up while many rows are unrecorded.
@@ -357,6 +402,7 @@ async fn reads_equal_the_predicate_and_nothing_counts_as_sent_unconfirmed_over_r
     assert!(total.held > 0, "no row was ever held open");
     assert!(total.deleted > 0, "no progress row was ever deleted");
     assert!(total.backlog > 0, "no fold ever gave up");
+    assert!(total.retained > 0, "retention never deleted a row");
 }
 
 #[tokio::test]

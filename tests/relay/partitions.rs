@@ -39,7 +39,7 @@ async fn partitioned(mode: Mode, kind: Kind, sets: &[(&str, &str)]) -> (TestDb, 
     (db, broker, toml)
 }
 
-async fn day_partitioned(db: &TestDb, days: &[(&str, &str)], with_default: bool) {
+pub(crate) async fn day_partitioned(db: &TestDb, days: &[(&str, &str)], with_default: bool) {
     let mut sql = String::from(
         "CREATE TABLE outbox (
              id uuid NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,

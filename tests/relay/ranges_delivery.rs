@@ -486,3 +486,42 @@ async fn a_missing_frontier_says_to_run_migrate_in_each_mode() {
         assert_eq!(broker.inbox().len(), 0, "{mode:?}: nothing published");
     }
 }
+
+/// Scheduled retention in `run` deletes what the fold covered, and only
+/// that: every event once, the outbox empties, new events still flow.
+async fn retention_deletes_what_was_recorded_and_folded(mode: Mode) {
+    let sets = [
+        ("relay.mark", "\"ranges\""),
+        ("relay.fold_interval", "\"1s\""),
+        ("retention.interval", "\"1s\""),
+        ("retention.sent_window", "\"0s\""),
+    ];
+    let (db, broker, toml) = setup(mode, Kind::Rabbit, &["order"], &sets).await;
+    let mut ids = insert(&db, "a", 60, 6).await;
+    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    for round in ["b", "c"] {
+        wait_for(WAIT, "retention to empty the outbox", || async {
+            (count(&db, "SELECT count(*) FROM outbox").await == 0).then_some(())
+        })
+        .await;
+        let more = insert(&db, round, 20, 2).await;
+        broker.inbox().wait_ids(&more, WAIT).await;
+        ids.extend(more);
+    }
+    let got = broker.inbox().snapshot();
+    let n = deliveries(&got);
+    let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
+    assert!(other.is_empty(), "published other than once: {other:?}");
+    assert_eq!(got.len(), ids.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_with_ranges_retention_deletes_what_was_recorded_and_folded() {
+    retention_deletes_what_was_recorded_and_folded(Mode::Polling).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdc_with_ranges_retention_deletes_what_was_recorded_and_folded() {
+    retention_deletes_what_was_recorded_and_folded(Mode::Cdc).await;
+}

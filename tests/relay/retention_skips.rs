@@ -33,18 +33,6 @@ async fn tables_it_must_not_or_cannot_clean_are_skipped_with_a_note() {
     assert_eq!(report.outbox, Cleanup::Skipped(Skip::MarkNone));
     assert_eq!(count_of(&db, "old").await, 5, "left alone");
 
-    // Ranges (experimental) have no retention of recorded rows yet.
-    let ranges = set(&toml, "relay.mark", "\"ranges\"");
-    let report = retention::once(&c, &parse(&ranges), false).await.unwrap();
-    assert_eq!(report.outbox, Cleanup::Skipped(Skip::MarkRanges));
-    assert!(
-        report
-            .to_string()
-            .contains("has no retention of sent rows yet"),
-        "{report}"
-    );
-    assert_eq!(count_of(&db, "old").await, 5, "left alone");
-
     let config = parse(&set(&toml, "dead_letter.enabled", "false"));
     let report = retention::once(&c, &config, false).await.unwrap();
     assert_eq!(report.dead_letters, Cleanup::Skipped(Skip::DeadLettersOff));

@@ -35,6 +35,7 @@ use super::RetentionError;
 use crate::config::{SENT_AT_COLUMN, TableName};
 use crate::db::DbError;
 use crate::outbox::inspect::table_info;
+use crate::outbox::progress::Ranges;
 use chrono::{DateTime, TimeZone, Utc};
 use std::time::Duration;
 use tokio_postgres::Client;
@@ -295,17 +296,17 @@ async fn keep_reason(
     client: &Client,
     partition: &TableName,
     cutoff: DateTime<Utc>,
+    ranges: Option<&Ranges>,
 ) -> Result<Option<String>, tokio_postgres::Error> {
-    let row = client
-        .query_one(
-            &format!(
-                "SELECT EXISTS (SELECT 1 FROM {p} WHERE {SENT_AT_COLUMN} IS NULL),
-                        EXISTS (SELECT 1 FROM {p} WHERE {SENT_AT_COLUMN} >= $1)",
-                p = partition.quoted()
-            ),
-            &[&cutoff],
-        )
-        .await?;
+    let sql = match ranges {
+        Some(ranges) => ranges.partition_keep_sql(partition),
+        None => format!(
+            "SELECT EXISTS (SELECT 1 FROM {p} WHERE {SENT_AT_COLUMN} IS NULL),
+                    EXISTS (SELECT 1 FROM {p} WHERE {SENT_AT_COLUMN} >= $1)",
+            p = partition.quoted()
+        ),
+    };
+    let row = client.query_one(&sql, &[&cutoff]).await?;
     Ok(match (row.get(0), row.get(1)) {
         (true, _) => Some("it holds unsent rows".into()),
         (false, true) => Some("rows in it were sent after the retention cutoff".into()),
@@ -327,11 +328,12 @@ pub async fn drop_expired(
     table: &TableName,
     partition: &TableName,
     cutoff: DateTime<Utc>,
+    ranges: Option<&Ranges>,
     dry_run: bool,
 ) -> Result<Outcome, RetentionError> {
     let failed = |e| DbError::query(format!("dropping partition {partition}"), e);
     // Without a lock first, so a partition that must stay costs no lock.
-    if let Some(why) = keep_reason(client, partition, cutoff)
+    if let Some(why) = keep_reason(client, partition, cutoff, ranges)
         .await
         .map_err(failed)?
     {
@@ -351,7 +353,7 @@ pub async fn drop_expired(
     let attempt = async {
         client.batch_execute(&detach).await?;
         // Under the lock now: nothing can be written into it any more.
-        if let Some(why) = keep_reason(client, partition, cutoff).await? {
+        if let Some(why) = keep_reason(client, partition, cutoff, ranges).await? {
             client.batch_execute("ROLLBACK").await?;
             return Ok::<_, tokio_postgres::Error>(Outcome::Kept(why));
         }

@@ -22,6 +22,14 @@ impl Cleanup {
             Cleanup::Skipped(_) => 0,
         }
     }
+
+    /// Statements that deleted rows; 0 when skipped.
+    pub fn batches(&self) -> u64 {
+        match self {
+            Cleanup::Done { batches, .. } => *batches,
+            Cleanup::Skipped(_) => 0,
+        }
+    }
 }
 
 /// Why a table was left alone.
@@ -33,8 +41,6 @@ pub enum Skip {
     MarkDelete,
     /// `relay.mark = "none"`: rows are never marked, so none is known to be sent.
     MarkNone,
-    /// `relay.mark = "ranges"`: its retention is not built yet.
-    MarkRanges,
     /// `dead_letter.enabled = false`.
     DeadLettersOff,
     /// `retention.mode = "partitions"` on an outbox without a default
@@ -54,9 +60,6 @@ impl fmt::Display for Skip {
             }
             Skip::MarkNone => f.write_str(
                 "relay.mark = \"none\" never marks rows sent, so none can be told apart",
-            ),
-            Skip::MarkRanges => f.write_str(
-                "relay.mark = \"ranges\" (experimental) has no retention of sent rows yet",
             ),
             Skip::DeadLettersOff => f.write_str("dead_letter.enabled = false"),
             Skip::ByPartition => {

@@ -95,7 +95,8 @@ fn has_work(config: &Config) -> bool {
         return false;
     }
     let by_partition = r.mode == RetentionMode::Partitions;
-    if config.relay.mark != MarkMode::Update && !config.dead_letter.enabled && !by_partition {
+    let keeps_sent = matches!(config.relay.mark, MarkMode::Update | MarkMode::Ranges);
+    if !keeps_sent && !config.dead_letter.enabled && !by_partition {
         tracing::info!(pipeline, mark = ?config.relay.mark, "retention has nothing to clean: sent rows are not kept and dead-lettering is off");
         return false;
     }

@@ -1,8 +1,10 @@
 //! Recording "sent" by ranges of `relay_seq` instead of updating each row
-//! (`docs/design/marking-by-ranges.md`). **Not wired in yet**: no mode of
-//! the relay uses these statements; they are built and proven here first
-//! (`tests/relay/marking_ranges.rs`), then the readers, the recorder and the
-//! fold task take them up.
+//! (`docs/design/marking-by-ranges.md`), the experimental `relay.mark =
+//! "ranges"`: the recorder inserts one progress row per confirmed batch,
+//! the readers ([`read`]) find what is unsent, the fold ([`fold`]) moves
+//! the frontier, and retention ([`retain`]) deletes what was sent before
+//! its cut-off. Proven against real PostgreSQL in
+//! `tests/relay/marking_ranges.rs`.
 //!
 //! A committed outbox row is *sent* exactly when at least one of these holds:
 //!
@@ -21,6 +23,7 @@
 
 pub mod fold;
 pub mod read;
+pub mod retain;
 
 use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 

@@ -1,0 +1,108 @@
+//! Retention of rows recorded by ranges: which outbox rows count as sent
+//! before a cut-off, and may go.
+//!
+//! The fold keeps one frontier row a minute as history. Let *H* be the
+//! newest one folded at or before the cut-off. When the fold wrote *H*,
+//! every row visible in its snapshot was recorded, marked, or held open
+//! (the fold's invariant), and a held row leaves the held table only once
+//! it is recorded or marked. So a row visible in *H* that is not held open
+//! now was sent, and by *H*'s time unless it was held open then: a row the
+//! frontier passed before its confirmation (a late commit, or one waiting
+//! behind a dead letter) counts as sent from the first frontier that
+//! passed it, so it may go earlier than `retention.sent_window` after its
+//! own confirmation. No unsent row is ever eligible.
+//!
+//! Rows are visited through the index on `relay_xid`, oldest transaction
+//! first, from where the previous batch ended: every row below *H*'s
+//! `xmax` is a candidate, and deleted rows' index entries are not walked
+//! again within a run.
+
+use super::Ranges;
+use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, XID_COLUMN};
+
+impl Ranges {
+    /// *H* for the cut-off `$1`: the newest frontier row folded at or
+    /// before it (no row: nothing is eligible).
+    fn retained_frontier(&self) -> String {
+        format!(
+            "SELECT id, snapshot FROM {} WHERE folded_at <= $1 ORDER BY id DESC LIMIT 1",
+            self.frontier.quoted()
+        )
+    }
+
+    /// Row `alias` is sent as of *H* (`h.snapshot`): visible in it, not
+    /// held open now.
+    fn sent_by(&self, alias: &str) -> String {
+        format!(
+            "{alias}.{XID_COLUMN} < pg_snapshot_xmax(h.snapshot)
+             AND pg_visible_in_snapshot({alias}.{XID_COLUMN}, h.snapshot)
+             AND NOT EXISTS (SELECT 1 FROM {held} x WHERE x.{SEQ_COLUMN} = {alias}.{SEQ_COLUMN})",
+            held = self.held.quoted()
+        )
+    }
+
+    /// Deletes one batch of rows of `table` (the outbox, or its default
+    /// partition) sent before the cut-off `$1`: at most `$2` rows whose
+    /// `relay_xid` is at least `$3` (text; `'0'` for the first batch), the
+    /// oldest transactions first, skipping rows another session has
+    /// locked. One row: the number deleted and the highest `relay_xid`
+    /// deleted (text; NULL when none), where the next batch starts.
+    pub fn retention_delete_sql(&self, table: &crate::config::TableName) -> String {
+        let t = table.quoted();
+        format!(
+            "WITH h AS MATERIALIZED ({h}),
+             d AS (
+                 DELETE FROM {t} o USING h
+                 WHERE o.ctid = ANY(ARRAY(
+                           SELECT c.ctid FROM {t} c, h
+                           WHERE c.{XID_COLUMN} >= $3::text::xid8 AND {sent_c}
+                           ORDER BY c.{XID_COLUMN} LIMIT $2 FOR UPDATE OF c SKIP LOCKED))
+                   AND {sent_o}
+                 RETURNING o.{XID_COLUMN})
+             SELECT count(*), max({XID_COLUMN})::text FROM d",
+            h = self.retained_frontier(),
+            sent_c = self.sent_by("c"),
+            sent_o = self.sent_by("o"),
+        )
+    }
+
+    /// How many rows of `table` [`Ranges::retention_delete_sql`] would
+    /// delete for the cut-off `$1`, in all.
+    pub fn retention_count_sql(&self, table: &crate::config::TableName) -> String {
+        format!(
+            "WITH h AS MATERIALIZED ({h})
+             SELECT count(*) FROM {t} c, h WHERE {sent_c}",
+            h = self.retained_frontier(),
+            t = table.quoted(),
+            sent_c = self.sent_by("c"),
+        )
+    }
+
+    /// Deletes the frontier rows older than *H* for the cut-off `$1`: no
+    /// later run needs them (cut-offs only move forward), and readers use
+    /// the newest row only.
+    pub fn prune_frontier_sql(&self) -> String {
+        format!(
+            "DELETE FROM {f} WHERE id < (SELECT id FROM ({h}) h)",
+            f = self.frontier.quoted(),
+            h = self.retained_frontier(),
+        )
+    }
+
+    /// Why the expired `partition` must stay, given the cut-off `$1`: two
+    /// booleans, whether it holds an unsent row, and whether it holds a row
+    /// not sent before the cut-off (by *H*, or marked before it).
+    pub fn partition_keep_sql(&self, partition: &crate::config::TableName) -> String {
+        let p = partition.quoted();
+        format!(
+            "WITH h AS MATERIALIZED ({h})
+             SELECT EXISTS (SELECT 1 FROM {p} o WHERE {unsent}),
+                    EXISTS (SELECT 1 FROM {p} c
+                            WHERE NOT ((c.{SENT_AT_COLUMN} IS NOT NULL AND c.{SENT_AT_COLUMN} < $1)
+                                       OR COALESCE((SELECT {sent_c} FROM h), false)))",
+            h = self.retained_frontier(),
+            unsent = self.unsent("o"),
+            sent_c = self.sent_by("c"),
+        )
+    }
+}
