@@ -97,6 +97,22 @@ pub enum Command {
         #[arg(long)]
         dry_run: bool,
     },
+    /// Leave relay.mark = "ranges" (experimental): mark every row it recorded as
+    /// sent in relay_sent_at, then empty its tables.
+    #[command(
+        long_about = "Leave relay.mark = \"ranges\" (experimental) for \"update\" or \"delete\": \
+                      sets relay_sent_at on every row ranges recorded as sent, in batches, then \
+                      empties the progress, frontier and held tables. Stop every instance first: \
+                      it refuses while one owns or folds the outbox. Running it again resumes."
+    )]
+    Fold {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Write what ranges recorded into relay_sent_at. Required: the fold
+        /// itself runs inside `run`.
+        #[arg(long, required = true)]
+        into_sent_at: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -190,6 +206,7 @@ async fn run(command: Command) -> Result<(), Failure> {
         Command::Retention {
             config, dry_run, ..
         } => ops::retention::command(&config.file(), dry_run).await,
+        Command::Fold { config, .. } => ops::fold::into_sent_at(&config.file()).await,
         Command::Dlq {
             command:
                 DlqCommand::List {

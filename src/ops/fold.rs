@@ -4,6 +4,7 @@
 //! (`outbox::progress::fold`). One instance at a time folds an outbox;
 //! failures are logged and retried, they never end it.
 
+use super::{ConfigFile, Failure};
 use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode};
 use crate::db::DbError;
@@ -31,7 +32,7 @@ pub fn experimental_problem(config: &Config, allowed: Option<&str>) -> Option<St
     let allowed = allowed.is_some_and(|v| v.split(',').any(|f| f.trim() == "ranges"));
     (config.relay.mark == MarkMode::Ranges && !allowed).then(|| {
         format!(
-            "pipeline {}: relay.mark = \"ranges\" is experimental (no retention; polling and cdc only): \
+            "pipeline {}: relay.mark = \"ranges\" is experimental (polling and cdc only): \
              set {EXPERIMENTAL_ENV}=ranges to run it, or use \"update\"",
             config.name
         )
@@ -95,6 +96,78 @@ pub async fn run_scheduled(config: &Config, shutdown: CancellationToken) {
             }
         }
     }
+}
+
+/// Rows marked per statement by [`into_sent_at`].
+const INTO_SENT_AT_BATCH: i64 = 5_000;
+
+/// `outbox-relay fold --into-sent-at`: for leaving `relay.mark = "ranges"`
+/// (see [`crate::outbox::progress::downgrade`]). Refuses while an
+/// instance owns the outbox or folds it, and keeps their locks until it
+/// ends, so none starts meanwhile.
+pub async fn into_sent_at(file: &ConfigFile) -> Result<(), Failure> {
+    let config = file.load_one()?;
+    let table = &config.outbox.table;
+    let ranges = Ranges::new(table);
+    let client = crate::db::connect(&config.database, None)
+        .await
+        .map_err(Failure::runtime)?;
+    let failed = |what: &'static str| move |e| Failure::runtime(DbError::query(what, e));
+    if !ranges
+        .has_state(&client)
+        .await
+        .map_err(failed("reading the tables of ranges"))?
+    {
+        println!("{}: nothing recorded by ranges; nothing to do", config.name);
+        return Ok(());
+    }
+    let base = crate::outbox::ownership_key(table);
+    let mut keys = vec![lock_key(&config), base.clone()];
+    let count = config.relay.shards;
+    keys.extend((0..count).map(|index| crate::outbox::Shard { index, count }.lock_key(&base)));
+    for key in keys {
+        let free: bool = client
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+                &[&key],
+            )
+            .await
+            .map_err(failed("taking the relay's locks"))?
+            .get(0);
+        if !free {
+            return Err(Failure::runtime(format!(
+                "an instance is running on {table} (it holds the lock {key:?}): \
+                 stop every instance of pipeline {}, then run this again",
+                config.name
+            )));
+        }
+    }
+    let statement = client
+        .prepare(&ranges.into_sent_at_sql())
+        .await
+        .map_err(failed("marking recorded rows sent"))?;
+    let (mut cursor, mut marked) = (i64::MIN, 0);
+    loop {
+        let row = client
+            .query_one(&statement, &[&cursor, &INTO_SENT_AT_BATCH])
+            .await
+            .map_err(failed("marking recorded rows sent"))?;
+        marked += row.get::<_, i64>(1);
+        match row.get::<_, Option<i64>>(0) {
+            Some(last) => cursor = last,
+            None => break,
+        }
+    }
+    client
+        .batch_execute(&ranges.empty_sql())
+        .await
+        .map_err(failed("emptying the tables of ranges"))?;
+    println!(
+        "{}: marked {marked} row(s) sent from what relay.mark = \"ranges\" recorded, and emptied {}, {} and {}; \
+         a relay with relay.mark = \"update\" or \"delete\" can start now",
+        config.name, ranges.progress, ranges.frontier, ranges.held
+    );
+    Ok(())
 }
 
 /// The folding connection, with the capture a round took for the next.

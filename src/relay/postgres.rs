@@ -229,6 +229,13 @@ impl Postgres<'_> {
             config.deletes_rows(),
         )
         .await?;
+        let leftover = crate::outbox::progress::Ranges::new(table)
+            .leftover_problem(&owner, config.relay.mark)
+            .await
+            .map_err(inspect::TableProblem::Query)?;
+        if let Some(problem) = leftover {
+            return Err(inspect::TableProblem::Unusable(vec![problem]).into());
+        }
         // Asked on the ownership session, before it becomes the recorder's.
         let (reading, pid) = match config.source.mode {
             SourceMode::Polling => (None, None),

@@ -34,6 +34,7 @@ mod operations;
 mod partitions;
 mod rabbit_exchanges;
 mod ranges_delivery;
+mod ranges_downgrade;
 mod redrive;
 mod retention;
 mod retention_ranges;

@@ -11,10 +11,10 @@ use outbox_relay::outbox::progress::Ranges;
 use std::collections::HashMap;
 use uuid::Uuid;
 
-const SWITCH: (&str, &str) = ("OUTBOX_RELAY_EXPERIMENTAL", "ranges");
+pub(crate) const SWITCH: (&str, &str) = ("OUTBOX_RELAY_EXPERIMENTAL", "ranges");
 
 /// Inserts `n` events of aggregate `agg` in transactions of `per_tx`.
-async fn insert(db: &TestDb, agg: &str, n: usize, per_tx: usize) -> Vec<String> {
+pub(crate) async fn insert(db: &TestDb, agg: &str, n: usize, per_tx: usize) -> Vec<String> {
     let mut ids = Vec::new();
     for (c, chunk) in super::support::ids(n).chunks(per_tx).enumerate() {
         let values: Vec<String> = chunk
@@ -37,7 +37,7 @@ async fn insert(db: &TestDb, agg: &str, n: usize, per_tx: usize) -> Vec<String> 
     ids
 }
 
-fn deliveries(got: &[Received]) -> HashMap<String, usize> {
+pub(crate) fn deliveries(got: &[Received]) -> HashMap<String, usize> {
     let mut n = HashMap::new();
     for m in got {
         *n.entry(m.event_id()).or_default() += 1;
@@ -45,7 +45,7 @@ fn deliveries(got: &[Received]) -> HashMap<String, usize> {
     n
 }
 
-async fn count(db: &TestDb, sql: &str) -> i64 {
+pub(crate) async fn count(db: &TestDb, sql: &str) -> i64 {
     db.client.query_one(sql, &[]).await.unwrap().get(0)
 }
 

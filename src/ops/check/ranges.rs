@@ -18,6 +18,13 @@ const ITEM: &str = "ranges";
 
 pub(super) async fn check_ranges(config: &Config, client: &Client, r: &mut Report) {
     if config.relay.mark != MarkMode::Ranges {
+        // Left by an earlier `ranges`: another mode would publish it again.
+        let ranges = Ranges::new(&config.outbox.table);
+        match ranges.leftover_problem(client, config.relay.mark).await {
+            Ok(None) => {}
+            Ok(Some(problem)) => r.add(Mark::Fail, ITEM, problem),
+            Err(e) => r.add(Mark::Warn, ITEM, db::error_text(&e)),
+        }
         return;
     }
     match version_problem(client).await {
@@ -26,10 +33,11 @@ pub(super) async fn check_ranges(config: &Config, client: &Client, r: &mut Repor
         Err(e) => return r.add(Mark::Warn, ITEM, e),
     }
     let ranges = Ranges::new(&config.outbox.table);
-    // The recorder inserts progress rows; the fold reads and writes all three.
+    // The recorder inserts progress rows; the fold reads and writes all
+    // three; retention prunes the frontier's history.
     let needs: [(&TableName, &[&str]); 3] = [
         (&ranges.progress, &["SELECT", "INSERT", "DELETE"]),
-        (&ranges.frontier, &["SELECT", "INSERT", "UPDATE"]),
+        (&ranges.frontier, &["SELECT", "INSERT", "UPDATE", "DELETE"]),
         (&ranges.held, &["SELECT", "INSERT", "DELETE"]),
     ];
     let mut problems = Vec::new();

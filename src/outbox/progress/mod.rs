@@ -21,6 +21,7 @@
 //! names is visible. So a row that is sent stays sent, and the progress
 //! table keeps only the last few seconds of batches.
 
+pub mod downgrade;
 pub mod fold;
 pub mod read;
 pub mod retain;

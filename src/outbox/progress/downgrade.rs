@@ -1,0 +1,100 @@
+//! Leaving ranges for another marking mode.
+//!
+//! Another mode knows only `relay_sent_at`: started on an outbox whose sent
+//! rows are recorded by ranges, it would publish every retained row again.
+//! So `run` refuses `update` and `delete` while the progress or frontier
+//! table holds anything ([`Ranges::leftover_problem`]), and `outbox-relay
+//! fold --into-sent-at` writes what ranges recorded into `relay_sent_at`,
+//! batch by batch in `relay_seq` order, then empties the three tables. A
+//! run cut short is resumed by running it again: rows already marked are
+//! skipped, and the tables are emptied only at the end.
+
+use super::Ranges;
+use crate::config::{MarkMode, SENT_AT_COLUMN, SEQ_COLUMN};
+use crate::sql::quote_literal;
+use tokio_postgres::GenericClient;
+
+impl Ranges {
+    /// Why a relay with `mark` must not start on this outbox, if it must
+    /// not: ranges recorded sent rows that `relay_sent_at` does not show.
+    pub async fn leftover_problem(
+        &self,
+        client: &impl GenericClient,
+        mark: MarkMode,
+    ) -> Result<Option<String>, tokio_postgres::Error> {
+        if !matches!(mark, MarkMode::Update | MarkMode::Delete) || !self.has_state(client).await? {
+            return Ok(None);
+        }
+        Ok(Some(format!(
+            "{} and {} record rows sent while relay.mark was \"ranges\", which relay.mark = \"{}\" \
+             cannot see: it would publish them again. Stop every instance and run \
+             `outbox-relay fold --into-sent-at`, or set relay.mark = \"ranges\"",
+            self.progress,
+            self.frontier,
+            if mark == MarkMode::Delete {
+                "delete"
+            } else {
+                "update"
+            }
+        )))
+    }
+
+    /// Whether the progress or the frontier table holds a row (false when
+    /// they do not exist).
+    pub async fn has_state(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<bool, tokio_postgres::Error> {
+        let exists: bool = client
+            .query_one(
+                &format!(
+                    "SELECT to_regclass({}) IS NOT NULL AND to_regclass({}) IS NOT NULL",
+                    quote_literal(&self.progress.quoted()),
+                    quote_literal(&self.frontier.quoted())
+                ),
+                &[],
+            )
+            .await?
+            .get(0);
+        if !exists {
+            return Ok(false);
+        }
+        let sql = format!(
+            "SELECT EXISTS (SELECT 1 FROM {}) OR EXISTS (SELECT 1 FROM {})",
+            self.progress.quoted(),
+            self.frontier.quoted()
+        );
+        Ok(client.query_one(&sql, &[]).await?.get(0))
+    }
+
+    /// Sets `relay_sent_at` on the next rows the predicate calls sent: `$1`
+    /// the cursor (the highest `relay_seq` visited so far), `$2` the page's
+    /// size. One row: the highest `relay_seq` of the page (NULL: no row
+    /// left) and the rows marked.
+    pub fn into_sent_at_sql(&self) -> String {
+        let t = self.outbox.quoted();
+        format!(
+            "WITH page AS MATERIALIZED (
+                 SELECT o.{SEQ_COLUMN} AS seq, NOT ({unsent}) AS sent FROM {t} o
+                 WHERE o.{SENT_AT_COLUMN} IS NULL AND o.{SEQ_COLUMN} > $1
+                 ORDER BY o.{SEQ_COLUMN} LIMIT $2),
+             marked AS (
+                 UPDATE {t} u SET {SENT_AT_COLUMN} = now() FROM page
+                 WHERE page.sent AND u.{SEQ_COLUMN} = page.seq AND u.{SENT_AT_COLUMN} IS NULL
+                 RETURNING 1)
+             SELECT (SELECT max(seq) FROM page), (SELECT count(*) FROM marked)",
+            unsent = self.unsent("o"),
+        )
+    }
+
+    /// Empties the three tables, in one transaction, once every row they
+    /// call sent is marked.
+    pub fn empty_sql(&self) -> String {
+        format!(
+            "BEGIN; DELETE FROM {}; DELETE FROM {}; DELETE FROM {}; COMMIT",
+            self.progress.quoted(),
+            self.frontier.quoted(),
+            self.held.quoted()
+        )
+    }
+}

@@ -1,0 +1,81 @@
+//! Leaving the experimental `relay.mark = "ranges"`: `run` with `update`
+//! refuses while ranges hold what was sent, `fold --into-sent-at` refuses
+//! while an instance runs, then writes what ranges recorded into
+//! `relay_sent_at`; the `update` relay that follows publishes only what was
+//! never sent.
+
+use crate::ranges_delivery::{SWITCH, count, deliveries, insert};
+use crate::support::*;
+use outbox_relay::config::TableName;
+use outbox_relay::outbox::progress::Ranges;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaving_ranges_marks_what_was_recorded_and_publishes_nothing_again() {
+    let sets = [
+        ("relay.mark", "\"ranges\""),
+        ("relay.fold_interval", "\"1s\""),
+    ];
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &sets).await;
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    let frontier = format!("SELECT count(*) FROM {}", ranges.frontier.quoted());
+    let progress = format!("SELECT count(*) FROM {}", ranges.progress.quoted());
+    let mut ids = insert(&db, "a", 40, 4).await;
+    let mut relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    wait_for(WAIT, "a frontier", || async {
+        (count(&db, &frontier).await > 0).then_some(())
+    })
+    .await;
+    // Recorded after the frontier: only in the progress table.
+    let more = insert(&db, "b", 10, 1).await;
+    broker.inbox().wait_ids(&more, WAIT).await;
+    ids.extend(more);
+    let update = config_file(&set(&toml, "relay.mark", "\"update\""));
+    let fold = ["fold", "--into-sent-at", "--config", update.as_str()];
+    let (code, out, err) = run_cli(&fold, &[]);
+    assert!(
+        code == 1 && err.contains("an instance is running") && err.contains("stop every instance"),
+        "{code} {out}{err}"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE relay_sent_at IS NOT NULL")
+            .await,
+        0
+    );
+    relay.terminate();
+    assert!(
+        count(&db, &progress).await + count(&db, &frontier).await > 0,
+        "ranges hold what was sent"
+    );
+    let waiting = insert(&db, "c", 5, 1).await;
+
+    let (_, out, _) = run_cli(&["check", "--config", &update], &[]);
+    assert!(out.contains("fold --into-sent-at"), "check fails: {out}");
+    let log = crate::schema::run_until_logged_with_env(&update, "fold --into-sent-at", &[]);
+    assert!(
+        log.contains("would publish them again") && log.contains("fold --into-sent-at"),
+        "{log}"
+    );
+    assert_eq!(broker.inbox().len(), ids.len(), "update refused to start");
+
+    let (code, out, err) = run_cli(&fold, &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("marked 50 row(s) sent"), "{out}");
+    assert_eq!(db.unsent().await, 5, "only the rows never sent are unsent");
+    assert_eq!(count(&db, &progress).await + count(&db, &frontier).await, 0);
+    let (code, out, _) = run_cli(&fold, &[]);
+    assert!(code == 0 && out.contains("nothing to do"), "{out}");
+
+    let _relay = ChildRelay::start(&std::fs::read_to_string(&update).unwrap());
+    broker.inbox().wait_ids(&waiting, WAIT).await;
+    wait_for(WAIT, "the new rows marked", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    ids.extend(waiting);
+    let got = broker.inbox().snapshot();
+    let n = deliveries(&got);
+    let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
+    assert!(other.is_empty(), "published other than once: {other:?}");
+    assert_eq!(got.len(), ids.len(), "nothing published again");
+}
