@@ -246,13 +246,7 @@ impl Config {
         if s.mode == super::SourceMode::Auto && self.relay.mark == super::MarkMode::None {
             c.problem(
                 "source.mode",
-                "\"auto\" needs relay.mark = \"update\" or \"delete\": switching between CDC and polling relies on the table to say what is unsent; use source.mode = \"cdc\" with mark = \"none\"",
-            );
-        }
-        if self.relay.mark == super::MarkMode::Ranges && s.mode == super::SourceMode::Auto {
-            c.problem(
-                "relay.mark",
-                "\"ranges\" (experimental) works with source.mode = \"polling\" or \"cdc\" so far, not \"auto\"; use \"update\"",
+                "\"auto\" needs relay.mark = \"update\", \"delete\" or \"ranges\": switching between CDC and polling relies on the table to say what is unsent; use source.mode = \"cdc\" with mark = \"none\"",
             );
         }
         if self.relay.mark == super::MarkMode::None && s.mode == super::SourceMode::Polling {

@@ -32,7 +32,7 @@ pub fn experimental_problem(config: &Config, allowed: Option<&str>) -> Option<St
     let allowed = allowed.is_some_and(|v| v.split(',').any(|f| f.trim() == "ranges"));
     (config.relay.mark == MarkMode::Ranges && !allowed).then(|| {
         format!(
-            "pipeline {}: relay.mark = \"ranges\" is experimental (polling and cdc only): \
+            "pipeline {}: relay.mark = \"ranges\" is experimental: \
              set {EXPERIMENTAL_ENV}=ranges to run it, or use \"update\"",
             config.name
         )

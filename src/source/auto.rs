@@ -2,8 +2,9 @@
 //! table while it does not.
 //!
 //! Both readers start from the table's unsent rows (polling's first tick,
-//! CDC's start-up read), and with `relay.mark` `update` or `delete` the table
-//! is the record of what is unsent. So the relay can stop one reader, let the
+//! CDC's start-up read), and with `relay.mark` `update`, `delete` or
+//! `ranges` the table (with, for ranges, its progress and frontier) is the
+//! record of what is unsent. So the relay can stop one reader, let the
 //! broker confirm and the acker mark what is in flight, and start the other:
 //! nothing is skipped, and since each start reads every unsent row in
 //! `relay_seq` order before anything newer, no event overtakes an earlier

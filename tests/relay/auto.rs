@@ -95,14 +95,50 @@ async fn wait_reading(port: u16, mode: &str) {
     .await;
 }
 
+/// Rows not sent: `relay_sent_at` NULL, or with the experimental ranges
+/// (their function exists), by their predicate.
 pub(crate) async fn unsent(app: &tokio_postgres::Client) -> i64 {
-    app.query_one(
-        "SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL",
-        &[],
-    )
-    .await
-    .unwrap()
-    .get(0)
+    let ranges: bool = app
+        .query_one("SELECT to_regproc('outbox_relay_sent') IS NOT NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let sql = if ranges {
+        "SELECT count(*) FROM outbox WHERE NOT outbox_relay_sent(relay_seq, relay_xid, relay_sent_at)"
+    } else {
+        "SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL"
+    };
+    app.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+/// `toml` with the experimental `relay.mark = "ranges"` when `ranges`,
+/// and the environment that lets `run` use it.
+fn marking(toml: &str, ranges: bool) -> (String, &'static [(&'static str, &'static str)]) {
+    if ranges {
+        (
+            set(toml, "relay.mark", "\"ranges\""),
+            &[crate::ranges_delivery::SWITCH],
+        )
+    } else {
+        (toml.to_owned(), &[])
+    }
+}
+
+/// With ranges, the relay wrote no outbox row: every send was recorded.
+async fn assert_recorded_by_ranges(app: &tokio_postgres::Client, ranges: bool) {
+    if ranges {
+        let row = app
+            .query_one("SELECT count(*), count(relay_sent_at) FROM outbox", &[])
+            .await
+            .unwrap();
+        let (rows, marked): (i64, i64) = (row.get(0), row.get(1));
+        assert!(rows > 0 && marked == 0, "{rows} rows, {marked} marked");
+    }
+}
+
+/// The relay serving its HTTP endpoints on `port`, with `env`.
+fn serve(toml: &str, port: u16, env: &[(&str, &str)]) -> ChildRelay {
+    ChildRelay::start_with_env(&with_http(toml, port), env)
 }
 
 /// Waits for every committed event and for the table to have none unsent
@@ -215,9 +251,23 @@ async fn auto_polls_under_wal_level_replica_and_streams_after_a_restart_with_log
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_one_is() {
+    switches_to_cdc_under_load_once_a_slot_is_free(false).await;
+}
+
+/// The experimental ranges: each reader starts from the frontier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_with_ranges_switches_to_cdc_under_load_once_a_slot_is_free() {
+    switches_to_cdc_under_load_once_a_slot_is_free(true).await;
+}
+
+async fn switches_to_cdc_under_load_once_a_slot_is_free(ranges: bool) {
     let pg = PrivatePg::start(&["wal_level = logical", "max_replication_slots = 2"]);
     let broker = RabbitExchange::new().await;
-    let (app, toml) = app_database(&pg, &broker.sink_toml()).await;
+    let admin = connect(&pg.url("postgres")).await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    let (toml, env) = marking(&auto_toml(&pg.url("app"), &broker.sink_toml()), ranges);
+    migrate_at(&pg.url("app"), &parse(&toml)).await;
+    let app = connect(&pg.url("app")).await;
     // Other users of the server hold every slot.
     app.batch_execute(
         "SELECT pg_create_physical_replication_slot('other_a');
@@ -226,7 +276,8 @@ async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_on
     .await
     .unwrap();
 
-    let (mut relay, port) = ChildRelay::serving(&toml);
+    let port = crate::kit::free_port();
+    let mut relay = serve(&toml, port, env);
     wait_reading(port, "polling").await;
     let writer = Writer::start(&pg.url("app")).await;
     wait_for(WAIT, "events delivered by polling", || async {
@@ -254,6 +305,7 @@ async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_on
     let mut committed = writer.stop().await;
     committed.extend(burst);
     assert_each_once_in_order(&broker, &app, &committed).await;
+    assert_recorded_by_ranges(&app, ranges).await;
     let status = status_json(&toml);
     assert_eq!(status["auto"]["reading"], "cdc", "{status}");
     assert_eq!(relay.terminate().code(), Some(0));
@@ -261,15 +313,35 @@ async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_on
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
+    polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped(false).await;
+}
+
+/// The experimental ranges: CDC, then polling from the frontier, then CDC
+/// on a new slot whose start-up read goes by the frontier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_with_ranges_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
+    polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped(true).await;
+}
+
+async fn polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped(ranges: bool) {
     // Tiny WAL segments and retention, so a slot can be lost in seconds.
     let pg = cluster_that_loses_slots();
     let broker = RabbitExchange::new().await;
-    let (app, toml) = app_database(&pg, &broker.sink_toml()).await;
-    let toml = set(&toml, "source.cdc.on_lost_slot", "\"stop\"");
+    let admin = connect(&pg.url("postgres")).await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    let toml = set(
+        &auto_toml(&pg.url("app"), &broker.sink_toml()),
+        "source.cdc.on_lost_slot",
+        "\"stop\"",
+    );
+    let (toml, env) = marking(&toml, ranges);
+    migrate_at(&pg.url("app"), &parse(&toml)).await;
+    let app = connect(&pg.url("app")).await;
     let slot = slot_of(&toml);
 
     // A first run creates the slot and streams.
-    let (mut relay, port) = ChildRelay::serving(&toml);
+    let port = crate::kit::free_port();
+    let mut relay = serve(&toml, port, env);
     wait_reading(port, "cdc").await;
     let mut committed = Committed::new();
     write(&app, 20, &mut committed).await;
@@ -282,7 +354,7 @@ async fn auto_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
     lose_slot(&app, &slot, Duration::from_secs(60)).await;
 
     // on_lost_slot = "stop" keeps the slot for the operator; auto polls meanwhile.
-    let mut relay = ChildRelay::start(&with_http(&toml, port));
+    let mut relay = serve(&toml, port, env);
     wait_reading(port, "polling").await;
     let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
     broker.inbox.wait_ids(&ids, WAIT).await;
@@ -296,6 +368,7 @@ async fn auto_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
     wait_reading(port, "cdc").await;
     write(&app, 20, &mut committed).await;
     assert_each_once_in_order(&broker, &app, &committed).await;
+    assert_recorded_by_ranges(&app, ranges).await;
     assert_eq!(relay.terminate().code(), Some(0));
 }
 
@@ -309,7 +382,9 @@ fn auto_with_unmarked_rows_is_refused_as_a_configuration_error() {
     let (code, out, err) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
     assert_eq!(code, 2, "{out}{err}");
     assert!(
-        err.contains("source.mode: \"auto\" needs relay.mark = \"update\" or \"delete\""),
+        err.contains(
+            "source.mode: \"auto\" needs relay.mark = \"update\", \"delete\" or \"ranges\""
+        ),
         "{err}"
     );
 }

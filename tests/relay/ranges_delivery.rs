@@ -163,13 +163,6 @@ fn run_refuses_ranges_without_the_experimental_switch() {
             && err.contains("OUTBOX_RELAY_EXPERIMENTAL=ranges"),
         "{err}"
     );
-    let auto = set(&toml, "source.mode", "\"auto\"");
-    let (code, _, err) = run_cli(&["run", "--config", &config_file(&auto)], &[SWITCH]);
-    assert_eq!(code, 2, "{err}");
-    assert!(
-        err.contains("relay.mark") && err.contains("not \"auto\""),
-        "{err}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

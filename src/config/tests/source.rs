@@ -80,7 +80,7 @@ fn auto_mode_needs_marked_rows_and_probes_every_30s_by_default() {
 
     let e = err(&format!("{auto}[relay]\nmark = \"none\"\n"));
     assert!(
-        e.contains("source.mode: \"auto\" needs relay.mark = \"update\" or \"delete\""),
+        e.contains("source.mode: \"auto\" needs relay.mark = \"update\", \"delete\" or \"ranges\""),
         "{e}"
     );
     // One problem, not a second one about mark = "none" without CDC.
