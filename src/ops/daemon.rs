@@ -92,8 +92,10 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
             });
         }
         {
-            let (config, token) = (config.clone(), shutdown.clone());
-            tasks.spawn(async move { crate::ops::fold::run_scheduled(&config, token).await });
+            let (config, metrics, token) = (config.clone(), t.metrics.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                crate::ops::fold::run_scheduled(&config, Some(metrics), token).await
+            });
         }
         let token = shutdown.clone();
         tasks.spawn(async move { crate::relay::run_observed(&config, t, token).await });

@@ -10,6 +10,7 @@ use crate::config::{Config, MarkMode};
 use crate::db::DbError;
 use crate::outbox::progress::Ranges;
 use crate::outbox::progress::fold::{Advance, Capture};
+use crate::telemetry::metrics::{FoldOutcome, PipelineMetrics};
 use std::time::Duration;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
@@ -40,12 +41,16 @@ pub fn experimental_problem(config: &Config, allowed: Option<&str>) -> Option<St
 }
 
 /// The key of the advisory lock one folding instance holds.
-fn lock_key(config: &Config) -> String {
+pub fn lock_key(config: &Config) -> String {
     format!("outbox-relay-fold:{}", config.outbox.table)
 }
 
 /// Runs rounds until `shutdown`; returns at once unless `relay.mark = "ranges"`.
-pub async fn run_scheduled(config: &Config, shutdown: CancellationToken) {
+pub async fn run_scheduled(
+    config: &Config,
+    metrics: Option<PipelineMetrics>,
+    shutdown: CancellationToken,
+) {
     if config.relay.mark != MarkMode::Ranges {
         return;
     }
@@ -71,7 +76,17 @@ pub async fn run_scheduled(config: &Config, shutdown: CancellationToken) {
             };
             f.round(&ranges).await
         };
-        match round.await {
+        let result = round.await;
+        if let Some(m) = &metrics {
+            match &result {
+                Ok(Some(Advance::Advanced { .. })) => m.fold_round(FoldOutcome::Advanced),
+                Ok(Some(Advance::Backlog)) => m.fold_round(FoldOutcome::Draining),
+                Ok(Some(Advance::Stale)) => m.fold_round(FoldOutcome::Stale),
+                Ok(None) => {}
+                Err(_) => m.fold_round(FoldOutcome::Failed),
+            }
+        }
+        match result {
             Ok(Some(Advance::Backlog)) => {
                 backoff.reset();
                 wait = (wait * 2).clamp(interval, BACKLOG_INTERVAL_MAX.max(interval));

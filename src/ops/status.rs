@@ -4,7 +4,7 @@
 
 use super::{ConfigFile, Failure};
 use crate::config::{Config, MarkMode, SourceMode};
-use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN};
+use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName};
 use crate::db::DbError;
 use crate::outbox::ownership_key;
 use crate::source::auto::Reading;
@@ -47,6 +47,20 @@ pub struct AutoStatus {
     pub blocked: Option<String>,
 }
 
+/// `relay.mark = "ranges"`: how the fold keeps up.
+#[derive(Debug, Clone, Serialize)]
+pub struct FrontierStatus {
+    /// When the fold last moved the frontier (`None`: never).
+    pub folded_at: Option<DateTime<Utc>>,
+    /// Seconds since then; before the first fold, since the oldest batch
+    /// was recorded (`None`: neither yet). What the gauge exports.
+    pub age_seconds: Option<f64>,
+    /// Unsent rows the frontier passed (late commits, rows behind a dead letter).
+    pub held_rows: i64,
+    /// Recorded batches no frontier covers yet.
+    pub progress_rows: i64,
+}
+
 /// One pipeline's state.
 #[derive(Debug, Clone, Serialize)]
 pub struct Snapshot {
@@ -67,6 +81,8 @@ pub struct Snapshot {
     pub slot: Option<SlotStatus>,
     /// In auto mode.
     pub auto: Option<AutoStatus>,
+    /// With `relay.mark = "ranges"`.
+    pub frontier: Option<FrontierStatus>,
 }
 
 fn q(context: &str) -> impl Fn(tokio_postgres::Error) -> DbError + '_ {
@@ -123,6 +139,10 @@ pub async fn snapshot(
     let shards_owned = shards_owned(client, config, &key).await?;
     let slot = slot_status(client, config).await?;
     let auto = auto_status(client, config, slot.as_ref(), active.is_some()).await?;
+    let frontier = match config.relay.mark {
+        MarkMode::Ranges => Some(frontier_status(client, table).await?),
+        _ => None,
+    };
     Ok(Snapshot {
         pipeline: config.name.clone(),
         mode: config.source.mode.name(),
@@ -136,6 +156,33 @@ pub async fn snapshot(
         last_publish,
         slot,
         auto,
+        frontier,
+    })
+}
+
+async fn frontier_status(client: &Client, table: &TableName) -> Result<FrontierStatus, DbError> {
+    let ranges = crate::outbox::progress::Ranges::new(table);
+    let row = client
+        .query_one(
+            &format!(
+                "WITH f AS (SELECT folded_at FROM {f} ORDER BY id DESC LIMIT 1)
+                 SELECT EXTRACT(EPOCH FROM now() - COALESCE(
+                            (SELECT folded_at FROM f), (SELECT min(recorded_at) FROM {p})))::float8,
+                        (SELECT count(*) FROM {h}), (SELECT count(*) FROM {p}),
+                        (SELECT folded_at FROM f)",
+                f = ranges.frontier.quoted(),
+                h = ranges.held.quoted(),
+                p = ranges.progress.quoted()
+            ),
+            &[],
+        )
+        .await
+        .map_err(q("reading the frontier"))?;
+    Ok(FrontierStatus {
+        age_seconds: row.get::<_, Option<f64>>(0).map(|a| a.max(0.0)),
+        held_rows: row.get(1),
+        progress_rows: row.get(2),
+        folded_at: row.get(3),
     })
 }
 
@@ -356,6 +403,21 @@ pub fn render(s: &Snapshot) -> String {
     if let Some(slot) = &s.slot {
         line("slot", slot_line(slot));
     }
+    if let Some(f) = &s.frontier {
+        let ago = |a: f64| humantime::format_duration(std::time::Duration::from_secs(a as u64));
+        let age = match (f.folded_at, f.age_seconds) {
+            (Some(_), Some(a)) => format!("moved {} ago", ago(a)),
+            (None, Some(a)) => format!("never moved; the oldest batch waits {}", ago(a)),
+            _ => "nothing recorded yet".into(),
+        };
+        line(
+            "frontier",
+            format!(
+                "{age}, {} row(s) held open, {} batch(es) not folded yet",
+                f.held_rows, f.progress_rows
+            ),
+        );
+    }
     out
 }
 
@@ -472,6 +534,10 @@ pub async fn sample(
                         .set(s.oldest_unsent_age_seconds.unwrap_or(0.0));
                     if let Some(n) = s.dead_letters {
                         m.dead_letters.set(n as f64);
+                    }
+                    if let Some(f) = &s.frontier {
+                        m.frontier_age.set(f.age_seconds.unwrap_or(0.0));
+                        m.held_rows.set(f.held_rows as f64);
                     }
                     if let Some(slot) = s.slot {
                         m.slot_retained_wal

@@ -24,6 +24,9 @@ pub const ACTIVE: &str = "outbox_relay_active";
 pub const RESTARTS: &str = "outbox_relay_restarts_total";
 pub const LAST_PUBLISH: &str = "outbox_relay_last_publish_timestamp_seconds";
 pub const SOURCE_MODE: &str = "outbox_relay_source_mode";
+pub const FRONTIER_AGE: &str = "outbox_relay_frontier_age_seconds";
+pub const HELD_ROWS: &str = "outbox_relay_held_rows";
+pub const FOLD_ROUNDS: &str = "outbox_relay_fold_rounds_total";
 
 /// Every metric name above, for the checks that dashboards and alert rules
 /// only use what the relay exports.
@@ -47,6 +50,9 @@ pub const ALL: &[&str] = &[
     RESTARTS,
     LAST_PUBLISH,
     SOURCE_MODE,
+    FRONTIER_AGE,
+    HELD_ROWS,
+    FOLD_ROUNDS,
 ];
 /// The histograms among them: exported as `_bucket`, `_sum` and `_count` series.
 pub const HISTOGRAMS: &[&str] = &[COMMIT_TO_CONFIRM, BATCH_SIZE];
@@ -91,6 +97,28 @@ pub struct PipelineMetrics {
     /// back to polling from one that was told to poll.
     reading_cdc: Gauge,
     reading_polling: Gauge,
+    /// With `relay.mark = "ranges"`: seconds since the fold last moved the
+    /// frontier, and the rows it holds open (sampled from the database).
+    pub frontier_age: Gauge,
+    pub held_rows: Gauge,
+    /// The fold's rounds on this instance, by outcome.
+    fold_advanced: Counter,
+    fold_draining: Counter,
+    fold_stale: Counter,
+    fold_failed: Counter,
+}
+
+/// How a round of the fold ended, for [`PipelineMetrics::fold_round`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FoldOutcome {
+    /// The frontier moved.
+    Advanced,
+    /// Too many rows unrecorded: the relay is draining; the round gave up.
+    Draining,
+    /// The capture was older than the frontier; the round gave up.
+    Stale,
+    /// A query failed; the round is retried.
+    Failed,
 }
 
 impl PipelineMetrics {
@@ -119,7 +147,13 @@ impl PipelineMetrics {
             slots_recreated: counter!(SLOTS_RECREATED, "pipeline" => p.clone()),
             last_publish: gauge!(LAST_PUBLISH, "pipeline" => p.clone()),
             reading_cdc: gauge!(SOURCE_MODE, "pipeline" => p.clone(), "mode" => "cdc", "configured" => configured),
-            reading_polling: gauge!(SOURCE_MODE, "pipeline" => p, "mode" => "polling", "configured" => configured),
+            reading_polling: gauge!(SOURCE_MODE, "pipeline" => p.clone(), "mode" => "polling", "configured" => configured),
+            frontier_age: gauge!(FRONTIER_AGE, "pipeline" => p.clone()),
+            held_rows: gauge!(HELD_ROWS, "pipeline" => p.clone()),
+            fold_advanced: counter!(FOLD_ROUNDS, "pipeline" => p.clone(), "outcome" => "advanced"),
+            fold_draining: counter!(FOLD_ROUNDS, "pipeline" => p.clone(), "outcome" => "draining"),
+            fold_stale: counter!(FOLD_ROUNDS, "pipeline" => p.clone(), "outcome" => "stale"),
+            fold_failed: counter!(FOLD_ROUNDS, "pipeline" => p, "outcome" => "failed"),
         }
     }
 
@@ -129,6 +163,16 @@ impl PipelineMetrics {
         let is = |m: &str| if mode == Some(m) { 1.0 } else { 0.0 };
         self.reading_cdc.set(is("cdc"));
         self.reading_polling.set(is("polling"));
+    }
+
+    /// Counts one round of the fold.
+    pub fn fold_round(&self, outcome: FoldOutcome) {
+        match outcome {
+            FoldOutcome::Advanced => self.fold_advanced.increment(1),
+            FoldOutcome::Draining => self.fold_draining.increment(1),
+            FoldOutcome::Stale => self.fold_stale.increment(1),
+            FoldOutcome::Failed => self.fold_failed.increment(1),
+        }
     }
 
     /// Counts `n` events that failed with `why` (see [`crate::errors::policy`]).

@@ -179,3 +179,68 @@ async fn the_slot_retains_wal_while_cdc_is_behind() {
     assert_eq!(scraped, declared, "{text}");
     assert_eq!(relay.terminate().code(), Some(0));
 }
+
+/// The experimental ranges: the frontier's age grows while no instance can
+/// fold (another session holds the fold's lock), `status` says the frontier
+/// never moved, and once the lock is free the fold moves it and counts the
+/// round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_frontier_age_grows_while_the_fold_cannot_run_and_falls_once_it_can() {
+    let sets = [
+        ("relay.mark", "\"ranges\""),
+        ("relay.fold_interval", "\"1s\""),
+        ("http.sample_interval", "\"500ms\""),
+    ];
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &sets).await;
+    let key = outbox_relay::ops::fold::lock_key(&parse(&toml));
+    let blocker = connect(&db.url).await;
+    blocker
+        .execute("SELECT pg_advisory_lock(hashtextextended($1, 0))", &[&key])
+        .await
+        .unwrap();
+    let port = crate::kit::free_port();
+    let mut relay =
+        ChildRelay::start_with_env(&with_http(&toml, port), &[crate::ranges_delivery::SWITCH]);
+    let ids = ids(5);
+    for (i, id) in ids.iter().enumerate() {
+        db.insert(*id, "order", &format!("f{i}"), json!({})).await;
+    }
+    broker.inbox().wait_ids(&strings(&ids), WAIT).await;
+    wait_for(WAIT, "the frontier's age to grow past 3 s", || async {
+        (gauge(port, metrics::FRONTIER_AGE).await? >= 3.0).then_some(())
+    })
+    .await;
+    let (code, out, err) = run_cli(&["status", "--config", &config_file(&toml), "--json"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let frontier = &status["frontier"];
+    assert!(
+        frontier["folded_at"].is_null()
+            && frontier["progress_rows"].as_i64() > Some(0)
+            && frontier["age_seconds"].as_f64() >= Some(3.0),
+        "{status}"
+    );
+    let advanced = format!(
+        "{}{{pipeline=\"default\",outcome=\"advanced\"}}",
+        metrics::FOLD_ROUNDS
+    );
+    let rounds = || async {
+        let (_, body) = http_get(port, "/metrics").await?;
+        metric(&body, &advanced)
+    };
+    assert_eq!(
+        rounds().await,
+        Some(0.0),
+        "no round while the lock is taken"
+    );
+
+    drop(blocker);
+    wait_for(WAIT, "the fold to move the frontier", || async {
+        let age = gauge(port, metrics::FRONTIER_AGE).await?;
+        (age < 3.0 && rounds().await? > 0.0).then_some(())
+    })
+    .await;
+    let (_, out, _) = run_cli(&["status", "--config", &config_file(&toml)], &[]);
+    assert!(out.contains("frontier") && out.contains("moved"), "{out}");
+    assert_eq!(relay.terminate().code(), Some(0));
+}
