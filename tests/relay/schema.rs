@@ -244,3 +244,56 @@ async fn unsent_events_are_write_once() {
     assert_eq!(code, 0, "{out}");
     assert!(!out.contains("[warn]"), "{out}");
 }
+
+/// With the experimental ranges `relay_sent_at` stays NULL: the trigger
+/// asks the predicate, so a recorded row may be changed (say, to redact
+/// it) and an unsent one still may not; migrate run again changes nothing.
+#[tokio::test]
+async fn with_ranges_a_recorded_event_may_be_changed_and_an_unsent_one_not() {
+    let db = TestDb::new().await;
+    let toml = set(
+        &base_toml(&db.url, &rabbit_sink()),
+        "relay.mark",
+        "\"ranges\"",
+    );
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (sent, unsent) = (Uuid::new_v4(), Uuid::new_v4());
+    db.insert(sent, "order", "1", json!({"v": 1})).await;
+    db.insert(unsent, "order", "2", json!({"v": 1})).await;
+    let ranges = outbox_relay::outbox::progress::Ranges::new(
+        &outbox_relay::config::TableName::new("public", "outbox"),
+    );
+    let seq: i64 = db
+        .client
+        .query_one("SELECT relay_seq FROM outbox WHERE id = $1", &[&sent])
+        .await
+        .unwrap()
+        .get(0);
+    db.client
+        .execute(&ranges.record_sql(), &[&vec![seq]])
+        .await
+        .unwrap();
+    let change = "UPDATE outbox SET payload = '{\"v\": 2}' WHERE id = $1";
+    db.client
+        .execute(change, &[&sent])
+        .await
+        .expect("a recorded event may change");
+    let refused = db
+        .client
+        .execute(change, &[&unsent])
+        .await
+        .expect_err("an unsent one may not");
+    assert!(format!("{refused:?}").contains("write-once"), "{refused:?}");
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(!out.contains("create trigger"), "nothing to do: {out}");
+    // Back to update (after fold --into-sent-at): the plain trigger again.
+    let update = config_file(&set(&toml, "relay.mark", "\"update\""));
+    let (_, out, _) = run_cli(&["migrate", "--config", &update], &[]);
+    assert!(
+        out.contains("create trigger outbox_relay_write_once"),
+        "{out}"
+    );
+}

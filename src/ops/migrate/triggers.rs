@@ -1,7 +1,7 @@
 //! The triggers `migrate` installs on the outbox table.
 
 use super::{MigrateError, MigrateOptions, Step};
-use crate::config::{SENT_AT_COLUMN, TableName};
+use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 use crate::outbox::WRITE_ONCE_TRIGGER;
 use crate::sql::{quote_ident, quote_literal};
 use tokio_postgres::Client;
@@ -115,28 +115,44 @@ $do$",
 /// It names the event columns as arguments, not in its definition, so it
 /// does not stand in the way of altering or dropping them; the relay's own
 /// marking (setting `relay_sent_at`) does not run it, and a sent row may be
-/// changed freely.
+/// changed freely. With `relay.mark = "ranges"` (`sent_function`, the
+/// predicate's function) `relay_sent_at` stays NULL, so the body asks the
+/// predicate whether the row was sent before it refuses.
 pub(super) async fn write_once(
     client: &Client,
     table: &TableName,
     columns: &[String],
+    sent_function: Option<&TableName>,
 ) -> Result<Option<Step>, MigrateError> {
     let function = format!(
         "{}.{}",
         quote_ident(&table.schema),
         quote_ident(WRITE_ONCE_TRIGGER)
     );
-    // Installed already, for the same columns: nothing to do.
-    let current: Option<Vec<u8>> = client
+    let asks_predicate = sent_function.map(|f| {
+        format!(
+            "    IF {}(OLD.{SEQ_COLUMN}, OLD.{XID_COLUMN}, OLD.{SENT_AT_COLUMN}) THEN
+        RETURN NEW;
+    END IF;
+",
+            f.quoted()
+        )
+    });
+    // Installed already, for the same columns and marking: nothing to do.
+    let current: Option<(Vec<u8>, String)> = client
         .query_opt(
-            "SELECT t.tgargs FROM pg_trigger t
+            "SELECT t.tgargs, p.prosrc FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
              WHERE t.tgrelid = to_regclass($1) AND t.tgname = $2 AND NOT t.tgisinternal",
             &[&table.quoted(), &WRITE_ONCE_TRIGGER],
         )
         .await?
-        .map(|r| r.get(0));
+        .map(|r| (r.get(0), r.get(1)));
     let wanted: String = columns.iter().map(|c| format!("{c}\0")).collect();
-    if current.as_deref() == Some(wanted.as_bytes()) {
+    let asks = |body: &str| body.contains(&format!("(OLD.{SEQ_COLUMN}, OLD.{XID_COLUMN}"));
+    if let Some((args, body)) = &current
+        && args == wanted.as_bytes()
+        && asks(body) == asks_predicate.is_some()
+    {
         return Ok(None);
     }
     let message = quote_literal(&format!(
@@ -159,7 +175,7 @@ DECLARE
     new_row jsonb := to_jsonb(NEW);
     i int;
 BEGIN
-    FOR i IN 0 .. TG_NARGS - 1 LOOP
+{asks}    FOR i IN 0 .. TG_NARGS - 1 LOOP
         IF old_row -> TG_ARGV[i] IS DISTINCT FROM new_row -> TG_ARGV[i] THEN
             RAISE EXCEPTION USING ERRCODE = 'check_violation', MESSAGE = {message}, HINT = {hint};
         END IF;
@@ -175,6 +191,7 @@ CREATE TRIGGER {trigger} BEFORE UPDATE ON {quoted} FOR EACH ROW
             quoted = table.quoted(),
             sent = SENT_AT_COLUMN,
             arguments = arguments.join(", "),
+            asks = asks_predicate.as_deref().unwrap_or_default(),
         ),
     )))
 }
