@@ -560,3 +560,76 @@ async fn reads_visit_the_rows_since_the_frontier_not_the_retained_ones() {
         "a scan of the unsent index handled {scan}"
     );
 }
+
+/// A long transaction elsewhere keeps every capture from settling: the fold
+/// still deletes the progress rows whose rows are all visible in its
+/// capture, and keeps one recorded ahead of its transaction's commit until
+/// a capture sees it.
+#[tokio::test]
+async fn a_long_transaction_leaves_only_the_progress_rows_not_yet_visible() {
+    let db = TestDb::new().await;
+    let ranges = outbox_with_ranges(&db).await;
+    let mut fold = connect(&db.url).await;
+    let long = connect(&db.url).await;
+    long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        db.client.batch_execute(INSERT).await.unwrap();
+    }
+    let committed = seqs(&db.client, "SELECT relay_seq FROM outbox", &[]).await;
+    db.client
+        .execute(&ranges.record_sql(), &[&committed])
+        .await
+        .unwrap();
+    // Recorded ahead of its commit, as CDC may.
+    let late = connect(&db.url).await;
+    late.batch_execute("BEGIN").await.unwrap();
+    late.batch_execute(INSERT).await.unwrap();
+    let own = seqs(
+        &late,
+        "SELECT relay_seq FROM outbox WHERE relay_xid = pg_current_xact_id()",
+        &[],
+    )
+    .await;
+    db.client
+        .execute(&ranges.record_sql(), &[&own])
+        .await
+        .unwrap();
+    let progress = format!("SELECT count(*) FROM {}", ranges.progress.quoted());
+    let first = ranges
+        .capture(&fold, Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert!(
+        !first.settled,
+        "the long transaction keeps it from settling"
+    );
+    let advanced = ranges.advance(&mut fold, &first, 100).await.unwrap();
+    assert!(
+        matches!(advanced, Advance::Advanced { deleted: 1, .. }),
+        "{advanced:?}"
+    );
+    assert_eq!(db.count(&progress).await, 1, "the late row's stays");
+    late.batch_execute("COMMIT").await.unwrap();
+    let second = ranges
+        .capture(&fold, Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert!(!second.settled);
+    let advanced = ranges.advance(&mut fold, &second, 100).await.unwrap();
+    assert!(
+        matches!(
+            advanced,
+            Advance::Advanced {
+                deleted: 1,
+                held: 0,
+                ..
+            }
+        ),
+        "{advanced:?}"
+    );
+    assert_eq!(db.count(&progress).await, 0);
+    assert!(brute_force(&db.client, &ranges, None).await.is_empty());
+    long.batch_execute("ROLLBACK").await.unwrap();
+}

@@ -16,7 +16,9 @@
 //!    drain is under way, and the round gives up until it ends); held rows
 //!    that are now recorded or marked are closed (deleted: the frontier
 //!    covers them from now on); the frontier becomes *C*;
-//!    and, when *C* settled, the progress rows up to *M* are deleted.
+//!    and, when *C* settled, the progress rows up to *M* are deleted (when
+//!    it did not, because a long transaction runs somewhere on the server,
+//!    those whose rows are all visible in *C*, counted row by row).
 //!
 //! Between the two steps the relay confirms what it had in flight at *C*,
 //! so a capture a few seconds old holds open next to nothing.
@@ -158,7 +160,12 @@ impl Ranges {
             .await
             .map_err(query_error("deleting folded progress rows"))?
         } else {
-            0
+            tx.execute(
+                &self.delete_visible_sql(),
+                &[&target.progress, &target.snapshot],
+            )
+            .await
+            .map_err(query_error("deleting folded progress rows"))?
         };
         tx.commit()
             .await
@@ -234,6 +241,29 @@ impl Ranges {
             .map_err(query_error("writing the frontier"))?;
         }
         Ok(())
+    }
+
+    /// Deletes the progress rows up to `$1` all of whose rows are visible
+    /// in the capture `$2`, for a capture that did not settle (a long
+    /// transaction somewhere on the server kept the snapshot's oldest
+    /// running transaction back): a progress row's rows must be visible in
+    /// the frontier before it goes, and without the settle wait only
+    /// counting them says so. A row not yet visible (CDC records a
+    /// transaction it decoded a moment before the server shows it) is not
+    /// counted, nor is one retention deleted: the progress row stays.
+    /// The held rows were closed earlier in the round, so none of these
+    /// rows is held open.
+    fn delete_visible_sql(&self) -> String {
+        format!(
+            "DELETE FROM {p} p
+             WHERE p.id <= $1
+               AND (SELECT count(*) FROM unnest(p.seqs) r, {t} o
+                    WHERE o.{SEQ_COLUMN} >= lower(r) AND o.{SEQ_COLUMN} < upper(r)
+                      AND pg_visible_in_snapshot(o.{XID_COLUMN}, $2::text::pg_snapshot))
+                   = (SELECT sum(upper(r) - lower(r)) FROM unnest(p.seqs) r)",
+            p = self.progress.quoted(),
+            t = self.outbox.quoted(),
+        )
     }
 
     /// `$1` (a capture) misses a transaction the frontier saw: its `xmax` is
