@@ -9,7 +9,7 @@ use super::pipeline::{self, Drained, Settings};
 use super::shards::{Balance, Shard};
 use super::supervise::{Backend, Owned, RunEnd};
 use crate::config::ResolvedColumns;
-use crate::config::{Config, SourceMode};
+use crate::config::{Config, MarkMode, SourceMode};
 use crate::db::DbError;
 use crate::envelope::Envelope;
 use crate::envelope::routing::Routing;
@@ -229,10 +229,15 @@ impl Postgres<'_> {
             config.deletes_rows(),
         )
         .await?;
-        let leftover = crate::outbox::progress::Ranges::new(table)
-            .leftover_problem(&owner, config.relay.mark)
-            .await
-            .map_err(inspect::TableProblem::Query)?;
+        let ranges = crate::outbox::progress::Ranges::new(table);
+        let leftover = match config.relay.mark {
+            MarkMode::Ranges => ranges
+                .sequence_problem(&owner)
+                .await
+                .or_else(|e| ranges.missing_table_problem(&e).map(Some).ok_or(e)),
+            mark => ranges.leftover_problem(&owner, mark).await,
+        }
+        .map_err(inspect::TableProblem::Query)?;
         if let Some(problem) = leftover {
             return Err(inspect::TableProblem::Unusable(vec![problem]).into());
         }

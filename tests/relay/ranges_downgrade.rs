@@ -2,7 +2,8 @@
 //! refuses while ranges hold what was sent, `fold --into-sent-at` refuses
 //! while an instance runs, then writes what ranges recorded into
 //! `relay_sent_at`; the `update` relay that follows publishes only what was
-//! never sent.
+//! never sent. And a sequence set back below what ranges recorded is
+//! refused.
 
 use crate::ranges_delivery::{SWITCH, count, deliveries, insert};
 use crate::support::*;
@@ -78,4 +79,52 @@ async fn leaving_ranges_marks_what_was_recorded_and_publishes_nothing_again() {
     let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
     assert!(other.is_empty(), "published other than once: {other:?}");
     assert_eq!(got.len(), ids.len(), "nothing published again");
+}
+
+/// A sequence set back below what ranges recorded would hand out values
+/// already counted as sent: `check` fails and `run` refuses, naming the
+/// `setval` that fixes it; once it is moved past, the new row is published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_set_back_below_the_recorded_rows_is_refused() {
+    let sets = [("relay.mark", "\"ranges\"")];
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &sets).await;
+    let ids = insert(&db, "a", 20, 5).await;
+    let mut relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    relay.terminate();
+    db.client
+        .batch_execute(
+            "DELETE FROM outbox; ALTER TABLE outbox ALTER COLUMN relay_seq RESTART WITH 1",
+        )
+        .await
+        .unwrap();
+    // It reuses relay_seq 1: sent or not depends on whether a progress row
+    // still names 1, which is the hazard.
+    insert(&db, "b", 1, 1).await;
+    let path = config_file(&toml);
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[SWITCH]);
+    assert!(
+        code == 1 && out.contains("stands at 1, below 20") && out.contains("setval("),
+        "{code} {out}"
+    );
+    let log = crate::schema::run_until_logged_with_env(&path, "setval(", &[SWITCH]);
+    assert!(
+        log.contains("would count as sent and never be published"),
+        "{log}"
+    );
+    assert_eq!(
+        broker.inbox().len(),
+        ids.len(),
+        "nothing published meanwhile"
+    );
+    db.client
+        .batch_execute("SELECT setval(pg_get_serial_sequence('public.outbox', 'relay_seq'), 20)")
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[SWITCH]);
+    assert!(!out.contains("setval("), "{code} {out}");
+    // Rows written after the fix are published.
+    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let after = insert(&db, "c", 3, 1).await;
+    broker.inbox().wait_ids(&after, WAIT).await;
 }

@@ -33,6 +33,10 @@ pub(super) async fn check_ranges(config: &Config, client: &Client, r: &mut Repor
         Err(e) => return r.add(Mark::Warn, ITEM, e),
     }
     let ranges = Ranges::new(&config.outbox.table);
+    // Only once the tables exist (a missing one is reported below).
+    if let Ok(Some(problem)) = ranges.sequence_problem(client).await {
+        return r.add(Mark::Fail, ITEM, problem);
+    }
     // The recorder inserts progress rows; the fold reads and writes all
     // three; retention prunes the frontier's history.
     let needs: [(&TableName, &[&str]); 3] = [

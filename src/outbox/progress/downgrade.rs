@@ -39,6 +39,45 @@ impl Ranges {
         )))
     }
 
+    /// Why new rows could count as sent before they are published, if
+    /// they could: the sequence of `relay_seq` was set back (a restore, a
+    /// `RESTART`) below the highest `relay_seq` recorded, so it would hand
+    /// out values a progress row or the frontier's `max_seq` already names.
+    /// `None` also when the sequence cannot be read (no privilege, or a
+    /// default that is not the column's own sequence).
+    pub async fn sequence_problem(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<Option<String>, tokio_postgres::Error> {
+        let row = client
+            .query_one(
+                &format!(
+                    "WITH q AS (SELECT pg_get_serial_sequence($1, $2) AS name)
+                     SELECT q.name,
+                            (SELECT s.last_value FROM pg_sequences s
+                             WHERE to_regclass(q.name) = (quote_ident(s.schemaname) || '.' || quote_ident(s.sequencename))::regclass),
+                            GREATEST((SELECT max_seq FROM {f} ORDER BY id DESC LIMIT 1),
+                                     (SELECT max(upper(seqs)) - 1 FROM {p}))
+                     FROM q",
+                    f = self.frontier.quoted(),
+                    p = self.progress.quoted()
+                ),
+                &[&self.outbox.quoted(), &SEQ_COLUMN],
+            )
+            .await?;
+        let (name, last, recorded): (Option<String>, Option<i64>, Option<i64>) =
+            (row.get(0), row.get(1), row.get(2));
+        Ok(match (name, last, recorded) {
+            (Some(name), Some(last), Some(recorded)) if last < recorded => Some(format!(
+                "the sequence {name} of {SEQ_COLUMN} stands at {last}, below {recorded}, the highest {SEQ_COLUMN} \
+                 recorded as sent: new rows would count as sent and never be published. \
+                 Move it past: SELECT setval({}, {recorded})",
+                crate::sql::quote_literal(&name)
+            )),
+            _ => None,
+        })
+    }
+
     /// Whether the progress or the frontier table holds a row (false when
     /// they do not exist).
     pub async fn has_state(
