@@ -229,18 +229,7 @@ impl Postgres<'_> {
             config.deletes_rows(),
         )
         .await?;
-        let ranges = crate::outbox::progress::Ranges::new(table);
-        let leftover = match config.relay.mark {
-            MarkMode::Ranges => ranges
-                .sequence_problem(&owner)
-                .await
-                .or_else(|e| ranges.missing_table_problem(&e).map(Some).ok_or(e)),
-            mark => ranges.leftover_problem(&owner, mark).await,
-        }
-        .map_err(inspect::TableProblem::Query)?;
-        if let Some(problem) = leftover {
-            return Err(inspect::TableProblem::Unusable(vec![problem]).into());
-        }
+        marking_problem(&owner, config).await?;
         // Asked on the ownership session, before it becomes the recorder's.
         let (reading, pid) = match config.source.mode {
             SourceMode::Polling => (None, None),
@@ -399,5 +388,24 @@ impl Postgres<'_> {
         }
         tracing::info!("stopped cleanly");
         Ok((RunEnd::Stopped, drained))
+    }
+}
+
+/// What ranges recorded, seen from the marking configured: a sequence set
+/// back under ranges, or ranges' records left for `update` or `delete`
+/// (see `outbox::progress::downgrade`), refuse the start.
+async fn marking_problem(owner: &Client, config: &Config) -> Result<(), RelayError> {
+    let ranges = crate::outbox::progress::Ranges::new(&config.outbox.table);
+    let problem = match config.relay.mark {
+        MarkMode::Ranges => ranges
+            .sequence_problem(owner)
+            .await
+            .or_else(|e| ranges.missing_table_problem(&e).map(Some).ok_or(e)),
+        mark => ranges.leftover_problem(owner, mark).await,
+    }
+    .map_err(inspect::TableProblem::Query)?;
+    match problem {
+        Some(problem) => Err(inspect::TableProblem::Unusable(vec![problem]).into()),
+        None => Ok(()),
     }
 }

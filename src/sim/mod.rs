@@ -8,7 +8,9 @@
 //! replication connections dropped in the middle of a transaction,
 //! database restarts that take the slot back to its last saved position,
 //! start-up reads without a settled WAL position, graceful hand-overs, and
-//! operators redriving and dropping dead letters.
+//! operators redriving and dropping dead letters. A quarter of the
+//! schedules record sent rows by ranges (`relay.mark = "ranges"`, see
+//! `db.rs`); the fold is not modelled.
 //!
 //! Each schedule runs on a single-threaded runtime with tokio's paused
 //! clock, so a seed replays the same schedule:

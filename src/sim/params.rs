@@ -71,9 +71,10 @@ impl Params {
             2 | 3 => SourceMode::Cdc,
             _ => SourceMode::Auto,
         };
-        let mark = match (mode, rng.u32(0..3)) {
+        let mark = match (mode, rng.u32(0..4)) {
             (_, 0) => MarkMode::Update,
             (_, 1) => MarkMode::Delete,
+            (_, 3) => MarkMode::Ranges,
             (SourceMode::Cdc, _) => MarkMode::None,
             _ => MarkMode::Update,
         };

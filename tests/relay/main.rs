@@ -35,6 +35,7 @@ mod partitions;
 mod rabbit_exchanges;
 mod ranges_delivery;
 mod ranges_downgrade;
+mod ranges_fold;
 mod redrive;
 mod retention;
 mod retention_ranges;

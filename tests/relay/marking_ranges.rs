@@ -17,7 +17,7 @@ use std::collections::{BTreeSet, VecDeque};
 use std::time::Duration;
 use tokio_postgres::Client;
 
-async fn outbox_with_ranges(db: &TestDb) -> Ranges {
+pub(crate) async fn outbox_with_ranges(db: &TestDb) -> Ranges {
     db.migrate(&parse(&base_toml(&db.url, &rabbit_sink())))
         .await;
     let ranges = Ranges::new(&TableName::new("public", "outbox"));
@@ -27,10 +27,11 @@ async fn outbox_with_ranges(db: &TestDb) -> Ranges {
     ranges
 }
 
-const INSERT: &str = "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+pub(crate) const INSERT: &str =
+    "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
                       VALUES (gen_random_uuid(), 'order', 'o', 'created', '{}')";
 
-async fn seqs(
+pub(crate) async fn seqs(
     client: &Client,
     sql: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
@@ -87,7 +88,7 @@ async fn read(
 
 /// The unsent rows by the predicate, one row at a time: what every read
 /// must return (those not visible in `base`, when given).
-async fn brute_force(client: &Client, ranges: &Ranges, base: Option<&str>) -> Vec<i64> {
+pub(crate) async fn brute_force(client: &Client, ranges: &Ranges, base: Option<&str>) -> Vec<i64> {
     let sql = format!(
         "SELECT relay_seq FROM outbox
          WHERE NOT {}(relay_seq, relay_xid, relay_sent_at)
@@ -406,29 +407,6 @@ async fn reads_equal_the_predicate_and_nothing_counts_as_sent_unconfirmed_over_r
 }
 
 #[tokio::test]
-async fn a_capture_older_than_the_frontier_is_refused() {
-    let db = TestDb::new().await;
-    let ranges = outbox_with_ranges(&db).await;
-    let mut fold = connect(&db.url).await;
-    let older = ranges.capture(&fold, Duration::from_secs(2)).await.unwrap();
-    db.client.batch_execute(INSERT).await.unwrap();
-    let newer = ranges.capture(&fold, Duration::from_secs(2)).await.unwrap();
-    assert!(newer.settled && older.settled);
-    let advanced = ranges.advance(&mut fold, &newer, 10).await.unwrap();
-    assert!(
-        matches!(advanced, Advance::Advanced { held: 1, .. }),
-        "{advanced:?}"
-    );
-    // Moving back would make the row the newer frontier held open look
-    // as if no frontier had passed it, and the one it covers unseen.
-    assert_eq!(
-        ranges.advance(&mut fold, &older, 10).await.unwrap(),
-        Advance::Stale
-    );
-    assert_eq!(brute_force(&db.client, &ranges, None).await, vec![1]);
-}
-
-#[tokio::test]
 async fn reads_visit_the_rows_since_the_frontier_not_the_retained_ones() {
     const RETAINED: i64 = 100_000;
     let mut db = TestDb::new().await;
@@ -559,77 +537,4 @@ async fn reads_visit_the_rows_since_the_frontier_not_the_retained_ones() {
         scan > RETAINED as f64,
         "a scan of the unsent index handled {scan}"
     );
-}
-
-/// A long transaction elsewhere keeps every capture from settling: the fold
-/// still deletes the progress rows whose rows are all visible in its
-/// capture, and keeps one recorded ahead of its transaction's commit until
-/// a capture sees it.
-#[tokio::test]
-async fn a_long_transaction_leaves_only_the_progress_rows_not_yet_visible() {
-    let db = TestDb::new().await;
-    let ranges = outbox_with_ranges(&db).await;
-    let mut fold = connect(&db.url).await;
-    let long = connect(&db.url).await;
-    long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
-        .await
-        .unwrap();
-    for _ in 0..3 {
-        db.client.batch_execute(INSERT).await.unwrap();
-    }
-    let committed = seqs(&db.client, "SELECT relay_seq FROM outbox", &[]).await;
-    db.client
-        .execute(&ranges.record_sql(), &[&committed])
-        .await
-        .unwrap();
-    // Recorded ahead of its commit, as CDC may.
-    let late = connect(&db.url).await;
-    late.batch_execute("BEGIN").await.unwrap();
-    late.batch_execute(INSERT).await.unwrap();
-    let own = seqs(
-        &late,
-        "SELECT relay_seq FROM outbox WHERE relay_xid = pg_current_xact_id()",
-        &[],
-    )
-    .await;
-    db.client
-        .execute(&ranges.record_sql(), &[&own])
-        .await
-        .unwrap();
-    let progress = format!("SELECT count(*) FROM {}", ranges.progress.quoted());
-    let first = ranges
-        .capture(&fold, Duration::from_millis(200))
-        .await
-        .unwrap();
-    assert!(
-        !first.settled,
-        "the long transaction keeps it from settling"
-    );
-    let advanced = ranges.advance(&mut fold, &first, 100).await.unwrap();
-    assert!(
-        matches!(advanced, Advance::Advanced { deleted: 1, .. }),
-        "{advanced:?}"
-    );
-    assert_eq!(db.count(&progress).await, 1, "the late row's stays");
-    late.batch_execute("COMMIT").await.unwrap();
-    let second = ranges
-        .capture(&fold, Duration::from_millis(200))
-        .await
-        .unwrap();
-    assert!(!second.settled);
-    let advanced = ranges.advance(&mut fold, &second, 100).await.unwrap();
-    assert!(
-        matches!(
-            advanced,
-            Advance::Advanced {
-                deleted: 1,
-                held: 0,
-                ..
-            }
-        ),
-        "{advanced:?}"
-    );
-    assert_eq!(db.count(&progress).await, 0);
-    assert!(brute_force(&db.client, &ranges, None).await.is_empty());
-    long.batch_execute("ROLLBACK").await.unwrap();
 }

@@ -16,16 +16,20 @@ const STALE_PROGRESS_SECONDS: f64 = 60.0;
 
 const ITEM: &str = "ranges";
 
+/// Records left by an earlier `ranges`, which another mode would publish
+/// again.
+async fn check_leftover(config: &Config, client: &Client, r: &mut Report) {
+    let ranges = Ranges::new(&config.outbox.table);
+    match ranges.leftover_problem(client, config.relay.mark).await {
+        Ok(None) => {}
+        Ok(Some(problem)) => r.add(Mark::Fail, ITEM, problem),
+        Err(e) => r.add(Mark::Warn, ITEM, db::error_text(&e)),
+    }
+}
+
 pub(super) async fn check_ranges(config: &Config, client: &Client, r: &mut Report) {
     if config.relay.mark != MarkMode::Ranges {
-        // Left by an earlier `ranges`: another mode would publish it again.
-        let ranges = Ranges::new(&config.outbox.table);
-        match ranges.leftover_problem(client, config.relay.mark).await {
-            Ok(None) => {}
-            Ok(Some(problem)) => r.add(Mark::Fail, ITEM, problem),
-            Err(e) => r.add(Mark::Warn, ITEM, db::error_text(&e)),
-        }
-        return;
+        return check_leftover(config, client, r).await;
     }
     match version_problem(client).await {
         Ok(None) => {}
@@ -38,11 +42,12 @@ pub(super) async fn check_ranges(config: &Config, client: &Client, r: &mut Repor
         return r.add(Mark::Fail, ITEM, problem);
     }
     // The recorder inserts progress rows; the fold reads and writes all
-    // three; retention prunes the frontier's history.
+    // three (holding a row again updates it); retention prunes the
+    // frontier's history.
     let needs: [(&TableName, &[&str]); 3] = [
         (&ranges.progress, &["SELECT", "INSERT", "DELETE"]),
         (&ranges.frontier, &["SELECT", "INSERT", "UPDATE", "DELETE"]),
-        (&ranges.held, &["SELECT", "INSERT", "DELETE"]),
+        (&ranges.held, &["SELECT", "INSERT", "UPDATE", "DELETE"]),
     ];
     let mut problems = Vec::new();
     for (table, privileges) in needs {

@@ -212,7 +212,9 @@ impl Ranges {
     /// one when it is a minute old (or there is none).
     async fn write_frontier(&self, tx: &Transaction<'_>, target: &Capture) -> Result<(), DbError> {
         let (f, p) = (self.frontier.quoted(), self.progress.quoted());
-        let last_recorded = format!("(SELECT max(recorded_at) FROM {p} WHERE id <= $3 AND $4)");
+        // Every progress row up to the capture's, deleted in this round or
+        // not: `last_publish` takes the greater of this and the rows left.
+        let last_recorded = format!("(SELECT max(recorded_at) FROM {p} WHERE id <= $3)");
         let rewritten = tx
             .execute(
                 &format!(
@@ -222,7 +224,7 @@ impl Ranges {
                                     folded_at = now()
                      WHERE id = (SELECT max(id) FROM {f}) AND folded_at > now() - interval '{FRONTIER_ROW_SPAN}'"
                 ),
-                &[&target.snapshot, &target.max_seq, &target.progress, &target.settled],
+                &[&target.snapshot, &target.max_seq, &target.progress],
             )
             .await
             .map_err(query_error("writing the frontier"))?;
@@ -235,7 +237,7 @@ impl Ranges {
                                      (-9223372036854775808)::bigint),
                             GREATEST((SELECT last_recorded_at FROM {f} ORDER BY id DESC LIMIT 1), {last_recorded})"
                 ),
-                &[&target.snapshot, &target.max_seq, &target.progress, &target.settled],
+                &[&target.snapshot, &target.max_seq, &target.progress],
             )
             .await
             .map_err(query_error("writing the frontier"))?;
