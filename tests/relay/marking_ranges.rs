@@ -86,6 +86,20 @@ async fn read(
     (got, (cur, cur_max))
 }
 
+/// Records the rows `writer`'s open transaction wrote, on `client`, as CDC
+/// may record a transaction decoded a moment before its commit is
+/// visible; returns them.
+pub(crate) async fn record_open(client: &Client, writer: &Client, ranges: &Ranges) -> Vec<i64> {
+    let own = seqs(
+        writer,
+        "SELECT relay_seq FROM outbox WHERE relay_xid = pg_current_xact_id()",
+        &[],
+    )
+    .await;
+    client.execute(&ranges.record_sql(), &[&own]).await.unwrap();
+    own
+}
+
 /// The unsent rows by the predicate, one row at a time: what every read
 /// must return (those not visible in `base`, when given).
 pub(crate) async fn brute_force(client: &Client, ranges: &Ranges, base: Option<&str>) -> Vec<i64> {
@@ -249,16 +263,7 @@ async fn history(seed: u64, steps: usize) -> Ledger {
                 // before its rows are visible: recorded ahead of its commit.
                 let w = &writers[rng.usize(0..4)];
                 if w.open {
-                    let own = seqs(
-                        &w.client,
-                        "SELECT relay_seq FROM outbox WHERE relay_xid = pg_current_xact_id()",
-                        &[],
-                    )
-                    .await;
-                    db.client
-                        .execute(&ranges.record_sql(), &[&own])
-                        .await
-                        .unwrap();
+                    let own = record_open(&db.client, &w.client, &ranges).await;
                     ledger.confirmed.extend(own);
                 }
             }

@@ -3,7 +3,7 @@
 //! a capture older than the frontier, and a long transaction that keeps
 //! every capture from settling.
 
-use crate::marking_ranges::{INSERT, brute_force, outbox_with_ranges, seqs};
+use crate::marking_ranges::{INSERT, brute_force, outbox_with_ranges, record_open, seqs};
 use crate::support::*;
 use outbox_relay::outbox::progress::fold::Advance;
 use std::time::Duration;
@@ -56,16 +56,7 @@ async fn a_long_transaction_leaves_only_the_progress_rows_not_yet_visible() {
     let late = connect(&db.url).await;
     late.batch_execute("BEGIN").await.unwrap();
     late.batch_execute(INSERT).await.unwrap();
-    let own = seqs(
-        &late,
-        "SELECT relay_seq FROM outbox WHERE relay_xid = pg_current_xact_id()",
-        &[],
-    )
-    .await;
-    db.client
-        .execute(&ranges.record_sql(), &[&own])
-        .await
-        .unwrap();
+    record_open(&db.client, &late, &ranges).await;
     let progress = format!("SELECT count(*) FROM {}", ranges.progress.quoted());
     let first = ranges
         .capture(&fold, Duration::from_millis(200))
