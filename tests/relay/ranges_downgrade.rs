@@ -128,3 +128,31 @@ async fn a_sequence_set_back_below_the_recorded_rows_is_refused() {
     let after = insert(&db, "c", 3, 1).await;
     broker.inbox().wait_ids(&after, WAIT).await;
 }
+
+/// An `update` relay whose role may not read the tables ranges left
+/// cannot tell whether they hold sent rows: `check` names the GRANT.
+#[tokio::test]
+async fn update_that_may_not_read_the_tables_of_ranges_says_which_grant() {
+    let db = TestDb::new().await;
+    let ranges = set(
+        &base_toml(&db.url, &rabbit_sink()),
+        "relay.mark",
+        "\"ranges\"",
+    );
+    db.migrate(&parse(&ranges)).await;
+    let role = crate::kit::unique("relay_update_");
+    db.client
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN;
+             GRANT USAGE ON SCHEMA public TO {role};
+             GRANT ALL ON public.outbox, public.outbox_dead_letters, public.outbox_relay_owners TO {role};"
+        ))
+        .await
+        .unwrap();
+    let update = base_toml(&db.url_as(&role), &rabbit_sink());
+    let (code, out, err) = run_cli(&["check", "--config", &config_file(&update)], &[]);
+    assert!(
+        code == 1 && out.contains("GRANT SELECT ON public.outbox_relay_progress"),
+        "{code} {out}{err}"
+    );
+}

@@ -22,7 +22,19 @@ impl Ranges {
         client: &impl GenericClient,
         mark: MarkMode,
     ) -> Result<Option<String>, tokio_postgres::Error> {
-        if !matches!(mark, MarkMode::Update | MarkMode::Delete) || !self.has_state(client).await? {
+        if !matches!(mark, MarkMode::Update | MarkMode::Delete) {
+            return Ok(None);
+        }
+        if let Some(missing) = self.unreadable(client).await? {
+            return Ok(Some(format!(
+                "{} exists but the relay's role may not read it, so it cannot tell whether \
+                 relay.mark = \"ranges\" recorded rows that relay.mark = \"update\" or \"delete\" would \
+                 publish again: GRANT SELECT ON {}, {} TO the relay's role (or, if ranges never ran, \
+                 drop the tables {}, {} and {})",
+                missing, self.progress, self.frontier, self.progress, self.frontier, self.held
+            )));
+        }
+        if !self.has_state(client).await? {
             return Ok(None);
         }
         Ok(Some(format!(
@@ -76,6 +88,28 @@ impl Ranges {
             )),
             _ => None,
         })
+    }
+
+    /// The first of the progress and frontier tables that exists and that
+    /// this session may not read, if any.
+    async fn unreadable(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<Option<String>, tokio_postgres::Error> {
+        for table in [&self.progress, &self.frontier] {
+            let readable: Option<bool> = client
+                .query_one(
+                    "SELECT CASE WHEN to_regclass($1) IS NULL THEN NULL
+                                 ELSE has_table_privilege(to_regclass($1), 'SELECT') END",
+                    &[&table.quoted()],
+                )
+                .await?
+                .get(0);
+            if readable == Some(false) {
+                return Ok(Some(table.to_string()));
+            }
+        }
+        Ok(None)
     }
 
     /// Whether the progress or the frontier table holds a row (false when
