@@ -65,9 +65,11 @@ pub enum Advance {
 /// How often the capture looks for a snapshot past its transaction id.
 const SETTLE_POLL: Duration = Duration::from_millis(10);
 
-/// A frontier row is rewritten for this long, then a new one is added, so
-/// the history keeps one frontier a minute (retention's cut-offs).
-const FRONTIER_ROW_SPAN: &str = "1 minute";
+/// The history keeps one frontier per span of this many seconds of the
+/// clock (retention's cut-offs): a round rewrites the newest row while it
+/// was folded in the current span, and adds one in the next. (Deciding by
+/// the newest row's age instead never adds one: every round makes it new.)
+const FRONTIER_ROW_SPAN_SECONDS: u32 = 10;
 
 fn query_error(what: &'static str) -> impl FnOnce(tokio_postgres::Error) -> DbError {
     move |e| DbError::query(what, e)
@@ -209,7 +211,7 @@ impl Ranges {
     }
 
     /// Makes `target` the frontier: rewrites the newest frontier row, or adds
-    /// one when it is a minute old (or there is none).
+    /// one when that was folded in an earlier span (or there is none).
     async fn write_frontier(&self, tx: &Transaction<'_>, target: &Capture) -> Result<(), DbError> {
         let (f, p) = (self.frontier.quoted(), self.progress.quoted());
         // Every progress row up to the capture's, deleted in this round or
@@ -222,7 +224,9 @@ impl Ranges {
                                     max_seq = GREATEST(max_seq, $2::bigint),
                                     last_recorded_at = GREATEST(last_recorded_at, {last_recorded}),
                                     folded_at = now()
-                     WHERE id = (SELECT max(id) FROM {f}) AND folded_at > now() - interval '{FRONTIER_ROW_SPAN}'"
+                     WHERE id = (SELECT max(id) FROM {f})
+                       AND floor(extract(epoch FROM folded_at) / {FRONTIER_ROW_SPAN_SECONDS})
+                           = floor(extract(epoch FROM now()) / {FRONTIER_ROW_SPAN_SECONDS})"
                 ),
                 &[&target.snapshot, &target.max_seq, &target.progress],
             )
