@@ -370,5 +370,19 @@ async fn ranges_from_14_on() {
                 .await,
             0
         );
+        // Retention by the frontier, and leaving ranges, on this version.
+        let config = parse(&set(&toml, "retention.sent_window", "\"0s\""));
+        let c = outbox_relay::ops::retention::connect(&config)
+            .await
+            .unwrap();
+        let report = outbox_relay::ops::retention::once(&c, &config, false)
+            .await
+            .unwrap();
+        assert_eq!(report.outbox.rows(), 20, "PostgreSQL {major}: {report}");
+        insert_events(&db, 3).await;
+        let update = set(&toml, "relay.mark", "\"update\"");
+        let out = cli_ok(&["fold", "--into-sent-at", "--config", &config_file(&update)]);
+        assert!(out.contains("marked 0 row(s)"), "PostgreSQL {major}: {out}");
+        assert_eq!(db.unsent().await, 3, "PostgreSQL {major}");
     }
 }

@@ -31,10 +31,12 @@ impl Ranges {
     }
 
     /// Row `alias` is sent as of *H* (`h.snapshot`): visible in it, not
-    /// held open now.
+    /// held open now. Rows another mode marked go by their mark instead
+    /// (retention's other target), so they are not counted twice.
     fn sent_by(&self, alias: &str) -> String {
         format!(
-            "{alias}.{XID_COLUMN} < pg_snapshot_xmax(h.snapshot)
+            "{alias}.{SENT_AT_COLUMN} IS NULL
+             AND {alias}.{XID_COLUMN} < pg_snapshot_xmax(h.snapshot)
              AND pg_visible_in_snapshot({alias}.{XID_COLUMN}, h.snapshot)
              AND NOT EXISTS (SELECT 1 FROM {held} x WHERE x.{SEQ_COLUMN} = {alias}.{SEQ_COLUMN})",
             held = self.held.quoted()
@@ -59,7 +61,7 @@ impl Ranges {
                            ORDER BY c.{XID_COLUMN} LIMIT $2 FOR UPDATE OF c SKIP LOCKED))
                    AND {sent_o}
                  RETURNING o.{XID_COLUMN})
-             SELECT count(*), max({XID_COLUMN})::text FROM d",
+             SELECT count(*), (SELECT {XID_COLUMN} FROM d ORDER BY {XID_COLUMN} DESC LIMIT 1)::text FROM d",
             h = self.retained_frontier(),
             sent_c = self.sent_by("c"),
             sent_o = self.sent_by("o"),
