@@ -289,11 +289,34 @@ async fn with_ranges_a_recorded_event_may_be_changed_and_an_unsent_one_not() {
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(!out.contains("create trigger"), "nothing to do: {out}");
-    // Back to update (after fold --into-sent-at): the plain trigger again.
-    let update = config_file(&set(&toml, "relay.mark", "\"update\""));
-    let (_, out, _) = run_cli(&["migrate", "--config", &update], &[]);
+    // Another outbox of the schema, without ranges, shares the function:
+    // its unsent rows stay write-once (its own table has no predicate), and
+    // the first outbox's recorded row may still change.
+    let other = set(&toml, "outbox.table", "\"public.other_outbox\"");
+    let other = set(&other, "relay.mark", "\"update\"");
+    let (code, out, err) = run_cli(&["migrate", "--config", &config_file(&other)], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    db.client
+        .batch_execute(
+            "INSERT INTO other_outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'order', '3', 'created', '{}')",
+        )
+        .await
+        .unwrap();
+    let refused = db
+        .client
+        .execute("UPDATE other_outbox SET payload = '{\"v\": 2}'", &[])
+        .await
+        .expect_err("the other outbox's unsent event may not change");
     assert!(
-        out.contains("create trigger outbox_relay_write_once"),
-        "{out}"
+        format!("{refused:?}").contains("unsent event of public.other_outbox"),
+        "{refused:?}"
     );
+    db.client
+        .execute(
+            "UPDATE outbox SET payload = '{\"v\": 4}' WHERE id = $1",
+            &[&sent],
+        )
+        .await
+        .expect("the recorded event of the first may still change");
 }

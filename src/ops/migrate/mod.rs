@@ -220,14 +220,10 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         Some(channel) => steps.extend(triggers::notify(client, opts, channel).await?),
         None => steps.extend(triggers::drop_notify(client, &opts.table).await?),
     }
-    let ranges = opts
-        .ranges
-        .then(|| crate::outbox::progress::Ranges::new(&opts.table));
     if let Some(step) = triggers::write_once(
         client,
         &opts.table,
         &event_columns(info.as_ref(), &opts.columns),
-        ranges.as_ref().map(|r| &r.sent_function),
     )
     .await?
     {

@@ -115,30 +115,22 @@ $do$",
 /// It names the event columns as arguments, not in its definition, so it
 /// does not stand in the way of altering or dropping them; the relay's own
 /// marking (setting `relay_sent_at`) does not run it, and a sent row may be
-/// changed freely. With `relay.mark = "ranges"` (`sent_function`, the
-/// predicate's function) `relay_sent_at` stays NULL, so the body asks the
-/// predicate whether the row was sent before it refuses.
+/// changed freely. With `relay.mark = "ranges"` `relay_sent_at` stays NULL,
+/// so before it refuses, the body asks the outbox's own predicate
+/// (`<outbox>_relay_sent`, of the partitioned table when the row is in a
+/// partition), if it has one. The function is shared by the outboxes of a
+/// schema, so it names none of them.
 pub(super) async fn write_once(
     client: &Client,
     table: &TableName,
     columns: &[String],
-    sent_function: Option<&TableName>,
 ) -> Result<Option<Step>, MigrateError> {
     let function = format!(
         "{}.{}",
         quote_ident(&table.schema),
         quote_ident(WRITE_ONCE_TRIGGER)
     );
-    let asks_predicate = sent_function.map(|f| {
-        format!(
-            "    IF {}(OLD.{SEQ_COLUMN}, OLD.{XID_COLUMN}, OLD.{SENT_AT_COLUMN}) THEN
-        RETURN NEW;
-    END IF;
-",
-            f.quoted()
-        )
-    });
-    // Installed already, for the same columns and marking: nothing to do.
+    // Installed already, for the same columns, with this body: nothing to do.
     let current: Option<(Vec<u8>, String)> = client
         .query_opt(
             "SELECT t.tgargs, p.prosrc FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
@@ -148,41 +140,20 @@ pub(super) async fn write_once(
         .await?
         .map(|r| (r.get(0), r.get(1)));
     let wanted: String = columns.iter().map(|c| format!("{c}\0")).collect();
-    let asks = |body: &str| body.contains(&format!("(OLD.{SEQ_COLUMN}, OLD.{XID_COLUMN}"));
-    if let Some((args, body)) = &current
+    let body = write_once_body();
+    if let Some((args, installed)) = &current
         && args == wanted.as_bytes()
-        && asks(body) == asks_predicate.is_some()
+        && installed.trim() == body.trim()
     {
         return Ok(None);
     }
-    let message = quote_literal(&format!(
-        "outbox rows are write-once until sent: this UPDATE changes an unsent event of {table}"
-    ));
-    let hint = quote_literal(
-        "insert a new event instead; outbox-relay publishes a row as inserted when it streams \
-         the WAL and as it stands when it reads the table, so an updated event would reach \
-         consumers in one form or the other",
-    );
     let arguments: Vec<String> = columns.iter().map(|c| quote_literal(c)).collect();
     Ok(Some(Step::new(
         format!(
             "create trigger {WRITE_ONCE_TRIGGER} on {table} (refuses updates of unsent events)"
         ),
         format!(
-            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $fn$
-DECLARE
-    old_row jsonb := to_jsonb(OLD);
-    new_row jsonb := to_jsonb(NEW);
-    i int;
-BEGIN
-{asks}    FOR i IN 0 .. TG_NARGS - 1 LOOP
-        IF old_row -> TG_ARGV[i] IS DISTINCT FROM new_row -> TG_ARGV[i] THEN
-            RAISE EXCEPTION USING ERRCODE = 'check_violation', MESSAGE = {message}, HINT = {hint};
-        END IF;
-    END LOOP;
-    RETURN NEW;
-END
-$fn$;
+            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $fn${body}$fn$;
 DROP TRIGGER IF EXISTS {trigger} ON {quoted};
 CREATE TRIGGER {trigger} BEFORE UPDATE ON {quoted} FOR EACH ROW
     WHEN (OLD.{sent} IS NULL AND NEW.{sent} IS NULL)
@@ -191,7 +162,50 @@ CREATE TRIGGER {trigger} BEFORE UPDATE ON {quoted} FOR EACH ROW
             quoted = table.quoted(),
             sent = SENT_AT_COLUMN,
             arguments = arguments.join(", "),
-            asks = asks_predicate.as_deref().unwrap_or_default(),
         ),
     )))
+}
+
+/// The body of the write-once function (see [`write_once`]), between its
+/// `$fn$` quotes; `migrations/0003_outbox_write_once.sql` has the same.
+fn write_once_body() -> String {
+    let hint = quote_literal(
+        "insert a new event instead; outbox-relay publishes a row as inserted when it streams \
+         the WAL and as it stands when it reads the table, so an updated event would reach \
+         consumers in one form or the other",
+    );
+    format!(
+        "
+DECLARE
+    old_row jsonb := to_jsonb(OLD);
+    new_row jsonb := to_jsonb(NEW);
+    outbox_schema text;
+    outbox_name text;
+    predicate regproc;
+    sent boolean;
+    i int;
+BEGIN
+    FOR i IN 0 .. TG_NARGS - 1 LOOP
+        IF old_row -> TG_ARGV[i] IS DISTINCT FROM new_row -> TG_ARGV[i] THEN
+            SELECT n.nspname, c.relname INTO outbox_schema, outbox_name
+            FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE c.oid = COALESCE(pg_partition_root(TG_RELID), TG_RELID);
+            -- relay.mark = \"ranges\": relay_sent_at stays NULL; the outbox's predicate knows.
+            predicate := to_regproc(format('%I.%I', outbox_schema, right(outbox_name || '_relay_sent', 63)));
+            IF predicate IS NOT NULL THEN
+                EXECUTE format('SELECT %s($1, $2, $3)', predicate) INTO sent
+                    USING OLD.{SEQ_COLUMN}, OLD.{XID_COLUMN}, OLD.{SENT_AT_COLUMN};
+                IF sent THEN
+                    RETURN NEW;
+                END IF;
+            END IF;
+            RAISE EXCEPTION USING ERRCODE = 'check_violation',
+                MESSAGE = format('outbox rows are write-once until sent: this UPDATE changes an unsent event of %I.%I', outbox_schema, outbox_name),
+                HINT = {hint};
+        END IF;
+    END LOOP;
+    RETURN NEW;
+END
+"
+    )
 }
