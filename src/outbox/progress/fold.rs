@@ -257,13 +257,15 @@ impl Ranges {
     /// counting them says so. A row not yet visible (CDC records a
     /// transaction it decoded a moment before the server shows it) is not
     /// counted, nor is one retention deleted: the progress row stays.
+    /// (Distinct: a partitioned outbox's `relay_seq` is unique only with
+    /// the partition key.)
     /// The held rows were closed earlier in the round, so none of these
     /// rows is held open.
     fn delete_visible_sql(&self) -> String {
         format!(
             "DELETE FROM {p} p
              WHERE p.id <= $1
-               AND (SELECT count(*) FROM unnest(p.seqs) r, {t} o
+               AND (SELECT count(DISTINCT o.{SEQ_COLUMN}) FROM unnest(p.seqs) r, {t} o
                     WHERE o.{SEQ_COLUMN} >= lower(r) AND o.{SEQ_COLUMN} < upper(r)
                       AND pg_visible_in_snapshot(o.{XID_COLUMN}, $2::text::pg_snapshot))
                    = (SELECT sum(upper(r) - lower(r)) FROM unnest(p.seqs) r)",
