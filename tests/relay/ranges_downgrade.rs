@@ -98,10 +98,16 @@ async fn a_sequence_set_back_below_the_recorded_rows_is_refused() {
         )
         .await
         .unwrap();
+    let path = config_file(&toml);
+    // Refused before any row takes a value again.
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[SWITCH]);
+    assert!(
+        code == 1 && out.contains("stands at 0, below 20"),
+        "{code} {out}"
+    );
     // It reuses relay_seq 1: sent or not depends on whether a progress row
     // still names 1, which is the hazard.
     insert(&db, "b", 1, 1).await;
-    let path = config_file(&toml);
     let (code, out, _) = run_cli(&["check", "--config", &path], &[SWITCH]);
     assert!(
         code == 1 && out.contains("stands at 1, below 20") && out.contains("setval("),

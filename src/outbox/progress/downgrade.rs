@@ -55,7 +55,7 @@ impl Ranges {
     /// they could: the sequence of `relay_seq` was set back (a restore, a
     /// `RESTART`) below the highest `relay_seq` recorded, so it would hand
     /// out values a progress row or the frontier's `max_seq` already names.
-    /// `None` also when the sequence cannot be read (no privilege, or a
+    /// `None` also when the sequence cannot be read (no SELECT on it, or a
     /// default that is not the column's own sequence).
     pub async fn sequence_problem(
         &self,
@@ -65,9 +65,7 @@ impl Ranges {
             .query_one(
                 &format!(
                     "WITH q AS (SELECT pg_get_serial_sequence($1, $2) AS name)
-                     SELECT q.name,
-                            (SELECT s.last_value FROM pg_sequences s
-                             WHERE to_regclass(q.name) = (quote_ident(s.schemaname) || '.' || quote_ident(s.sequencename))::regclass),
+                     SELECT q.name, has_sequence_privilege(q.name, 'SELECT'),
                             GREATEST((SELECT max_seq FROM {f} ORDER BY id DESC LIMIT 1),
                                      (SELECT max(upper(seqs)) - 1 FROM {p}))
                      FROM q",
@@ -77,17 +75,30 @@ impl Ranges {
                 &[&self.outbox.quoted(), &SEQ_COLUMN],
             )
             .await?;
-        let (name, last, recorded): (Option<String>, Option<i64>, Option<i64>) =
+        let (name, readable, recorded): (Option<String>, Option<bool>, Option<i64>) =
             (row.get(0), row.get(1), row.get(2));
-        Ok(match (name, last, recorded) {
-            (Some(name), Some(last), Some(recorded)) if last < recorded => Some(format!(
+        let (Some(name), Some(true), Some(recorded)) = (name, readable, recorded) else {
+            return Ok(None);
+        };
+        // The value handed out last, or before the next after a RESTART
+        // (its last_value is then the next one, not yet handed out).
+        let last: i64 = client
+            .query_one(
+                &format!(
+                    "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM {name}"
+                ),
+                &[],
+            )
+            .await?
+            .get(0);
+        Ok((last < recorded).then(|| {
+            format!(
                 "the sequence {name} of {SEQ_COLUMN} stands at {last}, below {recorded}, the highest {SEQ_COLUMN} \
                  recorded as sent: new rows would count as sent and never be published. \
                  Move it past: SELECT setval({}, {recorded})",
                 crate::sql::quote_literal(&name)
-            )),
-            _ => None,
-        })
+            )
+        }))
     }
 
     /// The first of the progress and frontier tables that exists and that
