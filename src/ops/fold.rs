@@ -79,7 +79,12 @@ pub async fn run_scheduled(
         let result = round.await;
         if let Some(m) = &metrics {
             match &result {
-                Ok(Some(Advance::Advanced { .. })) => m.fold_round(FoldOutcome::Advanced),
+                Ok(Some(Advance::Advanced { settled: true, .. })) => {
+                    m.fold_round(FoldOutcome::Advanced)
+                }
+                Ok(Some(Advance::Advanced { settled: false, .. })) => {
+                    m.fold_round(FoldOutcome::Unsettled)
+                }
                 Ok(Some(Advance::Backlog)) => m.fold_round(FoldOutcome::Draining),
                 Ok(Some(Advance::Stale)) => m.fold_round(FoldOutcome::Stale),
                 Ok(None) => {}
@@ -99,9 +104,17 @@ pub async fn run_scheduled(
                     held,
                     closed,
                     deleted,
+                    settled,
                 }) = outcome
                 {
-                    tracing::debug!(pipeline, held, closed, deleted, "fold moved the frontier");
+                    tracing::debug!(
+                        pipeline,
+                        held,
+                        closed,
+                        deleted,
+                        settled,
+                        "fold moved the frontier"
+                    );
                 }
             }
             Err(e) => {

@@ -103,6 +103,7 @@ pub struct PipelineMetrics {
     pub held_rows: Gauge,
     /// The fold's rounds on this instance, by outcome.
     fold_advanced: Counter,
+    fold_unsettled: Counter,
     fold_draining: Counter,
     fold_stale: Counter,
     fold_failed: Counter,
@@ -113,6 +114,9 @@ pub struct PipelineMetrics {
 pub enum FoldOutcome {
     /// The frontier moved.
     Advanced,
+    /// The frontier moved, but a long transaction kept the capture from
+    /// settling: only batches counted visible were deleted.
+    Unsettled,
     /// Too many rows unrecorded: the relay is draining; the round gave up.
     Draining,
     /// The capture was older than the frontier; the round gave up.
@@ -151,6 +155,7 @@ impl PipelineMetrics {
             frontier_age: gauge!(FRONTIER_AGE, "pipeline" => p.clone()),
             held_rows: gauge!(HELD_ROWS, "pipeline" => p.clone()),
             fold_advanced: counter!(FOLD_ROUNDS, "pipeline" => p.clone(), "outcome" => "advanced"),
+            fold_unsettled: counter!(FOLD_ROUNDS, "pipeline" => p.clone(), "outcome" => "unsettled"),
             fold_draining: counter!(FOLD_ROUNDS, "pipeline" => p.clone(), "outcome" => "draining"),
             fold_stale: counter!(FOLD_ROUNDS, "pipeline" => p.clone(), "outcome" => "stale"),
             fold_failed: counter!(FOLD_ROUNDS, "pipeline" => p, "outcome" => "failed"),
@@ -169,6 +174,7 @@ impl PipelineMetrics {
     pub fn fold_round(&self, outcome: FoldOutcome) {
         match outcome {
             FoldOutcome::Advanced => self.fold_advanced.increment(1),
+            FoldOutcome::Unsettled => self.fold_unsettled.increment(1),
             FoldOutcome::Draining => self.fold_draining.increment(1),
             FoldOutcome::Stale => self.fold_stale.increment(1),
             FoldOutcome::Failed => self.fold_failed.increment(1),

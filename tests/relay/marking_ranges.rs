@@ -461,7 +461,8 @@ async fn reads_visit_the_rows_since_the_frontier_not_the_retained_ones() {
         Advance::Advanced {
             held: 0,
             closed: 0,
-            deleted: 1
+            deleted: 1,
+            settled: true
         }
     );
     let (_, before) = read(&db.client, &ranges, &None, 100).await;

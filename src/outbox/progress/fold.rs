@@ -53,6 +53,10 @@ pub enum Advance {
         closed: u64,
         /// Progress rows deleted.
         deleted: u64,
+        /// The capture settled: every progress row up to its own could go
+        /// (otherwise a long transaction kept it from settling, and only
+        /// batches counted visible went).
+        settled: bool,
     },
     /// More rows than the limit are visible in the capture and neither
     /// recorded nor marked: the relay is draining. Nothing was written.
@@ -176,6 +180,7 @@ impl Ranges {
             held,
             closed,
             deleted,
+            settled: target.settled,
         })
     }
 
