@@ -266,7 +266,9 @@ async fn clean_outbox(
     let rows_of = match (config.relay.mark, rows_of) {
         (MarkMode::Delete, _) => return Ok((Cleanup::Skipped(Skip::MarkDelete), false)),
         (MarkMode::None, _) => return Ok((Cleanup::Skipped(Skip::MarkNone), false)),
-        (MarkMode::Update | MarkMode::Ranges, None) => {
+        (MarkMode::Update, None) => return Ok((Cleanup::Skipped(Skip::ByPartition), false)),
+        (MarkMode::Ranges, None) => {
+            prune_frontier(client, batches, cutoff, &Ranges::new(table)).await?;
             return Ok((Cleanup::Skipped(Skip::ByPartition), false));
         }
         (MarkMode::Update | MarkMode::Ranges, Some(rows_of)) => rows_of,
@@ -288,17 +290,29 @@ async fn clean_outbox(
     let ranges = Ranges::new(table);
     let recorded = Target::recorded_rows(&ranges, &rows_of);
     let (more, interrupted) = batches.run(client, &recorded, cutoff, stop).await?;
-    if !batches.dry_run {
-        client
-            .execute(&ranges.prune_frontier_sql(), &[&cutoff])
-            .await
-            .map_err(|e| ranges_failure(&ranges, "pruning the frontier's history", e))?;
-    }
+    prune_frontier(client, batches, cutoff, &ranges).await?;
     let sum = Cleanup::Done {
         rows: cleanup.rows() + more.rows(),
         batches: cleanup.batches() + more.batches(),
     };
     Ok((sum, interrupted))
+}
+
+/// Deletes the frontier history older than the cut-off's frontier (in a
+/// dry run, nothing), in rows and partitions mode alike.
+async fn prune_frontier(
+    client: &Client,
+    batches: &Batches,
+    cutoff: DateTime<Utc>,
+    ranges: &Ranges,
+) -> Result<(), RetentionError> {
+    if !batches.dry_run {
+        client
+            .execute(&ranges.prune_frontier_sql(), &[&cutoff])
+            .await
+            .map_err(|e| ranges_failure(ranges, "pruning the frontier's history", e))?;
+    }
+    Ok(())
 }
 
 /// A failed statement on the tables of ranges: a missing one is a setup

@@ -252,8 +252,23 @@ async fn an_expired_partition_goes_once_every_row_in_it_was_sent_before_the_cuto
         p.dropped.is_empty() && p.kept[0].1.contains("after the retention cutoff"),
         "{report}"
     );
+    // The frontier so far becomes history: the next fold adds a row.
+    let f = ranges.frontier.quoted();
+    db.client
+        .execute(
+            &format!("UPDATE {f} SET folded_at = folded_at - interval '1 minute'"),
+            &[],
+        )
+        .await
+        .unwrap();
     fold(&mut folder, &ranges, Duration::from_secs(5)).await;
+    assert_eq!(db.count(&format!("SELECT count(*) FROM {f}")).await, 2);
     let report = retention::once(&c, &config, false).await.unwrap();
+    assert_eq!(
+        db.count(&format!("SELECT count(*) FROM {f}")).await,
+        1,
+        "partitions mode prunes the history too"
+    );
     let dropped: Vec<String> = report
         .partitions
         .unwrap()
