@@ -374,6 +374,8 @@ async fn check_reports_the_tables_that_record_what_was_sent() {
     db.client
         .batch_execute(&format!(
             "DROP INDEX {};
+             INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'order', 'o', 'created', '{{}}');
              INSERT INTO {} (seqs, recorded_at) VALUES ('{{[1,2)}}', now() - interval '5 minutes')",
             ranges.xid_index,
             ranges.progress.quoted()
