@@ -228,12 +228,31 @@ async fn a_long_transaction_across_the_start_is_not_skipped() {
 /// flight or waiting behind their aggregate, when the next read starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_committed_during_the_start_up_read_come_once_in_order() {
+    committed_during_the_start_up_read("update", "relay_sent_at IS NULL").await;
+}
+
+/// The same with ranges, where the stream takes over once the slot moved
+/// past the backlog instead of after further reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_ranges_events_committed_during_the_start_up_read_come_once_in_order() {
+    committed_during_the_start_up_read(
+        "ranges",
+        "NOT outbox_relay_sent(relay_seq, relay_xid, relay_sent_at)",
+    )
+    .await;
+}
+
+async fn committed_during_the_start_up_read(mark: &str, unsent: &str) {
     let db = TestDb::new().await;
     let broker = RabbitExchange::new().await;
     let toml = set(
-        &cdc_toml(&db.url, &broker.sink_toml()),
-        "relay.max_in_flight",
-        "200",
+        &set(
+            &cdc_toml(&db.url, &broker.sink_toml()),
+            "relay.max_in_flight",
+            "200",
+        ),
+        "relay.mark",
+        &format!("{mark:?}"),
     );
     db.migrate(&parse(&toml)).await;
     let early = backlog(&db, 3_000, 100).await;
@@ -249,7 +268,7 @@ async fn events_committed_during_the_start_up_read_come_once_in_order() {
     loop {
         let early_unsent = db
             .count(&format!(
-                "SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL AND relay_seq <= {last_early}"
+                "SELECT count(*) FROM outbox WHERE {unsent} AND relay_seq <= {last_early}"
             ))
             .await;
         if early_unsent == 0 {

@@ -48,6 +48,10 @@ const REREAD_PAUSE: Duration = Duration::from_millis(20);
 /// Once the slot no longer moves, the stream is opened beside one more
 /// small round, and taken over when it is open: the events committed while
 /// the server sets it up come from the table.
+///
+/// Recording by ranges (`relay.mark = "ranges"`) leaves no marking WAL to
+/// pass: once the first move ends, the stream opens beside the next round,
+/// however large, and takes over from it (see `marks_rows`).
 pub(super) struct TableRead<S> {
     cursor: i64,
     /// Rows handed over, over all rounds.
@@ -156,6 +160,7 @@ impl<B: CdcServer> CdcReader<B> {
 
     /// After a round's last page: another round, or the stream.
     async fn end_round(&mut self) -> Result<(), SourceError> {
+        let marks_rows = self.marks_rows();
         let Phase::TableRead(read) = &mut self.phase else {
             return Ok(());
         };
@@ -166,17 +171,18 @@ impl<B: CdcServer> CdcReader<B> {
             && read.view.settled.is_some()
             && self.settings.messages.is_none();
         // While the stream opens, rounds go on until it is open (then the
-        // slot, which the stream holds, cannot move).
+        // slot, which the stream holds, cannot move). Without marking WAL
+        // to pass, only a move still under way keeps the stream waiting.
         let again = can
             && match opening {
                 Some(open) => !open,
-                None => large || moving || read.unmoved > 0,
+                None => moving || (marks_rows && (large || read.unmoved > 0)),
             };
         if again {
             if !large {
                 tokio::time::sleep(REREAD_PAUSE).await;
             }
-            return self.next_round(large).await;
+            return self.next_round(large && marks_rows).await;
         }
         // Not moving: nothing to wait for. The stream decodes the WAL since
         // the last move, which holds the marking of small reads only.
@@ -187,7 +193,9 @@ impl<B: CdcServer> CdcReader<B> {
             if let Phase::TableRead(read) = &mut self.phase {
                 read.opening = Some(Opening { from, task });
             }
-            tokio::time::sleep(REREAD_PAUSE).await;
+            if !large {
+                tokio::time::sleep(REREAD_PAUSE).await;
+            }
             return self.next_round(false).await;
         }
         self.server.end_table_read().await?;
@@ -270,6 +278,14 @@ impl<B: CdcServer> CdcReader<B> {
             self.advance_to_settled();
         }
         Ok(())
+    }
+
+    /// Whether marking writes WAL per row (`update`, `delete`), which the
+    /// slot is moved past. Recording by ranges writes a row per batch: the
+    /// stream decodes what was committed during a round about as fast as
+    /// another round would read it, so it opens after the first move.
+    fn marks_rows(&self) -> bool {
+        !self.settings.ranges
     }
 
     /// Starts moving the slot to the current view's settled position,
