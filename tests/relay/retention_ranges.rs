@@ -37,6 +37,21 @@ async fn insert(client: &Client, aggregate_type: &str, n: i32) -> Vec<i64> {
         .collect()
 }
 
+/// Inserts one row through the parent of a day-partitioned outbox, with
+/// `created_at` at `day`; returns its `relay_seq`.
+async fn insert_on(client: &Client, day: &str) -> i64 {
+    client
+        .query_one(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at)
+             VALUES (gen_random_uuid(), 'order', 'o-1', 'Happened', '{}', $1::text::timestamptz)
+             RETURNING relay_seq",
+            &[&day],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// Records `seqs` as one confirmed batch, as the relay does.
 async fn record(db: &TestDb, ranges: &Ranges, seqs: &[i64]) {
     db.client
@@ -216,23 +231,8 @@ async fn an_expired_partition_goes_once_every_row_in_it_was_sent_before_the_cuto
     db.migrate(&config).await;
     let ranges = outbox_ranges();
     let mut folder = connect(&db.url).await;
-    let insert_on = |day: &'static str| {
-        let client = &db.client;
-        async move {
-            client
-                .query_one(
-                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at)
-                     VALUES (gen_random_uuid(), 'order', 'o-1', 'Happened', '{}', $1::text::timestamptz)
-                     RETURNING relay_seq",
-                    &[&day],
-                )
-                .await
-                .unwrap()
-                .get::<_, i64>(0)
-        }
-    };
-    let sent = insert_on("2020-01-01 12:00:00+00").await;
-    let unsent = insert_on("2020-01-02 12:00:00+00").await;
+    let sent = insert_on(&db.client, "2020-01-01 12:00:00+00").await;
+    let unsent = insert_on(&db.client, "2020-01-02 12:00:00+00").await;
     record(&db, &ranges, &[sent]).await;
     fold(&mut folder, &ranges, Duration::from_secs(5)).await;
     let c = client(&config).await;
@@ -277,4 +277,66 @@ async fn an_expired_partition_goes_once_every_row_in_it_was_sent_before_the_cuto
         .map(|t| t.name.clone())
         .collect();
     assert_eq!(dropped, ["outbox_unsent"]);
+    // A ranges table gone (the outbox migrated for another mode): the
+    // error says what to run.
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE outbox_later PARTITION OF outbox
+                 FOR VALUES FROM ('2020-01-03 00:00:00+00') TO ('2020-01-04 00:00:00+00');
+             DROP TABLE {}",
+            ranges.held.quoted()
+        ))
+        .await
+        .unwrap();
+    insert_on(&db.client, "2020-01-03 12:00:00+00").await;
+    let err = retention::once(&c, &config, false)
+        .await
+        .expect_err("the held table is gone")
+        .to_string();
+    assert!(
+        err.contains("outbox_relay_held") && err.contains("run outbox-relay migrate"),
+        "{err}"
+    );
+}
+
+/// On a partitioned outbox a `ctid` names a row only within its partition,
+/// so a batch may also delete another partition's row at the same `ctid`,
+/// of a later transaction. The next batch starts after the rows the batch
+/// picked, not after that row: the rows between still go in the same run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_on_a_partitioned_outbox_pass_no_row() {
+    let db = TestDb::new().await;
+    crate::partitions::day_partitioned(
+        &db,
+        &[("outbox_a", "2020-01-01"), ("outbox_b", "2020-01-02")],
+        false,
+    )
+    .await;
+    let toml = set(&base_toml(&db.url, &rabbit_sink()), RANGES.0, RANGES.1);
+    let toml = set(&toml, "retention.batch_size", "1");
+    let config = parse(&toml);
+    db.migrate(&config).await;
+    // The oldest transaction writes outbox_a's first row; the newest
+    // outbox_b's first row, at the same ctid; the one between them commits
+    // last, into outbox_b's second row.
+    let oldest = insert_on(&db.client, "2020-01-01 12:00:00+00").await;
+    let between = connect(&db.url).await;
+    between
+        .batch_execute("BEGIN; SELECT txid_current();")
+        .await
+        .unwrap();
+    let newest = insert_on(&db.client, "2020-01-02 12:00:00+00").await;
+    let middle = insert_on(&between, "2020-01-02 12:00:00+00").await;
+    between.batch_execute("COMMIT").await.unwrap();
+    let same_ctid = db
+        .count("SELECT count(DISTINCT ctid) FROM outbox WHERE ctid = '(0,1)'")
+        .await;
+    assert_eq!(same_ctid, 1, "both first rows at (0,1)");
+    let ranges = outbox_ranges();
+    record(&db, &ranges, &[oldest, newest, middle]).await;
+    let mut folder = connect(&db.url).await;
+    fold(&mut folder, &ranges, Duration::from_secs(5)).await;
+    let report = cleanup(&toml, "\"0s\"", false).await;
+    assert_eq!(report.outbox.rows(), 3, "{report}");
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
 }

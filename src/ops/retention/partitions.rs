@@ -331,7 +331,13 @@ pub async fn drop_expired(
     ranges: Option<&Ranges>,
     dry_run: bool,
 ) -> Result<Outcome, RetentionError> {
-    let failed = |e| DbError::query(format!("dropping partition {partition}"), e);
+    let failed = |e| {
+        let what = format!("dropping partition {partition}");
+        match ranges {
+            Some(ranges) => super::ranges_failure(ranges, &what, e),
+            None => DbError::query(what, e).into(),
+        }
+    };
     // Without a lock first, so a partition that must stay costs no lock.
     if let Some(why) = keep_reason(client, partition, cutoff, ranges)
         .await
@@ -371,7 +377,7 @@ pub async fn drop_expired(
                     "the outbox was locked; the next run tries again".into(),
                 ))
             } else {
-                Err(failed(e).into())
+                Err(failed(e))
             }
         }
     }

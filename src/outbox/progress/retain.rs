@@ -48,20 +48,29 @@ impl Ranges {
     /// `relay_xid` is at least `$3` (text; `'0'` for the first batch), the
     /// oldest transactions first, skipping rows another session has
     /// locked. One row: the number deleted and the highest `relay_xid`
-    /// deleted (text; NULL when none), where the next batch starts.
+    /// of the batch picked (text; NULL when none), where the next batch
+    /// starts.
+    ///
+    /// On a partitioned outbox a `ctid` names a row only within its
+    /// partition, so the DELETE may also take rows of other partitions at
+    /// the same `ctid` (each eligible too: the condition is repeated).
+    /// The next batch therefore starts after the rows picked, not after
+    /// the rows deleted: those may reach further and pass rows not yet
+    /// visited.
     pub fn retention_delete_sql(&self, table: &crate::config::TableName) -> String {
         let t = table.quoted();
         format!(
             "WITH h AS MATERIALIZED ({h}),
+             p AS MATERIALIZED (
+                 SELECT c.ctid, c.{XID_COLUMN} FROM {t} c, h
+                 WHERE c.{XID_COLUMN} >= $3::text::xid8 AND {sent_c}
+                 ORDER BY c.{XID_COLUMN} LIMIT $2 FOR UPDATE OF c SKIP LOCKED),
              d AS (
                  DELETE FROM {t} o USING h
-                 WHERE o.ctid = ANY(ARRAY(
-                           SELECT c.ctid FROM {t} c, h
-                           WHERE c.{XID_COLUMN} >= $3::text::xid8 AND {sent_c}
-                           ORDER BY c.{XID_COLUMN} LIMIT $2 FOR UPDATE OF c SKIP LOCKED))
-                   AND {sent_o}
-                 RETURNING o.{XID_COLUMN})
-             SELECT count(*), (SELECT {XID_COLUMN} FROM d ORDER BY {XID_COLUMN} DESC LIMIT 1)::text FROM d",
+                 WHERE o.ctid = ANY(ARRAY(SELECT ctid FROM p)) AND {sent_o}
+                 RETURNING 1)
+             SELECT (SELECT count(*) FROM d),
+                    (SELECT {XID_COLUMN} FROM p ORDER BY {XID_COLUMN} DESC LIMIT 1)::text",
             h = self.retained_frontier(),
             sent_c = self.sent_by("c"),
             sent_o = self.sent_by("o"),
