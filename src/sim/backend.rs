@@ -157,6 +157,9 @@ impl SimBackend {
             CdcSettings {
                 // Small enough that start-up reads repeat in most schedules.
                 reread_rows: 3,
+                // With ranges, the stream takes over at once or after
+                // moves past a few commits (80 bytes each here).
+                stream_skip_wal: lock(&self.world).rng.u64(0..0x200),
                 ..CdcSettings::from_config(config)
             },
             progress.clone(),

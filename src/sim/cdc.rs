@@ -82,6 +82,10 @@ impl CdcServer for SimCdc {
         Ok(w.slot_confirmed)
     }
 
+    async fn wal_insert_position(&mut self) -> Result<Option<Lsn>, SourceError> {
+        Ok(Some(lock(&self.world).insert_lsn()))
+    }
+
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
         let mut w = lock(&self.world);
         // A snapshot sees every commit before it.

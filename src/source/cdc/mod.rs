@@ -50,7 +50,7 @@ pub use acker::CdcAcker;
 pub use progress::{CdcPosition, Progress};
 pub use server::{CdcServer, CdcStream, PgServer, StreamMessage, TableRow, Timing};
 pub use stream::SharedProgress;
-pub use table_read::REREAD_ROWS;
+pub use table_read::{REREAD_ROWS, STREAM_SKIP_WAL};
 
 use super::{Reader, SourceError, SourcedEvent};
 use crate::config::{Config, MarkMode};
@@ -102,6 +102,10 @@ pub struct CdcSettings {
     /// A start-up read that handed over this many rows is repeated
     /// ([`REREAD_ROWS`]).
     pub reread_rows: u64,
+    /// With ranges, WAL ahead of the slot that the stream may decode and
+    /// skip when it takes over from the start-up read, in bytes
+    /// ([`STREAM_SKIP_WAL`]).
+    pub stream_skip_wal: u64,
 }
 
 impl CdcSettings {
@@ -126,6 +130,7 @@ impl CdcSettings {
             messages: cdc.message_prefix(table),
             report_every: config.relay.max_in_flight as u64,
             reread_rows: REREAD_ROWS,
+            stream_skip_wal: STREAM_SKIP_WAL,
         }
     }
 }

@@ -64,6 +64,14 @@ pub trait CdcServer: Send + 'static {
     fn begin_table_read(&mut self)
     -> impl Future<Output = Result<StartupView, SourceError>> + Send;
 
+    /// The WAL insert position now, when the server can say: how much WAL a
+    /// stream opened now would decode before new commits. `None` by default.
+    fn wal_insert_position(
+        &mut self,
+    ) -> impl Future<Output = Result<Option<Lsn>, SourceError>> + Send {
+        async { Ok(None) }
+    }
+
     /// Best effort: writes a position the server can restart decoding from
     /// (see [`setup::write_restart_point`]), before a view the slot is
     /// moved to. Nothing where decoding has no restart position.
@@ -401,6 +409,15 @@ impl CdcServer for PgServer {
             until,
             settled,
         })
+    }
+
+    async fn wal_insert_position(&mut self) -> Result<Option<Lsn>, SourceError> {
+        let row = self
+            .client
+            .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+            .await
+            .map_err(|e| DbError::query("reading the WAL insert position", e))?;
+        parse_lsn(&row.get::<_, String>(0)).map(Some)
     }
 
     async fn write_restart_point(&mut self) {

@@ -22,6 +22,12 @@ const MAX_REREADS: u32 = 100;
 /// Pause before a small read that only waits out the slot's move.
 const REREAD_PAUSE: Duration = Duration::from_millis(20);
 
+/// With ranges, WAL a stream opened at the end of a round may decode and
+/// skip (the writers' commits during the rounds, already read from the
+/// table) before new commits, in bytes; more is passed by a move first.
+/// About 5,000 small events, tens of milliseconds of decoding.
+pub const STREAM_SKIP_WAL: u64 = 4 << 20;
+
 /// The start-up read, in one or more rounds.
 ///
 /// Each round reads, in `relay_seq` order, the unsent rows of one snapshot.
@@ -51,7 +57,10 @@ const REREAD_PAUSE: Duration = Duration::from_millis(20);
 ///
 /// Recording by ranges (`relay.mark = "ranges"`) leaves no marking WAL to
 /// pass: once the first move ends, the stream opens beside the next round,
-/// however large, and takes over from it (see `marks_rows`).
+/// however large, and takes over from it (see `marks_rows`), unless the
+/// writers' own commits since the slot's position are more WAL than the
+/// stream should decode first ([`STREAM_SKIP_WAL`]): then a move passes
+/// them, as after a large round with `update`.
 pub(super) struct TableRead<S> {
     cursor: i64,
     /// Rows handed over, over all rounds.
@@ -160,29 +169,41 @@ impl<B: CdcServer> CdcReader<B> {
 
     /// After a round's last page: another round, or the stream.
     async fn end_round(&mut self) -> Result<(), SourceError> {
-        let marks_rows = self.marks_rows();
         let Phase::TableRead(read) = &mut self.phase else {
             return Ok(());
         };
-        let moving = read.advance.as_ref().is_some_and(|a| !a.task.is_finished());
         let large = read.round_rows >= self.settings.reread_rows;
         let opening = read.opening.as_ref().map(|o| o.task.is_finished());
         let can = read.rereads < MAX_REREADS
             && read.view.settled.is_some()
             && self.settings.messages.is_none();
+        if read.advance.as_ref().is_some_and(|a| a.task.is_finished()) {
+            // Its position counts for the WAL ahead.
+            self.finish_advance().await;
+        }
+        let moving = matches!(&self.phase, Phase::TableRead(r) if r.advance.is_some());
+        let pass = if self.marks_rows() {
+            large
+        } else if can && !moving && opening.is_none() {
+            self.writers_wal_ahead().await?
+        } else {
+            false
+        };
+        let Phase::TableRead(read) = &mut self.phase else {
+            return Ok(());
+        };
         // While the stream opens, rounds go on until it is open (then the
-        // slot, which the stream holds, cannot move). Without marking WAL
-        // to pass, only a move still under way keeps the stream waiting.
+        // slot, which the stream holds, cannot move).
         let again = can
             && match opening {
                 Some(open) => !open,
-                None => moving || (marks_rows && (large || read.unmoved > 0)),
+                None => pass || moving || read.unmoved > 0,
             };
         if again {
             if !large {
                 tokio::time::sleep(REREAD_PAUSE).await;
             }
-            return self.next_round(large && marks_rows).await;
+            return self.next_round(pass).await;
         }
         // Not moving: nothing to wait for. The stream decodes the WAL since
         // the last move, which holds the marking of small reads only.
@@ -198,6 +219,12 @@ impl<B: CdcServer> CdcReader<B> {
             }
             return self.next_round(false).await;
         }
+        self.take_over().await
+    }
+
+    /// The last round is done: the stream takes over, skipping what the
+    /// last snapshot saw.
+    async fn take_over(&mut self) -> Result<(), SourceError> {
         self.server.end_table_read().await?;
         let flushed = {
             let mut p = lock(&self.progress);
@@ -234,6 +261,20 @@ impl<B: CdcServer> CdcReader<B> {
         };
         self.phase = Phase::Streaming(Box::new(streaming));
         Ok(())
+    }
+
+    /// With ranges: whether the writers' own commits since the slot's
+    /// position are more WAL than a stream opened now should decode and
+    /// skip before new commits (`stream_skip_wal`, [`STREAM_SKIP_WAL`]
+    /// bytes); a move passes them
+    /// first, as it passes a large round's marking with `update`. A server
+    /// that cannot say: no.
+    async fn writers_wal_ahead(&mut self) -> Result<bool, SourceError> {
+        let Some(now) = self.server.wal_insert_position().await? else {
+            return Ok(false);
+        };
+        let from = lock(&self.progress).flushed();
+        Ok(now.0.saturating_sub(from.0) > self.settings.stream_skip_wal)
     }
 
     /// A new snapshot for the events committed during the previous round;
