@@ -329,9 +329,9 @@ async fn batches_on_a_partitioned_outbox_pass_no_row() {
     let middle = insert_on(&between, "2020-01-02 12:00:00+00").await;
     between.batch_execute("COMMIT").await.unwrap();
     let same_ctid = db
-        .count("SELECT count(DISTINCT ctid) FROM outbox WHERE ctid = '(0,1)'")
+        .count("SELECT count(*) FROM outbox WHERE ctid = '(0,1)'")
         .await;
-    assert_eq!(same_ctid, 1, "both first rows at (0,1)");
+    assert_eq!(same_ctid, 2, "both partitions' first rows at (0,1)");
     let ranges = outbox_ranges();
     record(&db, &ranges, &[oldest, newest, middle]).await;
     let mut folder = connect(&db.url).await;

@@ -74,10 +74,16 @@ impl Ranges {
     }
 
     /// What to tell the operator when a statement on these tables failed
-    /// because one does not exist (`42P01`): an outbox migrated for another
-    /// mode, or a table dropped. `None` for any other error.
+    /// because one does not exist (`42P01` naming one of them): an outbox
+    /// migrated for another mode, or a table dropped. `None` for any other
+    /// error (another missing relation included).
     pub fn missing_table_problem(&self, e: &tokio_postgres::Error) -> Option<String> {
-        (e.code().map(|c| c.code()) == Some("42P01")).then(|| {
+        let names_one = e.as_db_error().is_some_and(|db| {
+            [&self.progress, &self.frontier, &self.held]
+                .iter()
+                .any(|t| db.message().contains(&format!("{}\"", t.name)))
+        });
+        (e.code().map(|c| c.code()) == Some("42P01") && names_one).then(|| {
             format!(
                 "relay.mark = \"ranges\" reads what was sent from {}, {} and {} ({}): run outbox-relay migrate",
                 self.progress,
