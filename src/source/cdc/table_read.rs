@@ -282,6 +282,7 @@ impl<B: CdcServer> CdcReader<B> {
     /// Small reads leave their WAL to the stream: each move costs a
     /// restart point and a decode from it.
     async fn next_round(&mut self, large: bool) -> Result<(), SourceError> {
+        let marks_rows = self.marks_rows();
         let Phase::TableRead(read) = &mut self.phase else {
             return Ok(());
         };
@@ -310,7 +311,9 @@ impl<B: CdcServer> CdcReader<B> {
         );
         if moves {
             // The marking of the round just read comes after this view.
-            read.unmoved = u32::from(large);
+            // With ranges, the move passes everything before the view; what
+            // the writers add after it is weighed again at a round's end.
+            read.unmoved = u32::from(large && marks_rows);
         }
         if read.advance.as_ref().is_some_and(|a| a.task.is_finished()) {
             self.finish_advance().await;
