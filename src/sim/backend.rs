@@ -6,7 +6,7 @@ use super::db::{SimPolling, SimStore};
 use super::sink::SimSink;
 use super::world::{Shared, lock};
 use crate::config::ColumnMap;
-use crate::config::{Config, SourceMode};
+use crate::config::{Config, MarkMode, SourceMode};
 use crate::envelope::Envelope;
 use crate::relay::handoff::Takeover;
 use crate::relay::pipeline::{self, Drained, Settings};
@@ -158,8 +158,13 @@ impl SimBackend {
                 // Small enough that start-up reads repeat in most schedules.
                 reread_rows: 3,
                 // With ranges, the stream takes over at once or after
-                // moves past a few commits (80 bytes each here).
-                stream_skip_wal: lock(&self.world).rng.u64(0..0x200),
+                // moves past a few commits (80 bytes each here). Drawn for
+                // ranges only, so the other modes' schedules stay as they were.
+                stream_skip_wal: if config.relay.mark == MarkMode::Ranges {
+                    lock(&self.world).rng.u64(0..0x200)
+                } else {
+                    crate::source::cdc::STREAM_SKIP_WAL
+                },
                 ..CdcSettings::from_config(config)
             },
             progress.clone(),

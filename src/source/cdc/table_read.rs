@@ -72,6 +72,8 @@ pub(super) struct TableRead<S> {
     /// Large rounds since the slot last started to move: the WAL of their
     /// marking is still to be passed.
     unmoved: u32,
+    /// With ranges, the WAL ahead of the slot when last weighed, in bytes.
+    ahead: Option<u64>,
     view: StartupView,
     /// The previous round's snapshot: rows it saw were read then.
     seen: Option<Snapshot>,
@@ -120,6 +122,7 @@ impl<S> TableRead<S> {
             round_rows: 0,
             rereads: 0,
             unmoved: 0,
+            ahead: None,
             view,
             seen: None,
             advance: None,
@@ -267,14 +270,21 @@ impl<B: CdcServer> CdcReader<B> {
     /// position are more WAL than a stream opened now should decode and
     /// skip before new commits (`stream_skip_wal`, [`STREAM_SKIP_WAL`]
     /// bytes); a move passes them
-    /// first, as it passes a large round's marking with `update`. A server
-    /// that cannot say: no.
+    /// first, as it passes a large round's marking with `update`. Not when
+    /// it did not shrink since it was last weighed: writers that fill the
+    /// WAL as fast as moves pass it would keep the stream waiting for
+    /// every round there is. A server that cannot say: no.
     async fn writers_wal_ahead(&mut self) -> Result<bool, SourceError> {
         let Some(now) = self.server.wal_insert_position().await? else {
             return Ok(false);
         };
-        let from = lock(&self.progress).flushed();
-        Ok(now.0.saturating_sub(from.0) > self.settings.stream_skip_wal)
+        let ahead = now.0.saturating_sub(lock(&self.progress).flushed().0);
+        let Phase::TableRead(read) = &mut self.phase else {
+            return Ok(false);
+        };
+        let shrank = read.ahead.is_none_or(|before| ahead < before);
+        read.ahead = Some(ahead);
+        Ok(shrank && ahead > self.settings.stream_skip_wal)
     }
 
     /// A new snapshot for the events committed during the previous round;
