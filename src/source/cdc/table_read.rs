@@ -269,8 +269,8 @@ impl<B: CdcServer> CdcReader<B> {
     /// With ranges: whether the writers' own commits since the slot's
     /// position are more WAL than a stream opened now should decode and
     /// skip before new commits (`stream_skip_wal`, [`STREAM_SKIP_WAL`]
-    /// bytes); a move passes them
-    /// first, as it passes a large round's marking with `update`. Not when
+    /// bytes); a move passes them first, as it passes a large round's
+    /// marking with `update`. Not when
     /// it did not shrink since it was last weighed: writers that fill the
     /// WAL as fast as moves pass it would keep the stream waiting for
     /// every round there is. A server that cannot say: no.
@@ -337,7 +337,8 @@ impl<B: CdcServer> CdcReader<B> {
     /// Whether marking writes WAL per row (`update`, `delete`), which the
     /// slot is moved past. Recording by ranges writes a row per batch: the
     /// stream decodes what was committed during a round about as fast as
-    /// another round would read it, so it opens after the first move.
+    /// another round would read it, so it opens after the first move unless
+    /// much WAL lies ahead (`writers_wal_ahead`).
     fn marks_rows(&self) -> bool {
         !self.settings.ranges
     }
