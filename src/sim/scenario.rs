@@ -33,8 +33,6 @@ pub struct Totals {
     pub clean_takeovers: u64,
     /// Stops not recorded as clean.
     pub unclean_stops: u64,
-    /// CDC starts that read by the view saved at a stop.
-    pub saved_view_starts: u64,
     pub simulated: Duration,
 }
 
@@ -48,7 +46,6 @@ impl Totals {
         self.switches += t.switches;
         self.clean_takeovers += t.clean_takeovers;
         self.unclean_stops += t.unclean_stops;
-        self.saved_view_starts += t.saved_view_starts;
         self.simulated += t.simulated;
     }
 }
@@ -57,7 +54,7 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} CDC starts by a saved view, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
@@ -66,7 +63,6 @@ impl fmt::Display for Totals {
             self.switches,
             self.clean_takeovers,
             self.unclean_stops,
-            self.saved_view_starts,
             self.simulated.as_secs_f64() / 60.0
         )
     }
@@ -113,7 +109,6 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
             switches: u64::from(w.switches),
             clean_takeovers: u64::from(w.clean_takeovers),
             unclean_stops: u64::from(w.unclean_stops),
-            saved_view_starts: u64::from(w.saved_view_starts),
             simulated: outcome.unwrap_or_default(),
         });
     }

@@ -54,7 +54,7 @@ async fn marking_waits_until_a_streamed_transaction_is_visible() {
 }
 
 /// Commits `n` events of aggregate `agg` in transactions of `per_tx`; returns their ids in order.
-pub async fn backlog(db: &TestDb, n: i64, per_tx: i64) -> Vec<String> {
+async fn backlog(db: &TestDb, n: i64, per_tx: i64) -> Vec<String> {
     let mut ids = Vec::new();
     for start in (0..n).step_by(per_tx as usize) {
         let rows = db

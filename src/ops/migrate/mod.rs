@@ -446,13 +446,6 @@ async fn cdc_steps(
         steps.extend(emit::step(client, table, prefix).await?);
     }
     steps.extend(publication_step(client, table, cdc, partitioned).await?);
-    let slots = crate::source::cdc::saved::slots_table(table);
-    if table_info(client, &slots).await?.is_none() {
-        steps.push(Step::new(
-            format!("create {slots}, where a clean stop saves what the next start need not read"),
-            crate::source::cdc::saved::create_sql(&slots),
-        ));
-    }
     if cdc.slot_now && setup::slot_info(client, &cdc.slot).await?.is_none() {
         if !setup::can_replicate(client).await? {
             return Err(MigrateError::Prerequisite(format!(

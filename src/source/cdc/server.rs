@@ -61,36 +61,8 @@ pub trait CdcServer: Send + 'static {
     /// is still open): one snapshot for the whole round; returns it
     /// with the WAL insert position read just after it was taken and, when
     /// it could be established, the settled position (see [`StartupView`]).
-    ///
-    /// With `within`, only the rows of transactions that snapshot saw
-    /// committed (a saved view's, see [`super::saved`]), and no settled
-    /// position is looked for.
-    fn begin_table_read(
-        &mut self,
-        within: Option<Snapshot>,
-    ) -> impl Future<Output = Result<StartupView, SourceError>> + Send;
-
-    /// The view saved at the last clean stop, taken out of where it was
-    /// saved, when a start may read by it (see [`super::saved::take`]);
-    /// the slot is at `slot_at`. `None` by default.
-    fn take_saved_view(
-        &mut self,
-        slot_at: Lsn,
-    ) -> impl Future<Output = Result<Option<StartupView>, SourceError>> + Send {
-        let _ = slot_at;
-        async { Ok(None) }
-    }
-
-    /// Saves a view taken now with `flushed`, before the slot is told it
-    /// (see [`super::saved::save`]), once every transaction committed
-    /// before it is seen by it; false when nothing was saved (the default).
-    fn save_view(
-        &mut self,
-        flushed: Lsn,
-    ) -> impl Future<Output = Result<bool, SourceError>> + Send {
-        let _ = flushed;
-        async { Ok(false) }
-    }
+    fn begin_table_read(&mut self)
+    -> impl Future<Output = Result<StartupView, SourceError>> + Send;
 
     /// The WAL insert position now, when the server can say: how much WAL a
     /// stream opened now would decode before new commits. `None` by default.
@@ -398,22 +370,15 @@ impl CdcServer for PgServer {
         self.open_slot(info).await
     }
 
-    async fn begin_table_read(
-        &mut self,
-        within: Option<Snapshot>,
-    ) -> Result<StartupView, SourceError> {
+    async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
         if std::mem::take(&mut self.snapshot_open) {
             self.client
                 .batch_execute("COMMIT")
                 .await
                 .map_err(|e| DbError::query("ending a start-up read", e))?;
         }
-        let settled = match within {
-            Some(_) => None,
-            None => self.settled_position().await?,
-        };
+        let settled = self.settled_position().await?;
         self.startup_rows.next_round();
-        self.startup_rows.within(within)?;
         // The read waits while the broker catches up, so a server-wide
         // idle-in-transaction timeout must not end it.
         self.client
@@ -444,24 +409,6 @@ impl CdcServer for PgServer {
             until,
             settled,
         })
-    }
-
-    async fn take_saved_view(&mut self, slot_at: Lsn) -> Result<Option<StartupView>, SourceError> {
-        super::saved::take(&self.client, &self.table, &self.settings.slot, slot_at).await
-    }
-
-    async fn save_view(&mut self, flushed: Lsn) -> Result<bool, SourceError> {
-        // Like a start-up read's: every transaction committed before the
-        // view's snapshot is seen by it (else the next start would read a
-        // later commit of an aggregate before the stream delivered an
-        // earlier one).
-        if self.settled_position().await?.is_none() {
-            tracing::info!(
-                "a transaction ran on at the stop: no view saved; the next start reads every unsent row"
-            );
-            return Ok(false);
-        }
-        super::saved::save(&self.client, &self.table, &self.settings.slot, flushed).await
     }
 
     async fn wal_insert_position(&mut self) -> Result<Option<Lsn>, SourceError> {

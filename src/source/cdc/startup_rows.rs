@@ -33,9 +33,8 @@ const XID_INDEX: usize = 1 + ROW_WIDTH;
 /// How the start-up read finds unsent rows.
 pub(super) enum StartupRows {
     /// `relay_sent_at IS NULL` (`$1` the cursor, `$2` the page's size,
-    /// `$3` its bytes), of the transactions the snapshot `$4` saw
-    /// committed when it is set (a saved view, `within`).
-    Marked(Statement, Option<String>),
+    /// `$3` its bytes).
+    Marked(Statement),
     Ranges(RangesRead),
 }
 
@@ -82,14 +81,12 @@ impl StartupRows {
         if !ranges {
             let sql = capped(
                 format!(
-                    "SELECT {cols} FROM {} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1 \
-                     AND ($4::text IS NULL OR pg_visible_in_snapshot({XID_COLUMN}, $4::text::pg_snapshot)) \
-                     ORDER BY {SEQ_COLUMN} LIMIT $2",
+                    "SELECT {cols} FROM {} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1 ORDER BY {SEQ_COLUMN} LIMIT $2",
                     table.quoted()
                 ),
                 "$3",
             );
-            return Ok(StartupRows::Marked(prepare(sql).await?, None));
+            return Ok(StartupRows::Marked(prepare(sql).await?));
         }
         let sql = Ranges::new(table).read_sql_wrapped(&cols, "", &capped);
         Ok(StartupRows::Ranges(RangesRead {
@@ -105,7 +102,7 @@ impl StartupRows {
     /// ([`read::READER_SESSION`]), for this transaction only.
     pub(super) fn transaction_settings(&self) -> String {
         match self {
-            StartupRows::Marked(..) => String::new(),
+            StartupRows::Marked(_) => String::new(),
             StartupRows::Ranges(_) => read::READER_SESSION.replace("SET ", "SET LOCAL "),
         }
     }
@@ -114,25 +111,6 @@ impl StartupRows {
     pub(super) fn restart(&mut self) {
         if let StartupRows::Ranges(r) = self {
             (r.base, r.head) = (None, None);
-        }
-    }
-
-    /// The round reads only the rows of transactions `snapshot` saw
-    /// committed (a saved view), or, with `None`, every unsent row. Ranges
-    /// go by the frontier: a saved view is refused.
-    pub(super) fn within(
-        &mut self,
-        snapshot: Option<super::snapshot::Snapshot>,
-    ) -> Result<(), SourceError> {
-        match (self, snapshot) {
-            (StartupRows::Marked(_, within), snapshot) => {
-                *within = snapshot.map(|s| s.to_string());
-                Ok(())
-            }
-            (StartupRows::Ranges(_), None) => Ok(()),
-            (StartupRows::Ranges(_), Some(_)) => Err(SourceError::Setup(
-                "a saved view cannot restrict a start-up read by ranges".into(),
-            )),
         }
     }
 
@@ -157,8 +135,8 @@ impl StartupRows {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
         let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
         let r = match self {
-            StartupRows::Marked(statement, within) => {
-                let params: [&(dyn ToSql + Sync); 4] = [&after, &limit, &bytes, &*within];
+            StartupRows::Marked(statement) => {
+                let params: [&(dyn ToSql + Sync); 3] = [&after, &limit, &bytes];
                 return each_row(client, statement, &params, |row| table_row(row, 0))
                     .await
                     .map_err(|e| DbError::query("reading unsent rows at start-up", e).into());

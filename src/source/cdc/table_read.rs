@@ -306,7 +306,7 @@ impl<B: CdcServer> CdcReader<B> {
         if moves {
             self.server.write_restart_point().await;
         }
-        let view = self.server.begin_table_read(None).await?;
+        let view = self.server.begin_table_read().await?;
         let Phase::TableRead(read) = &mut self.phase else {
             return Ok(());
         };
