@@ -25,8 +25,10 @@
 //! marked and WAL acknowledged only after the broker confirmed, no
 //! publishing by an old owner once a new one published, no old owner's
 //! message landing after a new owner's of the same key, duplicates within
-//! the window per incident, dead letters only for events the broker
-//! refused `max_attempts` times (or that follow such a letter), never
+//! the window per incident and none from a clean stop beyond what only the
+//! WAL records and the slot could not be told, dead letters only for
+//! events the broker refused `max_attempts` times (or that follow such a
+//! letter), never
 //! for back-pressure or a replay, and liveness (every refused event ends
 //! delivered or dead-lettered; everything flows once the broker is fixed;
 //! then the CDC slot holds no WAL back).

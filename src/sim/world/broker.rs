@@ -7,12 +7,18 @@ use super::*;
 #[derive(Debug, Clone)]
 pub struct Delivery {
     pub event_id: String,
+    /// The reign of the instance that sent it.
+    pub reign: u64,
+    /// [`World::repeat_causes`] when it was sent.
+    pub causes: u32,
 }
 
 pub(super) struct BrokerMsg {
     conn: u64,
     /// The ownership reign of the instance that sent it.
     reign: u64,
+    /// [`World::repeat_causes`] when it was sent.
+    causes: u32,
     event_id: String,
     topic: String,
     key: String,
@@ -39,6 +45,12 @@ impl World {
     /// first such event is pinned, and [`World::repeats_behind_pins`]
     /// counts them in the end. With marking, rows confirmed after it are
     /// marked and not repeated.
+    /// What may make the relay send an event again: incidents, and stops
+    /// that were not clean (something they sent may be unconfirmed).
+    pub fn repeat_causes(&self) -> u32 {
+        self.incidents + self.unclean_stops
+    }
+
     pub fn incident(&mut self) {
         self.incidents += 1;
         let delivered: BTreeSet<&str> = self
@@ -192,9 +204,11 @@ impl World {
             self.incident();
         }
         let (tx, rx) = oneshot::channel();
+        let causes = self.repeat_causes();
         self.inflight.push(BrokerMsg {
             conn,
             reign,
+            causes,
             event_id: event_id.to_owned(),
             topic,
             key: key.to_owned(),
@@ -297,6 +311,8 @@ impl World {
         ));
         self.deliveries.push(Delivery {
             event_id: m.event_id.clone(),
+            reign: m.reign,
+            causes: m.causes,
         });
         let partition = (m.topic.clone(), m.key.clone());
         let newest = self.landed_reign.entry(partition).or_insert(m.reign);

@@ -194,6 +194,8 @@ pub struct World {
     claimed: Option<u64>,
     stopped_cleanly: Option<u64>,
     pub clean_takeovers: u32,
+    /// Clean stops recorded, in order.
+    pub clean_stops: Vec<CleanStop>,
     /// Stops not recorded as clean: messages of this or an earlier owner
     /// may still land.
     pub unclean_stops: u32,
@@ -242,6 +244,21 @@ pub struct World {
     trace: bool,
 }
 
+/// A clean stop: the events delivered before it must not be delivered
+/// again by a later owner unless something may repeat them since.
+#[derive(Debug, Clone)]
+pub struct CleanStop {
+    pub reign: u64,
+    /// [`World::repeat_causes`] at the stop.
+    pub causes: u32,
+    /// Deliveries before it.
+    pub deliveries: usize,
+    /// The slot's confirmed position then: it cannot pass an event the
+    /// relay had not sent, so events whose only record is the WAL,
+    /// committed from there on, are repeated from the stream.
+    pub slot: Lsn,
+}
+
 /// Lines of history kept for a failure report.
 const LOG_LINES: usize = 20_000;
 
@@ -282,6 +299,7 @@ impl World {
             claimed: None,
             stopped_cleanly: None,
             clean_takeovers: 0,
+            clean_stops: Vec::new(),
             unclean_stops: 0,
             reign_instance: BTreeMap::new(),
             stopping: BTreeSet::new(),
@@ -521,6 +539,12 @@ impl World {
         if self.claimed == Some(reign) {
             self.stopped_cleanly = Some(reign);
             self.note(format!("reign {reign} stopped cleanly"));
+            self.clean_stops.push(CleanStop {
+                reign,
+                causes: self.repeat_causes(),
+                deliveries: self.deliveries.len(),
+                slot: self.slot_confirmed,
+            });
         }
     }
 
