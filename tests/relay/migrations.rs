@@ -44,7 +44,8 @@ pub fn files_for(mode: Mode) -> Vec<(String, String)> {
 }
 
 /// The files for `mode`, then those of the optional folders `extra`
-/// (`notify`: wake-ups; `messages`: `source.cdc.messages`).
+/// (`notify`: wake-ups; `messages`: `source.cdc.messages`; `ranges`: the
+/// experimental `relay.mark = "ranges"`).
 pub fn files_with(mode: Mode, extra: &[&str]) -> Vec<(String, String)> {
     let mut files = migration_files("");
     assert!(
@@ -130,6 +131,9 @@ async fn files_match_migrate(mode: Mode, extra: &[&str], left: &[&str]) {
         if extra.contains(&"notify") {
             toml = set(&toml, "source.polling.notify", "true");
         }
+        if extra.contains(&"ranges") {
+            toml = set(&toml, "relay.mark", "\"ranges\"");
+        }
         toml
     };
     let files_config = write_config(&config(&by_files.url));
@@ -209,4 +213,9 @@ async fn the_files_make_what_migrate_makes_for_logical_messages_but_the_slot() {
         &["create logical replication slot"],
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_files_make_what_migrate_makes_for_ranges() {
+    files_match_migrate(Mode::Polling, &["ranges"], &[]).await;
 }
