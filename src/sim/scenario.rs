@@ -99,6 +99,7 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
         problems.push(e.clone());
     }
     problems.extend(check::finally(&w, &params));
+    problems.extend(check::nothing_repeated_after_a_clean_stop(&w));
     if problems.is_empty() {
         return Ok(Totals {
             schedules: 1,
