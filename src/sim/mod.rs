@@ -28,10 +28,9 @@
 //! the window per incident and none from a clean stop beyond what only the
 //! WAL records and the slot could not be told, dead letters only for
 //! events the broker refused `max_attempts` times (or that follow such a
-//! letter), never
-//! for back-pressure or a replay, and liveness (every refused event ends
-//! delivered or dead-lettered; everything flows once the broker is fixed;
-//! then the CDC slot holds no WAL back).
+//! letter), never for back-pressure or a replay, and liveness (every
+//! refused event ends delivered or dead-lettered; everything flows once
+//! the broker is fixed; then the CDC slot holds no WAL back).
 
 mod backend;
 mod cdc;

@@ -36,6 +36,12 @@ pub(super) struct PendingConfirm {
 }
 
 impl World {
+    /// What may make the relay send an event again: incidents, and stops
+    /// that were not clean (something they sent may be unconfirmed).
+    pub fn repeat_causes(&self) -> u32 {
+        self.incidents + self.unclean_stops
+    }
+
     /// An incident: it may repeat up to a window of events (two without
     /// marking). An event whose only record is the WAL (every event without
     /// marking; a logical message with it) that waits for its confirmation,
@@ -45,12 +51,6 @@ impl World {
     /// first such event is pinned, and [`World::repeats_behind_pins`]
     /// counts them in the end. With marking, rows confirmed after it are
     /// marked and not repeated.
-    /// What may make the relay send an event again: incidents, and stops
-    /// that were not clean (something they sent may be unconfirmed).
-    pub fn repeat_causes(&self) -> u32 {
-        self.incidents + self.unclean_stops
-    }
-
     pub fn incident(&mut self) {
         self.incidents += 1;
         let delivered: BTreeSet<&str> = self
