@@ -257,6 +257,10 @@ pub struct CleanStop {
     /// relay had not sent, so events whose only record is the WAL,
     /// committed from there on, are repeated from the stream.
     pub slot: Lsn,
+    /// Events left for a later owner: rows still unsent in the table
+    /// (with marking; one delivered before a crash of an earlier owner is
+    /// sent again, as that incident allows) and open dead letters.
+    pub pending: BTreeSet<String>,
 }
 
 /// Lines of history kept for a failure report.
@@ -539,11 +543,20 @@ impl World {
         if self.claimed == Some(reign) {
             self.stopped_cleanly = Some(reign);
             self.note(format!("reign {reign} stopped cleanly"));
+            // Rows the table still names unsent (with marking) and open
+            // letters are sent by a later owner, repeats or not.
+            let pending = self
+                .unsent()
+                .filter(|_| self.marks_rows)
+                .map(|r| r.id.clone())
+                .chain(self.open_letters().map(|l| l.event_id.clone()))
+                .collect();
             self.clean_stops.push(CleanStop {
                 reign,
                 causes: self.repeat_causes(),
                 deliveries: self.deliveries.len(),
                 slot: self.slot_confirmed,
+                pending,
             });
         }
     }
