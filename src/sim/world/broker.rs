@@ -13,6 +13,25 @@ pub struct Delivery {
     pub causes: u32,
 }
 
+/// A clean stop: the events delivered before it must not be delivered
+/// again by a later owner unless something may repeat them since.
+#[derive(Debug, Clone)]
+pub struct CleanStop {
+    pub reign: u64,
+    /// [`World::repeat_causes`] at the stop.
+    pub causes: u32,
+    /// Deliveries before it.
+    pub deliveries: usize,
+    /// The slot's confirmed position then: it cannot pass an event the
+    /// relay had not sent, so events whose only record is the WAL,
+    /// committed from there on, are repeated from the stream.
+    pub slot: Lsn,
+    /// Events left for a later owner: rows still unsent in the table
+    /// (with marking; one delivered before a crash of an earlier owner is
+    /// sent again, as that incident allows) and open dead letters.
+    pub pending: BTreeSet<String>,
+}
+
 pub(super) struct BrokerMsg {
     conn: u64,
     /// The ownership reign of the instance that sent it.

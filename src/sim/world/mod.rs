@@ -19,8 +19,8 @@ use tokio::time::Instant;
 mod broker;
 mod slot;
 
-pub use broker::Delivery;
 use broker::{BrokerMsg, PendingConfirm};
+pub use broker::{CleanStop, Delivery};
 
 pub type Shared = Arc<Mutex<World>>;
 
@@ -242,25 +242,6 @@ pub struct World {
     pub log: VecDeque<String>,
     /// `OUTBOX_RELAY_SIM_TRACE`: notes are also logged as they happen.
     trace: bool,
-}
-
-/// A clean stop: the events delivered before it must not be delivered
-/// again by a later owner unless something may repeat them since.
-#[derive(Debug, Clone)]
-pub struct CleanStop {
-    pub reign: u64,
-    /// [`World::repeat_causes`] at the stop.
-    pub causes: u32,
-    /// Deliveries before it.
-    pub deliveries: usize,
-    /// The slot's confirmed position then: it cannot pass an event the
-    /// relay had not sent, so events whose only record is the WAL,
-    /// committed from there on, are repeated from the stream.
-    pub slot: Lsn,
-    /// Events left for a later owner: rows still unsent in the table
-    /// (with marking; one delivered before a crash of an earlier owner is
-    /// sent again, as that incident allows) and open dead letters.
-    pub pending: BTreeSet<String>,
 }
 
 /// Lines of history kept for a failure report.
