@@ -29,7 +29,7 @@ fn lost_session() -> SourceError {
 /// arrives. A session that ends meanwhile may take the answer with it: the
 /// statement took effect, and the relay sees an error (a commit whose reply
 /// was lost).
-async fn latency(world: &Shared) {
+pub(super) async fn latency(world: &Shared) {
     let d = {
         let mut w = lock(world);
         if w.rng.u32(0..400) == 0 {
@@ -81,7 +81,8 @@ impl SimStore {
     }
 }
 
-/// Marks the unsent rows of `seqs`; returns how many it changed.
+/// Marks the unsent rows of `seqs` (with ranges, records them as one
+/// progress row); returns how many it changed.
 fn mark_rows(w: &mut super::world::World, mark: MarkMode, seqs: &[i64], check: bool) -> u64 {
     let mut changed = 0;
     for seq in seqs {
@@ -90,7 +91,7 @@ fn mark_rows(w: &mut super::world::World, mark: MarkMode, seqs: &[i64], check: b
             .get(seq)
             // A progress row names its rows whether or not their
             // transaction is visible yet; a mark updates visible rows only.
-            .filter(|r| !r.sent && (mark == MarkMode::Ranges || !w.unseen.contains(&r.xid)))
+            .filter(|r| !w.is_sent(r) && (mark == MarkMode::Ranges || !w.unseen.contains(&r.xid)))
         else {
             continue;
         };
@@ -101,12 +102,7 @@ fn mark_rows(w: &mut super::world::World, mark: MarkMode, seqs: &[i64], check: b
             ));
         }
         match mark {
-            // Recorded rows count as sent, as a mark would. The fold is not
-            // modelled: it only compacts what the progress rows say (its
-            // SQL is proven against PostgreSQL in
-            // tests/relay/marking_ranges.rs), and the simulated readers ask
-            // `sent` where the SQL ones evaluate the predicate.
-            MarkMode::Update | MarkMode::Ranges => {
+            MarkMode::Update => {
                 if let Some(r) = w.rows.get_mut(seq) {
                     r.sent = true;
                 }
@@ -114,9 +110,13 @@ fn mark_rows(w: &mut super::world::World, mark: MarkMode, seqs: &[i64], check: b
             MarkMode::Delete => {
                 w.rows.remove(seq);
             }
-            MarkMode::None => {}
+            MarkMode::None | MarkMode::Ranges => {}
         }
         changed += 1;
+    }
+    if mark == MarkMode::Ranges {
+        // One INSERT names every value it was given.
+        w.record(seqs);
     }
     changed
 }
@@ -362,7 +362,7 @@ impl Reader for SimPolling {
                 let page: Vec<(i64, crate::outbox::RawRow)> = w
                     .rows
                     .range(self.cursor + 1..)
-                    .filter(|(_, r)| !r.sent && tick.contains(&r.xid))
+                    .filter(|(_, r)| !w.is_sent(r) && tick.contains(&r.xid))
                     .take(max)
                     .map(|(seq, r)| (*seq, r.raw()))
                     .collect();

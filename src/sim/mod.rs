@@ -9,8 +9,10 @@
 //! database restarts that take the slot back to its last saved position,
 //! start-up reads without a settled WAL position, graceful hand-overs, and
 //! operators redriving and dropping dead letters. A quarter of the
-//! schedules record sent rows by ranges (`relay.mark = "ranges"`, see
-//! `db.rs`); the fold is not modelled.
+//! schedules record sent rows by ranges (`relay.mark = "ranges"`): the
+//! readers ask the predicate, and every instance folds (`fold.rs`, a
+//! double of the fold's two steps over `world/ranges.rs`), crashing and
+//! losing its connection between any two statements.
 //!
 //! Each schedule runs on a single-threaded runtime with tokio's paused
 //! clock, so a seed replays the same schedule:
@@ -22,7 +24,10 @@
 //!
 //! After every schedule the checks in [`check`] must hold: no loss, nothing
 //! rolled back published, per-aggregate order of first deliveries, rows
-//! marked and WAL acknowledged only after the broker confirmed, no
+//! marked and WAL acknowledged only after the broker confirmed (with
+//! ranges, after every fold round: no row counts as sent unless the broker
+//! confirmed it or it was dead-lettered, and no sent row counts as unsent
+//! again), no
 //! publishing by an old owner once a new one published, no old owner's
 //! message landing after a new owner's of the same key, duplicates within
 //! the window per incident and none from a clean stop beyond what only the
@@ -30,13 +35,15 @@
 //! events the broker refused `max_attempts` times (or that follow such a
 //! letter), never for back-pressure or a replay, and liveness (every
 //! refused event ends delivered or dead-lettered; everything flows once
-//! the broker is fixed; then the CDC slot holds no WAL back).
+//! the broker is fixed; then the fold folds every progress row and holds
+//! no row open, and the CDC slot holds no WAL back).
 
 mod backend;
 mod cdc;
 mod check;
 mod db;
 mod faults;
+mod fold;
 mod params;
 mod scenario;
 mod sink;
@@ -160,6 +167,13 @@ fn seeded_schedules_keep_every_guarantee() {
     assert!(
         totals.schedules < 100 || totals.switches > 0,
         "no auto-mode schedule switched back to CDC: {totals}"
+    );
+    // And drive every kind of fold round, or ranges go unproven.
+    let f = &totals.folds;
+    assert!(
+        totals.schedules < 100
+            || (f.advances > 0 && f.unsettled > 0 && f.held > 0 && f.backlogs > 0),
+        "the schedules did not drive every kind of fold round: {totals}"
     );
 }
 

@@ -5,8 +5,9 @@ use super::backend::SimBackend;
 use super::check;
 use super::db::admin;
 use super::faults;
+use super::fold::{self, FoldSettings};
 use super::params::{Focus, Params};
-use super::world::{BrokerKind, EventFacts, Poison, Shared, World, lock};
+use super::world::{BrokerKind, EventFacts, FoldCounts, Poison, Shared, World, lock};
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::dead_letter::admin::Target;
 use crate::relay::shards::{Balance, Shard};
@@ -33,6 +34,8 @@ pub struct Totals {
     pub clean_takeovers: u64,
     /// Stops not recorded as clean.
     pub unclean_stops: u64,
+    /// What the folds did (`relay.mark = "ranges"`).
+    pub folds: FoldCounts,
     pub simulated: Duration,
 }
 
@@ -46,6 +49,10 @@ impl Totals {
         self.switches += t.switches;
         self.clean_takeovers += t.clean_takeovers;
         self.unclean_stops += t.unclean_stops;
+        self.folds.advances += t.folds.advances;
+        self.folds.unsettled += t.folds.unsettled;
+        self.folds.backlogs += t.folds.backlogs;
+        self.folds.held += t.folds.held;
         self.simulated += t.simulated;
     }
 }
@@ -54,7 +61,7 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} fold rounds that moved the frontier ({} unsettled, {} rows held open) and {} that found a drain, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
@@ -63,6 +70,10 @@ impl fmt::Display for Totals {
             self.switches,
             self.clean_takeovers,
             self.unclean_stops,
+            self.folds.advances,
+            self.folds.unsettled,
+            self.folds.held,
+            self.folds.backlogs,
             self.simulated.as_secs_f64() / 60.0
         )
     }
@@ -92,6 +103,11 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
         config.relay.confirm_timeout,
         params.mark != MarkMode::None,
     )));
+    if params.mark == MarkMode::Ranges {
+        // From a generator of their own: the other draws stay as they were.
+        let mut fold_rng = fastrand::Rng::with_seed(seed ^ 0x00f0_1d0f_5eed);
+        lock(&world).progress.settings = Some(FoldSettings::random(&mut fold_rng));
+    }
     let outcome = rt.block_on(drive(seed, rng, params.clone(), config, world.clone()));
     let w = lock(&world);
     let mut problems = w.violations.clone();
@@ -110,6 +126,7 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
             switches: u64::from(w.switches),
             clean_takeovers: u64::from(w.clean_takeovers),
             unclean_stops: u64::from(w.unclean_stops),
+            folds: w.progress.counts,
             simulated: outcome.unwrap_or_default(),
         });
     }
@@ -155,7 +172,16 @@ impl Instance {
         };
         let t = token.clone();
         let w = world.clone();
+        let folding = lock(world)
+            .progress
+            .settings
+            .map(|s| fold::run(world.clone(), id, s, token.clone()));
         let handle = tokio::spawn(async move {
+            let folding = async move {
+                if let Some(f) = folding {
+                    f.await
+                }
+            };
             use futures::FutureExt;
             let telemetry = PipelineTelemetry::new(&backend.config);
             let run = crate::relay::supervise::supervise(
@@ -167,14 +193,17 @@ impl Instance {
                 t,
             );
             // A panic is a bug whatever the guarantees say afterwards.
-            if let Err(panic) = std::panic::AssertUnwindSafe(run).catch_unwind().await {
-                let message = panic
-                    .downcast_ref::<&str>()
-                    .map(|m| (*m).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                lock(&w).violation(format!("instance {id} panicked: {message}"));
-            }
+            let relaying = async move {
+                if let Err(panic) = std::panic::AssertUnwindSafe(run).catch_unwind().await {
+                    let message = panic
+                        .downcast_ref::<&str>()
+                        .map(|m| (*m).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    lock(&w).violation(format!("instance {id} panicked: {message}"));
+                }
+            };
+            tokio::join!(relaying, folding);
         });
         lock(world).note(format!("instance {id} starts"));
         Instance {
@@ -194,6 +223,7 @@ impl Instance {
             w.note(format!("instance {} crashes", self.id));
             w.incident();
             w.end_sessions(self.id);
+            w.release_fold_lock(self.id);
         }
         if let Some(h) = self.handle.take() {
             h.abort();
@@ -271,6 +301,15 @@ async fn drive(
         Duration::from_secs(600),
         "marking of delivered rows",
         |w| !marks || w.unsent().next().is_none(),
+    )
+    .await?;
+    // With ranges, the fold catches up: every progress row folded, no row
+    // held open.
+    wait_until(
+        &world,
+        Duration::from_secs(600),
+        "fold of every progress row",
+        |w| params.mark != MarkMode::Ranges || w.fold_caught_up(),
     )
     .await?;
     // Nothing left to send: the slot holds no WAL back (a held-back or

@@ -17,10 +17,12 @@ use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
 mod broker;
+mod ranges;
 mod slot;
 
 use broker::{BrokerMsg, PendingConfirm};
 pub use broker::{CleanStop, Delivery};
+pub use ranges::{Advance, Capture, FoldCounts};
 
 pub type Shared = Arc<Mutex<World>>;
 
@@ -149,6 +151,8 @@ pub struct World {
     pub confirm_timeout: Duration,
     pub marks_rows: bool,
     // The database.
+    /// `relay.mark = "ranges"`: progress rows, frontier, held rows.
+    pub progress: ranges::Progress,
     next_xid: u64,
     next_seq: i64,
     next_lsn: u64,
@@ -259,6 +263,7 @@ impl World {
             broker_kind,
             confirm_timeout,
             marks_rows,
+            progress: ranges::Progress::default(),
             next_xid: 1000,
             next_seq: 1,
             next_lsn: 0x1000,
@@ -479,7 +484,7 @@ impl World {
     pub fn unsent(&self) -> impl Iterator<Item = &Row> {
         self.rows
             .values()
-            .filter(|r| !r.sent && !r.message && self.committed(r.xid))
+            .filter(|r| !r.message && self.committed(r.xid) && !self.is_sent(r))
     }
 
     // ----- ownership -----
