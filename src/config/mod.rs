@@ -206,7 +206,7 @@ pub struct RelayConfig {
     /// the relay keeps up (`ops::fold`).
     #[serde(default = "defaults::fold_interval", with = "duration")]
     pub fold_interval: Duration,
-    /// On SIGTERM, how long to wait for in-flight confirmations.
+    /// On SIGTERM, how long to send what was read and wait for its confirmations.
     #[serde(default = "defaults::shutdown_timeout", with = "duration")]
     pub shutdown_timeout: Duration,
     /// First delay after a connection failure; doubles up to `retry_max`, with full jitter.

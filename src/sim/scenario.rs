@@ -34,6 +34,9 @@ pub struct Totals {
     pub clean_takeovers: u64,
     /// Stops not recorded as clean.
     pub unclean_stops: u64,
+    /// Events whose only record is the WAL sent again after a clean stop
+    /// (the slot could not be told past an event read and not confirmed).
+    pub clean_stop_repeats: u64,
     /// What the folds did (`relay.mark = "ranges"`).
     pub folds: FoldCounts,
     pub simulated: Duration,
@@ -49,6 +52,7 @@ impl Totals {
         self.switches += t.switches;
         self.clean_takeovers += t.clean_takeovers;
         self.unclean_stops += t.unclean_stops;
+        self.clean_stop_repeats += t.clean_stop_repeats;
         self.folds.advances += t.folds.advances;
         self.folds.unsettled += t.folds.unsettled;
         self.folds.backlogs += t.folds.backlogs;
@@ -61,7 +65,7 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} fold rounds that moved the frontier ({} unsettled, {} rows held open) and {} that found a drain, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} repeats after clean stops, {} fold rounds that moved the frontier ({} unsettled, {} rows held open) and {} that found a drain, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
@@ -70,6 +74,7 @@ impl fmt::Display for Totals {
             self.switches,
             self.clean_takeovers,
             self.unclean_stops,
+            self.clean_stop_repeats,
             self.folds.advances,
             self.folds.unsettled,
             self.folds.held,
@@ -126,6 +131,7 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
             switches: u64::from(w.switches),
             clean_takeovers: u64::from(w.clean_takeovers),
             unclean_stops: u64::from(w.unclean_stops),
+            clean_stop_repeats: check::repeats_after_clean_stops(&w),
             folds: w.progress.counts,
             simulated: outcome.unwrap_or_default(),
         });

@@ -155,6 +155,29 @@ async fn sigterm_drains_in_flight_and_exits_zero() {
     }
 }
 
+both_brokers!(a_stop_sends_what_was_read);
+/// SIGTERM stops reading, but what was read still goes: with a window of
+/// 4, most of one 300-event batch waits behind it when the signal comes,
+/// and all of it is delivered and marked before the relay exits.
+async fn a_stop_sends_what_was_read(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &[], &[("relay.max_in_flight", "4")]).await;
+    let ids = insert_many(&db, 300, "a").await;
+    let mut child = ChildRelay::start(&toml);
+    broker.inbox().wait_len(1, WAIT).await;
+    assert_eq!(
+        child.terminate().code(),
+        Some(0),
+        "graceful shutdown exits 0"
+    );
+    let unsent = db.unsent_ids().await;
+    assert!(
+        unsent.is_empty(),
+        "{} of 300 events read before the stop were left unsent",
+        unsent.len()
+    );
+    broker.inbox().wait_ids(&ids, WAIT).await;
+}
+
 every_mode!(standby_takes_over_when_the_active_instance_dies);
 async fn standby_takes_over_when_the_active_instance_dies(mode: Mode, kind: Kind) {
     let (db, broker, toml) = setup(mode, kind, &["order"], &[]).await;

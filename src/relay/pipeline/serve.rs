@@ -5,10 +5,9 @@ use super::tasks::{
     AckCommand, Batch, Confirmed, Refreshed, Resolved, Unrecorded, drive_acker, drive_reader,
     flush, joined, task_error,
 };
-use super::{Context, Drained, Origin, PipelineError, Settings};
+use super::{Context, Origin, PipelineError, Settings};
 use crate::dead_letter::DeadLetter;
 use crate::envelope::Envelope;
-use crate::errors::{self, Outcome};
 use crate::relay::blocks::{Blocks, MAX_BLOCKED_AGGREGATES};
 use crate::relay::lease::Lease;
 use crate::relay::scheduler::Scheduler;
@@ -33,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 mod letters;
+mod stop;
 
 /// How long closing the broker connection may take at the end of a run.
 const SINK_CLOSE_WAIT: Duration = Duration::from_secs(5);
@@ -242,16 +242,13 @@ where
         shutdown: &CancellationToken,
     ) -> Result<(), PipelineError> {
         loop {
-            if self.quiet() {
-                match self.intake {
-                    Intake::Draining { .. } => return flush(&self.ack_tx).await,
-                    Intake::Rewinding => self.rewind().await?,
-                    Intake::Open => {}
-                }
+            let fenced = !self.lease.valid(Instant::now());
+            if self.quiet() && self.at_rest(fenced).await? {
+                return flush(&self.ack_tx).await;
             }
             let open = self.intake == Intake::Open;
-            let fenced = !self.lease.valid(Instant::now());
-            if open && !fenced && !self.waiting.is_empty() {
+            let sending = open || matches!(self.intake, Intake::Draining { .. });
+            if sending && !fenced && !self.waiting.is_empty() {
                 self.admit_waiting().await?;
             }
             self.report_in_flight();
@@ -312,66 +309,24 @@ where
         }
     }
 
-    /// Records what the broker confirmed, lets the reader close, closes the
-    /// sink; says whether anything sent is still unconfirmed.
-    pub(super) async fn finish(
-        mut self,
-        result: Result<(), PipelineError>,
-    ) -> Result<Drained, PipelineError> {
-        if let Err(e) = &result
-            && errors::policy(e.kind()).outcome == Some(Outcome::Unavailable)
-        {
-            // Their fate is unknown: they will be sent again.
-            self.telemetry
-                .metrics
-                .failed(Outcome::Unavailable, self.scheduler.in_flight() as u64);
-        }
-        // Record what the broker confirmed before giving up, to spare
-        // re-sends; the acker may be what failed, so not for long (and not
-        // at all when it is stuck on a silent ownership session).
-        if result.is_err() && !matches!(result, Err(PipelineError::OwnershipUnconfirmed(_))) {
-            let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                self.push_pending().await;
-                flush(&self.ack_tx).await
-            })
-            .await;
-        }
-        let drained = if self.scheduler.in_flight() > 0 {
-            Drained::Abandoned
-        } else if !self.lease.previous_owner_settled(Instant::now()) {
-            Drained::PreviousOwnerUnsettled
-        } else {
-            Drained::All
-        };
-        let Pipeline {
-            sink,
-            rewind_tx,
-            mut reader_task,
-            ..
-        } = self;
-        // Let the reader close (report its final position) after the last acknowledgement.
-        drop(rewind_tx);
-        if !reader_task.is_finished() {
-            let _ = tokio::time::timeout(Duration::from_secs(5), &mut reader_task).await;
-        }
-        // A broker that stopped answering must not hold the stop up.
-        if tokio::time::timeout(SINK_CLOSE_WAIT, sink.close())
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                "the broker did not answer the close within {}s: leaving the connection",
-                SINK_CLOSE_WAIT.as_secs()
-            );
-        }
-        result.map(|()| drained)
-    }
-
     /// Nothing unconfirmed, nothing waiting for the acker.
     fn quiet(&self) -> bool {
         self.scheduler.in_flight() == 0
             && self.pending_acks.is_empty()
             && self.pending_letters.is_empty()
+    }
+
+    /// With nothing unconfirmed: starts a rewind that is due, and says
+    /// whether a stop is done (what was read is sent, or cannot be:
+    /// ownership unproven, or too many aggregates blocked).
+    async fn at_rest(&mut self, fenced: bool) -> Result<bool, PipelineError> {
+        match self.intake {
+            Intake::Draining { .. } => Ok(self.waiting.is_empty()
+                || fenced
+                || self.blocks.len() >= MAX_BLOCKED_AGGREGATES),
+            Intake::Rewinding => self.rewind().await.map(|()| false),
+            Intake::Open => Ok(false),
+        }
     }
 
     fn has_work(&self) -> bool {
@@ -408,36 +363,18 @@ where
         Ok(())
     }
 
-    /// Stops taking events until a rewind (unless shutting down already).
+    /// Stops taking events until a rewind; a stop sends nothing more.
     pub(super) fn rewind_later(&mut self) {
+        if self.intake == Intake::Rewinding {
+            return;
+        }
         if self.intake == Intake::Open {
             self.intake = Intake::Rewinding;
-            // Parked and waiting events are unsent and unrecorded: they are
-            // read again later.
-            self.scheduler.clear_parked();
-            self.waiting.clear();
         }
-    }
-
-    fn begin_shutdown(&mut self) {
-        tracing::info!(
-            in_flight = self.scheduler.in_flight(),
-            "shutting down: waiting for broker confirmations"
-        );
-        self.intake = Intake::Draining {
-            deadline: Instant::now() + self.settings.shutdown_timeout,
-        };
+        // Parked and waiting events are unsent and unrecorded: they are
+        // read again later, in order.
         self.scheduler.clear_parked();
         self.waiting.clear();
-    }
-
-    async fn drain_timed_out(&mut self) -> Result<(), PipelineError> {
-        tracing::warn!(
-            unconfirmed = self.scheduler.in_flight(),
-            "shutdown timeout reached; unconfirmed events will be re-sent on the next start"
-        );
-        self.push_pending().await;
-        flush(&self.ack_tx).await
     }
 
     /// The acker's next command (it carries them out in order). Dead letters
