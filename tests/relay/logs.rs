@@ -144,3 +144,44 @@ async fn a_failed_statement_says_what_the_server_said() {
         "reading the outbox: relation \"no_such_table_here\" does not exist"
     );
 }
+
+/// A transaction left open anywhere on the server keeps the CDC start-up
+/// read's position from settling, so the slot is not moved past the
+/// backlog and newer events wait while the stream decodes it: the warning
+/// names the transaction, once. On the newest version's cluster of its
+/// own: on the main one, the open transaction would keep the other tests'
+/// start-up reads from settling.
+#[tokio::test]
+async fn a_transaction_that_keeps_the_slot_back_is_named() {
+    let db = TestDb::new_on(&crate::versions::admin_url(18)).await;
+    let sink = format!(
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
+        amqp_url()
+    );
+    let cdc = set(&base_toml(&db.url, &sink), "source.mode", "\"cdc\"");
+    let cdc = set(&cdc, "source.cdc.slot", &format!("\"{}\"", unique("slot_")));
+    db.migrate(&parse(&cdc)).await;
+    let long = connect(&db.url).await;
+    let pid: i32 = long
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .await
+        .unwrap();
+    let warning = "kept the start-up read from moving the slot past the WAL it covers";
+    let active = "active: relaying events from the replication slot";
+    let log = run_and_read_log(&cdc, Duration::ZERO, WAIT, |log| {
+        log.contains(warning) && log.contains(active)
+    });
+    long.batch_execute("ROLLBACK").await.unwrap();
+    let named: Vec<&str> = log.lines().filter(|l| l.contains(warning)).collect();
+    assert_eq!(named.len(), 1, "one warning per run:\n{log}");
+    assert!(
+        named[0].contains("WARN")
+            && named[0].contains(&format!("pid {pid} (database {}", db.name))
+            && named[0].contains("nothing is lost"),
+        "the warning does not name the open transaction:\n{log}"
+    );
+}

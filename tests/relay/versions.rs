@@ -9,7 +9,7 @@ use crate::support::brokers::RabbitExchange;
 use crate::support::*;
 use serde_json::json;
 
-fn admin_url(major: u32) -> String {
+pub(crate) fn admin_url(major: u32) -> String {
     let var = format!("OUTBOX_RELAY_TEST_PG{major}");
     std::env::var(&var).unwrap_or_else(|_| {
         panic!("{var} is not set: run scripts/pg-versions.sh start (scripts/test.sh does) and export what it prints")

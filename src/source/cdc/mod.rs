@@ -40,6 +40,7 @@ mod acker;
 pub mod message;
 pub mod progress;
 pub mod server;
+mod settle;
 pub mod setup;
 pub mod snapshot;
 mod startup_rows;

@@ -145,12 +145,10 @@ pub struct PgServer {
     startup_rows: StartupRows,
     /// The start-up read's REPEATABLE READ transaction is open.
     snapshot_open: bool,
+    /// A start-up read already said which transaction kept its position
+    /// from settling (said once per run).
+    told_unsettled: bool,
 }
-
-/// How long the start-up read waits for transactions running when it began
-/// to end, so that the slot can skip the WAL before it; and how often it looks.
-const SETTLE_WAIT: Duration = Duration::from_secs(2);
-const SETTLE_POLL: Duration = Duration::from_millis(10);
 
 impl PgServer {
     /// wal_level, the server version messages and failover slots need,
@@ -288,6 +286,7 @@ impl PgServer {
                 client,
                 startup_rows,
                 snapshot_open: false,
+                told_unsettled: false,
             },
             timing,
         ))
@@ -295,58 +294,6 @@ impl PgServer {
 }
 
 impl PgServer {
-    async fn current_snapshot(&self) -> Result<Snapshot, SourceError> {
-        let text: String = self
-            .client
-            .query_one("SELECT pg_current_snapshot()::text", &[])
-            .await
-            .map_err(|e| DbError::query("reading the current snapshot", e))?
-            .get(0);
-        parse_snapshot(&text)
-    }
-
-    /// The WAL insert position before which every committed transaction has
-    /// ended (left the process array), so that a snapshot taken next sees
-    /// them all; `None` when one ran on for longer than [`SETTLE_WAIT`].
-    async fn settled_position(&self) -> Result<Option<Lsn>, SourceError> {
-        let text: String = self
-            .client
-            .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
-            .await
-            .map_err(|e| DbError::query("reading the WAL insert position", e))?
-            .get(0);
-        let position = parse_lsn(&text)?;
-        // A transaction whose commit record lies before the position had its
-        // id by then, so its id is below one assigned now. A snapshot's xip
-        // does not list every running transaction (none from its xmax on,
-        // and xmax is the latest *completed* id + 1: a commit waiting for its
-        // WAL flush is past it), so the wait is for a snapshot whose oldest
-        // running id is past this one.
-        let assigned: String = self
-            .client
-            .query_one("SELECT pg_current_xact_id()::text", &[])
-            .await
-            .map_err(|e| DbError::query("reading a transaction id", e))?
-            .get(0);
-        let assigned: u64 = assigned.parse().map_err(|e| {
-            SourceError::Stream(format!("unreadable transaction id {assigned:?}: {e}"))
-        })?;
-        let deadline = tokio::time::Instant::now() + SETTLE_WAIT;
-        loop {
-            let now = self.current_snapshot().await?;
-            if now.xmin > assigned {
-                return Ok(Some(position));
-            }
-            if tokio::time::Instant::now() >= deadline {
-                tracing::debug!(
-                    "a transaction outlived the wait; the stream skips what the start-up read covered"
-                );
-                return Ok(None);
-            }
-            tokio::time::sleep(SETTLE_POLL).await;
-        }
-    }
-
     async fn create_slot(&self) -> Result<Lsn, SourceError> {
         setup::create_slot(&self.client, &self.settings.slot, self.settings.failover)
             .await
@@ -377,7 +324,8 @@ impl CdcServer for PgServer {
                 .await
                 .map_err(|e| DbError::query("ending a start-up read", e))?;
         }
-        let settled = self.settled_position().await?;
+        let settled =
+            super::settle::settled_position(&self.client, &mut self.told_unsettled).await?;
         self.startup_rows.next_round();
         // The read waits while the broker catches up, so a server-wide
         // idle-in-transaction timeout must not end it.
@@ -534,13 +482,13 @@ impl CdcServer for PgServer {
 }
 
 /// A WAL position in its text form, as the server reports it.
-fn parse_lsn(text: &str) -> Result<Lsn, SourceError> {
+pub(super) fn parse_lsn(text: &str) -> Result<Lsn, SourceError> {
     text.parse()
         .map_err(|e| SourceError::Stream(format!("unreadable WAL position {text:?}: {e}")))
 }
 
 /// A `pg_snapshot` in its text form, as the server reports it.
-fn parse_snapshot(text: &str) -> Result<Snapshot, SourceError> {
+pub(super) fn parse_snapshot(text: &str) -> Result<Snapshot, SourceError> {
     Snapshot::parse(text).ok_or_else(|| {
         SourceError::Stream(format!("unreadable snapshot from the server: {text:?}"))
     })

@@ -1,0 +1,113 @@
+//! The start-up read's settled position: the WAL insert position before
+//! which every committed transaction has ended, so that the slot can be
+//! moved past the backlog instead of decoding it. A transaction that runs
+//! on, anywhere on the server, keeps it from settling: the stream then
+//! decodes the backlog's WAL before new events reach the broker (a wait,
+//! never a loss), and the operator is told which transaction it was.
+
+use super::server::{parse_lsn, parse_snapshot};
+use super::snapshot::Snapshot;
+use crate::db::DbError;
+use crate::replication::Lsn;
+use crate::source::SourceError;
+use std::time::Duration;
+use tokio_postgres::Client;
+
+/// How long the start-up read waits for transactions running when it began
+/// to end; and how often it looks.
+const SETTLE_WAIT: Duration = Duration::from_secs(2);
+const SETTLE_POLL: Duration = Duration::from_millis(10);
+
+async fn current_snapshot(client: &Client) -> Result<Snapshot, SourceError> {
+    let text: String = client
+        .query_one("SELECT pg_current_snapshot()::text", &[])
+        .await
+        .map_err(|e| DbError::query("reading the current snapshot", e))?
+        .get(0);
+    parse_snapshot(&text)
+}
+
+/// The WAL insert position before which every committed transaction has
+/// ended (left the process array), so that a snapshot taken next sees them
+/// all; `None` when one ran on for longer than [`SETTLE_WAIT`]. The first
+/// time in a run that happens (`told` false), a warning names the oldest
+/// transaction still running.
+pub(super) async fn settled_position(
+    client: &Client,
+    told: &mut bool,
+) -> Result<Option<Lsn>, SourceError> {
+    let text: String = client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .map_err(|e| DbError::query("reading the WAL insert position", e))?
+        .get(0);
+    let position = parse_lsn(&text)?;
+    // A transaction whose commit record lies before the position had its
+    // id by then, so its id is below one assigned now. A snapshot's xip
+    // does not list every running transaction (none from its xmax on,
+    // and xmax is the latest *completed* id + 1: a commit waiting for its
+    // WAL flush is past it), so the wait is for a snapshot whose oldest
+    // running id is past this one.
+    let assigned: String = client
+        .query_one("SELECT pg_current_xact_id()::text", &[])
+        .await
+        .map_err(|e| DbError::query("reading a transaction id", e))?
+        .get(0);
+    let assigned: u64 = assigned
+        .parse()
+        .map_err(|e| SourceError::Stream(format!("unreadable transaction id {assigned:?}: {e}")))?;
+    let deadline = tokio::time::Instant::now() + SETTLE_WAIT;
+    loop {
+        let now = current_snapshot(client).await?;
+        if now.xmin > assigned {
+            return Ok(Some(position));
+        }
+        if tokio::time::Instant::now() >= deadline {
+            if std::mem::replace(told, true) {
+                tracing::debug!(
+                    "a transaction outlived the wait; the stream skips what the start-up read covered"
+                );
+            } else {
+                let holder = oldest_transaction(client).await.unwrap_or_else(|| {
+                    "one this role cannot see (grant it pg_read_all_stats to be told which)".into()
+                });
+                tracing::warn!(
+                    transaction = %holder,
+                    "a transaction running for more than {}s kept the start-up read from moving the slot past the WAL it covers: \
+                     the stream decodes that WAL (the backlog, if any) before newer events reach the broker (nothing is lost); \
+                     end long transactions on this server, or expect that wait after each restart while one runs",
+                    SETTLE_WAIT.as_secs()
+                );
+            }
+            return Ok(None);
+        }
+        tokio::time::sleep(SETTLE_POLL).await;
+    }
+}
+
+/// The oldest transaction holding an id on the server, other than this
+/// session's own: a session, or a prepared transaction. `None` when there
+/// is none this role can see, or the question failed (it only serves a
+/// warning).
+async fn oldest_transaction(client: &Client) -> Option<String> {
+    let sql = "SELECT what FROM (
+                   SELECT format('pid %s (database %s, user %s, application %L, %s, started %s s ago)',
+                                 pid, datname, usename, application_name, state,
+                                 round(extract(epoch FROM now() - xact_start))) AS what,
+                          age(backend_xid) AS age
+                   FROM pg_stat_activity
+                   WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
+                   UNION ALL
+                   SELECT format('prepared transaction %L (database %s, prepared %s s ago)',
+                                 gid, database, round(extract(epoch FROM now() - prepared))),
+                          age(transaction)
+                   FROM pg_prepared_xacts
+               ) t ORDER BY age DESC LIMIT 1";
+    match client.query_opt(sql, &[]).await {
+        Ok(row) => row.map(|r| r.get(0)),
+        Err(e) => {
+            tracing::debug!(error = %crate::db::error_text(&e), "could not look up the oldest transaction");
+            None
+        }
+    }
+}
