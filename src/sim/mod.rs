@@ -172,7 +172,11 @@ fn seeded_schedules_keep_every_guarantee() {
     let f = &totals.folds;
     assert!(
         totals.schedules < 100
-            || (f.advances > 0 && f.unsettled > 0 && f.held > 0 && f.backlogs > 0),
+            || (f.advances > 0
+                && f.unsettled > 0
+                && f.deleted_unsettled > 0
+                && f.held > 0
+                && f.backlogs > 0),
         "the schedules did not drive every kind of fold round: {totals}"
     );
 }

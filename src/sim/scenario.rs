@@ -34,8 +34,9 @@ pub struct Totals {
     pub clean_takeovers: u64,
     /// Stops not recorded as clean.
     pub unclean_stops: u64,
-    /// Events whose only record is the WAL sent again after a clean stop
-    /// (the slot could not be told past an event read and not confirmed).
+    /// Deliveries of the stopping owner, of events whose only record is
+    /// the WAL, repeated after its clean stop (the slot could not be told
+    /// past an event left unsent).
     pub clean_stop_repeats: u64,
     /// What the folds did (`relay.mark = "ranges"`).
     pub folds: FoldCounts,
@@ -57,6 +58,7 @@ impl Totals {
         self.folds.unsettled += t.folds.unsettled;
         self.folds.backlogs += t.folds.backlogs;
         self.folds.held += t.folds.held;
+        self.folds.deleted_unsettled += t.folds.deleted_unsettled;
         self.simulated += t.simulated;
     }
 }
@@ -65,7 +67,7 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} repeats after clean stops, {} fold rounds that moved the frontier ({} unsettled, {} rows held open) and {} that found a drain, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} repeats after clean stops, {} fold rounds that moved the frontier ({} unsettled, deleting {} progress rows; {} rows held open) and {} that found a drain, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
@@ -77,6 +79,7 @@ impl fmt::Display for Totals {
             self.clean_stop_repeats,
             self.folds.advances,
             self.folds.unsettled,
+            self.folds.deleted_unsettled,
             self.folds.held,
             self.folds.backlogs,
             self.simulated.as_secs_f64() / 60.0
@@ -109,7 +112,8 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
         params.mark != MarkMode::None,
     )));
     if params.mark == MarkMode::Ranges {
-        // From a generator of their own: the other draws stay as they were.
+        // From a generator of their own: the schedules of the other
+        // marking modes stay as they were.
         let mut fold_rng = fastrand::Rng::with_seed(seed ^ 0x00f0_1d0f_5eed);
         lock(&world).progress.settings = Some(FoldSettings::random(&mut fold_rng));
     }
@@ -178,6 +182,7 @@ impl Instance {
         };
         let t = token.clone();
         let w = world.clone();
+        let fold_world = world.clone();
         let folding = lock(world)
             .progress
             .settings
@@ -207,6 +212,17 @@ impl Instance {
                         .or_else(|| panic.downcast_ref::<String>().cloned())
                         .unwrap_or_default();
                     lock(&w).violation(format!("instance {id} panicked: {message}"));
+                }
+            };
+            let folding = async move {
+                if let Err(panic) = std::panic::AssertUnwindSafe(folding).catch_unwind().await {
+                    let message = panic
+                        .downcast_ref::<&str>()
+                        .map(|m| (*m).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    lock(&fold_world)
+                        .violation(format!("instance {id}'s fold panicked: {message}"));
                 }
             };
             tokio::join!(relaying, folding);

@@ -40,6 +40,9 @@ pub struct FoldCounts {
     pub backlogs: u64,
     /// Rows held open.
     pub held: u64,
+    /// Progress rows deleted by rounds whose capture did not settle (one
+    /// by one, by counting their rows visible).
+    pub deleted_unsettled: u64,
 }
 
 /// What a capture keeps for the round after it (`fold::Capture`).
@@ -182,6 +185,8 @@ impl World {
         for seq in &closed {
             p.held.remove(seq);
         }
+        self.check_passed(s, frontier.as_ref());
+        let p = &mut self.progress;
         p.frontier = Some(s.clone());
         p.counts.advances += 1;
         p.counts.unsettled += u64::from(!target.settled);
@@ -197,6 +202,9 @@ impl World {
             })
             .map(|(id, _)| *id)
             .collect();
+        if !target.settled {
+            p.counts.deleted_unsettled += gone.len() as u64;
+        }
         for id in &gone {
             if let Some(seqs) = p.rows.remove(id) {
                 for seq in seqs {
@@ -215,6 +223,28 @@ impl World {
         ));
         self.check_fold(&before);
         Advance::Advanced
+    }
+
+    /// I2, before a frontier is written: every row it passes (visible in
+    /// the capture, not in the frontier) is marked, recorded or held open.
+    fn check_passed(&mut self, capture: &Snapshot, frontier: Option<&Snapshot>) {
+        let passed: Vec<String> = self
+            .table_rows()
+            .filter(|r| visible(capture, r.xid) && !frontier.is_some_and(|f| visible(f, r.xid)))
+            .filter(|r| {
+                !(r.sent
+                    || self.progress.recorded.contains_key(&r.seq)
+                    || self.progress.held.contains(&r.seq))
+            })
+            .map(|r| format!("row {} (event {})", r.seq, r.id))
+            .take(5)
+            .collect();
+        if !passed.is_empty() && self.violations.len() < 10 {
+            self.violation(format!(
+                "a fold round moves the frontier past {} neither marked, recorded nor held open",
+                passed.join(", ")
+            ));
+        }
     }
 
     /// After a round: every row sent before still is, and every row that

@@ -74,6 +74,8 @@ impl World {
             .count();
         self.repeats_forgotten += forgotten as u64;
         self.slot_confirmed = saved;
+        // The folding session ends too: its next statement fails.
+        self.progress.fold_lock = None;
         if let Some(id) = self.slot_active {
             self.cut_stream = Some(id);
         }
