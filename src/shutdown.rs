@@ -1,6 +1,6 @@
 //! Signals: the first SIGTERM or SIGINT starts a graceful shutdown (stop
-//! reading, wait for in-flight confirmations, record progress); a second one
-//! exits at once.
+//! reading, send what was read, wait for the confirmations, record
+//! progress); a second one exits at once.
 
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;

@@ -206,7 +206,8 @@ pub struct RelayConfig {
     /// the relay keeps up (`ops::fold`).
     #[serde(default = "defaults::fold_interval", with = "duration")]
     pub fold_interval: Duration,
-    /// On SIGTERM, how long to send what was read and wait for its confirmations.
+    /// On SIGTERM, how long a stop may take: what was read is sent during
+    /// the first half, and confirmations are awaited until the end.
     #[serde(default = "defaults::shutdown_timeout", with = "duration")]
     pub shutdown_timeout: Duration,
     /// First delay after a connection failure; doubles up to `retry_max`, with full jitter.

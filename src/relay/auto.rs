@@ -3,8 +3,8 @@
 //! and reorders nothing: [`crate::source::auto`].
 //!
 //! A switch from polling to CDC ends the run the way a shutdown does (the
-//! reader stops, the broker confirms and the acker marks what is in flight,
-//! at most `relay.shutdown_timeout`); the supervisor then starts a new run
+//! reader stops, what was read is sent, the broker confirms and the acker
+//! marks it, at most `relay.shutdown_timeout`); the supervisor then starts a new run
 //! at once, which reads by CDC. A switch from CDC to polling follows a
 //! failure (the server restarted with another `wal_level`, the slot was
 //! lost): the next run's probe finds CDC impossible and polls.

@@ -51,8 +51,13 @@ pub(super) enum Intake {
     /// reader starts again from the recorded point (a block expired, or dead
     /// letters were resolved: the aggregate's events must come back in order).
     Rewinding,
-    /// Shutting down: confirmations are awaited until `deadline`, then the run ends.
-    Draining { deadline: Instant },
+    /// Shutting down: nothing more is read; what was read is sent until
+    /// `send_until` (`None` once passed, or once a rewind let go of it),
+    /// and confirmations are awaited until `deadline`, then the run ends.
+    Draining {
+        deadline: Instant,
+        send_until: Option<Instant>,
+    },
 }
 
 /// A question about open dead letters on its way to the acker.
@@ -247,7 +252,7 @@ where
                 return flush(&self.ack_tx).await;
             }
             let open = self.intake == Intake::Open;
-            let sending = open || matches!(self.intake, Intake::Draining { .. });
+            let sending = open || self.intake.send_until().is_some();
             if sending && !fenced && !self.waiting.is_empty() {
                 self.admit_waiting().await?;
             }
@@ -263,10 +268,12 @@ where
                 self.refresh.waiting.is_none() && self.blocks.has_dead() && !self.has_work();
             tokio::select! {
                 biased;
-                // 1. Shutdown: stop reading, drain what is in flight.
+                // 1. Shutdown: stop reading, send what was read, drain.
                 _ = shutdown.cancelled(), if deadline.is_none() => self.begin_shutdown(),
                 // 2. The drain took too long: record what was confirmed and stop.
                 _ = sleep_until_opt(deadline) => return self.drain_timed_out().await,
+                // Half of it is left: what was read and not sent stays unsent.
+                _ = sleep_until_opt(self.intake.send_until()) => self.rewind_later(),
                 // 3. Confirmations.
                 Some(answer) = self.in_flight.next(), if !self.in_flight.is_empty() => {
                     self.answered(answer).await?
@@ -321,9 +328,11 @@ where
     /// ownership unproven, or too many aggregates blocked).
     async fn at_rest(&mut self, fenced: bool) -> Result<bool, PipelineError> {
         match self.intake {
-            Intake::Draining { .. } => Ok(self.waiting.is_empty()
-                || fenced
-                || self.blocks.len() >= MAX_BLOCKED_AGGREGATES),
+            Intake::Draining { send_until, .. } => Ok(!self.has_work()
+                && (self.waiting.is_empty()
+                    || send_until.is_none()
+                    || fenced
+                    || self.blocks.len() >= MAX_BLOCKED_AGGREGATES)),
             Intake::Rewinding => self.rewind().await.map(|()| false),
             Intake::Open => Ok(false),
         }
@@ -368,8 +377,10 @@ where
         if self.intake == Intake::Rewinding {
             return;
         }
-        if self.intake == Intake::Open {
-            self.intake = Intake::Rewinding;
+        match &mut self.intake {
+            Intake::Open => self.intake = Intake::Rewinding,
+            Intake::Draining { send_until, .. } => *send_until = None,
+            Intake::Rewinding => {}
         }
         // Parked and waiting events are unsent and unrecorded: they are
         // read again later, in order.
@@ -515,7 +526,15 @@ where
 impl Intake {
     fn deadline(&self) -> Option<Instant> {
         match self {
-            Intake::Draining { deadline } => Some(*deadline),
+            Intake::Draining { deadline, .. } => Some(*deadline),
+            _ => None,
+        }
+    }
+
+    /// While a stop still sends what was read: until when.
+    fn send_until(&self) -> Option<Instant> {
+        match self {
+            Intake::Draining { send_until, .. } => *send_until,
             _ => None,
         }
     }

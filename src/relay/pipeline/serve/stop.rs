@@ -83,15 +83,18 @@ where
             read = self.waiting.len(),
             "shutting down: sending what was read and waiting for broker confirmations"
         );
+        // Sending ends half-way, so that what it sends is confirmed in time.
+        let now = Instant::now();
         self.intake = Intake::Draining {
-            deadline: Instant::now() + self.settings.shutdown_timeout,
+            deadline: now + self.settings.shutdown_timeout,
+            send_until: Some(now + self.settings.shutdown_timeout / 2),
         };
     }
 
     pub(super) async fn drain_timed_out(&mut self) -> Result<(), PipelineError> {
         tracing::warn!(
             unconfirmed = self.scheduler.in_flight(),
-            "shutdown timeout reached; unconfirmed events will be re-sent on the next start"
+            "shutdown timeout reached; unconfirmed events will be re-sent on the next start, and events read and not sent read again"
         );
         self.push_pending().await;
         flush(&self.ack_tx).await
