@@ -14,6 +14,7 @@ use crate::relay::shards::{Balance, Shard};
 use crate::telemetry::PipelineTelemetry;
 use std::collections::BTreeSet;
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -181,19 +182,12 @@ impl Instance {
             config: config.clone(),
         };
         let t = token.clone();
-        let w = world.clone();
-        let fold_world = world.clone();
         let folding = lock(world)
             .progress
             .settings
             .map(|s| fold::run(world.clone(), id, s, token.clone()));
+        let (w, fold_world) = (world.clone(), world.clone());
         let handle = tokio::spawn(async move {
-            let folding = async move {
-                if let Some(f) = folding {
-                    f.await
-                }
-            };
-            use futures::FutureExt;
             let telemetry = PipelineTelemetry::new(&backend.config);
             let run = crate::relay::supervise::supervise(
                 &backend.config,
@@ -203,29 +197,15 @@ impl Instance {
                 telemetry,
                 t,
             );
-            // A panic is a bug whatever the guarantees say afterwards.
-            let relaying = async move {
-                if let Err(panic) = std::panic::AssertUnwindSafe(run).catch_unwind().await {
-                    let message = panic
-                        .downcast_ref::<&str>()
-                        .map(|m| (*m).to_owned())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
-                    lock(&w).violation(format!("instance {id} panicked: {message}"));
-                }
-            };
             let folding = async move {
-                if let Err(panic) = std::panic::AssertUnwindSafe(folding).catch_unwind().await {
-                    let message = panic
-                        .downcast_ref::<&str>()
-                        .map(|m| (*m).to_owned())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
-                    lock(&fold_world)
-                        .violation(format!("instance {id}'s fold panicked: {message}"));
+                if let Some(f) = folding {
+                    f.await
                 }
             };
-            tokio::join!(relaying, folding);
+            tokio::join!(
+                reporting_panics(w, format!("instance {id}"), run),
+                reporting_panics(fold_world, format!("instance {id}'s fold"), folding),
+            );
         });
         lock(world).note(format!("instance {id} starts"));
         Instance {
@@ -274,6 +254,20 @@ impl Instance {
         w.kill_conns_of(self.id);
         w.end_sessions(self.id);
         Ok(())
+    }
+}
+
+/// Runs `task`; a panic in it is a violation (a bug, whatever the
+/// guarantees say afterwards), reported as `who` panicked.
+async fn reporting_panics(world: Shared, who: String, task: impl Future<Output = ()>) {
+    use futures::FutureExt;
+    if let Err(panic) = std::panic::AssertUnwindSafe(task).catch_unwind().await {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|m| (*m).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        lock(&world).violation(format!("{who} panicked: {message}"));
     }
 }
 

@@ -165,7 +165,13 @@ async fn a_stop_sends_what_was_read() {
         Mode::Polling,
         Kind::Rabbit,
         &[],
-        &[("relay.max_in_flight", "4"), ("source.batch_size", "500")],
+        &[
+            ("relay.max_in_flight", "4"),
+            ("source.batch_size", "500"),
+            // Sending stops half-way: 20 s for 300 confirmations in turn,
+            // on a loaded machine too.
+            ("relay.shutdown_timeout", "\"40s\""),
+        ],
     )
     .await;
     let ids = insert_many(&db, 300, "a").await;

@@ -148,8 +148,9 @@ async fn a_failed_statement_says_what_the_server_said() {
 /// A transaction left open anywhere on the server keeps the CDC start-up
 /// read's position from settling, so the slot is not moved past the
 /// backlog and newer events wait while the stream decodes it: the warning
-/// names the transaction, once. On the newest version's cluster of its
-/// own: on the main one, the open transaction would keep the other tests'
+/// names the transaction, once. On the newest version's cluster, apart
+/// from the other tests there (a test group in `.config/nextest.toml`): on
+/// the main cluster, the open transaction would keep the other tests'
 /// start-up reads from settling.
 #[tokio::test]
 async fn a_transaction_that_keeps_the_slot_back_is_named() {

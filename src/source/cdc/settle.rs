@@ -68,9 +68,9 @@ pub(super) async fn settled_position(
                     "a transaction outlived the wait; the stream skips what the start-up read covered"
                 );
             } else {
-                let holder = oldest_transaction(client).await.unwrap_or_else(|| {
-                    "one this role cannot see (grant it pg_read_all_stats to be told which)".into()
-                });
+                let holder = oldest_transaction(client)
+                    .await
+                    .unwrap_or_else(|| "none any more, or the question failed".into());
                 tracing::warn!(
                     transaction = %holder,
                     "a transaction running for more than {}s kept the start-up read from moving the slot past the WAL it covers: \
@@ -87,13 +87,15 @@ pub(super) async fn settled_position(
 
 /// The oldest transaction holding an id on the server, other than this
 /// session's own: a session, or a prepared transaction. `None` when there
-/// is none this role can see, or the question failed (it only serves a
+/// is none (it ended meanwhile), or the question failed (it only serves a
 /// warning).
 async fn oldest_transaction(client: &Client) -> Option<String> {
     let sql = "SELECT what FROM (
-                   SELECT format('pid %s (database %s, user %s, application %L, %s, started %s s ago)',
-                                 pid, datname, usename, application_name, state,
-                                 round(extract(epoch FROM now() - xact_start))) AS what,
+                   SELECT format('pid %s (database %s, user %s, application %L, %s)',
+                                 pid, datname, usename, application_name,
+                                 COALESCE(state || ', started '
+                                          || round(extract(epoch FROM now() - xact_start)) || ' s ago',
+                                          'state and age hidden from this role: grant it pg_read_all_stats')) AS what,
                           age(backend_xid) AS age
                    FROM pg_stat_activity
                    WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
