@@ -249,23 +249,29 @@ where
     }
 
     /// Gives the message to the broker client. That is quick unless the
-    /// broker stopped reading, so it is bounded by `relay.confirm_timeout`.
+    /// broker stopped reading, so it is bounded by `relay.confirm_timeout`,
+    /// and during a stop by what is left of `relay.shutdown_timeout`.
     async fn hand_over(
         &mut self,
         route: Route,
         message: crate::envelope::Message,
     ) -> Result<Confirmation, SinkError> {
-        let timeout = self.settings.confirm_timeout;
+        let confirm = self.settings.confirm_timeout;
+        let timeout = self.intake.deadline().map_or(confirm, |d| {
+            confirm.min(d.saturating_duration_since(Instant::now()))
+        });
         tokio::time::timeout(timeout, self.sink.send(route, message))
             .await
             .unwrap_or_else(|_| {
-                Err(SinkError::Unavailable(
+                Err(SinkError::Unavailable(if timeout < confirm {
+                    "the broker did not take a message before relay.shutdown_timeout ran out".into()
+                } else {
                     format!(
                         "the broker did not take a message within relay.confirm_timeout ({}s)",
-                        timeout.as_secs()
+                        confirm.as_secs()
                     )
-                    .into(),
-                ))
+                    .into()
+                }))
             })
     }
 

@@ -524,7 +524,7 @@ where
 }
 
 impl Intake {
-    fn deadline(&self) -> Option<Instant> {
+    pub(super) fn deadline(&self) -> Option<Instant> {
         match self {
             Intake::Draining { deadline, .. } => Some(*deadline),
             _ => None,
