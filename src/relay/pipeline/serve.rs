@@ -374,13 +374,10 @@ where
 
     /// Stops taking events until a rewind; a stop sends nothing more.
     pub(super) fn rewind_later(&mut self) {
-        if self.intake == Intake::Rewinding {
-            return;
-        }
         match &mut self.intake {
+            Intake::Rewinding => return,
             Intake::Open => self.intake = Intake::Rewinding,
             Intake::Draining { send_until, .. } => *send_until = None,
-            Intake::Rewinding => {}
         }
         // Parked and waiting events are unsent and unrecorded: they are
         // read again later, in order.
