@@ -4,7 +4,8 @@
 //! where every read (a polling tick's, and a CDC start-up round's in one
 //! REPEATABLE READ snapshot) must equal a scan of the whole table through the
 //! predicate, nothing may count as sent that was not recorded or marked,
-//! and a sent row stays sent; and the reads' plans visit the new rows, not
+//! and a sent row stays sent; a tick's read with other steps between its
+//! pages misses no row still unsent at its end; and the reads' plans visit the new rows, not
 //! the retained ones.
 
 use crate::dead_letter_lookups::{handled, rows_handled};
@@ -133,6 +134,9 @@ struct Ledger {
     backlog: usize,
     /// Rows retention deleted.
     retained: usize,
+    /// Reads with other steps between their pages, and those steps.
+    interleaved: usize,
+    changed_between: usize,
 }
 
 async fn check_sent(db: &TestDb, ranges: &Ranges, ledger: &mut Ledger, step: &str) {
@@ -201,29 +205,72 @@ async fn retain(client: &Client, ranges: &Ranges) -> BTreeSet<i64> {
     deleted
 }
 
+/// One random history: its tables, its sessions and what it did.
+struct History {
+    rng: fastrand::Rng,
+    db: TestDb,
+    ranges: Ranges,
+    writers: Vec<Writer>,
+    fold: Client,
+    round: Client,
+    captures: VecDeque<Capture>,
+    /// The last polling tick's snapshot and highest `relay_seq`.
+    tick: Option<(String, Option<i64>)>,
+    ledger: Ledger,
+}
+
 /// One random history of `steps` steps; checks after each.
 async fn history(seed: u64, steps: usize) -> Ledger {
-    let mut rng = fastrand::Rng::with_seed(seed);
-    let db = TestDb::new().await;
-    let ranges = outbox_with_ranges(&db).await;
-    let mut writers = Vec::new();
-    for _ in 0..4 {
-        writers.push(Writer {
-            client: connect(&db.url).await,
-            open: false,
-        });
-    }
-    let mut fold = connect(&db.url).await;
-    let round = connect(&db.url).await;
-    let mut captures: VecDeque<Capture> = VecDeque::new();
-    let mut tick: Option<(String, Option<i64>)> = None;
-    let mut ledger = Ledger::default();
+    let mut h = History::new(seed).await;
     for step in 0..steps {
-        let what = rng.u32(0..100);
+        let what = h.rng.u32(0..100);
         let label = format!("seed {seed} step {step} ({what})");
+        if what < CHANGES {
+            h.change(what, &label).await;
+        } else if what < 94 {
+            h.reads(step, &label).await;
+        } else {
+            h.read_while_changing(&label).await;
+        }
+        check_sent(&h.db, &h.ranges, &mut h.ledger, &label).await;
+    }
+    h.ledger
+}
+
+/// The steps below this number change the tables; the others read.
+const CHANGES: u32 = 87;
+
+impl History {
+    async fn new(seed: u64) -> Self {
+        let db = TestDb::new().await;
+        let ranges = outbox_with_ranges(&db).await;
+        let mut writers = Vec::new();
+        for _ in 0..4 {
+            writers.push(Writer {
+                client: connect(&db.url).await,
+                open: false,
+            });
+        }
+        History {
+            rng: fastrand::Rng::with_seed(seed),
+            fold: connect(&db.url).await,
+            round: connect(&db.url).await,
+            db,
+            ranges,
+            writers,
+            captures: VecDeque::new(),
+            tick: None,
+            ledger: Ledger::default(),
+        }
+    }
+
+    /// A step that writes: an application's transactions, the relay's
+    /// recordings, another mode's marks, the fold's two steps, retention.
+    async fn change(&mut self, what: u32, label: &str) {
+        let (db, ranges, rng, ledger) = (&self.db, &self.ranges, &mut self.rng, &mut self.ledger);
         match what {
             0..=29 => {
-                let w = &mut writers[rng.usize(0..4)];
+                let w = &mut self.writers[rng.usize(0..4)];
                 if !w.open {
                     w.client.batch_execute("BEGIN").await.unwrap();
                     w.open = true;
@@ -237,7 +284,7 @@ async fn history(seed: u64, steps: usize) -> Ledger {
                 }
             }
             30..=44 => {
-                let w = &mut writers[rng.usize(0..4)];
+                let w = &mut self.writers[rng.usize(0..4)];
                 if w.open {
                     let end = if rng.u32(0..5) == 0 {
                         "ROLLBACK"
@@ -250,7 +297,7 @@ async fn history(seed: u64, steps: usize) -> Ledger {
             }
             45..=59 => {
                 // The relay confirms some of what it read.
-                let unsent = brute_force(&db.client, &ranges, None).await;
+                let unsent = brute_force(&db.client, ranges, None).await;
                 let batch: Vec<i64> = unsent.into_iter().filter(|_| rng.u32(0..3) > 0).collect();
                 db.client
                     .execute(&ranges.record_sql(), &[&batch])
@@ -261,15 +308,15 @@ async fn history(seed: u64, steps: usize) -> Ledger {
             60..=61 => {
                 // CDC confirms a transaction decoded from the WAL a moment
                 // before its rows are visible: recorded ahead of its commit.
-                let w = &writers[rng.usize(0..4)];
+                let w = &self.writers[rng.usize(0..4)];
                 if w.open {
-                    let own = record_open(&db.client, &w.client, &ranges).await;
+                    let own = record_open(&db.client, &w.client, ranges).await;
                     ledger.confirmed.extend(own);
                 }
             }
             62..=63 => {
                 // Another marking mode (or an operator) sets relay_sent_at.
-                if let Some(&seq) = brute_force(&db.client, &ranges, None).await.first() {
+                if let Some(&seq) = brute_force(&db.client, ranges, None).await.first() {
                     db.client
                         .execute(
                             "UPDATE outbox SET relay_sent_at = now() WHERE relay_seq = $1",
@@ -285,33 +332,38 @@ async fn history(seed: u64, steps: usize) -> Ledger {
                 // (other tests' short transactions end within the wait).
                 let quiet = rng.u32(0..3) == 0;
                 if quiet {
-                    for w in writers.iter_mut().filter(|w| w.open) {
+                    for w in self.writers.iter_mut().filter(|w| w.open) {
                         w.client.batch_execute("COMMIT").await.unwrap();
                         w.open = false;
                     }
                 }
                 let settle = Duration::from_millis(if quiet { 2_000 } else { 30 });
-                captures.push_back(ranges.capture(&fold, settle).await.unwrap());
+                let capture = ranges.capture(&self.fold, settle).await.unwrap();
+                self.captures.push_back(capture);
             }
             74..=83 => {
-                if let Some(target) = captures.pop_front() {
+                if let Some(target) = self.captures.pop_front() {
                     let limit = if rng.bool() { 2 } else { 1000 };
-                    match ranges.advance(&mut fold, &target, limit).await.unwrap() {
+                    match ranges
+                        .advance(&mut self.fold, &target, limit)
+                        .await
+                        .unwrap()
+                    {
                         Advance::Advanced { held, deleted, .. } => {
                             ledger.advanced += 1;
                             ledger.held += held;
                             ledger.deleted += deleted;
-                            check_frontier(&db.client, &ranges, &ledger.confirmed, &label).await;
+                            check_frontier(&db.client, ranges, &ledger.confirmed, label).await;
                         }
                         Advance::Backlog => ledger.backlog += 1,
                         Advance::Stale => panic!("{label}: captures are taken in order"),
                     }
                 }
             }
-            84..=86 => {
+            _ => {
                 // Retention, at a cut-off after every frontier: it may
                 // delete only rows that count as sent.
-                let deleted = retain(&db.client, &ranges).await;
+                let deleted = retain(&db.client, ranges).await;
                 let unsent: Vec<_> = deleted.difference(&ledger.sent).collect();
                 assert!(
                     unsent.is_empty(),
@@ -320,48 +372,138 @@ async fn history(seed: u64, steps: usize) -> Ledger {
                 ledger.sent.retain(|s| !deleted.contains(s));
                 ledger.retained += deleted.len();
             }
-            _ => {
-                let page = rng.i64(1..6);
-                let (first, cur) = read(&db.client, &ranges, &None, page).await;
-                assert_eq!(
-                    first,
-                    brute_force(&db.client, &ranges, None).await,
-                    "{label}: first read"
-                );
-                if let Some(base) = &tick {
-                    let (steady, _) = read(&db.client, &ranges, &tick, page).await;
-                    let want = brute_force(&db.client, &ranges, Some(&base.0)).await;
-                    assert_eq!(steady, want, "{label}: steady read");
-                }
-                // A CDC start-up round: the same read in one REPEATABLE
-                // READ transaction, from the frontier or the previous read.
-                let base = if step % 2 == 0 { None } else { tick.clone() };
-                round
-                    .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                    .await
-                    .unwrap();
-                let (got, _) = read(&round, &ranges, &base, page).await;
-                let want = brute_force(&round, &ranges, base.as_ref().map(|b| b.0.as_str())).await;
-                round.batch_execute("COMMIT").await.unwrap();
-                assert_eq!(got, want, "{label}: a start-up round in one snapshot");
-                tick = Some(cur);
-                let row = db
-                    .client
-                    .query_one(&ranges.read_sql("relay_seq", "").backlog, &[])
-                    .await
-                    .unwrap();
-                let (count, lowest): (i64, Option<i64>) = (row.get(0), row.get(1));
-                assert_eq!(
-                    (count as usize, lowest),
-                    (first.len(), first.first().copied()),
-                    "{label}: backlog"
-                );
-                ledger.reads += 1;
-            }
         }
-        check_sent(&db, &ranges, &mut ledger, &label).await;
     }
-    ledger
+
+    /// A first read, a steady read and a CDC start-up round, with nothing
+    /// else happening meanwhile: each must equal the predicate.
+    async fn reads(&mut self, step: usize, label: &str) {
+        let (db, ranges) = (&self.db, &self.ranges);
+        let page = self.rng.i64(1..6);
+        let (first, cur) = read(&db.client, ranges, &None, page).await;
+        assert_eq!(
+            first,
+            brute_force(&db.client, ranges, None).await,
+            "{label}: first read"
+        );
+        if let Some(base) = &self.tick {
+            let (steady, _) = read(&db.client, ranges, &self.tick, page).await;
+            let want = brute_force(&db.client, ranges, Some(&base.0)).await;
+            assert_eq!(steady, want, "{label}: steady read");
+        }
+        // A CDC start-up round: the same read in one REPEATABLE
+        // READ transaction, from the frontier or the previous read.
+        let base = if step % 2 == 0 {
+            None
+        } else {
+            self.tick.clone()
+        };
+        let round = &self.round;
+        round
+            .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .await
+            .unwrap();
+        let (got, _) = read(round, ranges, &base, page).await;
+        let want = brute_force(round, ranges, base.as_ref().map(|b| b.0.as_str())).await;
+        round.batch_execute("COMMIT").await.unwrap();
+        assert_eq!(got, want, "{label}: a start-up round in one snapshot");
+        self.tick = Some(cur);
+        let row = db
+            .client
+            .query_one(&ranges.read_sql("relay_seq", "").backlog, &[])
+            .await
+            .unwrap();
+        let (count, lowest): (i64, Option<i64>) = (row.get(0), row.get(1));
+        assert_eq!(
+            (count as usize, lowest),
+            (first.len(), first.first().copied()),
+            "{label}: backlog"
+        );
+        self.ledger.reads += 1;
+    }
+
+    /// A read as a polling tick runs it, one statement per page, with
+    /// commits, recordings, folds and retention between the pages. What it
+    /// returns must be in order, visible in its snapshot *cur* and not in
+    /// its base, and unsent when the read began; and it must return every
+    /// row of *cur* not in the base that is still unsent when it ends: a
+    /// row that became sent meanwhile may be skipped, no other.
+    async fn read_while_changing(&mut self, label: &str) {
+        let base = if self.rng.bool() {
+            None
+        } else {
+            self.tick.clone()
+        };
+        let page = self.rng.i64(1..4);
+        let sent_before = self.ledger.sent.clone();
+        let sql = self.ranges.read_sql("relay_seq", "");
+        let (snap, max) = match &base {
+            Some((s, m)) => (Some(s.clone()), *m),
+            None => (None, None),
+        };
+        let rows = self
+            .db
+            .client
+            .query(&sql.first_page, &[&snap, &max, &page])
+            .await
+            .unwrap_or_else(|e| panic!("{e:?}\n{}", sql.first_page));
+        let cur: String = rows[0].get(0);
+        let base_max: i64 = rows[0].get(2);
+        let stragglers: Vec<i64> = rows[0].get(3);
+        let mut got: Vec<i64> = rows
+            .iter()
+            .filter_map(|r| r.get::<_, Option<i64>>(4))
+            .collect();
+        let mut last = got.len() as i64;
+        let mut changed = 0;
+        while last == page {
+            for _ in 0..self.rng.u32(0..3) {
+                changed += 1;
+                let what = self.rng.u32(0..CHANGES);
+                let step = format!("{label}, between pages ({what})");
+                self.change(what, &step).await;
+                check_sent(&self.db, &self.ranges, &mut self.ledger, &step).await;
+            }
+            let cursor = *got.last().unwrap();
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+                [&cursor, &cur, &snap, &base_max, &stragglers, &page];
+            let more = seqs(&self.db.client, &sql.next_page, &params).await;
+            last = more.len() as i64;
+            got.extend(more);
+        }
+        assert!(
+            got.windows(2).all(|w| w[0] < w[1]),
+            "{label}: out of order {got:?}"
+        );
+        let early: Vec<_> = got.iter().filter(|s| sent_before.contains(s)).collect();
+        assert!(
+            early.is_empty(),
+            "{label}: read rows sent before it began: {early:?}"
+        );
+        let in_view = "SELECT relay_seq FROM outbox
+             WHERE pg_visible_in_snapshot(relay_xid, $1::text::pg_snapshot)
+               AND ($2::text IS NULL OR NOT pg_visible_in_snapshot(relay_xid, $2::text::pg_snapshot))";
+        let view: BTreeSet<i64> = seqs(&self.db.client, in_view, &[&cur, &snap])
+            .await
+            .into_iter()
+            .collect();
+        let outside: Vec<_> = got.iter().filter(|s| !view.contains(s)).collect();
+        assert!(
+            outside.is_empty(),
+            "{label}: read rows outside its view: {outside:?}"
+        );
+        let unsent = brute_force(&self.db.client, &self.ranges, None).await;
+        let missed: Vec<_> = unsent
+            .iter()
+            .filter(|s| view.contains(s) && !got.contains(s))
+            .collect();
+        assert!(
+            missed.is_empty(),
+            "{label}: missed unsent rows {missed:?} (read {got:?})"
+        );
+        self.ledger.interleaved += 1;
+        self.ledger.changed_between += changed;
+    }
 }
 
 /// I2, as it can be seen after the round (its progress rows may be gone):
@@ -400,6 +542,8 @@ async fn reads_equal_the_predicate_and_nothing_counts_as_sent_unconfirmed_over_r
         total.deleted += l.deleted;
         total.backlog += l.backlog;
         total.retained += l.retained;
+        total.interleaved += l.interleaved;
+        total.changed_between += l.changed_between;
     }
     // The histories reach every path: reads, folds that hold rows open,
     // delete progress rows, and give up while many rows are unrecorded.
@@ -409,6 +553,16 @@ async fn reads_equal_the_predicate_and_nothing_counts_as_sent_unconfirmed_over_r
     assert!(total.deleted > 0, "no progress row was ever deleted");
     assert!(total.backlog > 0, "no fold ever gave up");
     assert!(total.retained > 0, "retention never deleted a row");
+    assert!(
+        total.interleaved > 20,
+        "interleaved reads {}",
+        total.interleaved
+    );
+    assert!(
+        total.changed_between > 20,
+        "steps between pages {}",
+        total.changed_between
+    );
 }
 
 #[tokio::test]
