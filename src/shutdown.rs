@@ -1,15 +1,31 @@
 //! Signals: the first SIGTERM or SIGINT starts a graceful shutdown (stop
 //! reading, send what was read, wait for the confirmations, record
-//! progress); a second one exits at once.
+//! progress); a second one exits at once, and so does a stop that
+//! overruns `relay.shutdown_timeout` by more than [`STOP_GRACE`].
 
+use std::time::Duration;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 /// Exit code after a second signal forced the exit.
 pub const FORCED_EXIT: i32 = 130;
 
-/// A token cancelled by the first SIGTERM/SIGINT.
-pub fn on_signals() -> std::io::Result<CancellationToken> {
+/// What a stop may take beyond `relay.shutdown_timeout` to record what was
+/// confirmed, let the reader report its position, close the connections
+/// and flush traces. Each of those steps has a bound of its own; this one
+/// holds when they meet a database or broker that has gone silent, so that
+/// a supervisor's grace of `relay.shutdown_timeout` plus this is never
+/// reached by a stop that is merely slow.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Exit code of a stop that overran `relay.shutdown_timeout` plus
+/// [`STOP_GRACE`]: a runtime failure.
+pub const OVERRAN_EXIT: i32 = 1;
+
+/// A token cancelled by the first SIGTERM/SIGINT. `stop_within` is the
+/// longest `relay.shutdown_timeout` of the run's pipelines: once it and
+/// [`STOP_GRACE`] have passed since the signal, the process exits.
+pub fn on_signals(stop_within: Duration) -> std::io::Result<CancellationToken> {
     let token = CancellationToken::new();
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -20,9 +36,20 @@ pub fn on_signals() -> std::io::Result<CancellationToken> {
             _ = int.recv() => tracing::info!("SIGINT received"),
         }
         cancel.cancel();
+        let limit = stop_within + STOP_GRACE;
         tokio::select! {
             _ = term.recv() => {}
             _ = int.recv() => {}
+            _ = tokio::time::sleep(limit) => {
+                // Nothing unconfirmed was marked: the next owner sends it
+                // again, after waiting out this one's lease.
+                tracing::error!(
+                    "the stop did not end within relay.shutdown_timeout plus {}s: exiting; \
+                     events not yet marked sent will be sent again by the next owner",
+                    STOP_GRACE.as_secs()
+                );
+                std::process::exit(OVERRAN_EXIT);
+            }
         }
         tracing::warn!("second signal: exiting without waiting for confirmations");
         std::process::exit(FORCED_EXIT);

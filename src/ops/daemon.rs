@@ -32,7 +32,12 @@ pub enum DaemonError {
 pub async fn command(file: &ConfigFile) -> Result<(), Failure> {
     let configs = file.load_all()?;
     telemetry::init(&configs[0].log);
-    let shutdown = crate::shutdown::on_signals()
+    let stop_within = configs
+        .iter()
+        .map(|c| c.relay.shutdown_timeout)
+        .max()
+        .unwrap_or_default();
+    let shutdown = crate::shutdown::on_signals(stop_within)
         .map_err(|e| Failure::runtime(format!("cannot install signal handlers: {e}")))?;
     tracing::info!(version = env!("CARGO_PKG_VERSION"), config = %file.path.display(), pipelines = configs.len(), "outbox-relay starting");
     run(configs, shutdown).await.map_err(|e| {

@@ -101,7 +101,8 @@ fn docker_compose_matches_the_configurations_it_mounts() {
     // CDC needs logical WAL, so either configuration can be switched to it.
     assert!(command_text(service("postgres")).contains("wal_level=logical"));
 
-    // The relay drains for relay.shutdown_timeout on SIGTERM: Docker must wait longer.
+    // The relay drains for relay.shutdown_timeout on SIGTERM and exits at the
+    // latest 10 s later: Docker must wait longer.
     let grace = relay["stop_grace_period"]
         .as_str()
         .and_then(|s| humantime::parse_duration(s).ok())
@@ -113,9 +114,10 @@ fn docker_compose_matches_the_configurations_it_mounts() {
         let envs: Vec<(String, String)> = relay_env.clone().into_iter().collect();
         relay_accepts(&text, &envs);
         let cfg = config::load_str(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let longest = cfg.relay.shutdown_timeout + outbox_relay::shutdown::STOP_GRACE;
         assert!(
-            grace > cfg.relay.shutdown_timeout,
-            "{file}: stop_grace_period {grace:?} must exceed relay.shutdown_timeout {:?}",
+            grace > longest,
+            "{file}: stop_grace_period {grace:?} must exceed the longest stop {longest:?} (relay.shutdown_timeout {:?} and the grace after it)",
             cfg.relay.shutdown_timeout
         );
 

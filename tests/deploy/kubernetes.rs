@@ -176,9 +176,10 @@ fn the_kubernetes_manifests_keep_the_relay_invariants() {
             .as_u64()
             .expect("grace"),
     );
+    let longest = shutdown + outbox_relay::shutdown::STOP_GRACE;
     assert!(
-        grace > shutdown,
-        "terminationGracePeriodSeconds {grace:?} must exceed relay.shutdown_timeout {shutdown:?}"
+        grace > longest,
+        "terminationGracePeriodSeconds {grace:?} must exceed the longest stop ({longest:?}: relay.shutdown_timeout {shutdown:?} and the grace after it)"
     );
 
     // Probes and scrapes reach the relay's port and paths.

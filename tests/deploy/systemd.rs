@@ -91,9 +91,10 @@ fn the_systemd_unit_is_hardened_and_outlasts_the_drain() {
             .unwrap_or_else(|| panic!("{UNIT} does not set {key}"))
     };
     let stop = humantime::parse_duration(get("TimeoutStopSec")).expect("TimeoutStopSec");
+    let longest = config::defaults::shutdown_timeout() + outbox_relay::shutdown::STOP_GRACE;
     assert!(
-        stop > config::defaults::shutdown_timeout(),
-        "TimeoutStopSec={stop:?} must exceed relay.shutdown_timeout's default"
+        stop > longest,
+        "TimeoutStopSec={stop:?} must exceed the longest stop with relay.shutdown_timeout's default ({longest:?})"
     );
     for (key, value) in [
         ("Restart", "on-failure"),

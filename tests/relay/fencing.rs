@@ -37,23 +37,6 @@ fn start_writer(url: String, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<V
     })
 }
 
-/// The server-side pid and client port of the session holding the
-/// ownership lock in `db`.
-async fn owner_session(db: &TestDb) -> (i32, u16) {
-    wait_for(WAIT, "an instance to hold the ownership lock", || async {
-        db.client
-            .query_opt(
-                "SELECT a.pid, a.client_port FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-                 WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database()",
-                &[],
-            )
-            .await
-            .unwrap()
-            .map(|r| (r.get::<_, i32>(0), r.get::<_, i32>(1) as u16))
-    })
-    .await
-}
-
 /// What the database shows when a takeover does not happen: who holds the
 /// ownership lock, whether the terminated session is still there, what
 /// every session of the test's database is doing, and the owners table.
@@ -117,7 +100,7 @@ async fn a_partitioned_owner_stops_before_the_standby_starts(mode: Mode, kind: K
     let a = InProcess::start(parse(&toml_a));
     let stop = Arc::new(AtomicBool::new(false));
     let writer = start_writer(db.url.clone(), stop.clone());
-    let (owner_pid, owner_port) = owner_session(&db).await;
+    let (owner_pid, owner_port) = db.owner_session().await;
     wait_for(WAIT, "A to publish", || async {
         (broker.inbox().len() > 50).then_some(())
     })

@@ -332,6 +332,62 @@ async fn a_second_signal_exits_at_once() {
     assert_eq!(db.unsent().await, 1, "the unconfirmed event stays unsent");
 }
 
+/// A stop that cannot finish (the ownership session went silent while
+/// marking a confirmed event, and a lease of a minute keeps the relay from
+/// giving up on it) ends anyway once `relay.shutdown_timeout` and
+/// `STOP_GRACE` have passed: exit 1, with an error saying so, well within
+/// the grace the shipped unit and manifest give. Nothing unmarked counts as
+/// sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_that_cannot_finish_ends_after_the_grace() {
+    use outbox_relay::shutdown::{OVERRAN_EXIT, STOP_GRACE};
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[
+            ("relay.ownership_lease", "\"60s\""),
+            ("relay.shutdown_timeout", "\"1s\""),
+        ],
+    )
+    .await;
+    let (proxy, toml) = db.behind_proxy(&toml).await;
+    let mut relay = ChildRelay::start_logged(&toml);
+    let first = insert_one(&db, 1).await;
+    broker.inbox().wait_ids(&[first], WAIT).await;
+    wait_for(WAIT, "the first event marked sent", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    let (_, port) = db.owner_session().await;
+    assert!(proxy.freeze(port), "the ownership session is proxied");
+    let second = insert_one(&db, 2).await;
+    broker.inbox().wait_ids(&[second], WAIT).await;
+    let signalled = std::time::Instant::now();
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &relay.pid().to_string()])
+        .status();
+    let limit = Duration::from_secs(1) + STOP_GRACE;
+    let status = relay
+        .wait_exit(limit + Duration::from_secs(5))
+        .unwrap_or_else(|| panic!("the relay was still stopping {limit:?} after SIGTERM"));
+    let took = signalled.elapsed();
+    assert_eq!(status.code(), Some(OVERRAN_EXIT), "{status}");
+    assert!(
+        took >= limit - Duration::from_millis(500),
+        "the stop waited for its grace ({took:?}): the marking was stuck"
+    );
+    assert!(
+        relay.logged("the stop did not end within relay.shutdown_timeout plus 10s"),
+        "the error says why the relay exited"
+    );
+    assert_eq!(
+        db.unsent().await,
+        1,
+        "the event whose mark never reached the database stays unsent"
+    );
+}
+
 /// When the clean stop cannot be recorded (here the database refuses the
 /// write) the stop still ends promptly, the claim stays unmarked, and the
 /// next owner waits the lease out: a lost record costs latency, never order.

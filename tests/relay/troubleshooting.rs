@@ -503,22 +503,6 @@ async fn a_slot_another_process_streams_from_is_waited_for() {
     broker.inbox.wait_ids(&[id.to_string()], WAIT).await;
 }
 
-/// The client port of the session holding the ownership lock in `db`.
-async fn owner_port(db: &TestDb) -> u16 {
-    wait_for(WAIT, "an instance to hold the ownership lock", || async {
-        db.client
-            .query_opt(
-                "SELECT a.client_port FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-                 WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database()",
-                &[],
-            )
-            .await
-            .unwrap()
-            .map(|r| r.get::<_, i32>(0) as u16)
-    })
-    .await
-}
-
 /// Row: `the ownership session has not answered for Ns ...: giving
 /// ownership up`: the owner's session to PostgreSQL goes silent (a frozen
 /// proxied connection), and the relay gives ownership up after two leases.
@@ -532,14 +516,10 @@ async fn an_owner_whose_session_goes_silent_gives_ownership_up() {
     )
     .await;
     // The relay reaches PostgreSQL through a proxy.
-    let (_, rest) = db.url.split_once('@').expect("a user in the URL");
-    let (address, _) = rest.split_once('/').expect("a database in the URL");
-    let pg: std::net::SocketAddr = address.parse().expect("host:port");
-    let proxy = crate::support::proxy::Proxy::start(pg, true).await;
-    let toml = toml.replace(address, &format!("127.0.0.1:{}", proxy.port));
+    let (proxy, toml) = db.behind_proxy(&toml).await;
     let mut relay = LoggedRun::start(&toml);
     relay.wait_logged("active: relaying events", 1).await;
-    let port = owner_port(&db).await;
+    let (_, port) = db.owner_session().await;
     assert!(proxy.freeze(port), "the ownership session is proxied");
     let said = "s (relay.ownership_lease and as much again): giving ownership up and starting over";
     let log = relay.wait_logged(said, 1).await;

@@ -1,6 +1,7 @@
 //! A database of its own for each test, dropped with its slots however the
 //! test ends.
 
+use super::proxy::Proxy;
 use super::{WAIT, connect, pg_admin_url, unique, wait_for};
 use outbox_relay::config::Config;
 use std::collections::HashSet;
@@ -17,6 +18,34 @@ pub struct TestDb {
 }
 
 impl TestDb {
+    /// The backend pid and client port of the session holding the
+    /// ownership lock in this database, once an instance holds it.
+    pub async fn owner_session(&self) -> (i32, u16) {
+        wait_for(WAIT, "an instance to hold the ownership lock", || async {
+            self.client
+                .query_opt(
+                    "SELECT a.pid, a.client_port FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+                     WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database()",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .map(|r| (r.get::<_, i32>(0), r.get::<_, i32>(1) as u16))
+        })
+        .await
+    }
+
+    /// `toml` with this database reached through a new [`Proxy`], which
+    /// can then freeze one of the relay's sessions.
+    pub async fn behind_proxy(&self, toml: &str) -> (Proxy, String) {
+        let (_, rest) = self.url.split_once('@').expect("a user in the URL");
+        let (address, _) = rest.split_once('/').expect("a database in the URL");
+        let pg: std::net::SocketAddr = address.parse().expect("host:port");
+        let proxy = Proxy::start(pg, true).await;
+        let toml = toml.replace(address, &format!("127.0.0.1:{}", proxy.port));
+        (proxy, toml)
+    }
+
     pub async fn new() -> TestDb {
         Self::new_on(&pg_admin_url()).await
     }
