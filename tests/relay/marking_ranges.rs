@@ -393,7 +393,7 @@ impl History {
         }
         // A CDC start-up round: the same read in one REPEATABLE
         // READ transaction, from the frontier or the previous read.
-        let base = if step % 2 == 0 {
+        let base = if step.is_multiple_of(2) {
             None
         } else {
             self.tick.clone()
