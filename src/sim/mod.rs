@@ -12,7 +12,8 @@
 //! schedules record sent rows by ranges (`relay.mark = "ranges"`): the
 //! readers ask the predicate, and every instance folds (`fold.rs`, a
 //! double of the fold's two steps over `world/ranges.rs`), crashing and
-//! losing its connection between any two statements.
+//! losing its connection between any two statements; a third of those
+//! start with `update` and switch to ranges while running (`upgrade.rs`).
 //!
 //! Each schedule runs on a single-threaded runtime with tokio's paused
 //! clock, so a seed replays the same schedule:
@@ -47,6 +48,7 @@ mod fold;
 mod params;
 mod scenario;
 mod sink;
+mod upgrade;
 mod world;
 
 use params::Focus;
@@ -176,7 +178,8 @@ fn seeded_schedules_keep_every_guarantee() {
                 && f.unsettled > 0
                 && f.deleted_unsettled > 0
                 && f.held > 0
-                && f.backlogs > 0),
+                && f.backlogs > 0
+                && f.upgrades > 0),
         "the schedules did not drive every kind of fold round: {totals}"
     );
 }

@@ -5,8 +5,9 @@ use super::backend::SimBackend;
 use super::check;
 use super::db::admin;
 use super::faults;
-use super::fold::{self, FoldSettings};
+use super::fold;
 use super::params::{Focus, Params};
+use super::upgrade::{self, Upgrade};
 use super::world::{BrokerKind, EventFacts, FoldCounts, Poison, Shared, World, lock};
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::dead_letter::admin::Target;
@@ -60,6 +61,7 @@ impl Totals {
         self.folds.backlogs += t.folds.backlogs;
         self.folds.held += t.folds.held;
         self.folds.deleted_unsettled += t.folds.deleted_unsettled;
+        self.folds.upgrades += t.folds.upgrades;
         self.simulated += t.simulated;
     }
 }
@@ -68,7 +70,7 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} repeats after clean stops, {} fold rounds that moved the frontier ({} unsettled, deleting {} progress rows; {} rows held open) and {} that found a drain, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} repeats after clean stops, {} fold rounds that moved the frontier ({} unsettled, deleting {} progress rows; {} rows held open) and {} that found a drain, {} switches from update to ranges, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
@@ -83,6 +85,7 @@ impl fmt::Display for Totals {
             self.folds.deleted_unsettled,
             self.folds.held,
             self.folds.backlogs,
+            self.folds.upgrades,
             self.simulated.as_secs_f64() / 60.0
         )
     }
@@ -103,6 +106,7 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
         .map_err(|e| format!("seed {seed}: the simulated configuration is invalid: {e}"))?;
     // Below what a configuration may say, to make a few events fill it.
     config.relay.max_in_flight_bytes = params.max_in_flight_bytes;
+    let (config, fold_settings, upgrade) = upgrade::plan(seed, &params, config)?;
     let world: Shared = Arc::new(Mutex::new(World::new(
         seed,
         BrokerKind {
@@ -112,13 +116,14 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
         config.relay.confirm_timeout,
         params.mark != MarkMode::None,
     )));
-    if params.mark == MarkMode::Ranges {
-        // From a generator of their own: the schedules of the other
-        // marking modes stay as they were.
-        let mut fold_rng = fastrand::Rng::with_seed(seed ^ 0x00f0_1d0f_5eed);
-        lock(&world).progress.settings = Some(FoldSettings::random(&mut fold_rng));
-    }
-    let outcome = rt.block_on(drive(seed, rng, params.clone(), config, world.clone()));
+    lock(&world).progress.settings = fold_settings;
+    let outcome = rt.block_on(drive(
+        seed,
+        rng,
+        params.clone(),
+        (config, upgrade),
+        world.clone(),
+    ));
     let w = lock(&world);
     let mut problems = w.violations.clone();
     if let Err(e) = &outcome {
@@ -276,7 +281,7 @@ async fn drive(
     seed: u64,
     mut rng: fastrand::Rng,
     params: Params,
-    config: Config,
+    (mut config, mut upgrade): (Config, Option<Upgrade>),
     world: Shared,
 ) -> Result<Duration, String> {
     let started = Instant::now();
@@ -289,9 +294,17 @@ async fn drive(
         fastrand::Rng::with_seed(seed.wrapping_mul(31).wrapping_add(7)),
         params.clone(),
     ));
-    for _ in 0..params.faults {
+    for n in 0..params.faults {
         tokio::time::sleep(faults::gap(&params, &mut rng)).await;
+        if let Some(u) = upgrade.take_if(|u| u.before_fault == n) {
+            config = u.perform(&world, &mut instances).await?;
+        }
         faults::fault(&world, &config, &params, &mut rng, &mut instances).await;
+    }
+    if let Some(u) = upgrade {
+        // After the last fault, or in a schedule without any.
+        tokio::time::sleep(u.delay).await;
+        u.perform(&world, &mut instances).await?;
     }
     writers
         .await

@@ -43,6 +43,8 @@ pub struct FoldCounts {
     /// Progress rows deleted by rounds whose capture did not settle (one
     /// by one, by counting their rows visible).
     pub deleted_unsettled: u64,
+    /// Schedules that switched from `update` to ranges while running.
+    pub upgrades: u64,
 }
 
 /// What a capture keeps for the round after it (`fold::Capture`).
