@@ -9,8 +9,8 @@
 # another path: `... outbox-relay run --config FILE`); any key can be overridden with an
 # environment variable OUTBOX_RELAY__SECTION__KEY.
 # On SIGTERM the relay waits up to relay.shutdown_timeout (30 s by default) for broker
-# confirmations and exits at the latest 10 s later: give `docker stop` longer than
-# both (`--time 45`, or stop_grace_period).
+# confirmations and exits at the latest 20 s later: give `docker stop` longer than
+# both (`--time 55`, or stop_grace_period).
 
 FROM rust:1.95-bookworm AS build
 WORKDIR /src

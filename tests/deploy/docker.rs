@@ -102,7 +102,7 @@ fn docker_compose_matches_the_configurations_it_mounts() {
     assert!(command_text(service("postgres")).contains("wal_level=logical"));
 
     // The relay drains for relay.shutdown_timeout on SIGTERM and exits at the
-    // latest 10 s later: Docker must wait longer.
+    // latest STOP_GRACE later: Docker must wait longer.
     let grace = relay["stop_grace_period"]
         .as_str()
         .and_then(|s| humantime::parse_duration(s).ok())

@@ -378,7 +378,10 @@ async fn a_stop_that_cannot_finish_ends_after_the_grace() {
         "the stop waited for its grace ({took:?}): the marking was stuck"
     );
     assert!(
-        relay.logged("the stop did not end within relay.shutdown_timeout plus 10s"),
+        relay.logged(&format!(
+            "the stop did not end within relay.shutdown_timeout plus {}s",
+            STOP_GRACE.as_secs()
+        )),
         "the error says why the relay exited"
     );
     assert_eq!(
