@@ -3,7 +3,7 @@
 //!
 //! - Kafka: librdkafka's idempotent producer (`acks=all`, `linger.ms=5`, the
 //!   relay's other producer settings) publishing the relay's exact messages
-//!   with at most `window` unconfirmed;
+//!   with at most [`window`] unconfirmed;
 //! - RabbitMQ: one confirm-mode channel publishing them persistent and
 //!   `mandatory`, at most `window` unconfirmed;
 //! - PostgreSQL: the relay's read of unsent rows (`relay_sent_at IS NULL AND
@@ -30,8 +30,12 @@ use rdkafka::producer::future_producer::OwnedDeliveryResult;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use std::time::{Duration, Instant};
 
-/// The relay's default `relay.max_in_flight`.
-pub const WINDOW: usize = 2_000;
+/// The relay's default `relay.max_in_flight`: a broker's rate depends on
+/// how much is unconfirmed at once, so its ceiling is measured with the
+/// relay's own window.
+pub fn window() -> usize {
+    outbox_relay::config::defaults::max_in_flight()
+}
 
 /// Rows per page, the relay's default `source.batch_size`.
 const PAGE: i64 = 500;
@@ -66,7 +70,7 @@ pub async fn kafka(
         let start = Instant::now();
         let mut in_flight = FuturesUnordered::new();
         for i in 0..count {
-            while in_flight.len() >= WINDOW {
+            while in_flight.len() >= window() {
                 kafka_confirmed(in_flight.next().await)?;
             }
             let m = &messages[(i % messages.len() as u64) as usize];
@@ -128,7 +132,7 @@ pub async fn rabbitmq(
         let start = Instant::now();
         let mut in_flight = FuturesUnordered::new();
         for i in 0..count {
-            while in_flight.len() >= WINDOW {
+            while in_flight.len() >= window() {
                 rabbit_confirmed(in_flight.next().await)?;
             }
             let at = (i % messages.len() as u64) as usize;
