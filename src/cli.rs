@@ -97,10 +97,10 @@ pub enum Command {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Leave relay.mark = "ranges" (experimental): mark every row it recorded as
+    /// Leave relay.mark = "ranges": mark every row it recorded as
     /// sent in relay_sent_at, then empty its tables.
     #[command(
-        long_about = "Leave relay.mark = \"ranges\" (experimental) for \"update\" or \"delete\": \
+        long_about = "Leave relay.mark = \"ranges\" for \"update\" or \"delete\": \
                       sets relay_sent_at on every row ranges recorded as sent, in batches, then \
                       empties the progress, frontier and held tables. Stop every instance first: \
                       it refuses while one owns or folds the outbox. Running it again resumes."

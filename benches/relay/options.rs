@@ -161,7 +161,7 @@ pub enum Mark {
     Update,
     Delete,
     None,
-    /// Experimental: the relay runs it with `OUTBOX_RELAY_EXPERIMENTAL=ranges`.
+    /// Recorded by ranges of `relay_seq` (PostgreSQL 14 or later).
     Ranges,
 }
 

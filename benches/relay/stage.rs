@@ -121,9 +121,6 @@ impl Stage {
             env.push((MARK_ENV.to_owned(), mark.name().to_owned()));
         }
         let ranges = mark_in(&env) == "ranges";
-        if ranges {
-            env.push(("OUTBOX_RELAY_EXPERIMENTAL".to_owned(), "ranges".to_owned()));
-        }
         let db = BenchDb::create(&ctx.services, &ctx.cleanup).await?;
         let destination = unique("bench_");
         let slot = destination.clone();

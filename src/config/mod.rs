@@ -166,8 +166,7 @@ pub enum MarkMode {
     /// written before the slot existed are not published.
     None,
     /// Record each confirmed batch as one row of `relay_seq` ranges
-    /// (`outbox::progress`); experimental: `run` refuses it unless
-    /// `OUTBOX_RELAY_EXPERIMENTAL=ranges`.
+    /// (`outbox::progress`; PostgreSQL 14 or later).
     Ranges,
 }
 

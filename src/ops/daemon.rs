@@ -22,9 +22,6 @@ pub enum DaemonError {
     },
     #[error(transparent)]
     Trace(#[from] telemetry::trace::TraceError),
-    /// An experimental setting without its switch.
-    #[error("{0}")]
-    Experimental(String),
 }
 
 /// `outbox-relay run`: logging, signal handlers, then [`run`] until SIGTERM
@@ -51,13 +48,6 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
     let Some(first) = configs.first() else {
         return Ok(());
     };
-    let experimental = std::env::var(crate::ops::fold::EXPERIMENTAL_ENV).ok();
-    if let Some(problem) = configs
-        .iter()
-        .find_map(|c| crate::ops::fold::experimental_problem(c, experimental.as_deref()))
-    {
-        return Err(DaemonError::Experimental(problem));
-    }
     // One exporter for the process; flushed once every pipeline has drained.
     let tracer = telemetry::trace::EventTracer::start(&first.telemetry.otlp)?;
     let health = Arc::new(Health::default());

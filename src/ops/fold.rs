@@ -1,4 +1,4 @@
-//! The fold `run` schedules with `relay.mark = "ranges"` (experimental):
+//! The fold `run` schedules with `relay.mark = "ranges"`:
 //! every `relay.fold_interval` it moves the frontier to the capture it took a round
 //! earlier and deletes the progress rows that frontier covers
 //! (`outbox::progress::fold`). One instance at a time folds an outbox;
@@ -24,21 +24,6 @@ const HOLD_LIMIT: i64 = 2_000;
 
 /// How long a capture waits for the transactions running at its start.
 const SETTLE: Duration = Duration::from_secs(2);
-
-/// The environment variable that lets `run` use experimental features.
-pub const EXPERIMENTAL_ENV: &str = "OUTBOX_RELAY_EXPERIMENTAL";
-
-/// Why `run` refuses `relay.mark = "ranges"` here, if it does.
-pub fn experimental_problem(config: &Config, allowed: Option<&str>) -> Option<String> {
-    let allowed = allowed.is_some_and(|v| v.split(',').any(|f| f.trim() == "ranges"));
-    (config.relay.mark == MarkMode::Ranges && !allowed).then(|| {
-        format!(
-            "pipeline {}: relay.mark = \"ranges\" is experimental: \
-             set {EXPERIMENTAL_ENV}=ranges to run it, or use \"update\"",
-            config.name
-        )
-    })
-}
 
 /// The key of the advisory lock one folding instance holds.
 pub fn lock_key(config: &Config) -> String {
@@ -246,29 +231,5 @@ impl Folder {
         };
         self.pending = Some(ranges.capture(&self.client, SETTLE).await?);
         Ok(outcome)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ranges_run_only_when_the_environment_allows_them() {
-        let toml = |mark: &str| {
-            format!(
-                "[database]\nurl = \"postgres://relay@localhost/db\"\n[relay]\nmark = \"{mark}\"\n[sink]\ntype = \"rabbitmq\"\nurl = \"amqp://localhost\"\n"
-            )
-        };
-        let ranges = crate::config::load_str(&toml("ranges")).expect("loads");
-        let refused = experimental_problem(&ranges, None).expect("refused");
-        assert!(
-            refused.contains("OUTBOX_RELAY_EXPERIMENTAL=ranges"),
-            "{refused}"
-        );
-        assert!(experimental_problem(&ranges, Some("other")).is_some());
-        assert!(experimental_problem(&ranges, Some("other, ranges")).is_none());
-        let update = crate::config::load_str(&toml("update")).expect("loads");
-        assert!(experimental_problem(&update, None).is_none());
     }
 }

@@ -199,8 +199,7 @@ async fn the_frontier_age_grows_while_the_fold_cannot_run_and_falls_once_it_can(
         .await
         .unwrap();
     let port = crate::kit::free_port();
-    let mut relay =
-        ChildRelay::start_with_env(&with_http(&toml, port), &[crate::ranges_delivery::SWITCH]);
+    let mut relay = ChildRelay::start(&with_http(&toml, port));
     let ids = ids(5);
     for (i, id) in ids.iter().enumerate() {
         db.insert(*id, "order", &format!("f{i}"), json!({})).await;

@@ -115,10 +115,7 @@ pub(crate) async fn unsent(app: &tokio_postgres::Client) -> i64 {
 /// and the environment that lets `run` use it.
 fn marking(toml: &str, ranges: bool) -> (String, &'static [(&'static str, &'static str)]) {
     if ranges {
-        (
-            set(toml, "relay.mark", "\"ranges\""),
-            &[crate::ranges_delivery::SWITCH],
-        )
+        (set(toml, "relay.mark", "\"ranges\""), &[])
     } else {
         (toml.to_owned(), &[])
     }

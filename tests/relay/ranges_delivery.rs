@@ -1,8 +1,7 @@
-//! `relay.mark = "ranges"` (experimental; polling and CDC) end to end, against real
+//! `relay.mark = "ranges"` (polling and CDC) end to end, against real
 //! PostgreSQL and brokers: every event published once, no outbox row
-//! written, the fold moving the frontier past what was recorded, a restart
-//! publishing only what is new, and `run` refusing the mode without its
-//! switch.
+//! written, the fold moving the frontier past what was recorded, and a
+//! restart publishing only what is new.
 
 use crate::support::brokers::Received;
 use crate::support::*;
@@ -10,8 +9,6 @@ use outbox_relay::config::TableName;
 use outbox_relay::outbox::progress::Ranges;
 use std::collections::HashMap;
 use uuid::Uuid;
-
-pub(crate) const SWITCH: (&str, &str) = ("OUTBOX_RELAY_EXPERIMENTAL", "ranges");
 
 /// Inserts `n` events of aggregate `agg` in transactions of `per_tx`.
 pub(crate) async fn insert(db: &TestDb, agg: &str, n: usize, per_tx: usize) -> Vec<String> {
@@ -67,7 +64,7 @@ async fn publishes_once_and_writes_no_row(mode: Mode, kind: Kind, extra: &[(&str
     for agg in ["d", "e", "f", "g", "h"] {
         ids.extend(insert(&db, agg, 4, 2).await);
     }
-    let mut relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let mut relay = ChildRelay::start(&toml);
     broker.inbox().wait_ids(&ids, WAIT).await;
     late_client.batch_execute("COMMIT").await.unwrap();
     ids.push("00000000-0000-0000-0000-00000000000a".into());
@@ -109,7 +106,7 @@ async fn publishes_once_and_writes_no_row(mode: Mode, kind: Kind, extra: &[(&str
     relay.kill();
     let before = broker.inbox().len();
     let new = insert(&db, "c", 50, 5).await;
-    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let _relay = ChildRelay::start(&toml);
     broker.inbox().wait_ids(&new, WAIT).await;
     let got = broker.inbox().snapshot();
     let n = deliveries(&got);
@@ -148,23 +145,6 @@ async fn cdc_with_ranges_to_kafka_publishes_once_and_writes_no_row() {
     publishes_once_and_writes_no_row(Mode::Cdc, Kind::Kafka, &[]).await;
 }
 
-#[test]
-fn run_refuses_ranges_without_the_experimental_switch() {
-    let toml = set(
-        &base_toml("postgres://relay@127.0.0.1:1/app", &rabbit_sink()),
-        "relay.mark",
-        "\"ranges\"",
-    );
-    let path = config_file(&toml);
-    let (code, _, err) = run_cli(&["run", "--config", &path], &[]);
-    assert_eq!(code, 1, "{err}");
-    assert!(
-        err.contains("relay.mark = \"ranges\" is experimental")
-            && err.contains("OUTBOX_RELAY_EXPERIMENTAL=ranges"),
-        "{err}"
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_recorded_with_their_transaction_and_not_read_again() {
     use crate::dead_letters::{dlq_list, insert_big, poison_settings, wait_dead_letters};
@@ -176,7 +156,7 @@ async fn dead_letters_are_recorded_with_their_transaction_and_not_read_again() {
     insert_big(&db, Uuid::new_v4(), "P").await;
     insert(&db, "P", 2, 1).await;
     let others = insert(&db, "g", 20, 4).await;
-    let mut relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let mut relay = ChildRelay::start(&toml);
     broker.inbox().wait_ids(&others, WAIT).await;
     wait_dead_letters(
         &path,
@@ -201,7 +181,7 @@ async fn dead_letters_are_recorded_with_their_transaction_and_not_read_again() {
     relay.kill();
     let before = broker.inbox().len();
     let new = insert(&db, "h", 1, 1).await;
-    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let _relay = ChildRelay::start(&toml);
     broker.inbox().wait_ids(&new, WAIT).await;
     assert_eq!(
         broker.inbox().len(),
@@ -227,9 +207,9 @@ async fn sigkills_lose_nothing_and_repeat_at_most_the_window(mode: Mode) {
     let toml = set(&toml, "relay.max_in_flight", &WINDOW.to_string());
     let toml = set(&toml, "relay.ownership_lease", "\"1s\"");
     let writer = crate::duplicates::start_writer(db.url.clone(), 2100);
-    kill_while_busy_with_env(&toml, &[SWITCH], broker.inbox(), KILLS, 300).await;
+    kill_while_busy_with_env(&toml, &[], broker.inbox(), KILLS, 300).await;
     let ids = writer.await.unwrap();
-    let mut child = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let mut child = ChildRelay::start(&toml);
     let got = broker.inbox().wait_ids(&ids, WAIT).await;
     let duplicates = got.len() - ids.len();
     assert!(
@@ -309,7 +289,7 @@ async fn the_fold_comes_back_after_losing_its_session() {
     let toml = set(&toml, "relay.retry_max", "\"1s\"");
     let ranges = Ranges::new(&TableName::new("public", "outbox"));
     let progress = format!("SELECT count(*) FROM {}", ranges.progress.quoted());
-    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let _relay = ChildRelay::start(&toml);
     let mut ids = Vec::new();
     let mut ended = Vec::new();
     for round in 0..5 {
@@ -436,7 +416,7 @@ async fn the_fold_waits_its_interval() {
     )
     .await;
     let ranges = Ranges::new(&TableName::new("public", "outbox"));
-    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let _relay = ChildRelay::start(&toml);
     let ids = insert(&db, "p", 20, 5).await;
     broker.inbox().wait_ids(&ids, WAIT).await;
     // Three default intervals: a 2 s fold would have covered them by then.
@@ -471,7 +451,7 @@ async fn a_missing_frontier_says_to_run_migrate_in_each_mode() {
         let log = crate::schema::run_until_logged_with_env(
             &config_file(&toml),
             "run outbox-relay migrate",
-            &[SWITCH],
+            &[],
         );
         assert!(
             log.contains("public.outbox_relay_frontier")
@@ -495,7 +475,7 @@ async fn retention_deletes_what_was_recorded_and_folded(mode: Mode) {
     ];
     let (db, broker, toml) = setup(mode, Kind::Rabbit, &["order"], &sets).await;
     let mut ids = insert(&db, "a", 60, 6).await;
-    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let _relay = ChildRelay::start(&toml);
     broker.inbox().wait_ids(&ids, WAIT).await;
     for round in ["b", "c"] {
         wait_for(WAIT, "retention to empty the outbox", || async {

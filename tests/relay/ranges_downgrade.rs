@@ -5,7 +5,7 @@
 //! never sent. And a sequence set back below what ranges recorded is
 //! refused.
 
-use crate::ranges_delivery::{SWITCH, count, deliveries, insert};
+use crate::ranges_delivery::{count, deliveries, insert};
 use crate::support::*;
 use outbox_relay::config::TableName;
 use outbox_relay::outbox::progress::Ranges;
@@ -21,7 +21,7 @@ async fn leaving_ranges_marks_what_was_recorded_and_publishes_nothing_again() {
     let frontier = format!("SELECT count(*) FROM {}", ranges.frontier.quoted());
     let progress = format!("SELECT count(*) FROM {}", ranges.progress.quoted());
     let mut ids = insert(&db, "a", 40, 4).await;
-    let mut relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let mut relay = ChildRelay::start(&toml);
     broker.inbox().wait_ids(&ids, WAIT).await;
     wait_for(WAIT, "a frontier", || async {
         (count(&db, &frontier).await > 0).then_some(())
@@ -89,7 +89,7 @@ async fn a_sequence_set_back_below_the_recorded_rows_is_refused() {
     let sets = [("relay.mark", "\"ranges\"")];
     let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &sets).await;
     let ids = insert(&db, "a", 20, 5).await;
-    let mut relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let mut relay = ChildRelay::start(&toml);
     broker.inbox().wait_ids(&ids, WAIT).await;
     relay.terminate();
     db.client
@@ -100,7 +100,7 @@ async fn a_sequence_set_back_below_the_recorded_rows_is_refused() {
         .unwrap();
     let path = config_file(&toml);
     // Refused before any row takes a value again.
-    let (code, out, _) = run_cli(&["check", "--config", &path], &[SWITCH]);
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
     assert!(
         code == 1 && out.contains("stands at 0, below 20"),
         "{code} {out}"
@@ -108,12 +108,12 @@ async fn a_sequence_set_back_below_the_recorded_rows_is_refused() {
     // It reuses relay_seq 1: sent or not depends on whether a progress row
     // still names 1, which is the hazard.
     insert(&db, "b", 1, 1).await;
-    let (code, out, _) = run_cli(&["check", "--config", &path], &[SWITCH]);
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
     assert!(
         code == 1 && out.contains("stands at 1, below 20") && out.contains("setval("),
         "{code} {out}"
     );
-    let log = crate::schema::run_until_logged_with_env(&path, "setval(", &[SWITCH]);
+    let log = crate::schema::run_until_logged_with_env(&path, "setval(", &[]);
     assert!(
         log.contains("would count as sent and never be published"),
         "{log}"
@@ -127,10 +127,10 @@ async fn a_sequence_set_back_below_the_recorded_rows_is_refused() {
         .batch_execute("SELECT setval(pg_get_serial_sequence('public.outbox', 'relay_seq'), 20)")
         .await
         .unwrap();
-    let (code, out, _) = run_cli(&["check", "--config", &path], &[SWITCH]);
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
     assert!(!out.contains("setval("), "{code} {out}");
     // Rows written after the fix are published.
-    let _relay = ChildRelay::start_with_env(&toml, &[SWITCH]);
+    let _relay = ChildRelay::start(&toml);
     let after = insert(&db, "c", 3, 1).await;
     broker.inbox().wait_ids(&after, WAIT).await;
 }
