@@ -10,6 +10,7 @@ use super::snapshot::Snapshot;
 use crate::db::DbError;
 use crate::replication::Lsn;
 use crate::source::SourceError;
+use std::sync::Mutex;
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -27,11 +28,26 @@ async fn current_snapshot(client: &Client) -> Result<Snapshot, SourceError> {
     parse_snapshot(&text)
 }
 
+/// The transaction the last warning named, in this process: a relay that
+/// starts run after run while one transaction holds on (with the broker
+/// down, say) names it once, not at every run.
+static LAST_NAMED: Mutex<Option<String>> = Mutex::new(None);
+
+/// Whether the transaction `key` was not the one named last (and is now).
+fn first_naming(key: &str) -> bool {
+    let mut last = LAST_NAMED.lock().unwrap_or_else(|e| e.into_inner());
+    if last.as_deref() == Some(key) {
+        return false;
+    }
+    *last = Some(key.to_owned());
+    true
+}
+
 /// The WAL insert position before which every committed transaction has
 /// ended (left the process array), so that a snapshot taken next sees them
 /// all; `None` when one ran on for longer than [`SETTLE_WAIT`]. The first
 /// time in a run that happens (`told` false), a warning names the oldest
-/// transaction still running.
+/// transaction still running, unless an earlier run named it already.
 pub(super) async fn settled_position(
     client: &Client,
     told: &mut bool,
@@ -68,9 +84,17 @@ pub(super) async fn settled_position(
                     "a transaction outlived the wait; the stream skips what the start-up read covered"
                 );
             } else {
-                let holder = oldest_transaction(client)
-                    .await
-                    .unwrap_or_else(|| "none any more, or the question failed".into());
+                let holder = match oldest_transaction(client).await {
+                    Some((what, key)) if !first_naming(&key) => {
+                        tracing::debug!(
+                            transaction = %what,
+                            "the transaction named before still keeps the start-up read from moving the slot"
+                        );
+                        return Ok(None);
+                    }
+                    Some((what, _)) => what,
+                    None => "none any more, or the question failed".into(),
+                };
                 tracing::warn!(
                     transaction = %holder,
                     "a transaction running for more than {}s kept the start-up read from moving the slot past the WAL it covers: \
@@ -86,30 +110,48 @@ pub(super) async fn settled_position(
 }
 
 /// The oldest transaction holding an id on the server, other than this
-/// session's own: a session, or a prepared transaction. `None` when there
-/// is none (it ended meanwhile), or the question failed (it only serves a
-/// warning).
-async fn oldest_transaction(client: &Client) -> Option<String> {
-    let sql = "SELECT what FROM (
+/// session's own: a session, or a prepared transaction, described, and a
+/// key that tells it from others. `None` when there is none (it ended
+/// meanwhile), or the question failed (it only serves a warning).
+async fn oldest_transaction(client: &Client) -> Option<(String, String)> {
+    let sql = "SELECT what, key FROM (
                    SELECT format('pid %s (database %s, user %s, application %L, %s)',
                                  pid, datname, usename, application_name,
                                  COALESCE(state || ', started '
                                           || round(extract(epoch FROM now() - xact_start)) || ' s ago',
                                           'state and age hidden from this role: grant it pg_read_all_stats')) AS what,
+                          format('%s:%s', pid, backend_xid) AS key,
                           age(backend_xid) AS age
                    FROM pg_stat_activity
                    WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
                    UNION ALL
                    SELECT format('prepared transaction %L (database %s, prepared %s s ago)',
                                  gid, database, round(extract(epoch FROM now() - prepared))),
+                          format('prepared:%s:%s', gid, transaction),
                           age(transaction)
                    FROM pg_prepared_xacts
                ) t ORDER BY age DESC LIMIT 1";
     match client.query_opt(sql, &[]).await {
-        Ok(row) => row.map(|r| r.get(0)),
+        Ok(row) => row.map(|r| (r.get(0), r.get(1))),
         Err(e) => {
             tracing::debug!(error = %crate::db::error_text(&e), "could not look up the oldest transaction");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_naming;
+
+    #[test]
+    fn a_transaction_is_named_again_only_after_another_was() {
+        assert!(first_naming("settle-test:1"));
+        assert!(
+            !first_naming("settle-test:1"),
+            "the same one, run after run"
+        );
+        assert!(first_naming("settle-test:2"));
+        assert!(first_naming("settle-test:1"), "named again after another");
     }
 }
