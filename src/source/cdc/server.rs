@@ -324,8 +324,12 @@ impl CdcServer for PgServer {
                 .await
                 .map_err(|e| DbError::query("ending a start-up read", e))?;
         }
-        let settled =
-            super::settle::settled_position(&self.client, &mut self.told_unsettled).await?;
+        let settled = super::settle::settled_position(
+            &self.client,
+            &self.table.to_string(),
+            &mut self.told_unsettled,
+        )
+        .await?;
         self.startup_rows.next_round();
         // The read waits while the broker catches up, so a server-wide
         // idle-in-transaction timeout must not end it.
