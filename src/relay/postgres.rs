@@ -395,6 +395,12 @@ impl Postgres<'_> {
 /// back under ranges, or ranges' records left for `update` or `delete`
 /// (see `outbox::progress::downgrade`), refuse the start.
 async fn marking_problem(owner: &Client, config: &Config) -> Result<(), RelayError> {
+    if config.relay.mark == MarkMode::Ranges
+        && let Ok(Some(problem)) = crate::outbox::progress::version_problem(owner).await
+    {
+        // Before the tables, which `migrate` refuses to create here.
+        return Err(inspect::TableProblem::Unusable(vec![problem]).into());
+    }
     let ranges = crate::outbox::progress::Ranges::new(&config.outbox.table);
     let problem = match config.relay.mark {
         MarkMode::Ranges => ranges

@@ -343,6 +343,22 @@ async fn ranges_from_14_on() {
         err.contains("relay.mark = \"ranges\" needs PostgreSQL 14"),
         "the reason is named: {out}{err}"
     );
+    // An outbox migrated for update, then run with ranges: `run` names the
+    // version too, not the tables `migrate` would refuse to create.
+    cli_ok(&[
+        "migrate",
+        "--config",
+        &config_file(&base_toml(&old.url, &rabbit.sink_toml())),
+    ]);
+    let log = crate::schema::run_until_logged_with_env(
+        &config_file(&ranges_toml(&old.url)),
+        "needs PostgreSQL 14 or later",
+        &[],
+    );
+    assert!(
+        log.contains("needs PostgreSQL 14 or later"),
+        "run names the version: {log}"
+    );
     let ranges = Ranges::new(&TableName::new("public", "outbox"));
     for major in [14, 18] {
         let db = TestDb::new_on(&admin_url(major)).await;
