@@ -1,4 +1,5 @@
-//! Leaving the experimental `relay.mark = "ranges"`: `run` with `update`
+//! Entering `relay.mark = "ranges"` from `update` (set it, `migrate`,
+//! restart: nothing published again) and leaving it: `run` with `update`
 //! refuses while ranges hold what was sent, `fold --into-sent-at` refuses
 //! while an instance runs, then writes what ranges recorded into
 //! `relay_sent_at`; the `update` relay that follows publishes only what was
@@ -9,6 +10,69 @@ use crate::ranges_delivery::{count, deliveries, insert};
 use crate::support::*;
 use outbox_relay::config::TableName;
 use outbox_relay::outbox::progress::Ranges;
+
+/// An outbox relayed with `update` switches as the README says: every
+/// instance stops, `relay.mark = "ranges"` is set, `migrate` runs, the
+/// relay starts again. Rows marked before stay sent (and are not published
+/// again), rows written meanwhile and after go out once, recorded by
+/// ranges: their `relay_sent_at` stays NULL.
+async fn entering_ranges_publishes_nothing_again(mode: Mode) {
+    let (db, broker, toml) = setup(mode, Kind::Rabbit, &["order"], &[]).await;
+    let mut ids = insert(&db, "a", 30, 3).await;
+    let mut relay = ChildRelay::start(&toml);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    wait_for(WAIT, "the first rows marked by update", || async {
+        (db.unsent().await == 0).then_some(())
+    })
+    .await;
+    relay.terminate();
+    let meanwhile = insert(&db, "b", 10, 2).await;
+    let path = config_file(&set(&toml, "relay.mark", "\"ranges\""));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "migrate: {out}{err}");
+    let _relay = ChildRelay::start(&std::fs::read_to_string(&path).unwrap());
+    broker.inbox().wait_ids(&meanwhile, WAIT).await;
+    let after = insert(&db, "c", 10, 1).await;
+    broker.inbox().wait_ids(&after, WAIT).await;
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    let unsent = format!(
+        "SELECT count(*) FROM outbox WHERE NOT {}(relay_seq, relay_xid, relay_sent_at)",
+        ranges.sent_function.quoted()
+    );
+    wait_for(WAIT, "every row to count as sent", || async {
+        (count(&db, &unsent).await == 0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE relay_sent_at IS NOT NULL"
+        )
+        .await,
+        30,
+        "only the rows sent before the switch are marked by relay_sent_at"
+    );
+    ids.extend(meanwhile);
+    ids.extend(after);
+    let got = broker.inbox().snapshot();
+    let n = deliveries(&got);
+    let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
+    assert!(
+        other.is_empty(),
+        "{mode:?}: published other than once: {other:?}"
+    );
+    assert_eq!(got.len(), ids.len(), "{mode:?}: nothing published again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_enters_ranges_from_update_and_publishes_nothing_again() {
+    entering_ranges_publishes_nothing_again(Mode::Polling).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdc_enters_ranges_from_update_and_publishes_nothing_again() {
+    entering_ranges_publishes_nothing_again(Mode::Cdc).await;
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leaving_ranges_marks_what_was_recorded_and_publishes_nothing_again() {
