@@ -180,7 +180,7 @@ async fn the_slot_retains_wal_while_cdc_is_behind() {
     assert_eq!(relay.terminate().code(), Some(0));
 }
 
-/// The experimental ranges: the frontier's age grows while no instance can
+/// Ranges: the frontier's age grows while no instance can
 /// fold (another session holds the fold's lock), `status` says the frontier
 /// never moved, and once the lock is free the fold moves it and counts the
 /// round.

@@ -95,7 +95,7 @@ async fn wait_reading(port: u16, mode: &str) {
     .await;
 }
 
-/// Rows not sent: `relay_sent_at` NULL, or with the experimental ranges
+/// Rows not sent: `relay_sent_at` NULL, or with ranges
 /// (their function exists), by their predicate.
 pub(crate) async fn unsent(app: &tokio_postgres::Client) -> i64 {
     let ranges: bool = app
@@ -111,13 +111,12 @@ pub(crate) async fn unsent(app: &tokio_postgres::Client) -> i64 {
     app.query_one(sql, &[]).await.unwrap().get(0)
 }
 
-/// `toml` with the experimental `relay.mark = "ranges"` when `ranges`,
-/// and the environment that lets `run` use it.
-fn marking(toml: &str, ranges: bool) -> (String, &'static [(&'static str, &'static str)]) {
+/// `toml` with `relay.mark = "ranges"` when `ranges`.
+fn marking(toml: &str, ranges: bool) -> String {
     if ranges {
-        (set(toml, "relay.mark", "\"ranges\""), &[])
+        set(toml, "relay.mark", "\"ranges\"")
     } else {
-        (toml.to_owned(), &[])
+        toml.to_owned()
     }
 }
 
@@ -133,9 +132,9 @@ async fn assert_recorded_by_ranges(app: &tokio_postgres::Client, ranges: bool) {
     }
 }
 
-/// The relay serving its HTTP endpoints on `port`, with `env`.
-fn serve(toml: &str, port: u16, env: &[(&str, &str)]) -> ChildRelay {
-    ChildRelay::start_with_env(&with_http(toml, port), env)
+/// The relay serving its HTTP endpoints on `port`.
+fn serve(toml: &str, port: u16) -> ChildRelay {
+    ChildRelay::start(&with_http(toml, port))
 }
 
 /// Waits for every committed event and for the table to have none unsent
@@ -251,7 +250,7 @@ async fn auto_polls_while_no_slot_is_free_and_switches_to_cdc_under_load_once_on
     switches_to_cdc_under_load_once_a_slot_is_free(false).await;
 }
 
-/// The experimental ranges: each reader starts from the frontier.
+/// Ranges: each reader starts from the frontier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_with_ranges_switches_to_cdc_under_load_once_a_slot_is_free() {
     switches_to_cdc_under_load_once_a_slot_is_free(true).await;
@@ -262,7 +261,7 @@ async fn switches_to_cdc_under_load_once_a_slot_is_free(ranges: bool) {
     let broker = RabbitExchange::new().await;
     let admin = connect(&pg.url("postgres")).await;
     admin.batch_execute("CREATE DATABASE app").await.unwrap();
-    let (toml, env) = marking(&auto_toml(&pg.url("app"), &broker.sink_toml()), ranges);
+    let toml = marking(&auto_toml(&pg.url("app"), &broker.sink_toml()), ranges);
     migrate_at(&pg.url("app"), &parse(&toml)).await;
     let app = connect(&pg.url("app")).await;
     // Other users of the server hold every slot.
@@ -274,7 +273,7 @@ async fn switches_to_cdc_under_load_once_a_slot_is_free(ranges: bool) {
     .unwrap();
 
     let port = crate::kit::free_port();
-    let mut relay = serve(&toml, port, env);
+    let mut relay = serve(&toml, port);
     wait_reading(port, "polling").await;
     let writer = Writer::start(&pg.url("app")).await;
     wait_for(WAIT, "events delivered by polling", || async {
@@ -313,7 +312,7 @@ async fn auto_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
     polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped(false).await;
 }
 
-/// The experimental ranges: CDC, then polling from the frontier, then CDC
+/// Ranges: CDC, then polling from the frontier, then CDC
 /// on a new slot whose start-up read goes by the frontier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_with_ranges_polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped() {
@@ -331,14 +330,14 @@ async fn polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped(ranges: 
         "source.cdc.on_lost_slot",
         "\"stop\"",
     );
-    let (toml, env) = marking(&toml, ranges);
+    let toml = marking(&toml, ranges);
     migrate_at(&pg.url("app"), &parse(&toml)).await;
     let app = connect(&pg.url("app")).await;
     let slot = slot_of(&toml);
 
     // A first run creates the slot and streams.
     let port = crate::kit::free_port();
-    let mut relay = serve(&toml, port, env);
+    let mut relay = serve(&toml, port);
     wait_reading(port, "cdc").await;
     let mut committed = Committed::new();
     write(&app, 20, &mut committed).await;
@@ -351,7 +350,7 @@ async fn polls_while_a_lost_slot_is_kept_and_streams_once_it_is_dropped(ranges: 
     lose_slot(&app, &slot, Duration::from_secs(60)).await;
 
     // on_lost_slot = "stop" keeps the slot for the operator; auto polls meanwhile.
-    let mut relay = serve(&toml, port, env);
+    let mut relay = serve(&toml, port);
     wait_reading(port, "polling").await;
     let ids: Vec<String> = committed.iter().map(|(_, id)| id.clone()).collect();
     broker.inbox.wait_ids(&ids, WAIT).await;

@@ -45,7 +45,7 @@ pub fn files_for(mode: Mode) -> Vec<(String, String)> {
 
 /// The files for `mode`, then those of the optional folders `extra`
 /// (`notify`: wake-ups; `messages`: `source.cdc.messages`; `ranges`: the
-/// experimental `relay.mark = "ranges"`).
+/// `relay.mark = "ranges"`).
 pub fn files_with(mode: Mode, extra: &[&str]) -> Vec<(String, String)> {
     let mut files = migration_files("");
     assert!(

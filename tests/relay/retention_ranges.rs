@@ -1,4 +1,4 @@
-//! Retention with `relay.mark = "ranges"` (experimental), against real
+//! Retention with `relay.mark = "ranges"`, against real
 //! PostgreSQL: rows recorded and folded before the cut-off go; rows unsent,
 //! held open, committed after the frontier or recorded since stay; rows
 //! marked by another mode before still go by their mark; the frontier's

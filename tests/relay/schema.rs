@@ -245,7 +245,7 @@ async fn unsent_events_are_write_once() {
     assert!(!out.contains("[warn]"), "{out}");
 }
 
-/// With the experimental ranges `relay_sent_at` stays NULL: the trigger
+/// With ranges `relay_sent_at` stays NULL: the trigger
 /// asks the predicate, so a recorded row may be changed (say, to redact
 /// it) and an unsent one still may not; migrate run again changes nothing.
 #[tokio::test]

@@ -317,7 +317,7 @@ async fn logical_messages_from_14_on() {
     relay.stop().await;
 }
 
-/// `relay.mark = "ranges"` (experimental) records multiranges, from 14 on:
+/// `relay.mark = "ranges"` records multiranges, from 14 on:
 /// `migrate` refuses it on 13 with the reason; on 14 and 18 the relay
 /// delivers with it, the fold covers what it recorded, nothing is unsent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
