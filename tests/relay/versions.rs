@@ -352,11 +352,11 @@ async fn ranges_from_14_on() {
     ]);
     let log = crate::schema::run_until_logged_with_env(
         &config_file(&ranges_toml(&old.url)),
-        "needs PostgreSQL 14 or later",
+        "relay.mark = \"ranges\" needs PostgreSQL 14",
         &[],
     );
     assert!(
-        log.contains("needs PostgreSQL 14 or later"),
+        log.contains("relay.mark = \"ranges\" needs PostgreSQL 14"),
         "run names the version: {log}"
     );
     let ranges = Ranges::new(&TableName::new("public", "outbox"));

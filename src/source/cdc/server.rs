@@ -326,7 +326,7 @@ impl CdcServer for PgServer {
         }
         let settled = super::settle::settled_position(
             &self.client,
-            &self.table.to_string(),
+            &self.settings.pipeline,
             &mut self.told_unsettled,
         )
         .await?;

@@ -29,19 +29,19 @@ async fn current_snapshot(client: &Client) -> Result<Snapshot, SourceError> {
     parse_snapshot(&text)
 }
 
-/// The transaction the last warning named, per outbox, in this process: a
+/// The transaction the last warning named, per pipeline, in this process: a
 /// pipeline that starts run after run while one transaction holds on (with
 /// the broker down, say) names it once, not at every run.
 static LAST_NAMED: Mutex<BTreeMap<String, String>> = Mutex::new(BTreeMap::new());
 
-/// Whether the transaction `key` was not the one last named for `outbox`
-/// (and is now).
-fn first_naming(outbox: &str, key: &str) -> bool {
+/// Whether the transaction `key` was not the one last named for
+/// `pipeline` (and is now).
+fn first_naming(pipeline: &str, key: &str) -> bool {
     let mut last = LAST_NAMED.lock().unwrap_or_else(|e| e.into_inner());
-    if last.get(outbox).is_some_and(|k| k == key) {
+    if last.get(pipeline).is_some_and(|k| k == key) {
         return false;
     }
-    last.insert(outbox.to_owned(), key.to_owned());
+    last.insert(pipeline.to_owned(), key.to_owned());
     true
 }
 
@@ -49,11 +49,11 @@ fn first_naming(outbox: &str, key: &str) -> bool {
 /// ended (left the process array), so that a snapshot taken next sees them
 /// all; `None` when one ran on for longer than [`SETTLE_WAIT`]. The first
 /// time in a run that happens (`told` false), a warning names the oldest
-/// transaction still running, unless an earlier run of `outbox`'s pipeline
-/// named it already.
+/// transaction still running, unless an earlier run of `pipeline` named it
+/// already.
 pub(super) async fn settled_position(
     client: &Client,
-    outbox: &str,
+    pipeline: &str,
     told: &mut bool,
 ) -> Result<Option<Lsn>, SourceError> {
     let text: String = client
@@ -89,7 +89,7 @@ pub(super) async fn settled_position(
                 );
             } else {
                 let holder = match oldest_transaction(client).await {
-                    Some((what, key)) if !first_naming(outbox, &key) => {
+                    Some((what, key)) if !first_naming(pipeline, &key) => {
                         tracing::debug!(
                             transaction = %what,
                             "the transaction named before still keeps the start-up read from moving the slot"
@@ -152,12 +152,9 @@ mod tests {
     fn a_transaction_is_named_again_only_after_another_was() {
         assert!(first_naming("a", "1"));
         assert!(!first_naming("a", "1"), "the same one, run after run");
-        assert!(
-            first_naming("b", "1"),
-            "another outbox's pipeline names it too"
-        );
+        assert!(first_naming("b", "1"), "another pipeline names it too");
         assert!(first_naming("a", "2"));
         assert!(first_naming("a", "1"), "named again after another");
-        assert!(!first_naming("b", "1"), "each outbox remembers its own");
+        assert!(!first_naming("b", "1"), "each pipeline remembers its own");
     }
 }
