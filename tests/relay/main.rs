@@ -36,6 +36,7 @@ mod rabbit_exchanges;
 mod ranges_delivery;
 mod ranges_downgrade;
 mod ranges_fold;
+mod ranges_histories;
 mod redrive;
 mod retention;
 mod retention_ranges;

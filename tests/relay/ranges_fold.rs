@@ -1,5 +1,5 @@
 //! The fold (`outbox::progress::fold`) against real PostgreSQL, in the
-//! cases the random histories of `marking_ranges.rs` reach only by chance:
+//! cases the random histories of `ranges_histories.rs` reach only by chance:
 //! a capture older than the frontier, and a long transaction that keeps
 //! every capture from settling.
 

@@ -3,7 +3,7 @@
 //! the readers ([`read`]) find what is unsent, the fold ([`fold`]) moves
 //! the frontier, and retention ([`retain`]) deletes what was sent before
 //! its cut-off. Proven against real PostgreSQL in
-//! `tests/relay/marking_ranges.rs`.
+//! `tests/relay/marking_ranges.rs` and `ranges_histories.rs`.
 //!
 //! A committed outbox row is *sent* exactly when at least one of these holds:
 //!

@@ -1,7 +1,7 @@
 //! `relay.mark = "ranges"` in the simulated database: the progress rows the
 //! acker records, the frontier, the rows held open, and the two steps of a
 //! fold round, a double of `outbox::progress::fold` (whose SQL is proven
-//! against PostgreSQL in `tests/relay/marking_ranges.rs`). The simulated
+//! against PostgreSQL in `tests/relay/ranges_histories.rs`). The simulated
 //! readers evaluate the predicate ([`World::is_sent`]) where the SQL ones
 //! run their queries.
 
