@@ -8,7 +8,7 @@ use crate::support::*;
 use outbox_relay::config::TableName;
 use outbox_relay::outbox::progress::Ranges;
 use outbox_relay::outbox::progress::fold::Advance;
-use outbox_relay::outbox::progress::read::READER_SESSION;
+use outbox_relay::outbox::progress::read::{READER_SESSION, ReadSql};
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -41,44 +41,98 @@ pub(crate) async fn seqs(
 }
 
 /// A read of the unsent rows from `base` (a snapshot and its highest
-/// `relay_seq`; `None`: a first read), page by page. Returns the rows and
-/// the read's own snapshot with its highest `relay_seq`, the next base.
+/// `relay_seq`; `None`: a first read), page by page: the first page has
+/// run, [`Paged::next`] runs the next.
+pub(crate) struct Paged {
+    sql: ReadSql,
+    base: Option<String>,
+    /// The read's own snapshot, and its highest `relay_seq`: the next base.
+    pub(crate) cur: String,
+    pub(crate) cur_max: Option<i64>,
+    base_max: i64,
+    stragglers: Vec<i64>,
+    page: i64,
+    /// The rows read so far.
+    pub(crate) got: Vec<i64>,
+    last: usize,
+}
+
+impl Paged {
+    pub(crate) async fn first(
+        client: &Client,
+        ranges: &Ranges,
+        base: &Option<(String, Option<i64>)>,
+        page: i64,
+    ) -> Paged {
+        let sql = ranges.read_sql("relay_seq", "");
+        let (snap, max) = match base {
+            Some((s, m)) => (Some(s.clone()), *m),
+            None => (None, None),
+        };
+        let rows = client
+            .query(&sql.first_page, &[&snap, &max, &page])
+            .await
+            .unwrap_or_else(|e| panic!("{e:?}\n{}", sql.first_page));
+        let got: Vec<i64> = rows
+            .iter()
+            .filter_map(|r| r.get::<_, Option<i64>>(4))
+            .collect();
+        Paged {
+            cur: rows[0].get(0),
+            cur_max: rows[0].get(1),
+            base_max: rows[0].get(2),
+            stragglers: rows[0].get(3),
+            last: got.len(),
+            got,
+            sql,
+            base: snap,
+            page,
+        }
+    }
+
+    /// The base's snapshot (`None`: the frontier).
+    pub(crate) fn base(&self) -> &Option<String> {
+        &self.base
+    }
+
+    /// The last page was not full: nothing more to read.
+    pub(crate) fn done(&self) -> bool {
+        (self.last as i64) < self.page
+    }
+
+    pub(crate) async fn next(&mut self, client: &Client) {
+        let cursor = *self.got.last().expect("a full page before");
+        let more = seqs(
+            client,
+            &self.sql.next_page,
+            &[
+                &cursor,
+                &self.cur,
+                &self.base,
+                &self.base_max,
+                &self.stragglers,
+                &self.page,
+            ],
+        )
+        .await;
+        self.last = more.len();
+        self.got.extend(more);
+    }
+}
+
+/// [`Paged`] to the end, with nothing between the pages. Returns the rows
+/// and the read's own snapshot with its highest `relay_seq`.
 pub(crate) async fn read(
     client: &Client,
     ranges: &Ranges,
     base: &Option<(String, Option<i64>)>,
     page: i64,
 ) -> (Vec<i64>, (String, Option<i64>)) {
-    let sql = ranges.read_sql("relay_seq", "");
-    let (snap, max) = match base {
-        Some((s, m)) => (Some(s.clone()), *m),
-        None => (None, None),
-    };
-    let rows = client
-        .query(&sql.first_page, &[&snap, &max, &page])
-        .await
-        .unwrap_or_else(|e| panic!("{e:?}\n{}", sql.first_page));
-    let cur: String = rows[0].get(0);
-    let cur_max: Option<i64> = rows[0].get(1);
-    let base_max: i64 = rows[0].get(2);
-    let stragglers: Vec<i64> = rows[0].get(3);
-    let mut got: Vec<i64> = rows
-        .iter()
-        .filter_map(|r| r.get::<_, Option<i64>>(4))
-        .collect();
-    let mut last = got.len() as i64;
-    while last == page {
-        let cursor = *got.last().unwrap();
-        let more = seqs(
-            client,
-            &sql.next_page,
-            &[&cursor, &cur, &snap, &base_max, &stragglers, &page],
-        )
-        .await;
-        last = more.len() as i64;
-        got.extend(more);
+    let mut read = Paged::first(client, ranges, base, page).await;
+    while !read.done() {
+        read.next(client).await;
     }
-    (got, (cur, cur_max))
+    (read.got, (read.cur, read.cur_max))
 }
 
 /// Records the rows `writer`'s open transaction wrote, on `client`, as CDC

@@ -7,7 +7,9 @@
 //! its pages must miss no row still unsent at its end; nothing may count as
 //! sent that was not recorded or marked, and a sent row stays sent.
 
-use crate::marking_ranges::{INSERT, brute_force, outbox_with_ranges, read, record_open, seqs};
+use crate::marking_ranges::{
+    INSERT, Paged, brute_force, outbox_with_ranges, read, record_open, seqs,
+};
 use crate::support::*;
 use outbox_relay::config::TableName;
 use outbox_relay::outbox::progress::Ranges;
@@ -340,37 +342,19 @@ impl History {
         };
         let page = self.rng.i64(1..4);
         let sent_before = self.ledger.sent.clone();
-        let sql = self.ranges.read_sql("relay_seq", "");
-        let (snap, max) = match &base {
-            Some((s, m)) => (Some(s.clone()), *m),
-            None => (None, None),
-        };
-        let rows = self
-            .db
-            .client
-            .query(&sql.first_page, &[&snap, &max, &page])
-            .await
-            .unwrap_or_else(|e| panic!("{e:?}\n{}", sql.first_page));
-        let cur: String = rows[0].get(0);
-        let base_max: i64 = rows[0].get(2);
-        let stragglers: Vec<i64> = rows[0].get(3);
-        let mut got: Vec<i64> = rows
-            .iter()
-            .filter_map(|r| r.get::<_, Option<i64>>(4))
-            .collect();
+        let mut read = Paged::first(&self.db.client, &self.ranges, &base, page).await;
         // The read's view (visible in cur, not in the base), before any
         // step between the pages could delete a row of it.
         let in_view = "SELECT relay_seq FROM outbox
              WHERE pg_visible_in_snapshot(relay_xid, $1::text::pg_snapshot)
                AND ($2::text IS NULL OR NOT pg_visible_in_snapshot(relay_xid, $2::text::pg_snapshot))";
-        let view: BTreeSet<i64> = seqs(&self.db.client, in_view, &[&cur, &snap])
+        let view: BTreeSet<i64> = seqs(&self.db.client, in_view, &[&read.cur, read.base()])
             .await
             .into_iter()
             .collect();
-        let mut last = got.len() as i64;
         // Steps between the pages that can change what counts as sent.
         let mut changed = 0;
-        while last == page {
+        while !read.done() {
             for _ in 0..self.rng.u32(0..3) {
                 let what = self.rng.u32(0..CHANGES);
                 changed += usize::from(what >= 45);
@@ -378,13 +362,9 @@ impl History {
                 self.change(what, &step).await;
                 check_sent(&self.db, &self.ranges, &mut self.ledger, &step).await;
             }
-            let cursor = *got.last().unwrap();
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
-                [&cursor, &cur, &snap, &base_max, &stragglers, &page];
-            let more = seqs(&self.db.client, &sql.next_page, &params).await;
-            last = more.len() as i64;
-            got.extend(more);
+            read.next(&self.db.client).await;
         }
+        let got = read.got;
         assert!(
             got.windows(2).all(|w| w[0] < w[1]),
             "{label}: out of order {got:?}"
