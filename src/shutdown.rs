@@ -13,11 +13,10 @@ pub const FORCED_EXIT: i32 = 130;
 /// What a stop may take beyond `relay.shutdown_timeout` to record what was
 /// confirmed, let the reader report its position, close the broker
 /// connection, record the clean stop (5 s at most each) and flush traces
-/// (2 s at most once the timeout has passed): more than those bounds add
-/// up to, so that only a stop
-/// stuck where no bound applies (the final hand-over to the acker, on a
-/// silent ownership session) meets it, and well before a supervisor's grace
-/// of `relay.shutdown_timeout` plus this runs out.
+/// (2 s at most once the timeout has passed): more than those bounds add up
+/// to, so that only a stop stuck where no bound applies (the final hand-over
+/// to the acker, on a silent ownership session) meets it, and well before a
+/// supervisor's grace of `relay.shutdown_timeout` plus this runs out.
 pub const STOP_GRACE: Duration = Duration::from_secs(20);
 
 /// Exit code of a stop that overran `relay.shutdown_timeout` plus

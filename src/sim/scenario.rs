@@ -106,7 +106,7 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
         .map_err(|e| format!("seed {seed}: the simulated configuration is invalid: {e}"))?;
     // Below what a configuration may say, to make a few events fill it.
     config.relay.max_in_flight_bytes = params.max_in_flight_bytes;
-    let (config, fold_settings, upgrade) = upgrade::plan(seed, &params, config)?;
+    let (config, fold_settings, upgrade) = upgrade::plan(seed, &params, config);
     let world: Shared = Arc::new(Mutex::new(World::new(
         seed,
         BrokerKind {

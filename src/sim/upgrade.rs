@@ -30,14 +30,14 @@ pub(super) fn plan(
     seed: u64,
     params: &Params,
     config: Config,
-) -> Result<(Config, Option<FoldSettings>, Option<Upgrade>), String> {
+) -> (Config, Option<FoldSettings>, Option<Upgrade>) {
     if params.mark != MarkMode::Ranges {
-        return Ok((config, None, None));
+        return (config, None, None);
     }
     let mut rng = fastrand::Rng::with_seed(seed ^ 0x00f0_1d0f_5eed);
     let settings = FoldSettings::random(&mut rng);
     if params.focus != Focus::Mixed || rng.u32(0..3) != 0 {
-        return Ok((config, Some(settings), None));
+        return (config, Some(settings), None);
     }
     let mut before = config.clone();
     before.relay.mark = MarkMode::Update;
@@ -47,7 +47,7 @@ pub(super) fn plan(
         before_fault: rng.usize(0..=params.faults),
         delay: std::time::Duration::from_millis(rng.u64(50..1500)),
     };
-    Ok((before, None, Some(upgrade)))
+    (before, None, Some(upgrade))
 }
 
 impl Upgrade {

@@ -1,5 +1,6 @@
 //! Recording "sent" by ranges of `relay_seq` instead of updating each row
-//! (`docs/design/marking-by-ranges.md`), `relay.mark = "ranges"`: the recorder inserts one progress row per confirmed batch,
+//! (`docs/design/marking-by-ranges.md`), `relay.mark = "ranges"`: the
+//! recorder inserts one progress row per confirmed batch,
 //! the readers ([`read`]) find what is unsent, the fold ([`fold`]) moves
 //! the frontier, and retention ([`retain`]) deletes what was sent before
 //! its cut-off. Proven against real PostgreSQL in
