@@ -74,6 +74,50 @@ async fn cdc_enters_ranges_from_update_and_publishes_nothing_again() {
     entering_ranges_publishes_nothing_again(Mode::Cdc).await;
 }
 
+/// A rolling switch: an instance still on `update`, standing by while the
+/// owner runs ranges, takes ownership when the owner stops and refuses to
+/// relay, naming the way out, instead of publishing again what ranges
+/// recorded; new events wait for an instance on ranges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_update_standby_refuses_to_take_over_from_ranges() {
+    let sets = [("relay.mark", "\"ranges\"")];
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &sets).await;
+    let ids = insert(&db, "a", 20, 4).await;
+    let mut owner = ChildRelay::start(&toml);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    let (owner_pid, _) = db.owner_session().await;
+    let standby = ChildRelay::start_logged(&set(&toml, "relay.mark", "\"update\""));
+    wait_for(WAIT, "the update instance to stand by", || async {
+        standby
+            .logged("standby: another instance is active")
+            .then_some(())
+    })
+    .await;
+    assert!(owner.terminate().success());
+    let waiting = insert(&db, "b", 5, 1).await;
+    wait_for(
+        WAIT,
+        "the update instance to refuse, once it owns the outbox",
+        || async { standby.logged("fold --into-sent-at").then_some(()) },
+    )
+    .await;
+    let (pid, _) = db.owner_session().await;
+    assert_ne!(pid, owner_pid, "the standby took ownership");
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    assert_eq!(
+        broker.inbox().len(),
+        ids.len(),
+        "nothing published again, nothing new published by update"
+    );
+    let unsent = format!(
+        "SELECT count(*) FROM outbox WHERE NOT {}(relay_seq, relay_xid, relay_sent_at)",
+        Ranges::new(&TableName::new("public", "outbox"))
+            .sent_function
+            .quoted()
+    );
+    assert_eq!(count(&db, &unsent).await, waiting.len() as i64);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leaving_ranges_marks_what_was_recorded_and_publishes_nothing_again() {
     let sets = [
