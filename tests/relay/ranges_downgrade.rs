@@ -11,6 +11,16 @@ use crate::support::*;
 use outbox_relay::config::TableName;
 use outbox_relay::outbox::progress::Ranges;
 
+/// Rows that do not count as sent, by the predicate of ranges.
+async fn unsent(db: &TestDb) -> i64 {
+    let sent = Ranges::new(&TableName::new("public", "outbox")).sent_function;
+    let sql = format!(
+        "SELECT count(*) FROM outbox WHERE NOT {}(relay_seq, relay_xid, relay_sent_at)",
+        sent.quoted()
+    );
+    count(db, &sql).await
+}
+
 /// An outbox relayed with `update` switches as the README says: every
 /// instance stops, `relay.mark = "ranges"` is set, `migrate` runs, the
 /// relay starts again. Rows marked before stay sent (and are not published
@@ -34,13 +44,8 @@ async fn entering_ranges_publishes_nothing_again(mode: Mode) {
     broker.inbox().wait_ids(&meanwhile, WAIT).await;
     let after = insert(&db, "c", 10, 1).await;
     broker.inbox().wait_ids(&after, WAIT).await;
-    let ranges = Ranges::new(&TableName::new("public", "outbox"));
-    let unsent = format!(
-        "SELECT count(*) FROM outbox WHERE NOT {}(relay_seq, relay_xid, relay_sent_at)",
-        ranges.sent_function.quoted()
-    );
     wait_for(WAIT, "every row to count as sent", || async {
-        (count(&db, &unsent).await == 0).then_some(())
+        (unsent(&db).await == 0).then_some(())
     })
     .await;
     assert_eq!(
@@ -109,13 +114,7 @@ async fn an_update_standby_refuses_to_take_over_from_ranges() {
         ids.len(),
         "nothing published again, nothing new published by update"
     );
-    let unsent = format!(
-        "SELECT count(*) FROM outbox WHERE NOT {}(relay_seq, relay_xid, relay_sent_at)",
-        Ranges::new(&TableName::new("public", "outbox"))
-            .sent_function
-            .quoted()
-    );
-    assert_eq!(count(&db, &unsent).await, waiting.len() as i64);
+    assert_eq!(unsent(&db).await, waiting.len() as i64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
