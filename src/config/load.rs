@@ -232,8 +232,11 @@ fn read_pipeline(
     table: config::Map<String, config::Value>,
     origin: &str,
 ) -> Result<(Option<Config>, Vec<Problem>), ConfigError> {
-    let (config, mut problems) = deserialize_all::<Config>(table)
+    let (mut config, mut problems) = deserialize_all::<Config>(table)
         .map_err(|message| ConfigError::Parse(format!("{origin}: {message}")))?;
+    if let Some(config) = &mut config {
+        config.relay.mark = config.relay.mark_setting.unwrap_or_default();
+    }
     if let Some(config) = &config
         && let Err(found) = config.validate()
     {

@@ -91,6 +91,11 @@ pub struct Config {
 }
 
 impl Config {
+    /// Whether `relay.mark` is unset, so the outbox chooses it.
+    pub fn mark_chosen_by_outbox(&self) -> bool {
+        self.relay.mark_setting.is_none()
+    }
+
     /// Whether the relay deletes outbox rows: `relay.mark = "delete"`, or
     /// retention cleaning up marked rows.
     pub fn deletes_rows(&self) -> bool {
@@ -199,7 +204,13 @@ pub struct RelayConfig {
     /// connection: the message is re-sent.
     #[serde(default = "defaults::confirm_timeout", with = "duration")]
     pub confirm_timeout: Duration,
-    #[serde(default)]
+    /// `relay.mark` as written; unset, the outbox chooses
+    /// ([`crate::ops::marking`]).
+    #[serde(default, rename = "mark")]
+    pub mark_setting: Option<MarkMode>,
+    /// The marking in force: `mark_setting`, or until the outbox chose,
+    /// `update`. Commands read it only after [`crate::ops::marking`] chose.
+    #[serde(skip)]
     pub mark: MarkMode,
     /// With `mark = "ranges"`: the pause between the fold's rounds while
     /// the relay keeps up (`ops::fold`).
@@ -240,6 +251,7 @@ impl Default for RelayConfig {
             max_in_flight_bytes: defaults::max_in_flight_bytes(),
             max_in_flight_per_aggregate: None,
             confirm_timeout: defaults::confirm_timeout(),
+            mark_setting: None,
             mark: MarkMode::default(),
             fold_interval: defaults::fold_interval(),
             shutdown_timeout: defaults::shutdown_timeout(),

@@ -72,32 +72,50 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
         tasks.spawn(server);
     }
     let flush_within = first.relay.shutdown_timeout;
-    for config in configs {
-        let t = PipelineTelemetry::traced(&config, &tracer);
-        health.register(t.health.clone());
-        tasks.spawn(crate::ops::status::sample(
-            config.clone(),
-            t.clone(),
-            shutdown.clone(),
-        ));
-        {
-            let (config, metrics, token) = (config.clone(), t.metrics.clone(), shutdown.clone());
-            tasks.spawn(async move {
-                crate::ops::retention::run_scheduled(&config, Some(metrics), token).await
-            });
+    let mut configs = configs;
+    let telemetry: Vec<_> = configs
+        .iter()
+        .map(|config| {
+            let t = PipelineTelemetry::traced(config, &tracer);
+            health.register(t.health.clone());
+            t
+        })
+        .collect();
+    // Not ready meanwhile: nothing is relayed before the outbox chose.
+    if crate::ops::marking::choose_all(&mut configs, &shutdown).await {
+        for (config, t) in configs.into_iter().zip(telemetry) {
+            spawn_pipeline(&mut tasks, config, t, &shutdown);
         }
-        {
-            let (config, metrics, token) = (config.clone(), t.metrics.clone(), shutdown.clone());
-            tasks.spawn(async move {
-                crate::ops::fold::run_scheduled(&config, Some(metrics), token).await
-            });
-        }
-        let token = shutdown.clone();
-        tasks.spawn(async move { crate::relay::run_observed(&config, t, token).await });
     }
     let drained = async { while tasks.join_next().await.is_some() {} };
     tracer
         .run_until_stopped(&shutdown, flush_within, drained)
         .await;
     Ok(())
+}
+
+/// The tasks of one pipeline: its gauges, retention, fold and relay.
+fn spawn_pipeline(
+    tasks: &mut JoinSet<()>,
+    config: Config,
+    t: PipelineTelemetry,
+    shutdown: &CancellationToken,
+) {
+    tasks.spawn(crate::ops::status::sample(
+        config.clone(),
+        t.clone(),
+        shutdown.clone(),
+    ));
+    {
+        let (config, metrics, token) = (config.clone(), t.metrics.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            crate::ops::retention::run_scheduled(&config, Some(metrics), token).await
+        });
+    }
+    {
+        let (config, metrics, token) = (config.clone(), t.metrics.clone(), shutdown.clone());
+        tasks.spawn(async move { crate::ops::fold::run_scheduled(&config, Some(metrics), token).await });
+    }
+    let token = shutdown.clone();
+    tasks.spawn(async move { crate::relay::run_observed(&config, t, token).await });
 }

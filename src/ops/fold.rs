@@ -127,11 +127,14 @@ pub async fn into_sent_at(file: &ConfigFile) -> Result<(), Failure> {
         .map_err(Failure::runtime)?;
     let failed = |what: &'static str| move |e| Failure::runtime(DbError::query(what, e));
     if !ranges
-        .has_state(&client)
+        .exists(&client)
         .await
-        .map_err(failed("reading the tables of ranges"))?
+        .map_err(failed("looking for the tables of ranges"))?
     {
-        println!("{}: nothing recorded by ranges; nothing to do", config.name);
+        println!(
+            "{}: {} does not exist, so nothing is recorded by ranges; nothing to do",
+            config.name, ranges.progress
+        );
         return Ok(());
     }
     let base = crate::outbox::ownership_key(table);
@@ -172,13 +175,20 @@ pub async fn into_sent_at(file: &ConfigFile) -> Result<(), Failure> {
         }
     }
     client
-        .batch_execute(&ranges.empty_sql())
+        .batch_execute(&ranges.drop_sql())
         .await
-        .map_err(failed("emptying the tables of ranges"))?;
+        .map_err(failed("dropping the tables of ranges"))?;
+    // A partitioned outbox's index cannot be dropped concurrently.
+    if client.batch_execute(&ranges.drop_index_sql(true)).await.is_err() {
+        client
+            .batch_execute(&ranges.drop_index_sql(false))
+            .await
+            .map_err(failed("dropping the index on relay_xid"))?;
+    }
     println!(
-        "{}: marked {marked} row(s) sent from what relay.mark = \"ranges\" recorded, and emptied {}, {} and {}; \
-         a relay with relay.mark = \"update\" or \"delete\" can start now",
-        config.name, ranges.progress, ranges.frontier, ranges.held
+        "{}: marked {marked} row(s) sent from what relay.mark = \"ranges\" recorded, and dropped {}, {}, {} \
+         and {}; a relay with relay.mark = \"update\", \"delete\" or unset can start now",
+        config.name, ranges.progress, ranges.frontier, ranges.held, ranges.xid_index
     );
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! The operator commands: each subcommand of the CLI is one function here
-//! (`run`, `migrate`, `check`, `status`, `dlq`, `retention`), and may use
+//! (`run`, `migrate`, `check`, `status`, `dlq`, `retention`, `fold`), and may use
 //! every layer below (configuration, the outbox contract, sources, sinks,
 //! the pipeline). Each returns a [`Failure`] that decides the exit code in
 //! [`crate::cli`]; what it prints on success is its report.
@@ -8,6 +8,7 @@ pub mod check;
 pub mod daemon;
 pub mod dlq;
 pub mod fold;
+pub mod marking;
 pub mod migrate;
 pub mod retention;
 pub mod status;

@@ -109,8 +109,11 @@ impl RetentionError {
 
 /// `outbox-relay retention --once`: one cleanup of the pipeline, and its report.
 pub async fn command(file: &ConfigFile, dry_run: bool) -> Result<(), Failure> {
-    let config = file.load_one()?;
+    let mut config = file.load_one()?;
     let client = connect(&config).await.map_err(Failure::runtime)?;
+    crate::ops::marking::choose(&client, &mut config)
+        .await
+        .map_err(Failure::runtime)?;
     let report = once(&client, &config, dry_run)
         .await
         .map_err(Failure::runtime)?;

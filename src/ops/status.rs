@@ -489,7 +489,13 @@ pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
     let mut failed = false;
     for config in &file.load_all()? {
         let snapshot = match crate::db::connect(&config.database, None).await {
-            Ok(client) => snapshot(&client, config, true).await,
+            Ok(client) => {
+                let mut config = config.clone();
+                match crate::ops::marking::choose(&client, &mut config).await {
+                    Ok(()) => snapshot(&client, &config, true).await,
+                    Err(e) => Err(e),
+                }
+            }
             Err(e) => Err(e),
         };
         match snapshot {

@@ -26,6 +26,7 @@ mod fencing;
 mod handoff;
 mod logs;
 mod lost_slot;
+mod marking_default;
 mod marking_ranges;
 mod memory;
 mod messages;

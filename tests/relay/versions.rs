@@ -1,7 +1,8 @@
 //! Every PostgreSQL major version the README promises, each with a cluster
 //! of its own from `scripts/pg-versions.sh` (`OUTBOX_RELAY_TEST_PG<major>`):
-//! the migration files and `migrate`, polling delivery, CDC delivery, and a
-//! relay killed and restarted without loss. The main suite runs on 15
+//! the migration files and `migrate`, polling delivery (with the marking
+//! a new outbox chooses there), CDC delivery, and a relay killed and
+//! restarted without loss. The main suite runs on 15
 //! (`OUTBOX_RELAY_TEST_PG`). A version whose cluster is missing fails.
 
 use crate::migrations::{apply_files, files_for, files_with};
@@ -53,25 +54,39 @@ async fn migration_files_apply(admin: &str) {
     assert!(out.contains("nothing to do"), "after the files: {out}");
 }
 
-/// `migrate` (with its NOTIFY trigger), `check`, and events delivered by polling.
-async fn polling_delivers(admin: &str) {
+/// `migrate` (with its NOTIFY trigger), `check`, and events delivered by
+/// polling, with `relay.mark` unset: the new outbox runs ranges from 14
+/// on, `update` on 13.
+async fn polling_delivers(admin: &str, major: u32) {
     let db = TestDb::new_on(admin).await;
     let rabbit = RabbitExchange::new().await;
-    let toml = base_toml(&db.url, &rabbit.sink_toml());
+    let toml = unset(&base_toml(&db.url, &rabbit.sink_toml()), "relay.mark");
     let toml = set(&toml, "source.polling.notify", "true");
     let path = config_file(&toml);
     cli_ok(&["migrate", "--config", &path]);
     let out = cli_ok(&["check", "--config", &path]);
     assert!(out.contains("all checks passed"), "{out}");
+    let ranges = major >= 14;
+    let chosen = if ranges { "ranges:" } else { "update:" };
+    assert!(out.contains(chosen), "PostgreSQL {major} chooses {chosen} {out}");
     let relay = InProcess::start(parse(&toml));
     let sent = insert_events(&db, 20).await;
     let got = rabbit.inbox.wait_ids(&sent, WAIT).await;
     let order: Vec<String> = got.iter().map(|m| m.event_id()).collect();
     assert_eq!(order, sent, "one aggregate, in insert order");
-    wait_for(WAIT, "every row marked sent", || async {
-        (db.unsent().await == 0).then_some(())
+    wait_for(WAIT, "every row to count as sent", || async {
+        let unsent = if ranges {
+            crate::ranges_downgrade::unsent(&db).await
+        } else {
+            db.unsent().await
+        };
+        (unsent == 0).then_some(())
     })
     .await;
+    let marked = db
+        .count("SELECT count(*) FROM outbox WHERE relay_sent_at IS NOT NULL")
+        .await;
+    assert_eq!(marked, if ranges { 0 } else { 20 }, "PostgreSQL {major}");
     relay.stop().await;
 }
 
@@ -105,7 +120,7 @@ async fn supported(major: u32) {
     let admin = admin_url(major);
     check_server_version(&admin, major).await;
     migration_files_apply(&admin).await;
-    polling_delivers(&admin).await;
+    polling_delivers(&admin, major).await;
     cdc_survives_a_kill(&admin).await;
 }
 

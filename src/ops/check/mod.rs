@@ -105,12 +105,11 @@ async fn check_database(config: &Config, r: &mut Report) {
         Ok(row) => row.get(0),
         Err(e) => return r.add(Mark::Fail, "database", db::error_text(&e)),
     };
-    r.add(
-        Mark::Ok,
-        "database",
-        format!("connected to {target} (PostgreSQL {version})"),
-    );
-
+    let connected = format!("connected to {target} (PostgreSQL {version})");
+    r.add(Mark::Ok, "database", connected);
+    let Some(config) = &ranges::choose(config, &client, r).await else {
+        return;
+    };
     check_table(config, &client, r).await;
     dead_letters::check_dead_letters(config, &client, r).await;
     ranges::check_ranges(config, &client, r).await;

@@ -16,6 +16,24 @@ const STALE_PROGRESS_SECONDS: f64 = 60.0;
 
 const ITEM: &str = "ranges";
 
+/// `config` with its marking chosen; with `relay.mark` unset, a line says
+/// what the outbox chose. `None` when the choice could not be read.
+pub(super) async fn choose(config: &Config, client: &Client, r: &mut Report) -> Option<Config> {
+    let mut chosen = config.clone();
+    if let Err(e) = crate::ops::marking::choose(client, &mut chosen).await {
+        r.add(Mark::Fail, "marking", e.to_string());
+        return None;
+    }
+    if config.mark_chosen_by_outbox() {
+        let why = match chosen.relay.mark {
+            MarkMode::Ranges => "ranges: relay.mark is unset and the outbox's progress table exists",
+            _ => "update: relay.mark is unset and the outbox has no progress table",
+        };
+        r.add(Mark::Ok, "marking", why);
+    }
+    Some(chosen)
+}
+
 /// Records left by an earlier `ranges`, which another mode would publish
 /// again.
 async fn check_leftover(config: &Config, client: &Client, r: &mut Report) {

@@ -6,6 +6,7 @@ use crate::config::{ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName};
 use crate::config::{Config, SourceMode};
 use crate::ops::{ConfigFile, Failure};
 use crate::outbox::inspect::table_info;
+use crate::outbox::progress::Ranges;
 use crate::outbox::sent_index;
 use crate::source::cdc::setup;
 use crate::source::polling::notify_channel;
@@ -78,8 +79,22 @@ pub struct MigrateOptions {
     pub dead_letters: Option<TableName>,
     /// The table of ownership claims (clean hand-offs between owners).
     pub owners: TableName,
-    /// `relay.mark = "ranges"`: the tables that record sent rows by ranges.
-    pub ranges: bool,
+    /// Whether the tables that record sent rows by ranges are set up.
+    pub ranges: RangesTables,
+}
+
+/// When `migrate` sets up the tables of `relay.mark = "ranges"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RangesTables {
+    /// `relay.mark = "ranges"`.
+    Always,
+    /// `relay.mark` unset: when this run creates the outbox table on
+    /// PostgreSQL 14 or later, so the new outbox chooses ranges
+    /// ([`crate::ops::marking`]), or the outbox chose ranges already. An
+    /// existing outbox keeps its marking.
+    ForNewOutbox,
+    /// Another marking is set.
+    Never,
 }
 
 /// The replication objects of the CDC source.
@@ -123,7 +138,11 @@ impl MigrateOptions {
                 .enabled
                 .then(|| config.dead_letter.table_name(table)),
             owners: crate::relay::handoff::owners_table(table),
-            ranges: config.relay.mark == crate::config::MarkMode::Ranges,
+            ranges: match config.relay.mark_setting {
+                Some(crate::config::MarkMode::Ranges) => RangesTables::Always,
+                None => RangesTables::ForNewOutbox,
+                Some(_) => RangesTables::Never,
+            },
         }
     }
 }
@@ -213,7 +232,20 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         ..unsent
     };
     steps.extend(sent.step(client).await?);
-    if opts.ranges {
+    let ranges = match opts.ranges {
+        RangesTables::Always => true,
+        // A new outbox on 14 or later, or one that chose ranges already
+        // (its other objects are completed).
+        RangesTables::ForNewOutbox => match info {
+            None => crate::outbox::progress::version_problem(client)
+                .await
+                .map_err(MigrateError::Prerequisite)?
+                .is_none(),
+            Some(_) => Ranges::new(&opts.table).exists(client).await?,
+        },
+        RangesTables::Never => false,
+    };
+    if ranges {
         steps.extend(ranges_steps(client, opts, existing).await?);
     }
     match &opts.notify_channel {
@@ -253,7 +285,7 @@ async fn ranges_steps(
     {
         return Err(MigrateError::Prerequisite(problem));
     }
-    let ranges = crate::outbox::progress::Ranges::new(&opts.table);
+    let ranges = Ranges::new(&opts.table);
     let mut steps = Vec::new();
     if table_info(client, &ranges.progress).await?.is_none() {
         let what = [

@@ -5,9 +5,10 @@
 //! So `run` refuses `update` and `delete` while the progress or frontier
 //! table holds anything ([`Ranges::leftover_problem`]), and `outbox-relay
 //! fold --into-sent-at` writes what ranges recorded into `relay_sent_at`,
-//! batch by batch in `relay_seq` order, then empties the three tables. A
-//! run cut short is resumed by running it again: rows already marked are
-//! skipped, and the tables are emptied only at the end.
+//! batch by batch in `relay_seq` order, then drops the three tables (with
+//! `relay.mark` unset, the outbox then chooses `update`). A run cut short
+//! is resumed by running it again: rows already marked are skipped, and
+//! the tables are dropped only at the end.
 
 use super::Ranges;
 use crate::config::{MarkMode, SENT_AT_COLUMN, SEQ_COLUMN};
@@ -123,6 +124,18 @@ impl Ranges {
         Ok(None)
     }
 
+    /// Whether the progress table exists: with `relay.mark` unset, the
+    /// outbox then runs ranges ([`crate::ops::marking`]).
+    pub async fn exists(&self, client: &impl GenericClient) -> Result<bool, tokio_postgres::Error> {
+        let row = client
+            .query_one(
+                "SELECT to_regclass($1) IS NOT NULL",
+                &[&self.progress.quoted()],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
     /// Whether the progress or the frontier table holds a row (false when
     /// they do not exist).
     pub async fn has_state(
@@ -171,14 +184,29 @@ impl Ranges {
         )
     }
 
-    /// Empties the three tables, in one transaction, once every row they
-    /// call sent is marked.
-    pub fn empty_sql(&self) -> String {
+    /// Drops the predicate's function and the three tables, in one
+    /// transaction, once every row they call sent is marked: an outbox
+    /// without them runs `update` when `relay.mark` is unset. The index on
+    /// `relay_xid` goes with [`Ranges::drop_index_sql`].
+    pub fn drop_sql(&self) -> String {
         format!(
-            "BEGIN; DELETE FROM {}; DELETE FROM {}; DELETE FROM {}; COMMIT",
+            "BEGIN; DROP FUNCTION IF EXISTS {}(bigint, xid8, timestamptz); \
+             DROP TABLE IF EXISTS {}, {}, {}; COMMIT",
+            self.sent_function.quoted(),
             self.progress.quoted(),
             self.frontier.quoted(),
             self.held.quoted()
+        )
+    }
+
+    /// Drops the index on `relay_xid`; `concurrently`, without blocking
+    /// the outbox's writers (which a partitioned outbox's index cannot).
+    pub fn drop_index_sql(&self, concurrently: bool) -> String {
+        format!(
+            "DROP INDEX {}IF EXISTS {}.{}",
+            if concurrently { "CONCURRENTLY " } else { "" },
+            crate::sql::quote_ident(&self.outbox.schema),
+            crate::sql::quote_ident(&self.xid_index)
         )
     }
 }

@@ -15,6 +15,9 @@ url = "{db_url}"
 poll_interval = "50ms"
 
 [relay]
+# Most tests drive `update`; those of ranges and of the outbox's choice
+# (marking_default.rs) set or remove it.
+mark = "update"
 retry_base = "50ms"
 retry_max = "1s"
 reject_retry_base = "200ms"
@@ -56,6 +59,24 @@ pub fn set(toml: &str, key: &str, value: &str) -> String {
         None => lines.insert(start + 1, line),
     }
     lines.join("\n") + "\n"
+}
+
+/// Removes `section.key` from a TOML text (the key's line under the
+/// section's header).
+pub fn unset(toml: &str, key: &str) -> String {
+    let (section, leaf) = key.rsplit_once('.').expect("a dotted key");
+    let mut current = String::new();
+    let kept: Vec<&str> = toml
+        .lines()
+        .filter(|line| {
+            let l = line.trim();
+            if l.starts_with('[') {
+                current = l.trim_matches(|c| c == '[' || c == ']').to_owned();
+            }
+            !(current == section && l.split('=').next().is_some_and(|k| k.trim() == leaf))
+        })
+        .collect();
+    kept.join("\n") + "\n"
 }
 
 /// The source mode's settings, with quick CDC status updates for tests.

@@ -24,7 +24,13 @@ impl InProcess {
         }
         let shutdown = CancellationToken::new();
         let token = shutdown.clone();
-        let task = tokio::spawn(async move { outbox_relay::relay::run(&config, token).await });
+        // As `run` does: with relay.mark unset, the outbox chooses first.
+        let task = tokio::spawn(async move {
+            let config = outbox_relay::ops::marking::chosen(&config)
+                .await
+                .expect("the outbox's marking can be read");
+            outbox_relay::relay::run(&config, token).await
+        });
         InProcess { shutdown, task }
     }
 

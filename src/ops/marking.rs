@@ -1,0 +1,80 @@
+//! `relay.mark` unset: the outbox chooses its marking. An outbox whose
+//! progress table (`<outbox>_relay_progress`) exists runs `ranges`; any
+//! other runs `update`.
+//!
+//! `migrate` creates that table for an outbox it creates itself, on
+//! PostgreSQL 14 or later, or when `relay.mark = "ranges"` is set; never on
+//! its own for an outbox that already exists, since `migrate` often runs at
+//! every deploy. `fold --into-sent-at` drops it. So an outbox relayed by an
+//! earlier version keeps `update` across an upgrade: an instance of that
+//! version still in the standby set reads `relay_sent_at` alone, and would
+//! publish again what ranges recorded. Switching an existing outbox is a
+//! step of its own (README, "Marking").
+//!
+//! Every command that reads `relay.mark` has it chosen here first: `run`
+//! once at start ([`choose_all`]), the others when they connect.
+
+use crate::backoff::Backoff;
+use crate::config::{Config, MarkMode};
+use crate::db::DbError;
+use crate::outbox::progress::Ranges;
+use tokio_postgres::GenericClient;
+use tokio_util::sync::CancellationToken;
+
+/// Sets `config.relay.mark` from the outbox when `relay.mark` is unset.
+pub async fn choose(client: &impl GenericClient, config: &mut Config) -> Result<(), DbError> {
+    if !config.mark_chosen_by_outbox() {
+        return Ok(());
+    }
+    let ranges = Ranges::new(&config.outbox.table)
+        .exists(client)
+        .await
+        .map_err(|e| DbError::query("looking for the outbox's progress table", e))?;
+    config.relay.mark = if ranges {
+        MarkMode::Ranges
+    } else {
+        MarkMode::Update
+    };
+    Ok(())
+}
+
+/// `config` with its marking chosen, on a connection of its own when the
+/// outbox chooses.
+pub async fn chosen(config: &Config) -> Result<Config, DbError> {
+    let mut config = config.clone();
+    if config.mark_chosen_by_outbox() {
+        let client = crate::db::connect(&config.database, None).await?;
+        choose(&client, &mut config).await?;
+    }
+    Ok(config)
+}
+
+/// For `run`: chooses every pipeline's marking, retrying (as the relay
+/// retries a connection) while the database cannot answer. False when
+/// `shutdown` came first.
+pub async fn choose_all(configs: &mut [Config], shutdown: &CancellationToken) -> bool {
+    for config in configs.iter_mut().filter(|c| c.mark_chosen_by_outbox()) {
+        let mut backoff = Backoff::new(config.relay.retry_base, config.relay.retry_max);
+        loop {
+            match chosen(config).await {
+                Ok(c) => {
+                    *config = c;
+                    tracing::info!(
+                        pipeline = %config.name,
+                        mark = ?config.relay.mark,
+                        "relay.mark is unset: the outbox chose (ranges where its progress table exists, else update)"
+                    );
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(pipeline = %config.name, error = %e, "cannot tell which marking the outbox uses yet; retrying");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return false,
+                        () = tokio::time::sleep(backoff.next_delay()) => {}
+                    }
+                }
+            }
+        }
+    }
+    true
+}

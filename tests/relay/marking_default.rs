@@ -1,0 +1,125 @@
+//! `relay.mark` unset: the outbox chooses (`ops::marking`). A new outbox
+//! that `migrate` creates (PostgreSQL 14 or later) runs ranges; an outbox
+//! relayed by `update` keeps `update` through `migrate` and restarts;
+//! `fold --into-sent-at` turns a ranges outbox back to `update`. Nothing is
+//! published twice on the way. (13: `versions.rs`.)
+
+use crate::ranges_delivery::{count, deliveries, insert};
+use crate::ranges_downgrade::unsent;
+use crate::support::*;
+
+const MARKED: &str = "SELECT count(*) FROM outbox WHERE relay_sent_at IS NOT NULL";
+
+/// Whether the progress table of ranges exists, which decides.
+async fn has_progress_table(db: &TestDb) -> bool {
+    count(
+        db,
+        "SELECT count(*) FROM pg_class WHERE relname = 'outbox_relay_progress'",
+    )
+    .await
+        == 1
+}
+
+/// Every id published exactly once, and nothing else.
+fn once_each(broker: &Broker, ids: &[String], what: &str) {
+    let got = broker.inbox().snapshot();
+    let n = deliveries(&got);
+    let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
+    assert!(other.is_empty(), "{what}: published other than once: {other:?}");
+    assert_eq!(got.len(), ids.len(), "{what}: nothing published again");
+}
+
+/// `check`'s line for the marking the outbox chose.
+fn check_says(path: &str, chosen: &str) {
+    let (_, out, err) = run_cli(&["check", "--config", path], &[]);
+    assert!(
+        out.contains(&format!("{chosen}: relay.mark is unset")),
+        "check names the choice ({chosen}): {out}{err}"
+    );
+}
+
+async fn a_new_outbox_runs_ranges_until_folded_into_sent_at(mode: Mode) {
+    let db = TestDb::new().await;
+    let broker = Broker::new(Kind::Rabbit, &["order"]).await;
+    let toml = with_mode(&base_toml(&db.url, &broker.sink_toml()), mode);
+    let toml = unset(&toml, "relay.mark");
+    assert!(!toml.contains("mark ="), "{toml}");
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "migrate: {out}{err}");
+    assert!(
+        has_progress_table(&db).await,
+        "{mode:?}: migrate gives a new outbox the tables of ranges: {out}"
+    );
+    check_says(&path, "ranges");
+
+    let mut ids = insert(&db, "a", 30, 3).await;
+    let mut relay = ChildRelay::start(&toml);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    wait_for(WAIT, "every row to count as sent", || async {
+        (unsent(&db).await == 0).then_some(())
+    })
+    .await;
+    assert_eq!(count(&db, MARKED).await, 0, "{mode:?}: recorded by ranges");
+    // `migrate` at the next deploy leaves the choice alone.
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert!(code == 0 && out.contains("nothing to do"), "{out}{err}");
+    assert!(relay.terminate().success());
+
+    let fold = ["fold", "--into-sent-at", "--config", path.as_str()];
+    let (code, out, err) = run_cli(&fold, &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("marked 30 row(s) sent") && out.contains("dropped"),
+        "{out}"
+    );
+    assert!(!has_progress_table(&db).await, "{mode:?}: dropped");
+    check_says(&path, "update");
+
+    let after = insert(&db, "b", 10, 2).await;
+    let _relay = ChildRelay::start(&toml);
+    broker.inbox().wait_ids(&after, WAIT).await;
+    db.wait_all_marked().await;
+    assert!(!has_progress_table(&db).await, "{mode:?}: still update");
+    ids.extend(after);
+    once_each(&broker, &ids, &format!("{mode:?}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_a_new_outbox_runs_ranges_until_folded_into_sent_at() {
+    a_new_outbox_runs_ranges_until_folded_into_sent_at(Mode::Polling).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdc_a_new_outbox_runs_ranges_until_folded_into_sent_at() {
+    a_new_outbox_runs_ranges_until_folded_into_sent_at(Mode::Cdc).await;
+}
+
+/// An outbox an earlier version relayed with `update` (the default then):
+/// the upgraded relay, with `relay.mark` unset, runs `migrate` and starts,
+/// and the outbox stays on `update`, so an earlier instance left in the
+/// standby set would publish nothing again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_relayed_by_update_keeps_update_when_mark_is_unset() {
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &[]).await;
+    assert!(toml.contains("mark = \"update\""), "{toml}");
+    let mut ids = insert(&db, "a", 20, 4).await;
+    let mut relay = ChildRelay::start(&toml);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    db.wait_all_marked().await;
+    assert!(relay.terminate().success());
+
+    let upgraded = unset(&toml, "relay.mark");
+    let path = config_file(&upgraded);
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "migrate: {out}{err}");
+    assert!(!has_progress_table(&db).await, "an existing outbox: {out}");
+    check_says(&path, "update");
+    let after = insert(&db, "b", 10, 2).await;
+    let _relay = ChildRelay::start(&upgraded);
+    broker.inbox().wait_ids(&after, WAIT).await;
+    db.wait_all_marked().await;
+    assert_eq!(count(&db, MARKED).await, 30, "every row marked by update");
+    ids.extend(after);
+    once_each(&broker, &ids, "update kept");
+}
