@@ -114,7 +114,9 @@ fn spawn_pipeline(
     }
     {
         let (config, metrics, token) = (config.clone(), t.metrics.clone(), shutdown.clone());
-        tasks.spawn(async move { crate::ops::fold::run_scheduled(&config, Some(metrics), token).await });
+        tasks.spawn(
+            async move { crate::ops::fold::run_scheduled(&config, Some(metrics), token).await },
+        );
     }
     let token = shutdown.clone();
     tasks.spawn(async move { crate::relay::run_observed(&config, t, token).await });

@@ -179,7 +179,11 @@ pub async fn into_sent_at(file: &ConfigFile) -> Result<(), Failure> {
         .await
         .map_err(failed("dropping the tables of ranges"))?;
     // A partitioned outbox's index cannot be dropped concurrently.
-    if client.batch_execute(&ranges.drop_index_sql(true)).await.is_err() {
+    if client
+        .batch_execute(&ranges.drop_index_sql(true))
+        .await
+        .is_err()
+    {
         client
             .batch_execute(&ranges.drop_index_sql(false))
             .await

@@ -25,16 +25,27 @@ fn once_each(broker: &Broker, ids: &[String], what: &str) {
     let got = broker.inbox().snapshot();
     let n = deliveries(&got);
     let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
-    assert!(other.is_empty(), "{what}: published other than once: {other:?}");
+    assert!(
+        other.is_empty(),
+        "{what}: published other than once: {other:?}"
+    );
     assert_eq!(got.len(), ids.len(), "{what}: nothing published again");
 }
 
-/// `check`'s line for the marking the outbox chose.
+/// `check`'s line for the marking the outbox chose, and `status`, which
+/// shows the fold's frontier only with ranges.
 fn check_says(path: &str, chosen: &str) {
     let (_, out, err) = run_cli(&["check", "--config", path], &[]);
     assert!(
         out.contains(&format!("{chosen}: relay.mark is unset")),
         "check names the choice ({chosen}): {out}{err}"
+    );
+    let (code, out, err) = run_cli(&["status", "--config", path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(
+        out.contains("frontier"),
+        chosen == "ranges",
+        "status: {out}"
     );
 }
 

@@ -132,7 +132,8 @@ async fn files_match_migrate(mode: Mode, extra: &[&str], left: &[&str]) {
             toml = set(&toml, "source.polling.notify", "true");
         }
         if extra.contains(&"ranges") {
-            toml = set(&toml, "relay.mark", "\"ranges\"");
+            // What migrate gives a new outbox with relay.mark unset.
+            toml = unset(&toml, "relay.mark");
         }
         toml
     };

@@ -173,10 +173,25 @@ async fn leaving_ranges_marks_what_was_recorded_and_publishes_nothing_again() {
     let objects = format!(
         "SELECT count(*) FROM pg_class WHERE relname IN ('{}', '{}', '{}', '{}')
          UNION ALL SELECT count(*) FROM pg_proc WHERE proname = '{}'",
-        ranges.progress.name, ranges.frontier.name, ranges.held.name, ranges.xid_index, ranges.sent_function.name
+        ranges.progress.name,
+        ranges.frontier.name,
+        ranges.held.name,
+        ranges.xid_index,
+        ranges.sent_function.name
     );
-    let left: Vec<i64> = db.client.query(&objects, &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
-    assert_eq!(left, [0, 0], "the tables, the index and the function of ranges are dropped");
+    let left: Vec<i64> = db
+        .client
+        .query(&objects, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        left,
+        [0, 0],
+        "the tables, the index and the function of ranges are dropped"
+    );
     let (code, out, _) = run_cli(&fold, &[]);
     assert!(code == 0 && out.contains("nothing to do"), "{out}");
 

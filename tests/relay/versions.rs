@@ -68,7 +68,10 @@ async fn polling_delivers(admin: &str, major: u32) {
     assert!(out.contains("all checks passed"), "{out}");
     let ranges = major >= 14;
     let chosen = if ranges { "ranges:" } else { "update:" };
-    assert!(out.contains(chosen), "PostgreSQL {major} chooses {chosen} {out}");
+    assert!(
+        out.contains(chosen),
+        "PostgreSQL {major} chooses {chosen} {out}"
+    );
     let relay = InProcess::start(parse(&toml));
     let sent = insert_events(&db, 20).await;
     let got = rabbit.inbox.wait_ids(&sent, WAIT).await;

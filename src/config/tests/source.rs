@@ -97,3 +97,25 @@ fn auto_mode_needs_marked_rows_and_probes_every_30s_by_default() {
     let e = err(&format!("{auto}[dead_letter]\naggregate = \"wait\"\n"));
     assert!(e.contains("dead_letter.aggregate"), "{e}");
 }
+
+/// Unset, `relay.mark` is the outbox's to choose (`ops::marking`); until it
+/// chose, the marking in force is `update`. Set, it is what it says, from
+/// the file or the environment.
+#[test]
+fn mark_unset_is_chosen_by_the_outbox() {
+    let c = load_str(MINIMAL).unwrap();
+    assert!(c.mark_chosen_by_outbox());
+    assert_eq!(
+        (c.relay.mark_setting, c.relay.mark),
+        (None, MarkMode::Update)
+    );
+    let c = load_str(&format!("{MINIMAL}\n[relay]\nmark = \"update\"\n")).unwrap();
+    assert!(!c.mark_chosen_by_outbox());
+    assert_eq!(c.relay.mark_setting, Some(MarkMode::Update));
+    let env = [("OUTBOX_RELAY__RELAY__MARK", "ranges")];
+    let c = super::load::load_str_with_env(MINIMAL, &env).unwrap();
+    assert_eq!(
+        (c[0].relay.mark_setting, c[0].relay.mark),
+        (Some(MarkMode::Ranges), MarkMode::Ranges)
+    );
+}

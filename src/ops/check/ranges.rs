@@ -26,7 +26,9 @@ pub(super) async fn choose(config: &Config, client: &Client, r: &mut Report) -> 
     }
     if config.mark_chosen_by_outbox() {
         let why = match chosen.relay.mark {
-            MarkMode::Ranges => "ranges: relay.mark is unset and the outbox's progress table exists",
+            MarkMode::Ranges => {
+                "ranges: relay.mark is unset and the outbox's progress table exists"
+            }
             _ => "update: relay.mark is unset and the outbox has no progress table",
         };
         r.add(Mark::Ok, "marking", why);

@@ -232,19 +232,7 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         ..unsent
     };
     steps.extend(sent.step(client).await?);
-    let ranges = match opts.ranges {
-        RangesTables::Always => true,
-        // A new outbox on 14 or later, or one that chose ranges already
-        // (its other objects are completed).
-        RangesTables::ForNewOutbox => match info {
-            None => crate::outbox::progress::version_problem(client)
-                .await
-                .map_err(MigrateError::Prerequisite)?
-                .is_none(),
-            Some(_) => Ranges::new(&opts.table).exists(client).await?,
-        },
-        RangesTables::Never => false,
-    };
+    let ranges = wants_ranges(client, opts, info.is_none()).await?;
     if ranges {
         steps.extend(ranges_steps(client, opts, existing).await?);
     }
@@ -269,6 +257,28 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         steps.extend(cdc_steps(client, &opts.table, cdc, partitioning.is_some()).await?);
     }
     Ok(steps)
+}
+
+/// Whether this run sets up the tables of ranges ([`RangesTables`]);
+/// `new_outbox`: it creates the outbox table.
+async fn wants_ranges(
+    client: &Client,
+    opts: &MigrateOptions,
+    new_outbox: bool,
+) -> Result<bool, MigrateError> {
+    Ok(match opts.ranges {
+        RangesTables::Always => true,
+        // A new outbox on 14 or later, or one that chose ranges already
+        // (its other objects are completed).
+        RangesTables::ForNewOutbox if new_outbox => {
+            crate::outbox::progress::version_problem(client)
+                .await
+                .map_err(MigrateError::Prerequisite)?
+                .is_none()
+        }
+        RangesTables::ForNewOutbox => Ranges::new(&opts.table).exists(client).await?,
+        RangesTables::Never => false,
+    })
 }
 
 /// With `relay.mark = "ranges"` (PostgreSQL 14 or later): the progress,

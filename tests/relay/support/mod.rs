@@ -23,7 +23,9 @@ mod slots;
 pub use db::TestDb;
 pub use http::{http_get, metric, metric_sum};
 pub use pause::Paused;
-pub use relay_config::{base_toml, config_file, parse, rabbit_sink, set, unset, with_http, with_mode};
+pub use relay_config::{
+    base_toml, config_file, parse, rabbit_sink, set, unset, with_http, with_mode,
+};
 pub use relays::{
     ChildRelay, InProcess, check_line, cli_complains, cli_says, kill_while_busy,
     kill_while_busy_with_env, run_cli, terminate,
