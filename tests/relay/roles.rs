@@ -1,6 +1,6 @@
 //! The least-privilege role of docs/operations.md, made by exactly the SQL
 //! there: `check` passes and the relay delivers and dead-letters, in both
-//! modes.
+//! modes, and with a new outbox (ranges) records and folds.
 
 use crate::dead_letters::{insert_big, poison_settings, wait_dead_letters};
 use crate::support::*;
@@ -23,14 +23,17 @@ fn documented_grants() -> Vec<String> {
         .collect()
 }
 
-/// The documented statements for `mode`, for a role named `role`.
-fn grants_for(mode: Mode, role: &str) -> String {
+/// The documented statements for `mode` (and for an outbox that records
+/// by ranges), for a role named `role`.
+fn grants_for(mode: Mode, ranges: bool, role: &str) -> String {
     let blocks = documented_grants();
-    assert_eq!(blocks.len(), 2, "polling, then CDC: {blocks:?}");
-    let take = if mode == Mode::Cdc { 2 } else { 1 };
-    blocks[..take]
+    assert_eq!(blocks.len(), 3, "polling, CDC, then ranges: {blocks:?}");
+    let wanted = [true, mode == Mode::Cdc, ranges];
+    blocks
         .iter()
-        .map(|b| rename_role(b, role))
+        .zip(wanted)
+        .filter(|(_, wanted)| *wanted)
+        .map(|(b, _)| rename_role(b, role))
         .collect()
 }
 
@@ -57,7 +60,7 @@ async fn the_documented_role_is_enough(mode: Mode, kind: Kind) {
     let (db, broker, toml) = setup(mode, kind, &["order"], &poison_settings("\"follow\"")).await;
     let role = crate::kit::unique("relay_least_");
     db.client
-        .batch_execute(&grants_for(mode, &role))
+        .batch_execute(&grants_for(mode, false, &role))
         .await
         .expect("the documented statements run");
     let toml = toml.replace(&db.url, &db.url_as(&role));
@@ -79,6 +82,57 @@ async fn the_documented_role_is_enough(mode: Mode, kind: Kind) {
     })
     .await;
     relay.stop().await;
+}
+
+/// A new outbox, which records by ranges (`relay.mark` unset): the
+/// documented statements, ranges' included, are enough to check, relay
+/// and fold.
+async fn the_documented_role_records_by_ranges(mode: Mode) {
+    let db = TestDb::new().await;
+    let broker = Broker::new(Kind::Rabbit, &["order"]).await;
+    let toml = with_mode(&base_toml(&db.url, &broker.sink_toml()), mode);
+    let toml = unset(&toml, "relay.mark");
+    cli_ok_migrate(&toml);
+    let role = crate::kit::unique("relay_least_");
+    db.client
+        .batch_execute(&grants_for(mode, true, &role))
+        .await
+        .expect("the documented statements run");
+    let toml = toml.replace(&db.url, &db.url_as(&role));
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 0, "check as the documented role: {out}{err}");
+    assert!(out.contains("ranges: relay.mark is unset"), "{out}");
+
+    // The binary, which runs the fold beside the relay.
+    let mut relay = ChildRelay::start(&toml);
+    let events = ids(5);
+    for (i, id) in events.iter().enumerate() {
+        db.insert(*id, "order", &format!("g{i}"), json!({})).await;
+    }
+    broker.inbox().wait_ids(&strings(&events), WAIT).await;
+    let frontier = "SELECT count(*) FROM outbox_relay_frontier";
+    wait_for(WAIT, "every row sent, and a fold", || async {
+        let unsent = crate::ranges_downgrade::unsent(&db).await;
+        (unsent == 0 && db.count(frontier).await > 0).then_some(())
+    })
+    .await;
+    assert!(relay.terminate().success());
+}
+
+fn cli_ok_migrate(toml: &str) {
+    let (code, out, err) = run_cli(&["migrate", "--config", &config_file(toml)], &[]);
+    assert_eq!(code, 0, "migrate as the owner: {out}{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_the_documented_role_records_by_ranges() {
+    the_documented_role_records_by_ranges(Mode::Polling).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdc_the_documented_role_records_by_ranges() {
+    the_documented_role_records_by_ranges(Mode::Cdc).await;
 }
 
 /// What CDC's `migrate` cannot do itself it refuses before changing
