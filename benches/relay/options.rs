@@ -49,7 +49,7 @@ pub struct Options {
     pub phases: Vec<Phase>,
     /// Run each drain once per `relay.mark` listed, in the same invocation, and
     /// compare the rates ("none" is measured in CDC mode only: polling needs marking)
-    /// [default: the relay's own, "update"].
+    /// [default: "update", pinned in the bench's configuration].
     #[arg(long, value_delimiter = ',')]
     pub marks: Option<Vec<Mark>>,
     /// after-backlog: backlogs committed while the relay is stopped, EVENTSxEVENTS_PER_TX

@@ -27,7 +27,9 @@ pub struct Target<'a> {
 }
 
 /// The relay's configuration: the documented defaults, except what places
-/// it (database, destination, slot) and JSON logs for counting problems.
+/// it (database, destination, slot), JSON logs for counting problems, and
+/// `relay.mark` pinned to `update` (a new outbox would choose ranges);
+/// `--marks` overrides it through the environment.
 pub fn config_toml(services: &Services, t: &Target) -> String {
     let source = match t.mode {
         Mode::Polling => "[source]\nmode = \"polling\"\n".to_owned(),
@@ -47,7 +49,7 @@ pub fn config_toml(services: &Services, t: &Target) -> String {
         ),
     };
     format!(
-        "[database]\nurl = \"{}\"\n\n{source}\n[log]\nformat = \"json\"\nlevel = \"info\"\n\n{sink}",
+        "[database]\nurl = \"{}\"\n\n{source}\n[relay]\nmark = \"update\"\n\n[log]\nformat = \"json\"\nlevel = \"info\"\n\n{sink}",
         t.db_url
     )
 }

@@ -72,20 +72,10 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
         tasks.spawn(server);
     }
     let flush_within = first.relay.shutdown_timeout;
-    let mut configs = configs;
-    let telemetry: Vec<_> = configs
-        .iter()
-        .map(|config| {
-            let t = PipelineTelemetry::traced(config, &tracer);
-            health.register(t.health.clone());
-            t
-        })
-        .collect();
-    // Not ready meanwhile: nothing is relayed before the outbox chose.
-    if crate::ops::marking::choose_all(&mut configs, &shutdown).await {
-        for (config, t) in configs.into_iter().zip(telemetry) {
-            spawn_pipeline(&mut tasks, config, t, &shutdown);
-        }
+    for config in configs {
+        let t = PipelineTelemetry::traced(&config, &tracer);
+        health.register(t.health.clone());
+        tasks.spawn(pipeline(config, t, shutdown.clone()));
     }
     let drained = async { while tasks.join_next().await.is_some() {} };
     tracer
@@ -94,13 +84,14 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
     Ok(())
 }
 
-/// The tasks of one pipeline: its gauges, retention, fold and relay.
-fn spawn_pipeline(
-    tasks: &mut JoinSet<()>,
-    config: Config,
-    t: PipelineTelemetry,
-    shutdown: &CancellationToken,
-) {
+/// One pipeline: once its outbox chose the marking (not ready meanwhile;
+/// other pipelines do not wait), its gauges, retention, fold and relay,
+/// until `shutdown`.
+async fn pipeline(config: Config, t: PipelineTelemetry, shutdown: CancellationToken) {
+    let Some(config) = crate::ops::marking::chosen_until(config, &shutdown).await else {
+        return;
+    };
+    let mut tasks = JoinSet::new();
     tasks.spawn(crate::ops::status::sample(
         config.clone(),
         t.clone(),
@@ -118,6 +109,6 @@ fn spawn_pipeline(
             async move { crate::ops::fold::run_scheduled(&config, Some(metrics), token).await },
         );
     }
-    let token = shutdown.clone();
-    tasks.spawn(async move { crate::relay::run_observed(&config, t, token).await });
+    tasks.spawn(async move { crate::relay::run_observed(&config, t, shutdown).await });
+    while tasks.join_next().await.is_some() {}
 }

@@ -131,11 +131,20 @@ pub async fn into_sent_at(file: &ConfigFile) -> Result<(), Failure> {
         .await
         .map_err(failed("looking for the tables of ranges"))?
     {
+        // A run cut short after the tables went: the rest goes too.
+        drop_index(&client, &ranges).await?;
         println!(
             "{}: {} does not exist, so nothing is recorded by ranges; nothing to do",
             config.name, ranges.progress
         );
         return Ok(());
+    }
+    if let Some(problem) = ranges
+        .drop_problem(&client)
+        .await
+        .map_err(failed("reading who owns the tables of ranges"))?
+    {
+        return Err(Failure::runtime(problem));
     }
     let base = crate::outbox::ownership_key(table);
     let mut keys = vec![lock_key(&config), base.clone()];
@@ -178,22 +187,35 @@ pub async fn into_sent_at(file: &ConfigFile) -> Result<(), Failure> {
         .batch_execute(&ranges.drop_sql())
         .await
         .map_err(failed("dropping the tables of ranges"))?;
-    // A partitioned outbox's index cannot be dropped concurrently.
-    if client
-        .batch_execute(&ranges.drop_index_sql(true))
-        .await
-        .is_err()
-    {
-        client
-            .batch_execute(&ranges.drop_index_sql(false))
-            .await
-            .map_err(failed("dropping the index on relay_xid"))?;
-    }
+    drop_index(&client, &ranges).await?;
     println!(
         "{}: marked {marked} row(s) sent from what relay.mark = \"ranges\" recorded, and dropped {}, {}, {} \
          and {}; a relay with relay.mark = \"update\", \"delete\" or unset can start now",
         config.name, ranges.progress, ranges.frontier, ranges.held, ranges.xid_index
     );
+    Ok(())
+}
+
+/// Drops the function and the index on `relay_xid` if they are still
+/// there: concurrently, but on a partitioned outbox (which cannot) at once.
+async fn drop_index(client: &Client, ranges: &Ranges) -> Result<(), Failure> {
+    let partitioned: bool = client
+        .query_one(
+            "SELECT COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)",
+            &[&ranges.outbox.quoted()],
+        )
+        .await
+        .map_err(|e| Failure::runtime(DbError::query("reading the outbox's kind", e)))?
+        .get(0);
+    for sql in [
+        ranges.drop_function_sql(),
+        ranges.drop_index_sql(!partitioned),
+    ] {
+        client
+            .batch_execute(&sql)
+            .await
+            .map_err(|e| Failure::runtime(DbError::query("dropping what ranges left", e)))?;
+    }
     Ok(())
 }
 

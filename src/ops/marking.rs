@@ -12,7 +12,10 @@
 //! step of its own (README, "Marking").
 //!
 //! Every command that reads `relay.mark` has it chosen here first: `run`
-//! once at start ([`choose_all`]), the others when they connect.
+//! once per pipeline at start ([`chosen_until`]), the others when they
+//! connect. The relay checks the choice again at every ownership
+//! acquisition (`relay::postgres`), so an instance that chose before the
+//! tables came or went refuses instead of relaying with the other mode.
 
 use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode};
@@ -49,32 +52,31 @@ pub async fn chosen(config: &Config) -> Result<Config, DbError> {
     Ok(config)
 }
 
-/// For `run`: chooses every pipeline's marking, retrying (as the relay
-/// retries a connection) while the database cannot answer. False when
+/// For `run`: `config` with its marking chosen, retrying (as the relay
+/// retries a connection) while the database cannot answer. `None` when
 /// `shutdown` came first.
-pub async fn choose_all(configs: &mut [Config], shutdown: &CancellationToken) -> bool {
-    for config in configs.iter_mut().filter(|c| c.mark_chosen_by_outbox()) {
-        let mut backoff = Backoff::new(config.relay.retry_base, config.relay.retry_max);
-        loop {
-            match chosen(config).await {
-                Ok(c) => {
-                    *config = c;
-                    tracing::info!(
-                        pipeline = %config.name,
-                        mark = ?config.relay.mark,
-                        "relay.mark is unset: the outbox chose (ranges where its progress table exists, else update)"
-                    );
-                    break;
-                }
-                Err(e) => {
-                    tracing::warn!(pipeline = %config.name, error = %e, "cannot tell which marking the outbox uses yet; retrying");
-                    tokio::select! {
-                        () = shutdown.cancelled() => return false,
-                        () = tokio::time::sleep(backoff.next_delay()) => {}
-                    }
+pub async fn chosen_until(config: Config, shutdown: &CancellationToken) -> Option<Config> {
+    if !config.mark_chosen_by_outbox() {
+        return Some(config);
+    }
+    let mut backoff = Backoff::new(config.relay.retry_base, config.relay.retry_max);
+    loop {
+        match chosen(&config).await {
+            Ok(chosen) => {
+                tracing::info!(
+                    pipeline = %chosen.name,
+                    mark = ?chosen.relay.mark,
+                    "relay.mark is unset: the outbox chose (ranges where its progress table exists, else update)"
+                );
+                return Some(chosen);
+            }
+            Err(e) => {
+                tracing::warn!(pipeline = %config.name, error = %e, "cannot tell which marking the outbox uses yet; retrying");
+                tokio::select! {
+                    () = shutdown.cancelled() => return None,
+                    () = tokio::time::sleep(backoff.next_delay()) => {}
                 }
             }
         }
     }
-    true
 }

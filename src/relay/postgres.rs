@@ -392,8 +392,10 @@ impl Postgres<'_> {
 }
 
 /// What ranges recorded, seen from the marking configured: a sequence set
-/// back under ranges, or ranges' records left for `update` or `delete`
-/// (see `outbox::progress::downgrade`), refuse the start.
+/// back under ranges, ranges' records left for `update` or `delete` (see
+/// `outbox::progress::downgrade`), or with `relay.mark` unset an outbox
+/// that chose otherwise since this instance chose (`ops::marking`), refuse
+/// the start.
 async fn marking_problem(owner: &Client, config: &Config) -> Result<(), RelayError> {
     if config.relay.mark == MarkMode::Ranges
         && let Ok(Some(problem)) = crate::outbox::progress::version_problem(owner).await
@@ -402,6 +404,23 @@ async fn marking_problem(owner: &Client, config: &Config) -> Result<(), RelayErr
         return Err(inspect::TableProblem::Unusable(vec![problem]).into());
     }
     let ranges = crate::outbox::progress::Ranges::new(&config.outbox.table);
+    if config.mark_chosen_by_outbox() {
+        let now = ranges
+            .exists(owner)
+            .await
+            .map_err(inspect::TableProblem::Query)?;
+        if now != (config.relay.mark == MarkMode::Ranges) {
+            return Err(inspect::TableProblem::Unusable(vec![format!(
+                "relay.mark is unset and this instance started on {}, but {} {} now \
+                 (created by migrate or dropped by fold --into-sent-at since): restart it, \
+                 so that it relays with what the outbox chose now",
+                if now { "update" } else { "ranges" },
+                ranges.progress,
+                if now { "exists" } else { "is gone" },
+            )])
+            .into());
+        }
+    }
     let problem = match config.relay.mark {
         MarkMode::Ranges => ranges
             .sequence_problem(owner)

@@ -134,3 +134,52 @@ async fn an_outbox_relayed_by_update_keeps_update_when_mark_is_unset() {
     ids.extend(after);
     once_each(&broker, &ids, "update kept");
 }
+
+/// An instance chooses at start. One that chose `update`, standing by while
+/// the tables of ranges are created, refuses once it owns the outbox,
+/// naming the restart, and publishes nothing by `update`; restarted, it
+/// relays by ranges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_that_chose_before_the_tables_came_refuses_until_restarted() {
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &[]).await;
+    let unset_toml = unset(&toml, "relay.mark");
+    let holder = connect(&db.url).await;
+    let key = outbox_relay::outbox::ownership_key(&outbox_relay::config::TableName::new(
+        "public", "outbox",
+    ));
+    holder
+        .execute("SELECT pg_advisory_lock(hashtextextended($1, 0))", &[&key])
+        .await
+        .unwrap();
+    let standby = ChildRelay::start_logged(&unset_toml);
+    wait_for(
+        WAIT,
+        "the instance to choose update and stand by",
+        || async { (standby.logged("mark=Update") && standby.logged("standby")).then_some(()) },
+    )
+    .await;
+    let ranges = config_file(&set(&toml, "relay.mark", "\"ranges\""));
+    let (code, out, err) = run_cli(&["migrate", "--config", &ranges], &[]);
+    assert_eq!(code, 0, "migrate: {out}{err}");
+    let ids = insert(&db, "a", 10, 2).await;
+    drop(holder);
+    wait_for(
+        WAIT,
+        "the instance to refuse, naming the restart",
+        || async { standby.logged("restart it").then_some(()) },
+    )
+    .await;
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    assert_eq!(broker.inbox().len(), 0, "nothing published by update");
+    assert_eq!(count(&db, MARKED).await, 0);
+    drop(standby);
+
+    let _relay = ChildRelay::start(&unset_toml);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    wait_for(WAIT, "every row to count as sent", || async {
+        (unsent(&db).await == 0).then_some(())
+    })
+    .await;
+    assert_eq!(count(&db, MARKED).await, 0, "recorded by ranges");
+    once_each(&broker, &ids, "after the restart");
+}

@@ -27,7 +27,11 @@ async fn app_table(db: &TestDb) {
 /// exist: one partition per `(name, day)`, and a default partition when
 /// `with_default`.
 /// [`setup`] on the application's partitioned table ([`app_table`]).
-async fn partitioned(mode: Mode, kind: Kind, sets: &[(&str, &str)]) -> (TestDb, Broker, String) {
+pub(crate) async fn partitioned(
+    mode: Mode,
+    kind: Kind,
+    sets: &[(&str, &str)],
+) -> (TestDb, Broker, String) {
     let db = TestDb::new().await;
     app_table(&db).await;
     let broker = Broker::new(kind, &["order"]).await;
@@ -74,7 +78,11 @@ async fn partition_2030(db: &TestDb) {
 }
 
 /// Inserts through the parent with `created_at` given.
-async fn insert_at(db: &TestDb, id: Uuid, at: &str) -> Result<u64, tokio_postgres::Error> {
+pub(crate) async fn insert_at(
+    db: &TestDb,
+    id: Uuid,
+    at: &str,
+) -> Result<u64, tokio_postgres::Error> {
     db.client
         .execute(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at)

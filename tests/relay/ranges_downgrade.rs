@@ -290,3 +290,50 @@ async fn update_that_may_not_read_the_tables_of_ranges_says_which_grant() {
         "{code} {out}{err}"
     );
 }
+
+/// Leaving ranges on a partitioned outbox: its index on `relay_xid` cannot
+/// be dropped concurrently, so it goes at once, and the rows ranges
+/// recorded are marked in their partitions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaving_ranges_drops_the_index_of_a_partitioned_outbox() {
+    let sets = [("relay.mark", "\"ranges\"")];
+    let (db, broker, toml) =
+        crate::partitions::partitioned(Mode::Polling, Kind::Rabbit, &sets).await;
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        let id = uuid::Uuid::new_v4();
+        crate::partitions::insert_at(&db, id, "2020-06-01 00:00:00+00")
+            .await
+            .unwrap();
+        ids.push(id.to_string());
+    }
+    let mut relay = ChildRelay::start(&toml);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    wait_for(WAIT, "every row to count as sent", || async {
+        (unsent(&db).await == 0).then_some(())
+    })
+    .await;
+    assert!(relay.terminate().success());
+    let index = Ranges::new(&TableName::new("public", "outbox")).xid_index;
+    let indexes = format!("SELECT count(*) FROM pg_class WHERE relname = '{index}'");
+    assert_eq!(
+        count(&db, &indexes).await,
+        1,
+        "migrate built it on the root"
+    );
+    let fold = ["fold", "--into-sent-at", "--config", &config_file(&toml)];
+    let (code, out, err) = run_cli(&fold, &[]);
+    assert!(
+        code == 0 && out.contains("marked 6 row(s) sent"),
+        "{out}{err}"
+    );
+    assert_eq!(count(&db, &indexes).await, 0, "dropped");
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE relay_sent_at IS NULL"
+        )
+        .await,
+        0
+    );
+}

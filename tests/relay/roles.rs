@@ -118,6 +118,19 @@ async fn the_documented_role_records_by_ranges(mode: Mode) {
     })
     .await;
     assert!(relay.terminate().success());
+    // Leaving ranges drops tables: the owner's work, as migrate is.
+    let (code, out, err) = run_cli(&["fold", "--into-sent-at", "--config", &path], &[]);
+    assert!(
+        code == 1 && err.contains("does not own") && err.contains("nothing was changed"),
+        "{code} {out}{err}"
+    );
+    assert!(db.count(frontier).await > 0, "the tables stay");
+    let marked = "SELECT count(*) FROM outbox WHERE relay_sent_at IS NOT NULL";
+    assert_eq!(db.count(marked).await, 0, "no row marked");
+    let owner = config_file(&toml.replace(&db.url_as(&role), &db.url));
+    let (code, out, err) = run_cli(&["fold", "--into-sent-at", "--config", &owner], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(db.count(marked).await, 5);
 }
 
 fn cli_ok_migrate(toml: &str) {

@@ -190,13 +190,54 @@ impl Ranges {
     /// `relay_xid` goes with [`Ranges::drop_index_sql`].
     pub fn drop_sql(&self) -> String {
         format!(
-            "BEGIN; DROP FUNCTION IF EXISTS {}(bigint, xid8, timestamptz); \
-             DROP TABLE IF EXISTS {}, {}, {}; COMMIT",
-            self.sent_function.quoted(),
+            "BEGIN; {}; DROP TABLE IF EXISTS {}, {}, {}; COMMIT",
+            self.drop_function_sql(),
             self.progress.quoted(),
             self.frontier.quoted(),
             self.held.quoted()
         )
+    }
+
+    /// Drops the predicate's function, if it is there.
+    pub fn drop_function_sql(&self) -> String {
+        format!(
+            "DROP FUNCTION IF EXISTS {}(bigint, xid8, timestamptz)",
+            self.sent_function.quoted()
+        )
+    }
+
+    /// Why this session cannot drop the tables and the index of ranges, if
+    /// it cannot: only their owner (and the outbox's, for the index) may,
+    /// as for `migrate`. Asked before any row is marked.
+    pub async fn drop_problem(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<Option<String>, tokio_postgres::Error> {
+        let not_owned: Vec<String> = client
+            .query(
+                "SELECT c.relname::text FROM pg_class c
+                 WHERE c.oid IN (to_regclass($1), to_regclass($2), to_regclass($3), to_regclass($4))
+                   AND NOT pg_has_role(current_user, c.relowner, 'USAGE')
+                 ORDER BY 1",
+                &[
+                    &self.outbox.quoted(),
+                    &self.progress.quoted(),
+                    &self.frontier.quoted(),
+                    &self.held.quoted(),
+                ],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        Ok((!not_owned.is_empty()).then(|| {
+            format!(
+                "this role does not own {}: fold --into-sent-at drops the tables of ranges and the \
+                 index on relay_xid, which only their owner may; run it as the role that runs \
+                 migrate (nothing was changed)",
+                not_owned.join(", ")
+            )
+        }))
     }
 
     /// Drops the index on `relay_xid`; `concurrently`, without blocking
