@@ -178,6 +178,16 @@ pub enum MarkMode {
 keyword_enum!(MarkMode { Update = "update", Delete = "delete", None = "none", Ranges = "ranges" });
 
 impl MarkMode {
+    /// The keyword, as written in `relay.mark`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MarkMode::Update => "update",
+            MarkMode::Delete => "delete",
+            MarkMode::None => "none",
+            MarkMode::Ranges => "ranges",
+        }
+    }
+
     /// Whether the table records what was sent (every mode but `none`).
     pub fn records_sent(self) -> bool {
         self != MarkMode::None

@@ -83,6 +83,10 @@ pub struct Snapshot {
     pub auto: Option<AutoStatus>,
     /// With `relay.mark = "ranges"`.
     pub frontier: Option<FrontierStatus>,
+    /// How sent rows are recorded (`relay.mark`, or the outbox's choice).
+    pub marking: &'static str,
+    /// Whether `relay.mark` is unset, so the outbox chose `marking`.
+    pub marking_chosen_by_outbox: bool,
 }
 
 fn q(context: &str) -> impl Fn(tokio_postgres::Error) -> DbError + '_ {
@@ -157,6 +161,8 @@ pub async fn snapshot(
         slot,
         auto,
         frontier,
+        marking: config.relay.mark.name(),
+        marking_chosen_by_outbox: config.mark_chosen_by_outbox(),
     })
 }
 
@@ -386,6 +392,12 @@ pub fn render(s: &Snapshot) -> String {
             .map_or(UNMARKED.into(), |n| format!("{n} unsent event(s)")),
     );
     line("oldest unsent", oldest_unsent(s));
+    let chosen = if s.marking_chosen_by_outbox {
+        " (relay.mark is unset: the outbox chose)"
+    } else {
+        ""
+    };
+    line("marking", format!("{}{chosen}", s.marking));
     line(
         "dead letters",
         s.dead_letters

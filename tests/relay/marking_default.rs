@@ -32,7 +32,7 @@ fn once_each(broker: &Broker, ids: &[String], what: &str) {
     assert_eq!(got.len(), ids.len(), "{what}: nothing published again");
 }
 
-/// `check`'s line for the marking the outbox chose, and `status`, which
+/// `check`'s line for the marking the outbox chose, and `status`'s, which
 /// shows the fold's frontier only with ranges.
 fn check_says(path: &str, chosen: &str) {
     let (_, out, err) = run_cli(&["check", "--config", path], &[]);
@@ -47,6 +47,8 @@ fn check_says(path: &str, chosen: &str) {
         chosen == "ranges",
         "status: {out}"
     );
+    let marking = format!("{chosen} (relay.mark is unset: the outbox chose)");
+    assert!(out.contains(&marking), "status names the choice: {out}");
 }
 
 async fn a_new_outbox_runs_ranges_until_folded_into_sent_at(mode: Mode) {
