@@ -55,18 +55,31 @@ fn rename_role(sql: &str, role: &str) -> String {
     out
 }
 
-every_mode!(the_documented_role_is_enough);
-async fn the_documented_role_is_enough(mode: Mode, kind: Kind) {
-    let (db, broker, toml) = setup(mode, kind, &["order"], &poison_settings("\"follow\"")).await;
+/// A role made by the documented statements (with ranges' when `ranges`),
+/// and `toml` connecting as it: the role, the config, its file, and
+/// `check`'s output, which passed.
+async fn as_documented_role(
+    db: &TestDb,
+    mode: Mode,
+    ranges: bool,
+    toml: &str,
+) -> (String, String, String, String) {
     let role = crate::kit::unique("relay_least_");
     db.client
-        .batch_execute(&grants_for(mode, false, &role))
+        .batch_execute(&grants_for(mode, ranges, &role))
         .await
         .expect("the documented statements run");
     let toml = toml.replace(&db.url, &db.url_as(&role));
     let path = config_file(&toml);
     let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
     assert_eq!(code, 0, "check as the documented role: {out}{err}");
+    (role, toml, path, out)
+}
+
+every_mode!(the_documented_role_is_enough);
+async fn the_documented_role_is_enough(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup(mode, kind, &["order"], &poison_settings("\"follow\"")).await;
+    let (_, toml, path, _) = as_documented_role(&db, mode, false, &toml).await;
 
     let relay = InProcess::start(parse(&toml));
     let events = ids(3);
@@ -93,15 +106,7 @@ async fn the_documented_role_records_by_ranges(mode: Mode) {
     let toml = with_mode(&base_toml(&db.url, &broker.sink_toml()), mode);
     let toml = unset(&toml, "relay.mark");
     cli_ok_migrate(&toml);
-    let role = crate::kit::unique("relay_least_");
-    db.client
-        .batch_execute(&grants_for(mode, true, &role))
-        .await
-        .expect("the documented statements run");
-    let toml = toml.replace(&db.url, &db.url_as(&role));
-    let path = config_file(&toml);
-    let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
-    assert_eq!(code, 0, "check as the documented role: {out}{err}");
+    let (role, toml, path, out) = as_documented_role(&db, mode, true, &toml).await;
     assert!(out.contains("ranges: relay.mark is unset"), "{out}");
 
     // The binary, which runs the fold beside the relay.
