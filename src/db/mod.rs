@@ -39,6 +39,9 @@ pub enum DbError {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// An object the relay needs is not there; the message says what to run.
+    #[error("{0}")]
+    Missing(String),
 }
 
 impl DbError {
@@ -57,6 +60,7 @@ impl DbError {
             DbError::Tls(e) => e.kind(),
             DbError::Connect { kind, .. } => *kind,
             DbError::Query { source, .. } => errors::postgres(source),
+            DbError::Missing(_) => ErrorKind::NeedsOperator,
         }
     }
 }

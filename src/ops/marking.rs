@@ -25,14 +25,30 @@ use tokio_postgres::GenericClient;
 use tokio_util::sync::CancellationToken;
 
 /// Sets `config.relay.mark` from the outbox when `relay.mark` is unset.
+/// An outbox table that does not exist yet has not chosen: `migrate` may
+/// still create it with the tables of ranges, so that is an error (which
+/// `run` waits out).
 pub async fn choose(client: &impl GenericClient, config: &mut Config) -> Result<(), DbError> {
     if !config.mark_chosen_by_outbox() {
         return Ok(());
     }
-    let ranges = Ranges::new(&config.outbox.table)
+    let table = &config.outbox.table;
+    let found = |what: &'static str| move |e| DbError::query(what, e);
+    let outbox: bool = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.quoted()])
+        .await
+        .map_err(found("looking for the outbox table"))?
+        .get(0);
+    if !outbox {
+        return Err(DbError::Missing(format!(
+            "{table} does not exist (or this role cannot see it): run outbox-relay migrate; \
+             with relay.mark unset the outbox chooses its marking once it exists"
+        )));
+    }
+    let ranges = Ranges::new(table)
         .exists(client)
         .await
-        .map_err(|e| DbError::query("looking for the outbox's progress table", e))?;
+        .map_err(found("looking for the outbox's progress table"))?;
     config.relay.mark = if ranges {
         MarkMode::Ranges
     } else {
@@ -61,7 +77,11 @@ pub async fn chosen_until(config: Config, shutdown: &CancellationToken) -> Optio
     }
     let mut backoff = Backoff::new(config.relay.retry_base, config.relay.retry_max);
     loop {
-        match chosen(&config).await {
+        let attempt = tokio::select! {
+            () = shutdown.cancelled() => return None,
+            attempt = chosen(&config) => attempt,
+        };
+        match attempt {
             Ok(chosen) => {
                 tracing::info!(
                     pipeline = %chosen.name,

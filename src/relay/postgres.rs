@@ -221,6 +221,8 @@ impl Postgres<'_> {
     async fn relay_with(&self, owner: Client, run: &mut Owned<'_>) -> Result<Ended, RelayError> {
         let config = self.config;
         let table = &config.outbox.table;
+        // First: with another marking, the table's needs differ too.
+        choice_problem(&owner, config).await?;
         let columns = inspect::resolve_table(
             &owner,
             table,
@@ -391,11 +393,34 @@ impl Postgres<'_> {
     }
 }
 
+/// With `relay.mark` unset: the outbox chose otherwise since this instance
+/// chose (`ops::marking`): it must restart, not relay with the other mode.
+async fn choice_problem(owner: &Client, config: &Config) -> Result<(), RelayError> {
+    if !config.mark_chosen_by_outbox() {
+        return Ok(());
+    }
+    let ranges = crate::outbox::progress::Ranges::new(&config.outbox.table);
+    let now = ranges
+        .exists(owner)
+        .await
+        .map_err(inspect::TableProblem::Query)?;
+    if now == (config.relay.mark == MarkMode::Ranges) {
+        return Ok(());
+    }
+    Err(inspect::TableProblem::Unusable(vec![format!(
+        "relay.mark is unset and this instance started on {}, but {} {} now \
+         (created by migrate or dropped by fold --into-sent-at since): restart it, \
+         so that it relays with what the outbox chose now",
+        if now { "update" } else { "ranges" },
+        ranges.progress,
+        if now { "exists" } else { "is gone" },
+    )])
+    .into())
+}
+
 /// What ranges recorded, seen from the marking configured: a sequence set
 /// back under ranges, ranges' records left for `update` or `delete` (see
-/// `outbox::progress::downgrade`), or with `relay.mark` unset an outbox
-/// that chose otherwise since this instance chose (`ops::marking`), refuse
-/// the start.
+/// `outbox::progress::downgrade`), refuse the start.
 async fn marking_problem(owner: &Client, config: &Config) -> Result<(), RelayError> {
     if config.relay.mark == MarkMode::Ranges
         && let Ok(Some(problem)) = crate::outbox::progress::version_problem(owner).await
@@ -404,23 +429,6 @@ async fn marking_problem(owner: &Client, config: &Config) -> Result<(), RelayErr
         return Err(inspect::TableProblem::Unusable(vec![problem]).into());
     }
     let ranges = crate::outbox::progress::Ranges::new(&config.outbox.table);
-    if config.mark_chosen_by_outbox() {
-        let now = ranges
-            .exists(owner)
-            .await
-            .map_err(inspect::TableProblem::Query)?;
-        if now != (config.relay.mark == MarkMode::Ranges) {
-            return Err(inspect::TableProblem::Unusable(vec![format!(
-                "relay.mark is unset and this instance started on {}, but {} {} now \
-                 (created by migrate or dropped by fold --into-sent-at since): restart it, \
-                 so that it relays with what the outbox chose now",
-                if now { "update" } else { "ranges" },
-                ranges.progress,
-                if now { "exists" } else { "is gone" },
-            )])
-            .into());
-        }
-    }
     let problem = match config.relay.mark {
         MarkMode::Ranges => ranges
             .sequence_problem(owner)

@@ -49,6 +49,10 @@ fn check_says(path: &str, chosen: &str) {
     );
     let marking = format!("{chosen} (relay.mark is unset: the outbox chose)");
     assert!(out.contains(&marking), "status names the choice: {out}");
+    let (_, out, err) = run_cli(&["status", "--config", path, "--json"], &[]);
+    let json: serde_json::Value = serde_json::from_str(&out).expect(&err);
+    assert_eq!(json["marking"], chosen, "{out}");
+    assert_eq!(json["marking_chosen_by_outbox"], true, "{out}");
 }
 
 async fn a_new_outbox_runs_ranges_until_folded_into_sent_at(mode: Mode) {
@@ -129,12 +133,52 @@ async fn an_outbox_relayed_by_update_keeps_update_when_mark_is_unset() {
     assert!(!has_progress_table(&db).await, "an existing outbox: {out}");
     check_says(&path, "update");
     let after = insert(&db, "b", 10, 2).await;
-    let _relay = ChildRelay::start(&upgraded);
+    let mut relay = ChildRelay::start(&upgraded);
     broker.inbox().wait_ids(&after, WAIT).await;
     db.wait_all_marked().await;
     assert_eq!(count(&db, MARKED).await, 30, "every row marked by update");
     ids.extend(after);
     once_each(&broker, &ids, "update kept");
+    assert!(relay.terminate().success());
+
+    // Empty tables of ranges, as an earlier version's fold left them: the
+    // outbox chooses ranges until fold --into-sent-at drops them.
+    let ranges = config_file(&set(&toml, "relay.mark", "\"ranges\""));
+    let (code, out, err) = run_cli(&["migrate", "--config", &ranges], &[]);
+    assert_eq!(code, 0, "migrate: {out}{err}");
+    check_says(&path, "ranges");
+    let (code, out, err) = run_cli(&["fold", "--into-sent-at", "--config", &path], &[]);
+    assert!(code == 0 && out.contains("marked 0 row(s)"), "{out}{err}");
+    check_says(&path, "update");
+}
+
+/// Started before `migrate` (pods beside a migration job), with
+/// `relay.mark` unset: the relay waits for the outbox instead of choosing
+/// `update` for a table that does not exist, then runs what `migrate` gave
+/// the new outbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn started_before_migrate_it_waits_and_runs_what_the_new_outbox_chose() {
+    let db = TestDb::new().await;
+    let broker = Broker::new(Kind::Rabbit, &["order"]).await;
+    let toml = unset(&base_toml(&db.url, &broker.sink_toml()), "relay.mark");
+    let relay = ChildRelay::start_logged(&toml);
+    wait_for(WAIT, "the relay to wait for the outbox", || async {
+        relay
+            .logged("the outbox chooses its marking once it exists")
+            .then_some(())
+    })
+    .await;
+    let (code, out, err) = run_cli(&["migrate", "--config", &config_file(&toml)], &[]);
+    assert_eq!(code, 0, "migrate: {out}{err}");
+    let ids = insert(&db, "a", 10, 2).await;
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    wait_for(WAIT, "every row to count as sent", || async {
+        (unsent(&db).await == 0).then_some(())
+    })
+    .await;
+    assert_eq!(count(&db, MARKED).await, 0, "recorded by ranges");
+    assert!(relay.logged("mark=Ranges"), "it chose ranges");
+    once_each(&broker, &ids, "after migrate");
 }
 
 /// An instance chooses at start. One that chose `update`, standing by while

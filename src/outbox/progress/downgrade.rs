@@ -206,9 +206,9 @@ impl Ranges {
         )
     }
 
-    /// Why this session cannot drop the tables and the index of ranges, if
-    /// it cannot: only their owner (and the outbox's, for the index) may,
-    /// as for `migrate`. Asked before any row is marked.
+    /// Why this session cannot drop the tables, the function and the index
+    /// of ranges, if it cannot: only their owner (and the outbox's, for the
+    /// index) may, as for `migrate`. Asked before any row is marked.
     pub async fn drop_problem(
         &self,
         client: &impl GenericClient,
@@ -218,12 +218,17 @@ impl Ranges {
                 "SELECT c.relname::text FROM pg_class c
                  WHERE c.oid IN (to_regclass($1), to_regclass($2), to_regclass($3), to_regclass($4))
                    AND NOT pg_has_role(current_user, c.relowner, 'USAGE')
+                 UNION ALL
+                 SELECT p.proname::text FROM pg_proc p
+                 WHERE p.oid = to_regprocedure($5)
+                   AND NOT pg_has_role(current_user, p.proowner, 'USAGE')
                  ORDER BY 1",
                 &[
                     &self.outbox.quoted(),
                     &self.progress.quoted(),
                     &self.frontier.quoted(),
                     &self.held.quoted(),
+                    &format!("{}(bigint, xid8, timestamptz)", self.sent_function.quoted()),
                 ],
             )
             .await?
