@@ -4,7 +4,7 @@
 //! `fold --into-sent-at` turns a ranges outbox back to `update`. Nothing is
 //! published twice on the way. (13: `versions.rs`.)
 
-use crate::ranges_delivery::{count, deliveries, insert};
+use crate::ranges_delivery::{count, insert, once_each};
 use crate::ranges_downgrade::unsent;
 use crate::support::*;
 
@@ -18,18 +18,6 @@ async fn has_progress_table(db: &TestDb) -> bool {
     )
     .await
         == 1
-}
-
-/// Every id published exactly once, and nothing else.
-fn once_each(broker: &Broker, ids: &[String], what: &str) {
-    let got = broker.inbox().snapshot();
-    let n = deliveries(&got);
-    let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
-    assert!(
-        other.is_empty(),
-        "{what}: published other than once: {other:?}"
-    );
-    assert_eq!(got.len(), ids.len(), "{what}: nothing published again");
 }
 
 /// `check`'s line for the marking the outbox chose, and `status`'s, which

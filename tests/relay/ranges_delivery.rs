@@ -42,6 +42,18 @@ pub(crate) fn deliveries(got: &[Received]) -> HashMap<String, usize> {
     n
 }
 
+/// Every id published exactly once, and nothing else.
+pub(crate) fn once_each(broker: &Broker, ids: &[String], what: &str) {
+    let got = broker.inbox().snapshot();
+    let n = deliveries(&got);
+    let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
+    assert!(
+        other.is_empty(),
+        "{what}: published other than once: {other:?}"
+    );
+    assert_eq!(got.len(), ids.len(), "{what}: nothing published again");
+}
+
 pub(crate) async fn count(db: &TestDb, sql: &str) -> i64 {
     db.client.query_one(sql, &[]).await.unwrap().get(0)
 }
@@ -486,11 +498,7 @@ async fn retention_deletes_what_was_recorded_and_folded(mode: Mode) {
         broker.inbox().wait_ids(&more, WAIT).await;
         ids.extend(more);
     }
-    let got = broker.inbox().snapshot();
-    let n = deliveries(&got);
-    let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
-    assert!(other.is_empty(), "published other than once: {other:?}");
-    assert_eq!(got.len(), ids.len());
+    once_each(&broker, &ids, "");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

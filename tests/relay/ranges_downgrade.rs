@@ -6,7 +6,7 @@
 //! never sent. And a sequence set back below what ranges recorded is
 //! refused.
 
-use crate::ranges_delivery::{count, deliveries, insert};
+use crate::ranges_delivery::{count, insert, once_each};
 use crate::support::*;
 use outbox_relay::config::TableName;
 use outbox_relay::outbox::progress::Ranges;
@@ -59,14 +59,7 @@ async fn entering_ranges_publishes_nothing_again(mode: Mode) {
     );
     ids.extend(meanwhile);
     ids.extend(after);
-    let got = broker.inbox().snapshot();
-    let n = deliveries(&got);
-    let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
-    assert!(
-        other.is_empty(),
-        "{mode:?}: published other than once: {other:?}"
-    );
-    assert_eq!(got.len(), ids.len(), "{mode:?}: nothing published again");
+    once_each(&broker, &ids, &format!("{mode:?}"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -202,11 +195,7 @@ async fn leaving_ranges_marks_what_was_recorded_and_publishes_nothing_again() {
     })
     .await;
     ids.extend(waiting);
-    let got = broker.inbox().snapshot();
-    let n = deliveries(&got);
-    let other: Vec<_> = ids.iter().filter(|id| n.get(*id) != Some(&1)).collect();
-    assert!(other.is_empty(), "published other than once: {other:?}");
-    assert_eq!(got.len(), ids.len(), "nothing published again");
+    once_each(&broker, &ids, "leaving ranges");
 }
 
 /// A sequence set back below what ranges recorded would hand out values
