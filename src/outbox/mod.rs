@@ -17,6 +17,7 @@
 
 mod event;
 pub mod inspect;
+pub mod names;
 pub mod progress;
 mod shard;
 
@@ -43,11 +44,7 @@ pub fn mark_sql(table: &TableName, mark: MarkMode) -> Option<String> {
     }
 }
 
-/// The partial index on `relay_sent_at` of sent rows, which retention reads
-/// through (`migrate` creates it).
-pub fn sent_index(table: &TableName) -> String {
-    table.derived("outbox_relay_sent")
-}
+pub use names::sent_index;
 
 /// The trigger that keeps unsent rows as inserted (`migrate` installs it,
 /// `check` looks for it).

@@ -32,10 +32,7 @@ use crate::db::DbError;
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 
-/// The relay-owned table of ownership claims next to `outbox`.
-pub fn owners_table(outbox: &TableName) -> TableName {
-    outbox.sibling("_relay_owners")
-}
+pub use crate::outbox::names::owners_table;
 
 /// `CREATE TABLE` for `migrate`.
 pub fn create_sql(owners: &TableName) -> String {

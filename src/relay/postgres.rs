@@ -9,7 +9,7 @@ use super::pipeline::{self, Drained, Settings};
 use super::shards::{Balance, Shard};
 use super::supervise::{Backend, Owned, RunEnd};
 use crate::config::ResolvedColumns;
-use crate::config::{Config, MarkMode, SourceMode};
+use crate::config::{Config, MarkMode, SourceMode, TableName};
 use crate::db::DbError;
 use crate::envelope::Envelope;
 use crate::envelope::routing::Routing;
@@ -223,6 +223,7 @@ impl Postgres<'_> {
         let table = &config.outbox.table;
         // First: with another marking, the table's needs differ too.
         choice_problem(&owner, config).await?;
+        names_problem(&owner, table).await?;
         let columns = inspect::resolve_table(
             &owner,
             table,
@@ -416,6 +417,16 @@ async fn choice_problem(owner: &Client, config: &Config) -> Result<(), RelayErro
         if now { "exists" } else { "is gone" },
     )])
     .into())
+}
+
+/// Another outbox of the schema would share this one's relay objects
+/// (`outbox::names`): relaying beside it could skip or repeat events.
+async fn names_problem(owner: &Client, table: &TableName) -> Result<(), RelayError> {
+    match crate::outbox::names::shared_problem(owner, table).await {
+        Ok(None) => Ok(()),
+        Ok(Some(problem)) => Err(inspect::TableProblem::Unusable(vec![problem]).into()),
+        Err(e) => Err(inspect::TableProblem::Query(e).into()),
+    }
 }
 
 /// What ranges recorded, seen from the marking configured: a sequence set

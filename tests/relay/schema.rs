@@ -320,3 +320,90 @@ async fn with_ranges_a_recorded_event_may_be_changed_and_an_unsent_one_not() {
         .await
         .expect("the recorded event of the first may still change");
 }
+
+/// Two outboxes of one schema whose long names end alike would share the
+/// tables the relay keeps beside them (PostgreSQL keeps 63 bytes of a name):
+/// each relay would take the other's claims, and with ranges its recorded
+/// events, for its own. `migrate` refuses the second; once such a table
+/// exists anyway, `check` fails and the relay refuses to publish.
+#[tokio::test]
+async fn outboxes_whose_cut_names_meet_are_refused() {
+    let db = TestDb::new().await;
+    let middle = "x".repeat(50);
+    let (first, second) = (format!("a_{middle}_events"), format!("b_{middle}_events"));
+    let toml = |table: &str| {
+        let t = set(
+            &base_toml(&db.url, &rabbit_sink()),
+            "outbox.table",
+            &format!("\"{table}\""),
+        );
+        config_file(&t)
+    };
+    let (path_a, path_b) = (toml(&first), toml(&second));
+    // A long name alone is fine: nothing meets it.
+    let (code, out, err) = run_cli(&["migrate", "--config", &path_a], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = run_cli(&["migrate", "--config", &path_b], &[]);
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(
+        err.contains(&format!(
+            "public.{second} and public.{first} would share the relay's owners table"
+        )) && err.contains("rename one of the two tables"),
+        "{err}"
+    );
+    assert_eq!(
+        db.count(&format!(
+            "SELECT count(*) FROM pg_class WHERE relname = '{second}'"
+        ))
+        .await,
+        0,
+        "migrate created nothing for the second outbox"
+    );
+
+    // The second table made by hand, as another tool might.
+    db.client
+        .batch_execute(&format!(
+            "CREATE TABLE \"{second}\" (LIKE \"{first}\" INCLUDING DEFAULTS)"
+        ))
+        .await
+        .unwrap();
+    let id = Uuid::new_v4();
+    db.client
+        .execute(
+            &format!(
+                "INSERT INTO \"{first}\" (id, aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ($1, 'order', '1', 'created', '{{}}')"
+            ),
+            &[&id],
+        )
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", &path_a], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("[FAIL] names")
+            && out.contains(&format!("public.{first} and public.{second} would share")),
+        "{out}"
+    );
+    let log = run_until_logged(&path_a, "would share the relay's");
+    assert!(log.contains("rename one of the two tables"), "{log}");
+    assert_eq!(
+        db.count(&format!(
+            "SELECT count(*) FROM \"{first}\" WHERE relay_sent_at IS NULL"
+        ))
+        .await,
+        1,
+        "nothing was published beside the other outbox"
+    );
+
+    // Renamed so that the names differ where they are kept: both go on.
+    db.client
+        .batch_execute(&format!(
+            "ALTER TABLE \"{second}\" RENAME TO b_other_events"
+        ))
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", &path_a], &[]);
+    assert!(!out.contains("[FAIL] names"), "{out}");
+    assert_eq!(code, 0, "{out}");
+}

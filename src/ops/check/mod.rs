@@ -10,6 +10,7 @@ use crate::source::polling::notify_channel;
 use peers::{check_broker, check_traces};
 
 mod dead_letters;
+mod names;
 mod peers;
 mod ranges;
 
@@ -123,7 +124,8 @@ async fn check_database(config: &Config, r: &mut Report) {
         SourceMode::Polling => {}
     }
     check_ownership(config, &client, r).await;
-    check_owners_table(config, &client, r).await;
+    names::check_owners_table(config, &client, r).await;
+    names::check_shared_names(config, &client, r).await;
 }
 
 /// The outbox table: columns, types, privileges, then its backlog.
@@ -251,41 +253,6 @@ async fn check_ownership(config: &Config, client: &tokio_postgres::Client, r: &m
             "another instance is active on this outbox (a new one would wait as standby)",
         ),
         Err(e) => r.add(Mark::Warn, "ownership", db::error_text(&e)),
-    }
-}
-
-/// The table of ownership claims (see `relay::handoff`): without it every
-/// takeover waits the lease; without the privileges the relay cannot start.
-async fn check_owners_table(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
-    let owners = crate::relay::handoff::owners_table(&config.outbox.table);
-    let row = client
-        .query_one(
-            // With a list, has_table_privilege asks for any one of them.
-            "SELECT to_regclass($1) IS NOT NULL,
-                    to_regclass($1) IS NOT NULL
-                    AND has_table_privilege(to_regclass($1), 'SELECT')
-                    AND has_table_privilege(to_regclass($1), 'INSERT')
-                    AND has_table_privilege(to_regclass($1), 'UPDATE')",
-            &[&owners.quoted()],
-        )
-        .await;
-    match row {
-        Ok(row) if !row.get::<_, bool>(0) => r.add(
-            Mark::Warn,
-            "owners",
-            format!("{owners} is missing, so a new owner always waits relay.ownership_lease before publishing: run outbox-relay migrate"),
-        ),
-        Ok(row) if !row.get::<_, bool>(1) => r.add(
-            Mark::Fail,
-            "owners",
-            format!("the relay cannot claim ownership: GRANT SELECT, INSERT, UPDATE ON {owners} TO <relay role>"),
-        ),
-        Ok(_) => r.add(
-            Mark::Ok,
-            "owners",
-            format!("{owners} is ready: after a clean stop the next owner publishes at once"),
-        ),
-        Err(e) => r.add(Mark::Warn, "owners", db::error_text(&e)),
     }
 }
 

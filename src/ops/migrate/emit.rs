@@ -9,18 +9,14 @@ use tokio_postgres::Client;
 /// The function's argument types, in order.
 const ARGUMENTS: &str = "text, text, text, jsonb, jsonb, integer, jsonb, uuid";
 
-/// The name `migrate` gives the emitting function of `table`, in its schema:
-/// `outbox_relay_emit_<table>`.
-pub fn function_name(table: &TableName) -> String {
-    table.derived("outbox_relay_emit")
-}
+use crate::outbox::names::emit_function;
 
 /// `schema.function(argument types)`, as `to_regprocedure` reads it.
 pub fn signature(table: &TableName) -> String {
     format!(
         "{}.{}({ARGUMENTS})",
         quote_ident(&table.schema),
-        quote_ident(&function_name(table))
+        quote_ident(&emit_function(table))
     )
 }
 
@@ -68,13 +64,13 @@ pub(super) async fn step(
     let name = format!(
         "{}.{}",
         quote_ident(&table.schema),
-        quote_ident(&function_name(table))
+        quote_ident(&emit_function(table))
     );
     Ok(Some(Step::new(
         format!(
             "create function {}.{} (writes an event as a logical message with prefix {prefix:?})",
             table.schema,
-            function_name(table)
+            emit_function(table)
         ),
         format!(
             "CREATE OR REPLACE FUNCTION {name}(

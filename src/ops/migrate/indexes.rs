@@ -7,14 +7,7 @@ use crate::outbox::inspect::TableInfo;
 use crate::sql::quote_ident;
 use tokio_postgres::Client;
 
-pub(super) fn unsent_index(table: &TableName) -> String {
-    table.derived("outbox_relay_unsent")
-}
-
-/// The unique index on `relay_seq`.
-pub fn seq_index(table: &TableName) -> String {
-    table.derived("outbox_relay_seq")
-}
+pub use crate::outbox::names::{seq_index, unsent_index};
 
 /// An index the relay needs on the outbox table.
 pub(super) struct Index<'a> {

@@ -190,6 +190,9 @@ pub enum MigrateError {
 
 /// The steps still needed, in order. Empty when everything is in place.
 pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, MigrateError> {
+    if let Some(problem) = crate::outbox::names::shared_problem(client, &opts.table).await? {
+        return Err(MigrateError::Prerequisite(problem));
+    }
     let info = table_info(client, &opts.table).await?;
     let partitioning = info.as_ref().and_then(|i| i.partitioning.as_ref());
     if partitioning.is_some_and(|p| p.expressions) {
