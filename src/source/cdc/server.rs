@@ -88,7 +88,6 @@ pub trait CdcServer: Send + 'static {
         to: Lsn,
     ) -> impl Future<Output = Result<Lsn, SourceError>> + Send + 'static;
 
-    /// Up to `max` unsent rows with `relay_seq` above `after`, in `relay_seq` order.
     /// Up to `max` unsent rows after `after`, whose payloads take no more
     /// than `max_bytes` (at least one row); none once the read is through.
     fn table_page(
@@ -305,19 +304,20 @@ impl CdcServer for PgServer {
     type Stream = PgStream;
 
     async fn prepare(&mut self) -> Result<Lsn, SourceError> {
+        self.startup_rows.restart();
         if std::mem::take(&mut self.snapshot_open) {
             self.client
                 .batch_execute("ROLLBACK")
                 .await
                 .map_err(|e| DbError::query("ending the start-up read", e))?;
         }
-        self.startup_rows.restart();
         self.check_server().await?;
         let info = self.usable_slot().await?;
         self.open_slot(info).await
     }
 
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
+        self.startup_rows.stop_ahead();
         if std::mem::take(&mut self.snapshot_open) {
             self.client
                 .batch_execute("COMMIT")
@@ -364,6 +364,7 @@ impl CdcServer for PgServer {
     }
 
     async fn wal_insert_position(&mut self) -> Result<Option<Lsn>, SourceError> {
+        self.startup_rows.stop_ahead();
         let row = self
             .client
             .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
@@ -423,6 +424,7 @@ impl CdcServer for PgServer {
     }
 
     async fn end_table_read(&mut self) -> Result<(), SourceError> {
+        self.startup_rows.stop_ahead();
         self.client
             .batch_execute("COMMIT")
             .await
@@ -464,6 +466,7 @@ impl CdcServer for PgServer {
     }
 
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
+        self.startup_rows.stop_ahead();
         self.client
             .execute(
                 "SELECT pg_logical_emit_message(false, $1::text, 'heartbeat'::text)",
@@ -475,6 +478,7 @@ impl CdcServer for PgServer {
     }
 
     async fn dead_lettered_since(&mut self, from: Lsn) -> Result<Vec<(Lsn, u64)>, SourceError> {
+        self.startup_rows.stop_ahead();
         let Some(table) = &self.settings.dead_letters else {
             return Ok(Vec::new());
         };

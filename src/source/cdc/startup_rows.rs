@@ -19,7 +19,9 @@ use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_
 use crate::db::DbError;
 use crate::outbox::progress::{Ranges, read};
 use crate::source::SourceError;
-use crate::source::rows::{ROW_WIDTH, byte_capped, each_row, read_row, select_list};
+use crate::source::rows::{
+    ROW_WIDTH, Started, byte_capped, each_row_of, read_row, select_list, start_rows,
+};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, Statement};
 
@@ -30,14 +32,41 @@ const HEAD: usize = 4;
 /// Column of the 32-bit xid within a page's row, after `relay_seq` and the row.
 const XID_INDEX: usize = 1 + ROW_WIDTH;
 
-/// How the start-up read finds unsent rows.
-pub(super) enum StartupRows {
+/// How the start-up read finds unsent rows, and the next page, asked for
+/// ahead.
+///
+/// A page's rows reach the relay as the server reads them, but the next
+/// page's query would wait until the relay had decoded this one and handed
+/// it over: the server idle while the relay works, and the relay's reader
+/// idle while the server reads. So once a page has arrived, the next one is
+/// asked for at once (from its last `relay_seq`, at the same size and half
+/// its byte room), and taken when the read goes on from there with at least
+/// that room; otherwise it is dropped and asked for again. Nothing else may
+/// use the connection while it is out (its rows would stand before the
+/// other statement's answer): [`Self::stop_ahead`] drops it first.
+pub(super) struct StartupRows {
+    how: How,
+    ahead: Option<Ahead>,
+}
+
+enum How {
     /// `relay_sent_at IS NULL` (`$1` the cursor, `$2` the page's size,
     /// `$3` its bytes).
     Marked(Statement),
     Ranges(RangesRead),
 }
 
+/// The next page's query, sent.
+struct Ahead {
+    after: i64,
+    limit: i64,
+    bytes: i64,
+    rows: Started,
+}
+
+/// What share of a page's byte room the page asked ahead takes: the room
+/// shrinks while the page before it is published.
+const AHEAD_SHARE: i64 = 2;
 /// The ranges statements, and what a round's pages share.
 pub(super) struct RangesRead {
     first_page: Statement,
@@ -86,41 +115,51 @@ impl StartupRows {
                 ),
                 "$3",
             );
-            return Ok(StartupRows::Marked(prepare(sql).await?));
+            let how = How::Marked(prepare(sql).await?);
+            return Ok(StartupRows { how, ahead: None });
         }
         let sql = Ranges::new(table).read_sql_wrapped(&cols, "", &capped);
-        Ok(StartupRows::Ranges(RangesRead {
+        let how = How::Ranges(RangesRead {
             first_page: prepare(sql.first_page).await?,
             next_page: prepare(sql.next_page).await?,
             base: None,
             head: None,
-        }))
+        });
+        Ok(StartupRows { how, ahead: None })
     }
 
     /// What the start-up read's transaction sets after its BEGIN: with
     /// ranges, the reading session's planner settings
     /// ([`read::READER_SESSION`]), for this transaction only.
     pub(super) fn transaction_settings(&self) -> String {
-        match self {
-            StartupRows::Marked(_) => String::new(),
-            StartupRows::Ranges(_) => read::READER_SESSION.replace("SET ", "SET LOCAL "),
+        match self.how {
+            How::Marked(_) => String::new(),
+            How::Ranges(_) => read::READER_SESSION.replace("SET ", "SET LOCAL "),
         }
     }
 
     /// A new start: its first round reads from the frontier.
     pub(super) fn restart(&mut self) {
-        if let StartupRows::Ranges(r) = self {
+        self.stop_ahead();
+        if let How::Ranges(r) = &mut self.how {
             (r.base, r.head) = (None, None);
         }
     }
 
     /// A new round: the one that ended is its base.
     pub(super) fn next_round(&mut self) {
-        if let StartupRows::Ranges(r) = self
+        self.stop_ahead();
+        if let How::Ranges(r) = &mut self.how
             && let Some(head) = r.head.take()
         {
             r.base = Some((head.cur, head.cur_max));
         }
+    }
+
+    /// Drops the page asked ahead, before the connection serves anything
+    /// else (a statement, the end of the read).
+    pub(super) fn stop_ahead(&mut self) {
+        self.ahead = None;
     }
 
     /// Up to `max` unsent rows of the round's snapshot after `after`,
@@ -134,25 +173,70 @@ impl StartupRows {
     ) -> Result<Vec<TableRow>, SourceError> {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
         let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
-        let r = match self {
-            StartupRows::Marked(statement) => {
+        // Asked for with no more rows or bytes than this page may have.
+        let ahead = self
+            .ahead
+            .take()
+            .filter(|a| a.after == after && a.limit <= limit && a.bytes <= bytes);
+        let (rows, first) = match ahead {
+            Some(a) => (a.rows, false),
+            None => self.start(client, after, limit, bytes).await?,
+        };
+        let rows = self.collect(rows, first).await?;
+        if let Some(last) = rows.last()
+            && self.next_known()
+        {
+            let bytes = (bytes / AHEAD_SHARE).max(1);
+            let (rows, _) = self.start(client, last.seq, limit, bytes).await?;
+            self.ahead = Some(Ahead {
+                after: last.seq,
+                limit,
+                bytes,
+                rows,
+            });
+        }
+        Ok(rows)
+    }
+
+    /// Whether the page after this one can be asked for already: with
+    /// ranges, once the round's first page resolved its snapshot.
+    fn next_known(&self) -> bool {
+        match &self.how {
+            How::Marked(_) => true,
+            How::Ranges(r) => r.head.is_some(),
+        }
+    }
+
+    /// Sends the query of the page after `after`; true when it is a ranges
+    /// round's first page (its rows start with the round's [`Head`]).
+    async fn start(
+        &self,
+        client: &Client,
+        after: i64,
+        limit: i64,
+        bytes: i64,
+    ) -> Result<(Started, bool), SourceError> {
+        let r = match &self.how {
+            How::Marked(statement) => {
                 let params: [&(dyn ToSql + Sync); 3] = [&after, &limit, &bytes];
-                return each_row(client, statement, &params, |row| table_row(row, 0))
+                return start_rows(client, statement, &params)
                     .await
+                    .map(|rows| (rows, false))
                     .map_err(|e| DbError::query("reading unsent rows at start-up", e).into());
             }
-            StartupRows::Ranges(r) => r,
+            How::Ranges(r) => r,
         };
         let (base, base_max) = match &r.base {
-            Some((snapshot, max)) => (Some(snapshot.clone()), *max),
+            Some((snapshot, max)) => (Some(snapshot.as_str()), *max),
             None => (None, None),
         };
-        let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) = match &r.head {
-            None => (&r.first_page, HEAD, vec![&base, &base_max, &limit, &bytes]),
-            Some(h) => (
-                &r.next_page,
-                0,
-                vec![
+        let started = match &r.head {
+            None => {
+                let params: [&(dyn ToSql + Sync); 4] = [&base, &base_max, &limit, &bytes];
+                start_rows(client, &r.first_page, &params).await
+            }
+            Some(h) => {
+                let params: [&(dyn ToSql + Sync); 7] = [
                     &after,
                     &h.cur,
                     &base,
@@ -160,12 +244,21 @@ impl StartupRows {
                     &h.stragglers,
                     &limit,
                     &bytes,
-                ],
-            ),
+                ];
+                start_rows(client, &r.next_page, &params).await
+            }
         };
+        started
+            .map(|rows| (rows, r.head.is_none()))
+            .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e).into())
+    }
+
+    /// A page's rows; a ranges round's `first` page also resolves its head.
+    async fn collect(&mut self, rows: Started, first: bool) -> Result<Vec<TableRow>, SourceError> {
+        let offset = if first { HEAD } else { 0 };
         let mut head = None;
-        let rows = each_row(client, statement, &params, |row| {
-            if offset == HEAD && head.is_none() {
+        let rows = each_row_of(rows, |row| {
+            if first && head.is_none() {
                 head = Some(Head {
                     cur: row.get(0),
                     cur_max: row.get(1),
@@ -176,9 +269,12 @@ impl StartupRows {
             table_row(row, offset)
         })
         .await
-        .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e))?;
-        if head.is_some() {
-            r.head = head;
+        .map_err(|e| match self.how {
+            How::Marked(_) => DbError::query("reading unsent rows at start-up", e),
+            How::Ranges(_) => DbError::query("reading unsent rows at start-up, by ranges", e),
+        })?;
+        if let (Some(head), How::Ranges(r)) = (head, &mut self.how) {
+            r.head = Some(head);
         }
         Ok(rows)
     }
