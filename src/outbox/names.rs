@@ -13,6 +13,7 @@
 //! outbox, and `migrate` and the relay refuse to go on beside it.
 
 use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName};
+use crate::outbox::WRITE_ONCE_TRIGGER;
 use crate::outbox::progress::Ranges;
 use tokio_postgres::GenericClient;
 
@@ -88,16 +89,22 @@ fn kept_start(table: &TableName) -> usize {
     NAME_BYTES.saturating_sub("outbox_relay_unsent_".len() + schema)
 }
 
-/// Whether a name of `table`'s objects reaches the limit: only then can
-/// another outbox's names meet it.
+/// Whether a name of `table`'s objects comes near the limit: only then can
+/// another outbox's names meet it. A name is cut a character at a time, so
+/// a cut name may end up to 3 bytes short of the limit (a 4-byte
+/// character removed), and meet a name of that length that was not cut.
 fn at_limit(table: &TableName) -> bool {
-    objects(table).iter().any(|(n, _)| n.len() >= NAME_BYTES)
+    objects(table)
+        .iter()
+        .any(|(n, _)| n.len() + 3 >= NAME_BYTES)
 }
 
-/// Another outbox of `table`'s schema (a table with the relay's columns
-/// `relay_seq` and `relay_sent_at`, not a partition) whose relay objects
-/// would have the names of `table`'s: what to tell the operator, or `None`.
-/// Asks the database only when one of `table`'s names is long enough.
+/// Another outbox of `table`'s schema (a table `migrate` made an outbox:
+/// with the relay's columns `relay_seq` and `relay_sent_at` and its
+/// write-once trigger; not a partition, nor a copy made with `LIKE`) whose
+/// relay objects would have the names of `table`'s: what to tell the
+/// operator, or `None`. Asks the database only when one of `table`'s
+/// names is long enough.
 pub async fn shared_problem(
     client: &impl GenericClient,
     table: &TableName,
@@ -114,24 +121,39 @@ pub async fn shared_problem(
                AND (SELECT count(*) FROM pg_attribute a
                     WHERE a.attrelid = c.oid AND NOT a.attisdropped
                       AND a.attname IN ($3, $4)) = 2
+               AND EXISTS (SELECT 1 FROM pg_trigger t WHERE t.tgrelid = c.oid AND t.tgname = $5)
              ORDER BY 1",
-            &[&table.schema, &table.name, &SEQ_COLUMN, &SENT_AT_COLUMN],
+            &[
+                &table.schema,
+                &table.name,
+                &SEQ_COLUMN,
+                &SENT_AT_COLUMN,
+                &WRITE_ONCE_TRIGGER,
+            ],
         )
         .await?;
     for row in rows {
         let other = TableName::new(&table.schema, row.get::<_, &str>(0));
         let both = shared(table, &other);
         if let Some((name, what)) = both.first() {
+            let fix = match kept_start(table) {
+                0 => format!(
+                    "give the schema {} a shorter name: the relay's index names keep none \
+                     of its tables' names after it",
+                    table.schema
+                ),
+                start => format!(
+                    "rename one of the two tables so that their names differ within about \
+                     their first {start} and their last {end} bytes",
+                    end = NAME_BYTES - "_relay_progress".len()
+                ),
+            };
             return Ok(Some(format!(
                 "the outbox tables {table} and {other} would share the relay's {what} \
                  {schema}.{name} ({n} shared in all): PostgreSQL keeps {NAME_BYTES} bytes of a \
-                 name, and the relay names its objects after the outbox's; rename one of \
-                 the two tables so that their names differ within their first {start} and \
-                 their last {end} bytes",
+                 name, and the relay names its objects after the outbox's; {fix}",
                 schema = table.schema,
                 n = both.len(),
-                start = kept_start(table),
-                end = NAME_BYTES - "_relay_progress".len(),
             )));
         }
     }
@@ -156,7 +178,7 @@ mod tests {
         );
         assert!(shared(&a, &b).is_empty());
         assert!(!at_limit(&a));
-        assert!(!at_limit(&long("a", "z", 40)));
+        assert!(!at_limit(&long("a", "z", 36)));
     }
 
     #[test]
@@ -173,6 +195,21 @@ mod tests {
         assert!(indexes.contains(&"index of unsent rows"), "{indexes:?}");
         assert!(indexes.contains(&"emitting function"), "{indexes:?}");
         assert!(!indexes.contains(&"progress table"), "{indexes:?}");
+    }
+
+    #[test]
+    fn names_cut_by_characters_are_asked_about() {
+        // Cut a character at a time, `<name>_relay_owners` comes to 62
+        // bytes, and the same name after another first character meets it.
+        let rest = format!("{}{}{}", "é".repeat(5), "m".repeat(29), "中".repeat(6));
+        let (a, b) = (
+            TableName::new("public", &format!("é{rest}")),
+            TableName::new("public", &format!("è{rest}")),
+        );
+        let shared: Vec<&str> = shared(&a, &b).iter().map(|(_, w)| *w).collect();
+        assert!(shared.contains(&"owners table"), "{shared:?}");
+        assert!(objects(&a).iter().all(|(n, _)| n.len() < NAME_BYTES));
+        assert!(at_limit(&a));
     }
 
     #[test]

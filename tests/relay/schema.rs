@@ -360,11 +360,28 @@ async fn outboxes_whose_cut_names_meet_are_refused() {
         "migrate created nothing for the second outbox"
     );
 
-    // The second table made by hand, as another tool might.
+    // A copy made with LIKE is no outbox: nothing is refused for it.
+    let copy = format!("a_{middle}_copy");
     db.client
         .batch_execute(&format!(
-            "CREATE TABLE \"{second}\" (LIKE \"{first}\" INCLUDING DEFAULTS)"
+            "CREATE TABLE \"{copy}\" (LIKE \"{first}\" INCLUDING ALL)"
         ))
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", &path_a], &[]);
+    assert!(!out.contains("[FAIL] names"), "{out}");
+    assert_eq!(code, 0, "{out}");
+
+    // The second outbox made anyway, as by a version without this check:
+    // migrated while the first had another name.
+    db.client
+        .batch_execute(&format!("ALTER TABLE \"{first}\" RENAME TO a_aside"))
+        .await
+        .unwrap();
+    let (code, out, err) = run_cli(&["migrate", "--config", &path_b], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    db.client
+        .batch_execute(&format!("ALTER TABLE a_aside RENAME TO \"{first}\""))
         .await
         .unwrap();
     let id = Uuid::new_v4();
