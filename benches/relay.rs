@@ -329,6 +329,7 @@ async fn environment(services: &Services, plan: &Plan) -> Result<serde_json::Val
         "aggregates": plan.aggregates,
         "rabbitmq_queue": plan.rabbitmq_queue.name(),
         "smoke": plan.smoke,
+        "ceilings": plan.ceilings,
         "phases": plan.phases.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>(),
         "marks": plan.marks.iter().map(|m| m.map_or("default", |m| m.name())).collect::<Vec<_>>(),
         "backlogs": plan.backlogs.iter().map(|b| b.to_string()).collect::<Vec<_>>(),

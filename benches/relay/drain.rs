@@ -54,14 +54,16 @@ async fn measure(
     insert_backlog(&stage, shape, events, ctx.plan.aggregates).await?;
     r.insert_s = Some(started.elapsed().as_secs_f64());
 
-    case.quiet(&mut r.conditions).await;
-    r.db_read_eps = Some(ceiling::database(&stage.db.url, events).await?);
-    r.db_mark_eps = Some(ceiling::database_mark(&stage.db.url, events).await?);
-    let record = ceiling::database_record(&stage.db.url, events).await?;
-    r.db_record_eps = Some(record.contiguous_eps);
-    r.db_record_scattered_eps = Some(record.scattered_eps);
-    r.db_fold_eps = Some(record.fold_eps);
-    r.broker_eps = Some(broker_ceiling(ctx, broker, shape).await?);
+    if ctx.plan.ceilings {
+        case.quiet(&mut r.conditions).await;
+        r.db_read_eps = Some(ceiling::database(&stage.db.url, events).await?);
+        r.db_mark_eps = Some(ceiling::database_mark(&stage.db.url, events).await?);
+        let record = ceiling::database_record(&stage.db.url, events).await?;
+        r.db_record_eps = Some(record.contiguous_eps);
+        r.db_record_scattered_eps = Some(record.scattered_eps);
+        r.db_fold_eps = Some(record.fold_eps);
+        r.broker_eps = Some(broker_ceiling(ctx, broker, shape).await?);
+    }
 
     // The broker's count of messages: when the first arrived, and with mark =
     // "none", where nothing in the table changes, when all did.
@@ -127,12 +129,14 @@ async fn measure(
     let per_100k = |s: f64| s / events as f64 * 1e5;
     r.cost.cpu_s_per_100k = cpu.map(per_100k);
     r.cost.set_pg(pg_cpu, events);
-    let lower = r
-        .db_read_eps
-        .unwrap_or(f64::MAX)
-        .min(r.broker_eps.unwrap_or(f64::MAX));
-    r.ratio = r.events_per_s.map(|eps| eps / lower);
-    r.flow_ratio = r.flow_eps.map(|eps| eps / lower);
+    if ctx.plan.ceilings {
+        let lower = r
+            .db_read_eps
+            .unwrap_or(f64::MAX)
+            .min(r.broker_eps.unwrap_or(f64::MAX));
+        r.ratio = r.events_per_s.map(|eps| eps / lower);
+        r.flow_ratio = r.flow_eps.map(|eps| eps / lower);
+    }
 
     // The relay may have work left after the last mark (the CDC stream skips
     // what the start-up read covered); its peak memory includes that.

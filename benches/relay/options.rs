@@ -77,6 +77,12 @@ pub struct Options {
     /// to be quiet (under 35% busy for a second); 0 does not wait.
     #[arg(long, default_value_t = 60, value_name = "SECONDS")]
     pub quiet_wait: u64,
+    /// Drains only: skip the database's and the broker's ceilings, and
+    /// their ratios. For comparing marks: a drain then follows its backlog
+    /// within seconds, with no ceiling's own WAL (100k rows marked and
+    /// recorded) between them for the slot to pass or decode.
+    #[arg(long)]
+    pub no_ceilings: bool,
     /// Record `perf` profiles during each measurement into this directory:
     /// the relay with DWARF call graphs, and the whole machine by process.
     #[arg(long, value_name = "DIR")]
@@ -236,6 +242,7 @@ pub struct Plan {
     pub one_million: bool,
     pub smoke: bool,
     pub quiet_wait: Duration,
+    pub ceilings: bool,
     pub perf: Option<PathBuf>,
     pub relay_env: Vec<(String, String)>,
 }
@@ -345,6 +352,7 @@ impl Options {
             one_million: million,
             smoke: self.smoke,
             quiet_wait: Duration::from_secs(if self.smoke { 0 } else { self.quiet_wait }),
+            ceilings: !self.no_ceilings,
             perf: self.perf.clone(),
             relay_env: self.relay_env.clone(),
         }

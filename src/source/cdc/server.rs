@@ -134,6 +134,10 @@ pub trait CdcStream: Send + 'static {
     fn finish(self) -> impl Future<Output = ()> + Send;
 }
 
+/// The longest a statement of the start-up read may take: a page asked
+/// ahead counts its wait for the relay to come back from a slow broker.
+const READ_STATEMENT_TIMEOUT: &str = "10min";
+
 /// PostgreSQL: an ordinary connection for checks, the start-up read and
 /// heartbeats; a replication connection per stream.
 pub struct PgServer {
@@ -332,11 +336,14 @@ impl CdcServer for PgServer {
         .await?;
         self.startup_rows.next_round();
         // The read waits while the broker catches up, so a server-wide
-        // idle-in-transaction timeout must not end it.
+        // idle-in-transaction timeout must not end it; nor the connection's
+        // statement timeout a page asked ahead, whose rows wait unread
+        // meanwhile (`startup_rows`). A stuck server is still noticed.
         self.client
             .batch_execute(&format!(
                 "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; \
-                 SET LOCAL idle_in_transaction_session_timeout = 0; {}",
+                 SET LOCAL idle_in_transaction_session_timeout = 0; \
+                 SET LOCAL statement_timeout = '{READ_STATEMENT_TIMEOUT}'; {}",
                 self.startup_rows.transaction_settings()
             ))
             .await

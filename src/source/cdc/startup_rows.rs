@@ -39,11 +39,15 @@ const XID_INDEX: usize = 1 + ROW_WIDTH;
 /// page's query would wait until the relay had decoded this one and handed
 /// it over: the server idle while the relay works, and the relay's reader
 /// idle while the server reads. So once a page has arrived, the next one is
-/// asked for at once (from its last `relay_seq`, at the same size and half
-/// its byte room), and taken when the read goes on from there with at least
-/// that room; otherwise it is dropped and asked for again. Nothing else may
-/// use the connection while it is out (its rows would stand before the
-/// other statement's answer): [`Self::stop_ahead`] drops it first.
+/// asked for at once, from its last `relay_seq`, at the same size and a
+/// quarter of its byte room, and taken when the read goes on from there
+/// (otherwise dropped; the server finishes it and the connection discards
+/// its rows). The budget's room shrinks meanwhile, so a read may go past it
+/// by that quarter. Asking ahead is best effort: an error comes back when
+/// the page is read again. Nothing else may use the connection while the
+/// page is out (its rows stand before the other statement's answer):
+/// [`Self::stop_ahead`] drops it first. It may wait unread while the broker
+/// is slow: the read's transaction allows for that (`PgServer`).
 pub(super) struct StartupRows {
     how: How,
     ahead: Option<Ahead>,
@@ -60,13 +64,12 @@ enum How {
 struct Ahead {
     after: i64,
     limit: i64,
-    bytes: i64,
     rows: Started,
 }
 
 /// What share of a page's byte room the page asked ahead takes: the room
 /// shrinks while the page before it is published.
-const AHEAD_SHARE: i64 = 2;
+const AHEAD_SHARE: i64 = 4;
 /// The ranges statements, and what a round's pages share.
 pub(super) struct RangesRead {
     first_page: Statement,
@@ -173,11 +176,11 @@ impl StartupRows {
     ) -> Result<Vec<TableRow>, SourceError> {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
         let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
-        // Asked for with no more rows or bytes than this page may have.
+        // Asked for with no more rows than this page may have.
         let ahead = self
             .ahead
             .take()
-            .filter(|a| a.after == after && a.limit <= limit && a.bytes <= bytes);
+            .filter(|a| a.after == after && a.limit <= limit);
         let (rows, first) = match ahead {
             Some(a) => (a.rows, false),
             None => self.start(client, after, limit, bytes).await?,
@@ -187,13 +190,16 @@ impl StartupRows {
             && self.next_known()
         {
             let bytes = (bytes / AHEAD_SHARE).max(1);
-            let (rows, _) = self.start(client, last.seq, limit, bytes).await?;
-            self.ahead = Some(Ahead {
-                after: last.seq,
-                limit,
-                bytes,
-                rows,
-            });
+            match self.start(client, last.seq, limit, bytes).await {
+                Ok((ahead, _)) => {
+                    self.ahead = Some(Ahead {
+                        after: last.seq,
+                        limit,
+                        rows: ahead,
+                    })
+                }
+                Err(e) => tracing::debug!(error = %e, "the next page was not asked for ahead"),
+            }
         }
         Ok(rows)
     }
