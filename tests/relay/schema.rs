@@ -360,30 +360,27 @@ async fn outboxes_whose_cut_names_meet_are_refused() {
         "migrate created nothing for the second outbox"
     );
 
+    let client = &db.client;
+    let sql = |statement: String| async move { client.batch_execute(&statement).await.unwrap() };
+    let check_passes = || {
+        let (code, out, _) = run_cli(&["check", "--config", &path_a], &[]);
+        assert!(!out.contains("[FAIL] names"), "{out}");
+        assert_eq!(code, 0, "{out}");
+    };
     // A copy made with LIKE is no outbox: nothing is refused for it.
     let copy = format!("a_{middle}_copy");
-    db.client
-        .batch_execute(&format!(
-            "CREATE TABLE \"{copy}\" (LIKE \"{first}\" INCLUDING ALL)"
-        ))
-        .await
-        .unwrap();
-    let (code, out, _) = run_cli(&["check", "--config", &path_a], &[]);
-    assert!(!out.contains("[FAIL] names"), "{out}");
-    assert_eq!(code, 0, "{out}");
+    sql(format!(
+        "CREATE TABLE \"{copy}\" (LIKE \"{first}\" INCLUDING ALL)"
+    ))
+    .await;
+    check_passes();
 
     // The second outbox made anyway, as by a version without this check:
     // migrated while the first had another name.
-    db.client
-        .batch_execute(&format!("ALTER TABLE \"{first}\" RENAME TO a_aside"))
-        .await
-        .unwrap();
+    sql(format!("ALTER TABLE \"{first}\" RENAME TO a_aside")).await;
     let (code, out, err) = run_cli(&["migrate", "--config", &path_b], &[]);
     assert_eq!(code, 0, "{out}{err}");
-    db.client
-        .batch_execute(&format!("ALTER TABLE a_aside RENAME TO \"{first}\""))
-        .await
-        .unwrap();
+    sql(format!("ALTER TABLE a_aside RENAME TO \"{first}\"")).await;
     let id = Uuid::new_v4();
     db.client
         .execute(
@@ -414,13 +411,6 @@ async fn outboxes_whose_cut_names_meet_are_refused() {
     );
 
     // Renamed so that the names differ where they are kept: both go on.
-    db.client
-        .batch_execute(&format!(
-            "ALTER TABLE \"{second}\" RENAME TO b_other_events"
-        ))
-        .await
-        .unwrap();
-    let (code, out, _) = run_cli(&["check", "--config", &path_a], &[]);
-    assert!(!out.contains("[FAIL] names"), "{out}");
-    assert_eq!(code, 0, "{out}");
+    sql(format!("ALTER TABLE \"{second}\" RENAME TO b_other_events")).await;
+    check_passes();
 }
