@@ -20,6 +20,7 @@ use crate::replication::protocol::{
 use crate::source::SourceError;
 use crate::telemetry::events::{InternalEvent, SlotCreated, SlotRecreated, SlotStreaming};
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -144,7 +145,8 @@ pub struct PgServer {
     db: DatabaseConfig,
     table: TableName,
     settings: CdcSettings,
-    client: Client,
+    /// Shared with the start-up read's page asked ahead (`startup_rows`).
+    client: Arc<Client>,
     startup_rows: StartupRows,
     /// The start-up read's REPEATABLE READ transaction is open.
     snapshot_open: bool,
@@ -286,7 +288,7 @@ impl PgServer {
                 db: db.clone(),
                 table: table.clone(),
                 settings,
-                client,
+                client: Arc::new(client),
                 startup_rows,
                 snapshot_open: false,
                 told_unsettled: false,
@@ -335,6 +337,10 @@ impl CdcServer for PgServer {
         )
         .await?;
         self.startup_rows.next_round();
+        // Open from here on for the next prepare(), even should this future
+        // be dropped before the BEGIN's answer (a ROLLBACK outside a
+        // transaction only warns).
+        self.snapshot_open = true;
         // The read waits while the broker catches up, so a server-wide
         // idle-in-transaction timeout must not end it; nor the connection's
         // statement timeout a page asked ahead, whose rows wait unread
@@ -348,7 +354,6 @@ impl CdcServer for PgServer {
             ))
             .await
             .map_err(|e| DbError::query("starting the start-up read", e))?;
-        self.snapshot_open = true;
         // The first statement takes the transaction's snapshot, then reads
         // the insert position (not the write position: a commit with
         // synchronous_commit = off is visible before it is written).

@@ -22,6 +22,8 @@ use crate::source::SourceError;
 use crate::source::rows::{
     ROW_WIDTH, Started, byte_capped, each_row_of, read_row, select_list, start_rows,
 };
+use std::sync::Arc;
+use tokio::task::JoinHandle;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, Statement};
 
@@ -43,11 +45,11 @@ const XID_INDEX: usize = 1 + ROW_WIDTH;
 /// quarter of its byte room, and taken when the read goes on from there
 /// (otherwise dropped; the server finishes it and the connection discards
 /// its rows). The budget's room shrinks meanwhile, so a read may go past it
-/// by that quarter. Asking ahead is best effort: an error comes back when
-/// the page is read again. Nothing else may use the connection while the
-/// page is out (its rows stand before the other statement's answer):
-/// [`Self::stop_ahead`] drops it first. It may wait unread while the broker
-/// is slow: the read's transaction allows for that (`PgServer`).
+/// by that quarter. The page's error, if any, is the next read's. Nothing
+/// else may use the connection while the page is out (its rows stand
+/// before the other statement's answer): [`Self::stop_ahead`] drops it
+/// first. It may wait unread while the broker is slow: the read's
+/// transaction allows for that (`PgServer`).
 pub(super) struct StartupRows {
     how: How,
     ahead: Option<Ahead>,
@@ -60,11 +62,39 @@ enum How {
     Ranges(RangesRead),
 }
 
-/// The next page's query, sent.
+/// The next page's query, sent by a task of its own: waiting here for the
+/// server to take it would wait for the page's first rows, and a byte-capped
+/// page has none until the server has read all of it. Aborted when dropped
+/// (a query not sent yet never is; the rows of one sent are discarded).
 struct Ahead {
     after: i64,
     limit: i64,
-    rows: Started,
+    task: JoinHandle<Result<Started, tokio_postgres::Error>>,
+}
+
+impl Drop for Ahead {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A page's statement and its parameters, owned so that a task can send it.
+struct Query {
+    statement: Statement,
+    params: Vec<Box<dyn ToSql + Send + Sync>>,
+    /// A ranges round's first page: its rows start with the round's [`Head`].
+    first: bool,
+}
+
+impl Query {
+    async fn send(&self, client: &Client) -> Result<Started, tokio_postgres::Error> {
+        let params: Vec<&(dyn ToSql + Sync)> = self
+            .params
+            .iter()
+            .map(|p| p.as_ref() as &(dyn ToSql + Sync))
+            .collect();
+        start_rows(client, &self.statement, &params).await
+    }
 }
 
 /// What share of a page's byte room the page asked ahead takes: the room
@@ -169,7 +199,7 @@ impl StartupRows {
     /// whose payloads take no more than `max_bytes` (one row at least).
     pub(super) async fn page(
         &mut self,
-        client: &Client,
+        client: &Arc<Client>,
         after: i64,
         max: usize,
         max_bytes: usize,
@@ -182,24 +212,25 @@ impl StartupRows {
             .take()
             .filter(|a| a.after == after && a.limit <= limit);
         let (rows, first) = match ahead {
-            Some(a) => (a.rows, false),
-            None => self.start(client, after, limit, bytes).await?,
+            // Its error is this page's; a task that did not finish (it
+            // cannot panic) asks again.
+            Some(mut a) => match (&mut a.task).await {
+                Ok(sent) => (sent.map_err(|e| self.read_error(e))?, false),
+                Err(_) => self.send(client, after, limit, bytes).await?,
+            },
+            None => self.send(client, after, limit, bytes).await?,
         };
         let rows = self.collect(rows, first).await?;
         if let Some(last) = rows.last()
             && self.next_known()
         {
-            let bytes = (bytes / AHEAD_SHARE).max(1);
-            match self.start(client, last.seq, limit, bytes).await {
-                Ok((ahead, _)) => {
-                    self.ahead = Some(Ahead {
-                        after: last.seq,
-                        limit,
-                        rows: ahead,
-                    })
-                }
-                Err(e) => tracing::debug!(error = %e, "the next page was not asked for ahead"),
-            }
+            let query = self.query(last.seq, limit, (bytes / AHEAD_SHARE).max(1));
+            let client = Arc::clone(client);
+            self.ahead = Some(Ahead {
+                after: last.seq,
+                limit,
+                task: tokio::spawn(async move { query.send(&client).await }),
+            });
         }
         Ok(rows)
     }
@@ -214,49 +245,68 @@ impl StartupRows {
     }
 
     /// Sends the query of the page after `after`; true when it is a ranges
-    /// round's first page (its rows start with the round's [`Head`]).
-    async fn start(
+    /// round's first page.
+    async fn send(
         &self,
         client: &Client,
         after: i64,
         limit: i64,
         bytes: i64,
     ) -> Result<(Started, bool), SourceError> {
+        let query = self.query(after, limit, bytes);
+        let rows = query.send(client).await.map_err(|e| self.read_error(e))?;
+        Ok((rows, query.first))
+    }
+
+    /// The query of the page after `after`.
+    fn query(&self, after: i64, limit: i64, bytes: i64) -> Query {
         let r = match &self.how {
             How::Marked(statement) => {
-                let params: [&(dyn ToSql + Sync); 3] = [&after, &limit, &bytes];
-                return start_rows(client, statement, &params)
-                    .await
-                    .map(|rows| (rows, false))
-                    .map_err(|e| DbError::query("reading unsent rows at start-up", e).into());
+                return Query {
+                    statement: statement.clone(),
+                    params: vec![Box::new(after), Box::new(limit), Box::new(bytes)],
+                    first: false,
+                };
             }
             How::Ranges(r) => r,
         };
         let (base, base_max) = match &r.base {
-            Some((snapshot, max)) => (Some(snapshot.as_str()), *max),
+            Some((snapshot, max)) => (Some(snapshot.clone()), *max),
             None => (None, None),
         };
-        let started = match &r.head {
-            None => {
-                let params: [&(dyn ToSql + Sync); 4] = [&base, &base_max, &limit, &bytes];
-                start_rows(client, &r.first_page, &params).await
-            }
-            Some(h) => {
-                let params: [&(dyn ToSql + Sync); 7] = [
-                    &after,
-                    &h.cur,
-                    &base,
-                    &h.base_max,
-                    &h.stragglers,
-                    &limit,
-                    &bytes,
-                ];
-                start_rows(client, &r.next_page, &params).await
-            }
-        };
-        started
-            .map(|rows| (rows, r.head.is_none()))
-            .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e).into())
+        match &r.head {
+            None => Query {
+                statement: r.first_page.clone(),
+                params: vec![
+                    Box::new(base),
+                    Box::new(base_max),
+                    Box::new(limit),
+                    Box::new(bytes),
+                ],
+                first: true,
+            },
+            Some(h) => Query {
+                statement: r.next_page.clone(),
+                params: vec![
+                    Box::new(after),
+                    Box::new(h.cur.clone()),
+                    Box::new(base),
+                    Box::new(h.base_max),
+                    Box::new(h.stragglers.clone()),
+                    Box::new(limit),
+                    Box::new(bytes),
+                ],
+                first: false,
+            },
+        }
+    }
+
+    fn read_error(&self, e: tokio_postgres::Error) -> SourceError {
+        match self.how {
+            How::Marked(_) => DbError::query("reading unsent rows at start-up", e),
+            How::Ranges(_) => DbError::query("reading unsent rows at start-up, by ranges", e),
+        }
+        .into()
     }
 
     /// A page's rows; a ranges round's `first` page also resolves its head.
@@ -275,10 +325,7 @@ impl StartupRows {
             table_row(row, offset)
         })
         .await
-        .map_err(|e| match self.how {
-            How::Marked(_) => DbError::query("reading unsent rows at start-up", e),
-            How::Ranges(_) => DbError::query("reading unsent rows at start-up, by ranges", e),
-        })?;
+        .map_err(|e| self.read_error(e))?;
         if let (Some(head), How::Ranges(r)) = (head, &mut self.how) {
             r.head = Some(head);
         }
