@@ -100,11 +100,11 @@ fn at_limit(table: &TableName) -> bool {
 }
 
 /// Another outbox of `table`'s schema (a table `migrate` made an outbox:
-/// with the relay's columns `relay_seq` and `relay_sent_at` and its
-/// write-once trigger; not a partition, nor a copy made with `LIKE`) whose
-/// relay objects would have the names of `table`'s: what to tell the
-/// operator, or `None`. Asks the database only when one of `table`'s
-/// names is long enough.
+/// with the relay's columns `relay_seq` and `relay_sent_at`, and its
+/// write-once trigger or an index of the relay's by the name it gives that
+/// table; not a partition, nor a copy made with `LIKE`) whose relay objects
+/// would have the names of `table`'s: what to tell the operator, or `None`.
+/// Asks the database only when one of `table`'s names is long enough.
 pub async fn shared_problem(
     client: &impl GenericClient,
     table: &TableName,
@@ -114,14 +114,17 @@ pub async fn shared_problem(
     }
     let rows = client
         .query(
-            "SELECT c.relname::text FROM pg_class c
+            "SELECT c.relname::text,
+                    EXISTS (SELECT 1 FROM pg_trigger t WHERE t.tgrelid = c.oid AND t.tgname = $5),
+                    ARRAY(SELECT ic.relname::text FROM pg_index i
+                          JOIN pg_class ic ON ic.oid = i.indexrelid WHERE i.indrelid = c.oid)
+             FROM pg_class c
              JOIN pg_namespace n ON n.oid = c.relnamespace
              WHERE n.nspname = $1 AND c.relname <> $2 AND c.relkind IN ('r', 'p')
                AND NOT c.relispartition
                AND (SELECT count(*) FROM pg_attribute a
                     WHERE a.attrelid = c.oid AND NOT a.attisdropped
                       AND a.attname IN ($3, $4)) = 2
-               AND EXISTS (SELECT 1 FROM pg_trigger t WHERE t.tgrelid = c.oid AND t.tgname = $5)
              ORDER BY 1",
             &[
                 &table.schema,
@@ -132,8 +135,15 @@ pub async fn shared_problem(
             ],
         )
         .await?;
+    let migrated = |name: &TableName, trigger: bool, indexes: &[String]| {
+        let own = [unsent_index(name), seq_index(name)];
+        trigger || indexes.iter().any(|i| own.contains(i))
+    };
     for row in rows {
         let other = TableName::new(&table.schema, row.get::<_, &str>(0));
+        if !migrated(&other, row.get(1), &row.get::<_, Vec<String>>(2)) {
+            continue;
+        }
         let both = shared(table, &other);
         if let Some((name, what)) = both.first() {
             let fix = match kept_start(table) {
