@@ -10,12 +10,17 @@ pub fn print_targets(report: &Report, one_million: bool) {
     for (key, runs) in groups(&report.drains, DrainResult::key) {
         let ratio = median(runs.iter().map(|r| r.ratio));
         let flow = median(runs.iter().map(|r| r.flow_ratio));
-        println!(
-            "{} drain >= 70% of the lower ceiling: {key}: {} (flow: {})",
-            verdict(ratio.is_some_and(|x| x >= 0.70)),
-            num(ratio, 2),
-            num(flow, 2)
-        );
+        match ratio {
+            Some(ratio) => println!(
+                "{} drain >= 70% of the lower ceiling: {key}: {} (flow: {})",
+                verdict(ratio >= 0.70),
+                num(Some(ratio), 2),
+                num(flow, 2)
+            ),
+            None => println!(
+                "not measured: drain >= 70% of the lower ceiling: {key}: no ceiling (--no-ceilings, or it failed)"
+            ),
+        }
         if one_million {
             let rss = median(
                 runs.iter()
