@@ -7,9 +7,7 @@
 //! with the broker client, its encoded size is charged too: the client holds
 //! a copy until the broker answers. The reader reads only while the budget
 //! has room, and no more than the room left (at least one event, so a single
-//! event larger than the budget still goes, alone; the CDC start-up read's
-//! page asked ahead may add about a quarter of the room it was asked with,
-//! counted in payload bytes, one event at least).
+//! event larger than the budget still goes, alone).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

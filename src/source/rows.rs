@@ -9,7 +9,7 @@ use crate::outbox::RawRow;
 use crate::sql::{quote_ident, quote_literal};
 use futures::TryStreamExt;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Row, RowStream, Statement};
+use tokio_postgres::{Client, Row, Statement};
 
 /// Columns of [`select_list`] after `relay_seq`.
 pub const ROW_WIDTH: usize = 9;
@@ -101,33 +101,12 @@ pub async fn each_row<T>(
     client: &Client,
     statement: &Statement,
     params: &[&(dyn ToSql + Sync)],
-    each: impl FnMut(&Row) -> Option<T>,
+    mut each: impl FnMut(&Row) -> Option<T>,
 ) -> Result<Vec<T>, tokio_postgres::Error> {
-    each_row_of(start_rows(client, statement, params).await?, each).await
-}
-
-/// A page query sent: the server runs it and sends its rows while the
-/// caller does something else, as far as the connection's buffers let it
-/// (the client reads a response no faster than it is consumed).
-pub type Started = std::pin::Pin<Box<RowStream>>;
-
-/// Sends a page query; [`each_row_of`] takes its rows.
-pub async fn start_rows(
-    client: &Client,
-    statement: &Statement,
-    params: &[&(dyn ToSql + Sync)],
-) -> Result<Started, tokio_postgres::Error> {
     let rows = client
         .query_raw(statement, params.iter().map(|p| *p as &dyn ToSql))
         .await?;
-    Ok(Box::pin(rows))
-}
-
-/// [`each_row`] for a query already sent.
-pub async fn each_row_of<T>(
-    mut rows: Started,
-    mut each: impl FnMut(&Row) -> Option<T>,
-) -> Result<Vec<T>, tokio_postgres::Error> {
+    let mut rows = std::pin::pin!(rows);
     let mut out = Vec::new();
     while let Some(row) = rows.try_next().await? {
         out.extend(each(&row));

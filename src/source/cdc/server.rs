@@ -20,7 +20,6 @@ use crate::replication::protocol::{
 use crate::source::SourceError;
 use crate::telemetry::events::{InternalEvent, SlotCreated, SlotRecreated, SlotStreaming};
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -135,18 +134,13 @@ pub trait CdcStream: Send + 'static {
     fn finish(self) -> impl Future<Output = ()> + Send;
 }
 
-/// The longest a statement of the start-up read may take: a page asked
-/// ahead counts its wait for the relay to come back from a slow broker.
-const READ_STATEMENT_TIMEOUT: &str = "10min";
-
 /// PostgreSQL: an ordinary connection for checks, the start-up read and
 /// heartbeats; a replication connection per stream.
 pub struct PgServer {
     db: DatabaseConfig,
     table: TableName,
     settings: CdcSettings,
-    /// Shared with the start-up read's page asked ahead (`startup_rows`).
-    client: Arc<Client>,
+    client: Client,
     startup_rows: StartupRows,
     /// The start-up read's REPEATABLE READ transaction is open.
     snapshot_open: bool,
@@ -288,7 +282,7 @@ impl PgServer {
                 db: db.clone(),
                 table: table.clone(),
                 settings,
-                client: Arc::new(client),
+                client,
                 startup_rows,
                 snapshot_open: false,
                 told_unsettled: false,
@@ -310,20 +304,19 @@ impl CdcServer for PgServer {
     type Stream = PgStream;
 
     async fn prepare(&mut self) -> Result<Lsn, SourceError> {
-        self.startup_rows.restart();
         if std::mem::take(&mut self.snapshot_open) {
             self.client
                 .batch_execute("ROLLBACK")
                 .await
                 .map_err(|e| DbError::query("ending the start-up read", e))?;
         }
+        self.startup_rows.restart();
         self.check_server().await?;
         let info = self.usable_slot().await?;
         self.open_slot(info).await
     }
 
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
-        self.startup_rows.stop_ahead();
         if std::mem::take(&mut self.snapshot_open) {
             self.client
                 .batch_execute("COMMIT")
@@ -338,18 +331,15 @@ impl CdcServer for PgServer {
         .await?;
         self.startup_rows.next_round();
         // Open from here on for the next prepare(), even should this future
-        // be dropped before the BEGIN's answer (a ROLLBACK outside a
-        // transaction only warns).
+        // be dropped before the BEGIN's answer (a rewind): a ROLLBACK
+        // outside a transaction only warns.
         self.snapshot_open = true;
         // The read waits while the broker catches up, so a server-wide
-        // idle-in-transaction timeout must not end it; nor the connection's
-        // statement timeout a page asked ahead, whose rows wait unread
-        // meanwhile (`startup_rows`). A stuck server is still noticed.
+        // idle-in-transaction timeout must not end it.
         self.client
             .batch_execute(&format!(
                 "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; \
-                 SET LOCAL idle_in_transaction_session_timeout = 0; \
-                 SET LOCAL statement_timeout = '{READ_STATEMENT_TIMEOUT}'; {}",
+                 SET LOCAL idle_in_transaction_session_timeout = 0; {}",
                 self.startup_rows.transaction_settings()
             ))
             .await
@@ -376,7 +366,6 @@ impl CdcServer for PgServer {
     }
 
     async fn wal_insert_position(&mut self) -> Result<Option<Lsn>, SourceError> {
-        self.startup_rows.stop_ahead();
         let row = self
             .client
             .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
@@ -436,7 +425,6 @@ impl CdcServer for PgServer {
     }
 
     async fn end_table_read(&mut self) -> Result<(), SourceError> {
-        self.startup_rows.stop_ahead();
         self.client
             .batch_execute("COMMIT")
             .await
@@ -478,7 +466,6 @@ impl CdcServer for PgServer {
     }
 
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
-        self.startup_rows.stop_ahead();
         self.client
             .execute(
                 "SELECT pg_logical_emit_message(false, $1::text, 'heartbeat'::text)",
@@ -490,7 +477,6 @@ impl CdcServer for PgServer {
     }
 
     async fn dead_lettered_since(&mut self, from: Lsn) -> Result<Vec<(Lsn, u64)>, SourceError> {
-        self.startup_rows.stop_ahead();
         let Some(table) = &self.settings.dead_letters else {
             return Ok(Vec::new());
         };

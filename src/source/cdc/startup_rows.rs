@@ -19,11 +19,7 @@ use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_
 use crate::db::DbError;
 use crate::outbox::progress::{Ranges, read};
 use crate::source::SourceError;
-use crate::source::rows::{
-    ROW_WIDTH, Started, byte_capped, each_row_of, read_row, select_list, start_rows,
-};
-use std::sync::Arc;
-use tokio::task::JoinHandle;
+use crate::source::rows::{ROW_WIDTH, byte_capped, each_row, read_row, select_list};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, Statement};
 
@@ -34,72 +30,14 @@ const HEAD: usize = 4;
 /// Column of the 32-bit xid within a page's row, after `relay_seq` and the row.
 const XID_INDEX: usize = 1 + ROW_WIDTH;
 
-/// How the start-up read finds unsent rows, and the next page, asked for
-/// ahead.
-///
-/// A page's rows reach the relay as the server reads them, but the next
-/// page's query would wait until the relay had decoded this one and handed
-/// it over: the server idle while the relay works, and the relay's reader
-/// idle while the server reads. So once a page has arrived, the next one is
-/// asked for at once, from its last `relay_seq`, at the same size and a
-/// quarter of its byte room, and taken when the read goes on from there
-/// (otherwise dropped; the server finishes it and the connection discards
-/// its rows). The budget's room shrinks meanwhile, so a read may go past it
-/// by that quarter. The page's error, if any, is the next read's. Nothing
-/// else may use the connection while the page is out (its rows stand
-/// before the other statement's answer): [`Self::stop_ahead`] drops it
-/// first. It may wait unread while the broker is slow: the read's
-/// transaction allows for that (`PgServer`).
-pub(super) struct StartupRows {
-    how: How,
-    ahead: Option<Ahead>,
-}
-
-enum How {
+/// How the start-up read finds unsent rows.
+pub(super) enum StartupRows {
     /// `relay_sent_at IS NULL` (`$1` the cursor, `$2` the page's size,
     /// `$3` its bytes).
     Marked(Statement),
     Ranges(RangesRead),
 }
 
-/// The next page's query, sent by a task of its own: waiting here for the
-/// server to take it would wait for the page's first rows, and a byte-capped
-/// page has none until the server has read all of it. Aborted when dropped
-/// (a query not sent yet never is; the rows of one sent are discarded).
-struct Ahead {
-    after: i64,
-    limit: i64,
-    task: JoinHandle<Result<Started, tokio_postgres::Error>>,
-}
-
-impl Drop for Ahead {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// A page's statement and its parameters, owned so that a task can send it.
-struct Query {
-    statement: Statement,
-    params: Vec<Box<dyn ToSql + Send + Sync>>,
-    /// A ranges round's first page: its rows start with the round's [`Head`].
-    first: bool,
-}
-
-impl Query {
-    async fn send(&self, client: &Client) -> Result<Started, tokio_postgres::Error> {
-        let params: Vec<&(dyn ToSql + Sync)> = self
-            .params
-            .iter()
-            .map(|p| p.as_ref() as &(dyn ToSql + Sync))
-            .collect();
-        start_rows(client, &self.statement, &params).await
-    }
-}
-
-/// What share of a page's byte room the page asked ahead takes: the room
-/// shrinks while the page before it is published.
-const AHEAD_SHARE: i64 = 4;
 /// The ranges statements, and what a round's pages share.
 pub(super) struct RangesRead {
     first_page: Statement,
@@ -148,173 +86,86 @@ impl StartupRows {
                 ),
                 "$3",
             );
-            let how = How::Marked(prepare(sql).await?);
-            return Ok(StartupRows { how, ahead: None });
+            return Ok(StartupRows::Marked(prepare(sql).await?));
         }
         let sql = Ranges::new(table).read_sql_wrapped(&cols, "", &capped);
-        let how = How::Ranges(RangesRead {
+        Ok(StartupRows::Ranges(RangesRead {
             first_page: prepare(sql.first_page).await?,
             next_page: prepare(sql.next_page).await?,
             base: None,
             head: None,
-        });
-        Ok(StartupRows { how, ahead: None })
+        }))
     }
 
     /// What the start-up read's transaction sets after its BEGIN: with
     /// ranges, the reading session's planner settings
     /// ([`read::READER_SESSION`]), for this transaction only.
     pub(super) fn transaction_settings(&self) -> String {
-        match self.how {
-            How::Marked(_) => String::new(),
-            How::Ranges(_) => read::READER_SESSION.replace("SET ", "SET LOCAL "),
+        match self {
+            StartupRows::Marked(_) => String::new(),
+            StartupRows::Ranges(_) => read::READER_SESSION.replace("SET ", "SET LOCAL "),
         }
     }
 
     /// A new start: its first round reads from the frontier.
     pub(super) fn restart(&mut self) {
-        self.stop_ahead();
-        if let How::Ranges(r) = &mut self.how {
+        if let StartupRows::Ranges(r) = self {
             (r.base, r.head) = (None, None);
         }
     }
 
     /// A new round: the one that ended is its base.
     pub(super) fn next_round(&mut self) {
-        self.stop_ahead();
-        if let How::Ranges(r) = &mut self.how
+        if let StartupRows::Ranges(r) = self
             && let Some(head) = r.head.take()
         {
             r.base = Some((head.cur, head.cur_max));
         }
     }
 
-    /// Drops the page asked ahead, before the connection serves anything
-    /// else (a statement, the end of the read).
-    pub(super) fn stop_ahead(&mut self) {
-        self.ahead = None;
-    }
-
     /// Up to `max` unsent rows of the round's snapshot after `after`,
     /// whose payloads take no more than `max_bytes` (one row at least).
     pub(super) async fn page(
         &mut self,
-        client: &Arc<Client>,
+        client: &Client,
         after: i64,
         max: usize,
         max_bytes: usize,
     ) -> Result<Vec<TableRow>, SourceError> {
         let limit = i64::try_from(max).unwrap_or(i64::MAX);
         let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
-        // Asked for with no more rows than this page may have.
-        let ahead = self
-            .ahead
-            .take()
-            .filter(|a| a.after == after && a.limit <= limit);
-        let (rows, first) = match ahead {
-            // Its error is this page's; a task that did not finish (it
-            // cannot panic) asks again.
-            Some(mut a) => match (&mut a.task).await {
-                Ok(sent) => (sent.map_err(|e| self.read_error(e))?, false),
-                Err(_) => self.send(client, after, limit, bytes).await?,
-            },
-            None => self.send(client, after, limit, bytes).await?,
-        };
-        let rows = self.collect(rows, first).await?;
-        if let Some(last) = rows.last()
-            && self.next_known()
-        {
-            let query = self.query(last.seq, limit, (bytes / AHEAD_SHARE).max(1));
-            let client = Arc::clone(client);
-            self.ahead = Some(Ahead {
-                after: last.seq,
-                limit,
-                task: tokio::spawn(async move { query.send(&client).await }),
-            });
-        }
-        Ok(rows)
-    }
-
-    /// Whether the page after this one can be asked for already: with
-    /// ranges, once the round's first page resolved its snapshot.
-    fn next_known(&self) -> bool {
-        match &self.how {
-            How::Marked(_) => true,
-            How::Ranges(r) => r.head.is_some(),
-        }
-    }
-
-    /// Sends the query of the page after `after`; true when it is a ranges
-    /// round's first page.
-    async fn send(
-        &self,
-        client: &Client,
-        after: i64,
-        limit: i64,
-        bytes: i64,
-    ) -> Result<(Started, bool), SourceError> {
-        let query = self.query(after, limit, bytes);
-        let rows = query.send(client).await.map_err(|e| self.read_error(e))?;
-        Ok((rows, query.first))
-    }
-
-    /// The query of the page after `after`.
-    fn query(&self, after: i64, limit: i64, bytes: i64) -> Query {
-        let r = match &self.how {
-            How::Marked(statement) => {
-                return Query {
-                    statement: statement.clone(),
-                    params: vec![Box::new(after), Box::new(limit), Box::new(bytes)],
-                    first: false,
-                };
+        let r = match self {
+            StartupRows::Marked(statement) => {
+                let params: [&(dyn ToSql + Sync); 3] = [&after, &limit, &bytes];
+                return each_row(client, statement, &params, |row| table_row(row, 0))
+                    .await
+                    .map_err(|e| DbError::query("reading unsent rows at start-up", e).into());
             }
-            How::Ranges(r) => r,
+            StartupRows::Ranges(r) => r,
         };
         let (base, base_max) = match &r.base {
             Some((snapshot, max)) => (Some(snapshot.clone()), *max),
             None => (None, None),
         };
-        match &r.head {
-            None => Query {
-                statement: r.first_page.clone(),
-                params: vec![
-                    Box::new(base),
-                    Box::new(base_max),
-                    Box::new(limit),
-                    Box::new(bytes),
+        let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) = match &r.head {
+            None => (&r.first_page, HEAD, vec![&base, &base_max, &limit, &bytes]),
+            Some(h) => (
+                &r.next_page,
+                0,
+                vec![
+                    &after,
+                    &h.cur,
+                    &base,
+                    &h.base_max,
+                    &h.stragglers,
+                    &limit,
+                    &bytes,
                 ],
-                first: true,
-            },
-            Some(h) => Query {
-                statement: r.next_page.clone(),
-                params: vec![
-                    Box::new(after),
-                    Box::new(h.cur.clone()),
-                    Box::new(base),
-                    Box::new(h.base_max),
-                    Box::new(h.stragglers.clone()),
-                    Box::new(limit),
-                    Box::new(bytes),
-                ],
-                first: false,
-            },
-        }
-    }
-
-    fn read_error(&self, e: tokio_postgres::Error) -> SourceError {
-        match self.how {
-            How::Marked(_) => DbError::query("reading unsent rows at start-up", e),
-            How::Ranges(_) => DbError::query("reading unsent rows at start-up, by ranges", e),
-        }
-        .into()
-    }
-
-    /// A page's rows; a ranges round's `first` page also resolves its head.
-    async fn collect(&mut self, rows: Started, first: bool) -> Result<Vec<TableRow>, SourceError> {
-        let offset = if first { HEAD } else { 0 };
+            ),
+        };
         let mut head = None;
-        let rows = each_row_of(rows, |row| {
-            if first && head.is_none() {
+        let rows = each_row(client, statement, &params, |row| {
+            if offset == HEAD && head.is_none() {
                 head = Some(Head {
                     cur: row.get(0),
                     cur_max: row.get(1),
@@ -325,9 +176,9 @@ impl StartupRows {
             table_row(row, offset)
         })
         .await
-        .map_err(|e| self.read_error(e))?;
-        if let (Some(head), How::Ranges(r)) = (head, &mut self.how) {
-            r.head = Some(head);
+        .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e))?;
+        if head.is_some() {
+            r.head = head;
         }
         Ok(rows)
     }
