@@ -32,7 +32,7 @@ pub use sink::{
 };
 pub use source::{
     AutoConfig, CdcConfig, HEARTBEAT_MESSAGE_PREFIX, LostSlot, PollingConfig, SourceConfig,
-    SourceMode,
+    SourceMode, default_replication_name,
 };
 use std::path::PathBuf;
 use std::time::Duration;

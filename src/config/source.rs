@@ -196,7 +196,7 @@ impl CdcConfig {
 
 /// `outbox_relay_<table>`, lowercased, with anything but `a-z0-9_` as `_`
 /// (slot names allow nothing else).
-fn default_replication_name(table: &TableName) -> String {
+pub fn default_replication_name(table: &TableName) -> String {
     table
         .derived("outbox_relay")
         .chars()

@@ -12,7 +12,7 @@
 //! an index (built for one table only). [`shared_problem`] finds such an
 //! outbox, and `migrate` and the relay refuse to go on beside it.
 
-use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName};
+use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName, default_replication_name};
 use crate::outbox::WRITE_ONCE_TRIGGER;
 use crate::outbox::progress::Ranges;
 use tokio_postgres::GenericClient;
@@ -168,6 +168,37 @@ pub async fn shared_problem(
         }
     }
     Ok(None)
+}
+
+/// The publication `publication` already publishes another table whose
+/// relay names its publication and slot so by default
+/// (`outbox_relay_[<schema>_]<table>`, lowercased, other characters as
+/// `_`: `shop.orders` and `public.shop_orders` both get
+/// `outbox_relay_shop_orders`). Both relays would then stream from one
+/// slot, each moving it past the other's events. What to tell the
+/// operator, or `None`.
+pub async fn publication_problem(
+    client: &impl GenericClient,
+    table: &TableName,
+    publication: &str,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT schemaname::text, tablename::text FROM pg_publication_tables WHERE pubname = $1",
+            &[&publication],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|row| TableName::new(row.get(0), row.get(1)))
+        .find(|other| other != table && default_replication_name(other) == publication)
+        .map(|other| {
+            format!(
+                "publication {publication} publishes {other}, whose relay uses it and the slot of \
+                 the same name by default: a relay of {table} beside it would share both. Set \
+                 source.cdc.publication and source.cdc.slot to names of {table}'s own"
+            )
+        }))
 }
 
 #[cfg(test)]

@@ -423,3 +423,52 @@ async fn outboxes_whose_cut_names_meet_are_refused() {
     sql(format!("ALTER TABLE \"{second}\" RENAME TO b_other_events")).await;
     check_passes();
 }
+
+/// `shop.orders` and `public.shop_orders` get the same default publication
+/// and slot names: `migrate` refuses to publish the second through the
+/// first's publication (the two relays would move one slot past each
+/// other's events), and `check` fails, until it has names of its own.
+#[tokio::test]
+async fn outboxes_whose_default_replication_names_meet_are_refused() {
+    let db = TestDb::new().await;
+    db.client.batch_execute("CREATE SCHEMA shop").await.unwrap();
+    let cdc = |table: &str| {
+        let toml = set(
+            &base_toml(&db.url, &rabbit_sink()),
+            "outbox.table",
+            &format!("\"{table}\""),
+        );
+        with_mode(&toml, Mode::Cdc)
+    };
+    let (code, out, err) = run_cli(
+        &["migrate", "--config", &config_file(&cdc("shop.orders"))],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let second = cdc("public.shop_orders");
+    let path = config_file(&second);
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(
+        err.contains("publication outbox_relay_shop_orders publishes shop.orders")
+            && err.contains("Set source.cdc.publication and source.cdc.slot"),
+        "{err}"
+    );
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("[FAIL] names") && out.contains("publishes shop.orders"),
+        "{out}"
+    );
+    // Its own publication (the tests give every CDC relay its own slot).
+    let own = config_file(&set(
+        &second,
+        "source.cdc.publication",
+        "\"shop_orders_own\"",
+    ));
+    let (code, out, err) = run_cli(&["migrate", "--config", &own], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, _) = run_cli(&["check", "--config", &own], &[]);
+    assert!(!out.contains("] names"), "{out}");
+    assert_eq!(code, 0, "{out}");
+}

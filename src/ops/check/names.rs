@@ -44,14 +44,25 @@ pub(super) async fn check_owners_table(
     }
 }
 
-/// Another outbox of the schema whose relay objects would take these names
-/// (see `outbox::names`): the relay refuses to start beside it.
+/// Another outbox of the schema whose relay objects would take these names,
+/// or whose relay uses this one's publication and slot by default (see
+/// `outbox::names`): the relay or `migrate` refuses to go on beside it.
 pub(super) async fn check_shared_names(
     config: &Config,
     client: &tokio_postgres::Client,
     r: &mut Report,
 ) {
-    match crate::outbox::names::shared_problem(client, &config.outbox.table).await {
+    let table = &config.outbox.table;
+    match crate::outbox::names::shared_problem(client, table).await {
+        Ok(None) => {}
+        Ok(Some(problem)) => r.add(Mark::Fail, "names", problem),
+        Err(e) => r.add(Mark::Warn, "names", db::error_text(&e)),
+    }
+    if !config.source.mode.may_use_cdc() {
+        return;
+    }
+    let publication = config.source.cdc.publication_name(table);
+    match crate::outbox::names::publication_problem(client, table, &publication).await {
         Ok(None) => {}
         Ok(Some(problem)) => r.add(Mark::Fail, "names", problem),
         Err(e) => r.add(Mark::Warn, "names", db::error_text(&e)),

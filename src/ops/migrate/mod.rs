@@ -490,6 +490,11 @@ async fn cdc_steps(
         }
         steps.extend(emit::step(client, table, prefix).await?);
     }
+    if let Some(problem) =
+        crate::outbox::names::publication_problem(client, table, &cdc.publication).await?
+    {
+        return Err(MigrateError::Prerequisite(problem));
+    }
     steps.extend(publication_step(client, table, cdc, partitioned).await?);
     if cdc.slot_now && setup::slot_info(client, &cdc.slot).await?.is_none() {
         if !setup::can_replicate(client).await? {
