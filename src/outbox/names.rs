@@ -170,33 +170,38 @@ pub async fn shared_problem(
     Ok(None)
 }
 
-/// The publication `publication` already publishes another table whose
-/// relay names its publication and slot so by default
-/// (`outbox_relay_[<schema>_]<table>`, lowercased, other characters as
-/// `_`: `shop.orders` and `public.shop_orders` both get
-/// `outbox_relay_shop_orders`). Both relays would then stream from one
-/// slot, each moving it past the other's events. What to tell the
-/// operator, or `None`.
-pub async fn publication_problem(
+/// The slot `slot` is another outbox's by default: the relay names its
+/// publication and slot `outbox_relay_[<schema>_]<table>` (lowercased,
+/// other characters as `_`, so `shop.orders` and `public.shop_orders` both
+/// get `outbox_relay_shop_orders`), and the publication of that name
+/// publishes another table with that default name, whose relay therefore
+/// streams from this slot too. Two relays on one slot each move it past the
+/// other's events. (A publication shared by two relays with slots of their
+/// own is harmless: each stream keeps its own table's rows.) What to tell
+/// the operator, or `None`.
+pub async fn slot_problem(
     client: &impl GenericClient,
     table: &TableName,
-    publication: &str,
+    slot: &str,
 ) -> Result<Option<String>, tokio_postgres::Error> {
     let rows = client
         .query(
             "SELECT schemaname::text, tablename::text FROM pg_publication_tables WHERE pubname = $1",
-            &[&publication],
+            &[&slot],
         )
         .await?;
     Ok(rows
         .iter()
         .map(|row| TableName::new(row.get(0), row.get(1)))
-        .find(|other| other != table && default_replication_name(other) == publication)
+        .find(|other| other != table && default_replication_name(other) == slot)
         .map(|other| {
             format!(
-                "publication {publication} publishes {other}, whose relay uses it and the slot of \
-                 the same name by default: a relay of {table} beside it would share both. Set \
-                 source.cdc.publication and source.cdc.slot to names of {table}'s own"
+                "the replication slot {slot} is the one the relay of {other} uses by default \
+                 (its publication of that name publishes it): a relay of {table} on it would \
+                 move it past that relay's events. Give one of the two relays a slot and \
+                 publication of its own (source.cdc.slot, source.cdc.publication), preferably \
+                 the one set up second: a new slot starts from now, and its start-up read \
+                 publishes what is unsent"
             )
         }))
 }

@@ -45,8 +45,8 @@ pub(super) async fn check_owners_table(
 }
 
 /// Another outbox of the schema whose relay objects would take these names,
-/// or whose relay uses this one's publication and slot by default (see
-/// `outbox::names`): the relay or `migrate` refuses to go on beside it.
+/// or whose relay uses this one's slot by default (see `outbox::names`):
+/// the relay or `migrate` refuses to go on beside it.
 pub(super) async fn check_shared_names(
     config: &Config,
     client: &tokio_postgres::Client,
@@ -61,8 +61,8 @@ pub(super) async fn check_shared_names(
     if !config.source.mode.may_use_cdc() {
         return;
     }
-    let publication = config.source.cdc.publication_name(table);
-    match crate::outbox::names::publication_problem(client, table, &publication).await {
+    let slot = config.source.cdc.slot_name(table);
+    match crate::outbox::names::slot_problem(client, table, &slot).await {
         Ok(None) => {}
         Ok(Some(problem)) => r.add(Mark::Fail, "names", problem),
         Err(e) => r.add(Mark::Warn, "names", db::error_text(&e)),

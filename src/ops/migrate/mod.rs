@@ -490,9 +490,7 @@ async fn cdc_steps(
         }
         steps.extend(emit::step(client, table, prefix).await?);
     }
-    if let Some(problem) =
-        crate::outbox::names::publication_problem(client, table, &cdc.publication).await?
-    {
+    if let Some(problem) = crate::outbox::names::slot_problem(client, table, &cdc.slot).await? {
         return Err(MigrateError::Prerequisite(problem));
     }
     steps.extend(publication_step(client, table, cdc, partitioned).await?);
