@@ -11,6 +11,8 @@
 //! emitting function (one outbox's events written with the other's prefix),
 //! an index (built for one table only). [`shared_problem`] finds such an
 //! outbox, and `migrate` and the relay refuse to go on beside it.
+//! [`slot_problem`] finds another outbox whose relay uses this one's slot
+//! by default, which `migrate` refuses.
 
 use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName, default_replication_name};
 use crate::outbox::WRITE_ONCE_TRIGGER;

@@ -44,27 +44,25 @@ pub(super) async fn check_owners_table(
     }
 }
 
-/// Another outbox of the schema whose relay objects would take these names,
-/// or whose relay uses this one's slot by default (see `outbox::names`):
-/// the relay or `migrate` refuses to go on beside it.
+/// Another outbox of the schema whose relay objects would take these names
+/// (`migrate` and the relay refuse it), or whose relay uses this one's slot
+/// by default (`migrate` refuses it); see `outbox::names`.
 pub(super) async fn check_shared_names(
     config: &Config,
     client: &tokio_postgres::Client,
     r: &mut Report,
 ) {
     let table = &config.outbox.table;
-    match crate::outbox::names::shared_problem(client, table).await {
-        Ok(None) => {}
-        Ok(Some(problem)) => r.add(Mark::Fail, "names", problem),
-        Err(e) => r.add(Mark::Warn, "names", db::error_text(&e)),
+    let mut problems = vec![crate::outbox::names::shared_problem(client, table).await];
+    if config.source.mode.may_use_cdc() {
+        let slot = config.source.cdc.slot_name(table);
+        problems.push(crate::outbox::names::slot_problem(client, table, &slot).await);
     }
-    if !config.source.mode.may_use_cdc() {
-        return;
-    }
-    let slot = config.source.cdc.slot_name(table);
-    match crate::outbox::names::slot_problem(client, table, &slot).await {
-        Ok(None) => {}
-        Ok(Some(problem)) => r.add(Mark::Fail, "names", problem),
-        Err(e) => r.add(Mark::Warn, "names", db::error_text(&e)),
+    for problem in problems {
+        match problem {
+            Ok(None) => {}
+            Ok(Some(problem)) => r.add(Mark::Fail, "names", problem),
+            Err(e) => r.add(Mark::Warn, "names", db::error_text(&e)),
+        }
     }
 }
