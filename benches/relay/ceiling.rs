@@ -48,7 +48,7 @@ fn limit_for(count: u64) -> Duration {
 pub async fn kafka(
     services: &Services,
     topic: &str,
-    messages: &[Message],
+    messages: &[Message<'_>],
     count: u64,
 ) -> Result<f64> {
     let producer: FutureProducer = ClientConfig::new()
@@ -120,7 +120,7 @@ fn kafka_confirmed(done: Option<Delivery>) -> Result<()> {
 pub async fn rabbitmq(
     services: &Services,
     exchange: &str,
-    messages: &[Message],
+    messages: &[Message<'_>],
     count: u64,
 ) -> Result<f64> {
     let conn = rabbit_connect(services).await?;
@@ -161,19 +161,19 @@ pub async fn rabbitmq(
 }
 
 /// The properties the relay sets on every message.
-fn amqp_properties(m: &Message) -> BasicProperties {
+fn amqp_properties(m: &Message<'_>) -> BasicProperties {
     let mut headers = FieldTable::default();
     for (k, v) in &m.headers {
         headers.insert(
-            k.as_str().into(),
+            k.as_ref().into(),
             AMQPValue::LongString(LongString::from(v.as_bytes().to_vec())),
         );
     }
     BasicProperties::default()
         .with_delivery_mode(2)
-        .with_message_id(m.id.as_str().into())
+        .with_message_id(m.id.as_ref().into())
         .with_content_type(m.content_type.into())
-        .with_type(m.event_type.as_str().into())
+        .with_type(m.event_type.as_ref().into())
         .with_timestamp(m.timestamp_secs)
         .with_app_id("outbox-relay".into())
         .with_headers(headers)

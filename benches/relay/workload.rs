@@ -122,7 +122,7 @@ pub const INSERT_SQL: &str = "INSERT INTO outbox (id, aggregate_type, aggregate_
 
 /// Messages exactly as the relay builds them for this shape, one per
 /// aggregate, for publishing straight to a broker (the ceiling).
-pub fn relay_messages(shape: Shape, aggregates: u32) -> Vec<Message> {
+pub fn relay_messages(shape: Shape, aggregates: u32) -> Vec<Message<'static>> {
     // Structured mode (the default) is the same for every binding.
     let envelope = Envelope::new(&EnvelopeConfig::default(), Binding::Kafka);
     let tag = new_tag();
@@ -142,7 +142,7 @@ pub fn relay_messages(shape: Shape, aggregates: u32) -> Vec<Message> {
             let event = row
                 .decode(chrono::Utc::now())
                 .expect("the benchmark's row decodes");
-            envelope.build(&event)
+            envelope.build(&event).into_owned()
         })
         .collect()
 }

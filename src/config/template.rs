@@ -94,13 +94,18 @@ impl Template {
     /// Renders the template; `value` supplies each placeholder's text.
     pub fn render<'a>(&self, value: impl Fn(Field) -> &'a str) -> String {
         let mut out = String::with_capacity(self.source.len() + 16);
+        self.render_into(&mut out, value);
+        out
+    }
+
+    /// As [`Self::render`], appending to `out`.
+    pub fn render_into<'a>(&self, out: &mut String, value: impl Fn(Field) -> &'a str) {
         for part in &self.parts {
             match part {
                 Part::Literal(s) => out.push_str(s),
                 Part::Field(f) => out.push_str(value(*f)),
             }
         }
-        out
     }
 
     /// The text the template was parsed from.

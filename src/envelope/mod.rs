@@ -23,6 +23,7 @@ use chrono::SecondsFormat;
 use serde::Serialize;
 use serde::ser::SerializeMap;
 use serde_json::value::RawValue;
+use std::borrow::Cow;
 
 /// Header names the relay sets in structured mode; a row header of the same
 /// name is not copied, so consumers can trust these.
@@ -42,23 +43,30 @@ pub const JSON_CONTENT_TYPE: &str = "application/json";
 
 /// A message ready for any broker. The destination is chosen by the sink,
 /// from its templates or the row's routing columns.
+///
+/// It borrows what it can from the event it was built from (the strings a
+/// sink copies into the broker client's own buffers anyway), so building
+/// one costs few allocations; [`Message::into_owned`] detaches it.
 #[derive(Debug, Clone)]
-pub struct Message {
+pub struct Message<'a> {
     /// The event id: Kafka header `event_id`, AMQP `message_id`.
-    pub id: String,
+    pub id: Cow<'a, str>,
     /// The aggregate id: the Kafka key, unless the row's key column
     /// replaces it (see [`routing`]).
-    pub key: String,
+    pub key: Cow<'a, str>,
     pub body: Vec<u8>,
     /// Message headers, relay-set ones first, then the row's.
-    pub headers: Vec<(String, String)>,
+    pub headers: Vec<(Cow<'a, str>, Cow<'a, str>)>,
     pub content_type: &'static str,
-    pub event_type: String,
+    pub event_type: Cow<'a, str>,
     /// Seconds since the epoch of `created_at` (AMQP `timestamp`).
     pub timestamp_secs: u64,
 }
 
-impl Message {
+/// A header or attribute name and value, borrowed where it can be.
+type Header<'a> = (Cow<'a, str>, Cow<'a, str>);
+
+impl Message<'_> {
     /// Bytes the message occupies on the wire, near enough for size limits.
     pub fn size(&self) -> usize {
         self.key.len()
@@ -68,6 +76,24 @@ impl Message {
                 .iter()
                 .map(|(k, v)| k.len() + v.len() + 8)
                 .sum::<usize>()
+    }
+
+    /// The same message, owning all it holds.
+    pub fn into_owned(self) -> Message<'static> {
+        let own = |c: Cow<'_, str>| Cow::Owned(c.into_owned());
+        Message {
+            id: own(self.id),
+            key: own(self.key),
+            body: self.body,
+            headers: self
+                .headers
+                .into_iter()
+                .map(|(k, v)| (own(k), own(v)))
+                .collect(),
+            content_type: self.content_type,
+            event_type: own(self.event_type),
+            timestamp_secs: self.timestamp_secs,
+        }
     }
 }
 
@@ -92,14 +118,15 @@ struct StructuredEvent<'a> {
     data: &'a RawValue,
 }
 
-/// `(name, value)` pairs borrowed from the configuration and the event.
-type Pairs<'a> = Vec<(&'a str, &'a str)>;
+/// `(name, value)` pairs, names borrowed from the configuration and values
+/// from the event.
+type Pairs<'s, 'e> = Vec<(&'s str, &'e str)>;
 
 /// Extension attributes from extra columns, as members of the document.
-struct Extensions<'a>(Pairs<'a>);
+struct Extensions<'a>(Pairs<'a, 'a>);
 
 /// A message's body, content type and headers, before extra and row headers.
-type Parts = (Vec<u8>, &'static str, Vec<(String, String)>);
+type Parts<'a> = (Vec<u8>, &'static str, Vec<Header<'a>>);
 
 impl Serialize for Extensions<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -136,6 +163,34 @@ impl Binding {
             Binding::Amqp => "cloudEvents:",
         }
     }
+
+    /// Binary mode's attribute headers, in the order [`Envelope::binary`]
+    /// sets them: each prefixed, spelled out so that no message allocates
+    /// them.
+    fn attribute_headers(self) -> &'static [&'static str; 8] {
+        match self {
+            Binding::Kafka => &[
+                "ce_specversion",
+                "ce_id",
+                "ce_source",
+                "ce_type",
+                "ce_subject",
+                "ce_time",
+                "ce_aggregatetype",
+                "ce_eventversion",
+            ],
+            Binding::Amqp => &[
+                "cloudEvents:specversion",
+                "cloudEvents:id",
+                "cloudEvents:source",
+                "cloudEvents:type",
+                "cloudEvents:subject",
+                "cloudEvents:time",
+                "cloudEvents:aggregatetype",
+                "cloudEvents:eventversion",
+            ],
+        }
+    }
 }
 
 /// Builds messages according to `[envelope]`.
@@ -165,7 +220,7 @@ impl Envelope {
 
     /// `(attribute, value)` and `(header, value)` of the event's extra
     /// columns that are not NULL.
-    fn extras<'a>(&'a self, event: &'a OutboxEvent) -> (Pairs<'a>, Pairs<'a>) {
+    fn extras<'s, 'e>(&'s self, event: &'e OutboxEvent) -> (Pairs<'s, 'e>, Pairs<'s, 'e>) {
         let (mut attributes, mut headers) = (Vec::new(), Vec::new());
         for x in &self.extra {
             let Some((_, value)) = event.extra.iter().find(|(c, _)| *c == x.column) else {
@@ -181,13 +236,17 @@ impl Envelope {
         (attributes, headers)
     }
 
-    pub fn build(&self, event: &OutboxEvent) -> Message {
+    pub fn build<'a>(&self, event: &'a OutboxEvent) -> Message<'a> {
         self.build_traced(event, None)
     }
 
     /// As [`Self::build`]; a `traceparent` given replaces the row's (the
     /// relay's span, when it exports spans).
-    pub fn build_traced(&self, event: &OutboxEvent, traceparent: Option<&str>) -> Message {
+    pub fn build_traced<'a>(
+        &self,
+        event: &'a OutboxEvent,
+        traceparent: Option<&'a str>,
+    ) -> Message<'a> {
         let time = event
             .created_at
             .to_rfc3339_opts(SecondsFormat::AutoSi, true);
@@ -200,7 +259,7 @@ impl Envelope {
         headers.extend(
             extra_headers
                 .iter()
-                .map(|(h, v)| ((*h).to_owned(), (*v).to_owned())),
+                .map(|(h, v)| (Cow::Owned((*h).to_owned()), Cow::Borrowed(*v))),
         );
         // A configured extra header is the column's, even when it is NULL:
         // a row header cannot stand in for it.
@@ -215,35 +274,35 @@ impl Envelope {
                     .any(|h| h.eq_ignore_ascii_case(k))
         };
         let replaced = |k: &str| traceparent.is_some() && k.eq_ignore_ascii_case(TRACEPARENT);
-        let row_headers: Vec<(String, String)> = event
+        let row_headers: Vec<Header<'a>> = event
             .headers
             .iter()
             .filter(|(k, _)| !taken(k) && !replaced(k))
-            .cloned()
+            .map(|(k, v)| (Cow::Borrowed(k.as_str()), Cow::Borrowed(v.as_str())))
             .collect();
         headers.extend(row_headers);
         if let Some(t) = traceparent {
-            headers.push((TRACEPARENT.to_owned(), t.to_owned()));
+            headers.push((Cow::Borrowed(TRACEPARENT), Cow::Borrowed(t)));
         }
         Message {
-            id: event.id.clone(),
-            key: event.aggregate_id.clone(),
+            id: Cow::Borrowed(&event.id),
+            key: Cow::Borrowed(&event.aggregate_id),
             body,
             headers,
             content_type,
-            event_type: event.event_type.clone(),
+            event_type: Cow::Borrowed(&event.event_type),
             timestamp_secs: u64::try_from(event.created_at.timestamp()).unwrap_or(0),
         }
     }
 
     /// A structured-mode body (the whole CloudEvent as JSON) and its headers.
-    fn structured(
+    fn structured<'a>(
         &self,
-        event: &OutboxEvent,
+        event: &'a OutboxEvent,
         time: String,
-        attributes: Pairs<'_>,
+        attributes: Pairs<'_, '_>,
         traceparent: Option<&str>,
-    ) -> Parts {
+    ) -> Parts<'a> {
         let row_header = |name: &str| {
             event
                 .headers
@@ -284,38 +343,50 @@ impl Envelope {
         if serde_json::to_writer(&mut body, &ce).is_err() {
             body.clear();
         }
-        let headers: Vec<(String, String)> = vec![
+        let mut headers: Vec<Header<'a>> = Vec::with_capacity(8 + event.headers.len());
+        headers.extend([
             (header::CONTENT_TYPE.into(), STRUCTURED_CONTENT_TYPE.into()),
-            (header::EVENT_ID.into(), event.id.clone()),
-            (header::EVENT_TYPE.into(), event.event_type.clone()),
+            (header::EVENT_ID.into(), event.id.as_str().into()),
+            (header::EVENT_TYPE.into(), event.event_type.as_str().into()),
             (
                 header::EVENT_VERSION.into(),
-                event.event_version.to_string(),
+                event.event_version.to_string().into(),
             ),
-            (header::AGGREGATE_TYPE.into(), event.aggregate_type.clone()),
-        ];
+            (
+                header::AGGREGATE_TYPE.into(),
+                event.aggregate_type.as_str().into(),
+            ),
+        ]);
         (body, STRUCTURED_CONTENT_TYPE, headers)
     }
 
     /// A binary-mode body (the payload) and the attributes as headers.
-    fn binary(&self, event: &OutboxEvent, time: String, attributes: &Pairs<'_>) -> Parts {
-        let p = self.binding.prefix();
-        let attribute = |name: &str, value: String| (format!("{p}{name}"), value);
-        let mut headers: Vec<(String, String)> = vec![
-            (header::CONTENT_TYPE.into(), JSON_CONTENT_TYPE.into()),
-            attribute("specversion", "1.0".into()),
-            attribute("id", event.id.clone()),
-            attribute("source", self.source.clone()),
-            attribute("type", event.event_type.clone()),
-            attribute("subject", event.aggregate_id.clone()),
-            attribute("time", time),
-            attribute("aggregatetype", event.aggregate_type.clone()),
-            attribute("eventversion", event.event_version.to_string()),
+    fn binary<'a>(
+        &self,
+        event: &'a OutboxEvent,
+        time: String,
+        attributes: &Pairs<'_, '_>,
+    ) -> Parts<'a> {
+        let values: [Cow<'a, str>; 8] = [
+            "1.0".into(),
+            event.id.as_str().into(),
+            self.source.clone().into(),
+            event.event_type.as_str().into(),
+            event.aggregate_id.as_str().into(),
+            time.into(),
+            event.aggregate_type.as_str().into(),
+            event.event_version.to_string().into(),
         ];
+        let mut headers: Vec<Header<'a>> =
+            Vec::with_capacity(10 + attributes.len() + event.headers.len());
+        headers.push((header::CONTENT_TYPE.into(), JSON_CONTENT_TYPE.into()));
+        let names = self.binding.attribute_headers();
+        headers.extend(names.iter().map(|n| Cow::Borrowed(*n)).zip(values));
+        let p = self.binding.prefix();
         headers.extend(
             attributes
                 .iter()
-                .map(|(a, v)| attribute(a, (*v).to_owned())),
+                .map(|(a, v)| (Cow::Owned(format!("{p}{a}")), Cow::Owned((*v).to_owned()))),
         );
         (
             event.payload.get().as_bytes().to_vec(),
@@ -329,6 +400,33 @@ impl Envelope {
 mod tests {
     use super::*;
     use chrono::{TimeZone, Utc};
+
+    /// The attributes binary mode sets on every message, in order.
+    const ATTRIBUTES: [&str; 8] = [
+        "specversion",
+        "id",
+        "source",
+        "type",
+        "subject",
+        "time",
+        "aggregatetype",
+        "eventversion",
+    ];
+
+    fn has_header(m: &Message<'_>, name: &str, value: &str) -> bool {
+        m.headers.iter().any(|(k, v)| k == name && v == value)
+    }
+
+    #[test]
+    fn binary_attribute_headers_are_the_prefixed_attributes() {
+        for binding in [Binding::Kafka, Binding::Amqp] {
+            let spelled: Vec<String> = ATTRIBUTES
+                .iter()
+                .map(|a| format!("{}{a}", binding.prefix()))
+                .collect();
+            assert_eq!(binding.attribute_headers().as_slice(), spelled.as_slice());
+        }
+    }
 
     fn event() -> OutboxEvent {
         OutboxEvent {
@@ -360,7 +458,8 @@ mod tests {
             },
             Binding::Kafka,
         );
-        let m = env.build(&event());
+        let e = event();
+        let m = env.build(&e);
         let body: serde_json::Value = serde_json::from_slice(&m.body).unwrap();
         assert_eq!(
             body,
@@ -383,7 +482,7 @@ mod tests {
             m.headers
                 .iter()
                 .filter(|(k, _)| k == name)
-                .map(|(_, v)| v.as_str())
+                .map(|(_, v)| v.as_ref())
                 .collect::<Vec<_>>()
         };
         assert_eq!(
@@ -402,12 +501,10 @@ mod tests {
             source: "/shop".into(),
         };
         for (binding, prefix) in [(Binding::Kafka, "ce_"), (Binding::Amqp, "cloudEvents:")] {
-            let m = Envelope::new(&config, binding).build(&event());
+            let e = event();
+            let m = Envelope::new(&config, binding).build(&e);
             assert_eq!(m.body, br#"{"total":12.5}"#);
-            let has = |name: &str, value: &str| {
-                m.headers
-                    .contains(&(format!("{prefix}{name}"), value.to_owned()))
-            };
+            let has = |name: &str, value: &str| has_header(&m, &format!("{prefix}{name}"), value);
             assert!(has("type", "OrderPlaced"), "{binding:?}");
             assert!(has("time", "2026-11-29T15:45:41Z"), "{binding:?}");
             assert!(has("eventversion", "3"), "{binding:?}");
@@ -442,11 +539,11 @@ mod tests {
             row.headers.push(("tracestate".into(), "shop=1".into()));
             let plain = env.build(&row);
             let m = env.build_traced(&row, Some(relay));
-            let values = |m: &Message, name: &str| {
+            let values = |m: &Message<'_>, name: &str| {
                 m.headers
                     .iter()
                     .filter(|(k, _)| k == name)
-                    .map(|(_, v)| v.clone())
+                    .map(|(_, v)| v.to_string())
                     .collect::<Vec<_>>()
             };
             assert_eq!(values(&m, "traceparent"), vec![relay], "{mode:?}");
@@ -497,7 +594,8 @@ mod tests {
             Binding::Kafka,
         )
         .with_extra(&tenant_columns());
-        let m = env.build(&tenant_event());
+        let e = tenant_event();
+        let m = env.build(&e);
         let body: serde_json::Value = serde_json::from_slice(&m.body).unwrap();
         assert_eq!(body["tenantid"], "t-42");
         assert!(body.get("region").is_none(), "NULL is omitted: {body}");
@@ -506,14 +604,15 @@ mod tests {
             .headers
             .iter()
             .filter(|(k, _)| k == "tenant")
-            .map(|(_, v)| v.as_str())
+            .map(|(_, v)| v.as_ref())
             .collect();
         assert_eq!(tenant, vec!["t-42"], "the column wins over the row header");
         // NULL: no header, and still no row header of that name.
-        let m = env.build(&OutboxEvent {
+        let e = OutboxEvent {
             extra: vec![],
             ..tenant_event()
-        });
+        };
+        let m = env.build(&e);
         assert!(
             !m.headers.iter().any(|(k, _)| k == "tenant"),
             "{:?}",
@@ -530,19 +629,16 @@ mod tests {
             source: "/shop".into(),
         };
         for (binding, prefix) in [(Binding::Kafka, "ce_"), (Binding::Amqp, "cloudEvents:")] {
+            let e = tenant_event();
             let m = Envelope::new(&config, binding)
                 .with_extra(&tenant_columns())
-                .build(&tenant_event());
+                .build(&e);
             assert!(
-                m.headers
-                    .contains(&(format!("{prefix}tenantid"), "t-42".to_owned())),
+                has_header(&m, &format!("{prefix}tenantid"), "t-42"),
                 "{binding:?}: {:?}",
                 m.headers
             );
-            assert!(
-                m.headers
-                    .contains(&("tenant".to_owned(), "t-42".to_owned()))
-            );
+            assert!(has_header(&m, "tenant", "t-42"));
             assert!(
                 !m.headers.iter().any(|(k, _)| k.ends_with("region")),
                 "{binding:?}: NULL omitted"

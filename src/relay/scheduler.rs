@@ -17,6 +17,7 @@
 
 use crate::source::SourcedEvent;
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 /// What the scheduler needs to know of an event's route: its lane. The
 /// pipeline parks the rendered route with the event, so that it is rendered
@@ -47,7 +48,7 @@ pub enum Admission<P, R> {
 #[derive(Debug)]
 struct Sent<O> {
     ticket: u64,
-    lane: Option<String>,
+    lane: Option<Arc<str>>,
     outcome: Option<O>,
     /// The answer is a failure: nothing more of the aggregate goes out
     /// until it is handled (a refusal before sending has no lane to
@@ -73,12 +74,23 @@ impl<P, O, R> Aggregate<P, O, R> {
     }
 }
 
+/// Idle aggregates' entries kept for reuse, at most.
+const SPARE_ENTRIES: usize = 64;
+
+/// An entry is kept for reuse only if its queues hold at most this many
+/// slots (and its name 4 times as many bytes).
+const SPARE_CAPACITY: usize = 64;
+
 /// The in-memory part of the window: what is unconfirmed or waiting, per
 /// aggregate. `O` is the answer of one send, `R` an event's route.
 #[derive(Debug)]
 pub struct Scheduler<P, O, R = Option<String>> {
     per_aggregate: usize,
     aggregates: HashMap<String, Aggregate<P, O, R>>,
+    /// Entries of aggregates that went idle, kept (a few, small ones) to
+    /// be used again: a busy outbox's aggregates come and go with every
+    /// answer, and their names and queues are then not allocated again.
+    spare: Vec<(String, Aggregate<P, O, R>)>,
     in_flight: usize,
     parked: usize,
     next_ticket: u64,
@@ -90,6 +102,7 @@ impl<P, O, R: Laned> Scheduler<P, O, R> {
         Scheduler {
             per_aggregate: per_aggregate.unwrap_or(usize::MAX).max(1),
             aggregates: HashMap::new(),
+            spare: Vec::new(),
             in_flight: 0,
             parked: 0,
             next_ticket: 0,
@@ -137,30 +150,29 @@ impl<P, O, R: Laned> Scheduler<P, O, R> {
         if ready {
             return Admission::Send(event, route);
         }
-        let key = aggregate.to_owned();
-        self.aggregates
-            .entry(key)
-            .or_insert_with(Aggregate::new)
-            .parked
-            .push_back((event, route));
+        match self.aggregates.get_mut(aggregate) {
+            // Not ready: it has unconfirmed or parked events, so an entry.
+            Some(a) => a.parked.push_back((event, route)),
+            None => {
+                let key = aggregate.to_owned();
+                self.with_entry(&key, |a| a.parked.push_back((event, route)));
+            }
+        }
         self.parked += 1;
         Admission::Parked
     }
 
     /// The event goes to the broker; its answer is expected under the returned ticket.
-    pub fn sent(&mut self, aggregate: &str, lane: Option<String>) -> u64 {
+    pub fn sent(&mut self, aggregate: &str, lane: Option<Arc<str>>) -> u64 {
         let ticket = self.next_ticket;
         self.next_ticket += 1;
-        self.aggregates
-            .entry(aggregate.to_owned())
-            .or_insert_with(Aggregate::new)
-            .sent
-            .push_back(Sent {
-                ticket,
-                lane,
-                outcome: None,
-                failed: false,
-            });
+        let sent = Sent {
+            ticket,
+            lane,
+            outcome: None,
+            failed: false,
+        };
+        self.with_entry(aggregate, |a| a.sent.push_back(sent));
         self.in_flight += 1;
         ticket
     }
@@ -236,13 +248,43 @@ impl<P, O, R: Laned> Scheduler<P, O, R> {
         self.parked = 0;
     }
 
+    /// Applies `f` to the aggregate's entry, made (from a spare one when
+    /// there is one) if it has none.
+    fn with_entry(&mut self, aggregate: &str, f: impl FnOnce(&mut Aggregate<P, O, R>)) {
+        if let Some(a) = self.aggregates.get_mut(aggregate) {
+            f(a);
+            return;
+        }
+        let (mut key, mut a) = self
+            .spare
+            .pop()
+            .unwrap_or_else(|| (String::new(), Aggregate::new()));
+        key.clear();
+        key.push_str(aggregate);
+        a.sent.clear();
+        a.parked.clear();
+        a.failures = 0;
+        f(&mut a);
+        self.aggregates.insert(key, a);
+    }
+
     fn forget_if_idle(&mut self, aggregate: &str) {
-        if self
+        if !self
             .aggregates
             .get(aggregate)
             .is_some_and(|a| a.sent.is_empty() && a.parked.is_empty())
         {
-            self.aggregates.remove(aggregate);
+            return;
+        }
+        let Some((key, a)) = self.aggregates.remove_entry(aggregate) else {
+            return;
+        };
+        // Only small entries are kept: one that held a long queue gives
+        // its memory back.
+        let small = a.sent.capacity() + a.parked.capacity() <= SPARE_CAPACITY
+            && key.capacity() <= SPARE_CAPACITY * 4;
+        if small && self.spare.len() < SPARE_ENTRIES {
+            self.spare.push((key, a));
         }
     }
 }
@@ -284,7 +326,7 @@ mod tests {
         l: Option<String>,
     ) -> Option<u64> {
         match s.admit(ev(pos, agg), l, b.is_blocked(agg)) {
-            Admission::Send(e, l) => Some(s.sent(e.aggregate_id(), l)),
+            Admission::Send(e, l) => Some(s.sent(e.aggregate_id(), l.map(Arc::from))),
             Admission::Parked => None,
             Admission::Deferred(_) => panic!("not blocked"),
         }
@@ -306,7 +348,7 @@ mod tests {
         assert_eq!(s.next_answer("a"), Some(1));
         let (next, l) = s.next_parked("a", b.is_blocked("a")).unwrap();
         assert_eq!(next.position, 2);
-        s.sent("a", l);
+        s.sent("a", l.map(Arc::from));
         assert!(
             s.next_parked("a", b.is_blocked("a")).is_none(),
             "one at a time"
@@ -372,6 +414,50 @@ mod tests {
         assert!(go(&mut s, &b, 1, "a", lane("t")).is_some());
         assert!(go(&mut s, &b, 2, "a", lane("t")).is_some());
         assert!(go(&mut s, &b, 3, "a", lane("t")).is_none());
+    }
+
+    #[test]
+    fn idle_entries_are_used_again_and_only_a_few_small_ones_kept() {
+        let b = blocks();
+        let mut s = Scheduler::new(Some(2));
+        // 100 aggregates have a message out; each fails, and is handled.
+        let tickets: Vec<u64> = (0..100)
+            .map(|n| go(&mut s, &b, n, &format!("agg-{n}"), lane("t")).unwrap())
+            .collect();
+        assert_eq!(s.spare.len(), 0);
+        for (n, t) in (0..100).zip(tickets) {
+            let agg = format!("agg-{n}");
+            s.answered(&agg, t, n, true);
+            assert_eq!(s.next_answer(&agg), Some(n));
+        }
+        assert!(s.aggregates.is_empty());
+        assert_eq!(s.spare.len(), SPARE_ENTRIES, "a few are kept");
+        // An entry used again starts clean: the lane is open, up to the cap.
+        assert!(go(&mut s, &b, 200, "fresh", lane("t")).is_some());
+        assert!(go(&mut s, &b, 201, "fresh", lane("t")).is_some());
+        assert!(go(&mut s, &b, 202, "fresh", lane("t")).is_none());
+        assert_eq!(s.spare.len(), SPARE_ENTRIES - 1);
+        // An aggregate that held a long queue gives its memory back.
+        let t = go(&mut s, &b, 300, "long", None).unwrap();
+        for n in 301..400 {
+            assert!(go(&mut s, &b, n, "long", None).is_none(), "parked");
+        }
+        s.answered("long", t, 300, false);
+        assert_eq!(s.next_answer("long"), Some(300));
+        for n in 301..400 {
+            let (next, l) = s.next_parked("long", false).unwrap();
+            assert_eq!(next.position, n);
+            let t = s.sent("long", l.map(Arc::from));
+            s.answered("long", t, n, false);
+            assert_eq!(s.next_answer("long"), Some(n));
+        }
+        assert!(!s.aggregates.contains_key("long"));
+        assert!(
+            s.spare
+                .iter()
+                .all(|(_, a)| a.sent.capacity() + a.parked.capacity() <= SPARE_CAPACITY),
+            "no long queue is kept"
+        );
     }
 
     #[test]

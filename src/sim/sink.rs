@@ -27,14 +27,18 @@ impl Sink for SimSink {
         let w = lock(&self.world);
         let topic = w.topic(&event.event_type);
         Ok(Route {
-            destination: topic.clone(),
+            destination: topic.as_str().into(),
             key: event.aggregate_id.clone(),
             key_from: "the aggregate id",
-            lane: w.broker_kind.gapless.then_some(topic),
+            lane: w.broker_kind.gapless.then(|| topic.into()),
         })
     }
 
-    async fn send(&mut self, _route: Route, message: Message) -> Result<Confirmation, SinkError> {
+    async fn send(
+        &mut self,
+        _route: Route,
+        message: Message<'_>,
+    ) -> Result<Confirmation, SinkError> {
         let rx = lock(&self.world).send(
             self.conn,
             self.reign,

@@ -52,12 +52,13 @@ use crate::envelope::routing::Routing;
 use crate::outbox::OutboxEvent;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 /// A broker's confirmation of one message; see the module docs for what each outcome means.
 pub type Confirmation = Pin<Box<dyn Future<Output = Result<(), SinkError>> + Send>>;
 
 /// Refuses a message over `sink.message_max_bytes` before anything is sent.
-fn within_limit(message: &Message, max_bytes: usize) -> Result<(), SinkError> {
+fn within_limit(message: &Message<'_>, max_bytes: usize) -> Result<(), SinkError> {
     let size = message.size();
     if size > max_bytes {
         return Err(SinkError::rejected(format!(
@@ -72,7 +73,7 @@ fn within_limit(message: &Message, max_bytes: usize) -> Result<(), SinkError> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
     /// The topic (Kafka) or exchange (RabbitMQ; empty for the default one).
-    pub destination: String,
+    pub destination: Arc<str>,
     /// The message key (Kafka) or routing key (RabbitMQ).
     pub key: String,
     /// Where `key` came from (a config key or the row's key column), for a
@@ -81,7 +82,7 @@ pub struct Route {
     /// The lane the message goes in, when the sink keeps order within it
     /// even when a message fails (see the module docs); `None` when it does
     /// not: then an aggregate has one message in flight at a time.
-    pub lane: Option<String>,
+    pub lane: Option<Arc<str>>,
 }
 
 impl Route {
@@ -110,7 +111,7 @@ pub trait Sink: Send {
     fn send(
         &mut self,
         route: Route,
-        message: Message,
+        message: Message<'_>,
     ) -> impl Future<Output = Result<Confirmation, SinkError>> + Send;
 
     /// Checks that the broker is reachable and the sink can publish; for
@@ -145,14 +146,16 @@ pub trait SinkCheck: Sink {
 
 /// The broker named in the configuration, behind one type.
 pub enum AnySink {
-    Kafka(KafkaSink),
+    Kafka(Box<KafkaSink>),
     RabbitMq(Box<RabbitMqSink>),
 }
 
 impl AnySink {
     pub async fn connect(config: &crate::config::SinkConfig) -> Result<Self, SinkError> {
         Ok(match config {
-            crate::config::SinkConfig::Kafka(k) => AnySink::Kafka(KafkaSink::connect(k).await?),
+            crate::config::SinkConfig::Kafka(k) => {
+                AnySink::Kafka(Box::new(KafkaSink::connect(k).await?))
+            }
             crate::config::SinkConfig::RabbitMq(r) => {
                 AnySink::RabbitMq(Box::new(RabbitMqSink::connect(r).await?))
             }
@@ -165,7 +168,7 @@ impl AnySink {
     /// (see [`crate::envelope::routing`]).
     pub fn with_routing(self, routing: Routing) -> Self {
         match self {
-            AnySink::Kafka(s) => AnySink::Kafka(s.with_routing(routing)),
+            AnySink::Kafka(s) => AnySink::Kafka(Box::new((*s).with_routing(routing))),
             AnySink::RabbitMq(s) => AnySink::RabbitMq(Box::new((*s).with_routing(routing))),
         }
     }
@@ -179,7 +182,11 @@ impl Sink for AnySink {
         }
     }
 
-    async fn send(&mut self, route: Route, message: Message) -> Result<Confirmation, SinkError> {
+    async fn send(
+        &mut self,
+        route: Route,
+        message: Message<'_>,
+    ) -> Result<Confirmation, SinkError> {
         match self {
             AnySink::Kafka(s) => s.send(route, message).await,
             AnySink::RabbitMq(s) => s.send(route, message).await,

@@ -14,6 +14,7 @@ use crate::source::budget::Charge;
 use crate::source::{RowPosition, SourcedEvent};
 use crate::telemetry::trace::{EventSpan, Outcome as SpanOutcome};
 use chrono::Utc;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -41,6 +42,11 @@ impl Laned for Routed {
     fn lane(&self) -> Option<&str> {
         self.as_ref()?.as_ref().ok()?.lane.as_deref()
     }
+}
+
+/// The route's lane, shared with the scheduler without a copy.
+fn lane_of(route: &Routed) -> Option<Arc<str>> {
+    route.as_ref()?.as_ref().ok()?.lane.clone()
 }
 
 impl<P, K> Pipeline<'_, P, K>
@@ -176,9 +182,7 @@ where
             return Ok(());
         }
         let aggregate = sourced.aggregate_id().to_owned();
-        let ticket = self
-            .scheduler
-            .sent(&aggregate, route.lane().map(str::to_owned));
+        let ticket = self.scheduler.sent(&aggregate, lane_of(&route));
         let SourcedEvent {
             position,
             event,
@@ -254,7 +258,7 @@ where
     async fn hand_over(
         &mut self,
         route: Route,
-        message: crate::envelope::Message,
+        message: crate::envelope::Message<'_>,
     ) -> Result<Confirmation, SinkError> {
         let confirm = self.settings.confirm_timeout;
         let timeout = self.intake.deadline().map_or(confirm, |d| {

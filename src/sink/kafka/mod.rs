@@ -25,7 +25,7 @@ mod route;
 
 use super::{Confirmation, Reason, Route, Sink, SinkCheck, SinkError, within_limit};
 use crate::config::KafkaConfig;
-use crate::config::{Template, destination};
+use crate::config::destination;
 use crate::envelope::Message;
 use crate::envelope::routing::Routing;
 use crate::outbox::OutboxEvent;
@@ -35,7 +35,7 @@ use log::LogContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use route::{render, route};
+use route::{Topics, render, route};
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
@@ -49,7 +49,7 @@ type RelayProducer = FutureProducer<LogContext>;
 pub struct KafkaSink {
     producer: RelayProducer,
     brokers: String,
-    topic: Template,
+    topics: Topics,
     /// Per-row topic and key columns, when configured.
     routing: Routing,
     max_bytes: usize,
@@ -75,7 +75,7 @@ impl KafkaSink {
         let mut sink = KafkaSink {
             producer,
             brokers: config.brokers.clone(),
-            topic: config.topic.clone(),
+            topics: Topics::new(config.topic.clone()),
             routing: Routing::default(),
             max_bytes: config.message_max_bytes,
             delivery_timeout: config.delivery_timeout,
@@ -139,15 +139,15 @@ impl Sink for KafkaSink {
     /// topic and key: one partition per key, and a refused message fails
     /// every later one of its partition (`enable.gapless.guarantee`).
     fn route(&self, event: &OutboxEvent) -> Result<Route, SinkError> {
-        route(&self.topic, &self.routing, event)
+        route(&self.topics, &self.routing, event)
     }
 
     async fn send(
         &mut self,
         route: Route,
-        mut message: Message,
+        mut message: Message<'_>,
     ) -> Result<Confirmation, SinkError> {
-        message.key = route.key;
+        message.key = route.key.into();
         within_limit(&message, self.max_bytes)?;
         let topic = route.destination;
         self.ensure_topic(&topic).await?;
@@ -225,7 +225,7 @@ impl SinkCheck for KafkaSink {
         aggregate_type: &str,
         event_type: &str,
     ) -> Result<String, SinkError> {
-        let topic = render(&self.topic, aggregate_type, event_type)?;
+        let topic = render(self.topics.template(), aggregate_type, event_type)?;
         self.ensure_topic(&topic).await?;
         Ok(format!("topic {topic}"))
     }
@@ -237,6 +237,6 @@ impl SinkCheck for KafkaSink {
     }
 
     fn fixed_destination(&self) -> bool {
-        self.topic.is_fixed()
+        self.topics.template().is_fixed()
     }
 }

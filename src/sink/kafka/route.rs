@@ -4,6 +4,8 @@ use crate::config::{Field, Template, destination};
 use crate::envelope::routing::{self, Routing};
 use crate::outbox::OutboxEvent;
 use crate::sink::{Route, SinkError};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// The topic the template names for events of this kind.
 pub(super) fn render(
@@ -19,18 +21,72 @@ pub(super) fn render(
     Ok(topic)
 }
 
+/// Topics rendered from the template are kept, at most this many: events
+/// of one kind then share their topic's name instead of each rendering and
+/// checking it again. Past it the names are forgotten and rendered anew.
+const KEPT_TOPICS: usize = 1024;
+
+/// The topics events go to: the template, and the topics it rendered.
+#[derive(Debug)]
+pub(super) struct Topics {
+    template: Template,
+    rendered: Mutex<Rendered>,
+}
+
+#[derive(Debug, Default)]
+struct Rendered {
+    /// The name being rendered, kept so that a lookup allocates nothing.
+    name: String,
+    topics: HashSet<Arc<str>>,
+}
+
+impl Topics {
+    pub(super) fn new(template: Template) -> Self {
+        Topics {
+            template,
+            rendered: Mutex::default(),
+        }
+    }
+
+    pub(super) fn template(&self) -> &Template {
+        &self.template
+    }
+
+    /// The topic the template names for events of this kind; a name Kafka
+    /// refuses is a refusal of the event, and is not kept.
+    fn of(&self, aggregate_type: &str, event_type: &str) -> Result<Arc<str>, SinkError> {
+        let mut rendered = self.rendered.lock().unwrap_or_else(PoisonError::into_inner);
+        let Rendered { name, topics } = &mut *rendered;
+        name.clear();
+        self.template.render_into(name, |f| match f {
+            Field::AggregateType => aggregate_type,
+            Field::EventType => event_type,
+        });
+        if let Some(topic) = topics.get(name.as_str()) {
+            return Ok(Arc::clone(topic));
+        }
+        destination::kafka_topic(name).map_err(SinkError::rejected)?;
+        if topics.len() >= KEPT_TOPICS {
+            topics.clear();
+        }
+        let topic: Arc<str> = Arc::from(name.as_str());
+        topics.insert(Arc::clone(&topic));
+        Ok(topic)
+    }
+}
+
 /// The event's topic: its destination column's value, else the template's.
 fn topic_of(
-    template: &Template,
+    topics: &Topics,
     routing: &Routing,
     event: &OutboxEvent,
-) -> Result<String, SinkError> {
+) -> Result<Arc<str>, SinkError> {
     let own = routing
         .destination(event, destination::kafka_topic, "sink.topic")
         .map_err(SinkError::rejected)?;
     match own {
-        Some(topic) => Ok(topic.to_owned()),
-        None => render(template, &event.aggregate_type, &event.event_type),
+        Some(topic) => Ok(Arc::from(topic)),
+        None => topics.of(&event.aggregate_type, &event.event_type),
     }
 }
 
@@ -46,22 +102,22 @@ fn key_of<'a>(routing: &Routing, event: &'a OutboxEvent) -> Result<Option<&'a st
 /// key, which is the lane. Without a key of its own an event's key is its
 /// aggregate id, the same for all of them, so the topic alone names the lane.
 pub(super) fn route(
-    template: &Template,
+    topics: &Topics,
     routing: &Routing,
     event: &OutboxEvent,
 ) -> Result<Route, SinkError> {
-    let topic = topic_of(template, routing, event)?;
+    let topic = topic_of(topics, routing, event)?;
     let (key, key_from, lane) = match key_of(routing, event)? {
         None => (
             event.aggregate_id.clone(),
             "the aggregate id",
-            topic.clone(),
+            Arc::clone(&topic),
         ),
         // A NUL cannot occur in a topic name.
         Some(key) => (
             key.to_owned(),
             "the row's outbox.columns.key value",
-            format!("{topic}\0{key}"),
+            Arc::from(format!("{topic}\0{key}")),
         ),
     };
     Ok(Route {
@@ -96,7 +152,7 @@ mod tests {
 
     #[test]
     fn the_lane_follows_each_rows_own_topic_and_key() {
-        let template = Template::parse("outbox.event.{aggregate_type}").unwrap();
+        let template = Topics::new(Template::parse("outbox.event.{aggregate_type}").unwrap());
         let routing = Routing::from_columns(&crate::config::ColumnMap {
             destination: Some("topic".into()),
             key: Some("msg_key".into()),
@@ -134,9 +190,46 @@ mod tests {
         let plain = Routing::default();
         let plain_route = route(&template, &plain, &e).unwrap();
         assert_eq!(plain_route.lane.as_deref(), Some("outbox.event.order"));
-        assert_eq!(plain_route.destination, "outbox.event.order");
+        assert_eq!(&*plain_route.destination, "outbox.event.order");
         assert_eq!(plain_route.key, "o-1", "keyed by the aggregate id");
         let keyed = route(&template, &routing, &event("o-1", &[("msg_key", "k")])).unwrap();
         assert_eq!(keyed.key, "k");
+    }
+
+    fn lock_len(topics: &Topics) -> usize {
+        topics.rendered.lock().unwrap().topics.len()
+    }
+
+    #[test]
+    fn topics_are_rendered_once_and_shared() {
+        let topics = Topics::new(Template::parse("shop.{aggregate_type}").unwrap());
+        let plain = Routing::default();
+        let of = |aggregate_type: &str| {
+            let mut e = event("o-1", &[]);
+            e.aggregate_type = aggregate_type.into();
+            route(&topics, &plain, &e)
+        };
+        let (a, b) = (of("order").unwrap(), of("order").unwrap());
+        assert_eq!(&*a.destination, "shop.order");
+        assert!(
+            Arc::ptr_eq(&a.destination, &b.destination),
+            "one name, shared"
+        );
+        assert_eq!(a.lane.as_deref(), Some("shop.order"));
+        assert_eq!(&*of("invoice").unwrap().destination, "shop.invoice");
+        // A name Kafka refuses is a refusal every time, with the reason.
+        for _ in 0..2 {
+            let Err(SinkError::Rejected(why)) = of("no spaces") else {
+                panic!("a topic Kafka refuses is a refusal");
+            };
+            assert!(why.to_string().contains("no spaces"), "{why}");
+        }
+        // Past the bound the names are rendered anew, and still right.
+        for n in 0..KEPT_TOPICS + 5 {
+            let topic = of(&format!("t{n}")).unwrap().destination;
+            assert_eq!(&*topic, format!("shop.t{n}"));
+        }
+        assert!(lock_len(&topics) <= KEPT_TOPICS);
+        assert_eq!(&*of("order").unwrap().destination, "shop.order");
     }
 }

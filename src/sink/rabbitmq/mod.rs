@@ -42,6 +42,7 @@ use lapin::{
 use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::Poll;
 
 pub struct RabbitMqSink {
@@ -53,6 +54,8 @@ pub struct RabbitMqSink {
     admin: Option<Channel>,
     url: String,
     exchange: Template,
+    /// The exchange, rendered once when the template has no placeholder.
+    fixed_exchange: Option<Arc<str>>,
     routing_key: Template,
     /// Per-row exchange and routing-key columns, when configured.
     routing: Routing,
@@ -118,6 +121,10 @@ impl RabbitMqSink {
             admin: None,
             url: shown,
             exchange: config.exchange.clone(),
+            fixed_exchange: config
+                .exchange
+                .is_fixed()
+                .then(|| Arc::from(config.exchange.render(|_| ""))),
             routing_key: config.routing_key.clone(),
             routing: Routing::default(),
             declare: config.declare_exchange,
@@ -154,7 +161,13 @@ impl RabbitMqSink {
             .routing
             .destination(event, destination::rabbitmq_exchange, "sink.exchange")
             .map_err(SinkError::rejected)?
-            .map_or_else(|| render(&self.exchange), str::to_owned);
+            .map_or_else(
+                || match &self.fixed_exchange {
+                    Some(fixed) => Arc::clone(fixed),
+                    None => Arc::from(render(&self.exchange)),
+                },
+                Arc::from,
+            );
         let own_key = self
             .routing
             .key(event, destination::rabbitmq_routing_key, "sink.routing_key")
@@ -226,7 +239,7 @@ impl RabbitMqSink {
 }
 
 /// A persistent message with the event's id, type and headers.
-fn properties(message: &Message) -> Result<BasicProperties, SinkError> {
+fn properties(message: &Message<'_>) -> Result<BasicProperties, SinkError> {
     let mut headers = FieldTable::default();
     for (k, v) in &message.headers {
         headers.insert(
@@ -291,7 +304,11 @@ impl Sink for RabbitMqSink {
         self.route_of(event)
     }
 
-    async fn send(&mut self, route: Route, message: Message) -> Result<Confirmation, SinkError> {
+    async fn send(
+        &mut self,
+        route: Route,
+        message: Message<'_>,
+    ) -> Result<Confirmation, SinkError> {
         if self.connection.status().blocked() {
             // A memory or disk alarm: RabbitMQ stops reading from publishers,
             // so a message sent now would only wait for confirm_timeout.
@@ -313,7 +330,7 @@ impl Sink for RabbitMqSink {
             short(&exchange, "exchange")?,
             short(&routing_key, "routing key")?,
         );
-        let id = message.id;
+        let id = message.id.into_owned();
         let Some(tag) = self.unconfirmed.publish(&id) else {
             return Err(SinkError::Busy(format!(
                 "another message with event id {id:?} is unconfirmed; this one waits for its answer \
