@@ -337,7 +337,11 @@ pub async fn database_record(db_url: &str, expected: u64) -> Result<RecordCeilin
         for sql in ranges.create_sql() {
             client.batch_execute(&sql).await?;
         }
-        let record = client.prepare(&ranges.record_sql()).await?;
+        // Prepared and given runs as the relay does.
+        let record = outbox_relay::outbox::MarkStatement::new(
+            client.prepare(&ranges.record_sql()).await?,
+            outbox_relay::config::MarkMode::Ranges,
+        );
         let row = client
             .query_one(
                 "SELECT min(relay_seq), max(relay_seq) FROM bench_mark_copy",
@@ -373,7 +377,7 @@ pub async fn database_record(db_url: &str, expected: u64) -> Result<RecordCeilin
             let rows: usize = batches.iter().map(Vec::len).sum();
             let start = Instant::now();
             for batch in &batches {
-                client.execute(&record, &[batch]).await?;
+                record.execute(&client, batch).await?;
             }
             timed.push(rows as f64 / start.elapsed().as_secs_f64());
         }

@@ -321,7 +321,7 @@ impl Recorder {
         &self,
         client: &mut Client,
         letters: &[DeadLetter<P>],
-        mark: Option<&Statement>,
+        mark: Option<&crate::outbox::MarkStatement>,
     ) -> Result<Written, tokio_postgres::Error> {
         let tx = client.transaction().await?;
         let mut out = Written::default();
@@ -389,7 +389,7 @@ impl Recorder {
         if let Some(mark) = mark {
             let seqs: Vec<i64> = out.written.iter().filter_map(|&i| letters[i].seq).collect();
             if !seqs.is_empty() {
-                tx.execute(mark, &[&seqs]).await?;
+                mark.execute(&tx, &seqs).await?;
             }
         }
         tx.commit().await?;

@@ -26,8 +26,9 @@ pub use shard::Shard;
 
 use crate::config::{MarkMode, SENT_AT_COLUMN, SEQ_COLUMN, TableName};
 
-/// The statement that records confirmed rows (by `relay_seq`, `$1`), or
-/// `None` when rows are left alone. It may write no outbox row at all
+/// The statement that records confirmed rows (by `relay_seq`, `$1`; with
+/// ranges by the runs of them, see [`MarkStatement`]), or `None` when rows
+/// are left alone. It may write no outbox row at all
 /// (`ranges`): what it returns counts rows marked only with `update` and
 /// `delete`.
 pub fn mark_sql(table: &TableName, mark: MarkMode) -> Option<String> {
@@ -45,6 +46,37 @@ pub fn mark_sql(table: &TableName, mark: MarkMode) -> Option<String> {
 }
 
 pub use names::sent_index;
+
+/// The prepared [`mark_sql`] statement, and how it takes the rows.
+#[derive(Debug, Clone)]
+pub struct MarkStatement {
+    statement: tokio_postgres::Statement,
+    by_runs: bool,
+}
+
+impl MarkStatement {
+    /// `statement`: [`mark_sql`] of `mark`, prepared.
+    pub fn new(statement: tokio_postgres::Statement, mark: MarkMode) -> Self {
+        MarkStatement {
+            statement,
+            by_runs: mark == MarkMode::Ranges,
+        }
+    }
+
+    /// Records the rows `seqs` as sent; returns what the statement counts.
+    pub async fn execute(
+        &self,
+        client: &impl tokio_postgres::GenericClient,
+        seqs: &[i64],
+    ) -> Result<u64, tokio_postgres::Error> {
+        if self.by_runs {
+            let (first, last) = progress::runs(seqs);
+            client.execute(&self.statement, &[&first, &last]).await
+        } else {
+            client.execute(&self.statement, &[&seqs]).await
+        }
+    }
+}
 
 /// The trigger that keeps unsent rows as inserted (`migrate` installs it,
 /// `check` looks for it).

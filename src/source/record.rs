@@ -10,9 +10,9 @@ use crate::config::MarkMode;
 use crate::config::TableName;
 use crate::db::DbError;
 use crate::dead_letter::{DeadLetter, OpenLetters, Recorder, Requests, Written};
-use crate::outbox::mark_sql;
+use crate::outbox::{MarkStatement, mark_sql};
 use std::future::Future;
-use tokio_postgres::{Client, Statement};
+use tokio_postgres::Client;
 
 /// Where an acker records progress. Every call is one round trip on the
 /// session that holds the ownership lock, so each success also proves that
@@ -72,7 +72,7 @@ const VISIBLE_GIVE_UP: std::time::Duration = std::time::Duration::from_secs(600)
 
 pub struct RowRecorder {
     client: Client,
-    mark: Option<Statement>,
+    mark: Option<MarkStatement>,
     dead_letters: Option<Recorder>,
 }
 
@@ -88,7 +88,7 @@ impl RowRecorder {
         messages: bool,
     ) -> Result<Self, SourceError> {
         let mark = match mark_sql(table, mark) {
-            Some(sql) => Some(client.prepare(&sql).await.map_err(|e| {
+            Some(sql) => Some(client.prepare(&sql).await.map(|s| MarkStatement::new(s, mark)).map_err(|e| {
                 match (mark, e.code().map(|c| c.code())) {
                     (MarkMode::Ranges, Some("42P01")) => SourceError::Setup(format!(
                         "relay.mark = \"ranges\" records sent rows in {}, which does not exist: run outbox-relay migrate",
@@ -174,9 +174,8 @@ impl RowStore for RowRecorder {
 
     async fn mark(&self, seqs: &[i64]) -> Result<u64, SourceError> {
         match &self.mark {
-            Some(mark) if !seqs.is_empty() => Ok(self
-                .client
-                .execute(mark, &[&seqs])
+            Some(mark) if !seqs.is_empty() => Ok(mark
+                .execute(&self.client, seqs)
                 .await
                 .map_err(|e| DbError::query("marking rows sent", e))?),
             _ => Ok(0),

@@ -145,7 +145,7 @@ pub(crate) async fn record_open(client: &Client, writer: &Client, ranges: &Range
         &[],
     )
     .await;
-    client.execute(&ranges.record_sql(), &[&own]).await.unwrap();
+    ranges.record(client, &own).await.unwrap();
     own
 }
 
@@ -200,10 +200,7 @@ async fn reads_visit_the_rows_since_the_frontier_not_the_retained_ones() {
         .await
         .unwrap();
     let all: Vec<i64> = (1..=RETAINED).collect();
-    db.client
-        .execute(&ranges.record_sql(), &[&all])
-        .await
-        .unwrap();
+    ranges.record(&db.client, &all).await.unwrap();
     let mut fold = connect(&db.url).await;
     let capture = ranges.capture(&fold, Duration::from_secs(5)).await.unwrap();
     let advanced = ranges.advance(&mut fold, &capture, 10).await.unwrap();

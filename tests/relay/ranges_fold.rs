@@ -48,10 +48,7 @@ async fn a_long_transaction_leaves_only_the_progress_rows_not_yet_visible() {
         db.client.batch_execute(INSERT).await.unwrap();
     }
     let committed = seqs(&db.client, "SELECT relay_seq FROM outbox", &[]).await;
-    db.client
-        .execute(&ranges.record_sql(), &[&committed])
-        .await
-        .unwrap();
+    ranges.record(&db.client, &committed).await.unwrap();
     // Recorded ahead of its commit, as CDC may.
     let late = connect(&db.url).await;
     late.batch_execute("BEGIN").await.unwrap();

@@ -205,10 +205,7 @@ impl History {
                 // The relay confirms some of what it read.
                 let unsent = brute_force(&db.client, ranges, None).await;
                 let batch: Vec<i64> = unsent.into_iter().filter(|_| rng.u32(0..3) > 0).collect();
-                db.client
-                    .execute(&ranges.record_sql(), &[&batch])
-                    .await
-                    .unwrap();
+                ranges.record(&db.client, &batch).await.unwrap();
                 ledger.confirmed.extend(batch);
             }
             60..=61 => {

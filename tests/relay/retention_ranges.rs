@@ -54,10 +54,7 @@ async fn insert_on(client: &Client, day: &str) -> i64 {
 
 /// Records `seqs` as one confirmed batch, as the relay does.
 async fn record(db: &TestDb, ranges: &Ranges, seqs: &[i64]) {
-    db.client
-        .execute(&ranges.record_sql(), &[&seqs])
-        .await
-        .expect("record");
+    ranges.record(&db.client, seqs).await.expect("record");
 }
 
 /// One round of the fold: a capture (waiting at most `settle`), then the

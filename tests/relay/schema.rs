@@ -271,10 +271,7 @@ async fn with_ranges_a_recorded_event_may_be_changed_and_an_unsent_one_not() {
         .await
         .unwrap()
         .get(0);
-    db.client
-        .execute(&ranges.record_sql(), &[&vec![seq]])
-        .await
-        .unwrap();
+    ranges.record(&db.client, &[seq]).await.unwrap();
     let change = "UPDATE outbox SET payload = '{\"v\": 2}' WHERE id = $1";
     db.client
         .execute(change, &[&sent])

@@ -235,11 +235,61 @@ $fn$",
         )
     }
 
-    /// Records a confirmed batch (`$1`, its `relay_seq` values) as one row.
+    /// Records a confirmed batch as one row: `$1` and `$2` are the first
+    /// and last `relay_seq` of each run of it ([`runs`]). A batch is mostly
+    /// runs of consecutive rows, so the server joins a few ranges instead
+    /// of one per row.
     pub fn record_sql(&self) -> String {
         format!(
-            "INSERT INTO {} (seqs) SELECT range_agg(int8range(s, s, '[]')) FROM unnest($1::bigint[]) s HAVING count(*) > 0",
+            "INSERT INTO {} (seqs) SELECT range_agg(int8range(lo, hi, '[]')) FROM unnest($1::bigint[], $2::bigint[]) AS r(lo, hi) HAVING count(*) > 0",
             self.progress.quoted()
         )
+    }
+
+    /// Records `seqs` with [`Self::record_sql`], unprepared; nothing when
+    /// `seqs` is empty.
+    pub async fn record(
+        &self,
+        client: &impl tokio_postgres::GenericClient,
+        seqs: &[i64],
+    ) -> Result<u64, tokio_postgres::Error> {
+        let (first, last) = runs(seqs);
+        client.execute(&self.record_sql(), &[&first, &last]).await
+    }
+}
+
+/// The runs of consecutive values in `seqs` (in any order, repeats
+/// allowed), as their first and last values, in order.
+pub fn runs(seqs: &[i64]) -> (Vec<i64>, Vec<i64>) {
+    let mut sorted = seqs.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let (mut first, mut last): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
+    for s in sorted {
+        match last.last_mut() {
+            Some(l) if l.checked_add(1) == Some(s) => *l = s,
+            _ => {
+                first.push(s);
+                last.push(s);
+            }
+        }
+    }
+    (first, last)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn runs_join_consecutive_rows_in_any_order() {
+        assert_eq!(runs(&[]), (vec![], vec![]));
+        assert_eq!(runs(&[7]), (vec![7], vec![7]));
+        assert_eq!(runs(&[1, 2, 3, 5, 6, 9]), (vec![1, 5, 9], vec![3, 6, 9]));
+        assert_eq!(runs(&[9, 3, 1, 2, 6, 5, 2]), (vec![1, 5, 9], vec![3, 6, 9]));
+        assert_eq!(
+            runs(&[i64::MAX, i64::MAX - 1, i64::MIN]),
+            (vec![i64::MIN, i64::MAX - 1], vec![i64::MIN, i64::MAX])
+        );
     }
 }
