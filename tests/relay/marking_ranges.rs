@@ -292,3 +292,48 @@ async fn reads_visit_the_rows_since_the_frontier_not_the_retained_ones() {
         "a scan of the unsent index handled {scan}"
     );
 }
+
+#[tokio::test]
+async fn a_batch_is_recorded_as_its_runs_and_nothing_more() {
+    let db = TestDb::new().await;
+    let ranges = outbox_with_ranges(&db).await;
+    let recorded = |sql: &'static str| {
+        let client = &db.client;
+        let table = ranges.progress.quoted();
+        async move {
+            client
+                .query_one(&format!("SELECT {sql} FROM {table}"), &[])
+                .await
+                .unwrap()
+                .get::<_, Option<String>>(0)
+        }
+    };
+    // Out of order and repeated, as answers may come: runs 1-3, 5, 7-8.
+    let n = ranges
+        .record(&db.client, &[8, 2, 5, 1, 3, 7, 2])
+        .await
+        .unwrap();
+    assert_eq!(n, 1, "one progress row per batch");
+    assert_eq!(
+        recorded("range_agg(seqs)::text").await.as_deref(),
+        Some("{[1,4),[5,6),[7,9)}")
+    );
+    assert_eq!(
+        ranges.record(&db.client, &[]).await.unwrap(),
+        0,
+        "nothing to record"
+    );
+    // Bounds that do not pair up record nothing, rather than a range
+    // without an end.
+    let n = db
+        .client
+        .execute(&ranges.record_sql(), &[&vec![10_i64, 20], &vec![10_i64]])
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+    assert_eq!(
+        recorded("count(*)::text").await.as_deref(),
+        Some("1"),
+        "only the first batch"
+    );
+}

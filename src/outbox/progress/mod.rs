@@ -238,10 +238,12 @@ $fn$",
     /// Records a confirmed batch as one row: `$1` and `$2` are the first
     /// and last `relay_seq` of each run of it ([`runs`]). A batch is mostly
     /// runs of consecutive rows, so the server joins a few ranges instead
-    /// of one per row.
+    /// of one per row. Arrays of different lengths record nothing (`unnest`
+    /// would pair a bound with NULL, an unbounded range).
     pub fn record_sql(&self) -> String {
         format!(
-            "INSERT INTO {} (seqs) SELECT range_agg(int8range(lo, hi, '[]')) FROM unnest($1::bigint[], $2::bigint[]) AS r(lo, hi) HAVING count(*) > 0",
+            "INSERT INTO {} (seqs) SELECT range_agg(int8range(lo, hi, '[]')) FROM unnest($1::bigint[], $2::bigint[]) AS r(lo, hi) \
+             WHERE cardinality($1::bigint[]) = cardinality($2::bigint[]) HAVING count(*) > 0",
             self.progress.quoted()
         )
     }

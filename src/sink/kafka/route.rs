@@ -26,6 +26,9 @@ pub(super) fn render(
 /// checking it again. Past it the names are forgotten and rendered anew.
 const KEPT_TOPICS: usize = 1024;
 
+/// Room kept for the name being rendered: Kafka's longest topic name.
+const KEPT_NAME_BYTES: usize = 249;
+
 /// The topics events go to: the template, and the topics it rendered.
 #[derive(Debug)]
 pub(super) struct Topics {
@@ -65,7 +68,12 @@ impl Topics {
         if let Some(topic) = topics.get(name.as_str()) {
             return Ok(Arc::clone(topic));
         }
-        destination::kafka_topic(name).map_err(SinkError::rejected)?;
+        if let Err(refused) = destination::kafka_topic(name) {
+            // A name past Kafka's limit may be any length: not kept.
+            name.clear();
+            name.shrink_to(KEPT_NAME_BYTES);
+            return Err(SinkError::rejected(refused));
+        }
         if topics.len() >= KEPT_TOPICS {
             topics.clear();
         }
