@@ -9,7 +9,7 @@ use super::pipeline::{self, Drained, Settings};
 use super::shards::{Balance, Shard};
 use super::supervise::{Backend, Owned, RunEnd};
 use crate::config::ResolvedColumns;
-use crate::config::{Config, MarkMode, SourceMode, TableName};
+use crate::config::{Config, MarkMode, SourceMode};
 use crate::db::DbError;
 use crate::envelope::Envelope;
 use crate::envelope::routing::Routing;
@@ -223,7 +223,7 @@ impl Postgres<'_> {
         let table = &config.outbox.table;
         // First: with another marking, the table's needs differ too.
         choice_problem(&owner, config).await?;
-        names_problem(&owner, table).await?;
+        names_problem(&owner, config).await?;
         let columns = inspect::resolve_table(
             &owner,
             table,
@@ -419,14 +419,27 @@ async fn choice_problem(owner: &Client, config: &Config) -> Result<(), RelayErro
     .into())
 }
 
-/// Another outbox of the schema would share this one's relay objects
-/// (`outbox::names`): relaying beside it could skip or repeat events.
-async fn names_problem(owner: &Client, table: &TableName) -> Result<(), RelayError> {
-    match crate::outbox::names::shared_problem(owner, table).await {
-        Ok(None) => Ok(()),
-        Ok(Some(problem)) => Err(inspect::TableProblem::Unusable(vec![problem]).into()),
-        Err(e) => Err(inspect::TableProblem::Query(e).into()),
+/// Another outbox would share this one's relay objects (`outbox::names`),
+/// or its relay the slot this one would stream from: relaying beside it
+/// could skip or repeat events. Asked at every acquisition, as `migrate`
+/// and `check` ask: the other outbox may have been set up since.
+async fn names_problem(owner: &Client, config: &Config) -> Result<(), RelayError> {
+    let table = &config.outbox.table;
+    let mut problems = vec![crate::outbox::names::shared_problem(owner, table).await];
+    if config.source.mode.may_use_cdc() {
+        let slot = config.source.cdc.slot_name(table);
+        problems.push(crate::outbox::names::slot_problem(owner, table, &slot).await);
     }
+    for problem in problems {
+        match problem {
+            Ok(None) => {}
+            Ok(Some(problem)) => {
+                return Err(inspect::TableProblem::Unusable(vec![problem]).into());
+            }
+            Err(e) => return Err(inspect::TableProblem::Query(e).into()),
+        }
+    }
+    Ok(())
 }
 
 /// What ranges recorded, seen from the marking configured: a sequence set

@@ -423,8 +423,9 @@ async fn outboxes_whose_cut_names_meet_are_refused() {
 
 /// `shop.orders` and `public.shop_orders` get the same default publication
 /// and slot names. A second relay on the first's slot would move it past
-/// the first's events: `migrate` refuses it and `check` fails. Sharing the
-/// publication alone, with a slot of its own, is harmless and goes on.
+/// the first's events: `migrate` refuses it, `check` fails and `run`
+/// refuses to start. Sharing the publication alone, with a slot of its
+/// own, is harmless and goes on.
 #[tokio::test]
 async fn outboxes_whose_default_replication_names_meet_are_refused() {
     let db = TestDb::new().await;
@@ -469,4 +470,24 @@ async fn outboxes_whose_default_replication_names_meet_are_refused() {
     let (code, out, _) = run_cli(&["check", "--config", &own], &[]);
     assert!(!out.contains("] names"), "{out}");
     assert_eq!(code, 0, "{out}");
+    // Run asks again: set back to the default slot after migrate, the
+    // relay refuses to stream from the first relay's slot.
+    db.client
+        .batch_execute(
+            "INSERT INTO public.shop_orders (id, aggregate_type, aggregate_id, event_type, payload)
+             VALUES (gen_random_uuid(), 'order', 'o-1', 'created', '{}')",
+        )
+        .await
+        .unwrap();
+    let log = run_until_logged(&default_slot, "uses by default");
+    assert!(
+        log.contains("the replication slot outbox_relay_shop_orders is the one the relay of shop.orders uses by default"),
+        "{log}"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM public.shop_orders WHERE relay_sent_at IS NULL")
+            .await,
+        1,
+        "nothing was published from the other relay's slot"
+    );
 }
