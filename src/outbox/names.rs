@@ -208,6 +208,21 @@ pub async fn slot_problem(
         }))
 }
 
+/// An outbox's name problems, as `check` and the relay ask them:
+/// [`shared_problem`], then [`slot_problem`] for `slot`, the slot its relay
+/// streams from (`None` when it does not stream).
+pub async fn problems(
+    client: &impl GenericClient,
+    table: &TableName,
+    slot: Option<&str>,
+) -> Vec<Result<Option<String>, tokio_postgres::Error>> {
+    let mut problems = vec![shared_problem(client, table).await];
+    if let Some(slot) = slot {
+        problems.push(slot_problem(client, table, slot).await);
+    }
+    problems
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

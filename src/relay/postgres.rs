@@ -425,12 +425,12 @@ async fn choice_problem(owner: &Client, config: &Config) -> Result<(), RelayErro
 /// and `check` ask: the other outbox may have been set up since.
 async fn names_problem(owner: &Client, config: &Config) -> Result<(), RelayError> {
     let table = &config.outbox.table;
-    let mut problems = vec![crate::outbox::names::shared_problem(owner, table).await];
-    if config.source.mode.may_use_cdc() {
-        let slot = config.source.cdc.slot_name(table);
-        problems.push(crate::outbox::names::slot_problem(owner, table, &slot).await);
-    }
-    for problem in problems {
+    let slot = config
+        .source
+        .mode
+        .may_use_cdc()
+        .then(|| config.source.cdc.slot_name(table));
+    for problem in crate::outbox::names::problems(owner, table, slot.as_deref()).await {
         match problem {
             Ok(None) => {}
             Ok(Some(problem)) => {

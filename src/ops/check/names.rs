@@ -53,12 +53,12 @@ pub(super) async fn check_shared_names(
     r: &mut Report,
 ) {
     let table = &config.outbox.table;
-    let mut problems = vec![crate::outbox::names::shared_problem(client, table).await];
-    if config.source.mode.may_use_cdc() {
-        let slot = config.source.cdc.slot_name(table);
-        problems.push(crate::outbox::names::slot_problem(client, table, &slot).await);
-    }
-    for problem in problems {
+    let slot = config
+        .source
+        .mode
+        .may_use_cdc()
+        .then(|| config.source.cdc.slot_name(table));
+    for problem in crate::outbox::names::problems(client, table, slot.as_deref()).await {
         match problem {
             Ok(None) => {}
             Ok(Some(problem)) => r.add(Mark::Fail, "names", problem),
