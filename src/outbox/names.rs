@@ -208,17 +208,18 @@ pub async fn slot_problem(
         }))
 }
 
-/// An outbox's name problems, as `check` and the relay ask them:
-/// [`shared_problem`], then [`slot_problem`] for `slot`, the slot its relay
-/// streams from (`None` when it does not stream).
+/// The configured outbox's name problems, as `check` and the relay ask
+/// them: [`shared_problem`], then, when the source may stream,
+/// [`slot_problem`] for the slot it would stream from.
 pub async fn problems(
     client: &impl GenericClient,
-    table: &TableName,
-    slot: Option<&str>,
+    config: &crate::config::Config,
 ) -> Vec<Result<Option<String>, tokio_postgres::Error>> {
+    let table = &config.outbox.table;
     let mut problems = vec![shared_problem(client, table).await];
-    if let Some(slot) = slot {
-        problems.push(slot_problem(client, table, slot).await);
+    if config.source.mode.may_use_cdc() {
+        let slot = config.source.cdc.slot_name(table);
+        problems.push(slot_problem(client, table, &slot).await);
     }
     problems
 }

@@ -424,13 +424,7 @@ async fn choice_problem(owner: &Client, config: &Config) -> Result<(), RelayErro
 /// could skip or repeat events. Asked at every acquisition, as `migrate`
 /// and `check` ask: the other outbox may have been set up since.
 async fn names_problem(owner: &Client, config: &Config) -> Result<(), RelayError> {
-    let table = &config.outbox.table;
-    let slot = config
-        .source
-        .mode
-        .may_use_cdc()
-        .then(|| config.source.cdc.slot_name(table));
-    for problem in crate::outbox::names::problems(owner, table, slot.as_deref()).await {
+    for problem in crate::outbox::names::problems(owner, config).await {
         match problem {
             Ok(None) => {}
             Ok(Some(problem)) => {

@@ -52,13 +52,7 @@ pub(super) async fn check_shared_names(
     client: &tokio_postgres::Client,
     r: &mut Report,
 ) {
-    let table = &config.outbox.table;
-    let slot = config
-        .source
-        .mode
-        .may_use_cdc()
-        .then(|| config.source.cdc.slot_name(table));
-    for problem in crate::outbox::names::problems(client, table, slot.as_deref()).await {
+    for problem in crate::outbox::names::problems(client, config).await {
         match problem {
             Ok(None) => {}
             Ok(Some(problem)) => r.add(Mark::Fail, "names", problem),
