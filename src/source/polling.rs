@@ -35,7 +35,7 @@
 //! application's commits).
 
 use super::record::{RowRecorder, RowStore};
-use super::rows::{byte_capped, each_row, page_rows, read_row, select_list};
+use super::rows::{Paging, read_row, select_list};
 use super::{Acker, Reader, SourceError, SourcedEvent};
 use crate::config::PollingConfig;
 use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
@@ -89,6 +89,7 @@ pub struct PollingReader {
     next_poll: Instant,
     /// Ticks in a row that found nothing.
     quiet: u32,
+    paging: Paging,
 }
 
 /// A tick's state when sent rows are recorded by ranges: the highest
@@ -166,29 +167,26 @@ impl PollingReader {
             idle: false,
             next_poll: Instant::now(),
             quiet: 0,
+            paging: Paging::default(),
         })
     }
 
     /// Runs one page query; returns the tick's snapshot, the rows, and
     /// whether more rows may follow in this tick.
-    async fn page(&self, max: usize, max_bytes: usize) -> Result<Page, SourceError> {
-        let limit = i64::try_from(max).unwrap_or(i64::MAX);
-        let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+    async fn page(&mut self, max: usize, max_bytes: usize) -> Result<Page, SourceError> {
+        let want = self.paging.limit(max, max_bytes);
+        let limit = i64::try_from(want).unwrap_or(i64::MAX);
         // The first page's rows start after the tick's snapshot, which every
         // row carries (one row of NULLs after it when there are none).
         let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) =
             match (&self.cur, &self.ranges) {
-                (None, None) => (&self.first_page, 1, vec![&self.prev, &limit, &bytes]),
+                (None, None) => (&self.first_page, 1, vec![&self.prev, &limit]),
                 (Some(cur), None) => (
                     &self.next_page,
                     0,
-                    vec![&self.cursor, cur, &self.prev, &limit, &bytes],
+                    vec![&self.cursor, cur, &self.prev, &limit],
                 ),
-                (None, Some(r)) => (
-                    &self.first_page,
-                    4,
-                    vec![&self.prev, &r.prev_max, &limit, &bytes],
-                ),
+                (None, Some(r)) => (&self.first_page, 4, vec![&self.prev, &r.prev_max, &limit]),
                 (Some(cur), Some(r)) => (
                     &self.next_page,
                     0,
@@ -199,34 +197,40 @@ impl PollingReader {
                         &r.base_max,
                         &r.stragglers,
                         &limit,
-                        &bytes,
                     ],
                 ),
             };
-        let mut first: Option<(String, usize)> = None;
+        let mut snapshot: Option<String> = None;
         let mut head: Option<RangesHead> = None;
-        let rows = each_row(&self.client, statement, &params, |row| {
-            if first.is_none() {
-                let snapshot = if offset > 0 {
-                    row.get(0)
-                } else {
-                    String::new()
-                };
-                if offset == 4 {
-                    head = Some((row.get(1), row.get(2), row.get(3)));
-                }
-                first = Some((snapshot, page_rows(row)));
-            }
-            read_row(row, offset)
-        })
-        .await
-        .map_err(|e| DbError::query("reading unsent outbox rows", e))?;
-        let (snapshot, found) = first.unwrap_or_default();
+        let paged = self
+            .paging
+            .read(
+                &self.client,
+                statement,
+                &params,
+                want,
+                max_bytes,
+                |row| {
+                    if snapshot.is_none() {
+                        snapshot = Some(if offset > 0 {
+                            row.get(0)
+                        } else {
+                            String::new()
+                        });
+                        if offset == 4 {
+                            head = Some((row.get(1), row.get(2), row.get(3)));
+                        }
+                    }
+                    read_row(row, offset)
+                },
+                |(_, raw)| raw.payload.as_ref().map_or(0, String::len),
+            )
+            .await
+            .map_err(|e| DbError::query("reading unsent outbox rows", e))?;
         Ok(Page {
-            // A page cut short by the byte limit has more to come, too.
-            full: found >= max || rows.len() < found,
-            rows,
-            snapshot: self.cur.clone().unwrap_or(snapshot),
+            full: paged.full,
+            rows: paged.rows,
+            snapshot: self.cur.clone().or(snapshot).unwrap_or_default(),
             head,
         })
     }
@@ -247,37 +251,25 @@ fn statements(
         .map(|c| format!(" AND {c}"))
         .unwrap_or_default();
     if ranges {
-        let sql = crate::outbox::progress::Ranges::new(table).read_sql_wrapped(
-            &cols,
-            &shard,
-            &|page, bytes| byte_capped(&page, &columns.payload, bytes),
-        );
+        let sql = crate::outbox::progress::Ranges::new(table).read_sql(&cols, &shard);
         return (sql.first_page, sql.next_page);
     }
-    let first = byte_capped(
-        &format!(
-            "SELECT {cols} FROM {t}
-             WHERE {SENT_AT_COLUMN} IS NULL{shard}
-               AND ($1::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $1::text::pg_snapshot))
-             ORDER BY {SEQ_COLUMN} LIMIT $2"
-        ),
-        &columns.payload,
-        "$3",
+    let first = format!(
+        "SELECT {cols} FROM {t}
+         WHERE {SENT_AT_COLUMN} IS NULL{shard}
+           AND ($1::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $1::text::pg_snapshot))
+         ORDER BY {SEQ_COLUMN} LIMIT $2"
     );
     let first_page = format!(
         "WITH snap AS (SELECT pg_current_snapshot() AS cur)
          SELECT snap.cur::text, e.* FROM snap LEFT JOIN LATERAL ({first}) e ON true"
     );
-    let next_page = byte_capped(
-        &format!(
-            "SELECT {cols} FROM {t}
-             WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1{shard}
-               AND pg_visible_in_snapshot({XID_COLUMN}, $2::text::pg_snapshot)
-               AND ($3::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $3::text::pg_snapshot))
-             ORDER BY {SEQ_COLUMN} LIMIT $4"
-        ),
-        &columns.payload,
-        "$5",
+    let next_page = format!(
+        "SELECT {cols} FROM {t}
+         WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1{shard}
+           AND pg_visible_in_snapshot({XID_COLUMN}, $2::text::pg_snapshot)
+           AND ($3::text IS NULL OR NOT pg_visible_in_snapshot({XID_COLUMN}, $3::text::pg_snapshot))
+         ORDER BY {SEQ_COLUMN} LIMIT $4"
     );
     (first_page, next_page)
 }

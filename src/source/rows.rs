@@ -66,50 +66,109 @@ pub fn read_row(row: &Row, offset: usize) -> Option<(i64, RawRow)> {
     })
 }
 
-/// Wraps a page query (`SELECT select_list ... ORDER BY relay_seq LIMIT n`)
-/// so that it returns its rows only while their payloads, in order, fit in
-/// the bytes given as parameter `bytes_param` (the first row always), and
-/// adds a trailing column `relay_page_rows`: how many rows the page had
-/// before the cut, which tells a full page from the end of the rows.
-pub fn byte_capped(page: &str, payload: &str, bytes_param: &str) -> String {
-    let size = format!("coalesce(octet_length(page.{}), 0)", quote_ident(payload));
-    format!(
-        "SELECT * FROM (
-             SELECT page.*, count(*) OVER () AS relay_page_rows,
-                    sum({size}) OVER (ORDER BY page.{SEQ_COLUMN} ROWS UNBOUNDED PRECEDING) - {size} AS relay_bytes_before
-             FROM ({page}) page
-         ) sized
-         WHERE relay_bytes_before < {bytes_param}
-         ORDER BY {SEQ_COLUMN}"
-    )
+/// Rows a page asks for while no payload size is known yet (the first
+/// page after a start): few, so that a first page of large payloads does
+/// not carry many rows past the byte budget.
+const FIRST_PAGE: usize = 64;
+
+/// How many rows a page asks for, and where the byte budget cuts it.
+///
+/// A page query is `... ORDER BY relay_seq LIMIT n` with no byte cap of its
+/// own (a running sum of the payloads in SQL added about a third to a
+/// page's time on the server). The reader asks for as many rows as the budget holds at the
+/// average payload of its previous page, at most `max`, and keeps rows
+/// while the payloads before them take less than the budget (the first row
+/// always); the rest of a page that payloads outgrew are dropped as they
+/// arrive, and read again by the next page.
+#[derive(Debug, Default)]
+pub struct Paging {
+    /// Average payload bytes of the last page that kept rows.
+    average: Option<usize>,
 }
 
-/// The `relay_page_rows` column of a [`byte_capped`] page's row (0 when NULL).
-pub fn page_rows(row: &Row) -> usize {
-    row.try_get::<_, Option<i64>>("relay_page_rows")
-        .ok()
-        .flatten()
-        .map_or(0, |n| usize::try_from(n).unwrap_or(0))
+/// One page's rows, and whether more may follow.
+#[derive(Debug)]
+pub struct Paged<T> {
+    pub rows: Vec<T>,
+    /// The page had as many rows as it asked for, or the budget cut it.
+    pub full: bool,
 }
 
-/// Runs a page query and hands each row to `each` as it arrives, keeping
-/// what `each` returns. A row borrows the connection's read buffer, so
-/// collecting a page's rows first would hold the whole page in that buffer
-/// (grown to as much again) while `each` copied it out: with large payloads,
-/// three times the page at once. Row by row, the buffer holds about one row.
-pub async fn each_row<T>(
-    client: &Client,
-    statement: &Statement,
-    params: &[&(dyn ToSql + Sync)],
-    mut each: impl FnMut(&Row) -> Option<T>,
-) -> Result<Vec<T>, tokio_postgres::Error> {
-    let rows = client
-        .query_raw(statement, params.iter().map(|p| *p as &dyn ToSql))
-        .await?;
-    let mut rows = std::pin::pin!(rows);
-    let mut out = Vec::new();
-    while let Some(row) = rows.try_next().await? {
-        out.extend(each(&row));
+impl Paging {
+    /// The `LIMIT` of the next page: what `max_bytes` holds at the average
+    /// payload, between 1 and `max`.
+    pub fn limit(&self, max: usize, max_bytes: usize) -> usize {
+        let fit = match self.average {
+            None => FIRST_PAGE,
+            // Empty payloads take no room.
+            Some(average) => max_bytes.checked_div(average).unwrap_or(usize::MAX),
+        };
+        fit.clamp(1, max.max(1))
     }
-    Ok(out)
+
+    /// Runs a page query asking for `limit` rows and hands each row to
+    /// `each` as it arrives, keeping what `each` returns (`None`: a row of
+    /// NULLs, not a row) while the `payload` bytes of the rows kept before
+    /// it are under `max_bytes`.
+    ///
+    /// Row by row because a row borrows the connection's read buffer:
+    /// collecting a page first would hold it all in that buffer (grown to
+    /// as much again) while `each` copied it out. Rows past the cut are
+    /// dropped unread; the connection discards the rest of the answer.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn read<T>(
+        &mut self,
+        client: &Client,
+        statement: &Statement,
+        params: &[&(dyn ToSql + Sync)],
+        limit: usize,
+        max_bytes: usize,
+        mut each: impl FnMut(&Row) -> Option<T>,
+        payload: impl Fn(&T) -> usize,
+    ) -> Result<Paged<T>, tokio_postgres::Error> {
+        let rows = client
+            .query_raw(statement, params.iter().map(|p| *p as &dyn ToSql))
+            .await?;
+        let mut rows = std::pin::pin!(rows);
+        let (mut kept, mut bytes, mut cut) = (Vec::new(), 0usize, false);
+        while let Some(row) = rows.try_next().await? {
+            if bytes >= max_bytes && !kept.is_empty() {
+                cut = true;
+                break;
+            }
+            if let Some(t) = each(&row) {
+                bytes = bytes.saturating_add(payload(&t));
+                kept.push(t);
+            }
+        }
+        if !kept.is_empty() {
+            self.average = Some(bytes / kept.len());
+        }
+        Ok(Paged {
+            full: cut || kept.len() >= limit,
+            rows: kept,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_asks_for_what_the_room_holds_at_the_last_average() {
+        let mut paging = Paging::default();
+        // Nothing known yet: a small first page, never more than `max`.
+        assert_eq!(paging.limit(500, usize::MAX), FIRST_PAGE);
+        assert_eq!(paging.limit(10, usize::MAX), 10);
+        paging.average = Some(1_000);
+        assert_eq!(paging.limit(500, 100_000), 100);
+        assert_eq!(paging.limit(50, 100_000), 50);
+        // Less room than one row: one row still.
+        assert_eq!(paging.limit(500, 10), 1);
+        assert_eq!(paging.limit(0, 10), 1);
+        // Empty payloads: as many as `max`.
+        paging.average = Some(0);
+        assert_eq!(paging.limit(500, 1), 500);
+    }
 }

@@ -32,6 +32,7 @@ mod memory;
 mod messages;
 mod migrations;
 mod operations;
+mod paging;
 mod partitions;
 mod rabbit_exchanges;
 mod ranges_delivery;

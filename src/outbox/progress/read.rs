@@ -74,18 +74,6 @@ impl Ranges {
     /// column `relay_seq`, the others unqualified); `shard` a condition on
     /// the outbox's columns, prefixed with ` AND `, or empty.
     pub fn read_sql(&self, cols: &str, shard: &str) -> ReadSql {
-        self.read_sql_wrapped(cols, shard, &|page, _| page)
-    }
-
-    /// [`Ranges::read_sql`] with each page passed through `wrap` with the
-    /// placeholder of one more parameter, after the others (`$4` on the
-    /// first page, `$7` on the next ones): the relay's byte cap.
-    pub fn read_sql_wrapped(
-        &self,
-        cols: &str,
-        shard: &str,
-        wrap: &dyn Fn(String, &str) -> String,
-    ) -> ReadSql {
         let first = self.page(
             cols,
             shard,
@@ -98,7 +86,6 @@ impl Ranges {
                 limit: Some("$3"),
             },
         );
-        let first = wrap(first, "$4");
         let first_page = format!(
             "{base_and_stragglers}
              SELECT pg_current_snapshot()::text, (SELECT max({SEQ_COLUMN}) FROM {t}),
@@ -107,20 +94,17 @@ impl Ranges {
             base_and_stragglers = self.base_and_stragglers(shard, "$1::text", "$2::bigint"),
             t = self.outbox.quoted(),
         );
-        let next_page = wrap(
-            self.page(
-                cols,
-                shard,
-                &Page {
-                    cursor: "$1",
-                    base_snapshot: "$3::text",
-                    base_max: "$4::bigint",
-                    stragglers: "$5::bigint[]",
-                    cur: Some("$2::text::pg_snapshot"),
-                    limit: Some("$6"),
-                },
-            ),
-            "$7",
+        let next_page = self.page(
+            cols,
+            shard,
+            &Page {
+                cursor: "$1",
+                base_snapshot: "$3::text",
+                base_max: "$4::bigint",
+                stragglers: "$5::bigint[]",
+                cur: Some("$2::text::pg_snapshot"),
+                limit: Some("$6"),
+            },
         );
         let all = self.page(
             SEQ_COLUMN,

@@ -19,7 +19,7 @@ use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_
 use crate::db::DbError;
 use crate::outbox::progress::{Ranges, read};
 use crate::source::SourceError;
-use crate::source::rows::{ROW_WIDTH, byte_capped, each_row, read_row, select_list};
+use crate::source::rows::{Paging, ROW_WIDTH, read_row, select_list};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, Statement};
 
@@ -30,16 +30,20 @@ const HEAD: usize = 4;
 /// Column of the 32-bit xid within a page's row, after `relay_seq` and the row.
 const XID_INDEX: usize = 1 + ROW_WIDTH;
 
-/// How the start-up read finds unsent rows.
-pub(super) enum StartupRows {
-    /// `relay_sent_at IS NULL` (`$1` the cursor, `$2` the page's size,
-    /// `$3` its bytes).
+/// How the start-up read finds unsent rows, and the size of its pages.
+pub(super) struct StartupRows {
+    find: Find,
+    paging: Paging,
+}
+
+enum Find {
+    /// `relay_sent_at IS NULL` (`$1` the cursor, `$2` the page's size).
     Marked(Statement),
     Ranges(RangesRead),
 }
 
 /// The ranges statements, and what a round's pages share.
-pub(super) struct RangesRead {
+struct RangesRead {
     first_page: Statement,
     next_page: Statement,
     /// The previous round's snapshot and highest visible `relay_seq`, the
@@ -68,7 +72,6 @@ impl StartupRows {
             "{}, ({XID_COLUMN}::text::bigint % 4294967296)::bigint AS relay_xid32",
             select_list(columns)
         );
-        let capped = |page: String, bytes: &str| byte_capped(&page, &columns.payload, bytes);
         let prepare = |sql: String| async move {
             client.prepare(&sql).await.map_err(|e| {
                 match Some(Ranges::new(table)).filter(|_| ranges) {
@@ -78,45 +81,49 @@ impl StartupRows {
                 .unwrap_or_else(|| DbError::query("preparing the start-up read", e).into())
             })
         };
-        if !ranges {
-            let sql = capped(
-                format!(
+        let find = if ranges {
+            let sql = Ranges::new(table).read_sql(&cols, "");
+            Find::Ranges(RangesRead {
+                first_page: prepare(sql.first_page).await?,
+                next_page: prepare(sql.next_page).await?,
+                base: None,
+                head: None,
+            })
+        } else {
+            Find::Marked(
+                prepare(format!(
                     "SELECT {cols} FROM {} WHERE {SENT_AT_COLUMN} IS NULL AND {SEQ_COLUMN} > $1 ORDER BY {SEQ_COLUMN} LIMIT $2",
                     table.quoted()
-                ),
-                "$3",
-            );
-            return Ok(StartupRows::Marked(prepare(sql).await?));
-        }
-        let sql = Ranges::new(table).read_sql_wrapped(&cols, "", &capped);
-        Ok(StartupRows::Ranges(RangesRead {
-            first_page: prepare(sql.first_page).await?,
-            next_page: prepare(sql.next_page).await?,
-            base: None,
-            head: None,
-        }))
+                ))
+                .await?,
+            )
+        };
+        Ok(StartupRows {
+            find,
+            paging: Paging::default(),
+        })
     }
 
     /// What the start-up read's transaction sets after its BEGIN: with
     /// ranges, the reading session's planner settings
     /// ([`read::READER_SESSION`]), for this transaction only.
     pub(super) fn transaction_settings(&self) -> String {
-        match self {
-            StartupRows::Marked(_) => String::new(),
-            StartupRows::Ranges(_) => read::READER_SESSION.replace("SET ", "SET LOCAL "),
+        match self.find {
+            Find::Marked(_) => String::new(),
+            Find::Ranges(_) => read::READER_SESSION.replace("SET ", "SET LOCAL "),
         }
     }
 
     /// A new start: its first round reads from the frontier.
     pub(super) fn restart(&mut self) {
-        if let StartupRows::Ranges(r) = self {
+        if let Find::Ranges(r) = &mut self.find {
             (r.base, r.head) = (None, None);
         }
     }
 
     /// A new round: the one that ended is its base.
     pub(super) fn next_round(&mut self) {
-        if let StartupRows::Ranges(r) = self
+        if let Find::Ranges(r) = &mut self.find
             && let Some(head) = r.head.take()
         {
             r.base = Some((head.cur, head.cur_max));
@@ -132,39 +139,36 @@ impl StartupRows {
         max: usize,
         max_bytes: usize,
     ) -> Result<Vec<TableRow>, SourceError> {
-        let limit = i64::try_from(max).unwrap_or(i64::MAX);
-        let bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
-        let r = match self {
-            StartupRows::Marked(statement) => {
-                let params: [&(dyn ToSql + Sync); 3] = [&after, &limit, &bytes];
-                return each_row(client, statement, &params, |row| table_row(row, 0))
+        let want = self.paging.limit(max, max_bytes);
+        let limit = i64::try_from(want).unwrap_or(i64::MAX);
+        let payload = |r: &TableRow| r.raw.payload.as_ref().map_or(0, String::len);
+        let r = match &mut self.find {
+            Find::Marked(statement) => {
+                let params: [&(dyn ToSql + Sync); 2] = [&after, &limit];
+                let read = |row: &Row| table_row(row, 0);
+                return self
+                    .paging
+                    .read(client, statement, &params, want, max_bytes, read, payload)
                     .await
+                    .map(|paged| paged.rows)
                     .map_err(|e| DbError::query("reading unsent rows at start-up", e).into());
             }
-            StartupRows::Ranges(r) => r,
+            Find::Ranges(r) => r,
         };
         let (base, base_max) = match &r.base {
             Some((snapshot, max)) => (Some(snapshot.clone()), *max),
             None => (None, None),
         };
         let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) = match &r.head {
-            None => (&r.first_page, HEAD, vec![&base, &base_max, &limit, &bytes]),
+            None => (&r.first_page, HEAD, vec![&base, &base_max, &limit]),
             Some(h) => (
                 &r.next_page,
                 0,
-                vec![
-                    &after,
-                    &h.cur,
-                    &base,
-                    &h.base_max,
-                    &h.stragglers,
-                    &limit,
-                    &bytes,
-                ],
+                vec![&after, &h.cur, &base, &h.base_max, &h.stragglers, &limit],
             ),
         };
         let mut head = None;
-        let rows = each_row(client, statement, &params, |row| {
+        let read = |row: &Row| {
             if offset == HEAD && head.is_none() {
                 head = Some(Head {
                     cur: row.get(0),
@@ -174,13 +178,16 @@ impl StartupRows {
                 });
             }
             table_row(row, offset)
-        })
-        .await
-        .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e))?;
+        };
+        let paged = self
+            .paging
+            .read(client, statement, &params, want, max_bytes, read, payload)
+            .await
+            .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e))?;
         if head.is_some() {
             r.head = head;
         }
-        Ok(rows)
+        Ok(paged.rows)
     }
 }
 
