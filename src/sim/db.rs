@@ -9,6 +9,7 @@ use super::world::{Letter, Resolution, Shared, lock};
 use crate::config::MarkMode;
 use crate::dead_letter::{DeadLetter, OpenLetters, Written};
 use crate::source::record::RowStore;
+use crate::source::rows::Paging;
 use crate::source::{Reader, SourceError, SourcedEvent};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::Duration;
@@ -307,6 +308,7 @@ pub struct SimPolling {
     cursor: i64,
     idle: bool,
     next_poll: Instant,
+    paging: Paging,
 }
 
 impl SimPolling {
@@ -319,6 +321,7 @@ impl SimPolling {
             cursor: 0,
             idle: false,
             next_poll: Instant::now(),
+            paging: Paging::default(),
         }
     }
 }
@@ -349,7 +352,8 @@ impl Reader for SimPolling {
                 self.idle = false;
             }
             latency(&self.world).await;
-            let (snapshot, rows, found) = {
+            let limit = self.paging.limit(max, max_bytes);
+            let (snapshot, paged) = {
                 let mut w = lock(&self.world);
                 // A snapshot sees every commit before it.
                 w.unseen.clear();
@@ -359,26 +363,25 @@ impl Reader for SimPolling {
                     .iter()
                     .copied()
                     .collect();
-                let page: Vec<(i64, crate::outbox::RawRow)> = w
+                // As the real reader: `limit` rows in `relay_seq` order,
+                // kept while the payloads before them take less than the room.
+                let mut page = self.paging.page(limit, max_bytes);
+                let answer = w
                     .rows
                     .range(self.cursor + 1..)
                     .filter(|(_, r)| !w.is_sent(r) && tick.contains(&r.xid))
-                    .take(max)
-                    .map(|(seq, r)| (*seq, r.raw()))
-                    .collect();
-                // As the real query: rows while the payloads before them fit.
-                let found = page.len();
-                let mut before = 0;
-                let rows: Vec<_> = page
-                    .into_iter()
-                    .take_while(|(_, raw)| {
-                        let fits = before < max_bytes;
-                        before += raw.payload.as_ref().map_or(0, String::len);
-                        fits
-                    })
-                    .collect();
-                (snapshot, rows, found)
+                    .take(limit);
+                for (seq, r) in answer {
+                    if !page.takes_another() {
+                        break;
+                    }
+                    let raw = r.raw();
+                    let bytes = raw.payload.as_ref().map_or(0, String::len);
+                    page.keep((*seq, raw), bytes);
+                }
+                (snapshot, self.paging.finish(page))
             };
+            let rows = paged.rows;
             latency(&self.world).await;
             if self.cur.is_none() {
                 self.cur = Some(snapshot);
@@ -386,7 +389,7 @@ impl Reader for SimPolling {
             if let Some((seq, _)) = rows.last() {
                 self.cursor = *seq;
             }
-            if found < max && rows.len() == found {
+            if !paged.full {
                 self.prev = self.cur.take();
                 self.cursor = 0;
                 if rows.is_empty() {

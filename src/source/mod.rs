@@ -137,8 +137,9 @@ pub trait Reader: Send + 'static {
     type Position: Clone + Debug + Eq + Hash + Send + Sync + RowPosition + 'static;
 
     /// Waits until events are available and returns up to `max` of them, in
-    /// order, whose payloads together take no more than `max_bytes` (at
-    /// least one event, however large).
+    /// order, each while the payloads before it take less than `max_bytes`
+    /// (so at least one event, however large, and the last may pass the
+    /// room).
     ///
     /// Cancel-safe: state changes only once a read completes, so a dropped call
     /// loses nothing.

@@ -73,48 +73,89 @@ const FIRST_PAGE: usize = 64;
 
 /// How many rows a page asks for, and where the byte budget cuts it.
 ///
-/// A page query is `... ORDER BY relay_seq LIMIT n` with no byte cap of its
-/// own (a running sum of the payloads in SQL added about a third to a
-/// page's time on the server). The reader asks for as many rows as the budget holds at the
-/// average payload of its previous page, at most `max`, and keeps rows
-/// while the payloads before them take less than the budget (the first row
-/// always); the rest of a page that payloads outgrew are dropped as they
-/// arrive, and read again by the next page.
+/// A page query is `... ORDER BY relay_seq LIMIT n` with no byte cap of
+/// its own (a running sum of the payloads in SQL added about a third to a
+/// page's time on the server). The reader asks for as many rows as the
+/// room holds at the previous page's payloads, at most `max`, and keeps
+/// rows while the payloads before them take less than the room (the first
+/// row always). The server still sends the rest of a page the payloads
+/// outgrew; the reader drops it, and the next page reads it again.
+///
+/// The size a page assumes is its previous page's average payload, or a
+/// quarter of that page's largest when larger: unless payloads outgrow
+/// the previous page's largest, a page carries at most about four times
+/// the room. A first page after a start asks for [`FIRST_PAGE`] rows.
 #[derive(Debug, Default)]
 pub struct Paging {
-    /// Average payload bytes of the last page that kept rows.
-    average: Option<usize>,
+    /// The payload bytes a row is assumed to take; `None` until a page kept rows.
+    assumed: Option<usize>,
+}
+
+/// A page's rows as they arrive: kept while the room lasts.
+#[derive(Debug)]
+pub struct Page<T> {
+    rows: Vec<T>,
+    limit: usize,
+    max_bytes: usize,
+    bytes: usize,
+    largest: usize,
+    cut: bool,
 }
 
 /// One page's rows, and whether more may follow.
 #[derive(Debug)]
 pub struct Paged<T> {
     pub rows: Vec<T>,
-    /// The page had as many rows as it asked for, or the budget cut it.
+    /// The page had as many rows as it asked for, or the room cut it.
     pub full: bool,
 }
 
 impl Paging {
-    /// The `LIMIT` of the next page: what `max_bytes` holds at the average
-    /// payload, between 1 and `max`.
+    /// The `LIMIT` of the next page: what `max_bytes` holds at the
+    /// assumed payload, between 1 and `max`.
     pub fn limit(&self, max: usize, max_bytes: usize) -> usize {
-        let fit = match self.average {
+        let fit = match self.assumed {
             None => FIRST_PAGE,
             // Empty payloads take no room.
-            Some(average) => max_bytes.checked_div(average).unwrap_or(usize::MAX),
+            Some(size) => max_bytes
+                .checked_div(size)
+                .map_or(usize::MAX, |n| n.saturating_add(1)),
         };
         fit.clamp(1, max.max(1))
     }
 
+    /// A page of the rows of a query that asked for `limit`.
+    pub fn page<T>(&self, limit: usize, max_bytes: usize) -> Page<T> {
+        Page {
+            rows: Vec::new(),
+            limit,
+            max_bytes,
+            bytes: 0,
+            largest: 0,
+            cut: false,
+        }
+    }
+
+    /// The page's rows; what it kept sizes the next.
+    pub fn finish<T>(&mut self, page: Page<T>) -> Paged<T> {
+        if let Some(average) = page.bytes.checked_div(page.rows.len()) {
+            self.assumed = Some(average.max(page.largest / 4));
+        }
+        Paged {
+            full: page.cut || page.rows.len() >= page.limit,
+            rows: page.rows,
+        }
+    }
+
     /// Runs a page query asking for `limit` rows and hands each row to
     /// `each` as it arrives, keeping what `each` returns (`None`: a row of
-    /// NULLs, not a row) while the `payload` bytes of the rows kept before
-    /// it are under `max_bytes`.
+    /// NULLs, not a row) while the [`Page`] takes it; `payload` tells a
+    /// kept row's payload bytes.
     ///
     /// Row by row because a row borrows the connection's read buffer:
     /// collecting a page first would hold it all in that buffer (grown to
-    /// as much again) while `each` copied it out. Rows past the cut are
-    /// dropped unread; the connection discards the rest of the answer.
+    /// as much again) while `each` copied it out. After a cut, the
+    /// connection reads the rest of the answer and drops it.
     #[allow(clippy::too_many_arguments)]
     pub async fn read<T>(
         &mut self,
@@ -130,24 +171,33 @@ impl Paging {
             .query_raw(statement, params.iter().map(|p| *p as &dyn ToSql))
             .await?;
         let mut rows = std::pin::pin!(rows);
-        let (mut kept, mut bytes, mut cut) = (Vec::new(), 0usize, false);
+        let mut page = self.page(limit, max_bytes);
         while let Some(row) = rows.try_next().await? {
-            if bytes >= max_bytes && !kept.is_empty() {
-                cut = true;
+            if !page.takes_another() {
+                tracing::debug!(kept = page.rows.len(), limit, "page cut at the byte room");
                 break;
             }
             if let Some(t) = each(&row) {
-                bytes = bytes.saturating_add(payload(&t));
-                kept.push(t);
+                let bytes = payload(&t);
+                page.keep(t, bytes);
             }
         }
-        if !kept.is_empty() {
-            self.average = Some(bytes / kept.len());
-        }
-        Ok(Paged {
-            full: cut || kept.len() >= limit,
-            rows: kept,
-        })
+        Ok(self.finish(page))
+    }
+}
+
+impl<T> Page<T> {
+    /// Whether another row that arrived is kept: while the rows kept take
+    /// less than the room (the first row always). `false` cuts the page.
+    pub fn takes_another(&mut self) -> bool {
+        self.cut = self.bytes >= self.max_bytes && !self.rows.is_empty();
+        !self.cut
+    }
+
+    pub fn keep(&mut self, row: T, payload: usize) {
+        self.bytes = self.bytes.saturating_add(payload);
+        self.largest = self.largest.max(payload);
+        self.rows.push(row);
     }
 }
 
@@ -161,14 +211,63 @@ mod tests {
         // Nothing known yet: a small first page, never more than `max`.
         assert_eq!(paging.limit(500, usize::MAX), FIRST_PAGE);
         assert_eq!(paging.limit(10, usize::MAX), 10);
-        paging.average = Some(1_000);
-        assert_eq!(paging.limit(500, 100_000), 100);
+        paging.assumed = Some(1_000);
+        // As many rows as the room holds, and the one that passes it.
+        assert_eq!(paging.limit(500, 100_000), 101);
         assert_eq!(paging.limit(50, 100_000), 50);
         // Less room than one row: one row still.
         assert_eq!(paging.limit(500, 10), 1);
         assert_eq!(paging.limit(0, 10), 1);
         // Empty payloads: as many as `max`.
-        paging.average = Some(0);
+        paging.assumed = Some(0);
         assert_eq!(paging.limit(500, 1), 500);
+    }
+
+    /// Keeps `payloads` as rows of a page that asked for `limit`.
+    fn page_of(paging: &mut Paging, limit: usize, room: usize, payloads: &[usize]) -> Paged<usize> {
+        let mut page = paging.page(limit, room);
+        for (i, &size) in payloads.iter().enumerate() {
+            if !page.takes_another() {
+                break;
+            }
+            page.keep(i, size);
+        }
+        paging.finish(page)
+    }
+
+    #[test]
+    fn a_page_keeps_rows_while_the_ones_before_take_less_than_the_room() {
+        let mut paging = Paging::default();
+        let paged = page_of(&mut paging, 64, 2_500, &[1_000; 10]);
+        assert_eq!((paged.rows, paged.full), (vec![0, 1, 2], true));
+        // The first row always, however large.
+        let paged = page_of(&mut paging, 64, 10, &[1_000, 1_000]);
+        assert_eq!((paged.rows, paged.full), (vec![0], true));
+        // The answer ended before the room or the limit: the last page.
+        let paged = page_of(&mut paging, 64, 10_000, &[1_000; 3]);
+        assert_eq!((paged.rows, paged.full), (vec![0, 1, 2], false));
+        // As many rows as asked for: more may follow.
+        let paged = page_of(&mut paging, 3, 10_000, &[1_000; 3]);
+        assert_eq!((paged.rows, paged.full), (vec![0, 1, 2], true));
+    }
+
+    #[test]
+    fn the_next_page_assumes_the_average_or_a_quarter_of_the_largest() {
+        let mut paging = Paging::default();
+        page_of(&mut paging, 64, usize::MAX, &[100; 8]);
+        assert_eq!(paging.assumed, Some(100));
+        // One large payload among small ones.
+        page_of(&mut paging, 64, usize::MAX, &[100, 100, 100, 4_000]);
+        assert_eq!(paging.assumed, Some(1_075));
+        page_of(
+            &mut paging,
+            64,
+            usize::MAX,
+            &[100, 100, 100, 100, 100, 100, 100, 4_000],
+        );
+        assert_eq!(paging.assumed, Some(1_000));
+        // An empty page leaves it as it was.
+        page_of(&mut paging, 64, usize::MAX, &[]);
+        assert_eq!(paging.assumed, Some(1_000));
     }
 }

@@ -1,7 +1,8 @@
 //! The polling reader against a real server: a page stops where its rows'
 //! payloads pass the byte room it was given (the first row always goes),
-//! and the next page goes on from the row the cut left, so nothing is
-//! skipped or read twice.
+//! on a tick's first page and on a later one whose payloads grew, and the
+//! next page goes on from the row the cut left, so nothing is skipped or
+//! read twice.
 
 use crate::support::*;
 use outbox_relay::outbox::Shard;
@@ -9,37 +10,35 @@ use outbox_relay::source::Reader;
 use outbox_relay::source::polling::PollingReader;
 use std::time::Duration;
 
-/// Each row's payload as text: `{"x": "` + 991 × `a` + `"}`.
-const PAYLOAD: usize = 1000;
-
-async fn insert(db: &TestDb, from: i32, to: i32) {
+/// Rows `from..=to` whose payloads take `size` bytes as text
+/// (`{"x": "` + `size - 9` × `a` + `"}`).
+async fn insert(db: &TestDb, from: i32, to: i32, size: i32) {
     db.client
         .execute(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
              SELECT gen_random_uuid(), 'order', 'a' || i, 'Paged',
-                    jsonb_build_object('x', repeat('a', 991))
+                    jsonb_build_object('x', repeat('a', $3 - 9))
              FROM generate_series($1::int, $2::int) i ORDER BY i",
-            &[&from, &to],
+            &[&from, &to, &size],
         )
         .await
         .expect("insert rows");
 }
 
-/// The `relay_seq`s of one read of up to `max` rows within `max_bytes`.
-async fn read(reader: &mut PollingReader, max: usize, max_bytes: usize) -> Vec<i64> {
+/// The `relay_seq` and payload size of each row of one read of up to
+/// `max` rows within `max_bytes`.
+async fn read(reader: &mut PollingReader, max: usize, max_bytes: usize) -> Vec<(i64, usize)> {
     let events = tokio::time::timeout(WAIT, reader.next_batch(max, max_bytes))
         .await
         .expect("a read within the wait")
         .expect("a read without error");
-    for e in &events {
-        let event = e.event.as_ref().expect("a well-formed row");
-        assert_eq!(
-            event.payload.get().len(),
-            PAYLOAD,
-            "the payload as the row has it"
-        );
-    }
-    events.iter().map(|e| e.position).collect()
+    events
+        .iter()
+        .map(|e| {
+            let event = e.event.as_ref().expect("a well-formed row");
+            (e.position, event.payload.get().len())
+        })
+        .collect()
 }
 
 async fn pages_stop_where_the_payloads_pass_the_room(mark: &str) {
@@ -52,7 +51,9 @@ async fn pages_stop_where_the_payloads_pass_the_room(mark: &str) {
     )
     .await;
     let config = parse(&toml);
-    insert(&db, 1, 10).await;
+    // Five rows of 1,000 bytes, then five of 4,000.
+    insert(&db, 1, 5, 1_000).await;
+    insert(&db, 6, 10, 4_000).await;
     let seqs: Vec<i64> = db
         .client
         .query("SELECT relay_seq FROM outbox ORDER BY relay_seq", &[])
@@ -77,15 +78,36 @@ async fn pages_stop_where_the_payloads_pass_the_room(mark: &str) {
     .await
     .expect("connect the reader");
 
+    assert_eq!(seqs.len(), 10);
+    // The rows at these indexes, with the sizes they were inserted with.
+    let rows = |at: &[usize]| -> Vec<(i64, usize)> {
+        at.iter()
+            .map(|&i| (seqs[i], if i < 5 { 1_000 } else { 4_000 }))
+            .collect()
+    };
     // 2,500 bytes of room: the rows whose earlier rows take less than that.
-    assert_eq!(read(&mut reader, 100, 2_500).await, seqs[0..3], "{mark}");
+    assert_eq!(
+        read(&mut reader, 100, 2_500).await,
+        rows(&[0, 1, 2]),
+        "{mark}"
+    );
+    // A later page, sized for 1,000-byte rows, meets larger ones.
+    assert_eq!(
+        read(&mut reader, 100, 5_000).await,
+        rows(&[3, 4, 5]),
+        "{mark}"
+    );
     // Less room than one row: that row alone.
-    assert_eq!(read(&mut reader, 100, 1).await, seqs[3..4], "{mark}");
+    assert_eq!(read(&mut reader, 100, 1).await, rows(&[6]), "{mark}");
     // Room to spare: the rest of the rows, up to `max`.
-    assert_eq!(read(&mut reader, 4, 1_000_000).await, seqs[4..8], "{mark}");
+    assert_eq!(
+        read(&mut reader, 2, 1_000_000).await,
+        rows(&[7, 8]),
+        "{mark}"
+    );
     assert_eq!(
         read(&mut reader, 100, 1_000_000).await,
-        seqs[8..10],
+        rows(&[9]),
         "{mark}"
     );
     // Nothing more until another row commits; then that row alone.
@@ -94,14 +116,10 @@ async fn pages_stop_where_the_payloads_pass_the_room(mark: &str) {
         reader.next_batch(100, 1_000_000),
     );
     assert!(idle.await.is_err(), "{mark}: no row is read twice");
-    insert(&db, 11, 11).await;
-    let last: i64 = db
-        .client
-        .query_one("SELECT max(relay_seq) FROM outbox", &[])
-        .await
-        .expect("read relay_seq")
-        .get(0);
-    assert_eq!(read(&mut reader, 100, 2_500).await, [last], "{mark}");
+    insert(&db, 11, 11, 4_000).await;
+    let got = read(&mut reader, 100, 2_500).await;
+    assert_eq!(got.len(), 1, "{mark}: {got:?}");
+    assert!(got[0].0 > seqs[9], "{mark}: {got:?} after {seqs:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -88,8 +88,9 @@ pub trait CdcServer: Send + 'static {
         to: Lsn,
     ) -> impl Future<Output = Result<Lsn, SourceError>> + Send + 'static;
 
-    /// Up to `max` unsent rows after `after`, whose payloads take no more
-    /// than `max_bytes` (at least one row); none once the read is through.
+    /// Up to `max` unsent rows after `after`, each while the payloads
+    /// before it take less than `max_bytes` (so at least one row, and the
+    /// last may pass the room); none once the read is through.
     fn table_page(
         &mut self,
         after: i64,

@@ -130,8 +130,8 @@ impl StartupRows {
         }
     }
 
-    /// Up to `max` unsent rows of the round's snapshot after `after`,
-    /// whose payloads take no more than `max_bytes` (one row at least).
+    /// Up to `max` unsent rows of the round's snapshot after `after`, cut
+    /// where their payloads pass `max_bytes` ([`Paging`]).
     pub(super) async fn page(
         &mut self,
         client: &Client,
