@@ -117,9 +117,9 @@ impl Paging {
         let fit = match self.assumed {
             None => FIRST_PAGE,
             // Empty payloads take no room.
-            Some(size) => max_bytes
-                .checked_div(size)
-                .map_or(usize::MAX, |n| n.saturating_add(1)),
+            Some(0) => usize::MAX,
+            // The rows kept: all but the last take less than the room.
+            Some(size) => max_bytes.div_ceil(size),
         };
         fit.clamp(1, max.max(1))
     }
@@ -136,7 +136,8 @@ impl Paging {
         }
     }
 
-    /// The page's rows; what it kept sizes the next.
+    /// The page's rows; what it kept sizes the next. `full` counts the rows
+    /// kept: a row of NULLs comes only alone, in an empty answer.
     pub fn finish<T>(&mut self, page: Page<T>) -> Paged<T> {
         if let Some(average) = page.bytes.checked_div(page.rows.len()) {
             self.assumed = Some(average.max(page.largest / 4));
@@ -188,7 +189,8 @@ impl Paging {
 
 impl<T> Page<T> {
     /// Whether another row that arrived is kept: while the rows kept take
-    /// less than the room (the first row always). `false` cuts the page.
+    /// less than the room (the first row always). `false` cuts the page,
+    /// so ask only once a row has arrived.
     pub fn takes_another(&mut self) -> bool {
         self.cut = self.bytes >= self.max_bytes && !self.rows.is_empty();
         !self.cut
@@ -212,8 +214,10 @@ mod tests {
         assert_eq!(paging.limit(500, usize::MAX), FIRST_PAGE);
         assert_eq!(paging.limit(10, usize::MAX), 10);
         paging.assumed = Some(1_000);
-        // As many rows as the room holds, and the one that passes it.
-        assert_eq!(paging.limit(500, 100_000), 101);
+        // As many rows as are kept: the room holds 100, and 101 when the
+        // last passes it.
+        assert_eq!(paging.limit(500, 100_000), 100);
+        assert_eq!(paging.limit(500, 100_001), 101);
         assert_eq!(paging.limit(50, 100_000), 50);
         // Less room than one row: one row still.
         assert_eq!(paging.limit(500, 10), 1);
