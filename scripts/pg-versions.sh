@@ -85,8 +85,18 @@ CONF
   fi
   if ! as_pg_owner "$bin/pg_ctl" -D "$data" status >/dev/null 2>&1; then
     log "starting PostgreSQL $major on 127.0.0.1:$port"
-    as_pg_owner "$bin/pg_ctl" -D "$data" -l "$dir/server.log" -w -t 60 start >/dev/null ||
-      die "PostgreSQL $major did not start; see $dir/server.log"
+    # The port lies in Linux's range for outgoing connections, so a
+    # client's socket can hold it for a moment: try again a few times.
+    local try
+    for try in 1 2 3 4 5; do
+      if as_pg_owner "$bin/pg_ctl" -D "$data" -l "$dir/server.log" -w -t 60 start >/dev/null; then
+        break
+      fi
+      grep -q 'Address already in use' "$dir/server.log" && [ "$try" -lt 5 ] ||
+        die "PostgreSQL $major did not start; see $dir/server.log"
+      log "127.0.0.1:$port is in use; trying again in 3 s"
+      sleep 3
+    done
   fi
   local level
   level=$(psql -h 127.0.0.1 -p "$port" -U postgres -d postgres -Atc 'SHOW wal_level') ||
