@@ -13,6 +13,7 @@ use crate::replication::pgoutput::{
 use crate::source::SourceError;
 use crate::source::cdc::snapshot::StartupView;
 use crate::source::cdc::{CdcServer, CdcStream, StreamMessage, TableRow};
+use crate::source::rows::Paging;
 use bytes::Bytes;
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -40,6 +41,7 @@ pub struct SimCdc {
     message_prefix: String,
     /// The start-up read's snapshot: the unsent rows it sees.
     snapshot: Option<Vec<Row>>,
+    paging: Paging,
 }
 
 impl SimCdc {
@@ -49,6 +51,7 @@ impl SimCdc {
             recreate_lost_slot,
             message_prefix,
             snapshot: None,
+            paging: Paging::default(),
         }
     }
 }
@@ -125,19 +128,27 @@ impl CdcServer for SimCdc {
         &mut self,
         after: i64,
         max: usize,
-        _max_bytes: usize,
+        max_bytes: usize,
     ) -> Result<Vec<TableRow>, SourceError> {
+        // As the real read: `limit` rows in `relay_seq` order, kept while
+        // the payloads before them take less than the room.
+        let limit = self.paging.limit(max, max_bytes);
+        let mut page = self.paging.page(limit, max_bytes);
         let rows = self.snapshot.as_deref().unwrap_or_default();
-        Ok(rows
-            .iter()
-            .filter(|r| r.seq > after)
-            .take(max)
-            .map(|r| TableRow {
+        for r in rows.iter().filter(|r| r.seq > after).take(limit) {
+            if !page.takes_another() {
+                break;
+            }
+            let raw = r.raw();
+            let bytes = raw.payload.as_ref().map_or(0, String::len);
+            let row = TableRow {
                 seq: r.seq,
                 xid: r.xid as u32,
-                raw: r.raw(),
-            })
-            .collect())
+                raw,
+            };
+            page.keep(row, bytes);
+        }
+        Ok(self.paging.finish(page).rows)
     }
 
     async fn end_table_read(&mut self) -> Result<(), SourceError> {
