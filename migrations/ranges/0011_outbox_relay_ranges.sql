@@ -3,7 +3,7 @@
 -- that record which rows of public.outbox were sent, the predicate's
 -- function, and the index that finds rows by transaction. Apply after the
 -- common files. The relay's role needs SELECT, INSERT, UPDATE and DELETE on
--- the four tables. On a large existing table, build the index with
+-- the three tables. On a large existing table, build the index with
 -- CREATE INDEX CONCURRENTLY outside a transaction instead (migrate does).
 -- Safe to run again.
 
@@ -27,18 +27,6 @@ CREATE TABLE IF NOT EXISTS public.outbox_relay_frontier (
 CREATE TABLE IF NOT EXISTS public.outbox_relay_held (
     relay_seq bigint PRIMARY KEY,
     held_at timestamptz NOT NULL DEFAULT now()
-);
-
--- With source.mode = "cdc": the view each slot's relay saved at a clean
--- stop, by which the next start reads from the table only what the slot
--- cannot deliver. Without this table every start reads every unsent row.
-CREATE TABLE IF NOT EXISTS public.outbox_relay_slots (
-    slot_name text PRIMARY KEY,
-    snapshot pg_snapshot NOT NULL,
-    max_seq bigint,
-    until pg_lsn NOT NULL,
-    flushed pg_lsn NOT NULL,
-    saved_at timestamptz NOT NULL
 );
 
 -- Whether a row (its relay_seq, relay_xid, relay_sent_at) was sent.

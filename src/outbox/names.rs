@@ -59,7 +59,6 @@ pub fn objects(table: &TableName) -> Vec<(String, &'static str)> {
         (ranges.progress.name, "progress table"),
         (ranges.frontier.name, "frontier table"),
         (ranges.held.name, "held table"),
-        (ranges.slots.name, "slots table"),
         (ranges.sent_function.name, "sent function"),
         (ranges.xid_index, "index on relay_xid"),
         (unsent_index(table), "index of unsent rows"),
@@ -273,7 +272,7 @@ mod tests {
         );
         let shared: Vec<&str> = shared(&a, &b).iter().map(|(_, w)| *w).collect();
         assert!(shared.contains(&"owners table"), "{shared:?}");
-        assert!(objects(&a).iter().all(|(n, _)| n.len() <= NAME_BYTES));
+        assert!(objects(&a).iter().all(|(n, _)| n.len() < NAME_BYTES));
         assert!(at_limit(&a));
     }
 

@@ -11,7 +11,7 @@ use crate::replication::pgoutput::{
     TupleValue,
 };
 use crate::source::SourceError;
-use crate::source::cdc::snapshot::{Snapshot, StartupView};
+use crate::source::cdc::snapshot::StartupView;
 use crate::source::cdc::{CdcServer, CdcStream, StreamMessage, TableRow};
 use crate::source::rows::Paging;
 use bytes::Bytes;
@@ -41,8 +41,6 @@ pub struct SimCdc {
     message_prefix: String,
     /// The start-up read's snapshot: the unsent rows it sees.
     snapshot: Option<Vec<Row>>,
-    /// This start reads by a saved view: only the rows it saw.
-    within: Option<Snapshot>,
     paging: Paging,
 }
 
@@ -53,7 +51,6 @@ impl SimCdc {
             recreate_lost_slot,
             message_prefix,
             snapshot: None,
-            within: None,
             paging: Paging::default(),
         }
     }
@@ -64,7 +61,6 @@ impl CdcServer for SimCdc {
 
     async fn prepare(&mut self) -> Result<Lsn, SourceError> {
         self.snapshot = None;
-        self.within = None;
         let mut w = lock(&self.world);
         if w.cdc_blocked {
             return Err(SourceError::Setup(
@@ -93,83 +89,11 @@ impl CdcServer for SimCdc {
         Ok(Some(lock(&self.world).insert_lsn()))
     }
 
-    async fn take_saved_view(&mut self, slot_at: Lsn) -> Result<Option<StartupView>, SourceError> {
-        let mut w = lock(&self.world);
-        if !w.slots_table {
-            return Ok(None);
-        }
-        let Some((view, flushed)) = w.saved_view.take() else {
-            return Ok(None);
-        };
-        if slot_at > flushed {
-            w.note(format!(
-                "the slot at {slot_at} is past the saved view's {flushed}: a full read"
-            ));
-            return Ok(None);
-        }
-        // What the real check refuses on includes this: any row recorded or
-        // marked since the view was saved.
-        let seen = &view.snapshot;
-        if w.rows
-            .values()
-            .any(|r| w.is_sent(r) && !seen.saw_finished(r.xid))
-        {
-            w.note("rows sent since the view was saved: a full read".into());
-            return Ok(None);
-        }
-        w.note(format!(
-            "a start reads by the view saved for {flushed}: {seen}"
-        ));
-        w.saved_view_starts += 1;
-        self.within = Some(view.snapshot.clone());
-        Ok(Some(view))
-    }
-
-    async fn save_view(&mut self, flushed: Lsn) -> Result<bool, SourceError> {
-        let mut w = lock(&self.world);
-        if !w.slots_table {
-            return Ok(false);
-        }
-        // As a start-up read's view: the server waits until every commit
-        // before it is seen, which a transaction running on may prevent.
-        if w.rng.u8(0..8) == 0 {
-            w.note("no view saved: a transaction ran on".into());
-            return Ok(false);
-        }
-        w.unseen.clear();
-        let snapshot = w.snapshot();
-        w.note(format!("view saved for {flushed}: {snapshot}"));
-        let until = w.insert_lsn();
-        w.saved_view = Some((
-            StartupView {
-                snapshot,
-                until,
-                settled: None,
-            },
-            flushed,
-        ));
-        Ok(true)
-    }
-
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
         let mut w = lock(&self.world);
         // A snapshot sees every commit before it.
         w.unseen.clear();
-        let within = self.within.as_ref();
-        self.snapshot = Some(
-            w.unsent()
-                .filter(|r| within.is_none_or(|s| s.saw_finished(r.xid)))
-                .cloned()
-                .collect(),
-        );
-        if within.is_some() {
-            // No settled position is looked for: the slot is not moved.
-            return Ok(StartupView {
-                snapshot: w.snapshot(),
-                until: w.insert_lsn(),
-                settled: None,
-            });
-        }
+        self.snapshot = Some(w.unsent().cloned().collect());
         // A simulated commit enters the WAL and becomes visible at once,
         // so every commit before the insert position is seen. A server
         // whose running transactions outlast the wait names no settled

@@ -40,8 +40,6 @@ pub struct Totals {
     /// the WAL, repeated after its clean stop (the slot could not be told
     /// past an event left unsent).
     pub clean_stop_repeats: u64,
-    /// CDC starts that read by the view saved at a stop.
-    pub saved_view_starts: u64,
     /// What the folds did (`relay.mark = "ranges"`).
     pub folds: FoldCounts,
     pub simulated: Duration,
@@ -58,7 +56,6 @@ impl Totals {
         self.clean_takeovers += t.clean_takeovers;
         self.unclean_stops += t.unclean_stops;
         self.clean_stop_repeats += t.clean_stop_repeats;
-        self.saved_view_starts += t.saved_view_starts;
         self.folds.advances += t.folds.advances;
         self.folds.unsettled += t.folds.unsettled;
         self.folds.backlogs += t.folds.backlogs;
@@ -73,7 +70,7 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} repeats after clean stops, {} CDC starts by a saved view, {} fold rounds that moved the frontier ({} unsettled, deleting {} progress rows; {} rows held open) and {} that found a drain, {} switches from update to ranges, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} repeats after clean stops, {} fold rounds that moved the frontier ({} unsettled, deleting {} progress rows; {} rows held open) and {} that found a drain, {} switches from update to ranges, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
@@ -83,7 +80,6 @@ impl fmt::Display for Totals {
             self.clean_takeovers,
             self.unclean_stops,
             self.clean_stop_repeats,
-            self.saved_view_starts,
             self.folds.advances,
             self.folds.unsettled,
             self.folds.deleted_unsettled,
@@ -146,7 +142,6 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
             clean_takeovers: u64::from(w.clean_takeovers),
             unclean_stops: u64::from(w.unclean_stops),
             clean_stop_repeats: check::repeats_after_clean_stops(&w),
-            saved_view_starts: u64::from(w.saved_view_starts),
             folds: w.progress.counts,
             simulated: outcome.unwrap_or_default(),
         });

@@ -11,7 +11,6 @@ mod alert_metrics;
 mod auto;
 mod cdc;
 mod cdc_backlog;
-mod cdc_saved_view;
 mod chaos;
 mod cli;
 mod dead_letter_lookups;

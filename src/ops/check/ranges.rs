@@ -1,10 +1,9 @@
 //! `relay.mark = "ranges"`: the server can hold multiranges, the three
-//! tables that record "sent" are there and the relay's user may use them
-//! (and, with CDC, the one that keeps the view of a clean stop),
+//! tables that record "sent" are there and the relay's user may use them,
 //! the index that finds late committers exists, and the fold keeps up.
 
 use super::{Mark, Report};
-use crate::config::{Config, MarkMode, SourceMode, TableName};
+use crate::config::{Config, MarkMode, TableName};
 use crate::db;
 use crate::outbox::inspect;
 use crate::outbox::progress::{Ranges, version_problem};
@@ -89,22 +88,6 @@ pub(super) async fn check_ranges(config: &Config, client: &Client, r: &mut Repor
         return r.add(Mark::Fail, ITEM, problems.join("\n"));
     }
     let mut warnings = Vec::new();
-    if config.source.mode == SourceMode::Cdc {
-        // Optional: without it each start reads every unsent row.
-        let (slots, needs) = (&ranges.slots, ["SELECT", "INSERT", "UPDATE", "DELETE"]);
-        match missing_privileges(client, slots, &needs).await {
-            Ok(None) => warnings.push(format!(
-                "{slots} does not exist: each start reads every unsent row, a backlog committed while the relay was stopped included, instead of leaving it to the slot; run `outbox-relay migrate`"
-            )),
-            Ok(Some(lacking)) if !lacking.is_empty() => warnings.push(format!(
-                "the relay's database user lacks {} on {slots}, so each start reads every unsent row; GRANT {} ON {slots}",
-                lacking.join(", "),
-                lacking.join(", ")
-            )),
-            Ok(Some(_)) => {}
-            Err(e) => warnings.push(e),
-        }
-    }
     let schema = &config.outbox.table.schema;
     if !db::index_is_valid(client, schema, &ranges.xid_index)
         .await

@@ -60,44 +60,7 @@ async fn migrate_one(
     }
     apply(&mut client, &steps).await.map_err(Failure::runtime)?;
     println!("-- applied {} step(s)", steps.len());
-    if first_view(&client, &options, &steps)
-        .await
-        .map_err(Failure::runtime)?
-    {
-        println!("-- saved the view of the new slot's first position");
-    }
     Ok(())
-}
-
-/// The slot these steps created, if they did.
-fn created_slot<'a>(options: &'a MigrateOptions, steps: &[Step]) -> Option<&'a str> {
-    let cdc = options.cdc.as_ref()?;
-    let sql = setup::slot_sql(&cdc.slot, cdc.failover);
-    steps
-        .iter()
-        .any(|s| s.sql == sql)
-        .then_some(cdc.slot.as_str())
-}
-
-/// After [`apply`]: when `steps` created the slot of an outbox that records
-/// by ranges, saves the view of its first position
-/// ([`crate::source::cdc::saved`]), so that the relay's first start leaves
-/// what was committed after the slot to it. True when a view was saved.
-pub async fn first_view(
-    client: &Client,
-    options: &MigrateOptions,
-    steps: &[Step],
-) -> Result<bool, MigrateError> {
-    let Some(slot) = created_slot(options, steps) else {
-        return Ok(false);
-    };
-    let ranges = Ranges::new(&options.table);
-    if table_info(client, &ranges.slots).await?.is_none() {
-        return Ok(false);
-    }
-    crate::source::cdc::saved::save_first(client, &ranges, slot)
-        .await
-        .map_err(|e| MigrateError::Prerequisite(format!("saving the new slot's first view: {e}")))
 }
 
 /// What `migrate` should set up.
@@ -352,10 +315,6 @@ async fn ranges_steps(
                 ranges.held
             ),
             format!(
-                "create {}, where a CDC relay's clean stop leaves its view",
-                ranges.slots
-            ),
-            format!(
                 "create the function {}, which says whether a row was sent",
                 ranges.sent_function
             ),
@@ -363,14 +322,6 @@ async fn ranges_steps(
         for (description, sql) in what.into_iter().zip(ranges.tables_sql()) {
             steps.push(Step::new(description, sql));
         }
-    } else if table_info(client, &ranges.slots).await?.is_none() {
-        steps.push(Step::new(
-            format!(
-                "create {}, where a CDC relay's clean stop leaves its view",
-                ranges.slots
-            ),
-            ranges.slots_sql(),
-        ));
     }
     let xid = Index {
         table: &opts.table,

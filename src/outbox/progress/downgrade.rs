@@ -184,18 +184,17 @@ impl Ranges {
         )
     }
 
-    /// Drops the predicate's function and the four tables, in one
+    /// Drops the predicate's function and the three tables, in one
     /// transaction, once every row they call sent is marked: an outbox
     /// without them runs `update` when `relay.mark` is unset. The index on
     /// `relay_xid` goes with [`Ranges::drop_index_sql`].
     pub fn drop_sql(&self) -> String {
         format!(
-            "BEGIN; {}; DROP TABLE IF EXISTS {}, {}, {}, {}; COMMIT",
+            "BEGIN; {}; DROP TABLE IF EXISTS {}, {}, {}; COMMIT",
             self.drop_function_sql(),
             self.progress.quoted(),
             self.frontier.quoted(),
-            self.held.quoted(),
-            self.slots.quoted()
+            self.held.quoted()
         )
     }
 

@@ -51,9 +51,6 @@ pub struct Ranges {
     /// Rows a frontier passed before they were recorded: *held open* while
     /// here; the fold deletes each once it is recorded or marked.
     pub held: TableName,
-    /// One row per replication slot: the view its CDC relay saved at a
-    /// clean stop (`source::cdc::saved`).
-    pub slots: TableName,
     /// `<outbox>_relay_sent(relay_seq, relay_xid, relay_sent_at)`: the
     /// predicate, for operators, `check` and tests.
     pub sent_function: TableName,
@@ -71,7 +68,6 @@ impl Ranges {
             progress: outbox.sibling("_relay_progress"),
             frontier: outbox.sibling("_relay_frontier"),
             held: outbox.sibling("_relay_held"),
-            slots: outbox.sibling("_relay_slots"),
             sent_function: outbox.sibling("_relay_sent"),
             xid_index: outbox.derived("outbox_relay_xid"),
         }
@@ -116,7 +112,7 @@ impl Ranges {
         format!("({XID_COLUMN}) INCLUDE ({SEQ_COLUMN})")
     }
 
-    /// The four tables and the predicate's function (no index on the outbox).
+    /// The three tables and the predicate's function (no index on the outbox).
     pub fn tables_sql(&self) -> Vec<String> {
         let (p, f, h) = (
             self.progress.quoted(),
@@ -146,7 +142,6 @@ impl Ranges {
     held_at timestamptz NOT NULL DEFAULT now()
 )"
             ),
-            self.slots_sql(),
             format!(
                 "CREATE OR REPLACE FUNCTION {}(bigint, xid8, timestamptz) RETURNS boolean
 LANGUAGE sql STABLE AS $fn$
@@ -160,23 +155,6 @@ $fn$",
                 frontier = self.frontier_snapshot(),
             ),
         ]
-    }
-
-    /// The table of the views CDC relays save at a clean stop
-    /// (`source::cdc::saved`), on its own: an outbox migrated before it
-    /// came has the other tables.
-    pub fn slots_sql(&self) -> String {
-        format!(
-            "CREATE TABLE IF NOT EXISTS {} (
-    slot_name text PRIMARY KEY,
-    snapshot pg_snapshot NOT NULL,
-    max_seq bigint,
-    until pg_lsn NOT NULL,
-    flushed pg_lsn NOT NULL,
-    saved_at timestamptz NOT NULL
-)",
-            self.slots.quoted()
-        )
     }
 
     /// The union of the progress rows (NULL when there are none), as a

@@ -197,13 +197,6 @@ pub struct World {
     /// recorded a clean stop.
     claimed: Option<u64>,
     stopped_cleanly: Option<u64>,
-    /// The view the CDC reader saved at its last clean stop
-    /// (`<outbox>_relay_slots`), with the flushed position it was saved for.
-    pub saved_view: Option<(crate::source::cdc::snapshot::StartupView, Lsn)>,
-    /// That table exists (not in one schedule in eight, by the seed).
-    pub slots_table: bool,
-    /// CDC starts that read by a saved view.
-    pub saved_view_starts: u32,
     pub clean_takeovers: u32,
     /// Clean stops recorded, in order.
     pub clean_stops: Vec<CleanStop>,
@@ -295,9 +288,6 @@ impl World {
             next_reign: 1,
             claimed: None,
             stopped_cleanly: None,
-            saved_view: None,
-            slots_table: !seed.is_multiple_of(8),
-            saved_view_starts: 0,
             clean_takeovers: 0,
             clean_stops: Vec::new(),
             unclean_stops: 0,

@@ -10,11 +10,7 @@
 //!    `ranges`), read the unsent rows from the table in one REPEATABLE READ
 //!    snapshot, in `relay_seq` order (`startup_rows`). This publishes rows
 //!    written before the slot existed, rows a refused event held back, and
-//!    recovers from a dropped slot. With ranges, a start after a clean
-//!    stop (or the first after `migrate` made the slot) reads only the
-//!    unsent rows of the view saved then ([`saved`]): the slot delivers
-//!    what was committed after it, so a backlog committed while the relay
-//!    was stopped is read once, from the stream, and the slot is not moved.
+//!    recovers from a dropped slot.
 //!    Transactions whose rows this read produced are skipped when the stream
 //!    replays them (matched by xid, until the stream passes the WAL position
 //!    taken with the snapshot). Meanwhile the slot is moved past the WAL
@@ -43,7 +39,6 @@
 mod acker;
 pub mod message;
 pub mod progress;
-pub mod saved;
 pub mod server;
 mod settle;
 pub mod setup;
@@ -59,7 +54,7 @@ pub use stream::SharedProgress;
 pub use table_read::{REREAD_ROWS, STREAM_SKIP_WAL};
 
 use super::{Reader, SourceError, SourcedEvent};
-use crate::config::{Config, MarkMode, SourceMode};
+use crate::config::{Config, MarkMode};
 use crate::config::{ResolvedColumns, TableName};
 use crate::replication::Lsn;
 use crate::telemetry::events::{InternalEvent, StreamClosed};
@@ -112,10 +107,6 @@ pub struct CdcSettings {
     /// skip when it takes over from the start-up read, in bytes
     /// ([`STREAM_SKIP_WAL`]).
     pub stream_skip_wal: u64,
-    /// A clean stop saves a view, by which the next start reads only what
-    /// the slot cannot deliver ([`saved`]): `source.mode = "cdc"` with
-    /// `relay.mark = "ranges"`, without logical messages.
-    pub save_views: bool,
 }
 
 impl CdcSettings {
@@ -141,9 +132,6 @@ impl CdcSettings {
             report_every: config.relay.max_in_flight as u64,
             reread_rows: REREAD_ROWS,
             stream_skip_wal: STREAM_SKIP_WAL,
-            save_views: config.source.mode == SourceMode::Cdc
-                && config.relay.mark == MarkMode::Ranges
-                && cdc.message_prefix(table).is_none(),
         }
     }
 }
@@ -266,18 +254,11 @@ impl<B: CdcServer> CdcReader<B> {
             lock(&self.progress).remember(&done);
         }
         if self.settings.read_table {
-            let saved = match self.settings.save_views {
-                true => self.server.take_saved_view(slot_flushed).await?,
-                false => None,
-            };
-            if saved.is_none() && self.settings.messages.is_none() {
+            if self.settings.messages.is_none() {
                 // The slot is moved to the view's settled position.
                 self.server.write_restart_point().await;
             }
-            let fresh = self.server.begin_table_read().await?;
-            // A saved view names no settled position: one round, no move,
-            // and the stream delivers what it did not see.
-            let view = saved.unwrap_or(fresh);
+            let view = self.server.begin_table_read().await?;
             lock(&self.progress).begin(CATCH_UP);
             self.phase = Phase::TableRead(TableRead::new(view));
             self.advance_to_settled();
@@ -492,13 +473,6 @@ impl<B: CdcServer> Reader for CdcReader<B> {
         if let Phase::Streaming(s) = std::mem::replace(&mut self.phase, Phase::Start) {
             let mut s = *s;
             let flushed = lock(&self.progress).flushed();
-            // Saved before the slot is told `flushed`, so the slot is never
-            // past a saved view's position but by another hand.
-            if self.settings.save_views
-                && let Err(e) = self.server.save_view(flushed).await
-            {
-                tracing::warn!(error = %e, "could not save the view at the stop; the next start reads every unsent row");
-            }
             if let Err(e) = s
                 .send_status(&self.progress, self.timing.status_every)
                 .await

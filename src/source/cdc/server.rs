@@ -12,7 +12,6 @@ use crate::config::DatabaseConfig;
 use crate::config::{ResolvedColumns, TableName};
 use crate::db::DbError;
 use crate::outbox::RawRow;
-use crate::outbox::progress::Ranges;
 use crate::replication::Lsn;
 use crate::replication::pgoutput::{self, LogicalMessage};
 use crate::replication::protocol::{
@@ -64,30 +63,6 @@ pub trait CdcServer: Send + 'static {
     /// it could be established, the settled position (see [`StartupView`]).
     fn begin_table_read(&mut self)
     -> impl Future<Output = Result<StartupView, SourceError>> + Send;
-
-    /// The view saved at the last clean stop, taken out of where it was
-    /// kept, when this start may read by it (see [`super::saved`]): the
-    /// rounds of this start then read only the unsent rows it saw, and the
-    /// stream delivers the rest. `None` by default.
-    fn take_saved_view(
-        &mut self,
-        slot_at: Lsn,
-    ) -> impl Future<Output = Result<Option<StartupView>, SourceError>> + Send {
-        let _ = slot_at;
-        async { Ok(None) }
-    }
-
-    /// At a clean stop, before the slot is told `flushed`: saves a view
-    /// taken now, once every transaction committed before `flushed` is
-    /// visible, for the next start (see [`super::saved`]). False when
-    /// nothing was saved (the default).
-    fn save_view(
-        &mut self,
-        flushed: Lsn,
-    ) -> impl Future<Output = Result<bool, SourceError>> + Send {
-        let _ = flushed;
-        async { Ok(false) }
-    }
 
     /// The WAL insert position now, when the server can say: how much WAL a
     /// stream opened now would decode before new commits. `None` by default.
@@ -173,8 +148,6 @@ pub struct PgServer {
     /// A start-up read already said which transaction kept its position
     /// from settling (said once per run).
     told_unsettled: bool,
-    /// This start reads by a saved view: no settled position is looked for.
-    reading_saved: bool,
 }
 
 impl PgServer {
@@ -314,7 +287,6 @@ impl PgServer {
                 startup_rows,
                 snapshot_open: false,
                 told_unsettled: false,
-                reading_saved: false,
             },
             timing,
         ))
@@ -340,7 +312,6 @@ impl CdcServer for PgServer {
                 .map_err(|e| DbError::query("ending the start-up read", e))?;
         }
         self.startup_rows.restart();
-        self.reading_saved = false;
         self.check_server().await?;
         let info = self.usable_slot().await?;
         self.open_slot(info).await
@@ -353,18 +324,12 @@ impl CdcServer for PgServer {
                 .await
                 .map_err(|e| DbError::query("ending a start-up read", e))?;
         }
-        let settled = match self.reading_saved {
-            // The slot is not moved: the stream delivers what the view did not see.
-            true => None,
-            false => {
-                super::settle::settled_position(
-                    &self.client,
-                    &self.settings.pipeline,
-                    &mut self.told_unsettled,
-                )
-                .await?
-            }
-        };
+        let settled = super::settle::settled_position(
+            &self.client,
+            &self.settings.pipeline,
+            &mut self.told_unsettled,
+        )
+        .await?;
         self.startup_rows.next_round();
         // Open from here on for the next prepare(), even should this future
         // be dropped before the BEGIN's answer (a rewind): a ROLLBACK
@@ -399,36 +364,6 @@ impl CdcServer for PgServer {
             until,
             settled,
         })
-    }
-
-    async fn take_saved_view(&mut self, slot_at: Lsn) -> Result<Option<StartupView>, SourceError> {
-        let ranges = Ranges::new(&self.table);
-        let Some(saved) =
-            super::saved::take(&self.client, &ranges, &self.settings.slot, slot_at).await?
-        else {
-            return Ok(None);
-        };
-        self.reading_saved = self.startup_rows.restrict(&saved);
-        Ok(self.reading_saved.then_some(saved.view))
-    }
-
-    async fn save_view(&mut self, flushed: Lsn) -> Result<bool, SourceError> {
-        // Every transaction committed before `flushed` must be seen by the
-        // view, else the next start would read a later commit of an
-        // aggregate before the stream delivered an earlier one. (Quiet: the
-        // warning speaks of a start-up read.)
-        let mut quiet = true;
-        let settled =
-            super::settle::settled_position(&self.client, &self.settings.pipeline, &mut quiet)
-                .await?;
-        if settled.is_none_or(|at| at < flushed) {
-            tracing::info!(
-                "a transaction ran on at the stop: no view saved; the next start reads every unsent row"
-            );
-            return Ok(false);
-        }
-        let ranges = Ranges::new(&self.table);
-        super::saved::save(&self.client, &ranges, &self.settings.slot, flushed).await
     }
 
     async fn wal_insert_position(&mut self) -> Result<Option<Lsn>, SourceError> {

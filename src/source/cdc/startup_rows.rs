@@ -13,10 +13,6 @@
 //! round's snapshot, whose unsent rows that round read. Both branches filter
 //! on the whole predicate, so a round hands over exactly the unsent rows a
 //! scan of the table would; what it visits is O(rows since the base).
-//!
-//! With ranges, a start may read by a view a clean stop saved
-//! ([`super::saved`]): its rounds then hand over only the unsent rows of
-//! the transactions that view saw, up to the highest `relay_seq` it saw.
 
 use super::server::TableRow;
 use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
@@ -48,13 +44,8 @@ enum Find {
 
 /// The ranges statements, and what a round's pages share.
 struct RangesRead {
-    /// `$4` and `$5` restrict it to a saved view ([`within`]).
     first_page: Statement,
-    /// `$7` and `$8` restrict it to a saved view ([`within`]).
     next_page: Statement,
-    /// The saved view's snapshot (as text) and highest `relay_seq`; no
-    /// view: `None` and `i64::MAX`.
-    within: (Option<String>, i64),
     /// The previous round's snapshot and highest visible `relay_seq`, the
     /// base of this round; `None` in a start's first round (the frontier).
     base: Option<(String, Option<i64>)>,
@@ -91,13 +82,10 @@ impl StartupRows {
             })
         };
         let find = if ranges {
-            let ranges = Ranges::new(table);
-            let first_page = ranges.read_sql(&cols, &within("$4", "$5")).first_page;
-            let next_page = ranges.read_sql(&cols, &within("$7", "$8")).next_page;
+            let sql = Ranges::new(table).read_sql(&cols, "");
             Find::Ranges(RangesRead {
-                first_page: prepare(first_page).await?,
-                next_page: prepare(next_page).await?,
-                within: (None, i64::MAX),
+                first_page: prepare(sql.first_page).await?,
+                next_page: prepare(sql.next_page).await?,
                 base: None,
                 head: None,
             })
@@ -126,27 +114,10 @@ impl StartupRows {
         }
     }
 
-    /// A new start: its first round reads from the frontier, every unsent row.
+    /// A new start: its first round reads from the frontier.
     pub(super) fn restart(&mut self) {
         if let Find::Ranges(r) = &mut self.find {
             (r.base, r.head) = (None, None);
-            r.within = (None, i64::MAX);
-        }
-    }
-
-    /// This start reads only the unsent rows a saved view saw, up to its
-    /// highest `relay_seq` (`None`: it saw none). False when the rows are
-    /// not found by ranges: a saved view cannot restrict that read.
-    pub(super) fn restrict(&mut self, saved: &super::saved::Saved) -> bool {
-        match &mut self.find {
-            Find::Ranges(r) => {
-                r.within = (
-                    Some(saved.view.snapshot.to_string()),
-                    saved.max_seq.unwrap_or(i64::MIN),
-                );
-                true
-            }
-            Find::Marked(_) => false,
         }
     }
 
@@ -188,26 +159,12 @@ impl StartupRows {
             Some((snapshot, max)) => (Some(snapshot.clone()), *max),
             None => (None, None),
         };
-        let (view, view_max) = (&r.within.0, &r.within.1);
         let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) = match &r.head {
-            None => (
-                &r.first_page,
-                HEAD,
-                vec![&base, &base_max, &limit, view, view_max],
-            ),
+            None => (&r.first_page, HEAD, vec![&base, &base_max, &limit]),
             Some(h) => (
                 &r.next_page,
                 0,
-                vec![
-                    &after,
-                    &h.cur,
-                    &base,
-                    &h.base_max,
-                    &h.stragglers,
-                    &limit,
-                    view,
-                    view_max,
-                ],
+                vec![&after, &h.cur, &base, &h.base_max, &h.stragglers, &limit],
             ),
         };
         let mut head = None;
@@ -232,16 +189,6 @@ impl StartupRows {
         }
         Ok(paged.rows)
     }
-}
-
-/// The condition on an outbox row `o` that a saved view saw it: its
-/// `relay_seq` at most `max` (what bounds the index scans) and its
-/// transaction visible in `snapshot`, a text parameter (NULL: no view).
-fn within(snapshot: &str, max: &str) -> String {
-    format!(
-        " AND o.{SEQ_COLUMN} <= {max}::bigint \
-         AND ({snapshot}::text IS NULL OR pg_visible_in_snapshot(o.{XID_COLUMN}, {snapshot}::text::pg_snapshot))"
-    )
 }
 
 /// A page's row from column `offset` on; `None` for the row of NULLs an

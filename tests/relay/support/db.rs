@@ -81,9 +81,6 @@ impl TestDb {
         outbox_relay::ops::migrate::apply(&mut client, &steps)
             .await
             .expect("apply migration");
-        outbox_relay::ops::migrate::first_view(&client, &opts, &steps)
-            .await
-            .expect("save the new slot's first view");
     }
 
     /// Inserts one event with only the contract columns, as an application does.
