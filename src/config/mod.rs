@@ -431,6 +431,9 @@ pub mod defaults {
     pub fn status_interval() -> Duration {
         Duration::from_secs(10)
     }
+    pub fn batch_wait() -> Duration {
+        Duration::from_millis(2)
+    }
     pub fn max_in_flight() -> usize {
         8000
     }

@@ -106,6 +106,12 @@ pub struct CdcConfig {
     /// half of the server's `wal_sender_timeout`).
     #[serde(default = "defaults::status_interval", with = "duration")]
     pub status_interval: Duration,
+    /// How long a committed transaction waits in the reader for later ones
+    /// to join its batch, when the stream has no more at hand: one hand-over
+    /// for several small transactions instead of one each. 0 hands over at
+    /// once.
+    #[serde(default = "defaults::batch_wait", with = "duration")]
+    pub batch_wait: Duration,
     /// When set, write a tiny logical message this often so the slot moves on
     /// even when the database is otherwise idle.
     #[serde(default, with = "duration::option")]
@@ -152,6 +158,7 @@ impl Default for CdcConfig {
             publication: None,
             create_slot: true,
             status_interval: defaults::status_interval(),
+            batch_wait: defaults::batch_wait(),
             heartbeat_interval: None,
             on_lost_slot: None,
             failover: false,

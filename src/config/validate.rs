@@ -267,6 +267,7 @@ impl Config {
             100 * MS,
             10 * 60 * SEC,
         );
+        c.duration("source.cdc.batch_wait", cdc.batch_wait, Duration::ZERO, SEC);
         if let Some(h) = cdc.heartbeat_interval {
             c.duration("source.cdc.heartbeat_interval", h, SEC, 24 * HOUR);
         }

@@ -43,6 +43,8 @@ pub struct Params {
     /// `relay.shutdown_timeout`: usually ample, now and then shorter than
     /// a broker stall, so that a stop leaves messages on the way.
     pub shutdown_timeout_ms: u64,
+    /// `source.cdc.batch_wait`: none, or long enough for several commits.
+    pub batch_wait_ms: u64,
 }
 
 impl Params {
@@ -105,6 +107,7 @@ impl Params {
             },
             messages: mode == SourceMode::Cdc && rng.u32(0..3) == 0,
             shutdown_timeout_ms: if rng.bool() { 100 } else { 5_000 },
+            batch_wait_ms: if rng.bool() { 0 } else { rng.u64(1..30) },
         }
     }
 
@@ -150,6 +153,7 @@ poll_interval = "1s"
 probe_interval = "1s"
 [source.cdc]
 messages = {messages}
+batch_wait = "{batch_wait}ms"
 [relay]
 mark = "{mark}"
 max_in_flight = {window}
@@ -175,6 +179,7 @@ enabled = false
             mode = self.mode.name(),
             batch = self.batch_size,
             messages = self.messages,
+            batch_wait = self.batch_wait_ms,
             mark = match self.mark {
                 MarkMode::Update => "update",
                 MarkMode::Delete => "delete",

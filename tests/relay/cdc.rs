@@ -148,6 +148,52 @@ async fn transactions_waiting_in_the_stream_are_handed_over_together() {
     relay.terminate();
 }
 
+/// With `source.cdc.batch_wait`, a committed transaction waits that long
+/// for later ones to join its hand-over: a lone one still goes (after the
+/// wait), transactions committed one after another share hand-overs, and
+/// each arrives once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactions_within_the_batch_wait_are_handed_over_together() {
+    let db = TestDb::new().await;
+    let broker = KafkaTopics::new();
+    broker.create("gather").await;
+    let toml = cdc_toml(&db.url, &broker.sink_toml());
+    let toml = set(&toml, "source.cdc.batch_wait", "\"500ms\"");
+    db.migrate(&parse(&toml)).await;
+    let (mut relay, port) = ChildRelay::serving(&toml);
+    let insert = "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+                  VALUES ($1, 'gather', 'one', 'E', '{}')";
+    let first = Uuid::new_v4();
+    db.client.execute(insert, &[&first]).await.unwrap();
+    broker.inbox.wait_len(1, WAIT).await;
+    let series = "outbox_relay_batch_size_count{pipeline=\"default\"}";
+    let batches = || async {
+        let (_, body) = http_get(port, "/metrics").await.expect("a scrape");
+        metric(&body, series).expect("the batch-size histogram")
+    };
+    let before = batches().await;
+    let n = 20;
+    let mut ids = vec![first.to_string()];
+    for _ in 0..n {
+        let id = Uuid::new_v4();
+        db.client.execute(insert, &[&id]).await.unwrap();
+        ids.push(id.to_string());
+    }
+    broker.inbox.wait_len(n + 1, WAIT).await;
+    assert_eq!(
+        broker.inbox.ids_in_order(),
+        ids,
+        "each once, in commit order"
+    );
+    let handed_over = batches().await - before;
+    // One hand-over per transaction would be 20.
+    assert!(
+        handed_over <= (n / 2) as f64,
+        "{handed_over} hand-overs for {n} one-event transactions"
+    );
+    relay.terminate();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_outbox_on_a_busy_database_does_not_pin_wal() {
     let db = TestDb::new().await;

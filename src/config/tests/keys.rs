@@ -105,7 +105,7 @@ fn numeric_keys_out_of_range_are_refused_by_name() {
         .unwrap(),
     )
     .unwrap();
-    let cases: [(&str, toml::Value); 10] = [
+    let cases: [(&str, toml::Value); 11] = [
         ("source.batch_size", 0.into()),
         ("source.batch_size", 1_000_000.into()),
         ("relay.max_in_flight", 0.into()),
@@ -116,6 +116,7 @@ fn numeric_keys_out_of_range_are_refused_by_name() {
         ("source.polling.poll_interval", "0s".into()),
         ("database.connect_timeout", "2h".into()),
         ("source.cdc.status_interval", "1ms".into()),
+        ("source.cdc.batch_wait", "2s".into()),
     ];
     for (key, value) in cases {
         let mut table = base.clone();
