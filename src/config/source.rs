@@ -107,9 +107,9 @@ pub struct CdcConfig {
     #[serde(default = "defaults::status_interval", with = "duration")]
     pub status_interval: Duration,
     /// How long a committed transaction waits in the reader for later ones
-    /// to join its batch, when the stream has no more at hand: one hand-over
-    /// for several small transactions instead of one each. 0 hands over at
-    /// once.
+    /// to join its batch, when the stream has no more at hand and the batch
+    /// is not full: one hand-over for several small transactions instead of
+    /// one each. 0 hands over at once.
     #[serde(default = "defaults::batch_wait", with = "duration")]
     pub batch_wait: Duration,
     /// When set, write a tiny logical message this often so the slot moves on

@@ -267,7 +267,12 @@ impl Config {
             100 * MS,
             10 * 60 * SEC,
         );
-        c.duration("source.cdc.batch_wait", cdc.batch_wait, Duration::ZERO, SEC);
+        c.duration(
+            "source.cdc.batch_wait",
+            cdc.batch_wait,
+            Duration::ZERO,
+            100 * MS,
+        );
         if let Some(h) = cdc.heartbeat_interval {
             c.duration("source.cdc.heartbeat_interval", h, SEC, 24 * HOUR);
         }

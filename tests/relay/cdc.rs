@@ -158,7 +158,7 @@ async fn transactions_within_the_batch_wait_are_handed_over_together() {
     let broker = KafkaTopics::new();
     broker.create("gather").await;
     let toml = cdc_toml(&db.url, &broker.sink_toml());
-    let toml = set(&toml, "source.cdc.batch_wait", "\"500ms\"");
+    let toml = set(&toml, "source.cdc.batch_wait", "\"100ms\"");
     db.migrate(&parse(&toml)).await;
     let (mut relay, port) = ChildRelay::serving(&toml);
     let insert = "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)

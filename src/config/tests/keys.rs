@@ -116,7 +116,7 @@ fn numeric_keys_out_of_range_are_refused_by_name() {
         ("source.polling.poll_interval", "0s".into()),
         ("database.connect_timeout", "2h".into()),
         ("source.cdc.status_interval", "1ms".into()),
-        ("source.cdc.batch_wait", "2s".into()),
+        ("source.cdc.batch_wait", "101ms".into()),
     ];
     for (key, value) in cases {
         let mut table = base.clone();

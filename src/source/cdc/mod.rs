@@ -31,11 +31,13 @@
 //! # Hand-over
 //!
 //! A committed transaction is handed to the pipeline with the ones the
-//! stream already holds. When that leaves the batch short, it waits up to
-//! `source.cdc.batch_wait` for more, without reading meanwhile, then takes
-//! what arrived: at steady rates of small transactions, one hand-over (one
-//! publishing round, one record of sent rows) serves several, for a few
-//! milliseconds of latency. A full batch goes at once.
+//! stream already holds. When that leaves the batch short, the reader
+//! waits `source.cdc.batch_wait`, without reading meanwhile, then takes
+//! what arrived (up to the batch's limits): at steady rates of small
+//! transactions, one hand-over (one publishing round, one record of sent
+//! rows) serves several, for a few milliseconds of latency. A batch full
+//! at the commit goes at once. Status updates keep their schedule; a reply
+//! the server asks for waits at most the window.
 //!
 //! # Acknowledgement
 //!
@@ -411,6 +413,23 @@ impl<B: CdcServer> CdcReader<B> {
         Ok(matches!(step, Step::Committed) && !self.pending.is_empty())
     }
 
+    /// Waits until `at` without reading the stream, so that what arrives
+    /// meanwhile is read at the end, at once, not message by message. A
+    /// status update due meanwhile still goes on time.
+    async fn gather(&mut self, at: Instant) -> Result<(), SourceError> {
+        loop {
+            let Phase::Streaming(s) = &self.phase else {
+                return Ok(());
+            };
+            if s.next_status >= at {
+                tokio::time::sleep_until(at).await;
+                return Ok(());
+            }
+            tokio::time::sleep_until(s.next_status).await;
+            self.send_status().await?;
+        }
+    }
+
     async fn send_status(&mut self) -> Result<(), SourceError> {
         if let Phase::Streaming(s) = &mut self.phase {
             s.send_status(&self.progress, self.timing.status_every)
@@ -473,9 +492,7 @@ impl<B: CdcServer> Reader for CdcReader<B> {
                 }
                 Phase::Streaming(_) => {
                     if let Some(at) = self.hand_over_at {
-                        // Gathering: what arrives meanwhile is read at the
-                        // end, at once, not message by message.
-                        tokio::time::sleep_until(at).await;
+                        self.gather(at).await?;
                         self.take_ready(max, max_bytes).await?;
                         return Ok(self.take_pending());
                     }
