@@ -1,12 +1,14 @@
-//! The polling reader against a real server: a page stops where its rows'
-//! payloads pass the byte room it was given (the first row always goes),
-//! on a tick's first page and on a later one whose payloads grew, and the
-//! next page goes on from the row the cut left, so nothing is skipped or
-//! read twice.
+//! The polling reader and the CDC start-up read against a real server: a
+//! page stops where its rows' payloads pass the byte room it was given (the
+//! first row always goes), on a first page and on a later one whose
+//! payloads grew, and the next page goes on from the row the cut left, so
+//! nothing is skipped or read twice. The start-up read's pages also go on
+//! across the ends of its queries, and after another statement closed one.
 
 use crate::support::*;
 use outbox_relay::outbox::Shard;
 use outbox_relay::source::Reader;
+use outbox_relay::source::cdc::{CdcServer, CdcSettings, PgServer};
 use outbox_relay::source::polling::PollingReader;
 use std::time::Duration;
 
@@ -130,4 +132,133 @@ async fn polling_pages_stop_where_the_payloads_pass_the_room_when_rows_are_marke
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polling_pages_stop_where_the_payloads_pass_the_room_when_ranges_are_recorded() {
     pages_stop_where_the_payloads_pass_the_room("ranges").await;
+}
+
+/// The `relay_seq` of every row, in order.
+async fn all_seqs(db: &TestDb) -> Vec<i64> {
+    db.client
+        .query("SELECT relay_seq FROM outbox ORDER BY relay_seq", &[])
+        .await
+        .expect("read relay_seq")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// One start-up read page of up to `max` rows within `max_bytes`, after
+/// `after`: the `relay_seq` of each row.
+async fn table_page(server: &mut PgServer, after: i64, max: usize, max_bytes: usize) -> Vec<i64> {
+    tokio::time::timeout(WAIT, server.table_page(after, max, max_bytes))
+        .await
+        .expect("a page within the wait")
+        .expect("a page without error")
+        .iter()
+        .map(|r| r.seq)
+        .collect()
+}
+
+async fn startup_pages_go_on_from_the_row_the_cut_left(mark: &str) {
+    let mark_value = format!("\"{mark}\"");
+    let (db, _broker, toml) = setup(
+        Mode::Cdc,
+        Kind::Rabbit,
+        &[],
+        &[("relay.mark", mark_value.as_str())],
+    )
+    .await;
+    let config = parse(&toml);
+    // Five rows of 1,000 bytes, five of 4,000, then 70 of 200: more than a
+    // start's first query asks for (64 rows).
+    insert(&db, 1, 5, 1_000).await;
+    insert(&db, 6, 10, 4_000).await;
+    insert(&db, 11, 80, 200).await;
+    let seqs = all_seqs(&db).await;
+    assert_eq!(seqs.len(), 80);
+    let info = outbox_relay::outbox::inspect::table_info(&db.client, &config.outbox.table)
+        .await
+        .expect("table info")
+        .expect("the outbox exists");
+    let columns = config.outbox.columns.resolve(&info.names());
+    let (mut server, _) = PgServer::connect(
+        &config.database,
+        &config.outbox.table,
+        &columns,
+        CdcSettings::from_config(&config),
+    )
+    .await
+    .expect("connect");
+    server.prepare().await.expect("prepare the slot");
+    server
+        .begin_table_read()
+        .await
+        .expect("begin the start-up read");
+    // The rows at these indexes (1-based, as inserted).
+    let rows = |from: usize, to: usize| seqs[from - 1..to].to_vec();
+
+    // 2,500 bytes of room: the rows whose earlier rows take less than that.
+    assert_eq!(
+        table_page(&mut server, 0, 100, 2_500).await,
+        rows(1, 3),
+        "{mark}"
+    );
+    // The row the cut left comes first; payloads grow past the room.
+    assert_eq!(
+        table_page(&mut server, seqs[2], 100, 5_000).await,
+        rows(4, 6),
+        "{mark}"
+    );
+    // Less room than one row: that row alone.
+    assert_eq!(
+        table_page(&mut server, seqs[5], 100, 1).await,
+        rows(7, 7),
+        "{mark}"
+    );
+    // Another statement closes the open query, without waiting for the
+    // reader, and the next page reads again from its cursor.
+    let position = tokio::time::timeout(WAIT, server.wal_insert_position())
+        .await
+        .expect("another statement does not wait for the open query");
+    assert!(position.expect("the WAL position").is_some(), "{mark}");
+    assert_eq!(
+        table_page(&mut server, seqs[6], 2, 1_000_000).await,
+        rows(8, 9),
+        "{mark}"
+    );
+    // Across the end of a query that sent all it asked for.
+    assert_eq!(
+        table_page(&mut server, seqs[8], 30, 1_000_000).await,
+        rows(10, 39),
+        "{mark}"
+    );
+    assert_eq!(
+        table_page(&mut server, seqs[38], 100, 1_000_000).await,
+        rows(40, 80),
+        "{mark}"
+    );
+    assert!(
+        table_page(&mut server, seqs[79], 100, 1_000_000)
+            .await
+            .is_empty(),
+        "{mark}"
+    );
+    // A cursor the last page did not leave (a cancelled call): read again from it.
+    assert_eq!(
+        table_page(&mut server, seqs[49], 5, 1_000_000).await,
+        rows(51, 55),
+        "{mark}"
+    );
+    server
+        .end_table_read()
+        .await
+        .expect("end the start-up read");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_pages_go_on_from_the_row_the_cut_left_when_rows_are_marked() {
+    startup_pages_go_on_from_the_row_the_cut_left("update").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_pages_go_on_from_the_row_the_cut_left_when_ranges_are_recorded() {
+    startup_pages_go_on_from_the_row_the_cut_left("ranges").await;
 }
