@@ -79,10 +79,7 @@ const FIRST_PAGE: usize = 64;
 /// room holds at the previous page's payloads, at most `max`, and keeps
 /// rows while the payloads before them take less than the room (the first
 /// row always). The server still sends the rest of a page the payloads
-/// outgrew; the polling reader drops it ([`Paging::read`]), and the next
-/// page reads it again. The CDC start-up read keeps its query open across
-/// pages instead, asking for several pages' worth, and the row past a cut
-/// starts the next page (`source::cdc::startup_rows`).
+/// outgrew; the reader drops it, and the next page reads it again.
 ///
 /// The size a page assumes is its previous page's average payload, or a
 /// quarter of that page's largest when larger: unless payloads outgrow
@@ -197,11 +194,6 @@ impl<T> Page<T> {
     pub fn takes_another(&mut self) -> bool {
         self.cut = self.bytes >= self.max_bytes && !self.rows.is_empty();
         !self.cut
-    }
-
-    /// As many rows as the page asked for.
-    pub fn full(&self) -> bool {
-        self.rows.len() >= self.limit
     }
 
     pub fn keep(&mut self, row: T, payload: usize) {

@@ -305,20 +305,19 @@ impl CdcServer for PgServer {
     type Stream = PgStream;
 
     async fn prepare(&mut self) -> Result<Lsn, SourceError> {
-        self.startup_rows.restart();
         if std::mem::take(&mut self.snapshot_open) {
             self.client
                 .batch_execute("ROLLBACK")
                 .await
                 .map_err(|e| DbError::query("ending the start-up read", e))?;
         }
+        self.startup_rows.restart();
         self.check_server().await?;
         let info = self.usable_slot().await?;
         self.open_slot(info).await
     }
 
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {
-        self.startup_rows.next_round();
         if std::mem::take(&mut self.snapshot_open) {
             self.client
                 .batch_execute("COMMIT")
@@ -331,18 +330,17 @@ impl CdcServer for PgServer {
             &mut self.told_unsettled,
         )
         .await?;
+        self.startup_rows.next_round();
         // Open from here on for the next prepare(), even should this future
         // be dropped before the BEGIN's answer (a rewind): a ROLLBACK
         // outside a transaction only warns.
         self.snapshot_open = true;
-        // The read waits while the broker catches up, between its queries
-        // and within one (a query stays open while its rows are handed
-        // over), so server-wide idle and statement timeouts must not end it.
+        // The read waits while the broker catches up, so a server-wide
+        // idle-in-transaction timeout must not end it.
         self.client
             .batch_execute(&format!(
                 "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; \
-                 SET LOCAL idle_in_transaction_session_timeout = 0; \
-                 SET LOCAL statement_timeout = 0; {}",
+                 SET LOCAL idle_in_transaction_session_timeout = 0; {}",
                 self.startup_rows.transaction_settings()
             ))
             .await
@@ -369,7 +367,6 @@ impl CdcServer for PgServer {
     }
 
     async fn wal_insert_position(&mut self) -> Result<Option<Lsn>, SourceError> {
-        self.startup_rows.close();
         let row = self
             .client
             .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
@@ -429,7 +426,6 @@ impl CdcServer for PgServer {
     }
 
     async fn end_table_read(&mut self) -> Result<(), SourceError> {
-        self.startup_rows.close();
         self.client
             .batch_execute("COMMIT")
             .await
@@ -471,7 +467,6 @@ impl CdcServer for PgServer {
     }
 
     async fn heartbeat(&mut self) -> Result<(), SourceError> {
-        self.startup_rows.close();
         self.client
             .execute(
                 "SELECT pg_logical_emit_message(false, $1::text, 'heartbeat'::text)",
@@ -483,7 +478,6 @@ impl CdcServer for PgServer {
     }
 
     async fn dead_lettered_since(&mut self, from: Lsn) -> Result<Vec<(Lsn, u64)>, SourceError> {
-        self.startup_rows.close();
         let Some(table) = &self.settings.dead_letters else {
             return Ok(Vec::new());
         };

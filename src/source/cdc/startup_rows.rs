@@ -1,13 +1,6 @@
 //! The start-up read's statements: the unsent rows of a round's snapshot,
 //! in `relay_seq` order, a page at a time.
 //!
-//! A query asks for several pages' worth and stays open while the reader
-//! hands its pages over ([`Ahead`]): the server produces the next rows
-//! while the relay publishes the last ones, as the replication stream does,
-//! instead of waiting for a query per page. The connection reads only as
-//! fast as the pages are taken, so what waits on it is bounded by its
-//! buffers, not by the query's size.
-//!
 //! When rows are marked, the unsent rows are those with
 //! `relay_sent_at IS NULL`, read through that partial index from the start.
 //!
@@ -27,9 +20,8 @@ use crate::db::DbError;
 use crate::outbox::progress::{Ranges, read};
 use crate::source::SourceError;
 use crate::source::rows::{Paging, ROW_WIDTH, read_row, select_list};
-use futures::TryStreamExt;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Row, RowStream, Statement};
+use tokio_postgres::{Client, Row, Statement};
 
 /// The columns a ranges round's first page puts before the rows: *cur*,
 /// its highest `relay_seq`, the base's, the stragglers.
@@ -42,11 +34,6 @@ const XID_INDEX: usize = 1 + ROW_WIDTH;
 pub(super) struct StartupRows {
     find: Find,
     paging: Paging,
-    /// The query still sending rows, if any.
-    ahead: Option<Ahead>,
-    /// The cursor after which the last query ended short: the round has
-    /// no rows past it.
-    answered: Option<i64>,
 }
 
 enum Find {
@@ -114,8 +101,6 @@ impl StartupRows {
         Ok(StartupRows {
             find,
             paging: Paging::default(),
-            ahead: None,
-            answered: None,
         })
     }
 
@@ -131,7 +116,6 @@ impl StartupRows {
 
     /// A new start: its first round reads from the frontier.
     pub(super) fn restart(&mut self) {
-        self.close();
         if let Find::Ranges(r) = &mut self.find {
             (r.base, r.head) = (None, None);
         }
@@ -139,7 +123,6 @@ impl StartupRows {
 
     /// A new round: the one that ended is its base.
     pub(super) fn next_round(&mut self) {
-        self.close();
         if let Find::Ranges(r) = &mut self.find
             && let Some(head) = r.head.take()
         {
@@ -148,15 +131,7 @@ impl StartupRows {
     }
 
     /// Up to `max` unsent rows of the round's snapshot after `after`, cut
-    /// where their payloads pass `max_bytes` ([`Page`]); none when the
-    /// round has no more.
-    ///
-    /// The rows come from a query that asks for several pages' worth
-    /// ([`Ahead`]) and stays open between calls: while the relay hands a
-    /// page over, the server goes on sending the next rows. A row past a
-    /// page's room waits for the next page instead of being read again.
-    /// A call that does not continue where the last one stopped (`after`
-    /// is not its last row: a cancelled call, a new round) reads afresh.
+    /// where their payloads pass `max_bytes` ([`Paging`]).
     pub(super) async fn page(
         &mut self,
         client: &Client,
@@ -164,180 +139,56 @@ impl StartupRows {
         max: usize,
         max_bytes: usize,
     ) -> Result<Vec<TableRow>, SourceError> {
-        if self.ahead.as_ref().is_some_and(|a| a.after != after) {
-            self.close();
-        }
-        // One row at least: an empty page ends the round.
-        let mut page = self.paging.page(max.max(1), max_bytes);
-        // The last row taken: where a new query starts.
-        let mut cursor = after;
-        while !page.full() {
-            if self.ahead.is_none() {
-                if self.answered == Some(cursor) {
-                    break; // the last query ended short there: nothing more
-                }
-                self.ahead = Some(self.query(client, cursor, max, max_bytes).await?);
-            }
-            let Some(ahead) = self.ahead.as_mut() else {
-                break;
-            };
-            let row = match ahead.held.take() {
-                Some(row) => Some(row),
-                None => ahead.next(&mut self.find).await?,
-            };
-            let Some(row) = row else {
-                // The answer ended: short, with the round's last rows; as
-                // long as asked for, more may follow, after its last row.
-                let short = ahead.sent < ahead.limit;
-                self.answered = short.then_some(cursor);
-                self.ahead = None;
-                if short {
-                    break;
-                }
-                continue;
-            };
-            if !page.takes_another() {
-                ahead.held = Some(row);
-                break;
-            }
-            (ahead.after, cursor) = (row.seq, row.seq);
-            let bytes = row.raw.payload.as_ref().map_or(0, String::len);
-            page.keep(row, bytes);
-        }
-        Ok(self.paging.finish(page).rows)
-    }
-
-    /// Stops reading the open query's answer, if any. The connection reads
-    /// the rest of it and drops it; every other statement on the start-up
-    /// read's connection must wait for that, so call this before one.
-    pub(super) fn close(&mut self) {
-        self.ahead = None;
-        self.answered = None;
-    }
-
-    /// Starts the query for the rows after `after`: as many as
-    /// [`AHEAD_PAGES`] pages hold at the assumed payload, within
-    /// [`AHEAD_BYTES`] (or the room, when larger).
-    async fn query(
-        &mut self,
-        client: &Client,
-        after: i64,
-        max: usize,
-        max_bytes: usize,
-    ) -> Result<Ahead, SourceError> {
-        let want = self
-            .paging
-            .limit(max.saturating_mul(AHEAD_PAGES), max_bytes.max(AHEAD_BYTES));
+        let want = self.paging.limit(max, max_bytes);
         let limit = i64::try_from(want).unwrap_or(i64::MAX);
-        let (rows, offset) = match &self.find {
+        let payload = |r: &TableRow| r.raw.payload.as_ref().map_or(0, String::len);
+        let r = match &mut self.find {
             Find::Marked(statement) => {
                 let params: [&(dyn ToSql + Sync); 2] = [&after, &limit];
-                let rows = client
-                    .query_raw(statement, params)
+                let read = |row: &Row| table_row(row, 0);
+                return self
+                    .paging
+                    .read(client, statement, &params, want, max_bytes, read, payload)
                     .await
-                    .map_err(|e| DbError::query("reading unsent rows at start-up", e))?;
-                (rows, 0)
+                    .map(|paged| paged.rows)
+                    .map_err(|e| DbError::query("reading unsent rows at start-up", e).into());
             }
-            Find::Ranges(r) => {
-                let (base, base_max) = match &r.base {
-                    Some((snapshot, max)) => (Some(snapshot.as_str()), *max),
-                    None => (None, None),
-                };
-                let started = match &r.head {
-                    None => client
-                        .query_raw(
-                            &r.first_page,
-                            [&base as &(dyn ToSql + Sync), &base_max, &limit],
-                        )
-                        .await
-                        .map(|rows| (rows, HEAD)),
-                    Some(h) => client
-                        .query_raw(
-                            &r.next_page,
-                            [
-                                &after as &(dyn ToSql + Sync),
-                                &h.cur,
-                                &base,
-                                &h.base_max,
-                                &h.stragglers,
-                                &limit,
-                            ],
-                        )
-                        .await
-                        .map(|rows| (rows, 0)),
-                };
-                started
-                    .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e))?
-            }
+            Find::Ranges(r) => r,
         };
-        Ok(Ahead {
-            rows: Box::pin(rows),
-            offset,
-            after,
-            limit: want,
-            sent: 0,
-            held: None,
-        })
-    }
-}
-
-/// Pages' worth of rows a start-up read query asks for at most.
-const AHEAD_PAGES: usize = 8;
-
-/// The payload bytes a start-up read query asks for at most, unless the
-/// room of a page is larger: what the connection reads and drops when a
-/// query is closed before its end.
-const AHEAD_BYTES: usize = 8 << 20;
-
-/// An open start-up read query: the rows it has still to send.
-struct Ahead {
-    rows: std::pin::Pin<Box<RowStream>>,
-    /// Where the page's rows start ([`HEAD`] for a ranges round's first query).
-    offset: usize,
-    /// The last row taken (the query's cursor before the first).
-    after: i64,
-    /// Rows asked for, and rows sent so far (a row of NULLs included).
-    limit: usize,
-    sent: usize,
-    /// A row past the last page's room: the next page's first.
-    held: Option<TableRow>,
-}
-
-impl Ahead {
-    /// The next row of the answer; `None` at its end. A ranges round's
-    /// first query also tells the round's head ([`Head`]), on every row.
-    async fn next(&mut self, find: &mut Find) -> Result<Option<TableRow>, SourceError> {
-        loop {
-            let row = self
-                .rows
-                .try_next()
-                .await
-                .map_err(|e| DbError::query("reading unsent rows at start-up", e))?;
-            let Some(row) = row else {
-                return Ok(None);
-            };
-            self.sent += 1;
-            if self.offset == HEAD
-                && let Find::Ranges(r) = find
-                && r.head.is_none()
-            {
-                r.head = Some(Head {
-                    cur: row.try_get(0).map_err(head_error)?,
-                    cur_max: row.try_get(1).map_err(head_error)?,
-                    base_max: row.try_get(2).map_err(head_error)?,
-                    stragglers: row.try_get(3).map_err(head_error)?,
+        let (base, base_max) = match &r.base {
+            Some((snapshot, max)) => (Some(snapshot.clone()), *max),
+            None => (None, None),
+        };
+        let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) = match &r.head {
+            None => (&r.first_page, HEAD, vec![&base, &base_max, &limit]),
+            Some(h) => (
+                &r.next_page,
+                0,
+                vec![&after, &h.cur, &base, &h.base_max, &h.stragglers, &limit],
+            ),
+        };
+        let mut head = None;
+        let read = |row: &Row| {
+            if offset == HEAD && head.is_none() {
+                head = Some(Head {
+                    cur: row.get(0),
+                    cur_max: row.get(1),
+                    base_max: row.get(2),
+                    stragglers: row.get(3),
                 });
             }
-            if let Some(row) = table_row(&row, self.offset) {
-                return Ok(Some(row));
-            }
-            // The row of NULLs an empty ranges first query returns.
+            table_row(row, offset)
+        };
+        let paged = self
+            .paging
+            .read(client, statement, &params, want, max_bytes, read, payload)
+            .await
+            .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e))?;
+        if head.is_some() {
+            r.head = head;
         }
+        Ok(paged.rows)
     }
-}
-
-fn head_error(e: tokio_postgres::Error) -> SourceError {
-    DbError::query("reading the start-up read's snapshot", e).into()
 }
 
 /// A page's row from column `offset` on; `None` for the row of NULLs an
