@@ -92,7 +92,7 @@ async fn pipeline(config: Config, t: PipelineTelemetry, shutdown: CancellationTo
         return;
     };
     let mut tasks = JoinSet::new();
-    tasks.spawn(crate::ops::status::sample(
+    tasks.spawn(crate::ops::gauges::sample(
         config.clone(),
         t.clone(),
         shutdown.clone(),

@@ -8,6 +8,7 @@ pub mod check;
 pub mod daemon;
 pub mod dlq;
 pub mod fold;
+pub mod gauges;
 pub mod marking;
 pub mod migrate;
 pub mod retention;

@@ -93,34 +93,49 @@ fn q(context: &str) -> impl Fn(tokio_postgres::Error) -> DbError + '_ {
     move |e| DbError::query(context, e)
 }
 
-pub async fn snapshot(
-    client: &Client,
-    config: &Config,
-    with_last_publish: bool,
-) -> Result<Snapshot, DbError> {
+/// What a [`snapshot`] reads besides the cheap parts.
+#[derive(Debug, Clone, Copy)]
+pub struct Reads {
+    /// The backlog and the oldest unsent row's age (a count of every unsent row).
+    pub backlog: bool,
+    /// The last publish time.
+    pub last_publish: bool,
+}
+
+impl Reads {
+    /// Everything, as `outbox-relay status` shows it.
+    pub const ALL: Reads = Reads {
+        backlog: true,
+        last_publish: true,
+    };
+}
+
+pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<Snapshot, DbError> {
     let table = &config.outbox.table;
     let t = table.quoted();
-    let (backlog, oldest_unsent_age_seconds) = if config.relay.mark == MarkMode::None {
-        // Every row looks unsent: counting them would count the table.
-        (None, None)
-    } else if config.relay.mark == MarkMode::Ranges {
-        ranges_backlog(client, config).await?
-    } else {
-        let backlog: i64 = client
-            .query_one(
-                &format!("SELECT count(*) FROM {t} WHERE {SENT_AT_COLUMN} IS NULL"),
-                &[],
-            )
-            .await
-            .map_err(q("counting unsent rows"))?
-            .get(0);
-        let columns = crate::outbox::inspect::table_info(client, table)
-            .await
-            .map_err(q("reading the outbox table"))?
-            .map(|info| config.outbox.columns.resolve(&info.names()));
-        let age = oldest_unsent_age(client, config, columns.as_ref()).await?;
-        (Some(backlog), age)
-    };
+    let with_last_publish = reads.last_publish;
+    let (backlog, oldest_unsent_age_seconds) =
+        if config.relay.mark == MarkMode::None || !reads.backlog {
+            // Every row looks unsent: counting them would count the table.
+            (None, None)
+        } else if config.relay.mark == MarkMode::Ranges {
+            ranges_backlog(client, config).await?
+        } else {
+            let backlog: i64 = client
+                .query_one(
+                    &format!("SELECT count(*) FROM {t} WHERE {SENT_AT_COLUMN} IS NULL"),
+                    &[],
+                )
+                .await
+                .map_err(q("counting unsent rows"))?
+                .get(0);
+            let columns = crate::outbox::inspect::table_info(client, table)
+                .await
+                .map_err(q("reading the outbox table"))?
+                .map(|info| config.outbox.columns.resolve(&info.names()));
+            let age = oldest_unsent_age(client, config, columns.as_ref()).await?;
+            (Some(backlog), age)
+        };
     let dead_letters = open_dead_letters(client, config).await;
     let last_publish = match config.relay.mark {
         MarkMode::Update if with_last_publish => client
@@ -504,7 +519,7 @@ pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
             Ok(client) => {
                 let mut config = config.clone();
                 match crate::ops::marking::choose(&client, &mut config).await {
-                    Ok(()) => snapshot(&client, &config, true).await,
+                    Ok(()) => snapshot(&client, &config, Reads::ALL).await,
                     Err(e) => Err(e),
                 }
             }
@@ -523,53 +538,5 @@ pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
         Err(Failure::Reported)
     } else {
         Ok(())
-    }
-}
-
-/// Refreshes the backlog, oldest-unsent, dead-letter and slot gauges until `shutdown`.
-pub async fn sample(
-    config: Config,
-    telemetry: crate::telemetry::PipelineTelemetry,
-    shutdown: tokio_util::sync::CancellationToken,
-) {
-    let m = &telemetry.metrics;
-    let mut client: Option<tokio_postgres::Client> = None;
-    loop {
-        m.active.set(if telemetry.health.is_active() {
-            1.0
-        } else {
-            0.0
-        });
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = crate::db::connect(&config.database, None).await.ok();
-        }
-        if let Some(c) = &client {
-            match snapshot(c, &config, false).await {
-                Ok(s) => {
-                    // Zero with mark = "none": the slot's gauges measure the lag.
-                    m.backlog.set(s.backlog.unwrap_or(0) as f64);
-                    m.oldest_unsent_age
-                        .set(s.oldest_unsent_age_seconds.unwrap_or(0.0));
-                    if let Some(n) = s.dead_letters {
-                        m.dead_letters.set(n as f64);
-                    }
-                    if let Some(f) = &s.frontier {
-                        m.frontier_age.set(f.age_seconds.unwrap_or(0.0));
-                        m.held_rows.set(f.held_rows as f64);
-                    }
-                    if let Some(slot) = s.slot {
-                        m.slot_retained_wal
-                            .set(slot.retained_wal_bytes.unwrap_or(0) as f64);
-                        m.slot_confirmed_lag
-                            .set(slot.confirmed_lag_bytes.unwrap_or(0) as f64);
-                    }
-                }
-                Err(e) => tracing::debug!(error = %e, "metrics sample failed"),
-            }
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(config.http.sample_interval) => {}
-        }
     }
 }

@@ -101,9 +101,13 @@ async fn publishes_once_and_writes_no_row(mode: Mode, kind: Kind, extra: &[(&str
     );
     let frontier = format!("SELECT count(*) FROM {}", ranges.frontier.quoted());
     assert!(count(&db, &frontier).await >= 1);
-    let status = outbox_relay::ops::status::snapshot(&db.client, &parse(&toml), true)
-        .await
-        .unwrap();
+    let status = outbox_relay::ops::status::snapshot(
+        &db.client,
+        &parse(&toml),
+        outbox_relay::ops::status::Reads::ALL,
+    )
+    .await
+    .unwrap();
     assert_eq!(status.backlog, Some(0));
     assert!(
         status.last_publish.is_some(),
