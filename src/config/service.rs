@@ -84,7 +84,8 @@ pub struct HttpConfig {
     #[serde(default = "defaults::http_address")]
     pub address: String,
     /// How often the gauges read from the database (backlog, dead letters,
-    /// slot) are refreshed.
+    /// slot) are refreshed; the backlog's, less often when counting it is
+    /// slow (`ops::gauges`).
     #[serde(default = "defaults::sample_interval", with = "super::duration")]
     pub sample_interval: Duration,
 }

@@ -7,23 +7,27 @@
 //! second per 300,000 rows on a busy benchmark machine), run beside the
 //! relay's own reads of the same rows. So the count, and the oldest unsent
 //! row's age that comes with it, has a schedule of its own: after a count
-//! that took `t`, the next waits at least [`QUIET`] × `t`, so counting keeps
-//! PostgreSQL busy at most about 1 / ([`QUIET`] + 1) of the time, up to
-//! [`MAX_PAUSE`] between counts. The other gauges keep the interval.
+//! that took `t`, the next starts no sooner than [`QUIET`] × `t` after it
+//! started, so counts that take up to [`MAX_PAUSE`] / [`QUIET`] keep
+//! PostgreSQL busy at most 1 / [`QUIET`] of the time; longer ones run every
+//! [`MAX_PAUSE`] (or interval, when longer). The other gauges keep the
+//! interval.
 
-use super::status::{Reads, snapshot};
+use super::status::{Reads, backlog, snapshot};
 use crate::config::Config;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// How many times as long as a count took the next one waits at least.
+/// How many times as long as a count took the next one waits at least,
+/// from the count's start.
 const QUIET: u32 = 20;
 
 /// The longest pause between two counts of the backlog (unless the
 /// interval is longer): how stale its gauges may get.
 const MAX_PAUSE: Duration = Duration::from_secs(60);
 
-/// Refreshes the backlog, oldest-unsent, dead-letter and slot gauges until `shutdown`.
+/// Refreshes the active, backlog, oldest-unsent, dead-letter, frontier and
+/// slot gauges until `shutdown`.
 pub async fn sample(
     config: Config,
     telemetry: crate::telemetry::PipelineTelemetry,
@@ -43,21 +47,26 @@ pub async fn sample(
             client = crate::db::connect(&config.database, None).await.ok();
         }
         if let Some(c) = &client {
-            let started = Instant::now();
+            if Instant::now() >= count_at {
+                let started = Instant::now();
+                let counted = backlog(c, &config).await;
+                // Failed or not, a slow count waits its pause.
+                count_at = started + pause_after(interval, started.elapsed());
+                match counted {
+                    Ok((backlog, oldest)) => {
+                        // Zero with mark = "none": the slot's gauges measure the lag.
+                        m.backlog.set(backlog.unwrap_or(0) as f64);
+                        m.oldest_unsent_age.set(oldest.unwrap_or(0.0));
+                    }
+                    Err(e) => tracing::debug!(error = %e, "counting the backlog failed"),
+                }
+            }
             let reads = Reads {
-                backlog: started >= count_at,
+                backlog: false,
                 last_publish: false,
             };
             match snapshot(c, &config, reads).await {
                 Ok(s) => {
-                    if reads.backlog {
-                        let took = started.elapsed();
-                        count_at = started + pause_after(interval, took);
-                        // Zero with mark = "none": the slot's gauges measure the lag.
-                        m.backlog.set(s.backlog.unwrap_or(0) as f64);
-                        m.oldest_unsent_age
-                            .set(s.oldest_unsent_age_seconds.unwrap_or(0.0));
-                    }
                     if let Some(n) = s.dead_letters {
                         m.dead_letters.set(n as f64);
                     }
@@ -99,13 +108,13 @@ mod tests {
         // Quick counts keep the interval.
         assert_eq!(pause_after(interval, Duration::from_millis(40)), interval);
         assert_eq!(pause_after(interval, Duration::from_millis(750)), interval);
-        // A count of a large backlog that took 2 s: 40 s before the next,
-        // PostgreSQL busy counting 2 s in 42.
+        // A count of a large backlog that took 2 s: the next 40 s after it
+        // started, PostgreSQL busy counting 2 s in 40.
         assert_eq!(
             pause_after(interval, Duration::from_secs(2)),
             Duration::from_secs(40)
         );
-        // Never more than a minute between counts, unless the interval is.
+        // Never more than a minute, unless the interval is.
         assert_eq!(pause_after(interval, Duration::from_secs(10)), MAX_PAUSE);
         assert_eq!(pause_after(interval, Duration::MAX), MAX_PAUSE);
         let long = Duration::from_secs(300);

@@ -73,7 +73,8 @@ pub struct Snapshot {
     /// With shards: how many shard locks are held, of how many.
     pub shards_owned: Option<(i64, u32)>,
     /// Unsent rows; `None` with `relay.mark = "none"`, where the table does
-    /// not say what was sent (the slot's lag does).
+    /// not say what was sent (the slot's lag does), or when not read
+    /// ([`Reads::backlog`]).
     pub backlog: Option<i64>,
     pub oldest_unsent_age_seconds: Option<f64>,
     pub dead_letters: Option<i64>,
@@ -114,28 +115,11 @@ pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<
     let table = &config.outbox.table;
     let t = table.quoted();
     let with_last_publish = reads.last_publish;
-    let (backlog, oldest_unsent_age_seconds) =
-        if config.relay.mark == MarkMode::None || !reads.backlog {
-            // Every row looks unsent: counting them would count the table.
-            (None, None)
-        } else if config.relay.mark == MarkMode::Ranges {
-            ranges_backlog(client, config).await?
-        } else {
-            let backlog: i64 = client
-                .query_one(
-                    &format!("SELECT count(*) FROM {t} WHERE {SENT_AT_COLUMN} IS NULL"),
-                    &[],
-                )
-                .await
-                .map_err(q("counting unsent rows"))?
-                .get(0);
-            let columns = crate::outbox::inspect::table_info(client, table)
-                .await
-                .map_err(q("reading the outbox table"))?
-                .map(|info| config.outbox.columns.resolve(&info.names()));
-            let age = oldest_unsent_age(client, config, columns.as_ref()).await?;
-            (Some(backlog), age)
-        };
+    let (backlog, oldest_unsent_age_seconds) = if reads.backlog {
+        backlog(client, config).await?
+    } else {
+        (None, None)
+    };
     let dead_letters = open_dead_letters(client, config).await;
     let last_publish = match config.relay.mark {
         MarkMode::Update if with_last_publish => client
@@ -179,6 +163,39 @@ pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<
         marking: config.relay.mark.name(),
         marking_chosen_by_outbox: config.mark_chosen_by_outbox(),
     })
+}
+
+/// The unsent rows and the oldest one's age: a count of every unsent row.
+/// `None` with `relay.mark = "none"`, where every row looks unsent
+/// (counting them would count the table).
+pub async fn backlog(
+    client: &Client,
+    config: &Config,
+) -> Result<(Option<i64>, Option<f64>), DbError> {
+    let table = &config.outbox.table;
+    match config.relay.mark {
+        MarkMode::None => Ok((None, None)),
+        MarkMode::Ranges => ranges_backlog(client, config).await,
+        _ => {
+            let backlog: i64 = client
+                .query_one(
+                    &format!(
+                        "SELECT count(*) FROM {} WHERE {SENT_AT_COLUMN} IS NULL",
+                        table.quoted()
+                    ),
+                    &[],
+                )
+                .await
+                .map_err(q("counting unsent rows"))?
+                .get(0);
+            let columns = crate::outbox::inspect::table_info(client, table)
+                .await
+                .map_err(q("reading the outbox table"))?
+                .map(|info| config.outbox.columns.resolve(&info.names()));
+            let age = oldest_unsent_age(client, config, columns.as_ref()).await?;
+            Ok((Some(backlog), age))
+        }
+    }
 }
 
 async fn frontier_status(client: &Client, table: &TableName) -> Result<FrontierStatus, DbError> {
