@@ -42,32 +42,50 @@ async fn read(reader: &mut PollingReader, max: usize, max_bytes: usize) -> Vec<(
         .collect()
 }
 
-async fn pages_stop_where_the_payloads_pass_the_room(mark: &str) {
+/// An outbox marked with `mark` for `mode`, its configuration and columns.
+async fn outbox(
+    mode: Mode,
+    mark: &str,
+) -> (
+    TestDb,
+    Broker,
+    outbox_relay::config::Config,
+    outbox_relay::config::ResolvedColumns,
+) {
     let mark_value = format!("\"{mark}\"");
-    let (db, _broker, toml) = setup(
-        Mode::Polling,
+    let (db, broker, toml) = setup(
+        mode,
         Kind::Rabbit,
         &[],
         &[("relay.mark", mark_value.as_str())],
     )
     .await;
     let config = parse(&toml);
-    // Five rows of 1,000 bytes, then five of 4,000.
-    insert(&db, 1, 5, 1_000).await;
-    insert(&db, 6, 10, 4_000).await;
-    let seqs: Vec<i64> = db
-        .client
-        .query("SELECT relay_seq FROM outbox ORDER BY relay_seq", &[])
-        .await
-        .expect("read relay_seq")
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
     let info = outbox_relay::outbox::inspect::table_info(&db.client, &config.outbox.table)
         .await
         .expect("table info")
         .expect("the outbox exists");
     let columns = config.outbox.columns.resolve(&info.names());
+    (db, broker, config, columns)
+}
+
+/// The `relay_seq` of every row, in order.
+async fn all_seqs(db: &TestDb) -> Vec<i64> {
+    db.client
+        .query("SELECT relay_seq FROM outbox ORDER BY relay_seq", &[])
+        .await
+        .expect("read relay_seq")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+async fn pages_stop_where_the_payloads_pass_the_room(mark: &str) {
+    let (db, _broker, config, columns) = outbox(Mode::Polling, mark).await;
+    // Five rows of 1,000 bytes, then five of 4,000.
+    insert(&db, 1, 5, 1_000).await;
+    insert(&db, 6, 10, 4_000).await;
+    let seqs = all_seqs(&db).await;
     let mut reader = PollingReader::connect(
         &config.database,
         &config.outbox.table,
@@ -133,17 +151,6 @@ async fn polling_pages_stop_where_the_payloads_pass_the_room_when_ranges_are_rec
     pages_stop_where_the_payloads_pass_the_room("ranges").await;
 }
 
-/// The `relay_seq` of every row, in order.
-async fn all_seqs(db: &TestDb) -> Vec<i64> {
-    db.client
-        .query("SELECT relay_seq FROM outbox ORDER BY relay_seq", &[])
-        .await
-        .expect("read relay_seq")
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
-}
-
 /// One start-up read page of up to `max` rows within `max_bytes`, after
 /// `after`: the `relay_seq` of each row.
 async fn table_page(server: &mut PgServer, after: i64, max: usize, max_bytes: usize) -> Vec<i64> {
@@ -157,15 +164,7 @@ async fn table_page(server: &mut PgServer, after: i64, max: usize, max_bytes: us
 }
 
 async fn startup_pages_go_on_from_the_row_the_cut_left(mark: &str) {
-    let mark_value = format!("\"{mark}\"");
-    let (db, _broker, toml) = setup(
-        Mode::Cdc,
-        Kind::Rabbit,
-        &[],
-        &[("relay.mark", mark_value.as_str())],
-    )
-    .await;
-    let config = parse(&toml);
+    let (db, _broker, config, columns) = outbox(Mode::Cdc, mark).await;
     // Five rows of 1,000 bytes, five of 4,000, then 70 of 200: more than a
     // start's first page asks for (64 rows).
     insert(&db, 1, 5, 1_000).await;
@@ -173,11 +172,6 @@ async fn startup_pages_go_on_from_the_row_the_cut_left(mark: &str) {
     insert(&db, 11, 80, 200).await;
     let seqs = all_seqs(&db).await;
     assert_eq!(seqs.len(), 80);
-    let info = outbox_relay::outbox::inspect::table_info(&db.client, &config.outbox.table)
-        .await
-        .expect("table info")
-        .expect("the outbox exists");
-    let columns = config.outbox.columns.resolve(&info.names());
     let (mut server, _) = PgServer::connect(
         &config.database,
         &config.outbox.table,
