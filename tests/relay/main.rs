@@ -46,6 +46,7 @@ mod retention_skips;
 mod roles;
 mod routing;
 mod schema;
+mod sessions;
 mod tls;
 mod tracing;
 mod troubleshooting;
