@@ -5,14 +5,14 @@
 //! Counting the backlog reads every unsent row: for a large backlog it is a
 //! query of seconds on the database for millions of rows (with
 //! `relay.mark = "ranges"`, 0.15 s per 300,000 rows on a 2-core benchmark
-//! machine, JIT off as in every relay session), run beside the
-//! relay's own reads of the same rows. So the count, and the oldest unsent
-//! row's age that comes with it, has a schedule of its own: after a count
-//! that took `t`, the next starts no sooner than [`QUIET`] × `t` after it
-//! started, so counts that take up to [`MAX_PAUSE`] / [`QUIET`] keep
-//! PostgreSQL busy at most 1 / [`QUIET`] of the time; longer ones run every
-//! [`MAX_PAUSE`] (or interval, when longer). The other gauges keep the
-//! interval.
+//! machine, JIT off as in every relay session), run beside the relay's own
+//! reads of the same rows. So the count has a schedule of its own: after a
+//! count that took `t`, the next starts no sooner than [`QUIET`] × `t`
+//! after it started, so counts that take up to [`MAX_PAUSE`] / [`QUIET`]
+//! keep PostgreSQL busy at most 1 / [`QUIET`] of the time; longer ones run
+//! every [`MAX_PAUSE`] (or interval, when longer). The other gauges keep
+//! the interval, the oldest unsent row's age among them: it reads up to the
+//! first unsent row only.
 
 use super::status::{Reads, backlog, snapshot};
 use crate::config::Config;
@@ -54,11 +54,8 @@ pub async fn sample(
                 // Failed or not, a slow count waits its pause.
                 count_at = started + pause_after(interval, started.elapsed());
                 match counted {
-                    Ok((backlog, oldest)) => {
-                        // Zero with mark = "none": the slot's gauges measure the lag.
-                        m.backlog.set(backlog.unwrap_or(0) as f64);
-                        m.oldest_unsent_age.set(oldest.unwrap_or(0.0));
-                    }
+                    // Zero with mark = "none": the slot's gauges measure the lag.
+                    Ok(backlog) => m.backlog.set(backlog.unwrap_or(0) as f64),
                     Err(e) => tracing::debug!(error = %e, "counting the backlog failed"),
                 }
             }
@@ -68,6 +65,8 @@ pub async fn sample(
             };
             match snapshot(c, &config, reads).await {
                 Ok(s) => {
+                    m.oldest_unsent_age
+                        .set(s.oldest_unsent_age_seconds.unwrap_or(0.0));
                     if let Some(n) = s.dead_letters {
                         m.dead_letters.set(n as f64);
                     }

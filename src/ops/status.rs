@@ -97,7 +97,7 @@ fn q(context: &str) -> impl Fn(tokio_postgres::Error) -> DbError + '_ {
 /// What a [`snapshot`] reads besides the cheap parts.
 #[derive(Debug, Clone, Copy)]
 pub struct Reads {
-    /// The backlog and the oldest unsent row's age (a count of every unsent row).
+    /// The backlog (a count of every unsent row).
     pub backlog: bool,
     /// The last publish time.
     pub last_publish: bool,
@@ -115,11 +115,11 @@ pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<
     let table = &config.outbox.table;
     let t = table.quoted();
     let with_last_publish = reads.last_publish;
-    let (backlog, oldest_unsent_age_seconds) = if reads.backlog {
-        backlog(client, config).await?
-    } else {
-        (None, None)
+    let backlog = match reads.backlog {
+        true => backlog(client, config).await?,
+        false => None,
     };
+    let oldest_unsent_age_seconds = oldest_unsent_age(client, config).await?;
     let dead_letters = open_dead_letters(client, config).await;
     let last_publish = match config.relay.mark {
         MarkMode::Update if with_last_publish => client
@@ -165,37 +165,29 @@ pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<
     })
 }
 
-/// The unsent rows and the oldest one's age: a count of every unsent row.
-/// `None` with `relay.mark = "none"`, where every row looks unsent
-/// (counting them would count the table).
-pub async fn backlog(
-    client: &Client,
-    config: &Config,
-) -> Result<(Option<i64>, Option<f64>), DbError> {
-    let table = &config.outbox.table;
-    match config.relay.mark {
-        MarkMode::None => Ok((None, None)),
-        MarkMode::Ranges => ranges_backlog(client, config).await,
-        _ => {
-            let backlog: i64 = client
-                .query_one(
-                    &format!(
-                        "SELECT count(*) FROM {} WHERE {SENT_AT_COLUMN} IS NULL",
-                        table.quoted()
-                    ),
-                    &[],
-                )
-                .await
-                .map_err(q("counting unsent rows"))?
-                .get(0);
-            let columns = crate::outbox::inspect::table_info(client, table)
-                .await
-                .map_err(q("reading the outbox table"))?
-                .map(|info| config.outbox.columns.resolve(&info.names()));
-            let age = oldest_unsent_age(client, config, columns.as_ref()).await?;
-            Ok((Some(backlog), age))
+/// The unsent rows: a count of every unsent row, seconds on the database
+/// for a backlog of millions. `None` with `relay.mark = "none"`, where
+/// every row looks unsent (counting them would count the table).
+pub async fn backlog(client: &Client, config: &Config) -> Result<Option<i64>, DbError> {
+    let sql = match config.relay.mark {
+        MarkMode::None => return Ok(None),
+        MarkMode::Ranges => {
+            crate::outbox::progress::Ranges::new(&config.outbox.table)
+                .read_sql(SEQ_COLUMN, "")
+                .backlog
         }
-    }
+        _ => format!(
+            "SELECT count(*) FROM {} WHERE {SENT_AT_COLUMN} IS NULL",
+            config.outbox.table.quoted()
+        ),
+    };
+    Ok(Some(
+        client
+            .query_one(&sql, &[])
+            .await
+            .map_err(q("counting unsent rows"))?
+            .get(0),
+    ))
 }
 
 async fn frontier_status(client: &Client, table: &TableName) -> Result<FrontierStatus, DbError> {
@@ -224,64 +216,50 @@ async fn frontier_status(client: &Client, table: &TableName) -> Result<FrontierS
     })
 }
 
-/// With `relay.mark = "ranges"`: the unsent rows by the frontier, the
-/// held rows and the progress table, and the oldest one's age.
-async fn ranges_backlog(
-    client: &Client,
-    config: &Config,
-) -> Result<(Option<i64>, Option<f64>), DbError> {
+/// Seconds since the oldest unsent row was written, when the table has a
+/// `created_at` column (`None` with `relay.mark = "none"`). It reads up to
+/// the first unsent row only, so it stays cheap at any backlog.
+pub async fn oldest_unsent_age(client: &Client, config: &Config) -> Result<Option<f64>, DbError> {
     let table = &config.outbox.table;
-    let ranges = crate::outbox::progress::Ranges::new(table);
-    let row = client
-        .query_one(&ranges.read_sql(SEQ_COLUMN, "").backlog, &[])
-        .await
-        .map_err(q("counting unsent rows"))?;
-    let (count, oldest): (i64, Option<i64>) = (row.get(0), row.get(1));
-    let columns = crate::outbox::inspect::table_info(client, table)
+    let first_unsent = match config.relay.mark {
+        MarkMode::None => return Ok(None),
+        MarkMode::Ranges => {
+            crate::outbox::progress::Ranges::new(table)
+                .read_sql(SEQ_COLUMN, "")
+                .oldest
+        }
+        _ => format!(
+            "SELECT {SEQ_COLUMN} FROM {} WHERE {SENT_AT_COLUMN} IS NULL ORDER BY {SEQ_COLUMN} LIMIT 1",
+            table.quoted()
+        ),
+    };
+    let created_at = crate::outbox::inspect::table_info(client, table)
         .await
         .map_err(q("reading the outbox table"))?
-        .map(|info| config.outbox.columns.resolve(&info.names()));
-    let age = match (oldest, columns.and_then(|c| c.created_at)) {
-        (Some(seq), Some(created_at)) => client
-            .query_opt(
-                &format!(
-                    "SELECT EXTRACT(EPOCH FROM now() - {}::timestamptz)::float8 FROM {} WHERE {SEQ_COLUMN} = $1",
-                    quote_ident(&created_at),
-                    table.quoted()
-                ),
-                &[&seq],
-            )
-            .await
-            .map_err(q("reading the oldest unsent row"))?
-            .map(|r| r.get::<_, f64>(0).max(0.0)),
-        _ => None,
+        .and_then(|info| config.outbox.columns.resolve(&info.names()).created_at);
+    let Some(created_at) = created_at else {
+        return Ok(None);
     };
-    Ok((Some(count), age))
-}
-
-/// Seconds since the oldest unsent row was written, when the table has a
-/// `created_at` column.
-async fn oldest_unsent_age(
-    client: &Client,
-    config: &Config,
-    columns: Option<&crate::config::ResolvedColumns>,
-) -> Result<Option<f64>, DbError> {
-    let t = config.outbox.table.quoted();
-    Ok(match columns.and_then(|c| c.created_at.clone()) {
-        Some(created_at) => client
-            .query_opt(
-                &format!(
-                    "SELECT EXTRACT(EPOCH FROM now() - {}::timestamptz)::float8 FROM {t}
-                 WHERE {SENT_AT_COLUMN} IS NULL ORDER BY {SEQ_COLUMN} LIMIT 1",
-                    quote_ident(&created_at)
-                ),
-                &[],
-            )
-            .await
-            .map_err(q("reading the oldest unsent row"))?
-            .map(|r| r.get::<_, f64>(0).max(0.0)),
-        None => None,
-    })
+    let seq: Option<i64> = client
+        .query_opt(&first_unsent, &[])
+        .await
+        .map_err(q("finding the oldest unsent row"))?
+        .map(|r| r.get(0));
+    let Some(seq) = seq else {
+        return Ok(None);
+    };
+    Ok(client
+        .query_opt(
+            &format!(
+                "SELECT EXTRACT(EPOCH FROM now() - {}::timestamptz)::float8 FROM {} WHERE {SEQ_COLUMN} = $1",
+                quote_ident(&created_at),
+                table.quoted()
+            ),
+            &[&seq],
+        )
+        .await
+        .map_err(q("reading the oldest unsent row"))?
+        .map(|r| r.get::<_, f64>(0).max(0.0)))
 }
 
 /// Open dead letters, when dead-lettering is on and the table can be read.

@@ -311,17 +311,21 @@ impl History {
         round.batch_execute("COMMIT").await.unwrap();
         assert_eq!(got, want, "{label}: a start-up round in one snapshot");
         self.tick = Some(cur);
-        let row = db
-            .client
-            .query_one(&ranges.read_sql("relay_seq", "").backlog, &[])
-            .await
-            .unwrap();
+        let sql = ranges.read_sql("relay_seq", "");
+        let row = db.client.query_one(&sql.backlog, &[]).await.unwrap();
         let (count, lowest): (i64, Option<i64>) = (row.get(0), row.get(1));
         assert_eq!(
             (count as usize, lowest),
             (first.len(), first.first().copied()),
             "{label}: backlog"
         );
+        let oldest: Option<i64> = db
+            .client
+            .query_opt(&sql.oldest, &[])
+            .await
+            .unwrap()
+            .map(|r| r.get(0));
+        assert_eq!(oldest, first.first().copied(), "{label}: oldest unsent");
         self.ledger.reads += 1;
     }
 

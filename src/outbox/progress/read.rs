@@ -54,8 +54,12 @@ pub struct ReadSql {
     /// page resolved it), `$5` the stragglers, `$6` the page's size.
     pub next_page: String,
     /// A first read's size: `count(*)` and the lowest `relay_seq`, with no
-    /// parameters (`status`).
+    /// parameters (`status`). It visits every unsent row.
     pub backlog: String,
+    /// A first read's lowest `relay_seq` (no row when nothing is unsent),
+    /// with no parameters: the first row of a first page, so it visits
+    /// only the rows before it (the gauges' oldest unsent age).
+    pub oldest: String,
 }
 
 /// The parts of one page: what the placeholders are in this statement.
@@ -106,26 +110,32 @@ impl Ranges {
                 limit: Some("$6"),
             },
         );
-        let all = self.page(
+        // Every unsent row of a first read, in one statement.
+        let all_rows = Page {
+            cursor: BELOW_ALL,
+            base_snapshot: "NULL::text",
+            base_max: "(SELECT max_seq FROM base)",
+            stragglers: "(SELECT seqs FROM strag)::bigint[]",
+            cur: None,
+            limit: None,
+        };
+        let first_row = self.page(
             SEQ_COLUMN,
             "",
             &Page {
-                cursor: BELOW_ALL,
-                base_snapshot: "NULL::text",
-                base_max: "(SELECT max_seq FROM base)",
-                stragglers: "(SELECT seqs FROM strag)::bigint[]",
-                cur: None,
-                limit: None,
+                limit: Some("1"),
+                ..all_rows
             },
         );
-        let backlog = format!(
-            "{} SELECT count(*), min({SEQ_COLUMN}) FROM ({all}) backlog",
-            self.base_and_stragglers("", "NULL::text", "NULL::bigint"),
-        );
+        let bases = self.base_and_stragglers("", "NULL::text", "NULL::bigint");
         ReadSql {
             first_page,
             next_page,
-            backlog,
+            backlog: format!(
+                "{bases} SELECT count(*), min({SEQ_COLUMN}) FROM ({}) backlog",
+                self.page(SEQ_COLUMN, "", &all_rows)
+            ),
+            oldest: format!("{bases} SELECT {SEQ_COLUMN} FROM ({first_row}) oldest"),
         }
     }
 
