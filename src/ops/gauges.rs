@@ -10,11 +10,16 @@
 //! count that took `t`, the next starts no sooner than [`QUIET`] × `t`
 //! after it started, so counts that take up to [`MAX_PAUSE`] / [`QUIET`]
 //! keep PostgreSQL busy at most 1 / [`QUIET`] of the time; longer ones run
-//! every [`MAX_PAUSE`] (or interval, when longer). The other gauges keep
-//! the interval, the oldest unsent row's age among them: it reads up to the
-//! first unsent row only.
+//! every [`MAX_PAUSE`] (or interval, when longer). The oldest unsent row's
+//! age reads up to the first unsent row only: with ranges it steps over
+//! the run of rows a drain recorded since the last fold (a hole in the
+//! run, a `relay_seq` rolled back, ends the step), but looks through the
+//! index entries of every transaction since then, 0.1 s for 300,000 rows.
+//! It has the same schedule, so it keeps the interval until it takes
+//! longer than a twentieth of it.
+//! The other gauges keep the interval.
 
-use super::status::{Reads, backlog, snapshot};
+use super::status::{Reads, backlog, oldest_unsent_age, snapshot};
 use crate::config::Config;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -37,7 +42,7 @@ pub async fn sample(
     let m = &telemetry.metrics;
     let interval = config.http.sample_interval;
     let mut client: Option<tokio_postgres::Client> = None;
-    let mut count_at = Instant::now();
+    let (mut count_at, mut age_at) = (Instant::now(), Instant::now());
     loop {
         m.active.set(if telemetry.health.is_active() {
             1.0
@@ -48,10 +53,12 @@ pub async fn sample(
             client = crate::db::connect(&config.database, None).await.ok();
         }
         if let Some(c) = &client {
+            // Each read of the unsent rows paced by what it took; failed
+            // or not, a slow one waits its pause, and a failure keeps the
+            // gauge's last value.
             if Instant::now() >= count_at {
                 let started = Instant::now();
                 let counted = backlog(c, &config).await;
-                // Failed or not, a slow count waits its pause.
                 count_at = started + pause_after(interval, started.elapsed());
                 match counted {
                     // Zero with mark = "none": the slot's gauges measure the lag.
@@ -59,14 +66,22 @@ pub async fn sample(
                     Err(e) => tracing::debug!(error = %e, "counting the backlog failed"),
                 }
             }
+            if Instant::now() >= age_at {
+                let started = Instant::now();
+                let read = oldest_unsent_age(c, &config).await;
+                age_at = started + pause_after(interval, started.elapsed());
+                match read {
+                    Ok(age) => m.oldest_unsent_age.set(age.unwrap_or(0.0)),
+                    Err(e) => tracing::debug!(error = %e, "reading the oldest unsent age failed"),
+                }
+            }
             let reads = Reads {
                 backlog: false,
+                oldest_age: false,
                 last_publish: false,
             };
             match snapshot(c, &config, reads).await {
                 Ok(s) => {
-                    m.oldest_unsent_age
-                        .set(s.oldest_unsent_age_seconds.unwrap_or(0.0));
                     if let Some(n) = s.dead_letters {
                         m.dead_letters.set(n as f64);
                     }

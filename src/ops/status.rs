@@ -99,6 +99,8 @@ fn q(context: &str) -> impl Fn(tokio_postgres::Error) -> DbError + '_ {
 pub struct Reads {
     /// The backlog (a count of every unsent row).
     pub backlog: bool,
+    /// The oldest unsent row's age (a read up to the first unsent row).
+    pub oldest_age: bool,
     /// The last publish time.
     pub last_publish: bool,
 }
@@ -107,6 +109,7 @@ impl Reads {
     /// Everything, as `outbox-relay status` shows it.
     pub const ALL: Reads = Reads {
         backlog: true,
+        oldest_age: true,
         last_publish: true,
     };
 }
@@ -119,7 +122,10 @@ pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<
         true => backlog(client, config).await?,
         false => None,
     };
-    let oldest_unsent_age_seconds = oldest_unsent_age(client, config).await?;
+    let oldest_unsent_age_seconds = match reads.oldest_age {
+        true => oldest_unsent_age(client, config).await?,
+        false => None,
+    };
     let dead_letters = open_dead_letters(client, config).await;
     let last_publish = match config.relay.mark {
         MarkMode::Update if with_last_publish => client
@@ -217,22 +223,14 @@ async fn frontier_status(client: &Client, table: &TableName) -> Result<FrontierS
 }
 
 /// Seconds since the oldest unsent row was written, when the table has a
-/// `created_at` column (`None` with `relay.mark = "none"`). It reads up to
-/// the first unsent row only, so it stays cheap at any backlog.
+/// `created_at` column (`None` with `relay.mark = "none"`). One statement
+/// that reads up to the first unsent row only (its cost during a drain:
+/// `ops::gauges`).
 pub async fn oldest_unsent_age(client: &Client, config: &Config) -> Result<Option<f64>, DbError> {
     let table = &config.outbox.table;
-    let first_unsent = match config.relay.mark {
-        MarkMode::None => return Ok(None),
-        MarkMode::Ranges => {
-            crate::outbox::progress::Ranges::new(table)
-                .read_sql(SEQ_COLUMN, "")
-                .oldest
-        }
-        _ => format!(
-            "SELECT {SEQ_COLUMN} FROM {} WHERE {SENT_AT_COLUMN} IS NULL ORDER BY {SEQ_COLUMN} LIMIT 1",
-            table.quoted()
-        ),
-    };
+    if config.relay.mark == MarkMode::None {
+        return Ok(None);
+    }
     let created_at = crate::outbox::inspect::table_info(client, table)
         .await
         .map_err(q("reading the outbox table"))?
@@ -240,26 +238,26 @@ pub async fn oldest_unsent_age(client: &Client, config: &Config) -> Result<Optio
     let Some(created_at) = created_at else {
         return Ok(None);
     };
-    let seq: Option<i64> = client
-        .query_opt(&first_unsent, &[])
-        .await
-        .map_err(q("finding the oldest unsent row"))?
-        .map(|r| r.get(0));
-    let Some(seq) = seq else {
-        return Ok(None);
+    let age = format!(
+        "EXTRACT(EPOCH FROM now() - {}::timestamptz)::float8",
+        quote_ident(&created_at)
+    );
+    let sql = match config.relay.mark {
+        MarkMode::Ranges => {
+            crate::outbox::progress::Ranges::new(table)
+                .read_sql(&format!("{SEQ_COLUMN}, {age} AS age"), "")
+                .oldest
+        }
+        _ => format!(
+            "SELECT {SEQ_COLUMN}, {age} FROM {} WHERE {SENT_AT_COLUMN} IS NULL ORDER BY {SEQ_COLUMN} LIMIT 1",
+            table.quoted()
+        ),
     };
     Ok(client
-        .query_opt(
-            &format!(
-                "SELECT EXTRACT(EPOCH FROM now() - {}::timestamptz)::float8 FROM {} WHERE {SEQ_COLUMN} = $1",
-                quote_ident(&created_at),
-                table.quoted()
-            ),
-            &[&seq],
-        )
+        .query_opt(&sql, &[])
         .await
         .map_err(q("reading the oldest unsent row"))?
-        .map(|r| r.get::<_, f64>(0).max(0.0)))
+        .map(|r| r.get::<_, f64>(1).max(0.0)))
 }
 
 /// Open dead letters, when dead-lettering is on and the table can be read.

@@ -30,10 +30,10 @@ use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, XID_COLUMN};
 /// result): one generic plan. That plan must not be the table scan a young
 /// table's statistics suggest, kept for the session's life: every read is
 /// index-driven by design. The penalty that keeps table scans out makes
-/// the plan look expensive enough to compile with JIT, which took 350 ms
-/// a page: no JIT for these short statements.
+/// the plan look expensive enough to compile with JIT (350 ms a page),
+/// which every relay session has off (`crate::db`).
 pub const READER_SESSION: &str =
-    "SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off; SET jit = off";
+    "SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off";
 
 /// The split point when the base has no rows: below every `relay_seq`.
 const BELOW_ALL: &str = "(-9223372036854775808)::bigint";
@@ -53,12 +53,12 @@ pub struct ReadSql {
     /// snapshot or NULL, `$4` the base's highest `relay_seq` (as the first
     /// page resolved it), `$5` the stragglers, `$6` the page's size.
     pub next_page: String,
-    /// A first read's size: `count(*)` and the lowest `relay_seq`, with no
-    /// parameters (`status`). It visits every unsent row.
+    /// A first read's size, `count(*)`, with no parameters (`status`). It
+    /// visits every unsent row.
     pub backlog: String,
-    /// A first read's lowest `relay_seq` (no row when nothing is unsent),
-    /// with no parameters: the first row of a first page, so it visits
-    /// only the rows before it (the gauges' oldest unsent age).
+    /// A first read's first row, the page's columns (no row when nothing
+    /// is unsent), with no parameters: it visits only the rows before it,
+    /// past the recorded run above the frontier (the oldest unsent age).
     pub oldest: String,
 }
 
@@ -71,6 +71,10 @@ struct Page<'a> {
     /// A visibility condition for a page read after *cur* was taken.
     cur: Option<&'a str>,
     limit: Option<&'a str>,
+    /// Start the bulk branch past the recorded run that holds the first
+    /// row above the base: during a drain the fold waits for the drain to
+    /// end, and the rows it sent meanwhile would be visited one by one.
+    past_recorded: bool,
 }
 
 impl Ranges {
@@ -88,6 +92,7 @@ impl Ranges {
                 stragglers: "(SELECT seqs FROM strag)::bigint[]",
                 cur: None,
                 limit: Some("$3"),
+                past_recorded: false,
             },
         );
         let first_page = format!(
@@ -108,6 +113,7 @@ impl Ranges {
                 stragglers: "$5::bigint[]",
                 cur: Some("$2::text::pg_snapshot"),
                 limit: Some("$6"),
+                past_recorded: false,
             },
         );
         // Every unsent row of a first read, in one statement.
@@ -118,9 +124,10 @@ impl Ranges {
             stragglers: "(SELECT seqs FROM strag)::bigint[]",
             cur: None,
             limit: None,
+            past_recorded: true,
         };
         let first_row = self.page(
-            SEQ_COLUMN,
+            cols,
             "",
             &Page {
                 limit: Some("1"),
@@ -132,10 +139,10 @@ impl Ranges {
             first_page,
             next_page,
             backlog: format!(
-                "{bases} SELECT count(*), min({SEQ_COLUMN}) FROM ({}) backlog",
+                "{bases} SELECT count(*) FROM ({}) backlog",
                 self.page(SEQ_COLUMN, "", &all_rows)
             ),
-            oldest: format!("{bases} SELECT {SEQ_COLUMN} FROM ({first_row}) oldest"),
+            oldest: format!("{bases} {first_row}"),
         }
     }
 
@@ -191,7 +198,21 @@ impl Ranges {
             "AND ({base} IS NULL OR NOT pg_visible_in_snapshot(o.{XID_COLUMN}, {base}::pg_snapshot)){cur}{shard}",
             base = p.base_snapshot,
         );
-        let bulk_lower = format!("GREATEST({}, {})", p.cursor, p.base_max);
+        let bulk_lower = if p.past_recorded {
+            // The run that holds the first row above the base: every row
+            // of it is recorded, so sent, and none lies between. (A run's
+            // canonical upper bound is the first relay_seq past it.)
+            format!(
+                "GREATEST({cursor}, {max}, (SELECT max(upper(r)) - 1 FROM unnest(({recorded})) r
+                                            WHERE r @> (SELECT min(f.{SEQ_COLUMN}) FROM {t} f
+                                                        WHERE f.{SENT_AT_COLUMN} IS NULL AND f.{SEQ_COLUMN} > {max})))",
+                cursor = p.cursor,
+                max = p.base_max,
+                recorded = self.recorded(),
+            )
+        } else {
+            format!("GREATEST({}, {})", p.cursor, p.base_max)
+        };
         let bulk = format!("{} {rest}", self.unsent_above("o", &bulk_lower));
         let stragglers = format!("{} {rest}", self.unsent_probed("o"));
         format!(
