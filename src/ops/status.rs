@@ -257,7 +257,9 @@ pub async fn oldest_unsent_age(client: &Client, config: &Config) -> Result<Optio
         .query_opt(&sql, &[])
         .await
         .map_err(q("reading the oldest unsent row"))?
-        .map(|r| r.get::<_, f64>(1).max(0.0)))
+        // NULL when the row's created_at is.
+        .and_then(|r| r.get::<_, Option<f64>>(1))
+        .map(|age| age.max(0.0)))
 }
 
 /// Open dead letters, when dead-lettering is on and the table can be read.
@@ -475,7 +477,7 @@ fn oldest_unsent(s: &Snapshot) -> String {
                 + " old"
         }
         None if s.backlog.is_none_or(|n| n == 0) => "-".into(),
-        None => "unknown (no created_at column)".into(),
+        None => "unknown (no created_at column, or NULL in the oldest row)".into(),
     }
 }
 

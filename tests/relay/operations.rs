@@ -276,3 +276,44 @@ async fn without_marking_the_backlog_is_not_counted_from_the_table() {
         "{out}"
     );
 }
+
+/// The oldest unsent row's age, as `status` and the gauge read it, by how
+/// sent rows are recorded; none (not a failure) when its `created_at` is
+/// NULL in a table whose column allows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oldest_unsent_age_is_read_by_marking_and_a_null_created_at_has_none() {
+    for mark in ["update", "ranges"] {
+        let quoted = format!("\"{mark}\"");
+        let sets = [("relay.mark", quoted.as_str())];
+        let (db, _broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &sets).await;
+        let config = parse(&toml);
+        let age = || outbox_relay::ops::status::oldest_unsent_age(&db.client, &config);
+        assert_eq!(age().await.expect("an empty outbox"), None, "{mark}");
+        let insert = |created_at: &'static str| {
+            let client = &db.client;
+            async move {
+                client
+                    .batch_execute(&format!(
+                        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at)
+                         VALUES (gen_random_uuid(), 'order', 'a', 'created', '{{}}', {created_at})"
+                    ))
+                    .await
+                    .unwrap()
+            }
+        };
+        insert("now() - interval '90 seconds'").await;
+        insert("now()").await;
+        let seconds = age().await.expect("two unsent rows").expect("an age");
+        assert!((90.0..600.0).contains(&seconds), "{mark}: {seconds}");
+        // The write-once trigger forbids changing an unsent row: a new one.
+        db.client
+            .batch_execute(
+                "ALTER TABLE outbox ALTER COLUMN created_at DROP NOT NULL; DELETE FROM outbox",
+            )
+            .await
+            .unwrap();
+        insert("NULL").await;
+        insert("now()").await;
+        assert_eq!(age().await.expect("a NULL created_at"), None, "{mark}");
+    }
+}
