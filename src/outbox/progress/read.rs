@@ -58,7 +58,7 @@ pub struct ReadSql {
     pub backlog: String,
     /// A first read's first row, the page's columns (no row when nothing
     /// is unsent), with no parameters: it visits only the rows before it,
-    /// past the recorded run above the frontier (the oldest unsent age).
+    /// past the recorded runs above the frontier (the oldest unsent age).
     pub oldest: String,
 }
 
@@ -71,10 +71,11 @@ struct Page<'a> {
     /// A visibility condition for a page read after *cur* was taken.
     cur: Option<&'a str>,
     limit: Option<&'a str>,
-    /// Start the bulk branch past the recorded run that holds the first
-    /// row above the base: during a drain the fold waits for the drain to
-    /// end, and the rows it sent meanwhile would be visited one by one.
-    past_recorded: bool,
+    /// A `relay_seq` at or above the base's highest, up to which every
+    /// row is sent, to start the bulk branch past: during a drain the fold
+    /// waits for the drain to end, and the rows sent meanwhile would be
+    /// visited one by one.
+    past: Option<&'a str>,
 }
 
 impl Ranges {
@@ -92,7 +93,7 @@ impl Ranges {
                 stragglers: "(SELECT seqs FROM strag)::bigint[]",
                 cur: None,
                 limit: Some("$3"),
-                past_recorded: false,
+                past: None,
             },
         );
         let first_page = format!(
@@ -113,7 +114,7 @@ impl Ranges {
                 stragglers: "$5::bigint[]",
                 cur: Some("$2::text::pg_snapshot"),
                 limit: Some("$6"),
-                past_recorded: false,
+                past: None,
             },
         );
         // Every unsent row of a first read, in one statement.
@@ -124,7 +125,7 @@ impl Ranges {
             stragglers: "(SELECT seqs FROM strag)::bigint[]",
             cur: None,
             limit: None,
-            past_recorded: true,
+            past: Some("(SELECT seq FROM past)"),
         };
         let first_row = self.page(
             cols,
@@ -134,7 +135,11 @@ impl Ranges {
                 ..all_rows
             },
         );
-        let bases = self.base_and_stragglers("", "NULL::text", "NULL::bigint");
+        let bases = format!(
+            "{}, {}",
+            self.base_and_stragglers("", "NULL::text", "NULL::bigint"),
+            self.past_recorded_runs()
+        );
         ReadSql {
             first_page,
             next_page,
@@ -187,6 +192,34 @@ impl Ranges {
         )
     }
 
+    /// The CTE `past` (after `base`): its `seq` is the end of the recorded
+    /// runs that follow the base's highest `relay_seq` with no unsent-index
+    /// row between them, NULL when the first row above is not recorded.
+    /// From the first row above the base, while that row lies in a
+    /// recorded run, it steps to the first row past the run: no row
+    /// between is unsent, and every row of a run is recorded, so sent.
+    fn past_recorded_runs(&self) -> String {
+        let t = self.outbox.quoted();
+        format!(
+            "past AS MATERIALIZED (
+                 WITH RECURSIVE rec AS MATERIALIZED (SELECT ({recorded}) AS m),
+                 hop(s, below) AS (
+                     SELECT (SELECT min(f.{SEQ_COLUMN}) FROM {t} f
+                             WHERE f.{SENT_AT_COLUMN} IS NULL AND f.{SEQ_COLUMN} > (SELECT max_seq FROM base)),
+                            NULL::bigint
+                     UNION ALL
+                     SELECT (SELECT min(f.{SEQ_COLUMN}) FROM {t} f
+                             WHERE f.{SENT_AT_COLUMN} IS NULL AND f.{SEQ_COLUMN} >= upper(r)),
+                            upper(r) - 1
+                     FROM hop, unnest((SELECT m FROM rec)) r
+                     WHERE r @> hop.s
+                 )
+                 SELECT max(below) AS seq FROM hop
+             )",
+            recorded = self.recorded(),
+        )
+    }
+
     fn page(&self, cols: &str, shard: &str, p: &Page) -> String {
         let t = self.outbox.quoted();
         let limit = p.limit.map(|l| format!(" LIMIT {l}")).unwrap_or_default();
@@ -198,20 +231,9 @@ impl Ranges {
             "AND ({base} IS NULL OR NOT pg_visible_in_snapshot(o.{XID_COLUMN}, {base}::pg_snapshot)){cur}{shard}",
             base = p.base_snapshot,
         );
-        let bulk_lower = if p.past_recorded {
-            // The run that holds the first row above the base: every row
-            // of it is recorded, so sent, and none lies between. (A run's
-            // canonical upper bound is the first relay_seq past it.)
-            format!(
-                "GREATEST({cursor}, {max}, (SELECT max(upper(r)) - 1 FROM unnest(({recorded})) r
-                                            WHERE r @> (SELECT min(f.{SEQ_COLUMN}) FROM {t} f
-                                                        WHERE f.{SENT_AT_COLUMN} IS NULL AND f.{SEQ_COLUMN} > {max})))",
-                cursor = p.cursor,
-                max = p.base_max,
-                recorded = self.recorded(),
-            )
-        } else {
-            format!("GREATEST({}, {})", p.cursor, p.base_max)
+        let bulk_lower = match p.past {
+            Some(past) => format!("GREATEST({}, {}, {past})", p.cursor, p.base_max),
+            None => format!("GREATEST({}, {})", p.cursor, p.base_max),
         };
         let bulk = format!("{} {rest}", self.unsent_above("o", &bulk_lower));
         let stragglers = format!("{} {rest}", self.unsent_probed("o"));
