@@ -40,6 +40,14 @@ pub(crate) async fn seqs(
         .collect()
 }
 
+/// What `status` reads of a first read ([`ReadSql::backlog`] and
+/// [`ReadSql::oldest`], selecting `relay_seq`): the count and the lowest.
+pub(crate) async fn count_and_oldest(client: &Client, sql: &ReadSql) -> (i64, Option<i64>) {
+    let count = client.query_one(&sql.backlog, &[]).await.unwrap().get(0);
+    let oldest = client.query_opt(&sql.oldest, &[]).await.unwrap();
+    (count, oldest.map(|r| r.get(0)))
+}
+
 /// A read of the unsent rows from `base` (a snapshot and its highest
 /// `relay_seq`; `None`: a first read), page by page: the first page has
 /// run, [`Paged::next`] runs the next.
@@ -387,15 +395,11 @@ async fn the_oldest_unsent_row_is_read_past_the_rows_a_drain_recorded() {
         for batch in sent.chunks(100) {
             ranges.record(&db.client, batch).await.unwrap();
         }
-        let oldest: Option<i64> = db
-            .client
-            .query_opt(&sql.oldest, &[])
-            .await
-            .unwrap()
-            .map(|r| r.get(0));
-        assert_eq!(oldest, Some(all[from + 1_900]), "round {round}");
-        let count: i64 = db.client.query_one(&sql.backlog, &[]).await.unwrap().get(0);
-        assert_eq!(count, 100, "round {round}");
+        assert_eq!(
+            count_and_oldest(&db.client, &sql).await,
+            (100, Some(all[from + 1_900])),
+            "round {round}"
+        );
         // The scans of the outbox by relay_seq (the bulk branch) step
         // over the recorded rows; the stragglers' look at the transactions
         // since the frontier is another matter.

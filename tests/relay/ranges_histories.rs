@@ -8,7 +8,7 @@
 //! sent that was not recorded or marked, and a sent row stays sent.
 
 use crate::marking_ranges::{
-    INSERT, Paged, brute_force, outbox_with_ranges, read, record_open, seqs,
+    INSERT, Paged, brute_force, count_and_oldest, outbox_with_ranges, read, record_open, seqs,
 };
 use crate::support::*;
 use outbox_relay::config::TableName;
@@ -312,15 +312,11 @@ impl History {
         assert_eq!(got, want, "{label}: a start-up round in one snapshot");
         self.tick = Some(cur);
         let sql = ranges.read_sql("relay_seq", "");
-        let count: i64 = db.client.query_one(&sql.backlog, &[]).await.unwrap().get(0);
-        assert_eq!(count as usize, first.len(), "{label}: backlog");
-        let oldest: Option<i64> = db
-            .client
-            .query_opt(&sql.oldest, &[])
-            .await
-            .unwrap()
-            .map(|r| r.get(0));
-        assert_eq!(oldest, first.first().copied(), "{label}: oldest unsent");
+        assert_eq!(
+            count_and_oldest(&db.client, &sql).await,
+            (first.len() as i64, first.first().copied()),
+            "{label}: backlog and oldest unsent"
+        );
         self.ledger.reads += 1;
     }
 
