@@ -423,17 +423,19 @@ async fn the_oldest_unsent_row_is_read_past_the_rows_a_drain_recorded() {
     }
 }
 
-/// The rows that scans through the outbox's `relay_seq` indexes read and
-/// their filters dropped, in `sql`'s plan (`EXPLAIN ANALYZE`, rolled back);
-/// `None` when no such scan ran (the bulk branch read another way).
+/// The rows that the page's own scans of the outbox (alias `o`) through
+/// its `relay_seq` indexes read and their filters dropped, in `sql`'s plan
+/// (`EXPLAIN ANALYZE`, rolled back); `None` when no such scan ran (the
+/// bulk branch read another way).
 async fn removed_by_seq_scans(client: &mut Client, sql: &str) -> Option<f64> {
     fn walk(node: &serde_json::Value) -> Option<f64> {
-        let by_seq = node
-            .get("Index Name")
-            .and_then(serde_json::Value::as_str)
-            .is_some_and(|i| {
-                i.starts_with("outbox_relay_unsent") || i.starts_with("outbox_relay_seq")
-            });
+        let by_seq = node.get("Alias").and_then(serde_json::Value::as_str) == Some("o")
+            && node
+                .get("Index Name")
+                .and_then(serde_json::Value::as_str)
+                .is_some_and(|i| {
+                    i.starts_with("outbox_relay_unsent") || i.starts_with("outbox_relay_seq")
+                });
         let own = by_seq.then(|| node["Rows Removed by Filter"].as_f64().unwrap_or(0.0));
         let below = node
             .get("Plans")

@@ -195,26 +195,29 @@ impl Ranges {
     /// The CTE `past` (after `base`): its `seq` is the end of the recorded
     /// runs that follow the base's highest `relay_seq` with no unsent-index
     /// row between them, NULL when the first row above is not recorded.
-    /// From the first row above the base, while that row lies in a
-    /// recorded run, it steps to the first row past the run: no row
-    /// between is unsent, and every row of a run is recorded, so sent.
+    /// Every row of a run is recorded, so sent. The runs from the one that
+    /// holds the first row above the base are taken in order, and the walk
+    /// ends at the first whose gap to the next holds a row: one index
+    /// probe per run, whatever the number of gaps.
     fn past_recorded_runs(&self) -> String {
         let t = self.outbox.quoted();
         format!(
             "past AS MATERIALIZED (
-                 WITH RECURSIVE rec AS MATERIALIZED (SELECT ({recorded}) AS m),
-                 hop(s, below) AS (
-                     SELECT (SELECT min(f.{SEQ_COLUMN}) FROM {t} f
-                             WHERE f.{SENT_AT_COLUMN} IS NULL AND f.{SEQ_COLUMN} > (SELECT max_seq FROM base)),
-                            NULL::bigint
-                     UNION ALL
-                     SELECT (SELECT min(f.{SEQ_COLUMN}) FROM {t} f
-                             WHERE f.{SENT_AT_COLUMN} IS NULL AND f.{SEQ_COLUMN} >= upper(r)),
-                            upper(r) - 1
-                     FROM hop, unnest((SELECT m FROM rec)) r
-                     WHERE r @> hop.s
+                 WITH first AS MATERIALIZED (
+                     SELECT min(f.{SEQ_COLUMN}) AS s FROM {t} f
+                     WHERE f.{SENT_AT_COLUMN} IS NULL AND f.{SEQ_COLUMN} > (SELECT max_seq FROM base)
+                 ),
+                 runs AS MATERIALIZED (
+                     SELECT r, lead(lower(r)) OVER (ORDER BY lower(r)) AS next
+                     FROM unnest(({recorded})) r WHERE upper(r) > (SELECT s FROM first)
                  )
-                 SELECT max(below) AS seq FROM hop
+                 SELECT upper(r) - 1 AS seq FROM runs
+                 WHERE (SELECT min(lower(r)) FROM runs) <= (SELECT s FROM first)
+                   AND (next IS NULL
+                        OR EXISTS (SELECT 1 FROM {t} g
+                                   WHERE g.{SENT_AT_COLUMN} IS NULL
+                                     AND g.{SEQ_COLUMN} >= upper(r) AND g.{SEQ_COLUMN} < next))
+                 ORDER BY lower(r) LIMIT 1
              )",
             recorded = self.recorded(),
         )
