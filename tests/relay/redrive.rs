@@ -98,3 +98,51 @@ async fn a_request_on_many_followers_is_extended_look_after_look_without_waiting
     assert_eq!(unrequested, 0, "every follower is requested");
     relay.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_goes_on_when_another_aggregates_redrive_ends_first() {
+    // Aggregate A's one letter is published and resolved first: A resumes,
+    // which makes the relay read again, while B's letters of the same look
+    // are still queued or in flight. B's redrive must go on from there,
+    // not an hour later.
+    const LETTERS: usize = 1_200;
+    let (db, broker, toml) = looks_an_hour_apart().await;
+    let path = config_file(&toml);
+    db.client
+        .execute(
+            "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload,
+                                              created_at, reason, attempts, first_failed_at, last_failed_at)
+             SELECT CASE WHEN g = 0 THEN 'a' ELSE 'r' || lpad(g::text, 5, '0') END, 'order',
+                    CASE WHEN g = 0 THEN 'A' ELSE 'B' END, 'OrderCreated', '{}', now()::text,
+                    'message too large', 5, now(), now()
+             FROM generate_series(0, $1::int) g",
+            &[&(LETTERS as i32)],
+        )
+        .await
+        .expect("letters of two aggregates");
+    let (code, out, err) = run_cli(&["dlq", "redrive", "--all", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+
+    let relay = InProcess::start(parse(&toml));
+    let mut expected = vec!["a".to_owned()];
+    expected.extend((1..=LETTERS).map(|i| format!("r{i:05}")));
+    let got = broker.inbox().wait_ids(&expected, WAIT).await;
+    let b_order: Vec<String> = got
+        .iter()
+        .map(|m| m.event_id())
+        .filter(|id| id.starts_with('r'))
+        .collect();
+    let mut b_first: Vec<String> = Vec::new();
+    for id in b_order {
+        if !b_first.contains(&id) {
+            b_first.push(id);
+        }
+    }
+    assert_eq!(b_first[..], expected[1..], "B's letters in order");
+    wait_for(WAIT, "every letter resolved", || {
+        let path = path.clone();
+        async move { dlq_list(&path).is_empty().then_some(()) }
+    })
+    .await;
+    relay.stop().await;
+}

@@ -68,6 +68,9 @@ struct Refresh {
     /// The reply, [`Blocks::generation`] when the question was asked, and
     /// how many redriven letters had been handed to the acker by then.
     waiting: Option<(oneshot::Receiver<Refreshed>, u64, u64)>,
+    /// Requested letters were set aside while the reader starts over: the
+    /// rewind looks them up again at once.
+    after_rewind: bool,
 }
 
 /// Everything one run holds.
@@ -199,6 +202,7 @@ where
                 every,
                 next: every.map(|d| Instant::now() + d),
                 waiting: None,
+                after_rewind: false,
             },
             next_probe: Instant::now() + settings.probe_interval,
             batch_rx,
@@ -361,6 +365,14 @@ where
         // is read afresh, and requested letters are fetched again (their
         // aggregates still wait for the table to show them resolved).
         self.pending_releases.clear();
+        // A redrive cut short (its queued letters dropped, those in flight
+        // no longer counted) goes on with the next look, at once: with
+        // nothing else to hurry it, it would wait a whole
+        // dead_letter.refresh_interval.
+        if std::mem::take(&mut self.refresh.after_rewind) || self.redriving.values().any(|n| *n > 0)
+        {
+            self.refresh.next = Some(Instant::now());
+        }
         self.redriving.values_mut().for_each(|n| *n = 0);
         self.letter_aggregates.clear();
         flush(&self.ack_tx).await?;

@@ -52,9 +52,12 @@ where
             // look: look again at once rather than a whole interval later.
             self.refresh.next = Some(Instant::now());
         }
-        // A view older than letters handed over since may still list them.
+        // A view older than letters handed over since may still list them:
+        // a newer one, at once, tells which are left.
         if handed == self.letters_handed {
             self.redrive(requested.letters);
+        } else if !requested.letters.is_empty() {
+            self.refresh.next = Some(Instant::now());
         }
     }
 
@@ -62,6 +65,7 @@ where
     /// already, in order, ahead of the current batch.
     fn redrive(&mut self, requested: Vec<crate::dead_letter::Requested>) {
         if self.intake != Intake::Open {
+            self.refresh.after_rewind |= !requested.is_empty();
             return;
         }
         let now = Utc::now();
