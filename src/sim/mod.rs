@@ -36,8 +36,11 @@
 //! events the broker refused `max_attempts` times (or that follow such a
 //! letter), never for back-pressure or a replay, and liveness (every
 //! refused event ends delivered or dead-lettered; everything flows once
-//! the broker is fixed; then the fold folds every progress row and holds
-//! no row open, and the CDC slot holds no WAL back).
+//! the broker is fixed, and in a third of the schedules the redrive that
+//! follows runs with looks at the dead-letter table an hour apart, so it
+//! must go on by the looks the relay hurries alone; then the fold folds
+//! every progress row and holds no row open, and the CDC slot holds no
+//! WAL back).
 
 mod backend;
 mod cdc;

@@ -45,6 +45,9 @@ pub struct Params {
     pub shutdown_timeout_ms: u64,
     /// `source.cdc.batch_wait`: none, or long enough for several commits.
     pub batch_wait_ms: u64,
+    /// After the cure, the redrive runs with `dead_letter.refresh_interval`
+    /// an hour long: only the looks the relay hurries move it on.
+    pub long_looks: bool,
 }
 
 /// `source.cdc.batch_wait` in milliseconds: none, or long enough for
@@ -53,6 +56,12 @@ pub struct Params {
 fn batch_wait_ms(rng: &fastrand::Rng) -> u64 {
     let mut own = fastrand::Rng::with_seed(rng.get_seed() ^ 0xba7c_4a17);
     if own.bool() { 0 } else { own.u64(1..30) }
+}
+
+/// Whether the redrive after the cure runs with looks an hour apart (a
+/// third of the schedules), drawn like [`batch_wait_ms`].
+fn long_looks(rng: &fastrand::Rng) -> bool {
+    fastrand::Rng::with_seed(rng.get_seed() ^ 0x100c_5a9a).u32(0..3) == 0
 }
 
 impl Params {
@@ -116,6 +125,7 @@ impl Params {
             messages: mode == SourceMode::Cdc && rng.u32(0..3) == 0,
             shutdown_timeout_ms: if rng.bool() { 100 } else { 5_000 },
             batch_wait_ms: batch_wait_ms(rng),
+            long_looks: long_looks(rng),
         }
     }
 
