@@ -448,12 +448,7 @@ async fn events_arriving_as_a_redrive_ends_flow_after_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_is_back_pressure_not_a_dead_letter() {
-    use lapin::options::{
-        BasicAckOptions, BasicGetOptions, ExchangeDeclareOptions, QueueBindOptions,
-        QueueDeclareOptions,
-    };
-    use lapin::types::{AMQPValue, FieldTable, ShortString};
-    use lapin::{Connection, ConnectionProperties, ExchangeKind};
+    use lapin::options::{BasicAckOptions, BasicGetOptions};
     let (db, broker, toml) = setup(
         Mode::Polling,
         Kind::Rabbit,
@@ -470,45 +465,8 @@ async fn a_full_queue_is_back_pressure_not_a_dead_letter() {
         unreachable!()
     };
     // A queue that holds two messages and nacks the rest (reject-publish).
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap();
-    let ch = connection.create_channel().await.unwrap();
-    let exchange = unique("full");
-    let queue = unique("full");
-    ch.exchange_declare(
-        exchange.as_str().into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let mut args = FieldTable::default();
-    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(2));
-    args.insert(
-        ShortString::from("x-overflow"),
-        AMQPValue::LongString("reject-publish".into()),
-    );
-    ch.queue_declare(
-        queue.as_str().into(),
-        QueueDeclareOptions {
-            auto_delete: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
-    .unwrap();
-    ch.queue_bind(
-        queue.as_str().into(),
-        exchange.as_str().into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    let full = full_queue(2).await;
+    let (ch, exchange, queue) = (&full.ch, &full.exchange, &full.queue);
     let toml = toml.replace(
         &format!("exchange = \"{}\"", r.exchange),
         &format!("exchange = \"{exchange}\""),
@@ -560,4 +518,65 @@ async fn a_full_queue_is_back_pressure_not_a_dead_letter() {
     .await;
     assert!(dlq_list(&path).is_empty());
     relay.stop().await;
+}
+
+/// A topic exchange whose one queue holds a few messages and nacks the rest
+/// (reject-publish), with a connection of its own.
+pub struct FullQueue {
+    _connection: lapin::Connection,
+    pub ch: lapin::Channel,
+    pub exchange: String,
+    pub queue: String,
+}
+
+/// A [`FullQueue`] that holds `max` messages.
+pub async fn full_queue(max: i32) -> FullQueue {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable, ShortString};
+    use lapin::{Connection, ConnectionProperties, ExchangeKind};
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = connection.create_channel().await.unwrap();
+    let exchange = unique("full");
+    let queue = unique("full");
+    ch.exchange_declare(
+        exchange.as_str().into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(max));
+    args.insert(
+        ShortString::from("x-overflow"),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    ch.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions {
+            auto_delete: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        queue.as_str().into(),
+        exchange.as_str().into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    FullQueue {
+        _connection: connection,
+        ch,
+        exchange,
+        queue,
+    }
 }

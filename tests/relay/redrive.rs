@@ -2,7 +2,8 @@
 //! a batch is published, so it goes on at the broker's pace, in order, and
 //! its aggregate resumes at once, whatever `dead_letter.refresh_interval`.
 
-use crate::dead_letters::dlq_list;
+use crate::dead_letters::{dlq_list, full_queue};
+use crate::support::brokers::first_ids;
 use crate::support::*;
 use serde_json::json;
 
@@ -127,22 +128,136 @@ async fn a_redrive_goes_on_when_another_aggregates_redrive_ends_first() {
     let mut expected = vec!["a".to_owned()];
     expected.extend((1..=LETTERS).map(|i| format!("r{i:05}")));
     let got = broker.inbox().wait_ids(&expected, WAIT).await;
-    let b_order: Vec<String> = got
-        .iter()
-        .map(|m| m.event_id())
-        .filter(|id| id.starts_with('r'))
-        .collect();
-    let mut b_first: Vec<String> = Vec::new();
-    for id in b_order {
-        if !b_first.contains(&id) {
-            b_first.push(id);
-        }
-    }
-    assert_eq!(b_first[..], expected[1..], "B's letters in order");
+    let firsts = first_ids(&got);
+    assert_eq!(firsts.len(), got.len(), "each letter once");
+    let b_order: Vec<&String> = firsts.iter().filter(|id| id.starts_with('r')).collect();
+    assert_eq!(b_order.len(), LETTERS, "B's letters");
+    assert!(
+        b_order.iter().zip(&expected[1..]).all(|(a, b)| *a == b),
+        "B's letters in order"
+    );
     wait_for(WAIT, "every letter resolved", || {
         let path = path.clone();
         async move { dlq_list(&path).is_empty().then_some(()) }
     })
     .await;
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_refused_again_lets_the_others_go_on_without_waiting() {
+    // B's 600 letters fill the first look's batch (500); D's 10 come after
+    // them. B's go to a topic that does not exist: refused, which ends B's
+    // request. D's letters must follow with the next look, at once, not
+    // an hour later.
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Kafka,
+        &["order"],
+        &[("dead_letter.refresh_interval", "\"1h\"")],
+    )
+    .await;
+    let path = config_file(&toml);
+    db.client
+        .execute(
+            "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload,
+                                              created_at, reason, attempts, first_failed_at, last_failed_at)
+             SELECT CASE WHEN g <= 600 THEN 'b' ELSE 'd' END || lpad(g::text, 5, '0'),
+                    CASE WHEN g <= 600 THEN 'nowhere' ELSE 'order' END,
+                    CASE WHEN g <= 600 THEN 'B' ELSE 'D' END, 'OrderCreated', '{}', now()::text,
+                    'topic missing', 5, now(), now()
+             FROM generate_series(1, 610) g",
+            &[],
+        )
+        .await
+        .expect("letters of two aggregates");
+    let (code, out, err) = run_cli(&["dlq", "redrive", "--all", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+
+    let relay = InProcess::start(parse(&toml));
+    let d: Vec<String> = (601..=610).map(|i| format!("d{i:05}")).collect();
+    let got = broker.inbox().wait_ids(&d, WAIT).await;
+    assert_eq!(first_ids(&got), d, "D's letters, in order, each once");
+    // B's letters stay open and no longer requested; the first one carries
+    // the new refusal.
+    let row = db
+        .client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE resolution IS NULL AND redrive_requested_at IS NULL),
+                    max(reason) FILTER (WHERE id = 'b00001')
+             FROM outbox_dead_letters WHERE aggregate_id = 'B'",
+            &[],
+        )
+        .await
+        .expect("B's letters");
+    assert_eq!(
+        row.get::<_, i64>(0),
+        600,
+        "B's letters stay open, unrequested"
+    );
+    let reason: String = row.get(1);
+    assert!(reason.contains("does not exist"), "{reason}");
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_pushed_back_by_a_full_queue_waits_for_the_next_look() {
+    // The queue is full: every redriven letter is pushed back (a nack, not
+    // a refusal that counts). The request stays, and the letters wait for
+    // the next periodic look (an hour away) instead of going round again
+    // and again on looks hurried for other aggregates' letters.
+    let (db, broker, toml) = looks_an_hour_apart().await;
+    let Broker::Rabbit(r) = &broker else {
+        unreachable!()
+    };
+    let full = full_queue(0).await;
+    let toml = toml.replace(
+        &format!("exchange = \"{}\"", r.exchange),
+        &format!("exchange = \"{}\"", full.exchange),
+    );
+    let path = config_file(&toml);
+    db.client
+        .execute(
+            "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload,
+                                              created_at, reason, attempts, first_failed_at, last_failed_at)
+             SELECT 'l' || g, 'order', 'A' || g, 'OrderCreated', '{}', now()::text,
+                    'message too large', 5, now() - interval '1 day', now() - interval '1 day'
+             FROM generate_series(1, 5) g",
+            &[],
+        )
+        .await
+        .expect("letters of five aggregates");
+    let (code, out, err) = run_cli(&["dlq", "redrive", "--all", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+
+    let relay = InProcess::start(parse(&toml));
+    let failed_today = "SELECT count(*) FROM outbox_dead_letters
+                        WHERE last_failed_at > now() - interval '1 hour'";
+    wait_for(WAIT, "every letter pushed back once", || async {
+        let n: i64 = db.client.query_one(failed_today, &[]).await.ok()?.get(0);
+        (n == 5).then_some(())
+    })
+    .await;
+    let pushed_back = "SELECT max(last_failed_at)::text, count(*) FILTER (WHERE redrive_requested_at IS NOT NULL),
+                              count(*) FILTER (WHERE resolution IS NULL)
+                       FROM outbox_dead_letters";
+    let first = db
+        .client
+        .query_one(pushed_back, &[])
+        .await
+        .expect("letters");
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let later = db
+        .client
+        .query_one(pushed_back, &[])
+        .await
+        .expect("letters");
+    assert_eq!(later.get::<_, i64>(1), 5, "the requests stay");
+    assert_eq!(later.get::<_, i64>(2), 5, "the letters stay open");
+    assert_eq!(
+        first.get::<_, String>(0),
+        later.get::<_, String>(0),
+        "no letter was tried again before the next look"
+    );
     relay.stop().await;
 }

@@ -490,6 +490,7 @@ where
         // The aggregate's redrive ends here (its other letters were dropped):
         // it is dead again, and nothing of it waits for a resolution.
         self.redriving.remove(aggregate);
+        self.redrive_refused(aggregate, counts);
         self.letter_aggregates.retain(|_, a| a != aggregate);
         self.waiting.retain(|e| {
             !(e.aggregate_id() == aggregate && matches!(e.position, Origin::Letter(_)))

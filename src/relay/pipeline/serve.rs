@@ -68,9 +68,12 @@ struct Refresh {
     /// The reply, [`Blocks::generation`] when the question was asked, and
     /// how many redriven letters had been handed to the acker by then.
     waiting: Option<(oneshot::Receiver<Refreshed>, u64, u64)>,
-    /// Requested letters were set aside while the reader starts over: the
-    /// rewind looks them up again at once.
+    /// Requested letters were set aside, or a redrive called off, before
+    /// the reader starts over: the rewind looks for them again at once.
     after_rewind: bool,
+    /// Aggregates whose redriven letter the broker pushed back, and until
+    /// when their letters wait (a refresh_interval), however soon a look.
+    held: HashMap<String, Instant>,
 }
 
 /// Everything one run holds.
@@ -203,6 +206,7 @@ where
                 next: every.map(|d| Instant::now() + d),
                 waiting: None,
                 after_rewind: false,
+                held: HashMap::new(),
             },
             next_probe: Instant::now() + settings.probe_interval,
             batch_rx,
@@ -365,10 +369,9 @@ where
         // is read afresh, and requested letters are fetched again (their
         // aggregates still wait for the table to show them resolved).
         self.pending_releases.clear();
-        // A redrive cut short (its queued letters dropped, those in flight
-        // no longer counted) goes on with the next look, at once: with
-        // nothing else to hurry it, it would wait a whole
-        // dead_letter.refresh_interval.
+        // A redrive cut short (its queued letters dropped) goes on with the
+        // next look, at once: with nothing else to hurry it, it would wait
+        // a whole dead_letter.refresh_interval.
         if std::mem::take(&mut self.refresh.after_rewind) || self.redriving.values().any(|n| *n > 0)
         {
             self.refresh.next = Some(Instant::now());

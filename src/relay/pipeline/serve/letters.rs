@@ -25,7 +25,7 @@ where
         for a in aggregates {
             any |= self.blocks.is_blocked(&a);
             self.blocks.resolve(&a);
-            self.redriving.remove(&a);
+            self.call_off(&a);
         }
         if any {
             AggregatesResumed::Resolved.emit();
@@ -38,7 +38,7 @@ where
         self.refresh.waiting = None;
         let gone = self.blocks.resolve_missing(&open, seen);
         for a in &gone {
-            self.redriving.remove(a);
+            self.call_off(a);
         }
         if !gone.is_empty() && self.intake != Intake::Rewinding {
             AggregatesResumed::Refreshed {
@@ -53,11 +53,36 @@ where
             self.refresh.next = Some(Instant::now());
         }
         // A view older than letters handed over since may still list them:
-        // a newer one, at once, tells which are left.
+        // a newer one tells which are left, at once unless a redrive under
+        // way asks for it when its letters are handed.
         if handed == self.letters_handed {
             self.redrive(requested.letters);
-        } else if !requested.letters.is_empty() {
+        } else if !requested.letters.is_empty() && !self.redriving.values().any(|n| *n > 0) {
             self.refresh.next = Some(Instant::now());
+        }
+    }
+
+    /// The aggregate's redrive, if any, is over (its letters resolved):
+    /// letters of others its batches kept from a look come with the look
+    /// after the rewind.
+    fn call_off(&mut self, aggregate: &str) {
+        if self.redriving.remove(aggregate).is_some_and(|n| n > 0) {
+            self.refresh.after_rewind = true;
+        }
+        self.refresh.held.remove(aggregate);
+    }
+
+    /// A redriven letter of `aggregate` was refused again, and its redrive
+    /// called off: the look after the rewind comes at once, for the
+    /// letters of other aggregates. Back-pressure keeps the request: the
+    /// aggregate's own letters then wait a refresh_interval before they go
+    /// again, however soon the look.
+    pub(in super::super) fn redrive_refused(&mut self, aggregate: &str, counts: bool) {
+        self.refresh.after_rewind = true;
+        if let Some(every) = self.refresh.every.filter(|_| !counts) {
+            self.refresh
+                .held
+                .insert(aggregate.to_owned(), Instant::now() + every);
         }
     }
 
@@ -69,12 +94,15 @@ where
             return;
         }
         let now = Utc::now();
+        let instant = Instant::now();
+        self.refresh.held.retain(|_, until| *until > instant);
         let mut queued: Vec<Event<P>> = Vec::new();
         let mut started: HashMap<String, usize> = HashMap::new();
         for r in requested {
             let aggregate = r.raw.aggregate_id.clone().unwrap_or_default();
             let publishing = self.redriving.get(&aggregate).is_some_and(|n| *n > 0);
-            if publishing || !self.blocks.is_dead(&aggregate) {
+            let held = self.refresh.held.contains_key(&aggregate);
+            if publishing || held || !self.blocks.is_dead(&aggregate) {
                 continue;
             }
             *started.entry(aggregate.clone()).or_default() += 1;
