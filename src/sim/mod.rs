@@ -37,10 +37,10 @@
 //! letter), never for back-pressure or a replay, and liveness (every
 //! refused event ends delivered or dead-lettered; everything flows once
 //! the broker is fixed, and in a third of the schedules the redrive that
-//! follows runs with looks at the dead-letter table an hour apart, so it
-//! must go on by the looks the relay hurries alone; then the fold folds
-//! every progress row and holds no row open, and the CDC slot holds no
-//! WAL back).
+//! follows runs with looks at the dead-letter table an hour apart, so past
+//! the look each restart brings it must go on by the looks the relay
+//! hurries; then the fold folds every progress row and holds no row
+//! open, and the CDC slot holds no WAL back).
 
 mod backend;
 mod cdc;

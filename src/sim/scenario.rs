@@ -321,11 +321,7 @@ async fn drive(
     })
     .await?;
     cure(&world);
-    let mut looks = config.clone();
-    if params.long_looks {
-        looks.dead_letter.refresh_interval = Duration::from_secs(3600);
-    }
-    redrive_until_delivered(&world, params.long_looks.then_some(&looks), &mut instances).await?;
+    redrive_until_delivered(&world, params.long_looks.then_some(&config), &mut instances).await?;
     // Every row is marked in the end (a restart re-sends what was
     // confirmed but not marked), then every instance stops cleanly.
     let marks = params.mark != MarkMode::None;
@@ -379,23 +375,30 @@ fn cure(world: &Shared) {
 }
 
 /// Operators redrive every letter until every event is delivered. With
-/// `long_looks` (a configuration whose looks are an hour apart) every
-/// instance restarts, cleanly, after each new request, and so looks at
-/// once; from there on only the looks the relay hurries move the redrive
-/// on, and the deadline (half an hour) holds it to that: a redrive that
-/// waited for the periodic look would miss it.
+/// `long_looks` (the relay's configuration, run with looks an hour apart)
+/// every instance restarts, cleanly, first and after each new request, and
+/// so looks at once; from there on only the looks the relay hurries move
+/// the redrive on, and the deadline (half an hour) holds it to that: a
+/// redrive that waited for the periodic look would miss it.
 async fn redrive_until_delivered(
     world: &Shared,
     long_looks: Option<&Config>,
     instances: &mut [Instance],
 ) -> Result<(), String> {
+    let long_looks = long_looks.map(|c| {
+        let mut c = c.clone();
+        c.dead_letter.refresh_interval = Duration::from_secs(3600);
+        c
+    });
     let deadline = Instant::now() + Duration::from_secs(1800);
+    let mut first = true;
     loop {
-        let unasked = lock(world).open_letters().any(|l| !l.requested);
+        let unasked =
+            std::mem::take(&mut first) || lock(world).open_letters().any(|l| !l.requested);
         if lock(world).open_letters().next().is_some() {
             let _ = admin::redrive(world, &Target::All);
         }
-        if let Some(config) = long_looks.filter(|_| unasked) {
+        if let Some(config) = long_looks.as_ref().filter(|_| unasked) {
             for i in instances.iter_mut() {
                 i.stop(world).await?;
                 *i = Instance::start(world, config, i.id);
