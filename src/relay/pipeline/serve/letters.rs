@@ -89,20 +89,21 @@ where
     /// Queues the requested letters of dead aggregates not being redriven
     /// already, in order, ahead of the current batch.
     fn redrive(&mut self, requested: Vec<crate::dead_letter::Requested>) {
+        let instant = Instant::now();
+        self.refresh.held.retain(|_, until| *until > instant);
+        let aggregate_of = |r: &crate::dead_letter::Requested| r.raw.aggregate_id.clone();
         if self.intake != Intake::Open {
-            self.refresh.after_rewind |= !requested.is_empty();
+            self.refresh.after_rewind |= requested
+                .iter()
+                .any(|r| self.redrivable(&aggregate_of(r).unwrap_or_default()));
             return;
         }
         let now = Utc::now();
-        let instant = Instant::now();
-        self.refresh.held.retain(|_, until| *until > instant);
         let mut queued: Vec<Event<P>> = Vec::new();
         let mut started: HashMap<String, usize> = HashMap::new();
         for r in requested {
-            let aggregate = r.raw.aggregate_id.clone().unwrap_or_default();
-            let publishing = self.redriving.get(&aggregate).is_some_and(|n| *n > 0);
-            let held = self.refresh.held.contains_key(&aggregate);
-            if publishing || held || !self.blocks.is_dead(&aggregate) {
+            let aggregate = aggregate_of(&r).unwrap_or_default();
+            if !self.redrivable(&aggregate) {
                 continue;
             }
             *started.entry(aggregate.clone()).or_default() += 1;
@@ -126,6 +127,18 @@ where
         for e in queued.into_iter().rev() {
             self.waiting.push_front(e);
         }
+    }
+
+    /// Whether a requested letter of `aggregate` may be queued now: the
+    /// aggregate is dead, publishes no letters already, and is not held
+    /// after a push-back (then the next look comes when its hold ends).
+    fn redrivable(&mut self, aggregate: &str) -> bool {
+        if let Some(&until) = self.refresh.held.get(aggregate) {
+            self.refresh.next = Some(self.refresh.next.map_or(until, |n| n.min(until)));
+            return false;
+        }
+        let publishing = self.redriving.get(aggregate).is_some_and(|n| *n > 0);
+        !publishing && self.blocks.is_dead(aggregate)
     }
 
     pub(super) async fn ask_refresh(&mut self) -> Result<(), PipelineError> {
