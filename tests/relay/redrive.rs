@@ -19,6 +19,28 @@ async fn looks_an_hour_apart() -> (TestDb, Broker, String) {
     .await
 }
 
+/// Writes the dead letters `rows` selects (id, aggregate type, aggregate id,
+/// reason, when they failed) and asks for every letter's redrive while no
+/// relay runs: its first look finds them. Returns the configuration's path.
+async fn requested_letters(db: &TestDb, toml: &str, rows: &str) -> String {
+    let path = config_file(toml);
+    db.client
+        .execute(
+            &format!(
+                "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload,
+                                                  created_at, reason, attempts, first_failed_at, last_failed_at)
+                 SELECT r.id, r.t, r.a, 'OrderCreated', '{{}}', now()::text, r.reason, 5, r.at, r.at
+                 FROM ({rows}) AS r (id, t, a, reason, at)"
+            ),
+            &[],
+        )
+        .await
+        .expect("dead letters");
+    let (code, out, err) = run_cli(&["dlq", "redrive", "--all", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    path
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_of_many_batches_goes_on_without_waiting_for_the_next_look() {
     const LETTERS: usize = 1_200; // more than two looks' batches of 500
@@ -108,21 +130,12 @@ async fn a_redrive_goes_on_when_another_aggregates_redrive_ends_first() {
     // not an hour later.
     const LETTERS: usize = 1_200;
     let (db, broker, toml) = looks_an_hour_apart().await;
-    let path = config_file(&toml);
-    db.client
-        .execute(
-            "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload,
-                                              created_at, reason, attempts, first_failed_at, last_failed_at)
-             SELECT CASE WHEN g = 0 THEN 'a' ELSE 'r' || lpad(g::text, 5, '0') END, 'order',
-                    CASE WHEN g = 0 THEN 'A' ELSE 'B' END, 'OrderCreated', '{}', now()::text,
-                    'message too large', 5, now(), now()
-             FROM generate_series(0, $1::int) g",
-            &[&(LETTERS as i32)],
-        )
-        .await
-        .expect("letters of two aggregates");
-    let (code, out, err) = run_cli(&["dlq", "redrive", "--all", "--config", &path], &[]);
-    assert_eq!(code, 0, "{out}{err}");
+    let rows = format!(
+        "SELECT CASE WHEN g = 0 THEN 'a' ELSE 'r' || lpad(g::text, 5, '0') END,
+                'order', CASE WHEN g = 0 THEN 'A' ELSE 'B' END, 'message too large', now()
+         FROM generate_series(0, {LETTERS}) g"
+    );
+    let path = requested_letters(&db, &toml, &rows).await;
 
     let relay = InProcess::start(parse(&toml));
     let mut expected = vec!["a".to_owned()];
@@ -157,22 +170,11 @@ async fn a_redrive_refused_again_lets_the_others_go_on_without_waiting() {
         &[("dead_letter.refresh_interval", "\"1h\"")],
     )
     .await;
-    let path = config_file(&toml);
-    db.client
-        .execute(
-            "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload,
-                                              created_at, reason, attempts, first_failed_at, last_failed_at)
-             SELECT CASE WHEN g <= 600 THEN 'b' ELSE 'd' END || lpad(g::text, 5, '0'),
-                    CASE WHEN g <= 600 THEN 'nowhere' ELSE 'order' END,
-                    CASE WHEN g <= 600 THEN 'B' ELSE 'D' END, 'OrderCreated', '{}', now()::text,
-                    'topic missing', 5, now(), now()
-             FROM generate_series(1, 610) g",
-            &[],
-        )
-        .await
-        .expect("letters of two aggregates");
-    let (code, out, err) = run_cli(&["dlq", "redrive", "--all", "--config", &path], &[]);
-    assert_eq!(code, 0, "{out}{err}");
+    let rows = "SELECT CASE WHEN g <= 600 THEN 'b' ELSE 'd' END || lpad(g::text, 5, '0'),
+                       CASE WHEN g <= 600 THEN 'nowhere' ELSE 'order' END,
+                       CASE WHEN g <= 600 THEN 'B' ELSE 'D' END, 'topic missing', now()
+                FROM generate_series(1, 610) g";
+    requested_letters(&db, &toml, rows).await;
 
     let relay = InProcess::start(parse(&toml));
     let d: Vec<String> = (601..=610).map(|i| format!("d{i:05}")).collect();
@@ -215,20 +217,9 @@ async fn a_redrive_pushed_back_by_a_full_queue_waits_for_the_next_look() {
         &format!("exchange = \"{}\"", r.exchange),
         &format!("exchange = \"{}\"", full.exchange),
     );
-    let path = config_file(&toml);
-    db.client
-        .execute(
-            "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload,
-                                              created_at, reason, attempts, first_failed_at, last_failed_at)
-             SELECT 'l' || g, 'order', 'A' || g, 'OrderCreated', '{}', now()::text,
-                    'message too large', 5, now() - interval '1 day', now() - interval '1 day'
-             FROM generate_series(1, 5) g",
-            &[],
-        )
-        .await
-        .expect("letters of five aggregates");
-    let (code, out, err) = run_cli(&["dlq", "redrive", "--all", "--config", &path], &[]);
-    assert_eq!(code, 0, "{out}{err}");
+    let rows = "SELECT 'l' || g, 'order', 'A' || g, 'message too large', now() - interval '1 day'
+                FROM generate_series(1, 5) g";
+    requested_letters(&db, &toml, rows).await;
 
     let relay = InProcess::start(parse(&toml));
     let failed_today = "SELECT count(*) FROM outbox_dead_letters
