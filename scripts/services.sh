@@ -91,8 +91,16 @@ CONF
     log "PostgreSQL already running on 127.0.0.1:$PG_PORT"
   else
     log "starting PostgreSQL on 127.0.0.1:$PG_PORT"
-    as_pg_owner "$PG_BIN/pg_ctl" -D "$PGDATA" -l "$STATE/pg.log" -w -t 60 start >/dev/null ||
-      die "PostgreSQL did not start; see $STATE/pg.log"
+    # The default port lies in Linux's range for outgoing connections, so
+    # a client's socket can hold it for a moment: try again a few times.
+    local try
+    for try in 1 2 3 4 5; do
+      as_pg_owner "$PG_BIN/pg_ctl" -D "$PGDATA" -l "$STATE/pg.log" -w -t 60 start >/dev/null && break
+      grep -q 'Address already in use' "$STATE/pg.log" && [ "$try" -lt 5 ] ||
+        die "PostgreSQL did not start; see $STATE/pg.log"
+      log "127.0.0.1:$PG_PORT is in use; trying again in 3 s"
+      sleep 3
+    done
   fi
   local level
   level=$(psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -Atc 'SHOW wal_level')
