@@ -79,17 +79,29 @@ pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError>
     if let Some(password) = &db.password {
         config.password(password.expose());
     }
+    let options = session_options(config.get_options());
     config
         .application_name(&db.application_name)
         .connect_timeout(db.connect_timeout)
         .keepalives(true)
         .keepalives_idle(Duration::from_secs(30))
         .ssl_mode(tls::tokio_postgres_ssl_mode(db.sslmode))
-        .options(format!(
-            "-c TimeZone=UTC -c DateStyle=ISO -c client_encoding=UTF8 -c statement_timeout={} -c jit=off",
-            STATEMENT_TIMEOUT.as_millis()
-        ));
+        .options(options);
     Ok(config)
+}
+
+/// The `options` startup parameter: the URL's own (`options=-c role=...`,
+/// `-c search_path=...`) first, then the relay's settings, which win where
+/// both set the same one: decoding rows depends on them.
+fn session_options(url_options: Option<&str>) -> String {
+    let relay = format!(
+        "-c TimeZone=UTC -c DateStyle=ISO -c client_encoding=UTF8 -c statement_timeout={} -c jit=off",
+        STATEMENT_TIMEOUT.as_millis()
+    );
+    match url_options.map(str::trim) {
+        Some(own) if !own.is_empty() => format!("{own} {relay}"),
+        _ => relay,
+    }
 }
 
 /// Where a config points, for messages (never the password).

@@ -37,3 +37,44 @@ async fn relay_sessions_set_utc_iso_a_timeout_and_no_jit() {
     let settings: Vec<String> = (0..5).map(|i| row.get(i)).collect();
     assert_eq!(settings, ["UTC", "ISO, MDY", "1min", "off", "outbox-relay"]);
 }
+
+/// A `database.url` may carry its own session settings (`options=-c
+/// role=...`, `-c search_path=...`): the relay keeps them on its query and
+/// replication sessions, and its own settings win where both set one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_urls_own_options_are_kept_beside_the_relays() {
+    let (db, _broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
+    let with_options = format!(
+        "{}?options=-c%20work_mem%3D7MB%20-c%20TimeZone%3DAsia/Tokyo",
+        db.url
+    );
+    let config = parse(&toml.replace(&db.url, &with_options));
+    let client = outbox_relay::db::connect(&config.database, None)
+        .await
+        .expect("connect as the relay does");
+    let row = client
+        .query_one(
+            "SELECT current_setting('work_mem'), current_setting('TimeZone'),
+                    current_setting('jit')",
+            &[],
+        )
+        .await
+        .expect("read the relay session's settings");
+    let settings: Vec<String> = (0..3).map(|i| row.get(i)).collect();
+    assert_eq!(settings, ["7MB", "UTC", "off"], "query session");
+
+    use outbox_relay::replication::protocol::ReplicationClient;
+    let pg = outbox_relay::db::pg_config(&config.database).expect("the URL parses");
+    let mut replication = ReplicationClient::connect(&pg, &config.database.tls())
+        .await
+        .expect("open a replication session as the relay does");
+    let mut shown = Vec::new();
+    for setting in ["work_mem", "TimeZone", "jit"] {
+        let rows = replication
+            .simple_query(&format!("SHOW {setting}"))
+            .await
+            .expect("SHOW on the replication session");
+        shown.push(rows[0][0].clone().unwrap_or_default());
+    }
+    assert_eq!(shown, ["7MB", "UTC", "off"], "replication session");
+}
