@@ -17,10 +17,15 @@
 //! for 300,000 rows.
 //! It has the same schedule, so it keeps the interval until it takes
 //! longer than a twentieth of it.
+//! Where the table cannot date that row (no `created_at` column, or NULL
+//! in the row), the age counts from when this sampler first saw it oldest
+//! and unsent ([`OldestAge`]).
 //! The other gauges keep the interval.
 
-use super::status::{Reads, backlog, oldest_unsent_age, snapshot};
+use super::status::{OldestUnsent, Reads, backlog, snapshot};
+use super::status::{oldest_unsent_sql, read_oldest_unsent};
 use crate::config::Config;
+use crate::db::DbError;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -43,6 +48,7 @@ pub async fn sample(
     let interval = config.http.sample_interval;
     let mut client: Option<tokio_postgres::Client> = None;
     let (mut count_at, mut age_at) = (Instant::now(), Instant::now());
+    let mut oldest = OldestAge::default();
     loop {
         m.active.set(if telemetry.health.is_active() {
             1.0
@@ -68,10 +74,10 @@ pub async fn sample(
             }
             if Instant::now() >= age_at {
                 let started = Instant::now();
-                let read = oldest_unsent_age(c, &config).await;
+                let read = oldest.read(c, &config).await;
                 age_at = started + pause_after(interval, started.elapsed());
                 match read {
-                    Ok(age) => m.oldest_unsent_age.set(age.unwrap_or(0.0)),
+                    Ok(age) => m.oldest_unsent_age.set(age),
                     Err(e) => tracing::debug!(error = %e, "reading the oldest unsent age failed"),
                 }
             }
@@ -106,6 +112,56 @@ pub async fn sample(
     }
 }
 
+/// The oldest unsent row's age for the gauge. Its `created_at` dates it;
+/// where nothing does (the table has no such column, or the row's is NULL)
+/// the age counts from when this sampler first saw that row oldest and
+/// unsent: a lower bound, which starts again when the relay restarts, so
+/// that `OutboxBacklogAging` still sees a row that does not move.
+#[derive(Debug, Default)]
+struct OldestAge {
+    /// The statement, kept while rows are dated: it is built again after
+    /// an error or an undated row (the table's columns may have changed).
+    sql: Option<String>,
+    /// The oldest unsent row's `relay_seq`, and when it was first seen.
+    seen: Option<(i64, Instant)>,
+}
+
+impl OldestAge {
+    async fn read(
+        &mut self,
+        client: &tokio_postgres::Client,
+        config: &Config,
+    ) -> Result<f64, DbError> {
+        let sql = match self.sql.take() {
+            Some(sql) => sql,
+            None => match oldest_unsent_sql(client, config).await? {
+                Some(sql) => sql,
+                None => return Ok(self.age(None, Instant::now())),
+            },
+        };
+        let oldest = read_oldest_unsent(client, &sql).await?;
+        if oldest.is_none_or(|o| o.age.is_some()) {
+            self.sql = Some(sql);
+        }
+        Ok(self.age(oldest, Instant::now()))
+    }
+
+    /// The age of `oldest` at `now`, 0 when nothing is unsent.
+    fn age(&mut self, oldest: Option<OldestUnsent>, now: Instant) -> f64 {
+        let Some(o) = oldest else {
+            self.seen = None;
+            return 0.0;
+        };
+        let since = match self.seen {
+            Some((seq, since)) if seq == o.seq => since,
+            _ => now,
+        };
+        self.seen = Some((o.seq, since));
+        o.age
+            .unwrap_or_else(|| now.duration_since(since).as_secs_f64())
+    }
+}
+
 /// How long after a count that took `took` the next one may run: the
 /// interval, or [`QUIET`] times `took` when that is longer, at most
 /// [`MAX_PAUSE`] (or the interval, when longer).
@@ -116,6 +172,23 @@ fn pause_after(interval: Duration, took: Duration) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_undated_oldest_row_ages_from_when_it_was_first_seen() {
+        let mut gauge = OldestAge::default();
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let row = |seq: i64, age: Option<f64>| Some(OldestUnsent { seq, age });
+        assert_eq!(gauge.age(row(7, None), at(0)), 0.0, "first seen now");
+        assert_eq!(gauge.age(row(7, None), at(30)), 30.0, "still there");
+        // A dated row's own age wins; an undated one after it starts again.
+        assert_eq!(gauge.age(row(8, Some(100.0)), at(40)), 100.0);
+        assert_eq!(gauge.age(row(9, None), at(50)), 0.0, "a newer oldest row");
+        assert_eq!(gauge.age(row(9, None), at(65)), 15.0);
+        // Nothing unsent: 0, and the same row later counts afresh.
+        assert_eq!(gauge.age(None, at(70)), 0.0);
+        assert_eq!(gauge.age(row(9, None), at(80)), 0.0);
+    }
 
     #[test]
     fn a_slow_count_puts_the_next_further_off() {

@@ -223,26 +223,50 @@ async fn frontier_status(client: &Client, table: &TableName) -> Result<FrontierS
 }
 
 /// Seconds since the oldest unsent row was written, when the table has a
-/// `created_at` column (`None` with `relay.mark = "none"`). One statement
-/// that reads up to the first unsent row only (its cost during a drain:
-/// `ops::gauges`).
+/// `created_at` column and the row a value in it (`None` with
+/// `relay.mark = "none"`).
 pub async fn oldest_unsent_age(client: &Client, config: &Config) -> Result<Option<f64>, DbError> {
+    let Some(sql) = oldest_unsent_sql(client, config).await? else {
+        return Ok(None);
+    };
+    Ok(read_oldest_unsent(client, &sql).await?.and_then(|o| o.age))
+}
+
+/// The oldest unsent row, as [`oldest_unsent_sql`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OldestUnsent {
+    pub seq: i64,
+    /// Seconds since its `created_at`; `None` without the column, or when
+    /// the row's is NULL.
+    pub age: Option<f64>,
+}
+
+/// The statement that reads the oldest unsent row's `relay_seq` and age:
+/// it reads up to the first unsent row only (its cost during a drain:
+/// `ops::gauges`). `None` with `relay.mark = "none"` (every row looks
+/// unsent) or while the table does not exist.
+pub async fn oldest_unsent_sql(
+    client: &Client,
+    config: &Config,
+) -> Result<Option<String>, DbError> {
     let table = &config.outbox.table;
     if config.relay.mark == MarkMode::None {
         return Ok(None);
     }
-    let created_at = crate::outbox::inspect::table_info(client, table)
+    let Some(info) = crate::outbox::inspect::table_info(client, table)
         .await
         .map_err(q("reading the outbox table"))?
-        .and_then(|info| config.outbox.columns.resolve(&info.names()).created_at);
-    let Some(created_at) = created_at else {
+    else {
         return Ok(None);
     };
-    let age = format!(
-        "EXTRACT(EPOCH FROM now() - {}::timestamptz)::float8",
-        quote_ident(&created_at)
-    );
-    let sql = match config.relay.mark {
+    let age = match config.outbox.columns.resolve(&info.names()).created_at {
+        Some(c) => format!(
+            "EXTRACT(EPOCH FROM now() - {}::timestamptz)::float8",
+            quote_ident(&c)
+        ),
+        None => "NULL::float8".to_owned(),
+    };
+    Ok(Some(match config.relay.mark {
         MarkMode::Ranges => {
             crate::outbox::progress::Ranges::new(table)
                 .read_sql(&format!("{SEQ_COLUMN}, {age} AS age"), "")
@@ -252,14 +276,25 @@ pub async fn oldest_unsent_age(client: &Client, config: &Config) -> Result<Optio
             "SELECT {SEQ_COLUMN}, {age} FROM {} WHERE {SENT_AT_COLUMN} IS NULL ORDER BY {SEQ_COLUMN} LIMIT 1",
             table.quoted()
         ),
-    };
+    }))
+}
+
+/// Runs [`oldest_unsent_sql`]'s statement: `None` when nothing is unsent.
+pub async fn read_oldest_unsent(
+    client: &Client,
+    sql: &str,
+) -> Result<Option<OldestUnsent>, DbError> {
     Ok(client
-        .query_opt(&sql, &[])
+        .query_opt(sql, &[])
         .await
         .map_err(q("reading the oldest unsent row"))?
-        // NULL when the row's created_at is.
-        .and_then(|r| r.get::<_, Option<f64>>(1))
-        .map(|age| age.max(0.0)))
+        .and_then(|r| {
+            Some(OldestUnsent {
+                seq: r.get::<_, Option<i64>>(0)?,
+                // NULL when the row's created_at is, or without the column.
+                age: r.get::<_, Option<f64>>(1).map(|age| age.max(0.0)),
+            })
+        }))
 }
 
 /// Open dead letters, when dead-lettering is on and the table can be read.

@@ -82,6 +82,51 @@ async fn the_oldest_unsent_age_grows_while_the_broker_is_unreachable() {
     assert_eq!(relay.terminate().code(), Some(0));
 }
 
+/// An outbox without `created_at`: nothing dates its rows, so the gauge
+/// counts from when the relay first saw the oldest one unsent, and the
+/// aging alert still sees rows that do not move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_created_at_the_age_counts_from_when_the_row_was_first_seen() {
+    let (db, broker, toml) = setup_cut(Mode::Polling, Kind::Rabbit, &[]).await;
+    db.client
+        .batch_execute("ALTER TABLE outbox DROP COLUMN created_at")
+        .await
+        .expect("drop created_at");
+    let (mut relay, port) = start_warm(&db, &broker, &toml).await;
+    wait_for(WAIT, "a healthy relay to report age 0", || async {
+        (gauge(port, metrics::OLDEST_UNSENT_AGE).await? == 0.0).then_some(())
+    })
+    .await;
+
+    broker.proxy().cut();
+    let ids = ids(2);
+    let written = Instant::now();
+    db.insert(ids[0], "order", "a", json!({})).await;
+    let first = wait_for(WAIT, "the undated row's age to show", || async {
+        let age = gauge(port, metrics::OLDEST_UNSENT_AGE).await?;
+        (age >= 1.0).then_some(age)
+    })
+    .await;
+    assert!(
+        first <= written.elapsed().as_secs_f64(),
+        "the age ({first}s) counts from no earlier than the row's write"
+    );
+    // A newer row behind it does not make the oldest one younger.
+    db.insert(ids[1], "order", "b", json!({})).await;
+    wait_for(WAIT, "the age to keep growing", || async {
+        (gauge(port, metrics::OLDEST_UNSENT_AGE).await? >= first + 2.0).then_some(())
+    })
+    .await;
+
+    broker.proxy().restore();
+    broker.inbox.wait_ids(&strings(&ids), WAIT).await;
+    wait_for(WAIT, "the age back to 0", || async {
+        (gauge(port, metrics::OLDEST_UNSENT_AGE).await? == 0.0).then_some(())
+    })
+    .await;
+    assert_eq!(relay.terminate().code(), Some(0));
+}
+
 /// Random text that compression cannot shrink much, so its WAL is about its size.
 fn incompressible(len: usize) -> String {
     std::iter::repeat_with(fastrand::alphanumeric)
