@@ -48,6 +48,7 @@ mod check;
 mod db;
 mod faults;
 mod fold;
+mod handover;
 mod params;
 mod scenario;
 mod sink;
