@@ -91,21 +91,20 @@ where
     fn redrive(&mut self, requested: Vec<crate::dead_letter::Requested>) {
         let instant = Instant::now();
         self.refresh.held.retain(|_, until| *until > instant);
-        let aggregate_of = |r: &crate::dead_letter::Requested| r.raw.aggregate_id.clone();
         if self.intake != Intake::Open {
             self.refresh.after_rewind |= requested
                 .iter()
-                .any(|r| self.redrivable(&aggregate_of(r).unwrap_or_default()));
+                .any(|r| self.redrivable(r.raw.aggregate_id.as_deref().unwrap_or_default()));
             return;
         }
         let now = Utc::now();
         let mut queued: Vec<Event<P>> = Vec::new();
         let mut started: HashMap<String, usize> = HashMap::new();
         for r in requested {
-            let aggregate = aggregate_of(&r).unwrap_or_default();
-            if !self.redrivable(&aggregate) {
+            if !self.redrivable(r.raw.aggregate_id.as_deref().unwrap_or_default()) {
                 continue;
             }
+            let aggregate = r.raw.aggregate_id.clone().unwrap_or_default();
             *started.entry(aggregate.clone()).or_default() += 1;
             self.letter_aggregates.insert(r.letter_id, aggregate);
             let mut event = SourcedEvent::new(Origin::Letter(r.letter_id), r.raw.decode(now));
