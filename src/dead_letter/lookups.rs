@@ -197,11 +197,18 @@ pub fn requested_sql(table: &TableName, shard: &str) -> String {
     // Each a probe per letter along the `waiting` index, with statistics or
     // without (a table just filled): ordered by its columns, no other index
     // serves it as cheaply; and OFFSET 0 keeps it a probe (flattened into an
-    // anti-join, the plan read every requested letter).
+    // anti-join, the plan read every requested letter). From the end: an
+    // extension requests an aggregate's letters from its oldest, and the
+    // index keeps their entries until a vacuum (or, when no older snapshot
+    // can still see them, until a scan marks them dead). A probe from the
+    // start stepped over all of them to the first follower not reached
+    // yet: with a snapshot held open elsewhere, 20,000 requested letters
+    // made one look take 50 s; from the end, 0.2 s.
     let none_waiting = |group: &str| {
         format!(
             "NOT EXISTS (SELECT 1 FROM {t} e WHERE e.resolution IS NULL AND e.redrive_requested_at IS NULL
-                         AND e.aggregate_id {group} ORDER BY e.aggregate_id, e.dead_letter_id LIMIT 1 OFFSET 0)"
+                         AND e.aggregate_id {group}
+                         ORDER BY e.aggregate_id DESC, e.dead_letter_id DESC LIMIT 1 OFFSET 0)"
         )
     };
     format!(
