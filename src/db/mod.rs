@@ -79,7 +79,7 @@ pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError>
     if let Some(password) = &db.password {
         config.password(password.expose());
     }
-    let options = session_options(config.get_options());
+    let options = session_options(config.get_options())?;
     config
         .application_name(&db.application_name)
         .connect_timeout(db.connect_timeout)
@@ -90,18 +90,27 @@ pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError>
     Ok(config)
 }
 
-/// The `options` startup parameter: the URL's own (`options=-c role=...`,
-/// `-c search_path=...`) first, then the relay's settings, which win where
-/// both set the same one: decoding rows depends on them.
-fn session_options(url_options: Option<&str>) -> String {
+/// The `options` startup parameter: the URL's own (`options=-c
+/// lock_timeout=...`, `-c search_path=...`) first, then the relay's
+/// settings, which win where both set the same one: decoding rows depends
+/// on them. The URL's are kept as written (a trailing escaped space is
+/// part of a value); ending in a lone backslash they would escape the
+/// space before the relay's, so they are refused.
+fn session_options(url_options: Option<&str>) -> Result<String, DbError> {
     let relay = format!(
         "-c TimeZone=UTC -c DateStyle=ISO -c client_encoding=UTF8 -c statement_timeout={} -c jit=off",
         STATEMENT_TIMEOUT.as_millis()
     );
-    match url_options.map(str::trim) {
-        Some(own) if !own.is_empty() => format!("{own} {relay}"),
-        _ => relay,
+    let Some(own) = url_options.filter(|o| !o.trim().is_empty()) else {
+        return Ok(relay);
+    };
+    let trailing = own.len() - own.trim_end_matches('\\').len();
+    if trailing % 2 == 1 {
+        return Err(DbError::Url(format!(
+            "the options in database.url end in an unescaped backslash: {own:?}"
+        )));
     }
+    Ok(format!("{own} {relay}"))
 }
 
 /// Where a config points, for messages (never the password).
@@ -231,4 +240,31 @@ pub async fn index_is_valid(
         )
         .await?
         .get(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_urls_options_go_before_the_relays_as_written() {
+        let relay = session_options(None).expect("none");
+        assert!(relay.starts_with("-c TimeZone=UTC") && relay.ends_with("-c jit=off"));
+        assert_eq!(session_options(Some("  ")).expect("blank"), relay);
+        assert_eq!(
+            session_options(Some("-c search_path=app")).expect("one"),
+            format!("-c search_path=app {relay}")
+        );
+        // An escaped trailing space is the value's own.
+        assert_eq!(
+            session_options(Some(r"-c x=a\ ")).expect("escaped space"),
+            format!(r"-c x=a\  {relay}")
+        );
+        assert_eq!(
+            session_options(Some(r"-c x=a\\")).expect("an escaped backslash"),
+            format!(r"-c x=a\\ {relay}")
+        );
+        let refused = session_options(Some(r"-c x=a\")).expect_err("a lone backslash");
+        assert!(refused.to_string().contains("database.url"), "{refused}");
+    }
 }

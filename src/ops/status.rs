@@ -284,17 +284,21 @@ pub async fn read_oldest_unsent(
     client: &Client,
     sql: &str,
 ) -> Result<Option<OldestUnsent>, DbError> {
-    Ok(client
+    let Some(r) = client
         .query_opt(sql, &[])
         .await
         .map_err(q("reading the oldest unsent row"))?
-        .and_then(|r| {
-            Some(OldestUnsent {
-                seq: r.get::<_, Option<i64>>(0)?,
-                // NULL when the row's created_at is, or without the column.
-                age: r.get::<_, Option<f64>>(1).map(|age| age.max(0.0)),
-            })
-        }))
+    else {
+        return Ok(None);
+    };
+    let read = q("reading the oldest unsent row");
+    let seq: Option<i64> = r.try_get(0).map_err(&read)?;
+    // NULL when the row's created_at is, or without the column.
+    let age: Option<f64> = r.try_get(1).map_err(&read)?;
+    Ok(seq.map(|seq| OldestUnsent {
+        seq,
+        age: age.map(|a| a.max(0.0)),
+    }))
 }
 
 /// Open dead letters, when dead-lettering is on and the table can be read.

@@ -114,7 +114,9 @@ async fn without_created_at_the_age_counts_from_when_the_row_was_first_seen() {
     // A newer row behind it does not make the oldest one younger.
     db.insert(ids[1], "order", "b", json!({})).await;
     wait_for(WAIT, "the age to keep growing", || async {
-        (gauge(port, metrics::OLDEST_UNSENT_AGE).await? >= first + 2.0).then_some(())
+        let age = gauge(port, metrics::OLDEST_UNSENT_AGE).await?;
+        assert!(age >= first, "the age fell from {first}s to {age}s");
+        (age >= first + 2.0).then_some(())
     })
     .await;
 

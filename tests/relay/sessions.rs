@@ -45,8 +45,9 @@ async fn relay_sessions_set_utc_iso_a_timeout_and_no_jit() {
 async fn the_urls_own_options_are_kept_beside_the_relays() {
     let (db, _broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
     let with_options = format!(
-        "{}?options=-c%20work_mem%3D7MB%20-c%20TimeZone%3DAsia/Tokyo",
-        db.url
+        "{}{}options=-c%20work_mem%3D7MB%20-c%20TimeZone%3DAsia/Tokyo",
+        db.url,
+        if db.url.contains('?') { '&' } else { '?' }
     );
     let config = parse(&toml.replace(&db.url, &with_options));
     let client = outbox_relay::db::connect(&config.database, None)
