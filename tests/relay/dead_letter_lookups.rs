@@ -250,14 +250,25 @@ pub(crate) async fn rows_handled(
     sql: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
 ) -> f64 {
+    handled(&explained(client, "ANALYZE", sql, params).await)
+}
+
+/// The top node of `sql`'s plan as `EXPLAIN (<options>, FORMAT JSON)`
+/// shows it, run in a transaction rolled back.
+async fn explained(
+    client: &mut Client,
+    options: &str,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Value {
     let tx = client.transaction().await.expect("begin");
     let rows = tx
-        .query(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"), params)
+        .query(&format!("EXPLAIN ({options}, FORMAT JSON) {sql}"), params)
         .await
         .expect("explain");
     let plan: Value = rows[0].get(0);
     tx.rollback().await.expect("rollback");
-    handled(&plan[0]["Plan"])
+    plan[0]["Plan"].clone()
 }
 
 /// The rows a plan's node and those below it handled (see [`rows_handled`]).
@@ -391,17 +402,8 @@ async fn buffers_touched(
     sql: &str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
 ) -> f64 {
-    let tx = client.transaction().await.expect("begin");
-    let rows = tx
-        .query(
-            &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"),
-            params,
-        )
-        .await
-        .expect("explain");
-    let plan: Value = rows[0].get(0);
-    tx.rollback().await.expect("rollback");
-    let n = |k: &str| plan[0]["Plan"][k].as_f64().unwrap_or(0.0);
+    let plan = explained(client, "ANALYZE, BUFFERS", sql, params).await;
+    let n = |k: &str| plan[k].as_f64().unwrap_or(0.0);
     n("Shared Hit Blocks") + n("Shared Read Blocks")
 }
 

@@ -3,6 +3,7 @@
 //! a statement timeout, and no JIT compilation (README, `[database]`).
 
 use crate::support::*;
+use outbox_relay::config::Config;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_sessions_set_utc_iso_a_timeout_and_no_jit() {
@@ -22,24 +23,38 @@ async fn relay_sessions_set_utc_iso_a_timeout_and_no_jit() {
         ("on".to_string(), "0".to_string()),
         "the test server's defaults"
     );
+    let names = [
+        "TimeZone",
+        "DateStyle",
+        "statement_timeout",
+        "jit",
+        "application_name",
+    ];
+    assert_eq!(
+        relay_session_settings(&config, &names).await,
+        ["UTC", "ISO, MDY", "1min", "off", "outbox-relay"]
+    );
+}
+
+/// The settings `names` of a session the relay opens with `config`.
+async fn relay_session_settings(config: &Config, names: &[&str]) -> Vec<String> {
     let client = outbox_relay::db::connect(&config.database, None)
         .await
         .expect("connect as the relay does");
-    let row = client
-        .query_one(
-            "SELECT current_setting('TimeZone'), current_setting('DateStyle'),
-                    current_setting('statement_timeout'), current_setting('jit'),
-                    current_setting('application_name')",
-            &[],
+    client
+        .query(
+            "SELECT current_setting(n) FROM unnest($1::text[]) WITH ORDINALITY s(n, i) ORDER BY i",
+            &[&names],
         )
         .await
-        .expect("read the relay session's settings");
-    let settings: Vec<String> = (0..5).map(|i| row.get(i)).collect();
-    assert_eq!(settings, ["UTC", "ISO, MDY", "1min", "off", "outbox-relay"]);
+        .expect("read the relay session's settings")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
 }
 
 /// A `database.url` may carry its own session settings (`options=-c
-/// role=...`, `-c search_path=...`): the relay keeps them on its query and
+/// lock_timeout=...`, `-c search_path=...`): the relay keeps them on its query and
 /// replication sessions, and its own settings win where both set one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_urls_own_options_are_kept_beside_the_relays() {
@@ -50,19 +65,11 @@ async fn the_urls_own_options_are_kept_beside_the_relays() {
         if db.url.contains('?') { '&' } else { '?' }
     );
     let config = parse(&toml.replace(&db.url, &with_options));
-    let client = outbox_relay::db::connect(&config.database, None)
-        .await
-        .expect("connect as the relay does");
-    let row = client
-        .query_one(
-            "SELECT current_setting('work_mem'), current_setting('TimeZone'),
-                    current_setting('jit')",
-            &[],
-        )
-        .await
-        .expect("read the relay session's settings");
-    let settings: Vec<String> = (0..3).map(|i| row.get(i)).collect();
-    assert_eq!(settings, ["7MB", "UTC", "off"], "query session");
+    assert_eq!(
+        relay_session_settings(&config, &["work_mem", "TimeZone", "jit"]).await,
+        ["7MB", "UTC", "off"],
+        "query session"
+    );
 
     use outbox_relay::replication::protocol::ReplicationClient;
     let pg = outbox_relay::db::pg_config(&config.database).expect("the URL parses");
