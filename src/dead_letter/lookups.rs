@@ -202,7 +202,8 @@ fn dead_aggregates(t: &str) -> String {
 /// come first, from the loose scan over the dead ones: those whose
 /// earliest open letter is requested are probed along the `waiting` index
 /// once each; then the letters of those found ready, in order, from the
-/// `requested` index. `shard` as for [`extend_requests_sql`].
+/// `requested` index (a hashed set: many may be ready). `shard` as for
+/// [`extend_requests_sql`], on the aggregates probed and on the letters.
 pub fn requested_sql(table: &TableName, shard: &str) -> String {
     let t = table.quoted();
     // A probe along the `waiting` index, with statistics or without (a
@@ -229,13 +230,13 @@ pub fn requested_sql(table: &TableName, shard: &str) -> String {
         "WITH RECURSIVE {dead},
          ready AS (
              SELECT g.a FROM g JOIN {t} f ON f.dead_letter_id = g.first
-             WHERE f.redrive_requested_at IS NOT NULL AND {named}
+             WHERE f.redrive_requested_at IS NOT NULL{shard} AND {named}
          )
          SELECT l.dead_letter_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.event_version,
                 l.payload, l.headers, l.created_at, l.extra
          FROM {t} l
          WHERE l.resolution IS NULL AND l.redrive_requested_at IS NOT NULL{shard}
-           AND (l.aggregate_id = ANY (ARRAY (SELECT a FROM ready))
+           AND (l.aggregate_id IN (SELECT a FROM ready)
                 OR (l.aggregate_id IS NULL AND {unnamed}))
          ORDER BY l.dead_letter_id LIMIT $1",
         dead = dead_aggregates(&t),
