@@ -4,9 +4,10 @@
 //! (terminated backend, network cut) while its reader and broker
 //! connections still work; without fencing it would go on publishing next to
 //! the standby that took the lock over. So publishing is bound to a lease:
-//! every round trip on the ownership session (a mark, a dead letter, a
-//! heartbeat every quarter lease) proves the lock was held when it was sent,
-//! and extends the lease to that moment plus `relay.ownership_lease`. The
+//! every answered round trip on the ownership session (a mark, a dead
+//! letter, a poll for visibility, or a heartbeat when nothing else renewed
+//! the lease for a quarter of it) proves the lock was held when it was
+//! sent, and extends the lease to that moment plus `relay.ownership_lease`. The
 //! pipeline sends nothing once the lease ran out, until a round trip renews it.
 //!
 //! A new owner cannot know when the previous one last renewed, only that it
@@ -120,6 +121,12 @@ impl Lease {
                 woken.await;
             }
         }
+    }
+}
+
+impl crate::source::record::Renew for Lease {
+    fn renew(&self, sent: Instant) {
+        Lease::renew(self, sent);
     }
 }
 

@@ -8,7 +8,7 @@
 use super::world::{Letter, Resolution, Shared, lock};
 use crate::config::MarkMode;
 use crate::dead_letter::{DeadLetter, OpenLetters, Written};
-use crate::source::record::RowStore;
+use crate::source::record::{Answered, Renew, RowStore};
 use crate::source::rows::Paging;
 use crate::source::{Reader, SourceError, SourcedEvent};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -50,17 +50,24 @@ pub struct SimStore {
     world: Shared,
     reign: u64,
     mark: MarkMode,
+    answered: Answered,
 }
 
 impl SimStore {
     pub fn new(world: Shared, reign: u64, mark: MarkMode) -> Self {
-        SimStore { world, reign, mark }
+        SimStore {
+            world,
+            reign,
+            mark,
+            answered: Answered::default(),
+        }
     }
 
     async fn statement<T>(
         &self,
         f: impl FnOnce(&mut super::world::World) -> T + Send,
     ) -> Result<T, SourceError> {
+        let sent = Instant::now();
         latency(&self.world).await;
         let out = {
             let mut w = lock(&self.world);
@@ -78,6 +85,7 @@ impl SimStore {
             ));
             return Err(lost_session());
         }
+        self.answered.note(sent);
         Ok(out)
     }
 }
@@ -202,6 +210,10 @@ impl RowStore for SimStore {
 
     async fn heartbeat(&self) -> Result<(), SourceError> {
         self.statement(|_| ()).await
+    }
+
+    fn report_answers_to(&self, lease: std::sync::Arc<dyn Renew>) {
+        self.answered.report_to(lease);
     }
 
     async fn requested_letters(&self) -> Result<crate::dead_letter::Requests, SourceError> {

@@ -12,6 +12,8 @@ use crate::db::DbError;
 use crate::dead_letter::{DeadLetter, OpenLetters, Recorder, Requests, Written};
 use crate::outbox::{MarkStatement, mark_sql};
 use std::future::Future;
+use std::sync::{Arc, Mutex};
+use tokio::time::Instant;
 use tokio_postgres::Client;
 
 /// Where an acker records progress. Every call is one round trip on the
@@ -38,6 +40,13 @@ pub trait RowStore: Send + Sync + 'static {
 
     /// One round trip on the ownership session.
     fn heartbeat(&self) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// From now on, tells `lease` of each round trip above that was
+    /// answered, as soon as it was: the session, and so the ownership lock,
+    /// was alive when it was sent. A busy acker then needs no heartbeats,
+    /// and a long call of many round trips (a wait for visibility) keeps
+    /// the lease.
+    fn report_answers_to(&self, lease: Arc<dyn Renew>);
 
     /// Dead letters an operator asked to publish again, oldest first.
     fn requested_letters(&self) -> impl Future<Output = Result<Requests, SourceError>> + Send;
@@ -70,10 +79,51 @@ const VISIBLE_WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(1
 /// again once visible): a bound on the wait, not an expected case.
 const VISIBLE_GIVE_UP: std::time::Duration = std::time::Duration::from_secs(600);
 
+/// Told of each answered round trip on the ownership session: the
+/// ownership lease, which runs from when the latest was sent.
+pub trait Renew: Send + Sync + 'static {
+    /// A round trip sent at `sent` was answered.
+    fn renew(&self, sent: Instant);
+}
+
+/// Reports a store's answered round trips to a [`Renew`], once given one
+/// (see [`RowStore::report_answers_to`]).
+#[derive(Default)]
+pub struct Answered(Mutex<Option<Arc<dyn Renew>>>);
+
+impl Answered {
+    pub fn report_to(&self, to: Arc<dyn Renew>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(to);
+    }
+
+    /// A round trip sent at `sent` was answered.
+    pub fn note(&self, sent: Instant) {
+        let to = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(to) = to {
+            to.renew(sent);
+        }
+    }
+
+    /// Runs `call`, one or more round trips, and notes when it began if it
+    /// succeeded (every round trip in it was sent after that).
+    pub async fn round_trip<T, E, F: Future<Output = Result<T, E>>>(
+        &self,
+        call: impl FnOnce() -> F,
+    ) -> Result<T, E> {
+        let sent = Instant::now();
+        let out = call().await;
+        if out.is_ok() {
+            self.note(sent);
+        }
+        out
+    }
+}
+
 pub struct RowRecorder {
     client: Client,
     mark: Option<MarkStatement>,
     dead_letters: Option<Recorder>,
+    answered: Answered,
 }
 
 impl RowRecorder {
@@ -116,6 +166,7 @@ impl RowRecorder {
             client,
             mark,
             dead_letters,
+            answered: Answered::default(),
         })
     }
 }
@@ -141,9 +192,10 @@ impl RowStore for RowRecorder {
         let mut next_warning = VISIBLE_WARN_EVERY;
         let mut pause = std::time::Duration::from_millis(1);
         loop {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&xids];
             let pending: i64 = self
-                .client
-                .query_one(IN_PROGRESS_SQL, &[&xids])
+                .answered
+                .round_trip(|| self.client.query_one(IN_PROGRESS_SQL, &params))
                 .await
                 .map_err(|e| DbError::query("checking that streamed transactions are visible", e))?
                 .get(0);
@@ -174,8 +226,9 @@ impl RowStore for RowRecorder {
 
     async fn mark(&self, seqs: &[i64]) -> Result<u64, SourceError> {
         match &self.mark {
-            Some(mark) if !seqs.is_empty() => Ok(mark
-                .execute(&self.client, seqs)
+            Some(mark) if !seqs.is_empty() => Ok(self
+                .answered
+                .round_trip(|| mark.execute(&self.client, seqs))
                 .await
                 .map_err(|e| DbError::query("marking rows sent", e))?),
             _ => Ok(0),
@@ -189,16 +242,20 @@ impl RowStore for RowRecorder {
         let Some(recorder) = &self.dead_letters else {
             return Ok(Written::default());
         };
-        recorder
+        let sent = Instant::now();
+        let written = recorder
             .write(&mut self.client, letters, self.mark.as_ref())
             .await
-            .map_err(|e| DbError::query("writing dead letters", e).into())
+            .map_err(|e| DbError::query("writing dead letters", e))?;
+        self.answered.note(sent);
+        Ok(written)
     }
 
     async fn open_dead_letters(&self) -> Result<OpenLetters, SourceError> {
         match &self.dead_letters {
-            Some(r) => r
-                .open_aggregates(&self.client)
+            Some(r) => self
+                .answered
+                .round_trip(|| r.open_aggregates(&self.client))
                 .await
                 .map_err(|e| DbError::query("reading open dead letters", e).into()),
             None => Ok(OpenLetters::new()),
@@ -206,8 +263,8 @@ impl RowStore for RowRecorder {
     }
 
     async fn heartbeat(&self) -> Result<(), SourceError> {
-        self.client
-            .simple_query("SELECT 1")
+        self.answered
+            .round_trip(|| self.client.simple_query("SELECT 1"))
             .await
             .map_err(|e| DbError::query("checking the ownership connection", e))?;
         Ok(())
@@ -215,8 +272,9 @@ impl RowStore for RowRecorder {
 
     async fn requested_letters(&self) -> Result<Requests, SourceError> {
         match &self.dead_letters {
-            Some(r) => r
-                .requested(&self.client)
+            Some(r) => self
+                .answered
+                .round_trip(|| r.requested(&self.client))
                 .await
                 .map_err(|e| DbError::query("reading requested redrives", e).into()),
             None => Ok(Requests::default()),
@@ -225,7 +283,8 @@ impl RowStore for RowRecorder {
 
     async fn letters_sent(&self, ids: &[i64]) -> Result<(), SourceError> {
         if let Some(r) = &self.dead_letters {
-            r.sent(&self.client, ids)
+            self.answered
+                .round_trip(|| r.sent(&self.client, ids))
                 .await
                 .map_err(|e| DbError::query("recording redriven dead letters", e))?;
         }
@@ -234,10 +293,15 @@ impl RowStore for RowRecorder {
 
     async fn letter_refused(&self, id: i64, reason: &str, counts: bool) -> Result<(), SourceError> {
         if let Some(r) = &self.dead_letters {
-            r.refused(&self.client, id, reason, counts)
+            self.answered
+                .round_trip(|| r.refused(&self.client, id, reason, counts))
                 .await
                 .map_err(|e| DbError::query("recording a refused redrive", e))?;
         }
         Ok(())
+    }
+
+    fn report_answers_to(&self, lease: Arc<dyn Renew>) {
+        self.answered.report_to(lease);
     }
 }

@@ -241,8 +241,9 @@ fn failpoint_hit(countdown: &mut Option<u32>) -> bool {
 }
 
 /// Records progress in command order, merging consecutive acknowledgements
-/// into one statement, and renews the ownership lease with a heartbeat
-/// every quarter lease. Aggregates whose dead letters turned out resolved
+/// into one statement. Each answered round trip of the store renews the
+/// ownership lease, and a heartbeat does when nothing did for a quarter
+/// lease. Aggregates whose dead letters turned out resolved
 /// are reported on `resolved`; `unrecorded` counts what was handed over and
 /// is not recorded yet.
 pub async fn drive_acker<A: Acker>(
@@ -255,6 +256,10 @@ pub async fn drive_acker<A: Acker>(
     let mut countdown = failpoint_countdown("abort-before-ack");
     let mut letters_countdown = failpoint_countdown("abort-after-dead-letter");
     let mut done = Confirmed::default();
+    {
+        use crate::source::record::RowStore;
+        acker.store().report_answers_to(lease.clone());
+    }
     loop {
         let first = match tokio::time::timeout_at(lease.renew_by(), rx.recv()).await {
             Ok(Some(cmd)) => cmd,
@@ -394,4 +399,129 @@ async fn record<A: Acker>(
         "batch recorded"
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dead_letter::Written;
+    use crate::source::record::{Answered, Renew, RowStore};
+
+    /// A store whose `wait_visible` polls: many answered round trips.
+    #[derive(Default)]
+    struct Polling {
+        answered: Answered,
+        heartbeats: AtomicUsize,
+    }
+
+    const POLL: Duration = Duration::from_millis(250);
+
+    impl RowStore for Polling {
+        async fn wait_visible(&self, _: Vec<u32>) -> Result<(), SourceError> {
+            for _ in 0..40 {
+                let poll = || async {
+                    tokio::time::sleep(POLL).await;
+                    Ok::<_, SourceError>(())
+                };
+                self.answered.round_trip(poll).await?;
+            }
+            Ok(())
+        }
+        async fn mark(&self, _: &[i64]) -> Result<u64, SourceError> {
+            Ok(0)
+        }
+        async fn dead_letter<P: Sync>(
+            &mut self,
+            _: &[DeadLetter<P>],
+        ) -> Result<Written, SourceError> {
+            Ok(Written::default())
+        }
+        async fn open_dead_letters(&self) -> Result<OpenLetters, SourceError> {
+            Ok(OpenLetters::new())
+        }
+        async fn heartbeat(&self) -> Result<(), SourceError> {
+            self.heartbeats.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        async fn requested_letters(&self) -> Result<Requests, SourceError> {
+            Ok(Requests::default())
+        }
+        async fn letters_sent(&self, _: &[i64]) -> Result<(), SourceError> {
+            Ok(())
+        }
+        async fn letter_refused(&self, _: i64, _: &str, _: bool) -> Result<(), SourceError> {
+            Ok(())
+        }
+        fn report_answers_to(&self, lease: Arc<dyn Renew>) {
+            self.answered.report_to(lease);
+        }
+    }
+
+    /// Acknowledges by waiting for visibility (as the CDC acker does for a
+    /// commit decoded before other sessions see it).
+    struct Waits(Arc<Polling>);
+
+    impl Acker for Waits {
+        type Position = i64;
+        type Store = Polling;
+        fn store(&self) -> &Polling {
+            &self.0
+        }
+        async fn ack(&mut self, _: Vec<i64>) -> Result<(), SourceError> {
+            self.0.wait_visible(vec![7]).await
+        }
+        async fn dead_letter(
+            &mut self,
+            _: Vec<DeadLetter<i64>>,
+        ) -> Result<HashSet<String>, SourceError> {
+            Ok(HashSet::new())
+        }
+    }
+
+    /// An acknowledgement of 40 answered round trips (10 s) keeps a 3 s
+    /// lease valid throughout, with no heartbeat: each answer renews it.
+    #[tokio::test(start_paused = true)]
+    async fn answered_round_trips_renew_the_lease_as_they_come() {
+        let d = Duration::from_secs(3);
+        let start = Instant::now();
+        let lease = Arc::new(Lease::after_clean_stop(d, start));
+        let store = Arc::new(Polling::default());
+        let (tx, rx) = mpsc::channel(4);
+        let unrecorded = Arc::new(Unrecorded::default());
+        unrecorded.add(1);
+        let acker = tokio::spawn(drive_acker(
+            Waits(store.clone()),
+            rx,
+            Arc::new(Resolved::default()),
+            lease.clone(),
+            unrecorded.clone(),
+        ));
+        let l = lease.clone();
+        let lost = tokio::spawn(async move { l.lost(start).await });
+        let confirmed = Confirmed {
+            positions: vec![1],
+            ..Confirmed::default()
+        };
+        tx.send(AckCommand::Ack(confirmed)).await.unwrap();
+        let (flushed, done) = oneshot::channel();
+        tx.send(AckCommand::Flush(flushed)).await.unwrap();
+        tokio::pin!(done);
+        let mut samples = 0;
+        loop {
+            tokio::select! {
+                r = &mut done => break r.expect("the acker answers the flush"),
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    samples += 1;
+                    assert!(lease.valid(Instant::now()), "lease ran out at {:?}", start.elapsed());
+                }
+            }
+        }
+        assert!(start.elapsed() >= POLL * 40);
+        assert!(samples >= 99, "{samples} samples");
+        assert_eq!(unrecorded.get(), 0);
+        assert_eq!(store.heartbeats.load(Ordering::SeqCst), 0);
+        assert!(!lost.is_finished());
+        drop(tx);
+        acker.await.unwrap().unwrap();
+    }
 }

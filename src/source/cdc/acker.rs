@@ -162,6 +162,7 @@ mod tests {
         async fn heartbeat(&self) -> Result<(), SourceError> {
             Ok(())
         }
+        fn report_answers_to(&self, _: Arc<dyn crate::source::record::Renew>) {}
         async fn requested_letters(&self) -> Result<Requests, SourceError> {
             Ok(Requests::default())
         }
