@@ -68,7 +68,8 @@ pub async fn probe(client: &Client, config: &Config) -> Result<Reading, DbError>
         return blocked("wal_level", problem);
     }
     let info = setup::slot_info(client, &slot).await?;
-    if !setup::can_replicate(client).await? {
+    let lacking = setup::roles_without_replication(client).await?;
+    if !lacking.is_empty() {
         let kept = if info.is_some() {
             format!(" (meanwhile slot {slot:?} keeps WAL from removal)")
         } else {
@@ -77,7 +78,9 @@ pub async fn probe(client: &Client, config: &Config) -> Result<Reading, DbError>
         return blocked(
             "replication_privilege",
             format!(
-                "the relay's role lacks the REPLICATION attribute CDC needs: run ALTER ROLE <role> REPLICATION; as a superuser{kept}"
+                "the relay's role ({}) lacks the REPLICATION attribute CDC needs: run {} as a superuser{kept}",
+                lacking.join(", "),
+                setup::grant_replication(&lacking)
             ),
         );
     }

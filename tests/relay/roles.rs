@@ -195,8 +195,32 @@ async fn cdc_migrate_names_what_the_role_lacks() {
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_ne!(code, 0, "{out}");
     assert!(
-        err.contains("needs the REPLICATION attribute") && err.contains("ALTER ROLE"),
+        err.contains("needs the REPLICATION attribute")
+            && err.contains(&format!(
+                "run ALTER ROLE {owner} REPLICATION; as a superuser"
+            )),
         "{err}"
+    );
+
+    // A role the URL's options set does not lend its REPLICATION to the
+    // login role, which the replication connection is authorised by.
+    let streamer = crate::kit::unique("relay_streamer_");
+    db.client
+        .batch_execute(&format!(
+            "CREATE ROLE {streamer} NOLOGIN REPLICATION; GRANT {streamer} TO {owner};"
+        ))
+        .await
+        .expect("a role with REPLICATION the owner may set");
+    let as_streamer = format!("{}?options=-c%20role%3D{streamer}", db.url_as(&owner));
+    let path = config_file(&cdc.replace(&db.url, &as_streamer));
+    let (_, out, err) = run_cli(&["check", "--config", &path], &[]);
+    let line = check_line(&out, "replication");
+    assert!(
+        line.starts_with("[FAIL]")
+            && line.contains(&format!("({owner})"))
+            && line.contains(&format!("ALTER ROLE {owner} REPLICATION;"))
+            && !line.contains(&streamer),
+        "{line}\n{out}{err}"
     );
     let slots = db
         .count("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()")

@@ -361,12 +361,18 @@ async fn check_cdc(config: &Config, client: &tokio_postgres::Client, r: &mut Rep
         },
         Err(e) => r.add(Mark::Fail, "wal_level", e.to_string()),
     }
-    match setup::can_replicate(client).await {
-        Ok(true) => r.add(Mark::Ok, "replication", "the role may stream (REPLICATION)"),
-        Ok(false) => r.add(
+    match setup::roles_without_replication(client).await {
+        Ok(lacking) if lacking.is_empty() => {
+            r.add(Mark::Ok, "replication", "the role may stream (REPLICATION)")
+        }
+        Ok(lacking) => r.add(
             Mark::Fail,
             "replication",
-            "the relay's role lacks the REPLICATION attribute; run ALTER ROLE <role> REPLICATION; as a superuser",
+            format!(
+                "the relay's role ({}) lacks the REPLICATION attribute; run {} as a superuser",
+                lacking.join(", "),
+                setup::grant_replication(&lacking)
+            ),
         ),
         Err(e) => r.add(Mark::Warn, "replication", e.to_string()),
     }

@@ -495,10 +495,12 @@ async fn cdc_steps(
     }
     steps.extend(publication_step(client, table, cdc, partitioned).await?);
     if cdc.slot_now && setup::slot_info(client, &cdc.slot).await?.is_none() {
-        if !setup::can_replicate(client).await? {
+        let lacking = setup::roles_without_replication(client).await?;
+        if !lacking.is_empty() {
             return Err(MigrateError::Prerequisite(format!(
-                "creating replication slot {:?} needs the REPLICATION attribute: run ALTER ROLE <relay role> REPLICATION; as a superuser",
-                cdc.slot
+                "creating replication slot {:?} needs the REPLICATION attribute: run {} as a superuser",
+                cdc.slot,
+                setup::grant_replication(&lacking)
             )));
         }
         if setup::free_slots(client).await? <= 0 {

@@ -190,16 +190,30 @@ pub async fn publication_covers(
     Ok(row.map(|r| r.get::<_, bool>(0) && r.get::<_, bool>(1)))
 }
 
-/// Whether the current role may create slots and stream (REPLICATION or superuser).
-pub async fn can_replicate(client: &Client) -> Result<bool, DbError> {
-    Ok(client
-        .query_one(
-            "SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
+/// The roles that lack what CDC needs (REPLICATION or superuser), as SQL
+/// identifiers: the login role, which the replication connection is
+/// authorised by, and the current role, which the slot functions check
+/// (they differ when `database.url`'s options set `role`).
+pub async fn roles_without_replication(client: &Client) -> Result<Vec<String>, DbError> {
+    let rows = client
+        .query(
+            "SELECT quote_ident(rolname) FROM pg_roles \
+             WHERE rolname IN (session_user, current_user) AND NOT (rolreplication OR rolsuper) \
+             ORDER BY rolname = session_user DESC",
             &[],
         )
         .await
-        .map_err(|e| q("reading the role's privileges", e))?
-        .get(0))
+        .map_err(|e| q("reading the role's privileges", e))?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// What a superuser runs to give `roles` (from [`roles_without_replication`]) the attribute.
+pub fn grant_replication(roles: &[String]) -> String {
+    roles
+        .iter()
+        .map(|r| format!("ALTER ROLE {r} REPLICATION;"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Free replication slots (`max_replication_slots` minus those in use).
