@@ -178,6 +178,25 @@ impl Config {
                 if pg.get_user().is_none() {
                     c.problem("database.url", "names no user; add user@ to the URL");
                 }
+                // The relay sets TLS from database.sslmode: an sslmode in
+                // the URL that says otherwise would be overridden silently
+                // (a `require` there weakened to the default `prefer`).
+                let in_url = match pg.get_ssl_mode() {
+                    tokio_postgres::config::SslMode::Disable => SslMode::Disable,
+                    tokio_postgres::config::SslMode::Require => SslMode::Require,
+                    _ => SslMode::Prefer,
+                };
+                if in_url != SslMode::Prefer
+                    && crate::db::tls::tokio_postgres_ssl_mode(db.sslmode) != pg.get_ssl_mode()
+                {
+                    c.problem(
+                        "database.url",
+                        format!(
+                            "sets sslmode={in_url}, but the relay takes TLS from database.sslmode ({}); remove sslmode from the URL and set database.sslmode = \"{in_url}\" (or verify-ca, verify-full)",
+                            db.sslmode
+                        ),
+                    );
+                }
             }
         }
         c.duration(

@@ -111,3 +111,37 @@ fn database_url_problems() {
     let e = err(&MINIMAL.replace("/app", ""));
     assert!(e.contains("names no database"), "{e}");
 }
+
+/// TLS comes from `database.sslmode`: an `sslmode` in the URL that says
+/// otherwise is refused, not overridden (a `require` there would quietly
+/// become the default `prefer`).
+#[test]
+fn an_sslmode_in_the_url_must_agree_with_database_sslmode() {
+    let url = "postgres://relay:s3cret@db:5432/app";
+    let with = |query: &str, sslmode: Option<&str>| {
+        let mut toml = MINIMAL.replace(url, &format!("{url}?{query}"));
+        if let Some(mode) = sslmode {
+            toml = toml.replace("[sink]", &format!("sslmode = \"{mode}\"\n\n[sink]"));
+        }
+        load_str(&toml).map(|c| c.database.sslmode)
+    };
+    let e = with("sslmode=require", None).unwrap_err().to_string();
+    assert!(
+        e.contains("database.url: sets sslmode=require")
+            && e.contains("database.sslmode (prefer)")
+            && e.contains("set database.sslmode = \"require\""),
+        "{e}"
+    );
+    let e = with("sslmode=disable", Some("verify-full")).unwrap_err().to_string();
+    assert!(e.contains("sets sslmode=disable"), "{e}");
+    for (query, mode, effective) in [
+        ("sslmode=require", Some("require"), SslMode::Require),
+        ("sslmode=require", Some("verify-full"), SslMode::VerifyFull),
+        ("sslmode=disable", Some("disable"), SslMode::Disable),
+        ("sslmode=prefer", Some("verify-ca"), SslMode::VerifyCa),
+        ("application_name=x", None, SslMode::Prefer),
+    ] {
+        let got = with(query, mode).unwrap_or_else(|e| panic!("{query} {mode:?}: {e}"));
+        assert_eq!(got, effective, "{query} {mode:?}");
+    }
+}
