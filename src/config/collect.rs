@@ -156,9 +156,11 @@ fn explain(key: &str, value: Option<&Value>, message: String, sink_type: Option<
         Some(ValueKind::I128(v)) => format!("{v} is out of range; use {min} to {max}"),
         Some(ValueKind::U64(v)) => format!("{v} is out of range; use {min} to {max}"),
         Some(ValueKind::U128(v)) => format!("{v} is out of range; use {min} to {max}"),
-        Some(ValueKind::String(s)) => {
-            format!("{s:?} is not a whole number; use {min} to {max}")
-        }
+        // Environment variables are text.
+        Some(ValueKind::String(s)) => match s.trim().parse::<i128>() {
+            Ok(v) => format!("{v} is out of range; use {min} to {max}"),
+            Err(_) => format!("{s:?} is not a whole number; use {min} to {max}"),
+        },
         Some(ValueKind::Float(f)) => format!("{f} is not a whole number; use {min} to {max}"),
         _ => format!("{message}; use a whole number from {min} to {max}"),
     }

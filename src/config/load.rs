@@ -131,10 +131,13 @@ fn read_root(
         .add_source(config::File::from_str(text, config::FileFormat::Toml));
     if let Some(vars) = env {
         builder = builder.add_source(
+            // Values stay text (no `try_parsing`): the config crate reads a
+            // number out of text where a key wants one, while parsing every
+            // value would turn a password `0123` into `123`, or `1e3`
+            // into `1000`.
             config::Environment::with_prefix(ENV_PREFIX)
                 .prefix_separator(ENV_SEPARATOR)
                 .separator(ENV_SEPARATOR)
-                .try_parsing(true)
                 .source(Some(vars)),
         );
     }

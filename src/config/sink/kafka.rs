@@ -46,7 +46,10 @@ pub struct KafkaConfig {
     pub topic: Template,
     /// Largest message (key + value + headers) the relay sends; a larger event is refused
     /// before it reaches the broker. Keep it at or below the topic's `max.message.bytes`.
-    #[serde(default = "defaults::kafka_message_max_bytes")]
+    #[serde(
+        default = "defaults::kafka_message_max_bytes",
+        deserialize_with = "super::whole_number"
+    )]
     pub message_max_bytes: usize,
     /// Time librdkafka may spend delivering one message, retries included (`message.timeout.ms`).
     #[serde(

@@ -72,6 +72,57 @@ impl SinkConfig {
     }
 }
 
+/// A whole number of `[sink]`, written as one in the file or as text in an
+/// environment variable (`OUTBOX_RELAY__SINK__MESSAGE_MAX_BYTES=1048576`):
+/// the sink is read through JSON, where the config crate's coercion of
+/// text does not reach.
+fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
+    struct Whole;
+    impl serde::de::Visitor<'_> for Whole {
+        type Value = usize;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a whole number")
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<usize, E> {
+            usize::try_from(v)
+                .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(v), &self))
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<usize, E> {
+            usize::try_from(v)
+                .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<usize, E> {
+            v.trim()
+                .parse()
+                .map_err(|_| E::invalid_value(serde::de::Unexpected::Str(v), &self))
+        }
+    }
+    d.deserialize_any(Whole)
+}
+
+/// A `true` or `false` of `[sink]`, in the file or as text in an
+/// environment variable (see [`whole_number`]).
+fn flag<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    struct Flag;
+    impl serde::de::Visitor<'_> for Flag {
+        type Value = bool;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("true or false")
+        }
+        fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<bool, E> {
+            Ok(v)
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<bool, E> {
+            match v.trim() {
+                "true" => Ok(true),
+                "false" => Ok(false),
+                _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+            }
+        }
+    }
+    d.deserialize_any(Flag)
+}
+
 /// A default template of a broker's keys.
 fn template(s: &str) -> Template {
     // Constants of the brokers' `defaults`, covered by the config tests.

@@ -23,12 +23,15 @@ pub struct RabbitMqConfig {
     pub routing_key: Template,
     /// Declare each exchange (durable, of `exchange_type`) when first used, instead of
     /// requiring it to exist.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::flag")]
     pub declare_exchange: bool,
     #[serde(default = "defaults::exchange_type")]
     pub exchange_type: String,
     /// Largest message body the relay sends (RabbitMQ's own `max_message_size` defaults to 128 MiB).
-    #[serde(default = "defaults::rabbitmq_message_max_bytes")]
+    #[serde(
+        default = "defaults::rabbitmq_message_max_bytes",
+        deserialize_with = "super::whole_number"
+    )]
     pub message_max_bytes: usize,
     /// CA certificates (PEM) trusted for an `amqps://` broker's certificate, in
     /// addition to the system's.

@@ -342,3 +342,91 @@ fn the_readme_shows_the_defaults() {
     }
     assert!(compared > 40, "only {compared} defaults compared");
 }
+
+/// Environment variables are text: a value that looks like a number stays
+/// as written where a key takes text (a password `0123`, a topic `007`),
+/// and is read as a number or a flag where a key takes one, in `[sink]` too.
+#[test]
+fn environment_values_stay_as_written_where_a_key_takes_text() {
+    let env = |vars: &[(&str, &str)]| {
+        super::load::load_str_with_env(MINIMAL, vars)
+            .map(|mut c| c.remove(0))
+            .unwrap_or_else(|e| panic!("{vars:?}: {e}"))
+    };
+    let c = env(&[
+        ("OUTBOX_RELAY__DATABASE__PASSWORD", "0123"),
+        ("OUTBOX_RELAY__SINK__SECURITY_PROTOCOL", "sasl_ssl"),
+        ("OUTBOX_RELAY__SINK__SASL_PASSWORD", "1e3"),
+        ("OUTBOX_RELAY__SINK__SASL_USERNAME", "+5"),
+        ("OUTBOX_RELAY__SINK__TOPIC", "007"),
+        ("OUTBOX_RELAY__SINK__CLIENT_ID", "Infinity"),
+        ("OUTBOX_RELAY__SINK__MESSAGE_MAX_BYTES", "2048"),
+        ("OUTBOX_RELAY__SOURCE__BATCH_SIZE", "42"),
+        ("OUTBOX_RELAY__SOURCE__CDC__CREATE_SLOT", "false"),
+    ]);
+    assert_eq!(
+        c.database.password.as_ref().map(|p| p.expose()),
+        Some("0123")
+    );
+    let SinkConfig::Kafka(k) = &c.sink else {
+        panic!("a kafka sink")
+    };
+    assert_eq!(k.sasl_password.as_ref().map(|p| p.expose()), Some("1e3"));
+    assert_eq!(k.sasl_username.as_deref(), Some("+5"));
+    assert_eq!(k.topic.to_string(), "007");
+    assert_eq!(k.client_id, "Infinity");
+    assert_eq!(k.message_max_bytes, 2048);
+    assert_eq!(c.source.batch_size, 42);
+    assert!(!c.source.cdc.create_slot);
+
+    let rabbit = MINIMAL.replace(
+        "type = \"kafka\"\nbrokers = \"k:9092\"",
+        "type = \"rabbitmq\"\nurl = \"amqp://localhost\"",
+    );
+    let c = super::load::load_str_with_env(
+        &rabbit,
+        &[
+            ("OUTBOX_RELAY__SINK__DECLARE_EXCHANGE", "true"),
+            ("OUTBOX_RELAY__SINK__MESSAGE_MAX_BYTES", "4096"),
+            ("OUTBOX_RELAY__SINK__EXCHANGE", "0x10"),
+        ],
+    )
+    .unwrap()
+    .remove(0);
+    let SinkConfig::RabbitMq(r) = &c.sink else {
+        panic!("a rabbitmq sink")
+    };
+    assert!(r.declare_exchange);
+    assert_eq!(r.message_max_bytes, 4096);
+    assert_eq!(r.exchange.to_string(), "0x10");
+
+    // Text where a key takes a number or a flag is refused, naming the variable.
+    for (var, value, says) in [
+        (
+            "OUTBOX_RELAY__SINK__MESSAGE_MAX_BYTES",
+            "big",
+            "\"big\" is not a whole number",
+        ),
+        (
+            "OUTBOX_RELAY__SINK__MESSAGE_MAX_BYTES",
+            "-1",
+            "-1 is out of range",
+        ),
+        (
+            "OUTBOX_RELAY__SINK__DECLARE_EXCHANGE",
+            "maybe",
+            "true or false",
+        ),
+    ] {
+        let e = super::load::load_str_with_env(&rabbit, &[(var, value)])
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            e.contains(&format!(
+                "sink.{} (set by {var}): ",
+                var[20..].to_lowercase()
+            )) && e.contains(says),
+            "{var}={value}: {e}"
+        );
+    }
+}

@@ -132,7 +132,9 @@ fn an_sslmode_in_the_url_must_agree_with_database_sslmode() {
             && e.contains("set database.sslmode = \"require\""),
         "{e}"
     );
-    let e = with("sslmode=disable", Some("verify-full")).unwrap_err().to_string();
+    let e = with("sslmode=disable", Some("verify-full"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("sets sslmode=disable"), "{e}");
     for (query, mode, effective) in [
         ("sslmode=require", Some("require"), SslMode::Require),
