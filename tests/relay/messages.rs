@@ -280,6 +280,58 @@ async fn malformed_and_untransactional_messages_are_dead_lettered_with_the_reaso
     relay.stop().await;
 }
 
+/// An untransactional message written last in a transaction ends where
+/// that transaction's commit record starts: each keeps its own place, so
+/// the event is delivered, the message dead-lettered, and the slot moves
+/// past both (the two sharing a place could hold it back for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_untransactional_message_just_before_a_commit_holds_nothing_back() {
+    let (db, broker, toml) = setup_messages(
+        Kind::Rabbit,
+        &[
+            ("relay.mark", "\"none\""),
+            ("source.cdc.status_interval", "\"1s\""),
+        ],
+    )
+    .await;
+    let (path, slot) = (config_file(&toml), slot_of(&toml));
+    let relay = InProcess::start(parse(&toml));
+    wait_streaming(&db.client, &slot).await;
+    let (event, untransactional) = (Uuid::new_v4(), Uuid::new_v4());
+    let content = |id: Uuid| {
+        json!({"id": id.to_string(), "aggregate_type": "order", "aggregate_id": id.to_string(),
+            "event_type": "E", "payload": {}})
+        .to_string()
+        .replace('\'', "''")
+    };
+    db.client
+        .batch_execute(&format!(
+            "BEGIN;
+             SELECT pg_logical_emit_message(true, 'outbox_relay_outbox', '{}');
+             SELECT pg_logical_emit_message(false, 'outbox_relay_outbox', '{}');
+             COMMIT;",
+            content(event),
+            content(untransactional)
+        ))
+        .await
+        .expect("one transaction");
+    let committed = wal_insert_position(&db.client).await;
+    broker.inbox().wait_ids(&[event.to_string()], WAIT).await;
+    let letters = wait_for(WAIT, "the untransactional message dead-lettered", || {
+        let path = path.clone();
+        async move { Some(dlq_list(&path)).filter(|l| !l.is_empty()) }
+    })
+    .await;
+    assert_eq!(letters[0]["id"], untransactional.to_string(), "{letters:?}");
+    wait_for(WAIT, "the slot to pass the transaction", || async {
+        let flushed = slot_position(&db.client, &slot, "confirmed_flush_lsn").await;
+        (flushed >= committed).then_some(())
+    })
+    .await;
+    assert_eq!(broker.inbox().len(), 1, "only the event was published");
+    relay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_marking_an_aggregate_written_both_ways_keeps_its_order_across_a_start() {
     // Everything comes from the WAL, in commit order: no start-up read of

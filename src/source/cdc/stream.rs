@@ -361,16 +361,23 @@ impl<S: CdcStream> Streaming<S> {
             },
             Err(_) => unreadable(&m, reason),
         };
-        // Past the message, so that a restart from here does not send it again.
-        let end = Lsn(m.lsn.0 + 1);
+        // The message's LSN is where its WAL record ends, and where the
+        // next record may start: the commit record of a transaction still
+        // to come, whose events are placed at that LSN. So the message ends
+        // there (a restart from there skips the message, which started
+        // before, and not that transaction, which starts there), and is
+        // placed one byte before it, where no commit record starts (they
+        // start 8-byte aligned), so the two never share a place.
+        let end = m.lsn;
+        let at = Lsn(m.lsn.0.saturating_sub(1));
         let position = CdcPosition {
-            commit_lsn: m.lsn,
+            commit_lsn: at,
             index: 0,
             seq: None,
             xid: None,
         };
         let mut p = lock(progress);
-        p.begin(m.lsn);
+        p.begin(at);
         if p.event(&position) {
             out.push(SourcedEvent::new(position, Err(error)));
         }
@@ -481,5 +488,71 @@ mod tests {
         let cut = tokio::time::timeout(std::time::Duration::from_millis(20), send).await;
         assert!(cut.is_err(), "the send never finishes");
         assert_eq!(lock(&progress).unreported(), 3, "still to report");
+    }
+
+    /// A non-transactional message's LSN is the end of its WAL record, where
+    /// the commit record of the next transaction may start (nothing else
+    /// written between them): the two keep distinct places, and confirming
+    /// the message alone flushes no further than that commit's start, so a
+    /// restart still streams the transaction.
+    #[test]
+    fn an_untransactional_message_just_before_a_commit_keeps_its_own_place() {
+        use crate::replication::pgoutput::{Begin, Commit, LogicalDecodingMessage};
+        let progress = Mutex::new(Progress::new(Lsn(10), 100));
+        let mut s = Streaming::new(Stuck, None, Lsn(10), false, Some("p".into()));
+        let (table, columns) = (
+            TableName::new("public", "outbox"),
+            crate::config::ColumnMap::default().resolve(&[]),
+        );
+        let commit_at = Lsn(0x1000);
+        let message = |transactional| {
+            LogicalDecodingMessage {
+            transactional,
+            lsn: commit_at,
+            prefix: "p".into(),
+            content: bytes::Bytes::from_static(
+                br#"{"id":"e","aggregate_type":"t","aggregate_id":"a","event_type":"E","payload":{}}"#,
+            ),
+        }
+        };
+        let mut out = Vec::new();
+        for m in [
+            LogicalMessage::Message(message(false)),
+            LogicalMessage::Begin(Begin {
+                final_lsn: commit_at,
+                commit_time_micros: 0,
+                xid: 7,
+            }),
+            LogicalMessage::Message(message(true)),
+            LogicalMessage::Commit(Commit {
+                flags: 0,
+                commit_lsn: commit_at,
+                end_lsn: Lsn(0x1040),
+                commit_time_micros: 0,
+            }),
+        ] {
+            s.handle(
+                StreamMessage::Change(m),
+                &table,
+                &columns,
+                &progress,
+                &mut out,
+            )
+            .expect("handled");
+        }
+        let [untransactional, event] = [out[0].position, out[1].position];
+        assert!(out[0].event.is_err(), "the untransactional one is refused");
+        assert!(out[1].event.is_ok());
+        assert_ne!(
+            (untransactional.commit_lsn, untransactional.index),
+            (event.commit_lsn, event.index)
+        );
+        assert!(untransactional.commit_lsn < event.commit_lsn);
+        lock(&progress).confirm(&untransactional);
+        assert_eq!(lock(&progress).flushed(), commit_at, "not past the commit");
+        assert_eq!(lock(&progress).outstanding(), 1, "the transaction waits");
+        lock(&progress).confirm(&event);
+        assert_eq!(lock(&progress).flushed(), Lsn(0x1040));
+        assert_eq!(lock(&progress).outstanding(), 0);
     }
 }
