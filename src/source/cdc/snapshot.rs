@@ -62,7 +62,10 @@ impl Snapshot {
         if candidate > self.xmax.saturating_add(EPOCH / 2) && candidate >= EPOCH {
             candidate - EPOCH
         } else if candidate.saturating_add(EPOCH / 2) < self.xmax {
-            candidate + EPOCH
+            // Saturating: an id past every possible one (a snapshot no
+            // server sends) is one the snapshot did not see, so its
+            // transaction is streamed, never skipped.
+            candidate.saturating_add(EPOCH)
         } else {
             candidate
         }
@@ -153,6 +156,10 @@ mod tests {
         assert_eq!(s.widen(u32::MAX - 2), (3 << 32) - 3);
         assert!(s.saw_committed(u32::MAX - 2));
         assert!(!s.saw_committed(12));
+        // A snapshot at the very end of the id space: no overflow, and an
+        // id past it counts as unseen (streamed, never skipped).
+        let last = Snapshot::parse(&format!("{0}:{0}:", u64::MAX)).unwrap();
+        assert!(!last.saw_committed(0));
     }
 
     #[test]
