@@ -36,8 +36,7 @@ use error::{answer, connect_error, unavailable};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
-    BasicProperties, Channel, Confirmation as Ack, Connection, ConnectionProperties, ExchangeKind,
-    PublisherConfirm,
+    BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind, PublisherConfirm,
 };
 use std::collections::HashSet;
 use std::future::Future;
@@ -356,11 +355,7 @@ impl Sink for RabbitMqSink {
                 // `settle` forgets the message when dropped.
                 Queued::Writing(publish) => publish.await.map_err(|e| unavailable("publish", e))?,
             };
-            let outcome = confirm.await;
-            if let Ok(Ack::Ack(Some(r)) | Ack::Nack(Some(r))) = &outcome {
-                settle.unconfirmed.file(r);
-            }
-            let returned = settle.unconfirmed.settle(&settle.id, settle.tag);
+            let (outcome, returned) = confirms::answered(confirm, settle).await;
             answer(outcome, returned, (&exchange, &routing_key, key_from))
         }))
     }
