@@ -33,6 +33,9 @@ pub const PROTECTED_KAFKA_PROPERTIES: &[&str] = &[
     "queue.buffering.max.ms",
     "client.id",
     "enable.auto.commit",
+    // One aggregate, one partition: its key picks it.
+    "partitioner",
+    "queue.buffering.max.messages",
 ];
 
 /// `[sink]` with `type = "kafka"`.
@@ -51,7 +54,9 @@ pub struct KafkaConfig {
         deserialize_with = "super::whole_number"
     )]
     pub message_max_bytes: usize,
-    /// Time librdkafka may spend delivering one message, retries included (`message.timeout.ms`).
+    /// How long a send waits for room in librdkafka's full queue. A message
+    /// itself never times out in librdkafka (`message.timeout.ms = 0`):
+    /// `relay.confirm_timeout` bounds the wait for its confirmation.
     #[serde(
         default = "defaults::delivery_timeout",
         with = "crate::config::duration"

@@ -130,3 +130,26 @@ fn the_sasl_password_never_prints() {
     let e = err(&format!("{sasl}linger = \"soon\"\n"));
     assert!(!e.contains("s3cret"), "{e}");
 }
+
+/// The properties the delivery guarantee rests on cannot be overridden in
+/// `sink.properties`: one key, one partition, in order, never timed out.
+#[test]
+fn properties_the_guarantees_rest_on_are_refused() {
+    for property in [
+        "enable.idempotence",
+        "acks",
+        "enable.gapless.guarantee",
+        "message.timeout.ms",
+        "delivery.timeout.ms",
+        "partitioner",
+        "queue.buffering.max.messages",
+    ] {
+        let e = err(&format!(
+            "{MINIMAL}\n[sink.properties]\n\"{property}\" = \"1\"\n"
+        ));
+        assert!(
+            e.contains(&format!("sink.properties.{property}: is set by the relay")),
+            "{property}: {e}"
+        );
+    }
+}

@@ -21,10 +21,12 @@ pub(super) fn client_config(config: &KafkaConfig) -> ClientConfig {
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("enable.gapless.guarantee", "true")
-        .set(
-            "message.timeout.ms",
-            config.delivery_timeout.as_millis().to_string(),
-        )
+        // Never: the gapless guarantee does not cover a message that times
+        // out in librdkafka, after which later messages of its partition
+        // may still be written, ahead of its re-send. The relay's
+        // confirm_timeout bounds the wait instead; it then drops the
+        // producer with every later message and re-sends them in order.
+        .set("message.timeout.ms", "0")
         .set("linger.ms", config.linger.as_millis().to_string())
         .set("queue.buffering.max.messages", QUEUE_MAX_MESSAGES)
         // The request size must fit the largest message the relay lets through.

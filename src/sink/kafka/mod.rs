@@ -240,3 +240,6 @@ impl SinkCheck for KafkaSink {
         self.topics.template().is_fixed()
     }
 }
+
+#[cfg(test)]
+mod tests;
