@@ -21,7 +21,9 @@ pub(super) fn integer_range(key: &str, sink_type: Option<&str>) -> Option<(u64, 
         "relay.shards" => (1, 256),
         "telemetry.otlp.max_queue_size" => (1, 1_000_000),
         "sink.message_max_bytes" if sink_type == Some("rabbitmq") => (1_000, 512 * 1024 * 1024),
-        "sink.message_max_bytes" => (1_000, 1_000_000_000),
+        // librdkafka's message.max.bytes, at most 1,000,000,000, is set to
+        // this plus 64 KiB of room for the request around it.
+        "sink.message_max_bytes" => (1_000, 1_000_000_000 - 64 * 1024),
         _ => return None,
     })
 }
@@ -66,6 +68,31 @@ impl Checker {
                     humantime::format_duration(max)
                 ),
             );
+        }
+    }
+
+    /// A cap that must not be below its base (`base_key`), which may be the
+    /// key the user set: the message names both.
+    pub(super) fn cap(
+        &mut self,
+        key: &str,
+        value: Duration,
+        base: (&str, Duration),
+        max: Duration,
+    ) {
+        if value < base.1 {
+            self.problem(
+                key,
+                format!(
+                    "{} is below {} ({}); raise it or lower {}",
+                    humantime::format_duration(value),
+                    base.0,
+                    humantime::format_duration(base.1),
+                    base.0
+                ),
+            );
+        } else {
+            self.duration(key, value, base.1, max);
         }
     }
 
@@ -186,9 +213,13 @@ impl Config {
                     tokio_postgres::config::SslMode::Require => SslMode::Require,
                     _ => SslMode::Prefer,
                 };
-                if in_url != SslMode::Prefer
-                    && crate::db::tls::tokio_postgres_ssl_mode(db.sslmode) != pg.get_ssl_mode()
-                {
+                // What the connection asks of tokio-postgres: the verify
+                // modes are `require` there, with the relay's own checks.
+                let relay = match db.sslmode {
+                    SslMode::VerifyCa | SslMode::VerifyFull => SslMode::Require,
+                    other => other,
+                };
+                if in_url != SslMode::Prefer && in_url != relay {
                     c.problem(
                         "database.url",
                         format!(
@@ -314,7 +345,7 @@ impl Config {
         {
             c.problem(
                 "source.cdc.on_lost_slot",
-                "\"recreate\" needs relay.mark = \"update\" or \"delete\": with \"none\" the events in the removed WAL exist nowhere else, so a new slot would skip them; use \"stop\"",
+                "\"recreate\" needs relay.mark = \"update\", \"delete\" or \"ranges\": with \"none\" the events in the removed WAL exist nowhere else, so a new slot would skip them; use \"stop\"",
             );
         }
         if cdc.messages && s.mode != super::SourceMode::Cdc {
@@ -388,7 +419,7 @@ impl Config {
             if self.relay.mark == super::MarkMode::None {
                 c.problem(
                     "retention.mode",
-                    "\"partitions\" needs relay.mark = \"update\" or \"delete\": with \"none\" no row is known to be sent, so no partition could ever be dropped",
+                    "\"partitions\" needs relay.mark = \"update\", \"delete\" or \"ranges\": with \"none\" no row is known to be sent, so no partition could ever be dropped",
                 );
             }
         }
@@ -461,12 +492,17 @@ impl Config {
             HOUR,
         );
         c.duration("relay.retry_base", r.retry_base, MS, 10 * 60 * SEC);
-        c.duration("relay.retry_max", r.retry_max, r.retry_base, HOUR);
+        c.cap(
+            "relay.retry_max",
+            r.retry_max,
+            ("relay.retry_base", r.retry_base),
+            HOUR,
+        );
         c.duration("relay.reject_retry_base", r.reject_retry_base, MS, HOUR);
-        c.duration(
+        c.cap(
             "relay.reject_retry_max",
             r.reject_retry_max,
-            r.reject_retry_base,
+            ("relay.reject_retry_base", r.reject_retry_base),
             24 * HOUR,
         );
         c.duration(

@@ -105,13 +105,15 @@ fn numeric_keys_out_of_range_are_refused_by_name() {
         .unwrap(),
     )
     .unwrap();
-    let cases: [(&str, toml::Value); 11] = [
+    let cases: [(&str, toml::Value); 12] = [
         ("source.batch_size", 0.into()),
         ("source.batch_size", 1_000_000.into()),
         ("relay.max_in_flight", 0.into()),
         ("relay.shards", 0.into()),
         ("dead_letter.max_attempts", 0.into()),
         ("sink.message_max_bytes", 10.into()),
+        // librdkafka's limit, less the room around a message.
+        ("sink.message_max_bytes", 999_934_465.into()),
         ("relay.confirm_timeout", "1ms".into()),
         ("source.polling.poll_interval", "0s".into()),
         ("database.connect_timeout", "2h".into()),
@@ -378,7 +380,13 @@ fn environment_values_stay_as_written_where_a_key_takes_text() {
     assert_eq!(k.message_max_bytes, 2048);
     assert_eq!(c.source.batch_size, 42);
     assert!(!c.source.cdc.create_slot);
+}
 
+/// `[sink]` is read through JSON: its numbers and flags are read out of an
+/// environment variable's text too, and text that is neither is refused,
+/// naming the variable.
+#[test]
+fn sink_numbers_and_flags_are_read_from_environment_text() {
     let rabbit = MINIMAL.replace(
         "type = \"kafka\"\nbrokers = \"k:9092\"",
         "type = \"rabbitmq\"\nurl = \"amqp://localhost\"",

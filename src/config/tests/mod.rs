@@ -82,7 +82,18 @@ fn out_of_range_values_are_listed_together() {
     assert!(e.contains("3 problems") || e.contains("problems"), "{e}");
     assert!(e.contains("source.batch_size: 0 is out of range"), "{e}");
     assert!(e.contains("relay.max_in_flight"), "{e}");
-    assert!(e.contains("relay.retry_max"), "{e}");
+    assert!(
+        e.contains("relay.retry_max: 1s is below relay.retry_base (10s); raise it or lower relay.retry_base"),
+        "{e}"
+    );
+    // A base set alone names itself when the default cap falls below it.
+    let e = err(&format!(
+        "{MINIMAL}\n[relay]\nreject_retry_base = \"10m\"\n"
+    ));
+    assert!(
+        e.contains("relay.reject_retry_max: 5m is below relay.reject_retry_base (10m)"),
+        "{e}"
+    );
 }
 
 #[test]
