@@ -127,7 +127,8 @@ pub enum DlqCommand {
         /// Include redriven and dropped ones.
         #[arg(long)]
         all: bool,
-        #[arg(long, default_value_t = 100)]
+        /// At most this many (0 to 1,000,000).
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(0..=1_000_000))]
         limit: i64,
         /// One JSON object per line instead of a table.
         #[arg(long)]

@@ -217,6 +217,24 @@ fn every_command_explains_itself() {
     assert!(out.contains("--dry-run"), "{out}");
 }
 
+/// A count out of range is refused by the command line, naming the option,
+/// before any configuration is read.
+#[test]
+fn a_negative_dlq_limit_is_refused_naming_the_option() {
+    let (code, _, err) = run_cli(
+        &[
+            "dlq",
+            "list",
+            "--config",
+            "/nonexistent/relay.toml",
+            "--limit=-1",
+        ],
+        &[],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--limit") && err.contains("-1"), "{err}");
+}
+
 #[tokio::test]
 async fn check_names_a_missing_topic_for_waiting_events() {
     let db = TestDb::new().await;
