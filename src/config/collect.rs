@@ -187,6 +187,16 @@ impl EnvKeys {
         )
     }
 
+    /// The pipelines the variables name (`pipelines.<name>.…`), each once,
+    /// with one of its variables.
+    pub fn pipelines(&self) -> impl Iterator<Item = (&str, &str)> {
+        let mut seen = std::collections::BTreeSet::new();
+        self.0.iter().filter_map(move |(key, var)| {
+            let name = key.strip_prefix("pipelines.")?.split('.').next()?;
+            seen.insert(name).then_some((name, var.as_str()))
+        })
+    }
+
     /// Names the variable behind a problem's key, when one set it: the value
     /// in the file, if any, is not the one that was refused.
     pub fn annotate(&self, problem: &mut Problem, pipeline: Option<&str>) {

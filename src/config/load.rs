@@ -99,12 +99,16 @@ fn build(
     env: Option<config::Map<String, String>>,
 ) -> Result<Vec<Config>, ConfigError> {
     let env_keys = env.as_ref().map(EnvKeys::new).unwrap_or_default();
+    let overridden = env.is_some();
     let mut root = read_root(text, origin, env)?;
     let Some(pipelines) = root.remove("pipelines") else {
         return read_single(root, origin, &env_keys);
     };
-    let mut configs = Vec::new();
     let mut problems = Vec::new();
+    if overridden {
+        unknown_pipelines(text, origin, &env_keys, &mut problems)?;
+    }
+    let mut configs = Vec::new();
     for (name, overrides) in pipeline_tables(pipelines, origin)? {
         let read = read_named(&root, &name, overrides, origin, &env_keys, &mut problems)?;
         configs.extend(read);
@@ -143,6 +147,33 @@ fn read_root(
     }
     let merged = builder.build().map_err(parse_error)?;
     merged.try_deserialize().map_err(parse_error)
+}
+
+/// Environment variables that name a pipeline the file does not have: the
+/// config crate lowercases their keys, so `OUTBOX_RELAY__PIPELINES__ORDERS__...`
+/// cannot reach a pipeline named `Orders`, and would make a new one.
+fn unknown_pipelines(
+    text: &str,
+    origin: &str,
+    env_keys: &EnvKeys,
+    problems: &mut Vec<Problem>,
+) -> Result<(), ConfigError> {
+    let in_file: Vec<String> = match read_root(text, origin, None)?.remove("pipelines") {
+        Some(p) => pipeline_tables(p, origin)?.into_keys().collect(),
+        None => return Ok(()),
+    };
+    for (name, var) in env_keys.pipelines() {
+        if !in_file.iter().any(|n| n == name) {
+            problems.push(Problem {
+                key: format!("pipelines.{name} (set by {var})"),
+                message: format!(
+                    "the file has no pipeline {name:?} (it has {}); environment variables reach pipelines named in lowercase only: rename the pipeline, or fix the variable",
+                    in_file.join(", ")
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A file without `[pipelines]`: one pipeline, named [`DEFAULT_PIPELINE`].

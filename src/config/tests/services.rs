@@ -108,3 +108,34 @@ fn otlp_keys_are_checked_by_name() {
     ));
     assert!(e.contains("configures the whole process"), "{e}");
 }
+
+/// Environment variables reach pipelines named in lowercase (their keys
+/// are lowercased): one aimed at `Orders` is refused, naming the
+/// variable, instead of making a pipeline `orders` of its own.
+#[test]
+fn an_environment_variable_for_a_pipeline_the_file_lacks_is_refused() {
+    let file = format!(
+        "{MINIMAL}\n[pipelines.Orders.outbox]\ntable = \"public.orders\"\n[pipelines.audit.outbox]\ntable = \"public.audit\"\n"
+    );
+    let var = "OUTBOX_RELAY__PIPELINES__ORDERS__SINK__TOPIC";
+    let e = super::load::load_str_with_env(&file, &[(var, "t")])
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        e.contains(&format!(
+            "pipelines.orders (set by {var}): the file has no pipeline \"orders\" (it has Orders, audit)"
+        )),
+        "{e}"
+    );
+    let c = super::load::load_str_with_env(
+        &file,
+        &[("OUTBOX_RELAY__PIPELINES__AUDIT__SINK__TOPIC", "audited")],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let audit = c.iter().find(|c| c.name == "audit").expect("audit");
+    let SinkConfig::Kafka(k) = &audit.sink else {
+        panic!("kafka")
+    };
+    assert_eq!(k.topic.to_string(), "audited");
+    assert_eq!(c.len(), 2);
+}
