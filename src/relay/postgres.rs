@@ -320,7 +320,7 @@ impl Postgres<'_> {
             biased;
             _ = run.shutdown.cancelled() => {
                 tracing::info!("stopped cleanly");
-                return Ok((RunEnd::Stopped, Drained::All));
+                return Ok((RunEnd::Stopped, Drained::before_sending(&run.lease)));
             }
             started = reader.begin() => {
                 if let Err(e) = started {

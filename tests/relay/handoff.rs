@@ -188,6 +188,38 @@ async fn the_first_owner_of_a_new_outbox_publishes_at_once(mode: Mode, kind: Kin
     assert_stopped_unclean(&db, &token, &held).await;
 }
 
+/// A stop while the CDC start-up still waits (here for a transaction that
+/// runs on to settle) after an owner that crashed: nothing was sent, but
+/// the crashed owner's messages may still be on their way, so the stop is
+/// not recorded as clean and the next owner waits out the lease too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_the_cdc_start_after_a_crash_is_not_a_clean_one() {
+    let (db, _broker, toml) = long_lease(Mode::Cdc, Kind::Rabbit).await;
+    seed_unclean_claim(&db).await;
+    // A transaction with an id, running on: the start-up read waits up to
+    // 2 s for it before it reads the table.
+    let running = connect(&db.url).await;
+    running
+        .batch_execute("BEGIN; SELECT pg_current_xact_id();")
+        .await
+        .expect("a transaction with an id");
+    let relay = InProcess::start(parse(&toml));
+    wait_for(WAIT, "the relay to claim the outbox", || async {
+        claim_row(&db)
+            .await
+            .filter(|(token, _)| token != "crashed")
+            .map(drop)
+    })
+    .await;
+    relay.stop().await;
+    let (_, stopped) = claim_row(&db).await.expect("the relay claimed the outbox");
+    assert!(
+        !stopped,
+        "a stop before the crashed owner's lease ran out is not recorded as clean"
+    );
+    drop(running);
+}
+
 /// A polling outbox to RabbitMQ with a long lease, as a database looks
 /// that `migrate` last saw before hand-offs came: no owners table.
 async fn without_owners_table() -> (TestDb, Broker, String) {

@@ -152,6 +152,19 @@ pub enum Drained {
     PreviousOwnerUnsettled,
 }
 
+impl Drained {
+    /// A run that stopped before it sent anything: all drained, unless the
+    /// previous owner's lease has not run out yet (its messages, those of
+    /// this process's failed run before as well, may still be on their way).
+    pub fn before_sending(lease: &super::lease::Lease) -> Drained {
+        if lease.previous_owner_settled(tokio::time::Instant::now()) {
+            Drained::All
+        } else {
+            Drained::PreviousOwnerUnsettled
+        }
+    }
+}
+
 /// Runs until `shutdown` (then drains and returns `Ok`) or a failure.
 pub async fn run<R, A, K>(
     reader: R,
