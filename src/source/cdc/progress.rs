@@ -59,6 +59,8 @@ pub struct Progress {
     ahead_cap: usize,
     /// The server's WAL end from the latest keepalive.
     server_end: Lsn,
+    /// The highest flushed position a status update told the server.
+    told: Lsn,
     /// Events confirmed since the flushed position was last reported.
     unreported: u64,
     /// Confirmations that make a report due (see [`Progress::report_every`]).
@@ -76,6 +78,7 @@ impl Progress {
             confirmed_ahead: BTreeSet::new(),
             ahead_cap,
             server_end: flushed,
+            told: flushed,
             unreported: 0,
             report_every: u64::MAX,
             report_due: Arc::new(Notify::new()),
@@ -106,10 +109,11 @@ impl Progress {
         self.unreported
     }
 
-    /// The flushed position was just reported to the server, covering the
-    /// first `counted` of the [`Progress::unreported`] confirmations (those
-    /// that came while it was sent are still to report).
-    pub fn reported(&mut self, counted: u64) {
+    /// The flushed position `told` was just reported to the server,
+    /// covering the first `counted` of the [`Progress::unreported`]
+    /// confirmations (those that came while it was sent are still to report).
+    pub fn reported(&mut self, told: Lsn, counted: u64) {
+        self.told = self.told.max(told);
         self.unreported = self.unreported.saturating_sub(counted);
         if self.unreported >= self.report_every {
             // A window came while it was sent: its wake-up was spent on this one.
@@ -126,8 +130,24 @@ impl Progress {
     /// read since (they come again), keep the confirmations to skip them.
     /// `slot_flushed` is the slot's own confirmed position, which may be ahead
     /// if a status update went out before a restart.
+    ///
+    /// A slot behind what a status update told the server forgot it: the
+    /// server crashed before saving it, or failed over to a standby with
+    /// less WAL, whose positions past the slot's may hold other
+    /// transactions. Then the stream starts from the slot, and nothing past
+    /// it is skipped (a repeat, never a loss).
     pub fn restart(&mut self, slot_flushed: Lsn) {
         self.txs.clear();
+        if slot_flushed < self.told {
+            tracing::warn!(
+                slot = %slot_flushed,
+                told = %self.told,
+                "the replication slot is behind the position the relay confirmed to the server (a crash or a failover since): streaming from the slot; events after it may be sent again"
+            );
+            self.flushed = slot_flushed;
+            self.told = slot_flushed;
+            self.confirmed_ahead.clear();
+        }
         self.flushed = self.flushed.max(slot_flushed);
         self.server_end = self.flushed;
         let flushed = self.flushed;
@@ -367,7 +387,7 @@ mod tests {
         assert!(!woken(&due), "one confirmation is no window");
         p.confirm(&pos(100, 1));
         assert!(woken(&due), "two are");
-        p.reported(2);
+        p.reported(Lsn(0), 2);
         p.confirm(&pos(100, 2));
         assert!(!woken(&due), "counted again from the report");
         // A report of that one is being sent while two more come (their
@@ -376,7 +396,7 @@ mod tests {
         p.confirm(&pos(100, 3));
         assert!(woken(&due));
         p.confirm(&pos(100, 4));
-        p.reported(1);
+        p.reported(Lsn(0), 1);
         assert_eq!(p.unreported(), 2);
         assert!(woken(&due), "what came meanwhile is a window");
     }
@@ -443,6 +463,43 @@ mod tests {
             p.confirmed_ahead.is_empty(),
             "flushed transactions forget their confirmations"
         );
+    }
+
+    /// A restart keeps what the relay flushed and did not tell the server
+    /// yet (the slot lags by that much), but a slot behind what it was told
+    /// forgot it (a crash, a failover to a standby with less WAL): the
+    /// stream starts from the slot and skips nothing it holds.
+    #[test]
+    fn a_slot_behind_what_it_was_told_is_where_the_stream_starts() {
+        let flushed_to = |p: &mut Progress, lsn: u64| {
+            p.begin(Lsn(lsn));
+            p.event(&pos(lsn, 0));
+            p.commit(Lsn(lsn + 10));
+            p.confirm(&pos(lsn, 0));
+        };
+        let mut p = Progress::new(Lsn(0), 100);
+        flushed_to(&mut p, 100);
+        p.reported(p.flushed(), 1);
+        flushed_to(&mut p, 200);
+        // Confirmed ahead of a held-back event of a later transaction.
+        p.begin(Lsn(300));
+        p.event(&pos(300, 0));
+        p.event(&pos(300, 1));
+        p.commit(Lsn(310));
+        p.confirm(&pos(300, 1));
+        p.restart(Lsn(110));
+        assert_eq!(p.flushed(), Lsn(210), "not told yet, and kept");
+        p.begin(Lsn(300));
+        assert!(!p.event(&pos(300, 1)), "confirmed: skipped");
+
+        p.reported(p.flushed(), 2);
+        p.restart(Lsn(110));
+        assert_eq!(p.flushed(), Lsn(110), "the slot forgot 210: from the slot");
+        p.begin(Lsn(200));
+        assert!(p.event(&pos(200, 0)), "streamed again, not skipped");
+        p.commit(Lsn(210));
+        p.begin(Lsn(300));
+        assert!(p.event(&pos(300, 1)), "nothing past the slot is skipped");
     }
 
     #[test]

@@ -110,7 +110,7 @@ impl<S: CdcStream> Streaming<S> {
         self.stream.send_status(write, flushed).await?;
         // Only once sent: a send cut short (the reader's select moved on)
         // leaves the report due, so the next step sends it again.
-        lock(progress).reported(counted);
+        lock(progress).reported(flushed, counted);
         self.next_status = Instant::now() + interval;
         Ok(())
     }
