@@ -64,14 +64,17 @@ pub trait RowStore: Send + Sync + 'static {
 }
 
 /// How many of the 32-bit transaction ids in `$1` the current snapshot
-/// still sees as running. Each id is widened with the epoch of the
-/// snapshot's `xmax`, or the epoch before when that would put it more than
-/// 2^31 ahead (ids are recent: a running id may be at or past `xmax`).
-const IN_PROGRESS_SQL: &str = "SELECT count(*)::int8 FROM \
+/// still sees as running. Each id is widened to the one within 2^31 of the
+/// snapshot's `xmax`: with `xmax`'s epoch, or the epoch before or after
+/// when that one is nearer (ids are recent, and a running one may be at or
+/// past `xmax`, in the next epoch when `xmax` is near the end of its own).
+pub const IN_PROGRESS_SQL: &str = "SELECT count(*)::int8 FROM \
      (SELECT txid_current_snapshot() AS s) q, \
      LATERAL (SELECT ((txid_snapshot_xmax(q.s) >> 32) << 32) | x AS w FROM unnest($1::int8[]) AS x) f \
-     WHERE NOT txid_visible_in_snapshot(GREATEST(3, CASE WHEN f.w > txid_snapshot_xmax(q.s) + 2147483648 \
-     THEN f.w - 4294967296 ELSE f.w END), q.s)";
+     WHERE NOT txid_visible_in_snapshot(GREATEST(3, CASE \
+     WHEN f.w > txid_snapshot_xmax(q.s) + 2147483648 THEN f.w - 4294967296 \
+     WHEN f.w + 2147483648 < txid_snapshot_xmax(q.s) THEN f.w + 4294967296 \
+     ELSE f.w END), q.s)";
 
 /// How often a wait for visibility (normally microseconds) is reported.
 const VISIBLE_WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(10);

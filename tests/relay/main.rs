@@ -51,3 +51,4 @@ mod tls;
 mod tracing;
 mod troubleshooting;
 mod versions;
+mod visibility;
