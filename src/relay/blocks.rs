@@ -224,6 +224,16 @@ impl Blocks {
         self.map.len()
     }
 
+    /// Forgets the aggregates released for a retry whose retried event has
+    /// not been confirmed yet: all they hold is a count of attempts (a
+    /// forgotten one starts again). What is left is held back or dead.
+    /// Returns how many were forgotten.
+    pub fn forget_released(&mut self) -> usize {
+        let before = self.map.len();
+        self.map.retain(|_, b| b.dead || b.until.is_some());
+        before - self.map.len()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
@@ -276,6 +286,22 @@ mod tests {
 
     fn blocks() -> Blocks {
         Blocks::new(Duration::from_secs(1), Duration::from_secs(60))
+    }
+
+    #[test]
+    fn forgetting_released_aggregates_keeps_the_held_and_the_dead() {
+        let mut b = blocks();
+        let now = Instant::now();
+        for a in ["held", "released", "dead"] {
+            b.block(a, Some("e"), "refused".into(), now, true);
+        }
+        b.mark_dead("dead", None);
+        b.map.get_mut("released").unwrap().until = None;
+        assert_eq!(b.forget_released(), 1);
+        assert_eq!(b.len(), 2);
+        assert!(b.is_blocked("held") && b.is_dead("dead"));
+        let (again, _) = b.block("released", Some("e"), "refused".into(), now, true);
+        assert_eq!(again.attempts, 1, "its count starts again");
     }
 
     #[test]

@@ -514,6 +514,15 @@ where
     }
 
     pub(super) fn has_room(&mut self) -> bool {
+        // Aggregates released for a retry only count attempts: forgotten
+        // before reading pauses, or reading could pause for good (nothing
+        // read, nothing confirmed, none cleared).
+        if self.blocks.len() >= MAX_BLOCKED_AGGREGATES && self.blocks.forget_released() > 0 {
+            tracing::warn!(
+                aggregates = self.blocks.len(),
+                "many aggregates were refused at once: the attempt counts of those released for a retry start again"
+            );
+        }
         if self.blocks.len() >= MAX_BLOCKED_AGGREGATES {
             if !self.warned_full {
                 tracing::error!(
