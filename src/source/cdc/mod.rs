@@ -263,7 +263,8 @@ impl<B: CdcServer> CdcReader<B> {
     /// Checks, slot, and the choice of the first phase.
     async fn start(&mut self) -> Result<(), SourceError> {
         let slot_flushed = self.prepare().await?;
-        lock(&self.progress).restart(slot_flushed);
+        let timeline = self.server.timeline().await?;
+        lock(&self.progress).restart(slot_flushed, timeline);
         if !self.settings.read_table || self.settings.messages.is_some() {
             // Without marking, the WAL is replayed from the slot (and so are
             // logical messages, which no table holds): events already

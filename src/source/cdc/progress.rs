@@ -61,6 +61,8 @@ pub struct Progress {
     server_end: Lsn,
     /// The highest flushed position a status update told the server.
     told: Lsn,
+    /// The server's timeline at the last (re)start, when known.
+    timeline: Option<u32>,
     /// Events confirmed since the flushed position was last reported.
     unreported: u64,
     /// Confirmations that make a report due (see [`Progress::report_every`]).
@@ -79,6 +81,7 @@ impl Progress {
             ahead_cap,
             server_end: flushed,
             told: flushed,
+            timeline: None,
             unreported: 0,
             report_every: u64::MAX,
             report_due: Arc::new(Notify::new()),
@@ -129,20 +132,25 @@ impl Progress {
     /// The stream restarts from [`Progress::flushed`]: forget the transactions
     /// read since (they come again), keep the confirmations to skip them.
     /// `slot_flushed` is the slot's own confirmed position, which may be ahead
-    /// if a status update went out before a restart.
+    /// if a status update went out before a restart, or behind when the
+    /// server did not save what it was told (a restart or crash before a
+    /// checkpoint): the same WAL, so the relay's own position stands.
     ///
-    /// A slot behind what a status update told the server forgot it: the
-    /// server crashed before saving it, or failed over to a standby with
-    /// less WAL, whose positions past the slot's may hold other
-    /// transactions. Then the stream starts from the slot, and nothing past
-    /// it is skipped (a repeat, never a loss).
-    pub fn restart(&mut self, slot_flushed: Lsn) {
+    /// On a new `timeline` (a standby was promoted) with the slot behind
+    /// what the server was told, the WAL past the slot may hold other
+    /// transactions than the relay saw: the stream starts from the slot and
+    /// skips nothing after it (a repeat, never a loss).
+    pub fn restart(&mut self, slot_flushed: Lsn, timeline: Option<u32>) {
         self.txs.clear();
-        if slot_flushed < self.told {
+        let new_history = matches!((self.timeline, timeline), (Some(a), Some(b)) if a != b);
+        if timeline.is_some() {
+            self.timeline = timeline;
+        }
+        if new_history && slot_flushed < self.told {
             tracing::warn!(
                 slot = %slot_flushed,
                 told = %self.told,
-                "the replication slot is behind the position the relay confirmed to the server (a crash or a failover since): streaming from the slot; events after it may be sent again"
+                "the server is on a new timeline (a failover) and its slot is behind the position the relay confirmed before: streaming from the slot; events after it may be sent again"
             );
             self.flushed = slot_flushed;
             self.told = slot_flushed;
@@ -327,268 +335,4 @@ impl Progress {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pos(lsn: u64, index: u64) -> CdcPosition {
-        CdcPosition {
-            commit_lsn: Lsn(lsn),
-            index,
-            seq: None,
-            xid: None,
-        }
-    }
-
-    #[test]
-    fn flushes_only_complete_confirmed_prefixes() {
-        let mut p = Progress::new(Lsn(10), 100);
-        p.begin(Lsn(100));
-        assert!(p.event(&pos(100, 0)));
-        assert!(p.event(&pos(100, 1)));
-        p.commit(Lsn(110));
-        p.begin(Lsn(200));
-        assert!(p.event(&pos(200, 0)));
-        p.commit(Lsn(210));
-        // The later transaction confirms first: nothing may be flushed yet.
-        p.confirm(&pos(200, 0));
-        assert_eq!(p.flushed(), Lsn(10));
-        p.confirm(&pos(100, 1));
-        assert_eq!(p.flushed(), Lsn(10));
-        p.confirm(&pos(100, 0));
-        assert_eq!(
-            p.flushed(),
-            Lsn(210),
-            "both transactions complete, in order"
-        );
-        assert!(p.idle());
-    }
-
-    /// The reader is woken as soon as a window of confirmations piled up,
-    /// whatever it is waiting for: a crash then repeats no more than that.
-    #[tokio::test]
-    async fn a_report_falls_due_when_a_window_of_confirmations_piled_up() {
-        let mut p = Progress::new(Lsn(10), 100);
-        p.report_every(2);
-        let due = p.report_due();
-        p.begin(Lsn(100));
-        for i in 0..5 {
-            p.event(&pos(100, i));
-        }
-        p.commit(Lsn(110));
-        let woken = |due: &Notify| {
-            let mut waiting = std::pin::pin!(due.notified());
-            let waker = std::task::Waker::noop();
-            waiting
-                .as_mut()
-                .poll(&mut std::task::Context::from_waker(waker))
-                .is_ready()
-        };
-        p.confirm(&pos(100, 0));
-        assert!(!woken(&due), "one confirmation is no window");
-        p.confirm(&pos(100, 1));
-        assert!(woken(&due), "two are");
-        p.reported(Lsn(0), 2);
-        p.confirm(&pos(100, 2));
-        assert!(!woken(&due), "counted again from the report");
-        // A report of that one is being sent while two more come (their
-        // wake-up goes to the report under way): once sent, it covers only
-        // what it counted, and the two are a window, due at once.
-        p.confirm(&pos(100, 3));
-        assert!(woken(&due));
-        p.confirm(&pos(100, 4));
-        p.reported(Lsn(0), 1);
-        assert_eq!(p.unreported(), 2);
-        assert!(woken(&due), "what came meanwhile is a window");
-    }
-
-    #[test]
-    fn a_transaction_is_not_flushed_before_its_commit_arrives() {
-        let mut p = Progress::new(Lsn(0), 100);
-        p.begin(Lsn(100));
-        p.event(&pos(100, 0));
-        p.confirm(&pos(100, 0));
-        assert_eq!(p.flushed(), Lsn(0), "a large transaction still streaming");
-        p.server_end(Lsn(5000));
-        assert_eq!(
-            p.flushed(),
-            Lsn(0),
-            "keepalives do not move past unfinished work"
-        );
-        p.commit(Lsn(120));
-        assert_eq!(
-            p.flushed(),
-            Lsn(5000),
-            "complete, and then idle: the keepalive's end counts"
-        );
-    }
-
-    #[test]
-    fn empty_transactions_and_idle_keepalives_advance() {
-        let mut p = Progress::new(Lsn(0), 100);
-        p.begin(Lsn(50));
-        p.commit(Lsn(60));
-        assert_eq!(p.flushed(), Lsn(60));
-        p.server_end(Lsn(900));
-        assert_eq!(p.flushed(), Lsn(900));
-        p.server_end(Lsn(800));
-        assert_eq!(p.flushed(), Lsn(900), "never backwards");
-    }
-
-    #[test]
-    fn after_a_restart_confirmed_events_are_skipped() {
-        let mut p = Progress::new(Lsn(0), 100);
-        p.begin(Lsn(100));
-        p.event(&pos(100, 0));
-        p.event(&pos(100, 1));
-        p.commit(Lsn(110));
-        p.begin(Lsn(200));
-        p.event(&pos(200, 0));
-        p.commit(Lsn(210));
-        p.confirm(&pos(100, 1)); // 100/0 is held back (refused)
-        p.confirm(&pos(200, 0));
-        p.restart(Lsn(0));
-        assert_eq!(p.flushed(), Lsn(0));
-        // The stream replays both transactions.
-        p.begin(Lsn(100));
-        assert!(p.event(&pos(100, 0)), "the refused event is sent again");
-        assert!(!p.event(&pos(100, 1)), "the confirmed one is skipped");
-        p.commit(Lsn(110));
-        p.begin(Lsn(200));
-        assert!(!p.event(&pos(200, 0)));
-        p.commit(Lsn(210));
-        assert_eq!(p.flushed(), Lsn(0));
-        p.confirm(&pos(100, 0));
-        assert_eq!(p.flushed(), Lsn(210));
-        assert!(
-            p.confirmed_ahead.is_empty(),
-            "flushed transactions forget their confirmations"
-        );
-    }
-
-    /// A restart keeps what the relay flushed and did not tell the server
-    /// yet (the slot lags by that much), but a slot behind what it was told
-    /// forgot it (a crash, a failover to a standby with less WAL): the
-    /// stream starts from the slot and skips nothing it holds.
-    #[test]
-    fn a_slot_behind_what_it_was_told_is_where_the_stream_starts() {
-        let flushed_to = |p: &mut Progress, lsn: u64| {
-            p.begin(Lsn(lsn));
-            p.event(&pos(lsn, 0));
-            p.commit(Lsn(lsn + 10));
-            p.confirm(&pos(lsn, 0));
-        };
-        let mut p = Progress::new(Lsn(0), 100);
-        flushed_to(&mut p, 100);
-        p.reported(p.flushed(), 1);
-        flushed_to(&mut p, 200);
-        // Confirmed ahead of a held-back event of a later transaction.
-        p.begin(Lsn(300));
-        p.event(&pos(300, 0));
-        p.event(&pos(300, 1));
-        p.commit(Lsn(310));
-        p.confirm(&pos(300, 1));
-        p.restart(Lsn(110));
-        assert_eq!(p.flushed(), Lsn(210), "not told yet, and kept");
-        p.begin(Lsn(300));
-        assert!(!p.event(&pos(300, 1)), "confirmed: skipped");
-
-        p.reported(p.flushed(), 2);
-        p.restart(Lsn(110));
-        assert_eq!(p.flushed(), Lsn(110), "the slot forgot 210: from the slot");
-        p.begin(Lsn(200));
-        assert!(p.event(&pos(200, 0)), "streamed again, not skipped");
-        p.commit(Lsn(210));
-        p.begin(Lsn(300));
-        assert!(p.event(&pos(300, 1)), "nothing past the slot is skipped");
-    }
-
-    #[test]
-    fn empty_transactions_behind_unfinished_work_fold_into_it() {
-        let mut p = Progress::new(Lsn(0), 100);
-        p.begin(Lsn(100));
-        p.event(&pos(100, 0));
-        p.commit(Lsn(110));
-        for i in 0..10_000u64 {
-            p.begin(Lsn(200 + i * 10));
-            p.commit(Lsn(205 + i * 10));
-        }
-        assert_eq!(p.outstanding(), 1, "unrelated transactions do not pile up");
-        assert_eq!(p.flushed(), Lsn(0));
-        p.confirm(&pos(100, 0));
-        assert_eq!(
-            p.flushed(),
-            Lsn(205 + 9_999 * 10),
-            "flushed past all of them"
-        );
-        assert!(p.idle());
-    }
-
-    #[test]
-    fn many_transactions_confirmed_out_of_order_all_flush() {
-        let mut p = Progress::new(Lsn(0), 1_000_000);
-        let n = 50_000u64;
-        for i in 0..n {
-            p.begin(Lsn(100 + i * 10));
-            p.event(&pos(100 + i * 10, 0));
-            p.commit(Lsn(105 + i * 10));
-        }
-        // Confirm the second half first (remembered for skipping), then the first.
-        for i in (n / 2..n).chain(0..n / 2) {
-            p.confirm(&pos(100 + i * 10, 0));
-        }
-        assert!(p.idle());
-        assert_eq!(p.flushed(), Lsn(105 + (n - 1) * 10));
-        assert!(p.confirmed_ahead.is_empty());
-    }
-
-    #[test]
-    fn one_held_back_event_keeps_the_tracker_bounded() {
-        let mut p = Progress::new(Lsn(0), 1_000_000);
-        p.begin(Lsn(100));
-        p.event(&pos(100, 0)); // held back: never confirmed
-        p.commit(Lsn(105));
-        for i in 1..10_000u64 {
-            let lsn = 100 + i * 10;
-            p.begin(Lsn(lsn));
-            p.event(&pos(lsn, 0));
-            p.commit(Lsn(lsn + 5));
-            p.confirm(&pos(lsn, 0));
-        }
-        assert_eq!(
-            p.outstanding(),
-            2,
-            "the held transaction and one merged run behind it"
-        );
-        assert_eq!(p.flushed(), Lsn(0), "without marking, the WAL waits for it");
-        p.release(&pos(100, 0));
-        assert_eq!(p.flushed(), Lsn(100 + 9_999 * 10 + 5));
-        assert!(p.idle());
-    }
-
-    #[test]
-    fn a_released_event_is_not_skipped_when_replayed() {
-        let mut p = Progress::new(Lsn(0), 100);
-        p.begin(Lsn(100));
-        p.event(&pos(100, 0));
-        p.commit(Lsn(110));
-        p.release(&pos(100, 0));
-        assert_eq!(p.flushed(), Lsn(110));
-        p.restart(Lsn(0));
-        p.begin(Lsn(100));
-        assert!(p.event(&pos(100, 0)), "read again, not skipped");
-    }
-
-    #[test]
-    fn the_skip_memory_is_capped() {
-        let mut p = Progress::new(Lsn(0), 2);
-        p.begin(Lsn(100));
-        for i in 0..5 {
-            p.event(&pos(100, i));
-        }
-        for i in 1..5 {
-            p.confirm(&pos(100, i));
-        }
-        assert_eq!(p.confirmed_ahead.len(), 2);
-        assert_eq!(p.outstanding(), 1);
-    }
-}
+mod tests;

@@ -57,6 +57,13 @@ pub trait CdcServer: Send + 'static {
     /// confirmed position.
     fn prepare(&mut self) -> impl Future<Output = Result<Lsn, SourceError>> + Send;
 
+    /// The server's current timeline, when it has one to tell (a primary):
+    /// a promoted standby is on a new one, and its WAL past the switch may
+    /// differ from what the relay was told before.
+    fn timeline(&mut self) -> impl Future<Output = Result<Option<u32>, SourceError>> + Send {
+        async { Ok(None) }
+    }
+
     /// Opens a round of the start-up read (ending the previous one, if it
     /// is still open): one snapshot for the whole round; returns it
     /// with the WAL insert position read just after it was taken and, when
@@ -315,6 +322,22 @@ impl CdcServer for PgServer {
         self.check_server().await?;
         let info = self.usable_slot().await?;
         self.open_slot(info).await
+    }
+
+    /// From the name of the WAL file being written, whose first eight hex
+    /// digits are the timeline; none on a standby, which writes none.
+    async fn timeline(&mut self) -> Result<Option<u32>, SourceError> {
+        let name: Option<String> = self
+            .client
+            .query_one(
+                "SELECT CASE WHEN pg_is_in_recovery() THEN NULL \
+                 ELSE pg_walfile_name(pg_current_wal_insert_lsn()) END",
+                &[],
+            )
+            .await
+            .map_err(|e| DbError::query("reading the server's timeline", e))?
+            .get(0);
+        Ok(name.and_then(|n| u32::from_str_radix(n.get(..8)?, 16).ok()))
     }
 
     async fn begin_table_read(&mut self) -> Result<StartupView, SourceError> {

@@ -1,0 +1,268 @@
+//! Progress: transactions, confirmations, and the flushed position.
+use super::*;
+
+fn pos(lsn: u64, index: u64) -> CdcPosition {
+    CdcPosition {
+        commit_lsn: Lsn(lsn),
+        index,
+        seq: None,
+        xid: None,
+    }
+}
+
+#[test]
+fn flushes_only_complete_confirmed_prefixes() {
+    let mut p = Progress::new(Lsn(10), 100);
+    p.begin(Lsn(100));
+    assert!(p.event(&pos(100, 0)));
+    assert!(p.event(&pos(100, 1)));
+    p.commit(Lsn(110));
+    p.begin(Lsn(200));
+    assert!(p.event(&pos(200, 0)));
+    p.commit(Lsn(210));
+    // The later transaction confirms first: nothing may be flushed yet.
+    p.confirm(&pos(200, 0));
+    assert_eq!(p.flushed(), Lsn(10));
+    p.confirm(&pos(100, 1));
+    assert_eq!(p.flushed(), Lsn(10));
+    p.confirm(&pos(100, 0));
+    assert_eq!(
+        p.flushed(),
+        Lsn(210),
+        "both transactions complete, in order"
+    );
+    assert!(p.idle());
+}
+
+/// The reader is woken as soon as a window of confirmations piled up,
+/// whatever it is waiting for: a crash then repeats no more than that.
+#[tokio::test]
+async fn a_report_falls_due_when_a_window_of_confirmations_piled_up() {
+    let mut p = Progress::new(Lsn(10), 100);
+    p.report_every(2);
+    let due = p.report_due();
+    p.begin(Lsn(100));
+    for i in 0..5 {
+        p.event(&pos(100, i));
+    }
+    p.commit(Lsn(110));
+    let woken = |due: &Notify| {
+        let mut waiting = std::pin::pin!(due.notified());
+        let waker = std::task::Waker::noop();
+        waiting
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(waker))
+            .is_ready()
+    };
+    p.confirm(&pos(100, 0));
+    assert!(!woken(&due), "one confirmation is no window");
+    p.confirm(&pos(100, 1));
+    assert!(woken(&due), "two are");
+    p.reported(Lsn(0), 2);
+    p.confirm(&pos(100, 2));
+    assert!(!woken(&due), "counted again from the report");
+    // A report of that one is being sent while two more come (their
+    // wake-up goes to the report under way): once sent, it covers only
+    // what it counted, and the two are a window, due at once.
+    p.confirm(&pos(100, 3));
+    assert!(woken(&due));
+    p.confirm(&pos(100, 4));
+    p.reported(Lsn(0), 1);
+    assert_eq!(p.unreported(), 2);
+    assert!(woken(&due), "what came meanwhile is a window");
+}
+
+#[test]
+fn a_transaction_is_not_flushed_before_its_commit_arrives() {
+    let mut p = Progress::new(Lsn(0), 100);
+    p.begin(Lsn(100));
+    p.event(&pos(100, 0));
+    p.confirm(&pos(100, 0));
+    assert_eq!(p.flushed(), Lsn(0), "a large transaction still streaming");
+    p.server_end(Lsn(5000));
+    assert_eq!(
+        p.flushed(),
+        Lsn(0),
+        "keepalives do not move past unfinished work"
+    );
+    p.commit(Lsn(120));
+    assert_eq!(
+        p.flushed(),
+        Lsn(5000),
+        "complete, and then idle: the keepalive's end counts"
+    );
+}
+
+#[test]
+fn empty_transactions_and_idle_keepalives_advance() {
+    let mut p = Progress::new(Lsn(0), 100);
+    p.begin(Lsn(50));
+    p.commit(Lsn(60));
+    assert_eq!(p.flushed(), Lsn(60));
+    p.server_end(Lsn(900));
+    assert_eq!(p.flushed(), Lsn(900));
+    p.server_end(Lsn(800));
+    assert_eq!(p.flushed(), Lsn(900), "never backwards");
+}
+
+#[test]
+fn after_a_restart_confirmed_events_are_skipped() {
+    let mut p = Progress::new(Lsn(0), 100);
+    p.begin(Lsn(100));
+    p.event(&pos(100, 0));
+    p.event(&pos(100, 1));
+    p.commit(Lsn(110));
+    p.begin(Lsn(200));
+    p.event(&pos(200, 0));
+    p.commit(Lsn(210));
+    p.confirm(&pos(100, 1)); // 100/0 is held back (refused)
+    p.confirm(&pos(200, 0));
+    p.restart(Lsn(0), None);
+    assert_eq!(p.flushed(), Lsn(0));
+    // The stream replays both transactions.
+    p.begin(Lsn(100));
+    assert!(p.event(&pos(100, 0)), "the refused event is sent again");
+    assert!(!p.event(&pos(100, 1)), "the confirmed one is skipped");
+    p.commit(Lsn(110));
+    p.begin(Lsn(200));
+    assert!(!p.event(&pos(200, 0)));
+    p.commit(Lsn(210));
+    assert_eq!(p.flushed(), Lsn(0));
+    p.confirm(&pos(100, 0));
+    assert_eq!(p.flushed(), Lsn(210));
+    assert!(
+        p.confirmed_ahead.is_empty(),
+        "flushed transactions forget their confirmations"
+    );
+}
+
+/// A restart keeps what the relay flushed beyond the slot, told or not
+/// (the same server's slot lags what it did not save yet), but on a new
+/// timeline (a promoted standby) with the slot behind what it was told
+/// the stream starts from the slot and skips nothing it holds.
+#[test]
+fn after_a_failover_behind_what_was_told_the_stream_starts_from_the_slot() {
+    let flushed_to = |p: &mut Progress, lsn: u64| {
+        p.begin(Lsn(lsn));
+        p.event(&pos(lsn, 0));
+        p.commit(Lsn(lsn + 10));
+        p.confirm(&pos(lsn, 0));
+    };
+    let mut p = Progress::new(Lsn(0), 100);
+    p.restart(Lsn(0), Some(1));
+    flushed_to(&mut p, 100);
+    flushed_to(&mut p, 200);
+    p.reported(p.flushed(), 2);
+    // Confirmed ahead of a held-back event of a later transaction.
+    p.begin(Lsn(300));
+    p.event(&pos(300, 0));
+    p.event(&pos(300, 1));
+    p.commit(Lsn(310));
+    p.confirm(&pos(300, 1));
+    // The same server forgot the last report (restarted before saving it).
+    p.restart(Lsn(110), Some(1));
+    assert_eq!(p.flushed(), Lsn(210), "the same WAL: kept");
+    p.begin(Lsn(300));
+    assert!(!p.event(&pos(300, 1)), "confirmed: skipped");
+    // A promoted standby, its slot behind what was told.
+    p.restart(Lsn(110), Some(2));
+    assert_eq!(p.flushed(), Lsn(110), "from the slot");
+    p.begin(Lsn(200));
+    assert!(p.event(&pos(200, 0)), "streamed again, not skipped");
+    p.commit(Lsn(210));
+    p.begin(Lsn(300));
+    assert!(p.event(&pos(300, 1)), "nothing past the slot is skipped");
+    // An unknown timeline (a standby server) changes nothing.
+    p.restart(Lsn(50), None);
+    assert_eq!(p.flushed(), Lsn(110));
+}
+
+#[test]
+fn empty_transactions_behind_unfinished_work_fold_into_it() {
+    let mut p = Progress::new(Lsn(0), 100);
+    p.begin(Lsn(100));
+    p.event(&pos(100, 0));
+    p.commit(Lsn(110));
+    for i in 0..10_000u64 {
+        p.begin(Lsn(200 + i * 10));
+        p.commit(Lsn(205 + i * 10));
+    }
+    assert_eq!(p.outstanding(), 1, "unrelated transactions do not pile up");
+    assert_eq!(p.flushed(), Lsn(0));
+    p.confirm(&pos(100, 0));
+    assert_eq!(
+        p.flushed(),
+        Lsn(205 + 9_999 * 10),
+        "flushed past all of them"
+    );
+    assert!(p.idle());
+}
+
+#[test]
+fn many_transactions_confirmed_out_of_order_all_flush() {
+    let mut p = Progress::new(Lsn(0), 1_000_000);
+    let n = 50_000u64;
+    for i in 0..n {
+        p.begin(Lsn(100 + i * 10));
+        p.event(&pos(100 + i * 10, 0));
+        p.commit(Lsn(105 + i * 10));
+    }
+    // Confirm the second half first (remembered for skipping), then the first.
+    for i in (n / 2..n).chain(0..n / 2) {
+        p.confirm(&pos(100 + i * 10, 0));
+    }
+    assert!(p.idle());
+    assert_eq!(p.flushed(), Lsn(105 + (n - 1) * 10));
+    assert!(p.confirmed_ahead.is_empty());
+}
+
+#[test]
+fn one_held_back_event_keeps_the_tracker_bounded() {
+    let mut p = Progress::new(Lsn(0), 1_000_000);
+    p.begin(Lsn(100));
+    p.event(&pos(100, 0)); // held back: never confirmed
+    p.commit(Lsn(105));
+    for i in 1..10_000u64 {
+        let lsn = 100 + i * 10;
+        p.begin(Lsn(lsn));
+        p.event(&pos(lsn, 0));
+        p.commit(Lsn(lsn + 5));
+        p.confirm(&pos(lsn, 0));
+    }
+    assert_eq!(
+        p.outstanding(),
+        2,
+        "the held transaction and one merged run behind it"
+    );
+    assert_eq!(p.flushed(), Lsn(0), "without marking, the WAL waits for it");
+    p.release(&pos(100, 0));
+    assert_eq!(p.flushed(), Lsn(100 + 9_999 * 10 + 5));
+    assert!(p.idle());
+}
+
+#[test]
+fn a_released_event_is_not_skipped_when_replayed() {
+    let mut p = Progress::new(Lsn(0), 100);
+    p.begin(Lsn(100));
+    p.event(&pos(100, 0));
+    p.commit(Lsn(110));
+    p.release(&pos(100, 0));
+    assert_eq!(p.flushed(), Lsn(110));
+    p.restart(Lsn(0), None);
+    p.begin(Lsn(100));
+    assert!(p.event(&pos(100, 0)), "read again, not skipped");
+}
+
+#[test]
+fn the_skip_memory_is_capped() {
+    let mut p = Progress::new(Lsn(0), 2);
+    p.begin(Lsn(100));
+    for i in 0..5 {
+        p.event(&pos(100, i));
+    }
+    for i in 1..5 {
+        p.confirm(&pos(100, i));
+    }
+    assert_eq!(p.confirmed_ahead.len(), 2);
+    assert_eq!(p.outstanding(), 1);
+}
