@@ -33,8 +33,6 @@ pub const PROTECTED_KAFKA_PROPERTIES: &[&str] = &[
     "queue.buffering.max.ms",
     "client.id",
     "enable.auto.commit",
-    // One aggregate, one partition: its key picks it.
-    "partitioner",
     "queue.buffering.max.messages",
 ];
 
@@ -201,7 +199,13 @@ impl KafkaConfig {
             c.problem("sink.client_id", "must not be empty");
         }
         for key in self.properties.keys() {
-            if PROTECTED_KAFKA_PROPERTIES.contains(&key.as_str()) {
+            if key == "partitioner" && self.properties[key].expose().trim() == "random" {
+                // Every other partitioner sends one key to one partition.
+                c.problem(
+                    "sink.properties.partitioner",
+                    "\"random\" spreads one aggregate's events over partitions, so their order would not hold; use a key-based partitioner (the default, or murmur2_random to match Java clients)",
+                );
+            } else if PROTECTED_KAFKA_PROPERTIES.contains(&key.as_str()) {
                 c.problem(
                     &format!("sink.properties.{key}"),
                     "is set by the relay because its delivery guarantee depends on it; remove it (see the sink keys for the ones you can tune)",

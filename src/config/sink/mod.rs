@@ -101,7 +101,8 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<usize, D::Erro
 }
 
 /// A `true` or `false` of `[sink]`, in the file or as text in an
-/// environment variable (see [`whole_number`]).
+/// environment variable (`true`, `on`, `yes`, `1` and their opposites, in
+/// any case, as for every other flag; see [`whole_number`]).
 fn flag<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
     struct Flag;
     impl serde::de::Visitor<'_> for Flag {
@@ -112,10 +113,11 @@ fn flag<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
         fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<bool, E> {
             Ok(v)
         }
+        /// The words every other flag accepts from the environment.
         fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<bool, E> {
-            match v.trim() {
-                "true" => Ok(true),
-                "false" => Ok(false),
+            match v.trim().to_lowercase().as_str() {
+                "true" | "on" | "yes" | "1" => Ok(true),
+                "false" | "off" | "no" | "0" => Ok(false),
                 _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
             }
         }

@@ -394,7 +394,7 @@ fn sink_numbers_and_flags_are_read_from_environment_text() {
     let c = super::load::load_str_with_env(
         &rabbit,
         &[
-            ("OUTBOX_RELAY__SINK__DECLARE_EXCHANGE", "true"),
+            ("OUTBOX_RELAY__SINK__DECLARE_EXCHANGE", "TRUE"),
             ("OUTBOX_RELAY__SINK__MESSAGE_MAX_BYTES", "4096"),
             ("OUTBOX_RELAY__SINK__EXCHANGE", "0x10"),
         ],

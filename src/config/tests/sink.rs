@@ -141,7 +141,6 @@ fn properties_the_guarantees_rest_on_are_refused() {
         "enable.gapless.guarantee",
         "message.timeout.ms",
         "delivery.timeout.ms",
-        "partitioner",
         "queue.buffering.max.messages",
     ] {
         let e = err(&format!(
@@ -152,4 +151,16 @@ fn properties_the_guarantees_rest_on_are_refused() {
             "{property}: {e}"
         );
     }
+    // One key, one partition: only the random partitioner breaks that.
+    let e = err(&format!(
+        "{MINIMAL}\n[sink.properties]\npartitioner = \"random\"\n"
+    ));
+    assert!(
+        e.contains("sink.properties.partitioner: \"random\" spreads"),
+        "{e}"
+    );
+    load_str(&format!(
+        "{MINIMAL}\n[sink.properties]\npartitioner = \"murmur2_random\"\n"
+    ))
+    .expect("a key-based partitioner is accepted");
 }
