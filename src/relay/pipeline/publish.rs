@@ -297,6 +297,8 @@ where
                 if span.is_on() {
                     self.pending_spans.push(span);
                 }
+                // A confirmation, redriven letter or not: not stalled.
+                self.telemetry.health.progress();
                 if let Origin::Letter(_) = position {
                     self.pending_acks.push(position);
                     return Ok(());
@@ -305,7 +307,6 @@ where
                     // Only a sink that broke its ordering contract answers so.
                     tracing::error!(event_id = %event.id, aggregate_id = aggregate, "the broker confirmed an event after refusing an earlier one of its aggregate; their order is not kept");
                 }
-                self.telemetry.health.progress();
                 let latency = (Utc::now() - event.created_at)
                     .num_microseconds()
                     .unwrap_or(0)
