@@ -44,70 +44,99 @@ pub async fn sample(
     telemetry: crate::telemetry::PipelineTelemetry,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
-    let m = &telemetry.metrics;
     let interval = config.http.sample_interval;
-    let mut client: Option<tokio_postgres::Client> = None;
-    let (mut count_at, mut age_at) = (Instant::now(), Instant::now());
-    let mut oldest = OldestAge::default();
+    let mut state = Sampler {
+        client: None,
+        count_at: Instant::now(),
+        age_at: Instant::now(),
+        oldest: OldestAge::default(),
+    };
     loop {
-        m.active.set(if telemetry.health.is_active() {
-            1.0
-        } else {
-            0.0
-        });
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = crate::db::connect(&config.database, None).await.ok();
-        }
-        if let Some(c) = &client {
-            // Each read of the unsent rows paced by what it took; failed
-            // or not, a slow one waits its pause, and a failure keeps the
-            // gauge's last value.
-            if Instant::now() >= count_at {
-                let started = Instant::now();
-                let counted = backlog(c, &config).await;
-                count_at = started + pause_after(interval, started.elapsed());
-                match counted {
-                    // Zero with mark = "none": the slot's gauges measure the lag.
-                    Ok(backlog) => m.backlog.set(backlog.unwrap_or(0) as f64),
-                    Err(e) => tracing::debug!(error = %e, "counting the backlog failed"),
-                }
-            }
-            if Instant::now() >= age_at {
-                let started = Instant::now();
-                let read = oldest.read(c, &config).await;
-                age_at = started + pause_after(interval, started.elapsed());
-                match read {
-                    Ok(age) => m.oldest_unsent_age.set(age),
-                    Err(e) => tracing::debug!(error = %e, "reading the oldest unsent age failed"),
-                }
-            }
-            let reads = Reads {
-                backlog: false,
-                oldest_age: false,
-                last_publish: false,
-            };
-            match snapshot(c, &config, reads).await {
-                Ok(s) => {
-                    if let Some(n) = s.dead_letters {
-                        m.dead_letters.set(n as f64);
-                    }
-                    if let Some(f) = &s.frontier {
-                        m.frontier_age.set(f.age_seconds.unwrap_or(0.0));
-                        m.held_rows.set(f.held_rows as f64);
-                    }
-                    if let Some(slot) = s.slot {
-                        m.slot_retained_wal
-                            .set(slot.retained_wal_bytes.unwrap_or(0) as f64);
-                        m.slot_confirmed_lag
-                            .set(slot.confirmed_lag_bytes.unwrap_or(0) as f64);
-                    }
-                }
-                Err(e) => tracing::debug!(error = %e, "metrics sample failed"),
-            }
+        telemetry
+            .metrics
+            .active
+            .set(if telemetry.health.is_active() {
+                1.0
+            } else {
+                0.0
+            });
+        // A read may take long (a count of a large backlog): a stop does
+        // not wait for it.
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return,
+            _ = state.once(&config, &telemetry) => {}
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
+        }
+    }
+}
+
+/// What the sampler keeps between rounds.
+struct Sampler {
+    client: Option<tokio_postgres::Client>,
+    count_at: Instant,
+    age_at: Instant,
+    oldest: OldestAge,
+}
+
+impl Sampler {
+    /// One round of reads, each gauge when it is due.
+    async fn once(&mut self, config: &Config, telemetry: &crate::telemetry::PipelineTelemetry) {
+        let m = &telemetry.metrics;
+        let interval = config.http.sample_interval;
+        if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+            self.client = crate::db::connect(&config.database, None).await.ok();
+        }
+        let Some(c) = &self.client else {
+            return;
+        };
+        // Each read of the unsent rows paced by what it took; failed
+        // or not, a slow one waits its pause, and a failure keeps the
+        // gauge's last value.
+        if Instant::now() >= self.count_at {
+            let started = Instant::now();
+            let counted = backlog(c, config).await;
+            self.count_at = started + pause_after(interval, started.elapsed());
+            match counted {
+                // Zero with mark = "none": the slot's gauges measure the lag.
+                Ok(backlog) => m.backlog.set(backlog.unwrap_or(0) as f64),
+                Err(e) => tracing::debug!(error = %e, "counting the backlog failed"),
+            }
+        }
+        if Instant::now() >= self.age_at {
+            let started = Instant::now();
+            let read = self.oldest.read(c, config).await;
+            self.age_at = started + pause_after(interval, started.elapsed());
+            match read {
+                Ok(age) => m.oldest_unsent_age.set(age),
+                Err(e) => tracing::debug!(error = %e, "reading the oldest unsent age failed"),
+            }
+        }
+        let reads = Reads {
+            backlog: false,
+            oldest_age: false,
+            last_publish: false,
+        };
+        match snapshot(c, config, reads).await {
+            Ok(s) => {
+                if let Some(n) = s.dead_letters {
+                    m.dead_letters.set(n as f64);
+                }
+                if let Some(f) = &s.frontier {
+                    m.frontier_age.set(f.age_seconds.unwrap_or(0.0));
+                    m.held_rows.set(f.held_rows as f64);
+                }
+                if let Some(slot) = s.slot {
+                    m.slot_retained_wal
+                        .set(slot.retained_wal_bytes.unwrap_or(0) as f64);
+                    m.slot_confirmed_lag
+                        .set(slot.confirmed_lag_bytes.unwrap_or(0) as f64);
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "metrics sample failed"),
         }
     }
 }
@@ -207,5 +236,40 @@ mod tests {
         assert_eq!(pause_after(interval, Duration::MAX), MAX_PAUSE);
         let long = Duration::from_secs(300);
         assert_eq!(pause_after(long, Duration::from_secs(10)), long);
+    }
+}
+
+#[cfg(test)]
+mod stop_tests {
+    use super::*;
+
+    /// A round that hangs (here: connecting to a server that accepts and
+    /// never answers, within a 30 s connect timeout) does not hold up a
+    /// stop: the sampler ends at once.
+    #[tokio::test]
+    async fn a_stop_does_not_wait_for_a_round_of_reads() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = silent.local_addr().unwrap().port();
+        let held = tokio::spawn(async move {
+            let mut accepted = Vec::new();
+            while let Ok((socket, _)) = silent.accept().await {
+                accepted.push(socket);
+            }
+        });
+        let config = crate::config::load_str(&format!(
+            "[database]\nurl = \"postgres://relay@127.0.0.1:{port}/app\"\nconnect_timeout = \"30s\"\n[sink]\ntype = \"kafka\"\nbrokers = \"k:9092\"\n"
+        ))
+        .unwrap();
+        let telemetry = crate::telemetry::PipelineTelemetry::new(&config);
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let sampler = tokio::spawn(sample(config, telemetry, shutdown.clone()));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!sampler.is_finished(), "the round hangs on the silent server");
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(5), sampler)
+            .await
+            .expect("the sampler stops without waiting for the round")
+            .unwrap();
+        held.abort();
     }
 }
