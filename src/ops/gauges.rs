@@ -264,7 +264,10 @@ mod stop_tests {
         let shutdown = tokio_util::sync::CancellationToken::new();
         let sampler = tokio::spawn(sample(config, telemetry, shutdown.clone()));
         tokio::time::sleep(Duration::from_millis(200)).await;
-        assert!(!sampler.is_finished(), "the round hangs on the silent server");
+        assert!(
+            !sampler.is_finished(),
+            "the round hangs on the silent server"
+        );
         shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(5), sampler)
             .await

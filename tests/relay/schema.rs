@@ -126,6 +126,53 @@ async fn migrate_makes_relay_seq_unique_and_check_insists_on_it() {
     assert_eq!(code, 0, "{out}");
 }
 
+/// A concurrent build of the unsent-rows index that failed (a statement
+/// timeout on a large table, a cancel) leaves an invalid index of that
+/// name, which serves no read: `migrate` drops and builds it again rather
+/// than call it done.
+#[tokio::test]
+async fn migrate_rebuilds_an_unsent_index_a_failed_build_left_invalid() {
+    let db = TestDb::new().await;
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    db.insert(Uuid::new_v4(), "order", "1", json!({})).await;
+    let valid = || async {
+        db.client
+            .query_one(
+                "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                 WHERE c.relname = 'outbox_relay_unsent_outbox'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    };
+    assert!(valid().await);
+    // A build that fails on the row it reaches (division by zero).
+    db.client
+        .batch_execute("DROP INDEX outbox_relay_unsent_outbox")
+        .await
+        .unwrap();
+    let failed = db
+        .client
+        .batch_execute(
+            "CREATE INDEX CONCURRENTLY outbox_relay_unsent_outbox ON outbox ((1 / (relay_seq - relay_seq)))",
+        )
+        .await;
+    assert!(failed.is_err(), "the build fails");
+    assert!(!valid().await, "and leaves the index invalid");
+    let (code, out, err) = run_cli(&["migrate", "--config", &path, "--dry-run"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("drop index outbox_relay_unsent_outbox (an earlier build of it failed)"),
+        "{out}"
+    );
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(valid().await, "built again, valid");
+}
+
 #[tokio::test]
 async fn a_publication_that_blocks_marking_is_named_by_check_and_run() {
     let db = TestDb::new().await;

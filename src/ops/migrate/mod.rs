@@ -219,7 +219,7 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         purpose: "unsent rows in order",
         unique: false,
     };
-    steps.extend(unsent.step(client).await?);
+    unsent.steps(client, &mut steps).await?;
     // Marking, redrives and the start-up reads name rows by relay_seq: it
     // must name one row (explicit values, copied rows or a reset sequence
     // would make twins).
@@ -234,7 +234,7 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         purpose: "sent rows by age, for retention",
         ..unsent
     };
-    steps.extend(sent.step(client).await?);
+    sent.steps(client, &mut steps).await?;
     let ranges = wants_ranges(client, opts, info.is_none()).await?;
     if ranges {
         steps.extend(ranges_steps(client, opts, existing).await?);
@@ -331,7 +331,7 @@ async fn ranges_steps(
         purpose: "unsent rows by transaction, for the fold and the reads",
         unique: false,
     };
-    steps.extend(xid.step(client).await?);
+    xid.steps(client, &mut steps).await?;
     Ok(steps)
 }
 
