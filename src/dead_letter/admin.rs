@@ -174,10 +174,27 @@ async fn targeted(
             &[&id, &aggregate, &all],
         )
         .await?;
-    Ok(rows
+    let letters: Vec<(i64, String, Option<String>, Option<i64>)> = rows
         .iter()
         .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect())
+        .collect();
+    // An id names one event; where the outbox's ids repeat (no unique
+    // index), it may name letters of several aggregates, and acting on
+    // them all would reach aggregates nobody looked at.
+    if let Some(id) = id {
+        let aggregates: std::collections::BTreeSet<&str> = letters
+            .iter()
+            .map(|l| l.2.as_deref().unwrap_or(""))
+            .collect();
+        if aggregates.len() > 1 {
+            return Err(AdminError::Refused(format!(
+                "{} open dead letters of {} aggregates have id {id:?} (the outbox's ids repeat); name the aggregate with --aggregate instead",
+                letters.len(),
+                aggregates.len()
+            )));
+        }
+    }
+    Ok(letters)
 }
 
 /// Marks the targeted dead letters as dropped; returns how many.

@@ -140,3 +140,46 @@ async fn commands_on_one_outbox_choose_their_pipeline() {
         "{err}"
     );
 }
+
+/// An id names one event, but where the outbox's ids repeat it may name
+/// letters of several aggregates: `--id` is then refused (for drop and
+/// redrive alike) and nothing changes, rather than act on aggregates
+/// nobody looked at. Letters of one aggregate with that id still go.
+#[tokio::test]
+async fn an_id_that_names_letters_of_several_aggregates_is_refused() {
+    let db = TestDb::new().await;
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    for (id, aggregate) in [("twin", "a"), ("twin", "b"), ("solo", "c"), ("solo", "c")] {
+        db.client
+            .execute(
+                "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, reason,
+                                                  attempts, first_failed_at, last_failed_at)
+                 VALUES ($1, 'order', $2, 'OrderCreated', 'message too large', 5, now(), now())",
+                &[&id, &aggregate],
+            )
+            .await
+            .expect("a letter");
+    }
+    for command in ["drop", "redrive"] {
+        let (code, out, err) = run_cli(&["dlq", command, "--id", "twin", "--config", &path], &[]);
+        assert_ne!(code, 0, "{command}: {out}");
+        assert!(
+            err.contains("2 open dead letters of 2 aggregates have id \"twin\"")
+                && err.contains("--aggregate"),
+            "{command}: {err}"
+        );
+    }
+    let open = listed(&[], &path);
+    assert_eq!(open.len(), 4, "nothing dropped");
+    assert!(
+        open.iter().all(|l| l["redrive_requested_at"].is_null()),
+        "nothing requested"
+    );
+    dlq(&["drop", "--id", "solo"], &path);
+    assert_eq!(
+        letters(&listed(&[], &path)),
+        [("twin".into(), "a".into()), ("twin".into(), "b".into())]
+    );
+}
