@@ -93,6 +93,8 @@ fn the_kubernetes_manifests_keep_the_relay_invariants() {
     assert!(selects(&spec["selector"]["matchLabels"], pod_labels));
     assert!(selects(&pdb["spec"]["selector"]["matchLabels"], pod_labels));
     assert_eq!(pdb["spec"]["minAvailable"], 1);
+    // No relay is ready during a database outage: a drain must not wait on it.
+    assert_eq!(pdb["spec"]["unhealthyPodEvictionPolicy"], "AlwaysAllow");
     assert!(selects(&service["spec"]["selector"], pod_labels));
 
     let containers = pod["containers"].as_array().expect("containers");
