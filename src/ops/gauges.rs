@@ -52,14 +52,7 @@ pub async fn sample(
         oldest: OldestAge::default(),
     };
     loop {
-        telemetry
-            .metrics
-            .active
-            .set(if telemetry.health.is_active() {
-                1.0
-            } else {
-                0.0
-            });
+        telemetry.show_active();
         // A read may take long (a count of a large backlog): a stop does
         // not wait for it.
         tokio::select! {

@@ -240,14 +240,7 @@ async fn run_once<B: Backend>(
     let result = backend.relay(owner, run).await;
     drop(watcher);
     telemetry.health.released();
-    telemetry
-        .metrics
-        .active
-        .set(if telemetry.health.is_active() {
-            1.0
-        } else {
-            0.0
-        });
+    telemetry.show_active();
     if released.load(Ordering::SeqCst) {
         return result.map(|_| Stop::Released);
     }

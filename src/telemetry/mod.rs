@@ -66,6 +66,13 @@ impl PipelineTelemetry {
         }
     }
 
+    /// Sets the `active` gauge from the health: 1 while this instance owns
+    /// the outbox.
+    pub fn show_active(&self) {
+        let active = self.health.is_active();
+        self.metrics.active.set(if active { 1.0 } else { 0.0 });
+    }
+
     /// As [`Self::new`], with event spans from `tracer` (when it exports).
     pub fn traced(config: &Config, tracer: &trace::EventTracer) -> Self {
         PipelineTelemetry {

@@ -36,23 +36,30 @@ fn letters(listed: &[Value]) -> Vec<(String, String)> {
         .collect()
 }
 
-#[tokio::test]
-async fn an_operator_lists_redrives_and_drops_dead_letters() {
+/// A migrated outbox with these `(id, aggregate)` letters written straight
+/// into its dead-letter table; returns the database and the config's path.
+async fn with_letters(written: &[(&str, &str)]) -> (TestDb, String) {
     let db = TestDb::new().await;
     let path = config_file(&base_toml(&db.url, &rabbit_sink()));
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
-    for (id, aggregate) in [("e1", "a"), ("e2", "a"), ("e3", "b"), ("e4", "c")] {
+    for (id, aggregate) in written {
         db.client
             .execute(
                 "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, reason,
                                                   attempts, first_failed_at, last_failed_at)
                  VALUES ($1, 'order', $2, 'OrderCreated', 'message too large', 5, now(), now())",
-                &[&id, &aggregate],
+                &[id, aggregate],
             )
             .await
             .expect("a letter");
     }
+    (db, path)
+}
+
+#[tokio::test]
+async fn an_operator_lists_redrives_and_drops_dead_letters() {
+    let (_db, path) = with_letters(&[("e1", "a"), ("e2", "a"), ("e3", "b"), ("e4", "c")]).await;
     assert_eq!(letters(&listed(&[], &path)).len(), 4);
     assert_eq!(
         letters(&listed(&["--aggregate", "a"], &path)),
@@ -147,21 +154,8 @@ async fn commands_on_one_outbox_choose_their_pipeline() {
 /// nobody looked at. Letters of one aggregate with that id still go.
 #[tokio::test]
 async fn an_id_that_names_letters_of_several_aggregates_is_refused() {
-    let db = TestDb::new().await;
-    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
-    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
-    assert_eq!(code, 0, "{out}{err}");
-    for (id, aggregate) in [("twin", "a"), ("twin", "b"), ("solo", "c"), ("solo", "c")] {
-        db.client
-            .execute(
-                "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, reason,
-                                                  attempts, first_failed_at, last_failed_at)
-                 VALUES ($1, 'order', $2, 'OrderCreated', 'message too large', 5, now(), now())",
-                &[&id, &aggregate],
-            )
-            .await
-            .expect("a letter");
-    }
+    let (_db, path) =
+        with_letters(&[("twin", "a"), ("twin", "b"), ("solo", "c"), ("solo", "c")]).await;
     for command in ["drop", "redrive"] {
         let (code, out, err) = run_cli(&["dlq", command, "--id", "twin", "--config", &path], &[]);
         assert_ne!(code, 0, "{command}: {out}");
