@@ -139,7 +139,8 @@ pub trait Reader: Send + 'static {
     /// Waits until events are available and returns up to `max` of them, in
     /// order, each while the payloads before it take less than `max_bytes`
     /// (so at least one event, however large, and the last may pass the
-    /// room).
+    /// room). A batch with no events says that a transaction the last batch
+    /// ended inside of is whole (see [`Reader::inside_transaction`]).
     ///
     /// Cancel-safe: state changes only once a read completes, so a dropped call
     /// loses nothing.
@@ -152,6 +153,14 @@ pub trait Reader: Send + 'static {
     /// Forgets what was read; the next batch starts again from what is not yet
     /// acknowledged, in order.
     fn rewind(&mut self);
+
+    /// Whether the last batch ended inside a transaction whose other events
+    /// come in the next batches. Where the WAL is the only record, a
+    /// transaction is done only once all its events are: a stop reads on to
+    /// its end, so that what it sent can be reported done.
+    fn inside_transaction(&self) -> bool {
+        false
+    }
 
     /// Runs while the relay is not asking for events (backpressure); it never
     /// completes unless it fails. The CDC reader sends status updates here so

@@ -205,6 +205,67 @@ async fn a_stop_sends_what_was_read() {
     );
 }
 
+/// A stop reads on to the end of a transaction it began sending. Without
+/// marking the WAL is the only record, and the slot passes a transaction
+/// only once all its events are confirmed: a stop that sent part of one
+/// (a batch ends inside it) had the next owner send that part again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_sends_the_rest_of_a_transaction_it_began() {
+    let (db, broker, toml) = setup(
+        Mode::Cdc,
+        Kind::Rabbit,
+        &[],
+        &[
+            ("relay.mark", "\"none\""),
+            ("relay.max_in_flight", "4"),
+            ("source.batch_size", "10"),
+            ("relay.shutdown_timeout", "\"20s\""),
+        ],
+    )
+    .await;
+    let relay = InProcess::start(parse(&toml));
+    wait_streaming(&db.client, &slot_of(&toml)).await;
+    let n = 100;
+    // One transaction; RabbitMQ carries one message of an aggregate at a
+    // time, so the stop comes while most of it is still to be read.
+    db.client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'order', 'a', 'Happened', jsonb_build_object('i', g)
+             FROM generate_series(1, $1) g",
+            &[&(n as i32)],
+        )
+        .await
+        .expect("one transaction");
+    broker.inbox().wait_len(1, WAIT).await;
+    let before = broker.inbox().len();
+    let stopping = std::time::Instant::now();
+    relay.stop().await;
+    assert!(
+        before < n,
+        "the transaction went before the stop: nothing tested"
+    );
+    // Its commit ends a batch of its own: the stop does not wait out its
+    // 10 s of sending for the rest of a transaction already whole.
+    let took = stopping.elapsed();
+    assert!(took < Duration::from_secs(8), "the stop took {took:?}");
+    let sent = broker.inbox().wait_len(n, WAIT).await;
+    let unique: HashSet<String> = sent.iter().map(Received::event_id).collect();
+    assert_eq!(unique.len(), n, "each event of the transaction once");
+    // The next owner starts past the transaction: a later event is all it sends.
+    let relay = InProcess::start(parse(&toml));
+    let later = Uuid::new_v4();
+    db.insert(later, "order", "a", json!({"i": "later"})).await;
+    broker.inbox().wait_ids(&[later.to_string()], WAIT).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        broker.inbox().len(),
+        n + 1,
+        "nothing of the transaction repeated"
+    );
+    relay.stop().await;
+}
+
 every_mode!(standby_takes_over_when_the_active_instance_dies);
 async fn standby_takes_over_when_the_active_instance_dies(mode: Mode, kind: Kind) {
     let (db, broker, toml) = setup(mode, kind, &["order"], &[]).await;

@@ -51,7 +51,8 @@ pub(super) enum Intake {
     /// reader starts again from the recorded point (a block expired, or dead
     /// letters were resolved: the aggregate's events must come back in order).
     Rewinding,
-    /// Shutting down: nothing more is read; what was read is sent until
+    /// Shutting down: nothing more is read (but the rest of a transaction
+    /// begun, see [`Reader::inside_transaction`]); what was read is sent until
     /// `send_until` (`None` once passed, or once a rewind let go of it),
     /// and confirmations are awaited until `deadline`, then the run ends.
     Draining {
@@ -120,6 +121,9 @@ pub(super) struct Pipeline<'a, P, K> {
     unrecorded: Arc<Unrecorded>,
     warned_full: bool,
     epoch: u64,
+    /// The last batch taken ended inside a transaction: a stop reads on
+    /// to its end, so that the events it sent from it can be recorded.
+    inside_transaction: bool,
     refresh: Refresh,
     next_probe: Instant,
     batch_rx: mpsc::Receiver<Batch<P>>,
@@ -201,6 +205,7 @@ where
             budget,
             warned_full: false,
             epoch: 0,
+            inside_transaction: false,
             refresh: Refresh {
                 every,
                 next: every.map(|d| Instant::now() + d),
@@ -267,7 +272,8 @@ where
             self.report_in_flight();
             let open = self.intake == Intake::Open;
             let room = self.has_room();
-            let intake = open && !fenced && self.waiting.is_empty() && room;
+            let reading = open || (self.inside_transaction && self.intake.send_until().is_some());
+            let intake = reading && !fenced && self.waiting.is_empty() && room;
             let expiry = self.blocks.next_expiry().filter(|_| open);
             let deadline = self.intake.deadline();
             // Everything confirmed goes to the acker first: the view it returns
@@ -337,7 +343,7 @@ where
     async fn at_rest(&mut self, fenced: bool) -> Result<bool, PipelineError> {
         match self.intake {
             Intake::Draining { send_until, .. } => Ok(!self.has_work()
-                && (self.waiting.is_empty()
+                && ((self.waiting.is_empty() && !self.inside_transaction)
                     || send_until.is_none()
                     || fenced
                     || self.blocks.len() >= MAX_BLOCKED_AGGREGATES)),
@@ -380,6 +386,7 @@ where
         self.letter_aggregates.clear();
         flush(&self.ack_tx).await?;
         self.epoch += 1;
+        self.inside_transaction = false;
         if self.rewind_tx.send(self.epoch).await.is_err() {
             return Err(PipelineError::TaskLost("reader"));
         }
@@ -395,9 +402,11 @@ where
             Intake::Draining { send_until, .. } => *send_until = None,
         }
         // Parked and waiting events are unsent and unrecorded: they are
-        // read again later, in order.
+        // read again later, in order (and so is the rest of a transaction
+        // begun: a stop does not read on past them).
         self.scheduler.clear_parked();
         self.waiting.clear();
+        self.inside_transaction = false;
     }
 
     /// The acker's next command (it carries them out in order). Dead letters
@@ -492,6 +501,7 @@ where
                     .metrics
                     .batch_size
                     .record(b.events.len() as f64);
+                self.inside_transaction = b.inside_transaction;
                 self.waiting
                     .extend(b.events.into_iter().map(|e| SourcedEvent {
                         position: Origin::Source(e.position),

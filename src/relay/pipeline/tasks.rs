@@ -80,6 +80,8 @@ impl Resolved {
 pub struct Batch<P> {
     pub epoch: u64,
     pub events: Vec<SourcedEvent<P>>,
+    /// It ends inside a transaction (see [`Reader::inside_transaction`]).
+    pub inside_transaction: bool,
 }
 
 /// What a refresh of the dead-letter table found: the aggregates with open
@@ -174,6 +176,7 @@ pub async fn drive_reader<R: Reader>(
             },
             events = read_batch(&mut reader, batch_size, budget.room().max(1)) => events?,
         };
+        let inside_transaction = reader.inside_transaction();
         let events = events
             .into_iter()
             .map(|mut e| {
@@ -187,7 +190,7 @@ pub async fn drive_reader<R: Reader>(
                 Some(e) => { reader.rewind(); epoch = e; }
                 None => { reader.close().await; return Ok(()); }
             },
-            sent = tx.send(Batch { epoch, events }) => if sent.is_err() { return Ok(()) },
+            sent = tx.send(Batch { epoch, events, inside_transaction }) => if sent.is_err() { return Ok(()) },
             // Waiting for room (backpressure): let the reader keep its connection alive.
             failed = reader.maintain() => failed?,
         }

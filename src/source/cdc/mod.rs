@@ -172,6 +172,9 @@ pub struct CdcReader<B: CdcServer = PgServer> {
     /// When `pending`, gathered from the stream, is handed over even if
     /// no more transactions joined it (`source.cdc.batch_wait`).
     hand_over_at: Option<Instant>,
+    /// The last batch ended inside a transaction: its commit ends a batch,
+    /// even one with no events, so that the relay learns it is whole.
+    split: bool,
     timing: Timing,
     next_heartbeat: Option<Instant>,
 }
@@ -219,6 +222,7 @@ impl<B: CdcServer> CdcReader<B> {
             settings,
             progress,
             phase: Phase::Start,
+            split: false,
             pending: Vec::new(),
             pending_bytes: 0,
             hand_over_at: None,
@@ -291,6 +295,7 @@ impl<B: CdcServer> CdcReader<B> {
     fn take_pending(&mut self) -> Vec<SourcedEvent<CdcPosition>> {
         self.pending_bytes = 0;
         self.hand_over_at = None;
+        self.split = self.inside_transaction();
         std::mem::take(&mut self.pending)
     }
 
@@ -312,7 +317,7 @@ impl<B: CdcServer> CdcReader<B> {
 
     /// One wake-up of the stream: a message handled, a status sent or a
     /// heartbeat written. True when a committed transaction left events to
-    /// hand over.
+    /// hand over, or ended one the last batch split.
     async fn stream_step(&mut self) -> Result<bool, SourceError> {
         let Phase::Streaming(s) = &mut self.phase else {
             return Ok(false);
@@ -378,7 +383,7 @@ impl<B: CdcServer> CdcReader<B> {
 
     /// Handles one message of the stream (reporting the position when the
     /// server asks or a report is due). True when a committed transaction
-    /// left events to hand over.
+    /// left events to hand over, or ended one the last batch split.
     async fn on_message(
         &mut self,
         message: Result<Option<StreamMessage>, SourceError>,
@@ -411,7 +416,8 @@ impl<B: CdcServer> CdcReader<B> {
             s.send_status(&self.progress, self.timing.status_every)
                 .await?;
         }
-        Ok(matches!(step, Step::Committed) && !self.pending.is_empty())
+        let whole = matches!(step, Step::Committed);
+        Ok(whole && (!self.pending.is_empty() || std::mem::take(&mut self.split)))
     }
 
     /// Waits until `at` without reading the stream, so that what arrives
@@ -513,8 +519,13 @@ impl<B: CdcServer> Reader for CdcReader<B> {
         }
     }
 
+    fn inside_transaction(&self) -> bool {
+        matches!(&self.phase, Phase::Streaming(s) if s.inside_transaction())
+    }
+
     fn rewind(&mut self) {
         self.take_pending();
+        self.split = false;
         // A start-up read in progress leaves its snapshot open; start() ends it.
         self.phase = Phase::Start;
     }

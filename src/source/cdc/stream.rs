@@ -115,6 +115,14 @@ impl<S: CdcStream> Streaming<S> {
         Ok(())
     }
 
+    /// Some events of the current transaction were handed over, and its
+    /// commit is still to come.
+    pub fn inside_transaction(&self) -> bool {
+        self.tx
+            .as_ref()
+            .is_some_and(|t| !t.skip && t.next_index > 0)
+    }
+
     /// Handles one message from the server.
     pub fn handle(
         &mut self,

@@ -72,8 +72,9 @@ where
         result.map(|()| drained)
     }
 
-    /// Stops reading; what was read goes on to the broker (the rest of the
-    /// current batch, and the events parked behind their aggregate's), so
+    /// Stops reading, once a transaction begun is read to its end; what was
+    /// read goes on to the broker (the rest of the current batch, and the
+    /// events parked behind their aggregate's), so
     /// that the position recorded at the stop passes everything it
     /// confirmed: without marking, or for logical messages, the next owner
     /// then repeats nothing.
