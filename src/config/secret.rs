@@ -92,20 +92,58 @@ pub fn redact_url(raw: &str) -> String {
         return out;
     }
     if raw.contains('=') && !raw.contains("://") {
-        // libpq key/value form: host=... password=...
-        return raw
-            .split_whitespace()
-            .map(|kv| match kv.split_once('=') {
-                Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
-                _ => kv.to_owned(),
-            })
-            .collect::<Vec<_>>()
-            .join(" ");
+        return redact_key_values(raw);
     }
     match raw.split_once("://") {
         Some((scheme, _)) => format!("{scheme}://***"),
         None => "***".to_owned(),
     }
+}
+
+/// libpq's key/value form: `key = value` pairs, a value bare or
+/// single-quoted (with `\\` escapes, so it may hold spaces). A password's
+/// value is hidden; after anything that is not a pair, so is the rest.
+fn redact_key_values(raw: &str) -> String {
+    let mut pairs = Vec::new();
+    let mut rest = raw.trim_start();
+    while !rest.is_empty() {
+        let key_end = rest
+            .find(|c: char| c == '=' || c.is_whitespace())
+            .unwrap_or(rest.len());
+        let key = &rest[..key_end];
+        let Some(after_eq) = rest[key_end..].trim_start().strip_prefix('=') else {
+            pairs.push(format!("{key} ***"));
+            break;
+        };
+        let value = after_eq.trim_start();
+        let len = value_len(value);
+        if key.eq_ignore_ascii_case("password") {
+            pairs.push(format!("{key}=***"));
+        } else {
+            pairs.push(format!("{key}={}", &value[..len]));
+        }
+        rest = value[len..].trim_start();
+    }
+    pairs.join(" ")
+}
+
+/// The length of a key/value string's value at the start of `value`: up
+/// to the closing quote of a quoted one (all of it when unclosed), else up
+/// to the first space.
+fn value_len(value: &str) -> usize {
+    if let Some(quoted) = value.strip_prefix('\'') {
+        let mut escaped = false;
+        for (i, c) in quoted.char_indices() {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' => escaped = true,
+                '\'' => return i + 2,
+                _ => {}
+            }
+        }
+        return value.len();
+    }
+    value.find(char::is_whitespace).unwrap_or(value.len())
 }
 
 #[cfg(test)]
@@ -131,6 +169,20 @@ mod tests {
             "host=db user=relay password=***"
         );
         assert!(!redact_url("postgres://relay:s3cret@[::1").contains("s3cret"));
+        // libpq allows spaces around `=` and quoted values with spaces.
+        assert_eq!(
+            redact_url("host=db password = s3cret user=relay"),
+            "host=db password=*** user=relay"
+        );
+        assert_eq!(
+            redact_url(r"host = db PASSWORD='s3 \'cret\\' dbname='my app'"),
+            "host=db PASSWORD=*** dbname='my app'"
+        );
+        assert_eq!(
+            redact_url("host=db password='s3 cret"),
+            "host=db password=***"
+        );
+        assert_eq!(redact_url("host=db oops s3cret"), "host=db oops ***");
         assert_eq!(format!("{:?}", Secret::new("s3cret")), "***");
         assert!(!format!("{:?}", SecretUrl::new("amqp://a:s3cret@h")).contains("s3cret"));
     }
