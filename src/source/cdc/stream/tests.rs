@@ -1,0 +1,158 @@
+use super::*;
+
+/// A stream whose status message never finishes sending.
+struct Stuck;
+
+impl CdcStream for Stuck {
+    async fn next(&mut self) -> Result<Option<StreamMessage>, SourceError> {
+        std::future::pending().await
+    }
+    async fn send_status(&mut self, _: Lsn, _: Lsn) -> Result<(), SourceError> {
+        std::future::pending().await
+    }
+    async fn finish(self) {}
+}
+
+/// A status message cut short counts nothing as reported: the report
+/// stays due, instead of a window of confirmations going unreported
+/// until the next one piles up.
+#[tokio::test]
+async fn a_status_message_cut_short_leaves_its_report_due() {
+    let progress = Mutex::new(Progress::new(Lsn(10), 100));
+    {
+        let at = |index| CdcPosition {
+            commit_lsn: Lsn(100),
+            index,
+            seq: None,
+            xid: None,
+        };
+        let mut p = lock(&progress);
+        p.begin(Lsn(100));
+        for i in 0..3 {
+            p.event(&at(i));
+        }
+        p.commit(Lsn(110));
+        for i in 0..3 {
+            p.confirm(&at(i));
+        }
+    }
+    assert_eq!(lock(&progress).unreported(), 3);
+    let mut s = Streaming::new(Stuck, None, Lsn(10), false, None);
+    let send = s.send_status(&progress, std::time::Duration::from_secs(10));
+    let cut = tokio::time::timeout(std::time::Duration::from_millis(20), send).await;
+    assert!(cut.is_err(), "the send never finishes");
+    assert_eq!(lock(&progress).unreported(), 3, "still to report");
+}
+
+/// A non-transactional message's LSN is the end of its WAL record, where
+/// the commit record of the next transaction may start (nothing else
+/// written between them): the two keep distinct places, and confirming
+/// the message alone flushes no further than that commit's start, so a
+/// restart still streams the transaction.
+#[test]
+fn an_untransactional_message_just_before_a_commit_keeps_its_own_place() {
+    use crate::replication::pgoutput::{Begin, Commit, LogicalDecodingMessage};
+    let progress = Mutex::new(Progress::new(Lsn(10), 100));
+    let mut s = Streaming::new(Stuck, None, Lsn(10), false, Some("p".into()));
+    let (table, columns) = (
+        TableName::new("public", "outbox"),
+        crate::config::ColumnMap::default().resolve(&[]),
+    );
+    let commit_at = Lsn(0x1000);
+    let message = |transactional| LogicalDecodingMessage {
+        transactional,
+        lsn: commit_at,
+        prefix: "p".into(),
+        content: bytes::Bytes::from_static(
+            br#"{"id":"e","aggregate_type":"t","aggregate_id":"a","event_type":"E","payload":{}}"#,
+        ),
+    };
+    let mut out = Vec::new();
+    for m in [
+        LogicalMessage::Message(message(false)),
+        LogicalMessage::Begin(Begin {
+            final_lsn: commit_at,
+            commit_time_micros: 0,
+            xid: 7,
+        }),
+        LogicalMessage::Message(message(true)),
+        LogicalMessage::Commit(Commit {
+            flags: 0,
+            commit_lsn: commit_at,
+            end_lsn: Lsn(0x1040),
+            commit_time_micros: 0,
+        }),
+    ] {
+        s.handle(
+            StreamMessage::Change(m),
+            &table,
+            &columns,
+            &progress,
+            &mut out,
+        )
+        .expect("handled");
+    }
+    let [untransactional, event] = [out[0].position, out[1].position];
+    assert!(out[0].event.is_err(), "the untransactional one is refused");
+    assert!(out[1].event.is_ok());
+    assert_ne!(
+        (untransactional.commit_lsn, untransactional.index),
+        (event.commit_lsn, event.index)
+    );
+    assert!(untransactional.commit_lsn < event.commit_lsn);
+    lock(&progress).confirm(&untransactional);
+    assert_eq!(lock(&progress).flushed(), commit_at, "not past the commit");
+    assert_eq!(lock(&progress).outstanding(), 1, "the transaction waits");
+    lock(&progress).confirm(&event);
+    assert_eq!(lock(&progress).flushed(), Lsn(0x1040));
+    assert_eq!(lock(&progress).outstanding(), 0);
+}
+
+/// A Commit with no transaction open, or a Begin inside one, is a broken
+/// stream: it ends with an error (and the stream restarts from the slot)
+/// instead of closing, or reopening, a transaction it never saw begin.
+#[test]
+fn a_commit_without_a_begin_and_a_begin_inside_a_transaction_are_refused() {
+    use crate::replication::pgoutput::{Begin, Commit};
+    let (table, columns) = (
+        TableName::new("public", "outbox"),
+        crate::config::ColumnMap::default().resolve(&[]),
+    );
+    let begin = || {
+        LogicalMessage::Begin(Begin {
+            final_lsn: Lsn(0x1000),
+            commit_time_micros: 0,
+            xid: 7,
+        })
+    };
+    let commit = LogicalMessage::Commit(Commit {
+        flags: 0,
+        commit_lsn: Lsn(0x1000),
+        end_lsn: Lsn(0x1040),
+        commit_time_micros: 0,
+    });
+    for (messages, expected) in [
+        (vec![commit], "a Commit arrived outside a transaction"),
+        (
+            vec![begin(), begin()],
+            "a Begin arrived inside a transaction",
+        ),
+    ] {
+        let progress = Mutex::new(Progress::new(Lsn(10), 100));
+        let mut s = Streaming::new(Stuck, None, Lsn(10), false, None);
+        let mut handled = messages.into_iter().map(|m| {
+            s.handle(
+                StreamMessage::Change(m),
+                &table,
+                &columns,
+                &progress,
+                &mut Vec::new(),
+            )
+        });
+        let error = handled
+            .find_map(Result::err)
+            .expect("the stream is refused");
+        assert!(error.to_string().contains(expected), "{error}");
+        assert_eq!(lock(&progress).flushed(), Lsn(10), "nothing moved");
+    }
+}
