@@ -15,6 +15,7 @@
 //! configuration values, declared in [`crate::config`] so that configuration
 //! stays a leaf; this module is what the relay does with them.
 
+pub mod emit;
 mod event;
 pub mod inspect;
 pub mod names;

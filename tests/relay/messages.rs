@@ -391,3 +391,51 @@ async fn a_message_routes_by_the_key_column_it_carries() {
     );
     relay.stop().await;
 }
+
+/// The relay skips messages with another prefix than its own, so the
+/// installed function must write its prefix: a changed `message_prefix`
+/// without `migrate` is refused by `check` and by `run`, and `migrate`
+/// does not change the function while a relay streams with the old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_the_installed_function_does_not_write_is_refused() {
+    let (db, broker, toml) = setup_messages(Kind::Rabbit, &[]).await;
+    let slot = slot_of(&toml);
+    let renamed = set(&toml, "source.cdc.message_prefix", "\"renamed\"");
+    let path = config_file(&renamed);
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("[FAIL] messages") && out.contains("\"renamed\""),
+        "{out}"
+    );
+    let log = crate::schema::run_until_logged_with_env(&path, "the relay would skip", &[]);
+    assert!(log.contains("run `outbox-relay migrate`"), "{log}");
+
+    let relay = InProcess::start(parse(&toml));
+    wait_streaming(&db.client, &slot).await;
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("while a relay streams from slot"), "{err}");
+    relay.stop().await;
+    wait_for(WAIT, "the slot to be let go", || async {
+        let active: bool = db
+            .client
+            .query_one(
+                "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (!active).then_some(())
+    })
+    .await;
+
+    // Stopped: migrate rewrites the function, and what it writes flows.
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let relay = InProcess::start(parse(&renamed));
+    let id = emit(&db.client, "a", json!({"i": 1})).await;
+    broker.inbox().wait_ids(&[id], WAIT).await;
+    relay.stop().await;
+}

@@ -495,7 +495,12 @@ async fn check_messages(
         Err(e) => return r.add(Mark::Fail, "messages", e),
         Ok(None) => {}
     }
-    let function = crate::ops::migrate::emit::signature(table);
+    match crate::outbox::emit::prefix_problem(client, table, prefix).await {
+        Ok(Some(problem)) => return r.add(Mark::Fail, "messages", problem),
+        Err(e) => return r.add(Mark::Fail, "messages", crate::db::error_text(&e)),
+        Ok(None) => {}
+    }
+    let function = crate::outbox::emit::signature(table);
     match client
         .query_one("SELECT to_regprocedure($1) IS NOT NULL", &[&function])
         .await

@@ -3,45 +3,10 @@
 
 use super::{MigrateError, Step};
 use crate::config::TableName;
-use crate::sql::{quote_ident, quote_literal};
-use tokio_postgres::Client;
-
-/// The function's argument types, in order.
-const ARGUMENTS: &str = "text, text, text, jsonb, jsonb, integer, jsonb, uuid";
-
+use crate::outbox::emit::{body, installed_body};
 use crate::outbox::names::emit_function;
-
-/// `schema.function(argument types)`, as `to_regprocedure` reads it.
-pub fn signature(table: &TableName) -> String {
-    format!(
-        "{}.{}({ARGUMENTS})",
-        quote_ident(&table.schema),
-        quote_ident(&emit_function(table))
-    )
-}
-
-/// The function's body for `prefix`. The extra values go first, so that a
-/// key there never replaces an event field; a payload keeps its nested nulls.
-fn body(prefix: &str) -> String {
-    format!(
-        "
-BEGIN
-    PERFORM pg_logical_emit_message(true, {prefix}, (
-        coalesce(extra, '{{}}'::jsonb) || jsonb_build_object(
-            'id', id,
-            'aggregate_type', aggregate_type,
-            'aggregate_id', aggregate_id,
-            'event_type', event_type,
-            'event_version', event_version,
-            'payload', payload,
-            'headers', headers)
-    )::text);
-    RETURN id;
-END
-",
-        prefix = quote_literal(prefix)
-    )
-}
+use crate::sql::quote_ident;
+use tokio_postgres::Client;
 
 /// The step that creates (or updates) the function, when it is missing or
 /// writes with another prefix.
@@ -51,13 +16,7 @@ pub(super) async fn step(
     prefix: &str,
 ) -> Result<Option<Step>, MigrateError> {
     let body = body(prefix);
-    let current: Option<String> = client
-        .query_opt(
-            "SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure($1)",
-            &[&signature(table)],
-        )
-        .await?
-        .map(|r| r.get(0));
+    let current = installed_body(client, table).await?;
     if current.as_deref() == Some(body.as_str()) {
         return Ok(None);
     }

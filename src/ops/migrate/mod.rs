@@ -488,6 +488,22 @@ async fn cdc_steps(
         {
             return Err(MigrateError::Prerequisite(problem));
         }
+        // A relay streaming meanwhile would skip every event written with
+        // the new prefix, and its slot would pass them for good.
+        if crate::outbox::emit::prefix_problem(client, table, prefix)
+            .await?
+            .is_some()
+            && setup::slot_info(client, &cdc.slot)
+                .await?
+                .is_some_and(|s| s.active)
+        {
+            return Err(MigrateError::Prerequisite(format!(
+                "the function that writes logical messages would change to prefix {prefix:?} while a relay \
+                 streams from slot {:?} and skips them: stop every relay of this outbox, run migrate, then \
+                 start them again",
+                cdc.slot
+            )));
+        }
         steps.extend(emit::step(client, table, prefix).await?);
     }
     if let Some(problem) = crate::outbox::names::slot_problem(client, table, &cdc.slot).await? {

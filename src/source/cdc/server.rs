@@ -174,12 +174,20 @@ impl PgServer {
         {
             return Err(SourceError::Setup(problem));
         }
-        if s.messages.is_some()
-            && let Some(problem) = setup::messages_problem(&self.client)
+        if let Some(prefix) = &s.messages {
+            if let Some(problem) = setup::messages_problem(&self.client)
                 .await
                 .map_err(SourceError::Setup)?
-        {
-            return Err(SourceError::Setup(problem));
+            {
+                return Err(SourceError::Setup(problem));
+            }
+            if let Some(problem) =
+                crate::outbox::emit::prefix_problem(&self.client, &self.table, prefix)
+                    .await
+                    .map_err(|e| DbError::query("reading the function that writes messages", e))?
+            {
+                return Err(SourceError::Setup(problem));
+            }
         }
         match setup::publication_covers(&self.client, &s.publication, &self.table).await? {
             Some(true) => {}
