@@ -449,7 +449,7 @@ async fn marking_problem(owner: &Client, config: &Config) -> Result<(), RelayErr
     let ranges = crate::outbox::progress::Ranges::new(&config.outbox.table);
     let problem = match config.relay.mark {
         MarkMode::Ranges => ranges
-            .sequence_problem(owner)
+            .new_rows_problem(owner)
             .await
             .or_else(|e| ranges.missing_table_problem(&e).map(Some).ok_or(e)),
         mark => ranges.leftover_problem(owner, mark).await,

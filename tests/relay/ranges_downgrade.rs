@@ -326,3 +326,70 @@ async fn leaving_ranges_drops_the_index_of_a_partitioned_outbox() {
         0
     );
 }
+
+/// A frontier copied from another server (a dump restored) whose
+/// transaction ids ran higher would count every row written here as sent:
+/// `check` fails and `run` refuses, and the steps the message gives
+/// (`fold --into-sent-at`, the UPDATE it names, `migrate`) publish the
+/// rows written here once and the rows sent before not again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frontier_recorded_on_another_server_is_refused() {
+    let sets = [
+        ("relay.mark", "\"ranges\""),
+        ("relay.fold_interval", "\"1s\""),
+    ];
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &sets).await;
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    let mut ids = insert(&db, "a", 20, 5).await;
+    let mut relay = ChildRelay::start(&toml);
+    broker.inbox().wait_ids(&ids, WAIT).await;
+    let frontier = format!("SELECT count(*) FROM {}", ranges.frontier.quoted());
+    wait_for(WAIT, "a frontier", || async {
+        (count(&db, &frontier).await > 0).then_some(())
+    })
+    .await;
+    relay.terminate();
+    // As after a restore on a server whose transaction ids run lower.
+    db.client
+        .batch_execute(&format!(
+            "UPDATE {f} SET snapshot = '4000000000:4000000000:' WHERE id = (SELECT max(id) FROM {f})",
+            f = ranges.frontier.quoted()
+        ))
+        .await
+        .unwrap();
+    let here = insert(&db, "b", 3, 1).await;
+    assert_eq!(
+        unsent(&db).await,
+        0,
+        "the hazard: rows written here count as sent"
+    );
+    let path = config_file(&toml);
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert!(
+        code == 1
+            && out.contains("recorded on another server")
+            && out.contains("SET relay_sent_at = NULL WHERE relay_seq > 20"),
+        "{code} {out}"
+    );
+    let log = crate::schema::run_until_logged_with_env(&path, "recorded on another server", &[]);
+    assert!(log.contains("fold --into-sent-at"), "{log}");
+    assert_eq!(
+        broker.inbox().len(),
+        ids.len(),
+        "nothing published meanwhile"
+    );
+
+    let update = config_file(&set(&toml, "relay.mark", "\"update\""));
+    let (code, out, err) = run_cli(&["fold", "--into-sent-at", "--config", &update], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    db.client
+        .batch_execute("UPDATE public.outbox SET relay_sent_at = NULL WHERE relay_seq > 20")
+        .await
+        .unwrap();
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let _relay = ChildRelay::start(&toml);
+    broker.inbox().wait_ids(&here, WAIT).await;
+    ids.extend(here);
+    once_each(&broker, &ids, "after the steps");
+}

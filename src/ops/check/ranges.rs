@@ -58,7 +58,7 @@ pub(super) async fn check_ranges(config: &Config, client: &Client, r: &mut Repor
     }
     let ranges = Ranges::new(&config.outbox.table);
     // Only once the tables exist (a missing one is reported below).
-    if let Ok(Some(problem)) = ranges.sequence_problem(client).await {
+    if let Ok(Some(problem)) = ranges.new_rows_problem(client).await {
         return r.add(Mark::Fail, ITEM, problem);
     }
     // The recorder inserts progress rows; the fold reads and writes all

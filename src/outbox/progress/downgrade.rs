@@ -53,12 +53,66 @@ impl Ranges {
     }
 
     /// Why new rows could count as sent before they are published, if
-    /// they could: the sequence of `relay_seq` was set back (a restore, a
-    /// `RESTART`) below the highest `relay_seq` recorded, so it would hand
-    /// out values a progress row or the frontier's `max_seq` already names.
-    /// `None` also when the sequence cannot be read (no SELECT on it, or a
+    /// they could: the frontier was recorded on another server, or the
+    /// sequence of `relay_seq` was set back (see below).
+    pub async fn new_rows_problem(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<Option<String>, tokio_postgres::Error> {
+        match self.foreign_frontier_problem(client).await? {
+            Some(problem) => Ok(Some(problem)),
+            None => self.sequence_problem(client).await,
+        }
+    }
+
+    /// The frontier's snapshot runs past this server's transaction ids:
+    /// it was recorded on another server whose ids ran higher (a dump
+    /// restored, a logical copy), and rows written here, with lower ids,
+    /// would be visible in it, so counted as sent. On the server that
+    /// recorded it, a snapshot taken earlier never runs past a later one.
+    async fn foreign_frontier_problem(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<Option<String>, tokio_postgres::Error> {
+        let ahead = client
+            .query_opt(
+                &format!(
+                    "SELECT pg_snapshot_xmax(f.snapshot)::text, pg_snapshot_xmax(pg_current_snapshot())::text,
+                            GREATEST((SELECT max_seq FROM {fr} ORDER BY id DESC LIMIT 1),
+                                     (SELECT max(upper(seqs)) - 1 FROM {p}))
+                     FROM ({}) f(snapshot)
+                     WHERE pg_snapshot_xmax(f.snapshot) > pg_snapshot_xmax(pg_current_snapshot())",
+                    self.frontier_snapshot(),
+                    fr = self.frontier.quoted(),
+                    p = self.progress.quoted()
+                ),
+                &[],
+            )
+            .await?;
+        let Some(row) = ahead else {
+            return Ok(None);
+        };
+        let (recorded, here, seq): (String, String, Option<i64>) =
+            (row.get(0), row.get(1), row.get(2));
+        Ok(Some(format!(
+            "{} was recorded on another server (a dump restored, a logical copy): its snapshot runs \
+             to transaction {recorded}, past this server's {here}, so rows written here would count as \
+             sent and never be published. Stop every instance, run `outbox-relay fold --into-sent-at` \
+             (it marks the rows the frontier records as sent, and drops the tables), then \
+             `UPDATE {} SET {SENT_AT_COLUMN} = NULL WHERE {SEQ_COLUMN} > {}` (the rows written since the \
+             copy, which it marks too), run `outbox-relay migrate` and start",
+            self.frontier,
+            self.outbox,
+            seq.unwrap_or_default()
+        )))
+    }
+
+    /// The sequence of `relay_seq` was set back (a restore, a `RESTART`)
+    /// below the highest `relay_seq` recorded, so it would hand out values
+    /// a progress row or the frontier's `max_seq` already names. `None`
+    /// also when the sequence cannot be read (no SELECT on it, or a
     /// default that is not the column's own sequence).
-    pub async fn sequence_problem(
+    async fn sequence_problem(
         &self,
         client: &impl GenericClient,
     ) -> Result<Option<String>, tokio_postgres::Error> {
