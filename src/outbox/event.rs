@@ -314,13 +314,49 @@ pub fn parse_timestamp(text: &str) -> Result<DateTime<Utc>, String> {
     if offset.is_empty() {
         return Ok(naive.and_utc());
     }
-    let sign: i64 = if offset.starts_with('-') { -1 } else { 1 };
-    let mut secs = 0i64;
-    for (i, part) in offset[1..].split(':').enumerate() {
-        let n: i64 = part.parse().map_err(|_| bad())?;
-        secs += n * [3600, 60, 1].get(i).copied().ok_or_else(bad)?;
+    let secs = offset_seconds(offset).ok_or_else(|| {
+        format!(
+            "{} (its offset must be +hh, +hh:mm, +hhmm or +hh:mm:ss, at most 15:59:59)",
+            bad()
+        )
+    })?;
+    naive
+        .checked_sub_signed(chrono::Duration::seconds(secs))
+        .map(|t| t.and_utc())
+        .ok_or_else(bad)
+}
+
+/// A UTC offset (`+hh`, `+hh:mm`, `+hhmm`, `+hh:mm:ss`, or with `-`) in
+/// seconds east; at most 15:59:59, as PostgreSQL allows.
+fn offset_seconds(offset: &str) -> Option<i64> {
+    let sign = match offset.as_bytes().first()? {
+        b'+' => 1,
+        b'-' => -1,
+        _ => return None,
+    };
+    let digits = &offset[1..];
+    if !digits.is_ascii() {
+        return None;
     }
-    Ok((naive - chrono::Duration::seconds(sign * secs)).and_utc())
+    let parts: Vec<&str> = match digits.len() {
+        4 if !digits.contains(':') => vec![&digits[..2], &digits[2..]],
+        _ => digits.split(':').collect(),
+    };
+    if parts.len() > 3 {
+        return None;
+    }
+    let mut secs = 0;
+    for (part, (unit, max)) in parts.iter().zip([(3600, 15), (60, 59), (1, 59)]) {
+        if part.len() != 2 || !part.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let n: i64 = part.parse().ok()?;
+        if n > max {
+            return None;
+        }
+        secs += n * unit;
+    }
+    Some(sign * secs)
 }
 
 #[cfg(test)]
@@ -483,5 +519,24 @@ mod tests {
         }
         assert!(parse_timestamp("yesterday").is_err());
         assert!(parse_timestamp("2026-01-02 03:04:05+0a").is_err());
+        // An offset typed by hand (a dead letter corrected before a
+        // redrive): the compact form reads as hours and minutes; one out of
+        // range, or too long to subtract, is refused instead of panicking.
+        assert_eq!(
+            parse_timestamp("2026-01-01 10:00:00+0530")
+                .unwrap()
+                .to_rfc3339(),
+            "2026-01-01T04:30:00+00:00"
+        );
+        for t in [
+            "2026-01-01 10:00:00+9999999999",
+            "2026-01-01 10:00:00+99999999999999",
+            "2026-01-01 10:00:00+16",
+            "2026-01-01 10:00:00+05:60",
+            "2026-01-01 10:00:00+1\u{e9}1",
+            "2026-01-01 10:00:00+05:30:00:00",
+        ] {
+            assert!(parse_timestamp(t).is_err(), "{t}");
+        }
     }
 }
