@@ -33,6 +33,7 @@ mod messages;
 mod migrations;
 mod operations;
 mod paging;
+mod partition_bounds;
 mod partitions;
 mod rabbit_exchanges;
 mod ranges_delivery;

@@ -121,12 +121,18 @@ pub async fn list(
     table: &TableName,
     layout: &Layout,
 ) -> Result<Vec<Partition>, RetentionError> {
+    // MINVALUE, MAXVALUE and ±infinity leave a side unbounded (NULL).
     let value = |i: usize| {
         let literal = format!("btrim(m[{i}], '''')");
         if layout.with_zone {
-            format!("CASE WHEN m[{i}] LIKE '''%' THEN {literal}::timestamptz END")
+            format!(
+                "CASE WHEN m[{i}] LIKE '''%' AND isfinite({literal}::timestamptz) THEN {literal}::timestamptz END"
+            )
         } else {
-            format!("CASE WHEN m[{i}] LIKE '''%' THEN {literal}::timestamp AT TIME ZONE 'UTC' END")
+            format!(
+                "CASE WHEN m[{i}] LIKE '''%' AND isfinite({literal}::timestamp) \
+                 THEN {literal}::timestamp AT TIME ZONE 'UTC' END"
+            )
         }
     };
     let sql = format!(
@@ -146,15 +152,20 @@ pub async fn list(
         .query(&sql, &[&table.quoted()])
         .await
         .map_err(|e| DbError::query(format!("listing the partitions of {table}"), e))?;
-    Ok(rows
-        .iter()
-        .map(|r| Partition {
-            name: TableName::new(r.get(0), r.get(1)),
-            default: r.get(2),
-            lower: r.get(3),
-            upper: r.get(4),
+    let read = |r: &tokio_postgres::Row| -> Result<Partition, tokio_postgres::Error> {
+        Ok(Partition {
+            name: TableName::new(r.try_get(0)?, r.try_get(1)?),
+            default: r.try_get(2)?,
+            lower: r.try_get(3)?,
+            upper: r.try_get(4)?,
         })
-        .collect())
+    };
+    // A bound past the years chrono holds (PostgreSQL's run to 294276)
+    // is an error to report, not a panic.
+    rows.iter()
+        .map(read)
+        .collect::<Result<_, _>>()
+        .map_err(|e| DbError::query(format!("reading the partition bounds of {table}"), e).into())
 }
 
 /// The ranges that should exist: the one holding `now` and `premake` after
