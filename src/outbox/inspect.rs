@@ -280,8 +280,24 @@ async fn columns(
 const TEXTUAL: &[&str] = &["text", "character varying", "character", "uuid", "name"];
 
 fn type_is(type_name: &str, accepted: &[&str]) -> bool {
-    let base = type_name.split('(').next().unwrap_or(type_name).trim();
-    accepted.contains(&base)
+    accepted.contains(&base_type(type_name).as_str())
+}
+
+/// A type as `format_type` prints it, without its modifiers: `character
+/// varying(255)` is `character varying`, and `timestamp(3) with time
+/// zone` is `timestamp with time zone`.
+pub fn base_type(type_name: &str) -> String {
+    let mut base = String::with_capacity(type_name.len());
+    let mut depth = 0usize;
+    for c in type_name.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            _ if depth == 0 => base.push(c),
+            _ => {}
+        }
+    }
+    base.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 /// What is wrong with the table for this column map, one message per problem,
@@ -535,48 +551,4 @@ impl TableProblem {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn info(partitioning: Option<Partitioning>, unique_indexes: &[&[&str]]) -> TableInfo {
-        TableInfo {
-            columns: Vec::new(),
-            can_select: true,
-            can_update: true,
-            can_delete: true,
-            is_owner: true,
-            unique_columns: Vec::new(),
-            has_replica_identity: true,
-            replicating: Vec::new(),
-            triggers: Vec::new(),
-            partitioning,
-            unique_indexes: unique_indexes
-                .iter()
-                .map(|i| i.iter().map(|c| c.to_string()).collect())
-                .collect(),
-        }
-    }
-
-    fn by(columns: &[&str]) -> Option<Partitioning> {
-        Some(Partitioning {
-            strategy: "range".into(),
-            columns: columns.iter().map(|c| c.to_string()).collect(),
-            expressions: false,
-        })
-    }
-
-    #[test]
-    fn relay_seq_is_unique_alone_or_with_the_partition_key() {
-        assert!(info(None, &[&["relay_seq"]]).seq_unique());
-        assert!(!info(None, &[&["relay_seq", "created_at"]]).seq_unique());
-        assert!(info(by(&["created_at"]), &[&["relay_seq", "created_at"]]).seq_unique());
-        // Another column than the key would let twins through.
-        assert!(!info(by(&["created_at"]), &[&["relay_seq", "tenant"]]).seq_unique());
-        assert!(!info(by(&["created_at"]), &[&["created_at", "relay_seq"]]).seq_unique());
-        assert_eq!(
-            seq_key(by(&["created_at", "tenant"]).as_ref()),
-            ["relay_seq", "created_at", "tenant"]
-        );
-        assert_eq!(seq_key(None), ["relay_seq"]);
-    }
-}
+mod tests;

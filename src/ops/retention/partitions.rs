@@ -98,7 +98,7 @@ pub async fn layout(client: &Client, table: &TableName) -> Result<Layout, Retent
         .column(column)
         .map(|c| c.type_name.clone())
         .unwrap_or_default();
-    let with_zone = match type_name.split('(').next().unwrap_or("").trim() {
+    let with_zone = match crate::outbox::inspect::base_type(&type_name).as_str() {
         "timestamp with time zone" => true,
         "timestamp without time zone" => false,
         _ => {
