@@ -6,7 +6,7 @@ use super::RelayError;
 use super::auto::{self, Modes};
 use super::handoff::{self, Claim, Takeover};
 use super::pipeline::{self, Drained, Settings};
-use super::shards::{Balance, Shard};
+use super::shards::{self, Balance, Shard};
 use super::supervise::{Backend, Owned, RunEnd};
 use crate::config::ResolvedColumns;
 use crate::config::{Config, MarkMode, SourceMode};
@@ -92,7 +92,8 @@ impl Backend for Postgres<'_> {
         shutdown: &CancellationToken,
     ) -> Result<Option<(Ownership, Takeover)>, RelayError> {
         let config = self.config;
-        let key = shard.lock_key(&ownership_key(&config.outbox.table));
+        let base = ownership_key(&config.outbox.table);
+        let key = shard.lock_key(&base);
         let client = crate::db::connect(&config.database, None).await?;
         let previous = self
             .previous_owner
@@ -119,7 +120,17 @@ impl Backend for Postgres<'_> {
                 .await
                 .map_err(|e| DbError::query("taking the ownership lock", e))?
                 .get(0);
-            if locked {
+            if locked
+                && shard.count > 1
+                && !shards::guard(&client, &base, shard.count as usize).await?
+            {
+                // An instance without shards holds the outbox: let go, and
+                // take nothing beside it (the session keeps no lock).
+                client
+                    .batch_execute("SELECT pg_advisory_unlock_all()")
+                    .await
+                    .map_err(|e| DbError::query("letting the shard go", e))?;
+            } else if locked {
                 let outbox = &config.outbox.table;
                 let (takeover, claim) = handoff::claim(&client, outbox, &key, shard.count).await?;
                 return Ok(Some((Ownership { client, claim }, takeover)));

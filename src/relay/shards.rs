@@ -8,6 +8,12 @@
 //! releases the extra shards (draining them first) and one that holds fewer
 //! takes free ones. When an instance dies, its sessions and locks go, and
 //! the others take its shards within `relay.standby_poll` or two.
+//!
+//! An instance without shards, or with another count, is kept out by a
+//! shared lock on the outbox's ownership key and by the member locks:
+//! the member session holds them, and so does each shard's ownership
+//! session ([`guard`]), since a shard drains on after the member session
+//! is gone (a stop ends it at once).
 
 use crate::config::Config;
 use crate::db::DbError;
@@ -21,6 +27,11 @@ use tokio_util::task::AbortOnDropHandle;
 
 /// Member slots available (instances beyond this wait as standbys).
 const MEMBER_SLOTS: i32 = 256;
+
+/// The member-lock slot each shard's ownership session holds (shared),
+/// past the members' own: counted by no one, seen by an instance with
+/// another shard count.
+const GUARD_SLOT: i32 = MEMBER_SLOTS;
 
 /// How many shards this instance holds, and how many it should.
 #[derive(Debug)]
@@ -236,13 +247,31 @@ async fn member_session(
     Err(busy(format!("all {MEMBER_SLOTS} member slots are taken")))
 }
 
+/// Taken on a shard's ownership session once it holds the shard: the
+/// locks that keep instances without shards, or with another count, from
+/// taking the outbox, as the member session does. A member session can go
+/// (a stop, a lost connection) while its shards still drain; their own
+/// sessions then still keep the others out. False when an instance
+/// without shards holds the outbox.
+pub async fn guard(client: &Client, base: &str, count: usize) -> Result<bool, DbError> {
+    client
+        .query_one(
+            "SELECT pg_try_advisory_lock_shared(hashtextextended($1, 0))
+                    AND pg_try_advisory_lock_shared(hashtext($2), $3)",
+            &[&base, &member_key(base, count), &GUARD_SLOT],
+        )
+        .await
+        .map_err(|e| DbError::query("taking the shard's shared ownership locks", e))
+        .map(|r| r.get(0))
+}
+
 async fn live_members(client: &Client, base: &str, count: usize) -> Result<usize, DbError> {
     let n: i64 = client
         .query_one(
             "SELECT count(*) FROM pg_locks
-             WHERE locktype = 'advisory' AND objsubid = 2 AND granted
+             WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND objid <> $2::int::oid
                AND classid = hashtext($1)::oid AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-            &[&member_key(base, count)],
+            &[&member_key(base, count), &GUARD_SLOT],
         )
         .await
         .map_err(|e| DbError::query("counting relay instances", e))?

@@ -509,6 +509,47 @@ async fn instances_with_different_shard_settings_never_publish_together() {
     two.stop().await;
 }
 
+/// A sharded instance that stops keeps the outbox until its shards are
+/// drained: an instance without shards waiting meanwhile publishes only
+/// after them, so nothing the stop still sends goes twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_sharded_instance_holds_the_outbox_until_its_shards_drained() {
+    let sets = [
+        ("relay.shards", "2"),
+        ("source.batch_size", "6000"),
+        ("relay.max_in_flight", "6000"),
+        ("relay.shutdown_timeout", "\"50s\""),
+    ];
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &sets).await;
+    // One aggregate: RabbitMQ carries its messages one at a time, so the
+    // stop has most of the batch still to send, for longer than the lease
+    // the instance without shards would wait before publishing (seconds).
+    let n: i32 = 6_000;
+    db.client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+             SELECT gen_random_uuid(), 'order', 'a', 'Happened', jsonb_build_object('i', g)
+             FROM generate_series(1, $1) g",
+            &[&n],
+        )
+        .await
+        .expect("the backlog");
+    let sharded = InProcess::start(parse(&toml));
+    broker.inbox().wait_len(1, WAIT).await;
+    let whole = InProcess::start(parse(&set(&toml, "relay.shards", "1")));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sharded.stop().await;
+    let got = broker.inbox().wait_len(n as usize, WAIT).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let unique: HashSet<String> = got.iter().map(Received::event_id).collect();
+    assert_eq!(
+        (unique.len(), broker.inbox().len()),
+        (n as usize, n as usize),
+        "every event once"
+    );
+    whole.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shard_counts_in_other_databases_do_not_interfere() {
     // Two services on one server, each with its own database and an outbox of
