@@ -63,10 +63,12 @@ impl Received {
         serde_json::from_slice(&self.body).expect("message body is JSON")
     }
 
-    /// The event id, from the `event_id` header (structured mode) or `ce_id` (binary).
+    /// The event id, from the `event_id` header (structured mode) or
+    /// `ce_id` / `cloudEvents:id` (binary, Kafka / RabbitMQ).
     pub fn event_id(&self) -> String {
         self.header("event_id")
             .or(self.header("ce_id"))
+            .or(self.header("cloudEvents:id"))
             .expect("message has an event id header")
             .to_owned()
     }

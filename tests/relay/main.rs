@@ -36,6 +36,7 @@ mod paging;
 mod partition_bounds;
 mod partitions;
 mod rabbit_exchanges;
+mod rabbit_frames;
 mod ranges_delivery;
 mod ranges_downgrade;
 mod ranges_fold;

@@ -237,6 +237,35 @@ impl RabbitMqSink {
     }
 }
 
+/// The size of the frame that carries a message's properties (all its
+/// headers): AMQP sends them in one frame, which may not pass the frame
+/// size the connection agreed on (RabbitMQ's `frame_max`, 128 KiB by
+/// default). A larger one closes the connection, or never leaves the
+/// client, on every try: refused instead, so that it is dead-lettered.
+fn properties_fit(message: &Message<'_>, frame_max: u32) -> Result<(), SinkError> {
+    // Frame header and end, class, weight, body size, flags; delivery
+    // mode, timestamp, app id; the strings with their length prefixes.
+    let fixed = 8 + 14 + 1 + 8 + (1 + 12) + 4;
+    let strings = [&*message.id, message.content_type, &*message.event_type]
+        .iter()
+        .map(|s| 1 + s.len())
+        .sum::<usize>();
+    let headers = message
+        .headers
+        .iter()
+        .map(|(k, v)| 1 + k.len() + 1 + 4 + v.len())
+        .sum::<usize>();
+    let size = fixed + strings + headers;
+    if frame_max != 0 && size > frame_max as usize {
+        return Err(SinkError::rejected(format!(
+            "the message's properties (its headers, with the CloudEvents attributes in binary mode) take \
+             {size} bytes, over the {frame_max}-byte frame the connection to RabbitMQ agreed on: shorten \
+             them, or raise frame_max on the broker"
+        )));
+    }
+    Ok(())
+}
+
 /// A persistent message with the event's id, type and headers.
 fn properties(message: &Message<'_>) -> Result<BasicProperties, SinkError> {
     let mut headers = FieldTable::default();
@@ -323,6 +352,7 @@ impl Sink for RabbitMqSink {
             ..
         } = route;
         within_limit(&message, self.max_bytes)?;
+        properties_fit(&message, self.connection.configuration().frame_max())?;
         let properties = properties(&message)?;
         self.ensure_exchange(&exchange).await?;
         let names = (
