@@ -56,6 +56,18 @@ impl Lease {
         }
     }
 
+    /// The round trip that won ownership was sent at `sent_at`: the lease
+    /// counts from there, as a renewal does, not from when its answer
+    /// arrived (which a slow network can hold back).
+    pub fn proven_at(self, sent_at: Instant) -> Lease {
+        let until =
+            (sent_at + self.duration).min(*self.until.lock().unwrap_or_else(|e| e.into_inner()));
+        Lease {
+            until: Mutex::new(until),
+            ..self
+        }
+    }
+
     /// A round trip sent at `sent_at` on the ownership session succeeded.
     pub fn renew(&self, sent_at: Instant) {
         let mut until = self.until.lock().unwrap_or_else(|e| e.into_inner());
@@ -157,6 +169,22 @@ mod tests {
             "an expired lease waits for a renewal"
         );
         waiter.abort();
+    }
+
+    /// The answer that won ownership came late: the lease counts from
+    /// when the question was sent, as a renewal's does.
+    #[test]
+    fn a_lease_counts_from_the_question_that_won_it() {
+        let d = Duration::from_secs(3);
+        let asked = Instant::now();
+        let answered = asked + Duration::from_secs(1);
+        let lease = Lease::after_clean_stop(d, answered).proven_at(asked);
+        assert!(lease.valid(answered));
+        assert_eq!(lease.until(), asked + d);
+        assert!(
+            !lease.valid(asked + d),
+            "not valid until the answer's time + d"
+        );
     }
 
     #[tokio::test(start_paused = true)]

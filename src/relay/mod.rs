@@ -20,7 +20,7 @@ pub(crate) mod supervise;
 
 pub use pipeline::{PipelineError, Settings};
 pub use postgres::Postgres;
-pub use supervise::{Backend, Owned, RunEnd};
+pub use supervise::{Backend, Claimed, Owned, RunEnd};
 
 use crate::config::Config;
 use crate::db::DbError;

@@ -4,10 +4,10 @@
 
 use super::RelayError;
 use super::auto::{self, Modes};
-use super::handoff::{self, Claim, Takeover};
+use super::handoff::{self, Claim};
 use super::pipeline::{self, Drained, Settings};
 use super::shards::{self, Balance, Shard};
-use super::supervise::{Backend, Owned, RunEnd};
+use super::supervise::{Backend, Claimed, Owned, RunEnd};
 use crate::config::ResolvedColumns;
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::db::DbError;
@@ -90,7 +90,7 @@ impl Backend for Postgres<'_> {
         balance: &Balance,
         health: &PipelineHealth,
         shutdown: &CancellationToken,
-    ) -> Result<Option<(Ownership, Takeover)>, RelayError> {
+    ) -> Result<Option<Claimed<Ownership>>, RelayError> {
         let config = self.config;
         let base = ownership_key(&config.outbox.table);
         let key = shard.lock_key(&base);
@@ -112,6 +112,7 @@ impl Backend for Postgres<'_> {
                 }
                 continue;
             }
+            let asked = tokio::time::Instant::now();
             let locked: bool = client
                 .query_one(
                     "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
@@ -133,7 +134,7 @@ impl Backend for Postgres<'_> {
             } else if locked {
                 let outbox = &config.outbox.table;
                 let (takeover, claim) = handoff::claim(&client, outbox, &key, shard.count).await?;
-                return Ok(Some((Ownership { client, claim }, takeover)));
+                return Ok(Some((Ownership { client, claim }, takeover, asked)));
             }
             // The database answers and another instance is active: a healthy standby.
             health.healthy();

@@ -40,6 +40,10 @@ pub struct Owned<'a> {
     pub shutdown: &'a CancellationToken,
 }
 
+/// What [`Backend::acquire`] won: the ownership session, what the
+/// previous owner left, and when the round trip that won it was sent.
+pub type Claimed<O> = (O, Takeover, Instant);
+
 /// The outside world of one supervised shard.
 pub trait Backend: Sync {
     /// Proof of ownership: the session that holds the ownership lock.
@@ -54,7 +58,7 @@ pub trait Backend: Sync {
         balance: &Balance,
         health: &PipelineHealth,
         shutdown: &CancellationToken,
-    ) -> impl Future<Output = Result<Option<(Self::Owner, Takeover)>, RelayError>> + Send;
+    ) -> impl Future<Output = Result<Option<Claimed<Self::Owner>>, RelayError>> + Send;
 
     /// Connects the source and the sink and relays until `run.shutdown` or
     /// a failure; after a clean stop it records one for the next owner.
@@ -159,7 +163,11 @@ type Kept<'a> = (
 );
 
 /// A new owner's lease: at once after a clean stop, else after the previous one's.
-fn lease_for(takeover: Takeover, config: &Config, shard: Shard) -> Lease {
+fn lease_for(takeover: Takeover, config: &Config, shard: Shard, sent_at: Instant) -> Lease {
+    lease_from_now(takeover, config, shard).proven_at(sent_at)
+}
+
+fn lease_from_now(takeover: Takeover, config: &Config, shard: Shard) -> Lease {
     let (lease, now) = (config.relay.ownership_lease, Instant::now());
     match takeover {
         Takeover::AfterCleanStop => {
@@ -194,13 +202,13 @@ async fn run_once<B: Backend>(
     (shard, telemetry, blocks, progress): Kept<'_>,
     shutdown: &CancellationToken,
 ) -> Result<Stop, RelayError> {
-    let Some((owner, takeover)) = backend
+    let Some((owner, takeover, sent_at)) = backend
         .acquire(shard, balance, &telemetry.health, shutdown)
         .await?
     else {
         return Ok(Stop::Shutdown);
     };
-    let lease = Arc::new(lease_for(takeover, config, shard));
+    let lease = Arc::new(lease_for(takeover, config, shard, sent_at));
     balance.acquired();
     telemetry.health.acquired();
     // Gives the shard back when this instance holds more than its share.

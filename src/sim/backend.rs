@@ -8,10 +8,9 @@ use super::world::{Shared, lock};
 use crate::config::ColumnMap;
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::envelope::Envelope;
-use crate::relay::handoff::Takeover;
 use crate::relay::pipeline::{self, Drained, Settings};
 use crate::relay::shards::{Balance, Shard};
-use crate::relay::{Backend, Owned, RelayError, RunEnd};
+use crate::relay::{Backend, Claimed, Owned, RelayError, RunEnd};
 use crate::source::cdc::{CdcAcker, CdcReader, CdcSettings, SharedProgress, Timing};
 use crate::source::polling::PollingAcker;
 use crate::telemetry::health::PipelineHealth;
@@ -33,13 +32,14 @@ impl Backend for SimBackend {
         _balance: &Balance,
         health: &PipelineHealth,
         shutdown: &CancellationToken,
-    ) -> Result<Option<(u64, Takeover)>, RelayError> {
+    ) -> Result<Option<Claimed<u64>>, RelayError> {
         loop {
+            let asked = tokio::time::Instant::now();
             let acquired = {
                 let mut world = lock(&self.world);
                 world
                     .try_lock(self.instance)
-                    .map(|reign| (reign, world.claim(reign)))
+                    .map(|reign| (reign, world.claim(reign), asked))
             };
             if acquired.is_some() {
                 return Ok(acquired);
