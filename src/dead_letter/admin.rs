@@ -43,7 +43,7 @@ pub enum Target {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
-    #[error("{0}")]
+    #[error("{}", crate::db::error_text(.0))]
     Db(#[from] tokio_postgres::Error),
     #[error("{0}")]
     Refused(String),
@@ -98,10 +98,12 @@ async fn lock_aggregates(
     tx: &tokio_postgres::Transaction<'_>,
     table: &TableName,
     target: &Target,
+    chunk: Option<&Chunk>,
 ) -> Result<std::collections::HashSet<String>, AdminError> {
-    let aggregates: Vec<String> = match target {
-        Target::Aggregate(a) => vec![a.clone()],
-        Target::Id(id) => tx
+    let aggregates: Vec<String> = match (target, chunk) {
+        (_, Some(chunk)) => chunk.aggregates.clone(),
+        (Target::Aggregate(a), None) => vec![a.clone()],
+        (Target::Id(id), None) => tx
             .query(
                 &format!(
                     "SELECT DISTINCT aggregate_id FROM {} WHERE id = $1 AND resolution IS NULL",
@@ -113,29 +115,79 @@ async fn lock_aggregates(
             .iter()
             .filter_map(|r| r.get::<_, Option<String>>(0))
             .collect(),
-        Target::All => tx
-            .query(
-                &format!(
-                    "SELECT DISTINCT aggregate_id FROM {} WHERE resolution IS NULL",
-                    table.quoted()
-                ),
-                &[],
-            )
-            .await?
-            .iter()
-            .filter_map(|r| r.get::<_, Option<String>>(0))
-            .collect(),
+        (Target::All, None) => open_aggregates(tx, table).await?,
     };
     let mut aggregates = aggregates;
     aggregates.sort();
-    for a in &aggregates {
-        tx.execute(
-            super::AGGREGATE_LOCK_SQL,
-            &[&super::aggregate_lock_key(table, a)],
-        )
-        .await?;
-    }
+    // In one statement, in the array's order (a function scan of unnest
+    // yields it in order).
+    let keys: Vec<String> = aggregates
+        .iter()
+        .map(|a| super::aggregate_lock_key(table, a))
+        .collect();
+    tx.execute(
+        "SELECT count(pg_advisory_xact_lock(hashtextextended(k, 0))) FROM unnest($1::text[]) AS k",
+        &[&keys],
+    )
+    .await?;
     Ok(aggregates.into_iter().collect())
+}
+
+/// The aggregates with open dead letters, sorted.
+async fn open_aggregates(
+    client: &impl tokio_postgres::GenericClient,
+    table: &TableName,
+) -> Result<Vec<String>, AdminError> {
+    Ok(client
+        .query(
+            &format!(
+                "SELECT DISTINCT aggregate_id FROM {} WHERE resolution IS NULL AND aggregate_id IS NOT NULL
+                 ORDER BY 1",
+                table.quoted()
+            ),
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// Part of `--all`, acted on in one transaction: a share of the
+/// aggregates (each is locked, and PostgreSQL's lock table is small), and
+/// in the first part, the letters with no aggregate.
+struct Chunk {
+    aggregates: Vec<String>,
+    first: bool,
+}
+
+/// The transactions a target is acted on in: one, except for `--all`.
+async fn chunks(
+    client: &Client,
+    table: &TableName,
+    target: &Target,
+) -> Result<Vec<Option<Chunk>>, AdminError> {
+    if !matches!(target, Target::All) {
+        return Ok(vec![None]);
+    }
+    let aggregates = open_aggregates(client, table).await?;
+    let mut parts: Vec<Option<Chunk>> = aggregates
+        .chunks(super::LOCKS_PER_TRANSACTION)
+        .map(|c| {
+            Some(Chunk {
+                aggregates: c.to_vec(),
+                first: false,
+            })
+        })
+        .collect();
+    match parts.first_mut() {
+        Some(Some(first)) => first.first = true,
+        _ => parts.push(Some(Chunk {
+            aggregates: Vec::new(),
+            first: true,
+        })),
+    }
+    Ok(parts)
 }
 
 /// The targeted dead letters of the aggregates locked by [`lock_aggregates`]:
@@ -145,9 +197,10 @@ async fn targeted_locked(
     tx: &tokio_postgres::Transaction<'_>,
     table: &TableName,
     target: &Target,
+    chunk: Option<&Chunk>,
 ) -> Result<Vec<(i64, String, Option<String>, Option<i64>)>, AdminError> {
-    let locked = lock_aggregates(tx, table, target).await?;
-    let mut letters = targeted(tx, table, target).await?;
+    let locked = lock_aggregates(tx, table, target, chunk).await?;
+    let mut letters = targeted(tx, table, target, chunk).await?;
     letters.retain(|l| l.2.as_ref().is_none_or(|a| locked.contains(a)));
     Ok(letters)
 }
@@ -157,21 +210,29 @@ async fn targeted(
     tx: &tokio_postgres::Transaction<'_>,
     table: &TableName,
     target: &Target,
+    chunk: Option<&Chunk>,
 ) -> Result<Vec<(i64, String, Option<String>, Option<i64>)>, AdminError> {
     let (id, aggregate, all) = match target {
         Target::Id(i) => (Some(i.as_str()), None, false),
         Target::Aggregate(a) => (None, Some(a.as_str()), false),
         Target::All => (None, None, true),
     };
+    // `--all` one chunk at a time: its aggregates, and in the first one
+    // the letters with none.
+    let (all, part, no_aggregate) = match chunk {
+        Some(c) => (false, Some(&c.aggregates), c.first),
+        None => (all, None, false),
+    };
     let rows = tx
         .query(
             &format!(
                 "SELECT dead_letter_id, id, aggregate_id, outbox_seq FROM {} WHERE resolution IS NULL
-                   AND ($3 OR id = $1 OR aggregate_id = $2)
+                   AND ($3 OR id = $1 OR aggregate_id = $2 OR aggregate_id = ANY($4)
+                        OR ($5 AND aggregate_id IS NULL))
                  ORDER BY dead_letter_id FOR UPDATE",
                 table.quoted()
             ),
-            &[&id, &aggregate, &all],
+            &[&id, &aggregate, &all, &part, &no_aggregate],
         )
         .await?;
     let letters: Vec<(i64, String, Option<String>, Option<i64>)> = rows
@@ -203,19 +264,23 @@ pub async fn drop(
     table: &TableName,
     target: &Target,
 ) -> Result<usize, AdminError> {
-    let tx = client.transaction().await?;
-    let letters = targeted_locked(&tx, table, target).await?;
-    let ids: Vec<i64> = letters.iter().map(|l| l.0).collect();
-    tx.execute(
-        &format!(
-            "UPDATE {} SET resolution = 'dropped', resolved_at = now() WHERE dead_letter_id = ANY($1)",
-            table.quoted()
-        ),
-        &[&ids],
-    )
-    .await?;
-    tx.commit().await?;
-    Ok(ids.len())
+    let mut dropped = 0;
+    for chunk in chunks(client, table, target).await? {
+        let tx = client.transaction().await?;
+        let letters = targeted_locked(&tx, table, target, chunk.as_ref()).await?;
+        let ids: Vec<i64> = letters.iter().map(|l| l.0).collect();
+        tx.execute(
+            &format!(
+                "UPDATE {} SET resolution = 'dropped', resolved_at = now() WHERE dead_letter_id = ANY($1)",
+                table.quoted()
+            ),
+            &[&ids],
+        )
+        .await?;
+        tx.commit().await?;
+        dropped += ids.len();
+    }
+    Ok(dropped)
 }
 
 /// Whether `dlq redrive --id id` may put one event back, given the open
@@ -247,22 +312,26 @@ pub async fn redrive(
     dead_letters: &TableName,
     target: &Target,
 ) -> Result<usize, AdminError> {
-    let tx = client.transaction().await?;
-    let letters = targeted_locked(&tx, dead_letters, target).await?;
-    if let Target::Id(id) = target {
-        check_alone(&tx, dead_letters, id, &letters).await?;
+    let mut requested = 0;
+    for chunk in chunks(client, dead_letters, target).await? {
+        let tx = client.transaction().await?;
+        let letters = targeted_locked(&tx, dead_letters, target, chunk.as_ref()).await?;
+        if let Target::Id(id) = target {
+            check_alone(&tx, dead_letters, id, &letters).await?;
+        }
+        let ids: Vec<i64> = letters.iter().map(|l| l.0).collect();
+        tx.execute(
+            &format!(
+                "UPDATE {} SET redrive_requested_at = now() WHERE dead_letter_id = ANY($1)",
+                dead_letters.quoted()
+            ),
+            &[&ids],
+        )
+        .await?;
+        tx.commit().await?;
+        requested += ids.len();
     }
-    let ids: Vec<i64> = letters.iter().map(|l| l.0).collect();
-    tx.execute(
-        &format!(
-            "UPDATE {} SET redrive_requested_at = now() WHERE dead_letter_id = ANY($1)",
-            dead_letters.quoted()
-        ),
-        &[&ids],
-    )
-    .await?;
-    tx.commit().await?;
-    Ok(ids.len())
+    Ok(requested)
 }
 
 /// `--id` redrives only an aggregate's only open dead letter (see [`redrive_one_allowed`]).

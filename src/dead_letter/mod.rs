@@ -193,6 +193,22 @@ pub async fn wal_positions_since(
 /// both), so neither acts on a view the other is about to change.
 pub const AGGREGATE_LOCK_SQL: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
 
+/// Most aggregates locked in one transaction: PostgreSQL's lock table
+/// holds `max_locks_per_transaction` (64) times `max_connections` entries
+/// for every session together, 6,400 by default.
+pub const LOCKS_PER_TRANSACTION: usize = 500;
+
+/// How many of `items`, from the first, name at most
+/// [`LOCKS_PER_TRANSACTION`] aggregates (at least one item).
+pub fn chunk_len<T>(items: &[T], aggregate: impl Fn(&T) -> &str) -> usize {
+    let mut seen = HashSet::new();
+    items
+        .iter()
+        .position(|i| seen.insert(aggregate(i)) && seen.len() > LOCKS_PER_TRANSACTION)
+        .unwrap_or(items.len())
+        .max(1)
+}
+
 /// The key of [`AGGREGATE_LOCK_SQL`] for an aggregate of a dead-letter table.
 pub fn aggregate_lock_key(table: &TableName, aggregate: &str) -> String {
     format!("outbox-relay:dead-letters:{table}:{aggregate}")
@@ -312,12 +328,32 @@ impl Recorder {
         })
     }
 
-    /// Writes the letters in one transaction, running `mark` for the rows of
-    /// the ones written. A follower whose aggregate no longer has an open
-    /// dead letter (an operator dropped it, or the relay published it again,
-    /// meanwhile) is not written: its aggregate is reported resolved, so the
-    /// relay publishes it instead.
+    /// Writes the letters, running `mark` for the rows of the ones written,
+    /// in transactions of at most [`LOCKS_PER_TRANSACTION`] aggregates (each
+    /// takes a lock, and PostgreSQL's lock table is shared and small). A
+    /// follower whose aggregate no longer has an open dead letter (an
+    /// operator dropped it, or the relay published it again, meanwhile) is
+    /// not written: its aggregate is reported resolved, so the relay
+    /// publishes it instead.
     pub async fn write<P>(
+        &self,
+        client: &mut Client,
+        letters: &[DeadLetter<P>],
+        mark: Option<&crate::outbox::MarkStatement>,
+    ) -> Result<Written, tokio_postgres::Error> {
+        let mut out = Written::default();
+        let mut start = 0;
+        while start < letters.len() {
+            let end = start + chunk_len(&letters[start..], |l| l.aggregate_id());
+            let part = self.write_chunk(client, &letters[start..end], mark).await?;
+            out.written.extend(part.written.iter().map(|i| i + start));
+            out.resolved.extend(part.resolved);
+            start = end;
+        }
+        Ok(out)
+    }
+
+    async fn write_chunk<P>(
         &self,
         client: &mut Client,
         letters: &[DeadLetter<P>],
@@ -470,5 +506,23 @@ impl Recorder {
             client.execute(&self.clear_requests, &[&id]).await?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_name_at_most_so_many_aggregates() {
+        let items: Vec<String> = (0..1200).map(|i| format!("a{}", i / 2)).collect();
+        let len = chunk_len(&items, String::as_str);
+        assert_eq!(
+            len,
+            2 * LOCKS_PER_TRANSACTION,
+            "both letters of each aggregate"
+        );
+        assert_eq!(chunk_len(&items[len..], String::as_str), 200);
+        assert_eq!(chunk_len(&items[..0], String::as_str), 1, "at least one");
     }
 }

@@ -2,6 +2,7 @@
 //! straight into the dead-letter table (no relay runs: requests stay
 //! pending, as they do until the active relay takes them).
 
+use crate::kit::cluster::PrivatePg;
 use crate::support::*;
 use serde_json::Value;
 
@@ -176,4 +177,43 @@ async fn an_id_that_names_letters_of_several_aggregates_is_refused() {
         letters(&listed(&[], &path)),
         [("twin".into(), "a".into()), ("twin".into(), "b".into())]
     );
+}
+
+/// `--all` over more aggregates than PostgreSQL's lock table holds at once
+/// (each is locked while its letters change; `max_locks_per_transaction`
+/// × `max_connections` entries, shared by every session) goes a share of
+/// them at a time. A small server makes the table small.
+#[tokio::test]
+async fn all_letters_of_many_aggregates_are_redriven_and_dropped() {
+    let pg = PrivatePg::start(&["max_connections = 20", "max_locks_per_transaction = 64"]);
+    let admin = connect(&pg.url("postgres")).await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    let app = connect(&pg.url("app")).await;
+    let path = config_file(&base_toml(&pg.url("app"), &rabbit_sink()));
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let n: i64 = 20_000;
+    app.execute(
+        "INSERT INTO outbox_dead_letters (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at)
+         SELECT 'e' || g, 'a' || g, 'refused', 5, now(), now() FROM generate_series(1, $1::bigint) g
+         UNION ALL SELECT 'loose', NULL, 'refused', 5, now(), now()",
+        &[&n],
+    )
+    .await
+    .expect("the letters");
+    let count = |sql: &'static str| {
+        let app = &app;
+        async move { app.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    let all = |command: &str| {
+        let (code, out, err) = run_cli(&["dlq", command, "--all", "--config", &path], &[]);
+        assert_eq!(code, 0, "{command}: {out}{err}");
+    };
+    all("redrive");
+    let requested =
+        count("SELECT count(*) FROM outbox_dead_letters WHERE redrive_requested_at IS NOT NULL");
+    assert_eq!(requested.await, n + 1, "every letter requested once");
+    all("drop");
+    let dropped = count("SELECT count(*) FROM outbox_dead_letters WHERE resolution = 'dropped'");
+    assert_eq!(dropped.await, n + 1);
 }
