@@ -3,6 +3,7 @@
 //! leave what `outbox-relay migrate` makes, and `check` passes.
 
 use crate::support::*;
+use std::time::Duration;
 use tokio_postgres::Client;
 
 /// The `.sql` files of `migrations/<under>` in name order, as a migration tool applies them.
@@ -219,4 +220,48 @@ async fn the_files_make_what_migrate_makes_for_logical_messages_but_the_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_files_make_what_migrate_makes_for_ranges() {
     files_match_migrate(Mode::Polling, &["ranges"], &[]).await;
+}
+
+/// `migrate` behind a long transaction on the outbox gives up its place
+/// in the lock queue within seconds, so the application's inserts, which
+/// queue behind it, go on; it says why, and runs once the transaction ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_behind_a_long_transaction_does_not_hold_inserts_up() {
+    let db = TestDb::new().await;
+    db.client
+        .batch_execute(
+            "CREATE TABLE outbox (id uuid PRIMARY KEY, aggregate_type text NOT NULL,
+                 aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb NOT NULL)",
+        )
+        .await
+        .unwrap();
+    // A report left open on the outbox.
+    let holder = connect(&db.url).await;
+    holder
+        .batch_execute("BEGIN; SELECT count(*) FROM outbox")
+        .await
+        .unwrap();
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
+    let migrate = {
+        let path = path.clone();
+        tokio::task::spawn_blocking(move || run_cli(&["migrate", "--config", &path], &[]))
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let insert = db.client.execute(
+        "INSERT INTO outbox VALUES (gen_random_uuid(), 'order', 'a', 'E', '{}')",
+        &[],
+    );
+    tokio::time::timeout(Duration::from_secs(12), insert)
+        .await
+        .expect("the insert did not wait for migrate's lock for long")
+        .unwrap();
+    let (code, out, err) = migrate.await.unwrap();
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("a transaction holds a lock on the table"),
+        "{err}"
+    );
+    holder.batch_execute("COMMIT").await.unwrap();
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
 }
