@@ -301,6 +301,12 @@ async fn with_every_slot_taken_migrate_refuses_and_auto_polls() {
     assert_eq!(code, 1, "{out}{err}");
     let cause = "every replication slot is in use: raise max_replication_slots (restart needed) or drop an unused slot";
     assert!(err.contains(cause), "{err}");
+    // check says so too, rather than leave it to `run` to find.
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert!(
+        code == 1 && out.contains("[FAIL] slot") && out.contains("`run` cannot create it"),
+        "{out}"
+    );
 
     let auto = set(&polling, "source.mode", "\"auto\"");
     let auto = set(

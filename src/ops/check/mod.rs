@@ -450,11 +450,22 @@ async fn check_slot(config: &Config, client: &tokio_postgres::Client, slot: &str
                 report_lost_slot(config, slot, r);
             }
         }
-        Ok(None) if cdc.create_slot => r.add(
-            Mark::Warn,
-            "slot",
-            format!("{slot} does not exist yet; `run` creates it (or run `outbox-relay migrate`)"),
-        ),
+        Ok(None) if cdc.create_slot => match setup::free_slots(client).await {
+            Ok(free) if free <= 0 => r.add(
+                Mark::Fail,
+                "slot",
+                format!(
+                    "{slot} does not exist and every replication slot is in use, so `run` cannot create it: \
+                     raise max_replication_slots (restart needed) or drop an unused slot"
+                ),
+            ),
+            Ok(_) => r.add(
+                Mark::Warn,
+                "slot",
+                format!("{slot} does not exist yet; `run` creates it (or run `outbox-relay migrate`)"),
+            ),
+            Err(e) => r.add(Mark::Fail, "slot", e.to_string()),
+        },
         Ok(None) => r.add(
             Mark::Fail,
             "slot",
