@@ -12,12 +12,17 @@ use crate::outbox::progress::Ranges;
 use crate::outbox::progress::fold::{Advance, Capture};
 use crate::telemetry::metrics::{FoldOutcome, PipelineMetrics};
 use std::time::Duration;
+use tokio::time::Instant;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
 /// The pause grows to this while a drain is under way (rows visible in the
 /// capture that are not recorded yet are more than [`HOLD_LIMIT`]).
 const BACKLOG_INTERVAL_MAX: Duration = Duration::from_secs(60);
+
+/// How often a fold that keeps finding too many unrecorded rows says so
+/// (at warning level: before then it is an ordinary drain).
+const BACKLOG_WARN_EVERY: Duration = Duration::from_secs(600);
 
 /// Rows a round holds open at most; more means the relay is draining.
 const HOLD_LIMIT: i64 = 2_000;
@@ -48,6 +53,9 @@ pub async fn run_scheduled(
     // confirmed what it had in flight then.
     let interval = config.relay.fold_interval;
     let mut wait = interval;
+    // Since when every round found more unrecorded rows than it may hold,
+    // and when that was last said.
+    let mut waiting: Option<(Instant, Instant)> = None;
     loop {
         tokio::select! {
             biased;
@@ -81,8 +89,21 @@ pub async fn run_scheduled(
                 backoff.reset();
                 wait = (wait * 2).clamp(interval, BACKLOG_INTERVAL_MAX.max(interval));
                 tracing::debug!(pipeline, next_in = ?wait, "fold waits: the relay is draining");
+                let now = Instant::now();
+                let (since, said) = waiting.get_or_insert((now, now));
+                if now - *said >= BACKLOG_WARN_EVERY {
+                    *said = now;
+                    tracing::warn!(
+                        pipeline,
+                        waited_s = (now - *since).as_secs(),
+                        "the fold cannot move the frontier: more than {HOLD_LIMIT} rows it would pass are read and \
+                         not recorded. A drain this long, or events held back for good: aggregates refused and \
+                         waiting for a retry, or behind dead letters (see `outbox-relay dlq list`)"
+                    );
+                }
             }
             Ok(outcome) => {
+                waiting = None;
                 backoff.reset();
                 wait = interval;
                 if let Some(Advance::Advanced {
