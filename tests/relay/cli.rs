@@ -62,6 +62,20 @@ async fn migrate_installs_the_notify_trigger_only_while_notify_is_on() {
         out.contains("insert trigger notifies channel outbox_relay_outbox"),
         "{out}"
     );
+    // Another channel configured, and no migrate since: the trigger's is
+    // not the one the relay listens on.
+    let renamed = std::fs::read_to_string(on).unwrap();
+    let renamed = write_config(&set(
+        &renamed,
+        "source.polling.notify_channel",
+        "\"renamed\"",
+    ));
+    let (code, out, err) = run_cli(&["check", "--config", renamed.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "a warning, not a failure: {out}{err}");
+    assert!(
+        out.contains("notifies channel outbox_relay_outbox, and the relay listens on renamed"),
+        "{out}"
+    );
 
     let (code, out, err) = run_cli(&["check", "--config", off], &[]);
     assert_eq!(code, 0, "a warning, not a failure: {out}{err}");

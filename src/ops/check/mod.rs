@@ -192,17 +192,33 @@ async fn check_table(config: &Config, client: &tokio_postgres::Client, r: &mut R
 async fn check_wakeups(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
     let table = &config.outbox.table;
     let polling = &config.source.polling;
-    let found = client
-        .query_one(
-            "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = 'outbox_relay_notify'",
+    // The channel is the trigger's one argument (NUL-terminated).
+    let notifies: Option<String> = client
+        .query_opt(
+            "SELECT tgargs FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = 'outbox_relay_notify'",
             &[&table.quoted()],
         )
         .await
-        .map(|row| row.get::<_, i64>(0) > 0)
-        .unwrap_or(false);
+        .ok()
+        .flatten()
+        .map(|row| {
+            let args: Vec<u8> = row.get(0);
+            let channel = args.split(|b| *b == 0).next().unwrap_or_default();
+            String::from_utf8_lossy(channel).into_owned()
+        });
+    let found = notifies.is_some();
     let every = humantime::format_duration(polling.poll_interval);
     let wanted = notify_channel(polling, table).filter(|_| config.source.mode.may_poll());
     match (wanted, found) {
+        (Some(channel), true) if notifies.as_deref() != Some(channel.as_str()) => r.add(
+            Mark::Warn,
+            "wake-ups",
+            format!(
+                "the insert trigger notifies channel {}, and the relay listens on {channel}: new rows wait up to \
+                 source.polling.poll_interval ({every}); run `outbox-relay migrate`",
+                notifies.as_deref().unwrap_or_default()
+            ),
+        ),
         (Some(channel), true) => r.add(
             Mark::Ok,
             "wake-ups",
