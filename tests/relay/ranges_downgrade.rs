@@ -393,3 +393,29 @@ async fn a_frontier_recorded_on_another_server_is_refused() {
     ids.extend(here);
     once_each(&broker, &ids, "after the steps");
 }
+
+/// One of ranges' objects missing (dropped by hand, a partial restore):
+/// `check` fails, and `migrate` makes the missing ones again.
+#[tokio::test]
+async fn migrate_makes_missing_objects_of_ranges_again() {
+    let sets = [("relay.mark", "\"ranges\"")];
+    let (db, _broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &sets).await;
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    let path = config_file(&toml);
+    db.client
+        .batch_execute(&format!(
+            "DROP TABLE {}; DROP FUNCTION {}(bigint, xid8, timestamptz)",
+            ranges.held.quoted(),
+            ranges.sent_function.quoted()
+        ))
+        .await
+        .unwrap();
+    let (code, out, _) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 1, "{out}");
+    let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (_, out, _) = run_cli(&["migrate", "--config", &path], &[]);
+    assert!(out.contains("nothing to do"), "{out}");
+}

@@ -336,7 +336,23 @@ async fn ranges_steps(
     }
     let ranges = Ranges::new(&opts.table);
     let mut steps = Vec::new();
-    if table_info(client, &ranges.progress).await?.is_none() {
+    // All four, when any is missing (a manual drop, a partial restore):
+    // each statement leaves one that exists as it is.
+    let function: bool = client
+        .query_one(
+            "SELECT to_regprocedure($1) IS NOT NULL",
+            &[&format!(
+                "{}(bigint, xid8, timestamptz)",
+                ranges.sent_function.quoted()
+            )],
+        )
+        .await?
+        .get(0);
+    let mut complete = function;
+    for table in [&ranges.progress, &ranges.frontier, &ranges.held] {
+        complete &= table_info(client, table).await?.is_some();
+    }
+    if !complete {
         let what = [
             format!(
                 "create {}, one row of relay_seq ranges per confirmed batch",
