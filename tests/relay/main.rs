@@ -35,6 +35,7 @@ mod operations;
 mod paging;
 mod partition_bounds;
 mod partitions;
+mod publications;
 mod rabbit_exchanges;
 mod rabbit_frames;
 mod ranges_delivery;

@@ -485,8 +485,23 @@ async fn publication_step(
                 ))
             }
             exists => {
-                let sql =
-                    setup::publication_sql(&cdc.publication, table, exists.is_some(), partitioned);
+                let (member, publish) = match exists {
+                    Some(_) => setup::publication_gaps(client, &cdc.publication, table).await?,
+                    None => (false, None),
+                };
+                // A member already (the publication lacks only inserts):
+                // adding it again would fail.
+                let mut sql = if member {
+                    String::new()
+                } else {
+                    setup::publication_sql(&cdc.publication, table, exists.is_some(), partitioned)
+                };
+                if let Some(publish) = publish {
+                    sql = [sql, publish]
+                        .join(";\n")
+                        .trim_start_matches(";\n")
+                        .to_owned();
+                }
                 if !may_publish(client, table).await? {
                     return Err(MigrateError::Prerequisite(format!(
                         "publishing {table} (publication {}) needs ownership of the table: run migrate as its owner, \

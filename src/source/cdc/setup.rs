@@ -190,6 +190,40 @@ pub async fn publication_covers(
     Ok(row.map(|r| r.get::<_, bool>(0) && r.get::<_, bool>(1)))
 }
 
+/// For an existing publication that does not publish `table`'s inserts:
+/// whether the table is a member already, and, when the publication
+/// publishes no inserts at all, the statement that adds them to what it
+/// publishes.
+pub async fn publication_gaps(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+) -> Result<(bool, Option<String>), DbError> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_tables t
+                            WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3),
+                    p.pubinsert,
+                    concat_ws(', ', 'insert', CASE WHEN p.pubupdate THEN 'update' END,
+                              CASE WHEN p.pubdelete THEN 'delete' END,
+                              CASE WHEN p.pubtruncate THEN 'truncate' END)
+             FROM pg_publication p WHERE p.pubname = $1",
+            &[&publication, &table.schema, &table.name],
+        )
+        .await
+        .map_err(|e| q("reading pg_publication", e))?;
+    let (member, inserts, publish): (bool, bool, String) = (row.get(0), row.get(1), row.get(2));
+    Ok((
+        member,
+        (!inserts).then(|| {
+            format!(
+                "ALTER PUBLICATION {} SET (publish = '{publish}')",
+                quote_ident(publication)
+            )
+        }),
+    ))
+}
+
 /// The roles that lack what CDC needs (REPLICATION or superuser), as SQL
 /// identifiers: the login role, which the replication connection is
 /// authorised by, and the current role, which the slot functions check
