@@ -35,6 +35,40 @@ pub fn lock_key(config: &Config) -> String {
     format!("outbox-relay-fold:{}", config.outbox.table)
 }
 
+fn count_round<E>(m: &PipelineMetrics, result: &Result<Option<Advance>, E>) {
+    match result {
+        Ok(Some(Advance::Advanced { settled: true, .. })) => m.fold_round(FoldOutcome::Advanced),
+        Ok(Some(Advance::Advanced { settled: false, .. })) => m.fold_round(FoldOutcome::Unsettled),
+        Ok(Some(Advance::Backlog)) => m.fold_round(FoldOutcome::Draining),
+        Ok(Some(Advance::Stale)) => m.fold_round(FoldOutcome::Stale),
+        Ok(None) => {}
+        Err(_) => m.fold_round(FoldOutcome::Failed),
+    }
+}
+
+/// Since when every round found more unrecorded rows than it may hold,
+/// and when that was last said.
+#[derive(Default)]
+struct Waiting(Option<(Instant, Instant)>);
+
+impl Waiting {
+    /// One more such round: said every [`BACKLOG_WARN_EVERY`].
+    fn again(&mut self, pipeline: &str) {
+        let now = Instant::now();
+        let (since, said) = self.0.get_or_insert((now, now));
+        if now - *said >= BACKLOG_WARN_EVERY {
+            *said = now;
+            tracing::warn!(
+                pipeline,
+                waited_s = (now - *since).as_secs(),
+                "the fold cannot move the frontier: more than {HOLD_LIMIT} rows it would pass are read and \
+                 not recorded. A drain this long, or events held back for good: aggregates refused and \
+                 waiting for a retry, or behind dead letters (see `outbox-relay dlq list`)"
+            );
+        }
+    }
+}
+
 /// Runs rounds until `shutdown`; returns at once unless `relay.mark = "ranges"`.
 pub async fn run_scheduled(
     config: &Config,
@@ -53,9 +87,7 @@ pub async fn run_scheduled(
     // confirmed what it had in flight then.
     let interval = config.relay.fold_interval;
     let mut wait = interval;
-    // Since when every round found more unrecorded rows than it may hold,
-    // and when that was last said.
-    let mut waiting: Option<(Instant, Instant)> = None;
+    let mut waiting = Waiting::default();
     loop {
         tokio::select! {
             biased;
@@ -71,39 +103,17 @@ pub async fn run_scheduled(
         };
         let result = round.await;
         if let Some(m) = &metrics {
-            match &result {
-                Ok(Some(Advance::Advanced { settled: true, .. })) => {
-                    m.fold_round(FoldOutcome::Advanced)
-                }
-                Ok(Some(Advance::Advanced { settled: false, .. })) => {
-                    m.fold_round(FoldOutcome::Unsettled)
-                }
-                Ok(Some(Advance::Backlog)) => m.fold_round(FoldOutcome::Draining),
-                Ok(Some(Advance::Stale)) => m.fold_round(FoldOutcome::Stale),
-                Ok(None) => {}
-                Err(_) => m.fold_round(FoldOutcome::Failed),
-            }
+            count_round(m, &result);
         }
         match result {
             Ok(Some(Advance::Backlog)) => {
                 backoff.reset();
                 wait = (wait * 2).clamp(interval, BACKLOG_INTERVAL_MAX.max(interval));
                 tracing::debug!(pipeline, next_in = ?wait, "fold waits: the relay is draining");
-                let now = Instant::now();
-                let (since, said) = waiting.get_or_insert((now, now));
-                if now - *said >= BACKLOG_WARN_EVERY {
-                    *said = now;
-                    tracing::warn!(
-                        pipeline,
-                        waited_s = (now - *since).as_secs(),
-                        "the fold cannot move the frontier: more than {HOLD_LIMIT} rows it would pass are read and \
-                         not recorded. A drain this long, or events held back for good: aggregates refused and \
-                         waiting for a retry, or behind dead letters (see `outbox-relay dlq list`)"
-                    );
-                }
+                waiting.again(pipeline);
             }
             Ok(outcome) => {
-                waiting = None;
+                waiting.0 = None;
                 backoff.reset();
                 wait = interval;
                 if let Some(Advance::Advanced {
