@@ -155,9 +155,9 @@ pub trait Reader: Send + 'static {
     fn rewind(&mut self);
 
     /// Whether the last batch ended inside a transaction whose other events
-    /// come in the next batches. Where the WAL is the only record, a
-    /// transaction is done only once all its events are: a stop reads on to
-    /// its end, so that what it sent can be reported done.
+    /// come in the next batches, where the WAL is the only record of them:
+    /// such a transaction is done only once all its events are, so a stop
+    /// reads on to its end, so that what it sent can be reported done.
     fn inside_transaction(&self) -> bool {
         false
     }

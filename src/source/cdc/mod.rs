@@ -520,7 +520,11 @@ impl<B: CdcServer> Reader for CdcReader<B> {
     }
 
     fn inside_transaction(&self) -> bool {
-        matches!(&self.phase, Phase::Streaming(s) if s.inside_transaction())
+        // Only where the WAL is the only record of some events: marked
+        // rows left unsent are read again from the table, so a stop need
+        // not wait for the rest of their transaction.
+        let wal_only = !self.settings.read_table || self.settings.messages.is_some();
+        wal_only && matches!(&self.phase, Phase::Streaming(s) if s.inside_transaction())
     }
 
     fn rewind(&mut self) {
