@@ -151,9 +151,9 @@ impl Backend for Postgres<'_> {
 
     /// Relays while holding ownership (the `owner` session, which also marks rows).
     async fn relay(&self, owner: Ownership, mut run: Owned<'_>) -> Result<RunEnd, RelayError> {
-        let result = self.relay_with(owner.client, &mut run).await;
-        run.telemetry.metrics.reading(None);
-        let (end, drained) = result?;
+        // The source-mode gauge is cleared once no shard is owned (see
+        // PipelineTelemetry::show_active): another may still be polling.
+        let (end, drained) = self.relay_with(owner.client, &mut run).await?;
         match (&owner.claim, drained) {
             (Some(claim), Drained::All) => self.record_clean_stop(claim).await,
             (Some(_), Drained::Abandoned) => tracing::info!(

@@ -67,10 +67,13 @@ impl PipelineTelemetry {
     }
 
     /// Sets the `active` gauge from the health: 1 while this instance owns
-    /// the outbox.
+    /// the outbox (a shard of it); and with none owned, reads by no source.
     pub fn show_active(&self) {
         let active = self.health.is_active();
         self.metrics.active.set(if active { 1.0 } else { 0.0 });
+        if !active {
+            self.metrics.reading(None);
+        }
     }
 
     /// As [`Self::new`], with event spans from `tracer` (when it exports).
