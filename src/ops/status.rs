@@ -78,6 +78,10 @@ pub struct Snapshot {
     pub backlog: Option<i64>,
     pub oldest_unsent_age_seconds: Option<f64>,
     pub dead_letters: Option<i64>,
+    /// Why the open dead letters could not be counted, when dead-lettering
+    /// is on (their table missing, or not readable by this role).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dead_letters_error: Option<String>,
     pub last_publish: Option<DateTime<Utc>>,
     pub slot: Option<SlotStatus>,
     /// In auto mode.
@@ -126,7 +130,11 @@ pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<
         true => oldest_unsent_age(client, config).await?,
         false => None,
     };
-    let dead_letters = open_dead_letters(client, config).await;
+    let (dead_letters, dead_letters_error) = match open_dead_letters(client, config).await {
+        Some(Ok(n)) => (Some(n), None),
+        Some(Err(e)) => (None, Some(e)),
+        None => (None, None),
+    };
     let last_publish = match config.relay.mark {
         MarkMode::Update if with_last_publish => client
             .query_one(&format!("SELECT max({SENT_AT_COLUMN}) FROM {t}"), &[])
@@ -162,6 +170,7 @@ pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<
         backlog,
         oldest_unsent_age_seconds,
         dead_letters,
+        dead_letters_error,
         last_publish,
         slot,
         auto,
@@ -301,22 +310,25 @@ pub async fn read_oldest_unsent(
     }))
 }
 
-/// Open dead letters, when dead-lettering is on and the table can be read.
-async fn open_dead_letters(client: &Client, config: &Config) -> Option<i64> {
+/// Open dead letters when dead-lettering is on (`None` when it is off),
+/// or why they could not be counted.
+async fn open_dead_letters(client: &Client, config: &Config) -> Option<Result<i64, String>> {
     let table = &config.outbox.table;
     if config.dead_letter.enabled {
         let dlq = config.dead_letter.table_name(table);
-        client
-            .query_one(
-                &format!(
-                    "SELECT count(*) FROM {} WHERE resolution IS NULL",
-                    dlq.quoted()
-                ),
-                &[],
-            )
-            .await
-            .ok()
-            .map(|r| r.get(0))
+        Some(
+            client
+                .query_one(
+                    &format!(
+                        "SELECT count(*) FROM {} WHERE resolution IS NULL",
+                        dlq.quoted()
+                    ),
+                    &[],
+                )
+                .await
+                .map(|r| r.get(0))
+                .map_err(|e| format!("cannot count them in {dlq}: {}", crate::db::error_text(&e))),
+        )
     } else {
         None
     }
@@ -449,8 +461,11 @@ pub fn render(s: &Snapshot) -> String {
     line("marking", format!("{}{chosen}", s.marking));
     line(
         "dead letters",
-        s.dead_letters
-            .map_or("dead-lettering off".into(), |n| format!("{n} open")),
+        match (&s.dead_letters_error, s.dead_letters) {
+            (Some(e), _) => e.clone(),
+            (None, Some(n)) => format!("{n} open"),
+            (None, None) => "dead-lettering off".into(),
+        },
     );
     line(
         "last publish",

@@ -217,3 +217,23 @@ async fn all_letters_of_many_aggregates_are_redriven_and_dropped() {
     let dropped = count("SELECT count(*) FROM outbox_dead_letters WHERE resolution = 'dropped'");
     assert_eq!(dropped.await, n + 1);
 }
+
+/// `status` with dead-lettering on and the letters' table unreadable says
+/// why it cannot count them, instead of "dead-lettering off".
+#[tokio::test]
+async fn status_says_why_it_cannot_count_dead_letters() {
+    let (db, path) = with_letters(&[]).await;
+    db.client
+        .batch_execute("DROP TABLE outbox_dead_letters")
+        .await
+        .unwrap();
+    let (_, out, err) = run_cli(&["status", "--config", &path], &[]);
+    let line = out
+        .lines()
+        .find(|l| l.contains("dead letters"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("cannot count them in") && line.contains("does not exist"),
+        "{out}{err}"
+    );
+}
