@@ -65,6 +65,17 @@ impl Ranges {
         }
     }
 
+    /// The highest `relay_seq` recorded as sent: the frontier's `max_seq`
+    /// or a progress row's (NULL when neither records any).
+    fn highest_recorded_sql(&self) -> String {
+        format!(
+            "SELECT GREATEST((SELECT max_seq FROM {} ORDER BY id DESC LIMIT 1),
+                             (SELECT max(upper(seqs)) - 1 FROM {}))",
+            self.frontier.quoted(),
+            self.progress.quoted()
+        )
+    }
+
     /// The frontier's snapshot runs past this server's transaction ids:
     /// it was recorded on another server whose ids ran higher (a dump
     /// restored, a logical copy), and rows written here, with lower ids,
@@ -78,13 +89,11 @@ impl Ranges {
             .query_opt(
                 &format!(
                     "SELECT pg_snapshot_xmax(f.snapshot)::text, pg_snapshot_xmax(pg_current_snapshot())::text,
-                            GREATEST((SELECT max_seq FROM {fr} ORDER BY id DESC LIMIT 1),
-                                     (SELECT max(upper(seqs)) - 1 FROM {p}))
+                            ({})
                      FROM ({}) f(snapshot)
                      WHERE pg_snapshot_xmax(f.snapshot) > pg_snapshot_xmax(pg_current_snapshot())",
+                    self.highest_recorded_sql(),
                     self.frontier_snapshot(),
-                    fr = self.frontier.quoted(),
-                    p = self.progress.quoted()
                 ),
                 &[],
             )
@@ -120,12 +129,9 @@ impl Ranges {
             .query_one(
                 &format!(
                     "WITH q AS (SELECT pg_get_serial_sequence($1, $2) AS name)
-                     SELECT q.name, has_sequence_privilege(q.name, 'SELECT'),
-                            GREATEST((SELECT max_seq FROM {f} ORDER BY id DESC LIMIT 1),
-                                     (SELECT max(upper(seqs)) - 1 FROM {p}))
+                     SELECT q.name, has_sequence_privilege(q.name, 'SELECT'), ({})
                      FROM q",
-                    f = self.frontier.quoted(),
-                    p = self.progress.quoted()
+                    self.highest_recorded_sql()
                 ),
                 &[&self.outbox.quoted(), &SEQ_COLUMN],
             )
