@@ -345,9 +345,13 @@ impl Recorder {
         let mut start = 0;
         while start < letters.len() {
             let end = start + chunk_len(&letters[start..], |l| l.aggregate_id());
-            let part = self.write_chunk(client, &letters[start..end], mark).await?;
+            // What an earlier part found resolved stays so for later ones.
+            let resolved = std::mem::take(&mut out.resolved);
+            let part = self
+                .write_chunk(client, &letters[start..end], mark, resolved)
+                .await?;
             out.written.extend(part.written.iter().map(|i| i + start));
-            out.resolved.extend(part.resolved);
+            out.resolved = part.resolved;
             start = end;
         }
         Ok(out)
@@ -358,9 +362,13 @@ impl Recorder {
         client: &mut Client,
         letters: &[DeadLetter<P>],
         mark: Option<&crate::outbox::MarkStatement>,
+        resolved: HashSet<String>,
     ) -> Result<Written, tokio_postgres::Error> {
         let tx = client.transaction().await?;
-        let mut out = Written::default();
+        let mut out = Written {
+            written: Vec::new(),
+            resolved,
+        };
         // Every aggregate of the batch, in one order (the dlq commands sort
         // too), so two writers cannot wait on each other.
         let aggregates: std::collections::BTreeSet<&str> =
