@@ -119,17 +119,11 @@ async fn lock_aggregates(
     };
     let mut aggregates = aggregates;
     aggregates.sort();
-    // In one statement, in the array's order (a function scan of unnest
-    // yields it in order).
     let keys: Vec<String> = aggregates
         .iter()
         .map(|a| super::aggregate_lock_key(table, a))
         .collect();
-    tx.execute(
-        "SELECT count(pg_advisory_xact_lock(hashtextextended(k, 0))) FROM unnest($1::text[]) AS k",
-        &[&keys],
-    )
-    .await?;
+    tx.execute(super::AGGREGATES_LOCK_SQL, &[&keys]).await?;
     Ok(aggregates.into_iter().collect())
 }
 

@@ -188,11 +188,6 @@ pub async fn wal_positions_since(
         .collect())
 }
 
-/// The transaction-scoped advisory lock that serialises, per aggregate, the
-/// relay writing a follower and an operator redriving or dropping (taken by
-/// both), so neither acts on a view the other is about to change.
-pub const AGGREGATE_LOCK_SQL: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
-
 /// Most aggregates locked in one transaction: PostgreSQL's lock table
 /// holds `max_locks_per_transaction` (64) times `max_connections` entries
 /// for every session together, 6,400 by default.
@@ -209,7 +204,15 @@ pub fn chunk_len<T>(items: &[T], aggregate: impl Fn(&T) -> &str) -> usize {
         .max(1)
 }
 
-/// The key of [`AGGREGATE_LOCK_SQL`] for an aggregate of a dead-letter table.
+/// The transaction-scoped advisory locks that serialise, per aggregate,
+/// the relay writing a follower and an operator redriving or dropping
+/// (taken by both), so neither acts on a view the other is about to
+/// change: one for each key of `$1`, in one statement, in the array's
+/// order (a function scan of unnest yields it in order).
+pub const AGGREGATES_LOCK_SQL: &str =
+    "SELECT count(pg_advisory_xact_lock(hashtextextended(k, 0))) FROM unnest($1::text[]) AS k";
+
+/// The key of [`AGGREGATES_LOCK_SQL`] for an aggregate of a dead-letter table.
 pub fn aggregate_lock_key(table: &TableName, aggregate: &str) -> String {
     format!("outbox-relay:dead-letters:{table}:{aggregate}")
 }
@@ -357,6 +360,22 @@ impl Recorder {
         Ok(out)
     }
 
+    /// Locks every aggregate of the letters, in one order (the dlq
+    /// commands sort too), so two writers cannot wait on each other.
+    async fn lock_aggregates<P>(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        letters: &[DeadLetter<P>],
+    ) -> Result<(), tokio_postgres::Error> {
+        let aggregates: std::collections::BTreeSet<&str> =
+            letters.iter().map(|l| l.aggregate_id()).collect();
+        let keys: Vec<String> = aggregates
+            .into_iter()
+            .map(|a| aggregate_lock_key(&self.table, a))
+            .collect();
+        tx.execute(AGGREGATES_LOCK_SQL, &[&keys]).await.map(|_| ())
+    }
+
     async fn write_chunk<P>(
         &self,
         client: &mut Client,
@@ -369,14 +388,7 @@ impl Recorder {
             written: Vec::new(),
             resolved,
         };
-        // Every aggregate of the batch, in one order (the dlq commands sort
-        // too), so two writers cannot wait on each other.
-        let aggregates: std::collections::BTreeSet<&str> =
-            letters.iter().map(|l| l.aggregate_id()).collect();
-        for aggregate in aggregates {
-            let key = aggregate_lock_key(&self.table, aggregate);
-            tx.execute(AGGREGATE_LOCK_SQL, &[&key]).await?;
-        }
+        self.lock_aggregates(&tx, letters).await?;
         for (i, l) in letters.iter().enumerate() {
             let aggregate = l.aggregate_id();
             if out.resolved.contains(aggregate) {
