@@ -1,7 +1,7 @@
 //! Partition bounds the relay reads but never writes: an application's
 //! partition open to the past or the future by `-infinity` or `infinity`.
 
-use crate::partitions::day_partitioned;
+use crate::partitions::{day_partitioned, partitions_of};
 use crate::support::*;
 
 /// Infinite bounds count as unbounded: retention makes its partitions
@@ -30,18 +30,7 @@ async fn partitions_bounded_by_infinity_are_read_as_unbounded() {
     assert_eq!(code, 0, "{out}{err}");
     let (code, out, err) = run_cli(&["retention", "--once", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
-    let names: Vec<String> = db
-        .client
-        .query(
-            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-             WHERE i.inhparent = 'public.outbox'::regclass ORDER BY 1",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let names = partitions_of(&db).await;
     assert!(
         names.contains(&"outbox_future".to_owned()) && !names.contains(&"outbox_past".to_owned()),
         "the expired empty partition goes, the future one stays: {names:?}"

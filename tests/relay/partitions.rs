@@ -92,7 +92,8 @@ pub(crate) async fn insert_at(
         .await
 }
 
-async fn partitions_of(db: &TestDb) -> Vec<String> {
+/// The outbox's partitions, by name.
+pub(crate) async fn partitions_of(db: &TestDb) -> Vec<String> {
     db.client
         .query(
             "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
