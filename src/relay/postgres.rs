@@ -137,7 +137,7 @@ impl Backend for Postgres<'_> {
                 return Ok(Some((Ownership { client, claim }, takeover, asked)));
             }
             // The database answers and another instance is active: a healthy standby.
-            health.healthy();
+            health.healthy(shard.index);
             if !announced && shard.count == 1 {
                 tracing::info!(table = %config.outbox.table, "standby: another instance is active; waiting to take over");
                 announced = true;
@@ -225,6 +225,7 @@ impl Parts {
             settings: &self.settings,
             telemetry: run.telemetry,
             lease: run.lease.clone(),
+            shard: run.shard.index,
         }
     }
 }

@@ -9,6 +9,11 @@
 //! takes free ones. When an instance dies, its sessions and locks go, and
 //! the others take its shards within `relay.standby_poll` or two.
 //!
+//! An instance whose shard runs keep failing (its broker unreachable from
+//! where it runs, say) steps back for a while ([`Balance::step_back`]): it
+//! gives up its member lock, so the others count one instance fewer and
+//! take its shards, then it joins again and tries once more.
+//!
 //! An instance without shards, or with another count, is kept out by a
 //! shared lock on the outbox's ownership key and by the member locks:
 //! the member session holds them, and so does each shard's ownership
@@ -18,9 +23,11 @@
 use crate::config::Config;
 use crate::db::DbError;
 pub use crate::outbox::Shard;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
@@ -38,6 +45,8 @@ const GUARD_SLOT: i32 = MEMBER_SLOTS;
 pub struct Balance {
     target: AtomicUsize,
     owned: AtomicUsize,
+    /// Until when this instance stays out of the count of members.
+    stepped_back_until: Mutex<Option<Instant>>,
 }
 
 impl Balance {
@@ -46,6 +55,7 @@ impl Balance {
         Arc::new(Balance {
             target: AtomicUsize::new(usize::MAX),
             owned: AtomicUsize::new(0),
+            stepped_back_until: Mutex::new(None),
         })
     }
 
@@ -53,6 +63,7 @@ impl Balance {
         Arc::new(Balance {
             target: AtomicUsize::new(target),
             owned: AtomicUsize::new(0),
+            stepped_back_until: Mutex::new(None),
         })
     }
 
@@ -85,6 +96,38 @@ impl Balance {
     pub fn owned(&self) -> usize {
         self.owned.load(Ordering::SeqCst)
     }
+
+    /// Steps this instance back from sharing for `wait`, unless it already
+    /// is: its runs keep failing, so its shards go to the other instances
+    /// (if there are any) meanwhile. True when this call began it.
+    pub fn step_back(&self, wait: Duration) -> bool {
+        let mut until = self
+            .stepped_back_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if until.is_some_and(|t| now < t) {
+            return false;
+        }
+        *until = Some(now + wait);
+        true
+    }
+
+    pub fn stepping_back(&self) -> bool {
+        self.stepped_back_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|t| Instant::now() < t)
+    }
+}
+
+/// How long an instance whose shard runs keep failing stays out: long
+/// enough for another to take its shards, wait out its lease and publish.
+pub fn step_back_wait(relay: &crate::config::RelayConfig) -> Duration {
+    relay
+        .retry_max
+        .max(relay.standby_poll * 10)
+        .max(relay.ownership_lease * 3)
 }
 
 /// Runs one supervised pipeline per shard, balanced with other instances.
@@ -126,22 +169,17 @@ async fn count_members(config: Config, balance: Arc<Balance>, shutdown: Cancella
                     shards = count,
                     "sharing the outbox's shards with other instances"
                 );
-                loop {
-                    match live_members(&client, &base, count).await {
-                        Ok(live) => {
-                            let target = count.div_ceil(live.max(1));
-                            balance.target.store(target, Ordering::SeqCst);
-                        }
-                        Err(e) => {
-                            // Without a member session, hold nothing: give every shard back.
-                            balance.target.store(0, Ordering::SeqCst);
-                            tracing::warn!(error = %e, "lost the member session; reconnecting");
-                            break;
-                        }
-                    }
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(config.relay.standby_poll) => {}
+                let member = Member {
+                    client: &client,
+                    base: &base,
+                    count,
+                };
+                match member.share(&balance, slot, &config, &shutdown).await {
+                    Ok(()) => return,
+                    Err(e) => {
+                        // Without a member session, hold nothing: give every shard back.
+                        balance.target.store(0, Ordering::SeqCst);
+                        tracing::warn!(error = %e, "lost the member session; reconnecting");
                     }
                 }
             }
@@ -153,6 +191,62 @@ async fn count_members(config: Config, balance: Arc<Balance>, shutdown: Cancella
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(config.relay.standby_poll) => {}
+        }
+    }
+}
+
+/// This instance's member session.
+struct Member<'a> {
+    client: &'a Client,
+    base: &'a str,
+    count: usize,
+}
+
+impl Member<'_> {
+    /// Keeps the target share up to date, stepping out of the count of
+    /// members while the balance says so; returns on shutdown.
+    async fn share(
+        &self,
+        balance: &Balance,
+        slot: i32,
+        config: &Config,
+        shutdown: &CancellationToken,
+    ) -> Result<(), DbError> {
+        let mut slot = Some(slot);
+        loop {
+            match (balance.stepping_back(), slot) {
+                (true, Some(held)) => {
+                    self.client
+                        .execute(
+                            "SELECT pg_advisory_unlock(hashtext($1), $2)",
+                            &[&member_key(self.base, self.count), &held],
+                        )
+                        .await
+                        .map_err(|e| DbError::query("stepping back as a shard member", e))?;
+                    slot = None;
+                    tracing::info!(
+                        "stepped out of the count of shard members while this instance's runs fail"
+                    );
+                }
+                (false, None) => {
+                    let held = register(self.client, self.base, self.count).await?;
+                    tracing::info!(member = held, "sharing the outbox's shards again");
+                    slot = Some(held);
+                }
+                _ => {}
+            }
+            let live = live_members(self.client, self.base, self.count).await?;
+            let target = match slot {
+                Some(_) => self.count.div_ceil(live.max(1)),
+                // Out of the count: nothing while others share, everything alone.
+                None if live > 0 => 0,
+                None => self.count,
+            };
+            balance.target.store(target, Ordering::SeqCst);
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(config.relay.standby_poll) => {}
+            }
         }
     }
 }
@@ -171,12 +265,6 @@ async fn member_session(
     base: &str,
     count: usize,
 ) -> Result<(Client, i32), DbError> {
-    let busy = |message: String| DbError::Connect {
-        target: base.to_owned(),
-        message,
-        kind: crate::errors::ErrorKind::Transient,
-        source: None,
-    };
     let client = crate::db::connect(&config.database, None).await?;
     let shared: bool = client
         .query_one(
@@ -188,10 +276,18 @@ async fn member_session(
         .get(0);
     if !shared {
         return Err(busy(
-            "an instance without relay.shards is active on this outbox; waiting for it to stop"
-                .into(),
+            base,
+            "an instance without relay.shards is active on this outbox; waiting for it to stop",
         ));
     }
+    let slot = register(&client, base, count).await?;
+    Ok((client, slot))
+}
+
+/// Takes a member slot on `client`'s session (which holds the shared
+/// ownership lock), after checking that no instance runs with another
+/// shard count.
+async fn register(client: &Client, base: &str, count: usize) -> Result<i32, DbError> {
     // Registering is one instance at a time: two starting together with
     // different shard counts would otherwise both find the other absent. (On
     // any error below the session ends, and the lock with it.)
@@ -219,9 +315,12 @@ async fn member_session(
         .map(|r| r.get(0))
         .collect();
     if let Some(other) = others.first() {
-        return Err(busy(format!(
-            "instances with relay.shards = {other} are running on this outbox; every instance must use the same value (this one has {count})"
-        )));
+        return Err(busy(
+            base,
+            format!(
+                "instances with relay.shards = {other} are running on this outbox; every instance must use the same value (this one has {count})"
+            ),
+        ));
     }
     let key = member_key(base, count);
     for slot in 0..MEMBER_SLOTS {
@@ -241,10 +340,23 @@ async fn member_session(
                 )
                 .await
                 .map_err(|e| DbError::query("registering as a shard member", e))?;
-            return Ok((client, slot));
+            return Ok(slot);
         }
     }
-    Err(busy(format!("all {MEMBER_SLOTS} member slots are taken")))
+    Err(busy(
+        base,
+        format!("all {MEMBER_SLOTS} member slots are taken"),
+    ))
+}
+
+/// Sharing must wait (another instance is in the way); retried.
+fn busy(base: &str, message: impl Into<String>) -> DbError {
+    DbError::Connect {
+        target: base.to_owned(),
+        message: message.into(),
+        kind: crate::errors::ErrorKind::Transient,
+        source: None,
+    }
 }
 
 /// Taken on a shard's ownership session once it holds the shard: the

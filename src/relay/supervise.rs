@@ -134,11 +134,28 @@ pub async fn supervise<B: Backend>(
             }
             Err(e) => e,
         };
-        telemetry.health.failing(&e.to_string());
+        let reason = match shard.count {
+            1 => e.to_string(),
+            n => format!("shard {}/{n}: {e}", shard.index),
+        };
+        telemetry.health.failing(shard.index, &reason);
         if started.elapsed() > relay.retry_max {
             backoff.reset();
         }
         let delay = backoff.next_delay();
+        // Failing again right after a retry: let the other instances take
+        // this one's shards for a while (see shards::Balance::step_back).
+        if shard.count > 1 && backoff.attempts() >= 2 {
+            let wait = super::shards::step_back_wait(relay);
+            if balance.step_back(wait) {
+                tracing::warn!(
+                    shard = shard.index,
+                    wait_s = wait.as_secs(),
+                    error = %e,
+                    "this shard's runs keep failing: stepping back so that other instances take this one's shards"
+                );
+            }
+        }
         PipelineInterrupted {
             metrics: &telemetry.metrics,
             error: &e,

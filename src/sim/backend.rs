@@ -28,7 +28,7 @@ impl Backend for SimBackend {
 
     async fn acquire(
         &self,
-        _shard: Shard,
+        shard: Shard,
         _balance: &Balance,
         health: &PipelineHealth,
         shutdown: &CancellationToken,
@@ -44,7 +44,7 @@ impl Backend for SimBackend {
             if acquired.is_some() {
                 return Ok(acquired);
             }
-            health.healthy();
+            health.healthy(shard.index);
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(None),
@@ -72,6 +72,7 @@ impl Backend for SimBackend {
             settings: &settings,
             telemetry: run.telemetry,
             lease: run.lease.clone(),
+            shard: run.shard.index,
         };
         let sink = SimSink::connect(&self.world, self.instance, reign)?;
         let polls = match config.source.mode {

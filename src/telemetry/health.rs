@@ -5,7 +5,12 @@
 //! while starting, while failing (database or broker unreachable, a setup
 //! problem), or when confirmations have stopped coming for longer than
 //! `relay.confirm_timeout` with messages in flight.
+//!
+//! Failures are kept per shard (the whole outbox is shard 0): a shard that
+//! another instance holds is a healthy standby, which says nothing about
+//! a shard of this instance that keeps failing.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,7 +23,8 @@ pub struct PipelineHealth {
     in_flight: AtomicUsize,
     /// Milliseconds since `epoch` of the last confirmation (or idle moment).
     last_progress_ms: AtomicU64,
-    failure: Mutex<Option<String>>,
+    /// What each failing shard last failed with, by shard index.
+    failures: Mutex<BTreeMap<u32, String>>,
     stall_after: Duration,
     epoch: Instant,
 }
@@ -39,7 +45,7 @@ impl PipelineHealth {
             owned: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
             last_progress_ms: AtomicU64::new(0),
-            failure: Mutex::new(None),
+            failures: Mutex::new(BTreeMap::new()),
             stall_after,
             epoch: Instant::now(),
         })
@@ -49,14 +55,18 @@ impl PipelineHealth {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// The database answered and the instance knows its role.
-    pub fn healthy(&self) {
-        self.started.store(true, Ordering::SeqCst);
-        *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    fn failures(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, String>> {
+        self.failures.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn failing(&self, reason: &str) {
-        *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.to_owned());
+    /// The database answered and the instance knows its role for `shard`.
+    pub fn healthy(&self, shard: u32) {
+        self.started.store(true, Ordering::SeqCst);
+        self.failures().remove(&shard);
+    }
+
+    pub fn failing(&self, shard: u32, reason: &str) {
+        self.failures().insert(shard, reason.to_owned());
     }
 
     /// This instance took ownership of a shard (or the whole outbox). A
@@ -71,9 +81,9 @@ impl PipelineHealth {
         self.owned.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// The run got past its source's and sink's setup and relays.
-    pub fn relaying(&self) {
-        self.healthy();
+    /// The run of `shard` got past its source's and sink's setup and relays.
+    pub fn relaying(&self, shard: u32) {
+        self.healthy(shard);
         self.progress();
     }
 
@@ -105,13 +115,17 @@ impl PipelineHealth {
             ready: false,
             state,
         };
-        if let Some(reason) = self
-            .failure
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-        {
-            return not_ready(format!("failing: {reason}"));
+        let failing = {
+            let failures = self.failures();
+            let first = failures.values().next().cloned();
+            first.map(|reason| (reason, failures.len()))
+        };
+        if let Some((reason, count)) = failing {
+            let more = match count {
+                1 => String::new(),
+                n => format!(" (and {} more failing shard(s))", n - 1),
+            };
+            return not_ready(format!("failing: {reason}{more}"));
         }
         if !self.started.load(Ordering::SeqCst) {
             return not_ready("starting".into());
@@ -176,7 +190,7 @@ mod tests {
     fn states() {
         let h = PipelineHealth::new("p", Duration::from_millis(50));
         assert_eq!(h.status().state, "starting");
-        h.healthy();
+        h.healthy(0);
         assert_eq!(
             h.status(),
             Status {
@@ -185,14 +199,14 @@ mod tests {
             }
         );
         h.acquired();
-        h.relaying();
+        h.relaying(0);
         h.set_in_flight(3);
         assert_eq!(h.status().state, "active");
         std::thread::sleep(Duration::from_millis(80));
         assert!(h.status().state.starts_with("stalled"), "{:?}", h.status());
         h.progress();
         assert!(h.status().ready);
-        h.failing("broker unreachable");
+        h.failing(0, "broker unreachable");
         assert_eq!(
             h.status(),
             Status {
@@ -205,13 +219,36 @@ mod tests {
             !h.status().ready,
             "ownership alone does not clear the failure: the run may fail again at once"
         );
-        h.relaying();
+        h.relaying(0);
         assert!(h.status().ready, "relaying again clears the failure");
         let all = Health::default();
         all.register(h.clone());
         assert!(all.readiness().0);
-        h.failing("x");
+        h.failing(0, "x");
         assert!(!all.readiness().0);
         assert_eq!(all.readiness().1, "p: failing: x\n");
+    }
+
+    #[test]
+    fn a_shard_held_elsewhere_does_not_clear_another_shards_failure() {
+        let h = PipelineHealth::new("p", Duration::from_secs(10));
+        h.healthy(0);
+        h.failing(1, "shard 1/4: broker unreachable");
+        h.failing(3, "shard 3/4: broker unreachable");
+        // Shard 2's supervisor finds its lock held by another instance.
+        h.healthy(2);
+        assert_eq!(
+            h.status(),
+            Status {
+                ready: false,
+                state: "failing: shard 1/4: broker unreachable (and 1 more failing shard(s))"
+                    .into()
+            }
+        );
+        h.healthy(1);
+        assert_eq!(h.status().state, "failing: shard 3/4: broker unreachable");
+        h.acquired();
+        h.relaying(3);
+        assert!(h.status().ready, "{:?}", h.status());
     }
 }

@@ -370,33 +370,6 @@ async fn a_crash_after_confirmation_before_marking_loses_nothing(mode: Mode, kin
     assert_eq!(child.terminate().code(), Some(0));
 }
 
-/// Shard locks held per instance (told apart by their application_name).
-async fn shard_owners(db: &TestDb) -> HashMap<String, i64> {
-    // Only shard locks count (of any shard count up to 16): an instance also
-    // holds other advisory locks for a moment, such as the one that makes
-    // registrations take turns.
-    let base = outbox_relay::outbox::ownership_key(
-        &parse(&base_toml(&db.url, &rabbit_sink())).outbox.table,
-    );
-    db.client
-        .query(
-            "SELECT a.application_name, count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid),
-                 (SELECT hashtextextended($1 || ':shard:' || i || '/' || n, 0) AS k
-                  FROM generate_series(1, 16) AS n, generate_series(0, 15) AS i WHERE i < n) AS s
-             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ExclusiveLock'
-               AND l.classid = ((s.k >> 32) & 4294967295)::oid AND l.objid = (s.k & 4294967295)::oid
-               AND a.datname = current_database()
-               AND a.application_name LIKE 'relay-%'
-             GROUP BY 1",
-            &[&base],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_share_shards_evenly_and_take_over_a_dead_ones() {
     let (db, broker, toml) = setup(
@@ -412,7 +385,7 @@ async fn instances_share_shards_evenly_and_take_over_a_dead_ones() {
         "\"relay-a\"",
     )));
     wait_for(WAIT, "the first instance to take every shard", || async {
-        (shard_owners(&db).await.get("relay-a") == Some(&4)).then_some(())
+        (db.shard_owners().await.get("relay-a") == Some(&4)).then_some(())
     })
     .await;
     let b = InProcess::start(parse(&set(
@@ -421,7 +394,7 @@ async fn instances_share_shards_evenly_and_take_over_a_dead_ones() {
         "\"relay-b\"",
     )));
     let split = wait_for(WAIT, "the shards to be shared two and two", || async {
-        let owners = shard_owners(&db).await;
+        let owners = db.shard_owners().await;
         (owners.get("relay-a") == Some(&2) && owners.get("relay-b") == Some(&2)).then_some(owners)
     })
     .await;
@@ -448,7 +421,7 @@ async fn instances_share_shards_evenly_and_take_over_a_dead_ones() {
     // One instance dies: the other takes all four shards and carries on.
     a.abort();
     wait_for(WAIT, "the survivor to take every shard", || async {
-        (shard_owners(&db).await.get("relay-b") == Some(&4)).then_some(())
+        (db.shard_owners().await.get("relay-b") == Some(&4)).then_some(())
     })
     .await;
     let more = insert_many(&db, 20, "agg7").await;
@@ -481,7 +454,7 @@ async fn instances_with_different_shard_settings_never_publish_together() {
         "\"relay-two\"",
     )));
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let owners = shard_owners(&db).await;
+    let owners = db.shard_owners().await;
     assert_eq!(
         owners.get("relay-sharded"),
         None,
@@ -493,7 +466,7 @@ async fn instances_with_different_shard_settings_never_publish_together() {
     whole.stop().await;
     // Exactly one shard setting wins; the other keeps waiting.
     let owners = wait_for(WAIT, "the sharded instances to take over", || async {
-        let o = shard_owners(&db).await;
+        let o = db.shard_owners().await;
         (o.get("relay-sharded") == Some(&4) || o.get("relay-two") == Some(&2)).then_some(o)
     })
     .await;

@@ -50,6 +50,7 @@ mod roles;
 mod routing;
 mod schema;
 mod sessions;
+mod shard_health;
 mod tls;
 mod tracing;
 mod troubleshooting;

@@ -131,6 +131,8 @@ pub struct Context<'a> {
     pub telemetry: &'a PipelineTelemetry,
     /// Nothing is sent while it is not valid.
     pub lease: std::sync::Arc<super::lease::Lease>,
+    /// The shard this run relays (0 for the whole outbox), for health.
+    pub shard: u32,
 }
 
 /// How a run that ended without a failure left what it and earlier owners
@@ -180,7 +182,7 @@ where
     K: Sink,
 {
     let lease = cx.lease.clone();
-    cx.telemetry.health.relaying();
+    cx.telemetry.health.relaying(cx.shard);
     let mut pipeline = Pipeline::start(reader, acker, sink, cx, blocks);
     // Whatever the loop waits for (the acker, most likely, stuck on the
     // silent session), a lease that cannot be renewed ends it.

@@ -153,12 +153,8 @@ where
         R: Reader<Position = P>,
         A: Acker<Position = P>,
     {
-        let Context {
-            envelope,
-            settings,
-            telemetry,
-            lease,
-        } = cx;
+        let (envelope, settings, telemetry, lease) =
+            (cx.envelope, cx.settings, cx.telemetry, cx.lease);
         let (batch_tx, batch_rx) = mpsc::channel(2);
         let (rewind_tx, rewind_rx) = mpsc::channel(4);
         let budget = Budget::new(settings.max_in_flight_bytes);

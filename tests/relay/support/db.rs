@@ -2,9 +2,9 @@
 //! test ends.
 
 use super::proxy::Proxy;
-use super::{WAIT, connect, pg_admin_url, unique, wait_for};
+use super::{WAIT, base_toml, connect, parse, pg_admin_url, rabbit_sink, unique, wait_for};
 use outbox_relay::config::Config;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 use tokio_postgres::{Client, NoTls};
 
@@ -18,6 +18,33 @@ pub struct TestDb {
 }
 
 impl TestDb {
+    /// Shard locks held per instance (told apart by their application_name).
+    pub async fn shard_owners(&self) -> HashMap<String, i64> {
+        // Only shard locks count (of any shard count up to 16): an instance also
+        // holds other advisory locks for a moment, such as the one that makes
+        // registrations take turns.
+        let base = outbox_relay::outbox::ownership_key(
+            &parse(&base_toml(&self.url, &rabbit_sink())).outbox.table,
+        );
+        self.client
+            .query(
+                "SELECT a.application_name, count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid),
+                     (SELECT hashtextextended($1 || ':shard:' || i || '/' || n, 0) AS k
+                      FROM generate_series(1, 16) AS n, generate_series(0, 15) AS i WHERE i < n) AS s
+                 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ExclusiveLock'
+                   AND l.classid = ((s.k >> 32) & 4294967295)::oid AND l.objid = (s.k & 4294967295)::oid
+                   AND a.datname = current_database()
+                   AND a.application_name LIKE 'relay-%'
+                 GROUP BY 1",
+                &[&base],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect()
+    }
+
     /// The backend pid and client port of the session holding the
     /// ownership lock in this database, once an instance holds it.
     pub async fn owner_session(&self) -> (i32, u16) {

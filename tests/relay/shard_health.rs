@@ -1,0 +1,74 @@
+//! Sharing shards with an instance that is alive but cannot publish.
+
+use crate::support::*;
+use serde_json::json;
+use std::collections::HashMap;
+use uuid::Uuid;
+
+/// An instance that cannot reach its broker (from where it runs) keeps
+/// failing its shards' runs: it steps back, the instance that can publish
+/// takes its shards, and no aggregate waits for it. Meanwhile its
+/// `/readyz` says which shard fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_of_an_instance_that_cannot_publish_go_to_one_that_can() {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[("relay.shards", "4")],
+    )
+    .await;
+    let a = InProcess::start(parse(&set(
+        &toml,
+        "database.application_name",
+        "\"relay-a\"",
+    )));
+    wait_for(WAIT, "the first instance to take every shard", || async {
+        (db.shard_owners().await.get("relay-a") == Some(&4)).then_some(())
+    })
+    .await;
+    // The second instance's broker is a port nobody listens on. Its long
+    // retry_max keeps it out long enough for the other to take over.
+    let closed = format!(
+        "\"amqp://guest:guest@127.0.0.1:{}/%2f\"",
+        crate::kit::free_port()
+    );
+    let b_toml = set(&toml, "database.application_name", "\"relay-b\"");
+    let b_toml = set(
+        &set(&b_toml, "sink.url", &closed),
+        "relay.retry_max",
+        "\"10s\"",
+    );
+    let (b, port) = ChildRelay::serving(&b_toml);
+    let failing = wait_for(WAIT, "the second instance to fail its shards", || async {
+        let (status, body) = http_get(port, "/readyz").await?;
+        (status == 503 && body.contains("failing: shard ")).then_some(body)
+    })
+    .await;
+    assert!(failing.contains("/4: "), "{failing}");
+
+    // Events of every shard, written while the second instance is there.
+    let mut expected: HashMap<String, Vec<String>> = HashMap::new();
+    for round in 0..10 {
+        for i in 0..20 {
+            let id = Uuid::new_v4();
+            let agg = format!("agg{}", (round * 20 + i) % 40);
+            db.insert(id, "order", &agg, json!({"round": round})).await;
+            expected.entry(agg).or_default().push(id.to_string());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    }
+    let all: Vec<String> = expected.values().flatten().cloned().collect();
+    let got = broker.inbox().wait_ids(&all, WAIT).await;
+    assert_eq!(got.len(), all.len(), "each event once");
+    for (agg, ids) in &expected {
+        let order: Vec<String> = got
+            .iter()
+            .map(brokers::Received::event_id)
+            .filter(|id| ids.contains(id))
+            .collect();
+        assert_eq!(&order, ids, "{agg} in order");
+    }
+    drop(b);
+    a.stop().await;
+}
