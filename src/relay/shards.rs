@@ -23,6 +23,7 @@
 use crate::config::Config;
 use crate::db::DbError;
 pub use crate::outbox::Shard;
+use crate::telemetry::health::PipelineHealth;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -143,6 +144,7 @@ pub async fn run(
     let _members = AbortOnDropHandle::new(tokio::spawn(count_members(
         config.clone(),
         balance.clone(),
+        telemetry.health.clone(),
         shutdown.clone(),
     )));
     let mut workers = JoinSet::new();
@@ -157,18 +159,40 @@ pub async fn run(
     while workers.join_next().await.is_some() {}
 }
 
-/// Holds a member lock and keeps the target share up to date.
-async fn count_members(config: Config, balance: Arc<Balance>, shutdown: CancellationToken) {
+/// The key under which [`PipelineHealth`] keeps the member session's
+/// failure, beside the shards' own.
+const MEMBERSHIP: u32 = u32::MAX;
+
+/// Why this instance does not share the shards (yet).
+#[derive(Debug, thiserror::Error)]
+enum NotShared {
+    /// Another instance is in the way: this one waits, a healthy standby.
+    #[error("{0}")]
+    Waiting(String),
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
+
+/// Holds a member lock and keeps the target share up to date; tells
+/// `health` when the member session fails (a standby kept out by an
+/// instance with other shard settings is healthy).
+async fn count_members(
+    config: Config,
+    balance: Arc<Balance>,
+    health: Arc<PipelineHealth>,
+    shutdown: CancellationToken,
+) {
     let base = crate::outbox::ownership_key(&config.outbox.table);
     let count = config.relay.shards as usize;
     loop {
-        match member_session(&config, &base, count).await {
+        let result = match member_session(&config, &base, count).await {
             Ok((client, slot)) => {
                 tracing::info!(
                     member = slot,
                     shards = count,
                     "sharing the outbox's shards with other instances"
                 );
+                health.healthy(MEMBERSHIP);
                 let member = Member {
                     client: &client,
                     base: &base,
@@ -176,17 +200,23 @@ async fn count_members(config: Config, balance: Arc<Balance>, shutdown: Cancella
                 };
                 match member.share(&balance, slot, &config, &shutdown).await {
                     Ok(()) => return,
-                    Err(e) => {
-                        // Without a member session, hold nothing: give every shard back.
-                        balance.target.store(0, Ordering::SeqCst);
-                        tracing::warn!(error = %e, "lost the member session; reconnecting");
-                    }
+                    Err(e) => Err(e),
                 }
             }
-            Err(e) => {
-                balance.target.store(0, Ordering::SeqCst);
-                tracing::warn!(error = %e, "cannot share the outbox's shards yet; retrying");
+            Err(e) => Err(e),
+        };
+        // Without a member session, hold nothing: give every shard back.
+        balance.target.store(0, Ordering::SeqCst);
+        match result {
+            Err(NotShared::Waiting(why)) => {
+                health.healthy(MEMBERSHIP);
+                tracing::warn!(reason = %why, "cannot share the outbox's shards yet; waiting");
             }
+            Err(NotShared::Db(e)) => {
+                health.failing(MEMBERSHIP, &format!("sharing the outbox's shards: {e}"));
+                tracing::warn!(error = %e, "cannot share the outbox's shards; retrying");
+            }
+            Ok(()) => {}
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -211,7 +241,7 @@ impl Member<'_> {
         slot: i32,
         config: &Config,
         shutdown: &CancellationToken,
-    ) -> Result<(), DbError> {
+    ) -> Result<(), NotShared> {
         let mut slot = Some(slot);
         loop {
             match (balance.stepping_back(), slot) {
@@ -264,7 +294,7 @@ async fn member_session(
     config: &Config,
     base: &str,
     count: usize,
-) -> Result<(Client, i32), DbError> {
+) -> Result<(Client, i32), NotShared> {
     let client = crate::db::connect(&config.database, None).await?;
     let shared: bool = client
         .query_one(
@@ -276,7 +306,6 @@ async fn member_session(
         .get(0);
     if !shared {
         return Err(busy(
-            base,
             "an instance without relay.shards is active on this outbox; waiting for it to stop",
         ));
     }
@@ -287,7 +316,7 @@ async fn member_session(
 /// Takes a member slot on `client`'s session (which holds the shared
 /// ownership lock), after checking that no instance runs with another
 /// shard count.
-async fn register(client: &Client, base: &str, count: usize) -> Result<i32, DbError> {
+async fn register(client: &Client, base: &str, count: usize) -> Result<i32, NotShared> {
     // Registering is one instance at a time: two starting together with
     // different shard counts would otherwise both find the other absent. (On
     // any error below the session ends, and the lock with it.)
@@ -315,12 +344,9 @@ async fn register(client: &Client, base: &str, count: usize) -> Result<i32, DbEr
         .map(|r| r.get(0))
         .collect();
     if let Some(other) = others.first() {
-        return Err(busy(
-            base,
-            format!(
-                "instances with relay.shards = {other} are running on this outbox; every instance must use the same value (this one has {count})"
-            ),
-        ));
+        return Err(busy(format!(
+            "instances with relay.shards = {other} are running on this outbox; every instance must use the same value (this one has {count})"
+        )));
     }
     let key = member_key(base, count);
     for slot in 0..MEMBER_SLOTS {
@@ -343,20 +369,12 @@ async fn register(client: &Client, base: &str, count: usize) -> Result<i32, DbEr
             return Ok(slot);
         }
     }
-    Err(busy(
-        base,
-        format!("all {MEMBER_SLOTS} member slots are taken"),
-    ))
+    Err(busy(format!("all {MEMBER_SLOTS} member slots are taken")))
 }
 
-/// Sharing must wait (another instance is in the way); retried.
-fn busy(base: &str, message: impl Into<String>) -> DbError {
-    DbError::Connect {
-        target: base.to_owned(),
-        message: message.into(),
-        kind: crate::errors::ErrorKind::Transient,
-        source: None,
-    }
+/// Sharing must wait: another instance is in the way.
+fn busy(message: impl Into<String>) -> NotShared {
+    NotShared::Waiting(message.into())
 }
 
 /// Taken on a shard's ownership session once it holds the shard: the

@@ -227,7 +227,7 @@ async fn run_once<B: Backend>(
     };
     let lease = Arc::new(lease_for(takeover, config, shard, sent_at));
     balance.acquired();
-    telemetry.health.acquired();
+    telemetry.health.acquired(shard.index);
     // Gives the shard back when this instance holds more than its share.
     let run_token = shutdown.child_token();
     let released = Arc::new(AtomicBool::new(false));
@@ -264,7 +264,7 @@ async fn run_once<B: Backend>(
     };
     let result = backend.relay(owner, run).await;
     drop(watcher);
-    telemetry.health.released();
+    telemetry.health.released(shard.index);
     telemetry.show_active();
     if released.load(Ordering::SeqCst) {
         return result.map(|_| Stop::Released);

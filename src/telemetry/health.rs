@@ -10,7 +10,7 @@
 //! another instance holds is a healthy standby, which says nothing about
 //! a shard of this instance that keeps failing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -25,6 +25,9 @@ pub struct PipelineHealth {
     last_progress_ms: AtomicU64,
     /// What each failing shard last failed with, by shard index.
     failures: Mutex<BTreeMap<u32, String>>,
+    /// Shards owned whose run is still setting up its source and sink (a
+    /// busy replication slot is waited for there).
+    setting_up: Mutex<BTreeSet<u32>>,
     stall_after: Duration,
     epoch: Instant,
 }
@@ -46,6 +49,7 @@ impl PipelineHealth {
             in_flight: AtomicUsize::new(0),
             last_progress_ms: AtomicU64::new(0),
             failures: Mutex::new(BTreeMap::new()),
+            setting_up: Mutex::new(BTreeSet::new()),
             stall_after,
             epoch: Instant::now(),
         })
@@ -57,6 +61,10 @@ impl PipelineHealth {
 
     fn failures(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, String>> {
         self.failures.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn setting_up(&self) -> std::sync::MutexGuard<'_, BTreeSet<u32>> {
+        self.setting_up.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The database answered and the instance knows its role for `shard`.
@@ -75,19 +83,23 @@ impl PipelineHealth {
     /// must not read as ready between its attempts.
     ///
     /// [`relaying`]: PipelineHealth::relaying
-    pub fn acquired(&self) {
+    /// Not ready until then either: the run is not relaying yet.
+    pub fn acquired(&self, shard: u32) {
         self.started.store(true, Ordering::SeqCst);
         self.progress();
+        self.setting_up().insert(shard);
         self.owned.fetch_add(1, Ordering::SeqCst);
     }
 
     /// The run of `shard` got past its source's and sink's setup and relays.
     pub fn relaying(&self, shard: u32) {
         self.healthy(shard);
+        self.setting_up().remove(&shard);
         self.progress();
     }
 
-    pub fn released(&self) {
+    pub fn released(&self, shard: u32) {
+        self.setting_up().remove(&shard);
         let _ = self
             .owned
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
@@ -135,6 +147,12 @@ impl PipelineHealth {
                 ready: true,
                 state: "standby".into(),
             };
+        }
+        if !self.setting_up().is_empty() {
+            return not_ready(
+                "taking over: setting up the source and the sink (the log says what it waits for)"
+                    .into(),
+            );
         }
         let in_flight = self.in_flight.load(Ordering::Relaxed);
         let quiet = Duration::from_millis(
@@ -198,7 +216,13 @@ mod tests {
                 state: "standby".into()
             }
         );
-        h.acquired();
+        h.acquired(0);
+        assert_eq!(
+            h.status().state,
+            "taking over: setting up the source and the sink (the log says what it waits for)",
+            "owning is not relaying yet (a busy slot is waited for after the lock)"
+        );
+        assert!(!h.status().ready);
         h.relaying(0);
         h.set_in_flight(3);
         assert_eq!(h.status().state, "active");
@@ -214,7 +238,8 @@ mod tests {
                 state: "failing: broker unreachable".into()
             }
         );
-        h.acquired();
+        h.released(0);
+        h.acquired(0);
         assert!(
             !h.status().ready,
             "ownership alone does not clear the failure: the run may fail again at once"
@@ -247,7 +272,7 @@ mod tests {
         );
         h.healthy(1);
         assert_eq!(h.status().state, "failing: shard 3/4: broker unreachable");
-        h.acquired();
+        h.acquired(3);
         h.relaying(3);
         assert!(h.status().ready, "{:?}", h.status());
     }

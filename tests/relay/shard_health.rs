@@ -72,3 +72,35 @@ async fn shards_of_an_instance_that_cannot_publish_go_to_one_that_can() {
     drop(b);
     a.stop().await;
 }
+
+/// An instance kept out by one with other shard settings (a rolling change
+/// of `relay.shards`) is a ready standby: a rollout that waits for
+/// readiness goes on, and the instance takes over once the other stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_kept_out_by_other_shard_settings_is_a_ready_standby() {
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &[]).await;
+    let whole = InProcess::start(parse(&toml));
+    let first = Uuid::new_v4();
+    db.insert(first, "order", "a", json!({})).await;
+    broker.inbox().wait_ids(&[first.to_string()], WAIT).await;
+    let (sharded, port) = ChildRelay::serving(&set(&toml, "relay.shards", "4"));
+    wait_for(
+        WAIT,
+        "the sharded instance to report a ready standby",
+        || async {
+            let (code, body) = http_get(port, "/readyz").await?;
+            (code == 200 && body == "default: standby\n").then_some(())
+        },
+    )
+    .await;
+    whole.stop().await;
+    wait_for(WAIT, "the sharded instance to take every shard", || async {
+        let (code, body) = http_get(port, "/readyz").await?;
+        (code == 200 && body == "default: active\n").then_some(())
+    })
+    .await;
+    let second = Uuid::new_v4();
+    db.insert(second, "order", "b", json!({})).await;
+    broker.inbox().wait_ids(&[second.to_string()], WAIT).await;
+    drop(sharded);
+}

@@ -490,7 +490,8 @@ async fn a_slot_another_process_streams_from_is_waited_for() {
         .expect("start pg_recvlogical");
     wait_streaming(&db.client, &slot).await;
 
-    let mut relay = LoggedRun::start(&toml);
+    let port = crate::kit::free_port();
+    let mut relay = LoggedRun::start(&with_http(&toml, port));
     let busy = format!(
         "replication slot {slot:?} is in use by another process; waiting for it to be released"
     );
@@ -498,12 +499,21 @@ async fn a_slot_another_process_streams_from_is_waited_for() {
     let line = log.lines().find(|l| l.contains(busy.as_str())).unwrap();
     assert!(line.contains(&format!("slot={slot}")), "{line}");
     assert!(!log.contains("active:"), "{log}");
+    // Owning the outbox is not relaying yet: not ready while it waits.
+    let (code, body) = http_get(port, "/readyz").await.expect("readyz answers");
+    assert_eq!(code, 503, "{body}");
+    assert!(body.starts_with("default: taking over: "), "{body}");
 
     let _ = other.kill();
     let _ = other.wait();
     relay
         .wait_logged("active: relaying events from the replication slot", 1)
         .await;
+    wait_for(WAIT, "the relay to be ready", || async {
+        let (code, body) = http_get(port, "/readyz").await?;
+        (code == 200 && body == "default: active\n").then_some(())
+    })
+    .await;
     let id = uuid::Uuid::new_v4();
     db.insert(id, "order", "a", serde_json::json!({})).await;
     broker.inbox.wait_ids(&[id.to_string()], WAIT).await;
