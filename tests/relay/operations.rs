@@ -62,9 +62,9 @@ async fn metrics_are_scraped_after_a_known_workload() {
     assert_eq!(relay.terminate().code(), Some(0));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn readiness_flips_when_the_broker_goes_away_and_back() {
-    let (db, broker, toml) = setup_cut(Mode::Polling, Kind::Rabbit, &[]).await;
+both_brokers!(readiness_flips_when_the_broker_goes_away_and_back);
+async fn readiness_flips_when_the_broker_goes_away_and_back(mode: Mode, kind: Kind) {
+    let (db, broker, toml) = setup_cut(mode, kind, &[]).await;
     let (mut relay, port) = ChildRelay::serving(&toml);
     let ready = |want: u16, state: &'static str| async move {
         wait_for(WAIT, &format!("/readyz {want} {state}"), || async {
@@ -93,6 +93,35 @@ async fn readiness_flips_when_the_broker_goes_away_and_back() {
     })
     .await;
     assert_eq!(standby.terminate().code(), Some(0));
+    assert_eq!(relay.terminate().code(), Some(0));
+}
+
+/// The README's promise for the database: unreachable, the relay is not
+/// ready and says so; back, it is ready and relays again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_flips_when_the_database_goes_away_and_back() {
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
+    let (proxy, toml) = db.behind_proxy(&toml).await;
+    let (mut relay, port) = ChildRelay::serving(&toml);
+    let ready = |want: u16, state: &'static str| async move {
+        wait_for(WAIT, &format!("/readyz {want} {state}"), || async {
+            let (code, body) = http_get(port, "/readyz").await?;
+            (code == want && body.contains(state)).then_some(body)
+        })
+        .await
+    };
+    ready(200, "default: active").await;
+    proxy.cut();
+    let body = ready(503, "default: failing").await;
+    assert!(
+        body.contains("PostgreSQL") || body.contains("database"),
+        "{body}"
+    );
+    proxy.restore();
+    ready(200, "default: active").await;
+    let id = Uuid::new_v4();
+    db.insert(id, "order", "a", json!({})).await;
+    broker.inbox().wait_ids(&[id.to_string()], WAIT).await;
     assert_eq!(relay.terminate().code(), Some(0));
 }
 
