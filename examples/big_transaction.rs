@@ -106,7 +106,7 @@ async fn measure(cli: &Cli, db: &str) -> Result<()> {
     let mut app = connect(&url).await?;
     let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(&config, false);
     let steps = outbox_relay::ops::migrate::plan(&app, &opts).await?;
-    outbox_relay::ops::migrate::apply(&mut app, &steps).await?;
+    outbox_relay::ops::migrate::apply(&mut app, &steps, &config.database).await?;
     let settings: Vec<String> = app
         .query(
             "SELECT name || ' = ' || setting || coalesce(unit, '') FROM pg_settings

@@ -3,6 +3,8 @@
 //! leave what `outbox-relay migrate` makes, and `check` passes.
 
 use crate::support::*;
+use std::io::{BufRead, BufReader};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -177,9 +179,13 @@ async fn files_match_migrate(mode: Mode, extra: &[&str], left: &[&str]) {
     let steps = outbox_relay::ops::migrate::plan(&client, &opts)
         .await
         .expect("plan");
-    outbox_relay::ops::migrate::apply(&mut client, &steps)
-        .await
-        .expect("migrate");
+    outbox_relay::ops::migrate::apply(
+        &mut client,
+        &steps,
+        &parse(&config(&by_migrate.url)).database,
+    )
+    .await
+    .expect("migrate");
     let made = schema_catalog(&by_migrate.client).await;
     let from_files = schema_catalog(&by_files.client).await;
     let missing: Vec<&String> = made.iter().filter(|l| !from_files.contains(l)).collect();
@@ -264,4 +270,72 @@ async fn migrate_behind_a_long_transaction_does_not_hold_inserts_up() {
     holder.batch_execute("COMMIT").await.unwrap();
     let (code, out, err) = run_cli(&["migrate", "--config", &path], &[]);
     assert_eq!(code, 0, "{out}{err}");
+}
+
+/// The steps outside migrate's transaction (here the indexes, built
+/// concurrently on an existing table) wait for every transaction that began
+/// before them, however long: migrate says which sessions it waits for,
+/// and finishes once they end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_says_which_transactions_an_index_build_waits_for() {
+    let db = TestDb::new().await;
+    db.client
+        .batch_execute(
+            "CREATE TABLE outbox (id uuid PRIMARY KEY, aggregate_type text NOT NULL,
+                 aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb NOT NULL)",
+        )
+        .await
+        .unwrap();
+    // A session left in a transaction with a snapshot (not touching the outbox).
+    let holder = connect(&db.url).await;
+    let pid: i32 = holder
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    holder
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1")
+        .await
+        .unwrap();
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
+    let mut child = std::process::Command::new(relay_bin())
+        .args(["migrate", "--config", &path])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start migrate");
+    let out = Arc::new(Mutex::new(String::new()));
+    let reader = {
+        let (stdout, out) = (child.stdout.take().unwrap(), out.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let mut out = out.lock().unwrap();
+                out.push_str(&line);
+                out.push('\n');
+            }
+        })
+    };
+    let said = format!("pid {pid} (application");
+    let line = wait_for(WAIT, "migrate to say what it waits for", || async {
+        let out = out.lock().unwrap();
+        out.lines()
+            .find(|l| l.contains("still running after") && l.contains(&said))
+            .map(str::to_owned)
+    })
+    .await;
+    assert!(line.contains("idle in transaction"), "{line}");
+    assert_eq!(child.try_wait().unwrap(), None, "migrate still waits");
+    holder.batch_execute("COMMIT").await.unwrap();
+    let until = std::time::Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(std::time::Instant::now() < until, "migrate did not finish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    reader.join().unwrap();
+    let out = out.lock().unwrap().clone();
+    assert_eq!(status.code(), Some(0), "{out}");
+    assert!(out.contains("-- applied"), "{out}");
 }

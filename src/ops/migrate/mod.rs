@@ -66,7 +66,9 @@ async fn migrate_one(
         println!("-- dry run: nothing was changed");
         return Ok(());
     }
-    apply(&mut client, &steps).await.map_err(Failure::runtime)?;
+    apply(&mut client, &steps, &config.database)
+        .await
+        .map_err(Failure::runtime)?;
     println!("-- applied {} step(s)", steps.len());
     Ok(())
 }

@@ -105,7 +105,7 @@ impl TestDb {
         let steps = outbox_relay::ops::migrate::plan(&client, &opts)
             .await
             .expect("plan migration");
-        outbox_relay::ops::migrate::apply(&mut client, &steps)
+        outbox_relay::ops::migrate::apply(&mut client, &steps, &config.database)
             .await
             .expect("apply migration");
     }

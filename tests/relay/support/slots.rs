@@ -122,7 +122,7 @@ pub async fn migrate_at(url: &str, config: &Config) {
     let mut c = super::connect(url).await;
     let opts = outbox_relay::ops::migrate::MigrateOptions::from_config(config, false);
     let steps = outbox_relay::ops::migrate::plan(&c, &opts).await.unwrap();
-    outbox_relay::ops::migrate::apply(&mut c, &steps)
+    outbox_relay::ops::migrate::apply(&mut c, &steps, &config.database)
         .await
         .unwrap();
 }
