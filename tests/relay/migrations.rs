@@ -272,10 +272,10 @@ async fn migrate_behind_a_long_transaction_does_not_hold_inserts_up() {
     assert_eq!(code, 0, "{out}{err}");
 }
 
-/// The steps outside migrate's transaction (here the indexes, built
-/// concurrently on an existing table) wait for every transaction that began
-/// before them, however long: migrate says which sessions it waits for,
-/// and finishes once they end.
+/// The steps outside migrate's transaction wait for every transaction that
+/// began before them, however long: migrate says which sessions it waits
+/// for, and finishes once they end. Here the indexes, built concurrently on
+/// an existing table, behind a session with a snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_says_which_transactions_an_index_build_waits_for() {
     let db = TestDb::new().await;
@@ -286,18 +286,34 @@ async fn migrate_says_which_transactions_an_index_build_waits_for() {
         )
         .await
         .unwrap();
-    // A session left in a transaction with a snapshot (not touching the outbox).
+    let toml = base_toml(&db.url, &rabbit_sink());
+    says_what_it_waits_for(
+        &db,
+        &toml,
+        "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1",
+    )
+    .await;
+}
+
+/// The same for the replication slot, behind a transaction that wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_says_which_transactions_a_slot_creation_waits_for() {
+    let db = TestDb::new().await;
+    let toml = with_mode(&base_toml(&db.url, &rabbit_sink()), Mode::Cdc);
+    says_what_it_waits_for(&db, &toml, "BEGIN; SELECT txid_current()").await;
+}
+
+/// Runs `migrate` for `toml` while a session sits in the transaction
+/// `begin` opens; checks it names that session, then ends it.
+async fn says_what_it_waits_for(db: &TestDb, toml: &str, begin: &str) {
     let holder = connect(&db.url).await;
     let pid: i32 = holder
         .query_one("SELECT pg_backend_pid()", &[])
         .await
         .unwrap()
         .get(0);
-    holder
-        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1")
-        .await
-        .unwrap();
-    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
+    holder.batch_execute(begin).await.unwrap();
+    let path = config_file(toml);
     let mut child = std::process::Command::new(relay_bin())
         .args(["migrate", "--config", &path])
         .stdout(std::process::Stdio::piped())
