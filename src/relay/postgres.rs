@@ -106,6 +106,10 @@ impl Backend for Postgres<'_> {
         let mut announced = false;
         loop {
             if !balance.may_acquire() {
+                // A shard this instance steps back from still fails it.
+                if !balance.stepping_back() {
+                    health.not_taking(shard.index);
+                }
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(None),
                     _ = tokio::time::sleep(config.relay.standby_poll) => {}

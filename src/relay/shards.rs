@@ -36,9 +36,9 @@ use tokio_util::task::AbortOnDropHandle;
 /// Member slots available (instances beyond this wait as standbys).
 const MEMBER_SLOTS: i32 = 256;
 
-/// The member-lock slot each shard's ownership session holds (shared),
-/// past the members' own: counted by no one, seen by an instance with
-/// another shard count.
+/// The member-lock slot each shard's ownership session and the member
+/// session hold (shared), past the members' own: counted by no one, seen
+/// by an instance with another shard count.
 const GUARD_SLOT: i32 = MEMBER_SLOTS;
 
 /// How many shards this instance holds, and how many it should.
@@ -309,6 +309,15 @@ async fn member_session(
             "an instance without relay.shards is active on this outbox; waiting for it to stop",
         ));
     }
+    // Seen by instances with another shard count for as long as the
+    // session lasts, also while this one steps out of the count.
+    client
+        .execute(
+            "SELECT pg_advisory_lock_shared(hashtext($1), $2)",
+            &[&member_key(base, count), &GUARD_SLOT],
+        )
+        .await
+        .map_err(|e| DbError::query("taking the shard members' shared lock", e))?;
     let slot = register(&client, base, count).await?;
     Ok((client, slot))
 }

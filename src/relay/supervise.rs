@@ -123,8 +123,12 @@ pub async fn supervise<B: Backend>(
         }
         let e = match result {
             Ok(Stop::Shutdown) => return,
-            Ok(Stop::Switch) => continue,
+            Ok(Stop::Switch) => {
+                backoff.reset();
+                continue;
+            }
             Ok(Stop::Released) => {
+                backoff.reset();
                 // Give the other instances a moment to take the shard.
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
@@ -134,27 +138,15 @@ pub async fn supervise<B: Backend>(
             }
             Err(e) => e,
         };
-        let reason = match shard.count {
-            1 => e.to_string(),
-            n => format!("shard {}/{n}: {e}", shard.index),
-        };
-        telemetry.health.failing(shard.index, &reason);
+        telemetry
+            .health
+            .failing(shard.index, &failure_text(shard, &e));
         if started.elapsed() > relay.retry_max {
             backoff.reset();
         }
         let delay = backoff.next_delay();
-        // Failing again right after a retry: let the other instances take
-        // this one's shards for a while (see shards::Balance::step_back).
         if shard.count > 1 && backoff.attempts() >= 2 {
-            let wait = super::shards::step_back_wait(relay);
-            if balance.step_back(wait) {
-                tracing::warn!(
-                    shard = shard.index,
-                    wait_s = wait.as_secs(),
-                    error = %e,
-                    "this shard's runs keep failing: stepping back so that other instances take this one's shards"
-                );
-            }
+            step_back(relay, shard, &balance, &e);
         }
         PipelineInterrupted {
             metrics: &telemetry.metrics,
@@ -168,6 +160,28 @@ pub async fn supervise<B: Backend>(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
+    }
+}
+
+/// A run's failure as `/readyz` shows it: with shards, which one.
+fn failure_text(shard: Shard, e: &RelayError) -> String {
+    match shard.count {
+        1 => e.to_string(),
+        n => format!("shard {}/{n}: {e}", shard.index),
+    }
+}
+
+/// A shard failed again right after a retry: the other instances take
+/// this one's shards for a while (see [`Balance::step_back`]).
+fn step_back(relay: &crate::config::RelayConfig, shard: Shard, balance: &Balance, e: &RelayError) {
+    let wait = super::shards::step_back_wait(relay);
+    if balance.step_back(wait) {
+        tracing::warn!(
+            shard = shard.index,
+            wait_s = wait.as_secs(),
+            error = %e,
+            "this shard's runs keep failing: stepping back so that other instances take this one's shards"
+        );
     }
 }
 

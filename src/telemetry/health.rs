@@ -73,6 +73,12 @@ impl PipelineHealth {
         self.failures().remove(&shard);
     }
 
+    /// `shard` is not this instance's to take now (its share is full):
+    /// whatever it failed with before says nothing about it any more.
+    pub fn not_taking(&self, shard: u32) {
+        self.failures().remove(&shard);
+    }
+
     pub fn failing(&self, shard: u32, reason: &str) {
         self.failures().insert(shard, reason.to_owned());
     }
@@ -270,7 +276,7 @@ mod tests {
                     .into()
             }
         );
-        h.healthy(1);
+        h.not_taking(1);
         assert_eq!(h.status().state, "failing: shard 3/4: broker unreachable");
         h.acquired(3);
         h.relaying(3);

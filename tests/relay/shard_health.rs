@@ -104,3 +104,54 @@ async fn an_instance_kept_out_by_other_shard_settings_is_a_ready_standby() {
     broker.inbox().wait_ids(&[second.to_string()], WAIT).await;
     drop(sharded);
 }
+
+/// An instance stepping back (its runs fail) still keeps instances with
+/// another shard count out: their shards are other keys, so nothing else
+/// would stop both from publishing the same rows once its broker is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_stepping_back_keeps_other_shard_settings_out() {
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &["order"],
+        &[("relay.shards", "4")],
+    )
+    .await;
+    let closed = format!(
+        "\"amqp://guest:guest@127.0.0.1:{}/%2f\"",
+        crate::kit::free_port()
+    );
+    let failing_toml = set(&toml, "database.application_name", "\"relay-a\"");
+    let failing_toml = set(
+        &set(&failing_toml, "sink.url", &closed),
+        "relay.retry_max",
+        "\"10s\"",
+    );
+    let (failing, port) = ChildRelay::serving(&failing_toml);
+    wait_for(WAIT, "the instance to fail its shards", || async {
+        let (status, body) = http_get(port, "/readyz").await?;
+        (status == 503 && body.contains("failing: shard ")).then_some(())
+    })
+    .await;
+    // A rolling change of relay.shards starts an instance with 2.
+    let other = InProcess::start(parse(&set(
+        &set(&toml, "relay.shards", "2"),
+        "database.application_name",
+        "\"relay-c\"",
+    )));
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while std::time::Instant::now() < until {
+        let owners = db.shard_owners().await;
+        assert_eq!(
+            owners.get("relay-c"),
+            None,
+            "both shard counts at once: {owners:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    drop(failing);
+    let id = Uuid::new_v4();
+    db.insert(id, "order", "a", json!({})).await;
+    broker.inbox().wait_ids(&[id.to_string()], WAIT).await;
+    other.stop().await;
+}
