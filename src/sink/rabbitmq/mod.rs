@@ -38,7 +38,6 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind, PublisherConfirm,
 };
-use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -61,7 +60,29 @@ pub struct RabbitMqSink {
     declare: bool,
     exchange_kind: ExchangeKind,
     max_bytes: usize,
-    known_exchanges: HashSet<String>,
+    known_exchanges: KnownExchanges,
+}
+
+/// The exchanges found (or declared) on this connection, which are not
+/// checked again. Bounded: exchange names can come from the rows, so past
+/// [`KnownExchanges::LIMIT`] names it starts over (a name is checked again
+/// once, one round trip).
+#[derive(Debug, Default)]
+struct KnownExchanges(std::collections::HashSet<String>);
+
+impl KnownExchanges {
+    const LIMIT: usize = 1024;
+
+    fn contains(&self, exchange: &str) -> bool {
+        self.0.contains(exchange)
+    }
+
+    fn insert(&mut self, exchange: &str) {
+        if self.0.len() >= Self::LIMIT {
+            self.0.clear();
+        }
+        self.0.insert(exchange.to_owned());
+    }
 }
 
 fn short(s: &str, what: &str) -> Result<ShortString, SinkError> {
@@ -134,7 +155,7 @@ impl RabbitMqSink {
                 _ => ExchangeKind::Topic,
             },
             max_bytes: config.message_max_bytes,
-            known_exchanges: HashSet::new(),
+            known_exchanges: KnownExchanges::default(),
         })
     }
 
@@ -216,7 +237,7 @@ impl RabbitMqSink {
         match result {
             Ok(()) => {
                 self.admin = Some(admin);
-                self.known_exchanges.insert(exchange.to_owned());
+                self.known_exchanges.insert(exchange);
                 Ok(())
             }
             Err(e) if !self.connection.status().connected() => {
@@ -445,5 +466,20 @@ impl SinkCheck for RabbitMqSink {
 
     fn fixed_destination(&self) -> bool {
         self.exchange.is_fixed() && self.routing_key.is_fixed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KnownExchanges;
+
+    #[test]
+    fn known_exchanges_stay_bounded() {
+        let mut known = KnownExchanges::default();
+        for i in 0..KnownExchanges::LIMIT * 3 {
+            known.insert(&format!("exchange-{i}"));
+            assert!(known.contains(&format!("exchange-{i}")));
+            assert!(known.0.len() <= KnownExchanges::LIMIT);
+        }
     }
 }
