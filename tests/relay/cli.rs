@@ -423,6 +423,10 @@ async fn migrate_mark_existing_sent_publishes_only_what_comes_after() {
     let (code, out, err) = run_cli(&["migrate", "--config", &path, "--mark-existing-sent"], &[]);
     assert_eq!(code, 0, "{out}{err}");
     assert_eq!(db.unsent().await, 1, "{out}");
+    assert!(
+        out.contains("--mark-existing-sent marks nothing") && out.contains("will be published"),
+        "the flag says it did nothing: {out}"
+    );
 
     let relay = InProcess::start(parse(&toml));
     let got = broker.inbox().wait_len(1, WAIT).await;

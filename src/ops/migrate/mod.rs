@@ -52,6 +52,17 @@ async fn migrate_one(
         .map_err(|e| Failure::runtime(MigrateError::Database(e)))?;
     let options = MigrateOptions::from_config(config, mark_existing_sent);
     let steps = plan(&client, &options).await.map_err(Failure::runtime)?;
+    if mark_existing_sent
+        && !steps
+            .iter()
+            .any(|s| s.description == table::MARK_EXISTING_STEP)
+    {
+        println!(
+            "-- --mark-existing-sent marks nothing: it marks the rows present when migrate adds \
+             relay_sent_at, and {} has that column already; its unsent rows stay unsent and will be published",
+            options.table
+        );
+    }
     if steps.is_empty() {
         println!(
             "-- nothing to do: {} is ready for outbox-relay",

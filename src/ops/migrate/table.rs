@@ -125,7 +125,7 @@ pub(super) fn alter_table(
         ));
         if opts.mark_existing_sent {
             steps.push(Step::new(
-                "mark the rows already in the table as sent (--mark-existing-sent)",
+                MARK_EXISTING_STEP,
                 format!(
                     "UPDATE {table} SET {SENT_AT_COLUMN} = now() WHERE {SENT_AT_COLUMN} IS NULL"
                 ),
@@ -134,6 +134,10 @@ pub(super) fn alter_table(
     }
     Ok(steps)
 }
+
+/// The step `--mark-existing-sent` adds when migrate adds `relay_sent_at`.
+pub(super) const MARK_EXISTING_STEP: &str =
+    "mark the rows already in the table as sent (--mark-existing-sent)";
 
 /// The sequence behind `relay_seq` on a partitioned table. PostgreSQL 15
 /// cannot add an identity column to a partitioned table that has
