@@ -17,6 +17,7 @@ use crate::source::budget::Budget;
 use crate::source::{Acker, Reader, RowPosition, SourceError};
 use crate::telemetry::PipelineTelemetry;
 use crate::telemetry::events::{InternalEvent, RefusalsRetried};
+use crate::telemetry::metrics::InFlightShare;
 use crate::telemetry::trace::EventSpan;
 use chrono::Utc;
 use futures::StreamExt;
@@ -120,6 +121,8 @@ pub(super) struct Pipeline<'a, P, K> {
     /// Handed to the acker and not recorded yet: part of the window.
     unrecorded: Arc<Unrecorded>,
     warned_full: bool,
+    /// This run's part of the pipeline's in-flight gauges.
+    in_flight_share: InFlightShare,
     epoch: u64,
     /// The last batch taken ended inside a transaction: a stop reads on
     /// to its end, so that the events it sent from it can be recorded.
@@ -200,6 +203,7 @@ where
             unrecorded,
             budget,
             warned_full: false,
+            in_flight_share: InFlightShare::new(&telemetry.metrics),
             epoch: 0,
             inside_transaction: false,
             refresh: Refresh {
@@ -355,13 +359,9 @@ where
             || !self.pending_releases.is_empty()
     }
 
-    fn report_in_flight(&self) {
+    fn report_in_flight(&mut self) {
         let in_flight = self.scheduler.in_flight();
-        self.telemetry.metrics.in_flight.set(in_flight as f64);
-        self.telemetry
-            .metrics
-            .in_flight_bytes
-            .set(self.budget.used() as f64);
+        self.in_flight_share.report(in_flight, self.budget.used());
         self.telemetry.health.set_in_flight(in_flight);
     }
 
