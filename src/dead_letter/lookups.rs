@@ -89,12 +89,15 @@ pub fn create_index_sql(table: &TableName, index: &LetterIndex) -> String {
 /// Per aggregate with open letters, the WAL place (`lsn`, `index`) of its
 /// earliest open letter when every open letter of it has one from WAL `$1`
 /// (NULLs otherwise): a loose scan over the aggregates of the `open` index,
-/// then probes of the `placed` index.
-pub fn open_sql(table: &TableName) -> String {
+/// then probes of the `placed` index for those of the shard. `shard`:
+/// `" AND <condition on aggregate_id>"` or empty (a shard blocks only its
+/// own aggregates: every shard holding all of them would hold N times the
+/// memory, and reach the cap on blocked aggregates N times sooner).
+pub fn open_sql(table: &TableName, shard: &str) -> String {
     let t = table.quoted();
     let unplaced = |condition: &str| {
         format!(
-            "NOT EXISTS (SELECT 1 FROM {t} u WHERE u.resolution IS NULL AND u.aggregate_id = g.a AND {condition})"
+            "NOT EXISTS (SELECT 1 FROM {t} u WHERE u.resolution IS NULL AND u.aggregate_id = o.aggregate_id AND {condition})"
         )
     };
     format!(
@@ -104,13 +107,13 @@ pub fn open_sql(table: &TableName) -> String {
              SELECT (SELECT min(aggregate_id) FROM {t} WHERE resolution IS NULL AND aggregate_id > g.a)
              FROM g WHERE g.a IS NOT NULL
          )
-         SELECT g.a, p.lsn::text, p.index
-         FROM g LEFT JOIN LATERAL (
+         SELECT o.aggregate_id, p.lsn::text, p.index
+         FROM (SELECT a AS aggregate_id FROM g) o LEFT JOIN LATERAL (
              SELECT f.source_lsn AS lsn, f.source_index AS index FROM {t} f
-             WHERE f.resolution IS NULL AND f.aggregate_id = g.a AND f.source_system = $1
+             WHERE f.resolution IS NULL AND f.aggregate_id = o.aggregate_id AND f.source_system = $1
              ORDER BY f.source_system, f.source_lsn NULLS FIRST, f.source_index NULLS FIRST LIMIT 1
          ) p ON {} AND {} AND {}
-         WHERE g.a IS NOT NULL",
+         WHERE o.aggregate_id IS NOT NULL{shard}",
         unplaced("u.source_system IS NULL"),
         unplaced("u.source_system < $1"),
         unplaced("u.source_system > $1"),

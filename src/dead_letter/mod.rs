@@ -309,7 +309,7 @@ impl Recorder {
                  ORDER BY aggregate_id, dead_letter_id LIMIT 1"
             ))
             .await?,
-            open: prepare(lookups::open_sql(table)).await?,
+            open: prepare(lookups::open_sql(table, &shard)).await?,
             extend_requests: prepare(lookups::extend_requests_sql(table, &shard)).await?,
             requested: prepare(lookups::requested_sql(table, &shard)).await?,
             sent: prepare(format!(

@@ -21,7 +21,7 @@ fn reading_everything(table: &TableName, shard: &str) -> [String; 3] {
                           CASE WHEN source_system = $1 THEN source_lsn END AS lsn,
                           CASE WHEN source_system = $1 THEN source_index END AS index
                    FROM {t} WHERE resolution IS NULL) open
-             WHERE aggregate_id IS NOT NULL
+             WHERE aggregate_id IS NOT NULL{shard}
              ORDER BY aggregate_id, lsn NULLS FIRST, index NULLS FIRST"
         ),
         format!(
@@ -51,7 +51,7 @@ fn reading_everything(table: &TableName, shard: &str) -> [String; 3] {
 /// The relay's statements: open aggregates, extending requests, requested letters.
 fn looking_up(table: &TableName, shard: &str) -> [String; 3] {
     [
-        lookups::open_sql(table),
+        lookups::open_sql(table, shard),
         lookups::extend_requests_sql(table, shard),
         lookups::requested_sql(table, shard),
     ]
@@ -208,6 +208,18 @@ async fn the_look_at_open_letters_answers_as_reading_every_letter_would() {
             "every aggregate with open letters: {expected:?}"
         );
     }
+    // A shard's look: only its own aggregates.
+    let shard = outbox_relay::outbox::Shard { index: 1, count: 2 };
+    let condition = format!(" AND {}", shard.condition("aggregate_id").unwrap());
+    let [before, ..] = reading_everything(&table, &condition);
+    let [now, ..] = looking_up(&table, &condition);
+    let expected = open_aggregates(&db.client, &before, Some("s1")).await;
+    let got = open_aggregates(&db.client, &now, Some("s1")).await;
+    assert_eq!(got, expected, "a shard's open aggregates");
+    assert!(
+        (1..10).contains(&expected.len()),
+        "some aggregates, not all: {expected:?}"
+    );
     let placed = open_aggregates(&db.client, &looking_up(&table, "")[0], Some("s1")).await;
     assert_eq!(
         placed
