@@ -10,8 +10,8 @@
 //! another instance holds is a healthy standby, which says nothing about
 //! a shard of this instance that keeps failing.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,17 +19,23 @@ use std::time::{Duration, Instant};
 pub struct PipelineHealth {
     pub name: String,
     started: AtomicBool,
-    owned: AtomicUsize,
-    in_flight: AtomicUsize,
-    /// Milliseconds since `epoch` of the last confirmation (or idle moment).
-    last_progress_ms: AtomicU64,
+    /// The runs of the shards this instance owns, by shard index.
+    runs: Mutex<BTreeMap<u32, Run>>,
     /// What each failing shard last failed with, by shard index.
     failures: Mutex<BTreeMap<u32, String>>,
-    /// Shards owned whose run is still setting up its source and sink (a
-    /// busy replication slot is waited for there).
-    setting_up: Mutex<BTreeSet<u32>>,
     stall_after: Duration,
     epoch: Instant,
+}
+
+/// The run of one owned shard (or the whole outbox).
+#[derive(Debug)]
+struct Run {
+    /// Still setting up its source and sink (a busy replication slot is
+    /// waited for there).
+    setting_up: bool,
+    in_flight: usize,
+    /// Milliseconds since `epoch` of its last confirmation (or idle moment).
+    last_progress_ms: u64,
 }
 
 /// A pipeline's state as the endpoints show it.
@@ -45,11 +51,8 @@ impl PipelineHealth {
         Arc::new(PipelineHealth {
             name: name.to_owned(),
             started: AtomicBool::new(false),
-            owned: AtomicUsize::new(0),
-            in_flight: AtomicUsize::new(0),
-            last_progress_ms: AtomicU64::new(0),
+            runs: Mutex::new(BTreeMap::new()),
             failures: Mutex::new(BTreeMap::new()),
-            setting_up: Mutex::new(BTreeSet::new()),
             stall_after,
             epoch: Instant::now(),
         })
@@ -63,8 +66,8 @@ impl PipelineHealth {
         self.failures.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn setting_up(&self) -> std::sync::MutexGuard<'_, BTreeSet<u32>> {
-        self.setting_up.lock().unwrap_or_else(|e| e.into_inner())
+    fn runs(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, Run>> {
+        self.runs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The database answered and the instance knows its role for `shard`.
@@ -83,49 +86,59 @@ impl PipelineHealth {
         self.failures().insert(shard, reason.to_owned());
     }
 
-    /// This instance took ownership of a shard (or the whole outbox). A
-    /// failure of the previous run stands until this one [`relaying`]: a
-    /// run that fails again at once (a lost slot, a missing publication)
-    /// must not read as ready between its attempts.
+    /// This instance took ownership of a shard (or the whole outbox). It
+    /// is not ready until the run [`relaying`], and a failure of the
+    /// previous run stands until then: a run that fails again at once (a
+    /// lost slot, a missing publication) must not read as ready between its
+    /// attempts.
     ///
     /// [`relaying`]: PipelineHealth::relaying
-    /// Not ready until then either: the run is not relaying yet.
     pub fn acquired(&self, shard: u32) {
         self.started.store(true, Ordering::SeqCst);
-        self.progress();
-        self.setting_up().insert(shard);
-        self.owned.fetch_add(1, Ordering::SeqCst);
+        let run = Run {
+            setting_up: true,
+            in_flight: 0,
+            last_progress_ms: self.now_ms(),
+        };
+        self.runs().insert(shard, run);
     }
 
     /// The run of `shard` got past its source's and sink's setup and relays.
     pub fn relaying(&self, shard: u32) {
         self.healthy(shard);
-        self.setting_up().remove(&shard);
-        self.progress();
+        let now = self.now_ms();
+        if let Some(run) = self.runs().get_mut(&shard) {
+            run.setting_up = false;
+            run.last_progress_ms = now;
+        }
     }
 
     pub fn released(&self, shard: u32) {
-        self.setting_up().remove(&shard);
-        let _ = self
-            .owned
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        self.runs().remove(&shard);
     }
 
-    /// A confirmation arrived, or nothing is in flight.
-    pub fn progress(&self) {
-        self.last_progress_ms
-            .store(self.now_ms(), Ordering::Relaxed);
-    }
-
-    pub fn set_in_flight(&self, n: usize) {
-        if n == 0 {
-            self.progress();
+    /// A confirmation arrived for the run of `shard`.
+    pub fn progress(&self, shard: u32) {
+        let now = self.now_ms();
+        if let Some(run) = self.runs().get_mut(&shard) {
+            run.last_progress_ms = now;
         }
-        self.in_flight.store(n, Ordering::Relaxed);
+    }
+
+    /// The run of `shard` has `n` messages unconfirmed (none: it is idle,
+    /// which is progress too).
+    pub fn set_in_flight(&self, shard: u32, n: usize) {
+        let now = self.now_ms();
+        if let Some(run) = self.runs().get_mut(&shard) {
+            run.in_flight = n;
+            if n == 0 {
+                run.last_progress_ms = now;
+            }
+        }
     }
 
     pub fn is_active(&self) -> bool {
-        self.owned.load(Ordering::SeqCst) > 0
+        !self.runs().is_empty()
     }
 
     pub fn status(&self) -> Status {
@@ -154,18 +167,20 @@ impl PipelineHealth {
                 state: "standby".into(),
             };
         }
-        if !self.setting_up().is_empty() {
+        let now = self.now_ms();
+        let runs = self.runs();
+        if runs.values().any(|r| r.setting_up) {
             return not_ready(
                 "taking over: setting up the source and the sink (the log says what it waits for)"
                     .into(),
             );
         }
-        let in_flight = self.in_flight.load(Ordering::Relaxed);
-        let quiet = Duration::from_millis(
-            self.now_ms()
-                .saturating_sub(self.last_progress_ms.load(Ordering::Relaxed)),
-        );
-        if in_flight > 0 && quiet > self.stall_after {
+        // Each run by itself: one that confirms says nothing of another.
+        let stalled = runs.values().find_map(|r| {
+            let quiet = Duration::from_millis(now.saturating_sub(r.last_progress_ms));
+            (r.in_flight > 0 && quiet > self.stall_after).then_some((r.in_flight, quiet))
+        });
+        if let Some((in_flight, quiet)) = stalled {
             return not_ready(format!(
                 "stalled: {in_flight} event(s) unconfirmed, no confirmation for {}s",
                 quiet.as_secs()
@@ -230,11 +245,11 @@ mod tests {
         );
         assert!(!h.status().ready);
         h.relaying(0);
-        h.set_in_flight(3);
+        h.set_in_flight(0, 3);
         assert_eq!(h.status().state, "active");
         std::thread::sleep(Duration::from_millis(80));
         assert!(h.status().state.starts_with("stalled"), "{:?}", h.status());
-        h.progress();
+        h.progress(0);
         assert!(h.status().ready);
         h.failing(0, "broker unreachable");
         assert_eq!(
@@ -258,6 +273,26 @@ mod tests {
         h.failing(0, "x");
         assert!(!all.readiness().0);
         assert_eq!(all.readiness().1, "p: failing: x\n");
+    }
+
+    #[test]
+    fn a_shard_that_confirms_does_not_hide_one_that_stalled() {
+        let h = PipelineHealth::new("p", Duration::from_millis(50));
+        for shard in [0, 1] {
+            h.acquired(shard);
+            h.relaying(shard);
+        }
+        h.set_in_flight(0, 4);
+        h.set_in_flight(1, 2);
+        std::thread::sleep(Duration::from_millis(80));
+        h.progress(1);
+        h.set_in_flight(1, 0);
+        assert_eq!(
+            h.status().state,
+            "stalled: 4 event(s) unconfirmed, no confirmation for 0s"
+        );
+        h.released(0);
+        assert_eq!(h.status().state, "active", "the stalled shard's run ended");
     }
 
     #[test]

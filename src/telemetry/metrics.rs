@@ -190,41 +190,6 @@ impl PipelineMetrics {
     }
 }
 
-/// One run's share of its pipeline's in-flight gauges, which the runs of
-/// every shard of the pipeline add to (a run that set them would hide the
-/// others'); taken back when the run ends, however it ends.
-pub struct InFlightShare {
-    in_flight: Gauge,
-    bytes: Gauge,
-    count: f64,
-    used: f64,
-}
-
-impl InFlightShare {
-    pub fn new(metrics: &PipelineMetrics) -> Self {
-        InFlightShare {
-            in_flight: metrics.in_flight.clone(),
-            bytes: metrics.in_flight_bytes.clone(),
-            count: 0.0,
-            used: 0.0,
-        }
-    }
-
-    /// This run has `count` messages and `used` bytes in flight now.
-    pub fn report(&mut self, count: usize, used: usize) {
-        let (count, used) = (count as f64, used as f64);
-        self.in_flight.increment(count - self.count);
-        self.bytes.increment(used - self.used);
-        (self.count, self.used) = (count, used);
-    }
-}
-
-impl Drop for InFlightShare {
-    fn drop(&mut self) {
-        self.report(0, 0);
-    }
-}
-
 /// Installs the Prometheus recorder; the handle renders the text format.
 /// `None` when a recorder is already installed (tests running several relays).
 pub fn install() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
@@ -236,38 +201,4 @@ pub fn install() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
         .ok()?
         .install_recorder()
         .ok()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_runs_of_a_pipelines_shards_add_up_their_in_flight() {
-        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-        let handle = recorder.handle();
-        let value = |name: &str| {
-            let text = handle.render();
-            text.lines()
-                .find(|l| l.starts_with(&format!("{name}{{")))
-                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        };
-        metrics::with_local_recorder(&recorder, || {
-            let metrics = PipelineMetrics::new("p", "kafka", "polling");
-            let mut one = InFlightShare::new(&metrics);
-            let mut two = InFlightShare::new(&metrics);
-            one.report(3, 300);
-            two.report(5, 500);
-            one.report(1, 100);
-            assert_eq!(value(IN_FLIGHT), Some(6.0));
-            assert_eq!(value(IN_FLIGHT_BYTES), Some(600.0));
-            drop(two);
-            assert_eq!(
-                value(IN_FLIGHT),
-                Some(1.0),
-                "an ended run takes its share back"
-            );
-            assert_eq!(value(IN_FLIGHT_BYTES), Some(100.0));
-        });
-    }
 }

@@ -84,3 +84,87 @@ impl PipelineTelemetry {
         }
     }
 }
+
+/// One run's share of its pipeline's in-flight state: the gauges, which
+/// the runs of every shard of the pipeline add to (a run that set them
+/// would hide the others'), and its shard's progress for `/readyz`. Taken
+/// back when the run ends, however it ends.
+pub struct InFlightShare {
+    in_flight: ::metrics::Gauge,
+    bytes: ::metrics::Gauge,
+    health: Arc<health::PipelineHealth>,
+    shard: u32,
+    count: f64,
+    used: f64,
+}
+
+impl InFlightShare {
+    pub fn new(telemetry: &PipelineTelemetry, shard: u32) -> Self {
+        InFlightShare {
+            in_flight: telemetry.metrics.in_flight.clone(),
+            bytes: telemetry.metrics.in_flight_bytes.clone(),
+            health: telemetry.health.clone(),
+            shard,
+            count: 0.0,
+            used: 0.0,
+        }
+    }
+
+    /// This run has `count` messages and `used` bytes in flight now.
+    pub fn report(&mut self, count: usize, used: usize) {
+        self.health.set_in_flight(self.shard, count);
+        let (count, used) = (count as f64, used as f64);
+        self.in_flight.increment(count - self.count);
+        self.bytes.increment(used - self.used);
+        (self.count, self.used) = (count, used);
+    }
+
+    /// A confirmation arrived.
+    pub fn progress(&self) {
+        self.health.progress(self.shard);
+    }
+}
+
+impl Drop for InFlightShare {
+    fn drop(&mut self) {
+        self.report(0, 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runs_of_a_pipelines_shards_add_up_their_in_flight() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let value = |name: &str| {
+            let text = handle.render();
+            text.lines()
+                .find(|l| l.starts_with(&format!("{name}{{")))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        };
+        ::metrics::with_local_recorder(&recorder, || {
+            let telemetry = PipelineTelemetry {
+                health: health::PipelineHealth::new("p", std::time::Duration::from_secs(10)),
+                metrics: metrics::PipelineMetrics::new("p", "kafka", "polling"),
+                tracer: trace::EventTracer::default(),
+            };
+            let mut one = InFlightShare::new(&telemetry, 0);
+            let mut two = InFlightShare::new(&telemetry, 1);
+            one.report(3, 300);
+            two.report(5, 500);
+            one.report(1, 100);
+            assert_eq!(value(metrics::IN_FLIGHT), Some(6.0));
+            assert_eq!(value(metrics::IN_FLIGHT_BYTES), Some(600.0));
+            drop(two);
+            assert_eq!(
+                value(metrics::IN_FLIGHT),
+                Some(1.0),
+                "an ended run takes its share back"
+            );
+            assert_eq!(value(metrics::IN_FLIGHT_BYTES), Some(100.0));
+        });
+    }
+}

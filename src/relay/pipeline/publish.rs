@@ -298,7 +298,7 @@ where
                     self.pending_spans.push(span);
                 }
                 // A confirmation, redriven letter or not: not stalled.
-                self.telemetry.health.progress();
+                self.in_flight_share.progress();
                 if let Origin::Letter(_) = position {
                     self.pending_acks.push(position);
                     return Ok(());

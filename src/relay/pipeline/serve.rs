@@ -15,9 +15,9 @@ use crate::sink::Sink;
 use crate::source::SourcedEvent;
 use crate::source::budget::Budget;
 use crate::source::{Acker, Reader, RowPosition, SourceError};
+use crate::telemetry::InFlightShare;
 use crate::telemetry::PipelineTelemetry;
 use crate::telemetry::events::{InternalEvent, RefusalsRetried};
-use crate::telemetry::metrics::InFlightShare;
 use crate::telemetry::trace::EventSpan;
 use chrono::Utc;
 use futures::StreamExt;
@@ -122,7 +122,7 @@ pub(super) struct Pipeline<'a, P, K> {
     unrecorded: Arc<Unrecorded>,
     warned_full: bool,
     /// This run's part of the pipeline's in-flight gauges.
-    in_flight_share: InFlightShare,
+    pub(super) in_flight_share: InFlightShare,
     epoch: u64,
     /// The last batch taken ended inside a transaction: a stop reads on
     /// to its end, so that the events it sent from it can be recorded.
@@ -203,7 +203,7 @@ where
             unrecorded,
             budget,
             warned_full: false,
-            in_flight_share: InFlightShare::new(&telemetry.metrics),
+            in_flight_share: InFlightShare::new(telemetry, cx.shard),
             epoch: 0,
             inside_transaction: false,
             refresh: Refresh {
@@ -362,7 +362,6 @@ where
     fn report_in_flight(&mut self) {
         let in_flight = self.scheduler.in_flight();
         self.in_flight_share.report(in_flight, self.budget.used());
-        self.telemetry.health.set_in_flight(in_flight);
     }
 
     /// Everything sent is confirmed and recorded: re-read from the recorded point.
