@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 #[derive(Debug)]
 pub struct PipelineHealth {
     pub name: String,
+    shards: u32,
     started: AtomicBool,
     /// The runs of the shards this instance owns, by shard index.
     runs: Mutex<BTreeMap<u32, Run>>,
@@ -47,9 +48,11 @@ pub struct Status {
 }
 
 impl PipelineHealth {
-    pub fn new(name: &str, stall_after: Duration) -> Arc<Self> {
+    /// `shards`: `relay.shards`, to name a stalled shard.
+    pub fn new(name: &str, shards: u32, stall_after: Duration) -> Arc<Self> {
         Arc::new(PipelineHealth {
             name: name.to_owned(),
+            shards,
             started: AtomicBool::new(false),
             runs: Mutex::new(BTreeMap::new()),
             failures: Mutex::new(BTreeMap::new()),
@@ -161,14 +164,14 @@ impl PipelineHealth {
         if !self.started.load(Ordering::SeqCst) {
             return not_ready("starting".into());
         }
-        if !self.is_active() {
+        let now = self.now_ms();
+        let runs = self.runs();
+        if runs.is_empty() {
             return Status {
                 ready: true,
                 state: "standby".into(),
             };
         }
-        let now = self.now_ms();
-        let runs = self.runs();
         if runs.values().any(|r| r.setting_up) {
             return not_ready(
                 "taking over: setting up the source and the sink (the log says what it waits for)"
@@ -176,13 +179,17 @@ impl PipelineHealth {
             );
         }
         // Each run by itself: one that confirms says nothing of another.
-        let stalled = runs.values().find_map(|r| {
+        let stalled = runs.iter().find_map(|(shard, r)| {
             let quiet = Duration::from_millis(now.saturating_sub(r.last_progress_ms));
-            (r.in_flight > 0 && quiet > self.stall_after).then_some((r.in_flight, quiet))
+            (r.in_flight > 0 && quiet > self.stall_after).then_some((*shard, r.in_flight, quiet))
         });
-        if let Some((in_flight, quiet)) = stalled {
+        if let Some((shard, in_flight, quiet)) = stalled {
+            let which = match self.shards {
+                1 => String::new(),
+                n => format!("shard {shard}/{n}: "),
+            };
             return not_ready(format!(
-                "stalled: {in_flight} event(s) unconfirmed, no confirmation for {}s",
+                "stalled: {which}{in_flight} event(s) unconfirmed, no confirmation for {}s",
                 quiet.as_secs()
             ));
         }
@@ -227,7 +234,7 @@ mod tests {
 
     #[test]
     fn states() {
-        let h = PipelineHealth::new("p", Duration::from_millis(50));
+        let h = PipelineHealth::new("p", 1, Duration::from_millis(50));
         assert_eq!(h.status().state, "starting");
         h.healthy(0);
         assert_eq!(
@@ -277,7 +284,7 @@ mod tests {
 
     #[test]
     fn a_shard_that_confirms_does_not_hide_one_that_stalled() {
-        let h = PipelineHealth::new("p", Duration::from_millis(50));
+        let h = PipelineHealth::new("p", 2, Duration::from_millis(50));
         for shard in [0, 1] {
             h.acquired(shard);
             h.relaying(shard);
@@ -289,7 +296,7 @@ mod tests {
         h.set_in_flight(1, 0);
         assert_eq!(
             h.status().state,
-            "stalled: 4 event(s) unconfirmed, no confirmation for 0s"
+            "stalled: shard 0/2: 4 event(s) unconfirmed, no confirmation for 0s"
         );
         h.released(0);
         assert_eq!(h.status().state, "active", "the stalled shard's run ended");
@@ -297,7 +304,7 @@ mod tests {
 
     #[test]
     fn a_shard_held_elsewhere_does_not_clear_another_shards_failure() {
-        let h = PipelineHealth::new("p", Duration::from_secs(10));
+        let h = PipelineHealth::new("p", 1, Duration::from_secs(10));
         h.healthy(0);
         h.failing(1, "shard 1/4: broker unreachable");
         h.failing(3, "shard 3/4: broker unreachable");

@@ -56,7 +56,11 @@ pub struct PipelineTelemetry {
 impl PipelineTelemetry {
     pub fn new(config: &Config) -> Self {
         PipelineTelemetry {
-            health: health::PipelineHealth::new(&config.name, config.relay.confirm_timeout),
+            health: health::PipelineHealth::new(
+                &config.name,
+                config.relay.shards,
+                config.relay.confirm_timeout,
+            ),
             metrics: metrics::PipelineMetrics::new(
                 &config.name,
                 config.sink.kind(),
@@ -147,7 +151,7 @@ mod tests {
         };
         ::metrics::with_local_recorder(&recorder, || {
             let telemetry = PipelineTelemetry {
-                health: health::PipelineHealth::new("p", std::time::Duration::from_secs(10)),
+                health: health::PipelineHealth::new("p", 2, std::time::Duration::from_secs(10)),
                 metrics: metrics::PipelineMetrics::new("p", "kafka", "polling"),
                 tracer: trace::EventTracer::default(),
             };

@@ -52,7 +52,10 @@ async fn migrate_one(
         .map_err(|e| Failure::runtime(MigrateError::Database(e)))?;
     let options = MigrateOptions::from_config(config, mark_existing_sent);
     let steps = plan(&client, &options).await.map_err(Failure::runtime)?;
+    // A table migrate creates has no rows to mark.
+    let creates = steps.first() == Some(&create_table(&options));
     if mark_existing_sent
+        && !creates
         && !steps
             .iter()
             .any(|s| s.description == table::MARK_EXISTING_STEP)

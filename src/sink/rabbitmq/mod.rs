@@ -65,21 +65,24 @@ pub struct RabbitMqSink {
 
 /// The exchanges found (or declared) on this connection, which are not
 /// checked again. Bounded: exchange names can come from the rows, so past
-/// [`KnownExchanges::LIMIT`] names it starts over (a name is checked again
-/// once, one round trip).
+/// [`KnownExchanges::LIMIT`] names each new one pushes out another (which is
+/// checked again when next used, one round trip): rows that rotate through
+/// more names than that still find most of them known.
 #[derive(Debug, Default)]
 struct KnownExchanges(std::collections::HashSet<String>);
 
 impl KnownExchanges {
-    const LIMIT: usize = 1024;
+    const LIMIT: usize = 10_000;
 
     fn contains(&self, exchange: &str) -> bool {
         self.0.contains(exchange)
     }
 
     fn insert(&mut self, exchange: &str) {
-        if self.0.len() >= Self::LIMIT {
-            self.0.clear();
+        if self.0.len() >= Self::LIMIT
+            && let Some(out) = self.0.iter().next().cloned()
+        {
+            self.0.remove(&out);
         }
         self.0.insert(exchange.to_owned());
     }
@@ -476,10 +479,11 @@ mod tests {
     #[test]
     fn known_exchanges_stay_bounded() {
         let mut known = KnownExchanges::default();
-        for i in 0..KnownExchanges::LIMIT * 3 {
+        for i in 0..KnownExchanges::LIMIT * 2 {
             known.insert(&format!("exchange-{i}"));
             assert!(known.contains(&format!("exchange-{i}")));
             assert!(known.0.len() <= KnownExchanges::LIMIT);
         }
+        assert_eq!(known.0.len(), KnownExchanges::LIMIT, "full, not emptied");
     }
 }
