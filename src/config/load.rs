@@ -308,7 +308,8 @@ fn merge(
     base
 }
 
-/// Two pipelines must not share an outbox table (or a replication slot).
+/// Two pipelines must not share an outbox table, a dead-letter table or a
+/// replication slot.
 fn check_distinct(configs: &[Config], problems: &mut Vec<Problem>) {
     for (i, a) in configs.iter().enumerate() {
         for b in &configs[..i] {
@@ -318,6 +319,23 @@ fn check_distinct(configs: &[Config], problems: &mut Vec<Problem>) {
                     message: format!(
                         "{} is already relayed by pipeline {:?}",
                         a.outbox.table, b.name
+                    ),
+                });
+            }
+            let letters = |c: &Config| {
+                c.dead_letter
+                    .enabled
+                    .then(|| c.dead_letter.table_name(&c.outbox.table))
+            };
+            if a.database.url == b.database.url && letters(a).is_some() && letters(a) == letters(b)
+            {
+                problems.push(Problem {
+                    key: format!("pipelines.{}.dead_letter.table", a.name),
+                    message: format!(
+                        "{} is already the dead-letter table of pipeline {:?}: a dead letter does not say \
+                         which outbox it came from, so each pipeline would redrive the other's; give each its own",
+                        letters(a).map(|t| t.to_string()).unwrap_or_default(),
+                        b.name
                     ),
                 });
             }

@@ -65,6 +65,12 @@ pub fn objects(table: &TableName) -> Vec<(String, &'static str)> {
         (seq_index(table), "unique index on relay_seq"),
         (sent_index(table), "index of sent rows"),
         (emit_function(table), "emitting function"),
+        (
+            crate::config::DeadLetterConfig::default()
+                .table_name(table)
+                .name,
+            "dead-letter table (by default)",
+        ),
     ]
 }
 
@@ -252,6 +258,10 @@ mod tests {
         let tables: Vec<&str> = shared(&a, &b).iter().map(|(_, w)| *w).collect();
         assert!(tables.contains(&"progress table"), "{tables:?}");
         assert!(tables.contains(&"owners table"), "{tables:?}");
+        assert!(
+            tables.contains(&"dead-letter table (by default)"),
+            "{tables:?}"
+        );
         assert!(at_limit(&a));
         // Same first 43 bytes: the indexes and the function are one.
         let (c, d) = (long("outbox_", "_c", 60), long("outbox_", "_d", 60));

@@ -34,6 +34,10 @@ pub const PROTECTED_KAFKA_PROPERTIES: &[&str] = &[
     "client.id",
     "enable.auto.commit",
     "queue.buffering.max.messages",
+    // Without a report of each success no send is ever confirmed.
+    "delivery.report.only.error",
+    // A transactional producer sends nothing before init_transactions.
+    "transactional.id",
 ];
 
 /// `[sink]` with `type = "kafka"`.

@@ -139,3 +139,31 @@ fn an_environment_variable_for_a_pipeline_the_file_lacks_is_refused() {
     assert_eq!(k.topic.to_string(), "audited");
     assert_eq!(c.len(), 2);
 }
+
+#[test]
+fn pipelines_may_not_share_a_dead_letter_table() {
+    let shared = err(&format!(
+        "{MINIMAL}\n[dead_letter]\ntable = \"public.letters\"\n\
+         [pipelines.orders.outbox]\ntable = \"public.orders\"\n\
+         [pipelines.audit.outbox]\ntable = \"public.audit\"\n"
+    ));
+    assert!(
+        shared.contains(
+            "dead_letter.table: public.letters is already the dead-letter table of pipeline"
+        ),
+        "{shared}"
+    );
+    // By default each has its own; one without dead-lettering shares nothing.
+    load_str(&format!(
+        "{MINIMAL}\n[pipelines.orders.outbox]\ntable = \"public.orders\"\n\
+         [pipelines.audit.outbox]\ntable = \"public.audit\"\n"
+    ))
+    .expect("own dead-letter tables");
+    load_str(&format!(
+        "{MINIMAL}\n[dead_letter]\ntable = \"public.letters\"\n\
+         [pipelines.orders.outbox]\ntable = \"public.orders\"\n\
+         [pipelines.audit.outbox]\ntable = \"public.audit\"\n\
+         [pipelines.audit.dead_letter]\nenabled = false\n"
+    ))
+    .expect("one pipeline without dead letters");
+}
