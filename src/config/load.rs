@@ -247,7 +247,12 @@ fn read_named(
             });
         }
     }
-    let merged = merge(root.clone(), overrides);
+    let mut base = root.clone();
+    // Another broker type: none of the top-level broker's keys apply.
+    if sink_type(&overrides).is_some_and(|t| Some(t) != sink_type(root)) {
+        base.remove("sink");
+    }
+    let merged = merge(base, overrides);
     let (config, found) = read_pipeline(merged, &format!("{origin}: {at}"))?;
     for mut problem in found {
         env_keys.annotate(&mut problem, Some(name));
@@ -280,6 +285,12 @@ fn read_pipeline(
         problems.sort_by(|a, b| a.key.cmp(&b.key));
     }
     Ok((config, problems))
+}
+
+/// The `type` of the `[sink]` in `table`, when it says one.
+fn sink_type(table: &config::Map<String, config::Value>) -> Option<String> {
+    let sink = table.get("sink")?.clone().into_table().ok()?;
+    sink.get("type")?.clone().into_string().ok()
 }
 
 /// Deep-merges `over` into `base`: tables merge key by key, anything else replaces.

@@ -167,3 +167,20 @@ fn pipelines_may_not_share_a_dead_letter_table() {
     ))
     .expect("one pipeline without dead letters");
 }
+
+#[test]
+fn the_operations_guide_example_of_several_outboxes_loads() {
+    let guide = include_str!("../../../docs/operations.md");
+    let example = guide
+        .split("### Several outboxes in one process")
+        .nth(1)
+        .and_then(|rest| rest.split("```toml").nth(1))
+        .and_then(|block| block.split("```").next())
+        .expect("the guide's example");
+    let configs = crate::config::load_all_str(example).unwrap_or_else(|e| panic!("{e}"));
+    let kinds: Vec<(&str, &str)> = configs
+        .iter()
+        .map(|c| (c.name.as_str(), c.sink.kind()))
+        .collect();
+    assert_eq!(kinds, [("billing", "rabbitmq"), ("orders", "kafka")]);
+}
