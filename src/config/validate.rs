@@ -139,6 +139,15 @@ impl Config {
                 "log.level",
                 format!("not a valid filter ({e}); try \"info\""),
             );
+        } else if let Some(word) = bare_target(&self.log.level) {
+            c.problem(
+                "log.level",
+                format!(
+                    "{word:?} is not a level (trace, debug, info, warn, error, off): a word alone names a \
+                     module to log at every level, and nothing else would be logged, errors included; \
+                     write a level, or \"info,{word}=debug\" for a module"
+                ),
+            );
         }
         if c.0.is_empty() { Ok(()) } else { Err(c.0) }
     }
@@ -525,4 +534,17 @@ impl Config {
             );
         }
     }
+}
+
+/// A directive of a log filter that is a word alone and not a level
+/// (`warning`, `verbose`): read as a module name, it turns every other
+/// log line off.
+fn bare_target(filter: &str) -> Option<&str> {
+    const LEVELS: &[&str] = &["trace", "debug", "info", "warn", "error", "off"];
+    filter.split(',').map(str::trim).find(|d| {
+        !d.is_empty()
+            && !d.contains(['=', '[', ':'])
+            && !d.chars().all(|c| c.is_ascii_digit())
+            && !LEVELS.iter().any(|l| l.eq_ignore_ascii_case(d))
+    })
 }

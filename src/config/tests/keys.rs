@@ -438,3 +438,25 @@ fn sink_numbers_and_flags_are_read_from_environment_text() {
         );
     }
 }
+
+#[test]
+fn a_log_level_that_is_no_level_is_refused() {
+    for level in ["warning", "verbose", "info,verbose"] {
+        let e = err(&format!("{MINIMAL}\n[log]\nlevel = \"{level}\"\n"));
+        assert!(
+            e.contains("log.level: \"") && e.contains("is not a level"),
+            "{level}: {e}"
+        );
+    }
+    for level in [
+        "warn",
+        "INFO",
+        "info,outbox_relay=debug",
+        "outbox_relay::relay=trace",
+        "off",
+        "3",
+    ] {
+        load_str(&format!("{MINIMAL}\n[log]\nlevel = \"{level}\"\n"))
+            .unwrap_or_else(|e| panic!("{level}: {e}"));
+    }
+}
