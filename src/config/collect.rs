@@ -69,6 +69,8 @@ pub(super) fn deserialize_all<T: DeserializeOwned>(
     mut table: Map<String, Value>,
 ) -> Result<(Option<T>, Vec<Problem>), String> {
     let mut problems: Vec<Problem> = Vec::new();
+    let sink = sink_type(&table);
+    not_whole(&mut table, "", sink.as_deref(), &mut problems);
     while problems.len() < MAX_PROBLEMS {
         let value = Value::new(None, ValueKind::Table(table.clone()));
         let e = match value.try_deserialize::<T>() {
@@ -111,6 +113,46 @@ pub(super) fn deserialize_all<T: DeserializeOwned>(
         }
     }
     Ok((None, sorted(problems)))
+}
+
+/// Counts written as a fraction, `true`/`false` or other text: the config
+/// crate would round `2.5` to 3 and read `true` as 1. Each becomes a
+/// problem, and the key's default applies while the rest is read.
+fn not_whole(
+    table: &mut Map<String, Value>,
+    at: &str,
+    sink: Option<&str>,
+    problems: &mut Vec<Problem>,
+) {
+    let mut refused = Vec::new();
+    for (name, value) in table.iter_mut() {
+        let key = if at.is_empty() {
+            name.clone()
+        } else {
+            format!("{at}.{name}")
+        };
+        if let ValueKind::Table(inner) = &mut value.kind {
+            not_whole(inner, &key, sink, problems);
+            continue;
+        }
+        let Some((min, max)) = integer_range(&key, sink) else {
+            continue;
+        };
+        let shown = match &value.kind {
+            ValueKind::Float(f) => f.to_string(),
+            ValueKind::Boolean(b) => b.to_string(),
+            ValueKind::String(t) if t.trim().parse::<i128>().is_err() => format!("{t:?}"),
+            _ => continue,
+        };
+        problems.push(Problem {
+            message: format!("{shown} is not a whole number; use {min} to {max}"),
+            key,
+        });
+        refused.push(name.clone());
+    }
+    for name in refused {
+        table.remove(&name);
+    }
 }
 
 fn sorted(mut problems: Vec<Problem>) -> Vec<Problem> {

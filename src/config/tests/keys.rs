@@ -220,6 +220,8 @@ fn a_bad_environment_override_names_its_variable() {
     let file = format!("{MINIMAL}\n[source]\nbatch_size = 100\n");
     for (value, message) in [
         ("abc", "\"abc\" is not a whole number; use 1 to 10000"),
+        ("2.5", "\"2.5\" is not a whole number; use 1 to 10000"),
+        ("yes", "\"yes\" is not a whole number; use 1 to 10000"),
         ("0", "0 is out of range; use 1 to 10000"),
         ("-5", "-5 is out of range; use 1 to 10000"),
     ] {
@@ -458,5 +460,20 @@ fn a_log_level_that_is_no_level_is_refused() {
     ] {
         load_str(&format!("{MINIMAL}\n[log]\nlevel = \"{level}\"\n"))
             .unwrap_or_else(|e| panic!("{level}: {e}"));
+    }
+}
+
+#[test]
+fn a_count_written_as_a_fraction_or_a_flag_is_refused() {
+    let e = err(&format!(
+        "{MINIMAL}\n[relay]\nshards = 2.5\n[dead_letter]\nmax_attempts = true\n\
+         [pipelines.a.source]\nbatch_size = 499.6\n"
+    ));
+    for expected in [
+        "pipelines.a: relay.shards: 2.5 is not a whole number; use 1 to 256",
+        "pipelines.a: dead_letter.max_attempts: true is not a whole number; use 1 to 1000",
+        "pipelines.a: source.batch_size: 499.6 is not a whole number; use 1 to 10000",
+    ] {
+        assert!(e.contains(expected), "{expected}: {e}");
     }
 }
