@@ -100,6 +100,11 @@ fn build(
 ) -> Result<Vec<Config>, ConfigError> {
     let env_keys = env.as_ref().map(EnvKeys::new).unwrap_or_default();
     let overridden = env.is_some();
+    // The environment's values alone: they win over a pipeline's table too.
+    let env_only = match &env {
+        Some(vars) => read_root("", origin, Some(vars.clone()))?,
+        None => Table::new(),
+    };
     let mut root = read_root(text, origin, env)?;
     let Some(pipelines) = root.remove("pipelines") else {
         return read_single(root, origin, &env_keys);
@@ -110,7 +115,13 @@ fn build(
     }
     let mut configs = Vec::new();
     for (name, overrides) in pipeline_tables(pipelines, origin)? {
-        let read = read_named(&root, &name, overrides, origin, &env_keys, &mut problems)?;
+        let pipeline = Named {
+            name: &name,
+            origin,
+            env_keys: &env_keys,
+            env_only: &env_only,
+        };
+        let read = read_named(&root, &pipeline, overrides, &mut problems)?;
         configs.extend(read);
     }
     check_distinct(&configs, &mut problems);
@@ -212,16 +223,31 @@ fn pipeline_tables(
     Ok(pipelines.into_iter().collect())
 }
 
+/// What reading one `[pipelines.<name>]` table needs besides the tables.
+struct Named<'a> {
+    name: &'a str,
+    origin: &'a str,
+    env_keys: &'a EnvKeys,
+    /// The environment's values alone (top-level keys and pipelines').
+    env_only: &'a Table,
+}
+
 /// The pipeline `[pipelines.<name>]` describes: the top-level sections with
-/// its `overrides` merged over them. Its problems go to `problems`.
+/// its `overrides` merged over them, then the environment's top-level
+/// values, then its values for this pipeline (the environment wins over the
+/// file). Its problems go to `problems`.
 fn read_named(
     root: &Table,
-    name: &str,
+    named: &Named<'_>,
     overrides: config::Value,
-    origin: &str,
-    env_keys: &EnvKeys,
     problems: &mut Vec<Problem>,
 ) -> Result<Option<Config>, ConfigError> {
+    let Named {
+        name,
+        origin,
+        env_keys,
+        env_only,
+    } = *named;
     let at = format!("pipelines.{name}");
     if name.is_empty()
         || !name
@@ -248,11 +274,21 @@ fn read_named(
         }
     }
     let mut base = root.clone();
+    let mut env_top = env_only.clone();
+    let env_own = env_top
+        .remove("pipelines")
+        .and_then(|p| p.into_table().ok())
+        .and_then(|mut p| p.remove(name))
+        .and_then(|p| p.into_table().ok());
     // Another broker type: none of the top-level broker's keys apply.
     if sink_type(&overrides).is_some_and(|t| Some(t) != sink_type(root)) {
         base.remove("sink");
+        env_top.remove("sink");
     }
-    let merged = merge(base, overrides);
+    let merged = merge(
+        merge(merge(base, overrides), env_top),
+        env_own.unwrap_or_default(),
+    );
     let (config, found) = read_pipeline(merged, &format!("{origin}: {at}"))?;
     for mut problem in found {
         env_keys.annotate(&mut problem, Some(name));

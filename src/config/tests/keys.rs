@@ -477,3 +477,33 @@ fn a_count_written_as_a_fraction_or_a_flag_is_refused() {
         assert!(e.contains(expected), "{expected}: {e}");
     }
 }
+
+#[test]
+fn the_environment_wins_over_a_pipelines_table() {
+    let file = format!(
+        "{MINIMAL}\n[pipelines.a.source]\nbatch_size = 50\n[pipelines.b.outbox]\ntable = \"public.b\"\n"
+    );
+    let top = [("OUTBOX_RELAY__SOURCE__BATCH_SIZE", "100")];
+    let c = super::load::load_str_with_env(&file, &top).unwrap();
+    let sizes: Vec<(&str, usize)> = c
+        .iter()
+        .map(|c| (c.name.as_str(), c.source.batch_size))
+        .collect();
+    assert_eq!(sizes, [("a", 100), ("b", 100)]);
+    // A pipeline's own variable wins over the top-level one.
+    let both = [
+        ("OUTBOX_RELAY__SOURCE__BATCH_SIZE", "100"),
+        ("OUTBOX_RELAY__PIPELINES__A__SOURCE__BATCH_SIZE", "7"),
+    ];
+    let c = super::load::load_str_with_env(&file, &both).unwrap();
+    assert_eq!(c[0].source.batch_size, 7);
+    assert_eq!(c[1].source.batch_size, 100);
+    // A top-level Kafka variable does not reach a RabbitMQ pipeline.
+    let rabbit = format!(
+        "{MINIMAL}\n[pipelines.k.outbox]\ntable = \"public.k\"\n\
+         [pipelines.r.sink]\ntype = \"rabbitmq\"\nurl = \"amqp://mq\"\n"
+    );
+    let c = super::load::load_str_with_env(&rabbit, &[("OUTBOX_RELAY__SINK__BROKERS", "k2:9092")])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c[1].sink.kind(), "rabbitmq");
+}
