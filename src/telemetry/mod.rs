@@ -10,12 +10,16 @@ const QUIET_AMQP_CLIENT: &str = "lapin=error";
 
 /// Installs the global subscriber; a second call does nothing.
 pub fn init(config: &LogConfig) {
+    let mut refused = None;
     let (filter, spec) = match std::env::var("RUST_LOG") {
         Ok(spec) if EnvFilter::try_new(&spec).is_ok() => (EnvFilter::new(&spec), spec),
-        _ => match EnvFilter::try_new(&config.level) {
-            Ok(f) => (f, config.level.clone()),
-            Err(_) => (EnvFilter::new("info"), "info".to_owned()),
-        },
+        other => {
+            refused = other.ok();
+            match EnvFilter::try_new(&config.level) {
+                Ok(f) => (f, config.level.clone()),
+                Err(_) => (EnvFilter::new("info"), "info".to_owned()),
+            }
+        }
     };
     // The AMQP client logs whole messages (event payloads) at warn when a
     // publish fails; keep payloads out of logs unless asked for by name.
@@ -33,6 +37,13 @@ pub fn init(config: &LogConfig) {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+    if let Some(spec) = refused {
+        tracing::warn!(
+            rust_log = %spec,
+            level = %config.level,
+            "RUST_LOG is not a valid filter: logging by log.level instead"
+        );
+    }
 }
 
 pub mod events;

@@ -14,16 +14,30 @@ fn run_and_read_log(
     max: Duration,
     done: impl Fn(&str) -> bool,
 ) -> String {
+    run_with_rust_log(config_toml, None, (min, max), done)
+}
+
+/// [`run_and_read_log`] with `RUST_LOG` set to `rust_log` (removed if `None`).
+fn run_with_rust_log(
+    config_toml: &str,
+    rust_log: Option<&str>,
+    (min, max): (Duration, Duration),
+    done: impl Fn(&str) -> bool,
+) -> String {
     let dir = std::env::temp_dir().join(unique("outbox-relay-logs-"));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("relay.toml");
     std::fs::write(&config, config_toml).unwrap();
     let log_path = dir.join("relay.log");
     let log_file = std::fs::File::create(&log_path).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    match rust_log {
+        Some(filter) => command.env("RUST_LOG", filter),
+        None => command.env_remove("RUST_LOG"),
+    };
+    let mut child = command
         .args(["run", "--config"])
         .arg(&config)
-        .env_remove("RUST_LOG")
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(log_file)
@@ -185,4 +199,24 @@ async fn a_transaction_that_keeps_the_slot_back_is_named() {
             && named[0].contains("nothing is lost"),
         "the warning does not name the open transaction:\n{log}"
     );
+}
+
+/// A `RUST_LOG` the relay cannot use is not ignored without a word: the
+/// log says so, and logs by `log.level`.
+#[tokio::test]
+async fn an_unusable_rust_log_is_said_and_log_level_used() {
+    let (_db, _broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
+    let active = "active: relaying events";
+    let log = run_with_rust_log(
+        &toml,
+        Some("outbox_relay=loud"),
+        (Duration::ZERO, WAIT),
+        |log| log.contains(active),
+    );
+    assert!(
+        log.contains("RUST_LOG is not a valid filter: logging by log.level instead")
+            && log.contains("outbox_relay=loud"),
+        "{log}"
+    );
+    assert!(log.contains(active), "{log}");
 }
