@@ -139,9 +139,22 @@ fn not_whole(
             continue;
         };
         let shown = match &value.kind {
-            ValueKind::Float(f) => f.to_string(),
+            // Written `4.0`: a whole number all the same.
+            ValueKind::Float(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => {
+                value.kind = ValueKind::I64(*f as i64);
+                continue;
+            }
+            ValueKind::Float(f) => format!("{f:?}"),
             ValueKind::Boolean(b) => b.to_string(),
-            ValueKind::String(t) if t.trim().parse::<i128>().is_err() => format!("{t:?}"),
+            // Text from the environment, read as written but for spaces.
+            ValueKind::String(t) => match t.trim().parse::<i64>() {
+                Ok(n) => {
+                    value.kind = ValueKind::I64(n);
+                    continue;
+                }
+                Err(_) if t.trim().parse::<i128>().is_ok() => continue,
+                Err(_) => format!("{t:?}"),
+            },
             _ => continue,
         };
         problems.push(Problem {

@@ -281,7 +281,9 @@ fn read_named(
         .and_then(|mut p| p.remove(name))
         .and_then(|p| p.into_table().ok());
     // Another broker type: none of the top-level broker's keys apply.
-    if sink_type(&overrides).is_some_and(|t| Some(t) != sink_type(root)) {
+    if let (Some(own), Some(top)) = (sink_type(&overrides), sink_type(root))
+        && own != top
+    {
         base.remove("sink");
         env_top.remove("sink");
     }

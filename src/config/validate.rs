@@ -544,7 +544,10 @@ fn bare_target(filter: &str) -> Option<&str> {
     filter.split(',').map(str::trim).find(|d| {
         !d.is_empty()
             && !d.contains(['=', '[', ':'])
-            && !d.chars().all(|c| c.is_ascii_digit())
+            && !d
+                .trim_start_matches('+')
+                .chars()
+                .all(|c| c.is_ascii_digit())
             && !LEVELS.iter().any(|l| l.eq_ignore_ascii_case(d))
     })
 }

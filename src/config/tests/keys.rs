@@ -220,6 +220,7 @@ fn a_bad_environment_override_names_its_variable() {
     let file = format!("{MINIMAL}\n[source]\nbatch_size = 100\n");
     for (value, message) in [
         ("abc", "\"abc\" is not a whole number; use 1 to 10000"),
+        (" 0 ", "0 is out of range; use 1 to 10000"),
         ("2.5", "\"2.5\" is not a whole number; use 1 to 10000"),
         ("yes", "\"yes\" is not a whole number; use 1 to 10000"),
         ("0", "0 is out of range; use 1 to 10000"),
@@ -469,6 +470,7 @@ fn a_count_written_as_a_fraction_or_a_flag_is_refused() {
         "{MINIMAL}\n[relay]\nshards = 2.5\n[dead_letter]\nmax_attempts = true\n\
          [pipelines.a.source]\nbatch_size = 499.6\n"
     ));
+    load_str(&format!("{MINIMAL}\n[relay]\nshards = 4.0\n")).expect("4.0 is whole");
     for expected in [
         "pipelines.a: relay.shards: 2.5 is not a whole number; use 1 to 256",
         "pipelines.a: dead_letter.max_attempts: true is not a whole number; use 1 to 1000",
@@ -506,4 +508,23 @@ fn the_environment_wins_over_a_pipelines_table() {
     let c = super::load::load_str_with_env(&rabbit, &[("OUTBOX_RELAY__SINK__BROKERS", "k2:9092")])
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(c[1].sink.kind(), "rabbitmq");
+}
+
+#[test]
+fn an_environment_count_with_spaces_is_read() {
+    let c =
+        super::load::load_str_with_env(MINIMAL, &[("OUTBOX_RELAY__SOURCE__BATCH_SIZE", " 42 ")])
+            .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c[0].source.batch_size, 42);
+}
+
+#[test]
+fn a_sink_without_type_at_the_top_is_shared_by_the_pipelines() {
+    let c = load_all_str(
+        "[database]\nurl = \"postgres://relay@db/app\"\n[sink]\nbrokers = \"k:9092\"\n\
+         [pipelines.a.sink]\ntype = \"kafka\"\n\
+         [pipelines.b.outbox]\ntable = \"public.b\"\n[pipelines.b.sink]\ntype = \"kafka\"\n",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c.len(), 2);
 }
