@@ -29,6 +29,8 @@ struct OutboxColumns {
     /// The extra and routing columns: name and position.
     extra: Vec<(String, usize)>,
     seq: Option<usize>,
+    /// How many columns its tuples carry.
+    width: usize,
 }
 
 struct CurrentTx {
@@ -60,6 +62,41 @@ pub struct Streaming<S> {
     needs_seq: bool,
     /// The prefix of the logical messages that are events, when they are on.
     messages: Option<String>,
+    /// The commit LSN of the last transaction begun: each next one must
+    /// come later (the progress of confirmations relies on that order).
+    last_begun: Option<Lsn>,
+}
+
+/// An outbox row whose tuple the relay cannot read as it reads every row:
+/// another width than its Relation said, or a column it reads sent
+/// unchanged (TOAST) or in binary. Read as missing, it would go out wrong
+/// (a default version, no headers) instead of being refused.
+fn tuple_problem(cols: &OutboxColumns, tuple: &[TupleValue]) -> Result<(), SourceError> {
+    if tuple.len() != cols.width {
+        return Err(SourceError::Stream(format!(
+            "an outbox row came with {} columns where its Relation message announced {}",
+            tuple.len(),
+            cols.width
+        )));
+    }
+    let read = cols
+        .contract
+        .iter()
+        .flatten()
+        .chain(cols.extra.iter().map(|(_, i)| i))
+        .chain(cols.seq.iter());
+    for &i in read {
+        let sent = match tuple.get(i) {
+            Some(TupleValue::UnchangedToast) => "as an unchanged TOAST value",
+            Some(TupleValue::Binary(_)) => "in binary",
+            _ => continue,
+        };
+        return Err(SourceError::Stream(format!(
+            "column {} of an outbox row came {sent}; the relay reads the text of every column it uses",
+            i + 1
+        )));
+    }
+    Ok(())
 }
 
 /// What handling one message asks of the reader.
@@ -91,6 +128,7 @@ impl<S: CdcStream> Streaming<S> {
             warned: HashSet::new(),
             needs_seq,
             messages,
+            last_begun: None,
         }
     }
 
@@ -165,6 +203,15 @@ impl<S: CdcStream> Streaming<S> {
                         "a Begin arrived inside a transaction".into(),
                     ));
                 }
+                if self.last_begun.is_some_and(|last| b.final_lsn <= last) {
+                    return Err(SourceError::Stream(format!(
+                        "a transaction committing at {} began after one committing at {}: the server sent \
+                         transactions out of commit order",
+                        b.final_lsn,
+                        self.last_begun.unwrap_or_default()
+                    )));
+                }
+                self.last_begun = Some(b.final_lsn);
                 let skip = self
                     .skip
                     .as_ref()
@@ -181,10 +228,16 @@ impl<S: CdcStream> Streaming<S> {
                 Ok(Step::Continue)
             }
             LogicalMessage::Commit(c) => {
-                if self.tx.is_none() {
+                let Some(tx) = &self.tx else {
                     return Err(SourceError::Stream(
                         "a Commit arrived outside a transaction".into(),
                     ));
+                };
+                if c.commit_lsn != tx.commit_lsn || c.end_lsn < c.commit_lsn {
+                    return Err(SourceError::Stream(format!(
+                        "a Commit at {} (ending at {}) closed a transaction that began saying it commits at {}",
+                        c.commit_lsn, c.end_lsn, tx.commit_lsn
+                    )));
                 }
                 lock(progress).commit(c.end_lsn);
                 self.received = self.received.max(c.end_lsn);
@@ -215,6 +268,15 @@ impl<S: CdcStream> Streaming<S> {
         table: &TableName,
         columns: &ResolvedColumns,
     ) -> Result<Step, SourceError> {
+        let renamed = self.outbox.as_ref().is_some_and(|o| o.relation_id == r.id)
+            && (r.namespace != table.schema || r.name != table.name);
+        if renamed {
+            return Err(SourceError::Setup(format!(
+                "the outbox table {table} is now named {}.{} on the server: rename it back, or set \
+                 outbox.table (and run migrate)",
+                r.namespace, r.name
+            )));
+        }
         if r.namespace == table.schema && r.name == table.name {
             let index = |name: &str| {
                 r.column_index(name).ok_or_else(|| {
@@ -249,6 +311,7 @@ impl<S: CdcStream> Streaming<S> {
                 contract,
                 extra,
                 seq,
+                width: r.columns.len(),
             });
         }
         self.relations.apply(r);
@@ -263,6 +326,12 @@ impl<S: CdcStream> Streaming<S> {
         progress: &Mutex<Progress>,
         out: &mut Vec<SourcedEvent<CdcPosition>>,
     ) -> Result<Step, SourceError> {
+        if self.relations.get(insert.relation_id).is_none() {
+            return Err(SourceError::Stream(format!(
+                "an Insert arrived for relation {} that no Relation message announced",
+                insert.relation_id
+            )));
+        }
         let Some(cols) = self
             .outbox
             .as_ref()
@@ -270,6 +339,7 @@ impl<S: CdcStream> Streaming<S> {
         else {
             return Ok(Step::Continue);
         };
+        tuple_problem(cols, &insert.tuple)?;
         let Some(tx) = self.tx.as_mut() else {
             return Err(SourceError::Stream(
                 "an Insert arrived outside a transaction".into(),

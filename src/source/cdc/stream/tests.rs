@@ -156,3 +156,123 @@ fn a_commit_without_a_begin_and_a_begin_inside_a_transaction_are_refused() {
         assert_eq!(lock(&progress).flushed(), Lsn(10), "nothing moved");
     }
 }
+
+/// A stream the relay cannot trust is refused, not read around: commits out
+/// of order or not matching their Begin (the progress of confirmations
+/// relies on their order), a row of a relation never announced, an outbox
+/// row of another width than announced or with a column sent unchanged or
+/// in binary (read as missing, it would go out with defaults), and the
+/// outbox announced again under another name.
+#[test]
+fn a_stream_out_of_order_or_unlike_its_relations_is_refused() {
+    use crate::replication::pgoutput::{
+        Begin, Commit, Insert, Relation, RelationColumn, TupleValue,
+    };
+    let (table, columns) = (
+        TableName::new("public", "outbox"),
+        crate::config::ColumnMap::default().resolve(&[]),
+    );
+    let begin = |at: u64| {
+        LogicalMessage::Begin(Begin {
+            final_lsn: Lsn(at),
+            commit_time_micros: 0,
+            xid: 7,
+        })
+    };
+    let commit = |at: u64, end: u64| {
+        LogicalMessage::Commit(Commit {
+            flags: 0,
+            commit_lsn: Lsn(at),
+            end_lsn: Lsn(end),
+            commit_time_micros: 0,
+        })
+    };
+    let relation = |id: u32, name: &str| {
+        let names = [
+            "id",
+            "aggregate_type",
+            "aggregate_id",
+            "event_type",
+            "payload",
+        ];
+        LogicalMessage::Relation(Relation {
+            id,
+            namespace: "public".into(),
+            name: name.into(),
+            replica_identity: b'd',
+            columns: names
+                .iter()
+                .map(|n| RelationColumn {
+                    flags: 0,
+                    name: (*n).into(),
+                    type_oid: 25,
+                    type_modifier: -1,
+                })
+                .collect(),
+        })
+    };
+    let text = || TupleValue::Text(bytes::Bytes::from_static(b"x"));
+    let insert = |id: u32, tuple: Vec<TupleValue>| {
+        LogicalMessage::Insert(Insert {
+            relation_id: id,
+            tuple,
+        })
+    };
+    let cases = [
+        (
+            vec![begin(0x1000), commit(0x1000, 0x1040), begin(0x0800)],
+            "began after one committing at",
+        ),
+        (
+            vec![begin(0x1000), commit(0x2000, 0x2040)],
+            "closed a transaction that began saying it commits at",
+        ),
+        (
+            vec![begin(0x1000), insert(99, vec![text()])],
+            "for relation 99 that no Relation message announced",
+        ),
+        (
+            vec![
+                relation(5, "outbox"),
+                begin(0x1000),
+                insert(5, vec![text(); 4]),
+            ],
+            "came with 4 columns where its Relation message announced 5",
+        ),
+        (
+            vec![
+                relation(5, "outbox"),
+                begin(0x1000),
+                insert(
+                    5,
+                    vec![text(), text(), text(), text(), TupleValue::UnchangedToast],
+                ),
+            ],
+            "column 5 of an outbox row came as an unchanged TOAST value",
+        ),
+        (
+            vec![relation(5, "outbox"), relation(5, "outbox_old")],
+            "is now named public.outbox_old",
+        ),
+    ];
+    for (messages, expected) in cases {
+        let progress = Mutex::new(Progress::new(Lsn(10), 100));
+        let mut s = Streaming::new(Stuck, None, Lsn(10), false, None);
+        let mut out = Vec::new();
+        let error = messages
+            .into_iter()
+            .find_map(|m| {
+                s.handle(
+                    StreamMessage::Change(m),
+                    &table,
+                    &columns,
+                    &progress,
+                    &mut out,
+                )
+                .err()
+            })
+            .unwrap_or_else(|| panic!("refused: {expected}"));
+        assert!(error.to_string().contains(expected), "{error}");
+        assert!(out.is_empty(), "no event read from it");
+    }
+}
