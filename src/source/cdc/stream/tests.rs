@@ -157,37 +157,31 @@ fn a_commit_without_a_begin_and_a_begin_inside_a_transaction_are_refused() {
     }
 }
 
-/// A stream the relay cannot trust is refused, not read around: commits out
-/// of order or not matching their Begin (the progress of confirmations
-/// relies on their order), a row of a relation never announced, an outbox
-/// row of another width than announced or with a column sent unchanged or
-/// in binary (read as missing, it would go out with defaults), and the
-/// outbox announced again under another name.
-#[test]
-fn a_stream_out_of_order_or_unlike_its_relations_is_refused() {
+mod refused {
+    use super::*;
     use crate::replication::pgoutput::{
         Begin, Commit, Insert, Relation, RelationColumn, TupleValue,
     };
-    let (table, columns) = (
-        TableName::new("public", "outbox"),
-        crate::config::ColumnMap::default().resolve(&[]),
-    );
-    let begin = |at: u64| {
+
+    pub(super) fn begin(at: u64) -> LogicalMessage {
         LogicalMessage::Begin(Begin {
             final_lsn: Lsn(at),
             commit_time_micros: 0,
             xid: 7,
         })
-    };
-    let commit = |at: u64, end: u64| {
+    }
+
+    pub(super) fn commit(at: u64, end: u64) -> LogicalMessage {
         LogicalMessage::Commit(Commit {
             flags: 0,
             commit_lsn: Lsn(at),
             end_lsn: Lsn(end),
             commit_time_micros: 0,
         })
-    };
-    let relation = |id: u32, name: &str| {
+    }
+
+    /// The default outbox's required columns, as text.
+    pub(super) fn relation(id: u32, name: &str) -> LogicalMessage {
         let names = [
             "id",
             "aggregate_type",
@@ -210,14 +204,54 @@ fn a_stream_out_of_order_or_unlike_its_relations_is_refused() {
                 })
                 .collect(),
         })
-    };
-    let text = || TupleValue::Text(bytes::Bytes::from_static(b"x"));
-    let insert = |id: u32, tuple: Vec<TupleValue>| {
+    }
+
+    pub(super) fn text() -> TupleValue {
+        TupleValue::Text(bytes::Bytes::from_static(b"x"))
+    }
+
+    pub(super) fn insert(id: u32, tuple: Vec<TupleValue>) -> LogicalMessage {
         LogicalMessage::Insert(Insert {
             relation_id: id,
             tuple,
         })
-    };
+    }
+
+    /// Feeds `messages` to a new stream: the error it ends with (none: "")
+    /// and how many events it read.
+    pub(super) fn error_of(messages: Vec<LogicalMessage>) -> (String, usize) {
+        let (table, columns) = (
+            TableName::new("public", "outbox"),
+            crate::config::ColumnMap::default().resolve(&[]),
+        );
+        let progress = Mutex::new(Progress::new(Lsn(10), 100));
+        let mut s = Streaming::new(Stuck, None, Lsn(10), false, None);
+        let mut out = Vec::new();
+        let error = messages.into_iter().find_map(|m| {
+            s.handle(
+                StreamMessage::Change(m),
+                &table,
+                &columns,
+                &progress,
+                &mut out,
+            )
+            .err()
+        });
+        (error.map(|e| e.to_string()).unwrap_or_default(), out.len())
+    }
+}
+
+/// A stream the relay cannot trust is refused, not read around: commits out
+/// of order or not matching their Begin (the progress of confirmations
+/// relies on their order), a row of a relation never announced, an outbox
+/// row of another width than announced or with a column sent unchanged or
+/// in binary (read as missing, it would go out with defaults), and the
+/// outbox announced again under another name.
+#[test]
+fn a_stream_out_of_order_or_unlike_its_relations_is_refused() {
+    use crate::replication::pgoutput::TupleValue;
+    use refused::*;
+    let unchanged = vec![text(), text(), text(), text(), TupleValue::UnchangedToast];
     let cases = [
         (
             vec![begin(0x1000), commit(0x1000, 0x1040), begin(0x0800)],
@@ -240,14 +274,7 @@ fn a_stream_out_of_order_or_unlike_its_relations_is_refused() {
             "came with 4 columns where its Relation message announced 5",
         ),
         (
-            vec![
-                relation(5, "outbox"),
-                begin(0x1000),
-                insert(
-                    5,
-                    vec![text(), text(), text(), text(), TupleValue::UnchangedToast],
-                ),
-            ],
+            vec![relation(5, "outbox"), begin(0x1000), insert(5, unchanged)],
             "column 5 of an outbox row came as an unchanged TOAST value",
         ),
         (
@@ -256,23 +283,17 @@ fn a_stream_out_of_order_or_unlike_its_relations_is_refused() {
         ),
     ];
     for (messages, expected) in cases {
-        let progress = Mutex::new(Progress::new(Lsn(10), 100));
-        let mut s = Streaming::new(Stuck, None, Lsn(10), false, None);
-        let mut out = Vec::new();
-        let error = messages
-            .into_iter()
-            .find_map(|m| {
-                s.handle(
-                    StreamMessage::Change(m),
-                    &table,
-                    &columns,
-                    &progress,
-                    &mut out,
-                )
-                .err()
-            })
-            .unwrap_or_else(|| panic!("refused: {expected}"));
-        assert!(error.to_string().contains(expected), "{error}");
-        assert!(out.is_empty(), "no event read from it");
+        let (error, read) = error_of(messages);
+        assert!(error.contains(expected), "{expected}: {error:?}");
+        assert_eq!(read, 0, "no event read from it");
     }
+    // A well-formed row of the outbox is read.
+    assert_eq!(
+        error_of(vec![
+            relation(5, "outbox"),
+            begin(0x1000),
+            insert(5, vec![text(); 5])
+        ]),
+        (String::new(), 1)
+    );
 }
