@@ -228,11 +228,8 @@ async fn the_files_make_what_migrate_makes_for_ranges() {
     files_match_migrate(Mode::Polling, &["ranges"], &[]).await;
 }
 
-/// `migrate` behind a long transaction on the outbox gives up its place
-/// in the lock queue within seconds, so the application's inserts, which
-/// queue behind it, go on; it says why, and runs once the transaction ends.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn migrate_behind_a_long_transaction_does_not_hold_inserts_up() {
+/// A database with an outbox table the application made, not yet migrated.
+async fn with_a_plain_outbox() -> TestDb {
     let db = TestDb::new().await;
     db.client
         .batch_execute(
@@ -241,6 +238,15 @@ async fn migrate_behind_a_long_transaction_does_not_hold_inserts_up() {
         )
         .await
         .unwrap();
+    db
+}
+
+/// `migrate` behind a long transaction on the outbox gives up its place
+/// in the lock queue within seconds, so the application's inserts, which
+/// queue behind it, go on; it says why, and runs once the transaction ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_behind_a_long_transaction_does_not_hold_inserts_up() {
+    let db = with_a_plain_outbox().await;
     // A report left open on the outbox.
     let holder = connect(&db.url).await;
     holder
@@ -278,14 +284,7 @@ async fn migrate_behind_a_long_transaction_does_not_hold_inserts_up() {
 /// an existing table, behind a session with a snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_says_which_transactions_an_index_build_waits_for() {
-    let db = TestDb::new().await;
-    db.client
-        .batch_execute(
-            "CREATE TABLE outbox (id uuid PRIMARY KEY, aggregate_type text NOT NULL,
-                 aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb NOT NULL)",
-        )
-        .await
-        .unwrap();
+    let db = with_a_plain_outbox().await;
     let toml = base_toml(&db.url, &rabbit_sink());
     says_what_it_waits_for(
         &db,

@@ -66,13 +66,7 @@ both_brokers!(readiness_flips_when_the_broker_goes_away_and_back);
 async fn readiness_flips_when_the_broker_goes_away_and_back(mode: Mode, kind: Kind) {
     let (db, broker, toml) = setup_cut(mode, kind, &[]).await;
     let (mut relay, port) = ChildRelay::serving(&toml);
-    let ready = |want: u16, state: &'static str| async move {
-        wait_for(WAIT, &format!("/readyz {want} {state}"), || async {
-            let (code, body) = http_get(port, "/readyz").await?;
-            (code == want && body.contains(state)).then_some(body)
-        })
-        .await
-    };
+    let ready = |want: u16, state: &'static str| readyz(port, want, state);
     ready(200, "default: active").await;
     broker.proxy().cut();
     let body = ready(503, "default: failing").await;
@@ -103,13 +97,7 @@ async fn readiness_flips_when_the_database_goes_away_and_back() {
     let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &[], &[]).await;
     let (proxy, toml) = db.behind_proxy(&toml).await;
     let (mut relay, port) = ChildRelay::serving(&toml);
-    let ready = |want: u16, state: &'static str| async move {
-        wait_for(WAIT, &format!("/readyz {want} {state}"), || async {
-            let (code, body) = http_get(port, "/readyz").await?;
-            (code == want && body.contains(state)).then_some(body)
-        })
-        .await
-    };
+    let ready = |want: u16, state: &'static str| readyz(port, want, state);
     ready(200, "default: active").await;
     proxy.cut();
     // The run's own error first ("connection closed"), then its reconnects'.
@@ -120,6 +108,15 @@ async fn readiness_flips_when_the_database_goes_away_and_back() {
     db.insert(id, "order", "a", json!({})).await;
     broker.inbox().wait_ids(&[id.to_string()], WAIT).await;
     assert_eq!(relay.terminate().code(), Some(0));
+}
+
+/// Waits until `/readyz` answers `want` with `state` in its body; the body.
+async fn readyz(port: u16, want: u16, state: &str) -> String {
+    wait_for(WAIT, &format!("/readyz {want} {state}"), || async {
+        let (code, body) = http_get(port, "/readyz").await?;
+        (code == want && body.contains(state)).then_some(body)
+    })
+    .await
 }
 
 fn status_json(path: &str) -> Vec<Value> {

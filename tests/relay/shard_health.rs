@@ -5,6 +5,29 @@ use serde_json::json;
 use std::collections::HashMap;
 use uuid::Uuid;
 
+/// Starts an instance named `app` whose broker is a port nobody listens
+/// on, and waits until its `/readyz` says a shard fails; that body. Its
+/// long retry_max keeps it out long enough for another to take over.
+async fn cannot_publish(toml: &str, app: &str) -> (ChildRelay, String) {
+    let closed = format!(
+        "\"amqp://guest:guest@127.0.0.1:{}/%2f\"",
+        crate::kit::free_port()
+    );
+    let toml = set(toml, "database.application_name", &format!("\"{app}\""));
+    let toml = set(
+        &set(&toml, "sink.url", &closed),
+        "relay.retry_max",
+        "\"10s\"",
+    );
+    let (relay, port) = ChildRelay::serving(&toml);
+    let failing = wait_for(WAIT, "the instance to fail its shards", || async {
+        let (status, body) = http_get(port, "/readyz").await?;
+        (status == 503 && body.contains("failing: shard ")).then_some(body)
+    })
+    .await;
+    (relay, failing)
+}
+
 /// An instance that cannot reach its broker (from where it runs) keeps
 /// failing its shards' runs: it steps back, the instance that can publish
 /// takes its shards, and no aggregate waits for it. Meanwhile its
@@ -27,24 +50,7 @@ async fn shards_of_an_instance_that_cannot_publish_go_to_one_that_can() {
         (db.shard_owners().await.get("relay-a") == Some(&4)).then_some(())
     })
     .await;
-    // The second instance's broker is a port nobody listens on. Its long
-    // retry_max keeps it out long enough for the other to take over.
-    let closed = format!(
-        "\"amqp://guest:guest@127.0.0.1:{}/%2f\"",
-        crate::kit::free_port()
-    );
-    let b_toml = set(&toml, "database.application_name", "\"relay-b\"");
-    let b_toml = set(
-        &set(&b_toml, "sink.url", &closed),
-        "relay.retry_max",
-        "\"10s\"",
-    );
-    let (b, port) = ChildRelay::serving(&b_toml);
-    let failing = wait_for(WAIT, "the second instance to fail its shards", || async {
-        let (status, body) = http_get(port, "/readyz").await?;
-        (status == 503 && body.contains("failing: shard ")).then_some(body)
-    })
-    .await;
+    let (b, failing) = cannot_publish(&toml, "relay-b").await;
     assert!(failing.contains("/4: "), "{failing}");
 
     // Events of every shard, written while the second instance is there.
@@ -117,22 +123,7 @@ async fn an_instance_stepping_back_keeps_other_shard_settings_out() {
         &[("relay.shards", "4")],
     )
     .await;
-    let closed = format!(
-        "\"amqp://guest:guest@127.0.0.1:{}/%2f\"",
-        crate::kit::free_port()
-    );
-    let failing_toml = set(&toml, "database.application_name", "\"relay-a\"");
-    let failing_toml = set(
-        &set(&failing_toml, "sink.url", &closed),
-        "relay.retry_max",
-        "\"10s\"",
-    );
-    let (failing, port) = ChildRelay::serving(&failing_toml);
-    wait_for(WAIT, "the instance to fail its shards", || async {
-        let (status, body) = http_get(port, "/readyz").await?;
-        (status == 503 && body.contains("failing: shard ")).then_some(())
-    })
-    .await;
+    let (failing, _) = cannot_publish(&toml, "relay-a").await;
     // A rolling change of relay.shards starts an instance with 2.
     let other = InProcess::start(parse(&set(
         &set(&toml, "relay.shards", "2"),
