@@ -251,8 +251,10 @@ impl<S: CdcStream> Streaming<S> {
             LogicalMessage::Insert(insert) => self.insert(insert, progress, out),
             LogicalMessage::Update(u) => Ok(self.ignored(MessageKind::Update, u.relation_id)),
             LogicalMessage::Delete(d) => Ok(self.ignored(MessageKind::Delete, d.relation_id)),
-            LogicalMessage::Truncate(_) => {
-                self.warn_once(MessageKind::Truncate);
+            LogicalMessage::Truncate(t) => {
+                for id in t.relation_ids {
+                    self.ignored(MessageKind::Truncate, id);
+                }
                 Ok(Step::Continue)
             }
             LogicalMessage::Message(m) => self.message(m, columns, progress, out),

@@ -297,3 +297,38 @@ fn a_stream_out_of_order_or_unlike_its_relations_is_refused() {
         (String::new(), 1)
     );
 }
+
+/// A Truncate warns only when it names the outbox table.
+#[test]
+fn a_truncate_warns_only_for_the_outbox() {
+    use crate::replication::pgoutput::Truncate;
+    use refused::*;
+    let (table, columns) = (
+        TableName::new("public", "outbox"),
+        crate::config::ColumnMap::default().resolve(&[]),
+    );
+    let progress = Mutex::new(Progress::new(Lsn(10), 100));
+    let mut s = Streaming::new(Stuck, None, Lsn(10), false, None);
+    let truncate = |ids: Vec<u32>| {
+        LogicalMessage::Truncate(Truncate {
+            options: 0,
+            relation_ids: ids,
+        })
+    };
+    for (message, warned) in [
+        (relation(5, "outbox"), false),
+        (begin(0x1000), false),
+        (truncate(vec![6]), false),
+        (truncate(vec![6, 5]), true),
+    ] {
+        s.handle(
+            StreamMessage::Change(message),
+            &table,
+            &columns,
+            &progress,
+            &mut Vec::new(),
+        )
+        .expect("handled");
+        assert_eq!(s.warned.contains(&MessageKind::Truncate), warned);
+    }
+}
