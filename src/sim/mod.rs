@@ -87,7 +87,7 @@ const DEFAULT_HAND_OVER_SEEDS: u64 = 300;
 /// changes whenever the simulation does, so one may stop reproducing what
 /// it found.
 const FOUND_SEEDS: &[u64] = &[
-    60543, 60680, 64752, 82375, 208811, 405406, 408482, 419262, 429080, 573319,
+    60543, 60680, 64752, 82375, 208811, 405406, 408482, 419262, 429080, 573319, 1101235,
 ];
 
 fn env_u64(name: &str) -> Option<u64> {

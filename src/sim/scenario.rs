@@ -256,6 +256,9 @@ impl Instance {
         let mut w = lock(world);
         w.stopping.remove(&self.id);
         w.note(format!("instance {} stopped", self.id));
+        // What waits at the stop keeps the slot before it: the events
+        // confirmed behind it are sent again by the next owner.
+        w.pin_waiting();
         w.kill_conns_of(self.id);
         w.end_sessions(self.id);
         Ok(())

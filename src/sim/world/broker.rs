@@ -72,6 +72,14 @@ impl World {
     /// marked and not repeated.
     pub fn incident(&mut self) {
         self.incidents += 1;
+        self.pin_waiting();
+    }
+
+    /// Pins the first event whose only record is the WAL and that waits
+    /// (see [`World::incident`]): at an incident, and at a clean stop, which
+    /// cannot tell the slot past it either (the README's clean-stop
+    /// paragraph).
+    pub fn pin_waiting(&mut self) {
         let delivered: BTreeSet<&str> = self
             .deliveries
             .iter()
