@@ -142,6 +142,8 @@ fn properties_the_guarantees_rest_on_are_refused() {
         "message.timeout.ms",
         "delivery.timeout.ms",
         "queue.buffering.max.messages",
+        "delivery.report.only.error",
+        "transactional.id",
     ] {
         let e = err(&format!(
             "{MINIMAL}\n[sink.properties]\n\"{property}\" = \"1\"\n"
