@@ -51,7 +51,13 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
     // One exporter for the process; flushed once every pipeline has drained.
     let tracer = telemetry::trace::EventTracer::start(&first.telemetry.otlp)?;
     let health = Arc::new(Health::default());
-    let prometheus = telemetry::metrics::install();
+    // Nothing renders the metrics without the endpoint, and the recorder
+    // keeps histogram samples until a render or an upkeep folds them.
+    let prometheus = first
+        .http
+        .enabled
+        .then(telemetry::metrics::install)
+        .flatten();
     let mut tasks = JoinSet::new();
     if first.http.enabled {
         let address: SocketAddr = first
