@@ -94,7 +94,7 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
 /// other pipelines do not wait), its gauges, retention, fold and relay,
 /// until `shutdown`.
 async fn pipeline(config: Config, t: PipelineTelemetry, shutdown: CancellationToken) {
-    let Some(config) = crate::ops::marking::chosen_until(config, &shutdown).await else {
+    let Some(config) = crate::ops::marking::chosen_until(config, &t, &shutdown).await else {
         return;
     };
     let mut tasks = JoinSet::new();

@@ -21,8 +21,14 @@ use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode};
 use crate::db::DbError;
 use crate::outbox::progress::Ranges;
+use crate::telemetry::PipelineTelemetry;
+use crate::telemetry::events::{InternalEvent, PipelineInterrupted};
 use tokio_postgres::GenericClient;
 use tokio_util::sync::CancellationToken;
+
+/// The key of `/readyz`'s failure while the marking is chosen (shard keys
+/// count up from 0, the shard membership's is `u32::MAX`).
+const CHOOSING_MARK: u32 = u32::MAX - 1;
 
 /// Sets `config.relay.mark` from the outbox when `relay.mark` is unset.
 /// An outbox table that does not exist yet has not chosen: `migrate` may
@@ -70,11 +76,18 @@ pub async fn chosen(config: &Config) -> Result<Config, DbError> {
 
 /// For `run`: `config` with its marking chosen, retrying (as the relay
 /// retries a connection) while the database cannot answer. `None` when
-/// `shutdown` came first.
-pub async fn chosen_until(config: Config, shutdown: &CancellationToken) -> Option<Config> {
+/// `shutdown` came first. A failure reads as the relay's own would: in
+/// `/readyz`, in the restart count, and logged at the level its kind
+/// calls for (an error for what will not pass by itself).
+pub async fn chosen_until(
+    config: Config,
+    telemetry: &PipelineTelemetry,
+    shutdown: &CancellationToken,
+) -> Option<Config> {
     if !config.mark_chosen_by_outbox() {
         return Some(config);
     }
+    let health = &telemetry.health;
     let mut backoff = Backoff::new(config.relay.retry_base, config.relay.retry_max);
     loop {
         let attempt = tokio::select! {
@@ -83,6 +96,7 @@ pub async fn chosen_until(config: Config, shutdown: &CancellationToken) -> Optio
         };
         match attempt {
             Ok(chosen) => {
+                health.cleared(CHOOSING_MARK);
                 tracing::info!(
                     pipeline = %chosen.name,
                     mark = ?chosen.relay.mark,
@@ -91,10 +105,20 @@ pub async fn chosen_until(config: Config, shutdown: &CancellationToken) -> Optio
                 return Some(chosen);
             }
             Err(e) => {
-                tracing::warn!(pipeline = %config.name, error = %e, "cannot tell which marking the outbox uses yet; retrying");
+                let reason = format!("choosing the marking (relay.mark is unset): {e}");
+                health.failing(CHOOSING_MARK, &reason);
+                let retry_in = backoff.next_delay();
+                PipelineInterrupted {
+                    metrics: &telemetry.metrics,
+                    error: &reason,
+                    kind: e.kind(),
+                    attempt: backoff.attempts(),
+                    retry_in,
+                }
+                .emit();
                 tokio::select! {
                     () = shutdown.cancelled() => return None,
-                    () = tokio::time::sleep(backoff.next_delay()) => {}
+                    () = tokio::time::sleep(retry_in) => {}
                 }
             }
         }

@@ -85,6 +85,11 @@ impl PipelineHealth {
         self.failures().remove(&shard);
     }
 
+    /// What `shard` failed with no longer stands; nothing else is known.
+    pub fn cleared(&self, shard: u32) {
+        self.failures().remove(&shard);
+    }
+
     pub fn failing(&self, shard: u32, reason: &str) {
         self.failures().insert(shard, reason.to_owned());
     }

@@ -143,21 +143,40 @@ async fn an_outbox_relayed_by_update_keeps_update_when_mark_is_unset() {
 /// Started before `migrate` (pods beside a migration job), with
 /// `relay.mark` unset: the relay waits for the outbox instead of choosing
 /// `update` for a table that does not exist, then runs what `migrate` gave
-/// the new outbox.
+/// the new outbox. While it waits it says so as any run that cannot work
+/// until something is fixed: not ready, at error level, counted as a
+/// restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn started_before_migrate_it_waits_and_runs_what_the_new_outbox_chose() {
     let db = TestDb::new().await;
     let broker = Broker::new(Kind::Rabbit, &["order"]).await;
     let toml = unset(&base_toml(&db.url, &broker.sink_toml()), "relay.mark");
-    let relay = ChildRelay::start_logged(&toml);
-    wait_for(WAIT, "the relay to wait for the outbox", || async {
-        relay
-            .logged("the outbox chooses its marking once it exists")
-            .then_some(())
+    let port = crate::kit::free_port();
+    let relay = ChildRelay::start_logged(&with_http(&toml, port));
+    let missing = "the outbox chooses its marking once it exists";
+    let waiting = wait_for(WAIT, "/readyz to say why the relay waits", || async {
+        let (code, body) = http_get(port, "/readyz").await?;
+        (code == 503 && body.contains("failing: choosing the marking")).then_some(body)
     })
     .await;
+    assert!(waiting.contains(missing), "{waiting}");
+    assert!(
+        relay.logged("ERROR") && relay.logged(missing),
+        "a missing outbox is logged as an error"
+    );
+    let (_, metrics) = http_get(port, "/metrics").await.expect("/metrics answers");
+    let restarts = metrics
+        .lines()
+        .find(|l| l.starts_with("outbox_relay_restarts_total"))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert!(restarts.is_some_and(|n| n >= 1.0), "{metrics}");
     let (code, out, err) = run_cli(&["migrate", "--config", &config_file(&toml)], &[]);
     assert_eq!(code, 0, "migrate: {out}{err}");
+    wait_for(WAIT, "/readyz to turn ready after migrate", || async {
+        let (code, body) = http_get(port, "/readyz").await?;
+        (code == 200 && body.contains("default: active")).then_some(())
+    })
+    .await;
     let ids = insert(&db, "a", 10, 2).await;
     broker.inbox().wait_ids(&ids, WAIT).await;
     wait_for(WAIT, "every row to count as sent", || async {
