@@ -264,6 +264,55 @@ async fn an_unroutable_message_is_a_refusal_not_a_delivery() {
     relay.stop().await;
 }
 
+/// Many unroutable messages among routed ones, in one transaction: the
+/// broker answers them with returns that lapin hands to whichever
+/// confirmations its (multiple) acks complete. Every one of them is still
+/// a refusal, dead-lettered, and none is counted delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_one_of_many_unroutable_messages_is_a_refusal() {
+    let (db, _broker, toml, bound) = only_orders_routed().await;
+    let (mut routed_ids, mut unroutable) = (Vec::new(), Vec::new());
+    let client = connect(&db.url).await;
+    client.batch_execute("BEGIN").await.unwrap();
+    for i in 0..120 {
+        let id = Uuid::new_v4();
+        let (kind, ids) = if i % 3 == 0 {
+            ("invoice", &mut unroutable)
+        } else {
+            ("order", &mut routed_ids)
+        };
+        client
+            .execute(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ($1, $2, $3, 'created', '{}')",
+                &[&id, &kind, &format!("a{i}")],
+            )
+            .await
+            .unwrap();
+        ids.push(id.to_string());
+    }
+    client.batch_execute("COMMIT").await.unwrap();
+    let relay = InProcess::start(parse(&toml));
+    bound.inbox.wait_ids(&routed_ids, WAIT).await;
+    let path = config_file(&toml);
+    let mut lettered = wait_for(WAIT, "every unroutable event dead-lettered", || {
+        let path = path.clone();
+        let want = unroutable.len();
+        async move {
+            let l = dlq_list(&path);
+            (l.len() >= want).then_some(l)
+        }
+    })
+    .await
+    .iter()
+    .map(|l| l["id"].as_str().unwrap().to_owned())
+    .collect::<Vec<_>>();
+    lettered.sort();
+    unroutable.sort();
+    assert_eq!(lettered, unroutable, "each unroutable event, once");
+    relay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn returns_are_told_apart_when_an_adopted_table_repeats_ids() {
     // An adopted table whose id column is not unique: a return names only a

@@ -5,25 +5,33 @@ use lapin::Confirmation as Ack;
 use lapin::message::BasicReturnMessage;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
 
 /// Unconfirmed messages of the publishing channel, and which of them came
 /// back unroutable.
 ///
 /// `basic.return` names no delivery tag, only the message's properties, and
-/// lapin hands it to whichever confirmation completes next. The sink keeps
-/// event ids unique among unconfirmed messages (a second message with an id
-/// already unconfirmed is turned away as back-pressure until the first is
-/// answered), so a return's message id names exactly one delivery tag, and
-/// the return is filed under that tag. RabbitMQ sends a message's return
-/// before its ack, and lapin attaches it to a confirmation that completes
-/// no later than the message's own; [`answered`] sees that the return is
-/// filed before the message's own ack is looked at.
+/// lapin hands each return, in the order they arrived, to whichever
+/// confirmation completes next (a multiple ack completes its confirmations
+/// in no set order). The sink keeps event ids unique among unconfirmed
+/// messages (a second message with an id already unconfirmed is turned away
+/// as back-pressure until the first is answered), so a return's message id
+/// names exactly one delivery tag, and the return is filed under that tag.
+/// See [`answered`] for when a message's own return is sure to be filed.
 ///
 /// Bounded: a new sink (connection) starts empty, and each entry belongs to
 /// an unconfirmed message of this connection (removed when its confirmation
 /// is answered or dropped).
 #[derive(Clone, Default)]
-pub(super) struct Unconfirmed(Arc<Mutex<Tags>>);
+pub(super) struct Unconfirmed(Arc<Shared>);
+
+#[derive(Default)]
+struct Shared {
+    tags: Mutex<Tags>,
+    /// Woken whenever a return is filed.
+    filed: Notify,
+}
 
 #[derive(Default)]
 struct Tags {
@@ -35,7 +43,7 @@ struct Tags {
 
 impl Unconfirmed {
     fn lock(&self) -> std::sync::MutexGuard<'_, Tags> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.tags.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Takes the next delivery tag for a message with this id, or `None`
@@ -56,7 +64,8 @@ impl Unconfirmed {
         self.settle(id, tag);
     }
 
-    pub(super) fn file(&self, returned: &BasicReturnMessage) {
+    /// Files a return; the tag of the message it names, when unconfirmed.
+    pub(super) fn file(&self, returned: &BasicReturnMessage) -> Option<u64> {
         let id = returned
             .delivery
             .properties
@@ -65,20 +74,47 @@ impl Unconfirmed {
             .map(|s| s.to_string())
             .unwrap_or_default();
         let why = format!("{} {}", returned.reply_code, returned.reply_text);
-        self.file_return(id, why);
+        self.file_return(id, why)
     }
 
     /// Files a return of the message with event id `id` under its tag.
-    fn file_return(&self, id: String, why: String) {
-        let mut tags = self.lock();
-        match tags.by_id.get(&id).copied() {
-            Some(tag) => {
-                tags.returned.insert(tag, why);
+    fn file_return(&self, id: String, why: String) -> Option<u64> {
+        let tag = {
+            let mut tags = self.lock();
+            let tag = tags.by_id.get(&id).copied();
+            match tag {
+                Some(tag) => {
+                    tags.returned.insert(tag, why);
+                }
+                None => tracing::warn!(
+                    message_id = %id,
+                    "RabbitMQ returned a message that is not unconfirmed on this channel ({why}); ignored"
+                ),
             }
-            None => tracing::warn!(
-                message_id = %id,
-                "RabbitMQ returned a message that is not unconfirmed on this channel ({why}); ignored"
-            ),
+            tag
+        };
+        self.0.filed.notify_waiters();
+        tag
+    }
+
+    fn is_returned(&self, tag: u64) -> bool {
+        self.lock().returned.contains_key(&tag)
+    }
+
+    /// Waits until the message of `tag` is filed as returned, at most `within`.
+    async fn return_filed(&self, tag: u64, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let filed = self.0.filed.notified();
+            tokio::pin!(filed);
+            filed.as_mut().enable();
+            if self.is_returned(tag) {
+                return;
+            }
+            tokio::select! {
+                () = filed => {}
+                () = tokio::time::sleep_until(deadline) => return,
+            }
         }
     }
 
@@ -92,41 +128,70 @@ impl Unconfirmed {
     }
 }
 
+/// How long a message whose answer carried the return of an earlier
+/// message waits for its own return to be filed (see [`answered`]).
+pub(super) const BEHIND_A_RETURN: Duration = Duration::from_millis(100);
+
 /// Waits for the broker's answer to one message, files a return the
 /// answer carries (for whichever message it names) and tells whether this
 /// message came back.
 ///
-/// A multiple ack completes several confirmations at once, in no set order,
-/// and lapin attaches a pending return to the first of them, not
-/// necessarily the returned message's own. Their futures are woken in the
-/// order they complete, but one pushed and not yet polled is ahead of them
-/// all, and would find its answer with no return filed yet: it would count
-/// an unroutable message delivered. So an answer without a return first
-/// takes one turn at the back of the queue of futures ready to run, behind
-/// those completed with it, which file what they carry.
+/// lapin keeps returns in the order they arrived, which is the order the
+/// messages were published, and hands the oldest to each confirmation it
+/// completes. RabbitMQ sends a message's return before its ack, and the ack
+/// of a returned message no later than those of messages published after
+/// it. So when an ack for this message is handled, its return (if any) is
+/// waiting, behind at most the returns of earlier messages, each of whose
+/// messages lapin completes in the same ack or before: by the end of that
+/// ack, this message's return is in the hands of some confirmation the ack
+/// completed. That may be a confirmation completed after this one, whose
+/// future has not run yet. Hence:
+///
+/// - An answer that carries no return, or the return of a later message,
+///   means the queue was past this message's return: a confirmation
+///   completed before this one carries it. Their futures were woken first;
+///   one turn at the back of the queue of ready futures (the relay polls
+///   every confirmation from one set) lets them file it.
+/// - An answer that carries the return of an earlier message means this
+///   message's own may still come, with a confirmation the same ack
+///   completes next. It waits for it to be filed, up to
+///   [`BEHIND_A_RETURN`]: lapin completes one ack's confirmations in one
+///   pass under a lock, in microseconds; the wait covers that pass being
+///   held off the CPU.
 pub(super) async fn answered<C>(confirm: C, settle: Settle) -> (lapin::Result<Ack>, Option<String>)
 where
     C: std::future::Future<Output = lapin::Result<Ack>>,
 {
     let outcome = confirm.await;
-    match &outcome {
+    let carried = match &outcome {
         Ok(Ack::Ack(Some(r)) | Ack::Nack(Some(r))) => settle.unconfirmed.file(r),
-        Ok(_) => {
-            let mut turned = false;
-            std::future::poll_fn(|cx| {
-                if std::mem::replace(&mut turned, true) {
-                    std::task::Poll::Ready(())
-                } else {
-                    cx.waker().wake_by_ref();
-                    std::task::Poll::Pending
-                }
-            })
-            .await;
+        _ => None,
+    };
+    if outcome.is_ok() {
+        if carried.is_some_and(|tag| tag < settle.tag) {
+            settle
+                .unconfirmed
+                .return_filed(settle.tag, BEHIND_A_RETURN)
+                .await;
         }
-        Err(_) => {}
+        one_turn().await;
     }
     let returned = settle.unconfirmed.settle(&settle.id, settle.tag);
     (outcome, returned)
+}
+
+/// Goes to the back of the queue of ready futures once.
+async fn one_turn() {
+    let mut turned = false;
+    std::future::poll_fn(|cx| {
+        if std::mem::replace(&mut turned, true) {
+            std::task::Poll::Ready(())
+        } else {
+            cx.waker().wake_by_ref();
+            std::task::Poll::Pending
+        }
+    })
+    .await;
 }
 
 /// Settles a message whose confirmation is dropped unanswered (the relay
@@ -191,5 +256,88 @@ mod tests {
                 ("x".to_owned(), None)
             ]
         );
+    }
+
+    fn returned(id: &str) -> BasicReturnMessage {
+        let mut delivery = lapin::message::Delivery::mock(0, "".into(), "k".into(), false, vec![]);
+        delivery.properties = lapin::BasicProperties::default().with_message_id(id.into());
+        BasicReturnMessage {
+            delivery,
+            reply_code: 312,
+            reply_text: "NO_ROUTE".into(),
+        }
+    }
+
+    type Answered = std::pin::Pin<Box<dyn std::future::Future<Output = (String, Option<String>)>>>;
+
+    /// `id`'s answer: an ack carrying `carried`'s return, after `delay`.
+    fn answer(
+        unconfirmed: &Unconfirmed,
+        id: &str,
+        tag: u64,
+        carried: Option<&str>,
+        delay: Duration,
+    ) -> Answered {
+        let settle = Settle {
+            unconfirmed: unconfirmed.clone(),
+            id: id.to_owned(),
+            tag,
+        };
+        let (id, carried) = (id.to_owned(), carried.map(returned));
+        Box::pin(async move {
+            let confirm = async move {
+                tokio::time::sleep(delay).await;
+                Ok(Ack::Ack(carried))
+            };
+            (id, answered(confirm, settle).await.1)
+        })
+    }
+
+    /// Both `x` and then `m` came back; one multiple ack completed `m`'s
+    /// confirmation first, handing it the oldest return (`x`'s), and `x`'s
+    /// second, with `m`'s. Each is still answered as returned, whether
+    /// `x`'s confirmation completes with `m`'s or a moment later.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn returns_swapped_by_one_ack_are_each_filed_under_their_own_message() {
+        for late in [Duration::ZERO, Duration::from_millis(20)] {
+            let unconfirmed = Unconfirmed::default();
+            let x = unconfirmed.publish("x").unwrap();
+            let m = unconfirmed.publish("m").unwrap();
+            let ready: FuturesUnordered<Answered> = FuturesUnordered::new();
+            ready.push(answer(&unconfirmed, "m", m, Some("x"), Duration::ZERO));
+            ready.push(answer(&unconfirmed, "x", x, Some("m"), late));
+            let mut answers: Vec<_> = ready.collect().await;
+            answers.sort();
+            let back = Some("312 NO_ROUTE".to_owned());
+            assert_eq!(
+                answers,
+                [("m".to_owned(), back.clone()), ("x".to_owned(), back)],
+                "{late:?}"
+            );
+        }
+    }
+
+    /// `m` was delivered, but its answer carried the return of `x`,
+    /// published before it: it is answered as delivered once the wait for
+    /// a return of its own is over.
+    #[tokio::test]
+    async fn a_delivered_message_handed_an_earlier_return_is_delivered() {
+        let unconfirmed = Unconfirmed::default();
+        let x = unconfirmed.publish("x").unwrap();
+        let m = unconfirmed.publish("m").unwrap();
+        let ready: FuturesUnordered<Answered> = FuturesUnordered::new();
+        ready.push(answer(&unconfirmed, "m", m, Some("x"), Duration::ZERO));
+        ready.push(answer(&unconfirmed, "x", x, None, Duration::ZERO));
+        let started = std::time::Instant::now();
+        let mut answers: Vec<_> = ready.collect().await;
+        answers.sort();
+        assert_eq!(
+            answers,
+            [
+                ("m".to_owned(), None),
+                ("x".to_owned(), Some("312 NO_ROUTE".to_owned()))
+            ]
+        );
+        assert!(started.elapsed() < Duration::from_secs(2));
     }
 }
