@@ -35,8 +35,26 @@ pub(super) fn client_config(config: &KafkaConfig) -> ClientConfig {
             (config.message_max_bytes + 64 * 1024)
                 .max(1_000_000)
                 .to_string(),
-        );
+        )
+        .set("batch.size", batch_size(config).to_string());
     c
+}
+
+/// librdkafka's default `batch.size`.
+const DEFAULT_BATCH_SIZE: usize = 1_000_000;
+
+/// The largest batch, in bytes: `properties."batch.size"` (librdkafka's
+/// default when unset) but no more than `sink.message_max_bytes`. The
+/// broker applies a topic's `max.message.bytes` to a whole batch, and
+/// librdkafka does not split a batch the broker refused: every message in
+/// it would come back refused for the batch's size, however small.
+fn batch_size(config: &KafkaConfig) -> usize {
+    config
+        .properties
+        .get("batch.size")
+        .and_then(|v| v.expose().trim().parse::<usize>().ok())
+        .unwrap_or(DEFAULT_BATCH_SIZE)
+        .min(config.message_max_bytes)
 }
 
 fn set_security(c: &mut ClientConfig, config: &KafkaConfig) {
@@ -97,6 +115,30 @@ mod tests {
         match load_str(&toml).unwrap_or_else(|e| panic!("{e}")).sink {
             SinkConfig::Kafka(k) => k,
             SinkConfig::RabbitMq(_) => unreachable!(),
+        }
+    }
+
+    /// A topic's `max.message.bytes` bounds a whole batch: no batch is
+    /// larger than `sink.message_max_bytes`, a smaller `batch.size` stands.
+    #[test]
+    fn batches_stay_within_the_largest_message() {
+        for (keys, want) in [
+            ("", "1000000"),
+            ("message_max_bytes = 60000\n", "60000"),
+            (
+                "message_max_bytes = 60000\n[sink.properties]\n\"batch.size\" = \"16384\"\n",
+                "16384",
+            ),
+            (
+                "[sink.properties]\n\"batch.size\" = \"4000000\"\n",
+                "1000000",
+            ),
+        ] {
+            assert_eq!(
+                client_config(&kafka(keys)).get("batch.size"),
+                Some(want),
+                "{keys}"
+            );
         }
     }
 
