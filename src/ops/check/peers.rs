@@ -4,6 +4,28 @@
 use super::{Mark, Report};
 use crate::config::Config;
 use crate::sink::{AnySink, Sink, SinkCheck, SinkError};
+use std::time::Duration;
+
+/// How long `check` waits for the broker's answer to one question.
+const ANSWER_WITHIN: Duration = Duration::from_secs(15);
+
+/// `asked`, or an error when the broker has not answered it in time (a
+/// broker that accepts the connection and then goes silent).
+async fn answered<T>(
+    asked: impl std::future::Future<Output = Result<T, SinkError>>,
+) -> Result<T, SinkError> {
+    tokio::time::timeout(ANSWER_WITHIN, asked)
+        .await
+        .unwrap_or_else(|_| {
+            Err(SinkError::Unavailable(
+                format!(
+                    "the broker did not answer within {}s",
+                    ANSWER_WITHIN.as_secs()
+                )
+                .into(),
+            ))
+        })
+}
 
 /// The destinations events would go to: the one fixed destination, or those
 /// of the events waiting now; and those unsent rows name themselves.
@@ -22,7 +44,7 @@ async fn check_destinations(sink: &mut AnySink, r: &mut Report) {
         );
     }
     for (aggregate_type, event_type) in kinds {
-        match sink.check_destination(&aggregate_type, &event_type).await {
+        match answered(sink.check_destination(&aggregate_type, &event_type)).await {
             Ok(d) => r.add(Mark::Ok, "destination", format!("{d} exists")),
             Err(e) => r.add(Mark::Fail, "destination", e.to_string()),
         }
@@ -32,7 +54,7 @@ async fn check_destinations(sink: &mut AnySink, r: &mut Report) {
         let checked = if name.is_empty() {
             Err(SinkError::Rejected("an empty value".into()))
         } else {
-            sink.check_named_destination(&name).await
+            answered(sink.check_named_destination(&name)).await
         };
         match checked {
             Ok(d) => r.add(Mark::Ok, "destination", format!("{d} ({NAMED}) exists")),
@@ -42,9 +64,9 @@ async fn check_destinations(sink: &mut AnySink, r: &mut Report) {
 }
 
 pub(super) async fn check_broker(config: &Config, r: &mut Report) {
-    match AnySink::connect(&config.sink).await {
+    match answered(AnySink::connect(&config.sink)).await {
         Ok(mut sink) => {
-            match sink.probe().await {
+            match answered(sink.probe()).await {
                 Ok(()) => {
                     r.add(
                         Mark::Ok,
@@ -55,7 +77,8 @@ pub(super) async fn check_broker(config: &Config, r: &mut Report) {
                 }
                 Err(e) => r.add(Mark::Fail, "broker", e.to_string()),
             }
-            sink.close().await;
+            // Nothing to report: a close that hangs only holds the exit.
+            let _ = tokio::time::timeout(ANSWER_WITHIN, sink.close()).await;
         }
         Err(e) => r.add(Mark::Fail, "broker", e.to_string()),
     }
@@ -81,5 +104,23 @@ pub(super) async fn check_traces(config: &Config, r: &mut Report) {
             ),
         ),
         Err(e) => r.add(Mark::Fail, "traces", e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A broker that accepted the connection and then went silent fails
+    /// the check after the bound instead of holding it.
+    #[tokio::test(start_paused = true)]
+    async fn a_broker_that_never_answers_fails_the_question_in_time() {
+        let silent = std::future::pending::<Result<(), SinkError>>();
+        match answered(silent).await {
+            Err(SinkError::Unavailable(reason)) => {
+                assert!(reason.to_string().contains("did not answer within 15s"))
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }
