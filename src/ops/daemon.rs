@@ -83,7 +83,11 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
         health.register(t.health.clone());
         tasks.spawn(pipeline(config, t, shutdown.clone()));
     }
-    let drained = async { while tasks.join_next().await.is_some() {} };
+    let drained = async {
+        while let Some(ended) = tasks.join_next().await {
+            said(ended)
+        }
+    };
     tracer
         .run_until_stopped(&shutdown, flush_within, drained)
         .await;
@@ -116,5 +120,17 @@ async fn pipeline(config: Config, t: PipelineTelemetry, shutdown: CancellationTo
         );
     }
     tasks.spawn(async move { crate::relay::run_observed(&config, t, shutdown).await });
-    while tasks.join_next().await.is_some() {}
+    while let Some(ended) = tasks.join_next().await {
+        said(ended)
+    }
+}
+
+/// A task of the process that ended by a panic (a defect: every input error
+/// is an error value) is said at error level; the others go on.
+fn said(ended: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = ended
+        && e.is_panic()
+    {
+        tracing::error!(error = %e, "a task of the relay panicked; please report this as a defect");
+    }
 }

@@ -417,6 +417,12 @@ fn relay_column_problems(info: &TableInfo) -> Vec<String> {
             Some(c) if column != SENT_AT_COLUMN && !c.has_default => problems.push(format!(
                 "column {column:?} has no default, so applications would have to fill it; run `outbox-relay migrate`"
             )),
+            // A row without one is never read, and recording by ranges
+            // cannot name it.
+            Some(c) if column != SENT_AT_COLUMN && !c.not_null => problems.push(format!(
+                "column {column:?} allows NULL, and a row without a value would never be relayed; \
+                 make it NOT NULL (ALTER TABLE ... ALTER COLUMN {column} SET NOT NULL)"
+            )),
             Some(_) => {}
         }
     }

@@ -62,3 +62,35 @@ fn types_are_compared_without_their_modifiers() {
     ));
     assert!(!type_is("timestamp(3) with time zone", &["timestamp"]));
 }
+
+#[test]
+fn the_relay_columns_must_not_allow_null() {
+    let column = |name: &str, type_name: &str, not_null: bool| ColumnInfo {
+        name: name.into(),
+        type_name: type_name.into(),
+        not_null,
+        has_default: name != "relay_sent_at",
+    };
+    let with = |seq_not_null: bool, xid_not_null: bool| TableInfo {
+        columns: vec![
+            column("relay_seq", "bigint", seq_not_null),
+            column("relay_xid", "xid8", xid_not_null),
+            column("relay_sent_at", "timestamp with time zone", false),
+        ],
+        ..info(None, &[])
+    };
+    assert_eq!(
+        relay_column_problems(&with(true, true)),
+        Vec::<String>::new()
+    );
+    let problems = relay_column_problems(&with(false, false));
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    assert!(
+        problems[0].starts_with("column \"relay_seq\" allows NULL"),
+        "{problems:?}"
+    );
+    assert!(
+        problems[1].contains("ALTER COLUMN relay_xid SET NOT NULL"),
+        "{problems:?}"
+    );
+}

@@ -75,7 +75,7 @@ const SETTLE_POLL: Duration = Duration::from_millis(10);
 /// the newest row's age instead never adds one: every round makes it new.)
 const FRONTIER_ROW_SPAN_SECONDS: u32 = 10;
 
-fn query_error(what: &'static str) -> impl FnOnce(tokio_postgres::Error) -> DbError {
+fn query_error(what: &'static str) -> impl Fn(tokio_postgres::Error) -> DbError {
     move |e| DbError::query(what, e)
 }
 
@@ -145,13 +145,16 @@ impl Ranges {
         if stale {
             return Ok(Advance::Stale);
         }
+        let finding = query_error("finding the rows the frontier would pass");
         let unrecorded: Vec<i64> = tx
             .query(&self.unrecorded_sql(), &[&target.snapshot, &(limit + 1)])
             .await
-            .map_err(query_error("finding the rows the frontier would pass"))?
+            .map_err(&finding)?
             .iter()
-            .map(|r| r.get(0))
-            .collect();
+            // A NULL relay_seq (a column `check` refuses) fails the round.
+            .map(|r| r.try_get(0))
+            .collect::<Result<_, _>>()
+            .map_err(&finding)?;
         if unrecorded.len() as i64 > limit {
             return Ok(Advance::Backlog);
         }
