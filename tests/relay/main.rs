@@ -38,6 +38,7 @@ mod partitions;
 mod publications;
 mod rabbit_exchanges;
 mod rabbit_frames;
+mod rabbit_refusals;
 mod ranges_delivery;
 mod ranges_downgrade;
 mod ranges_fold;

@@ -56,7 +56,11 @@ impl Elsewhere {
 
 /// A migrated outbox with the routing columns added as an application
 /// table would have them, and the relay config that maps them.
-async fn setup_routing(mode: Mode, kind: Kind, sets: &[(&str, &str)]) -> (TestDb, Broker, String) {
+pub(crate) async fn setup_routing(
+    mode: Mode,
+    kind: Kind,
+    sets: &[(&str, &str)],
+) -> (TestDb, Broker, String) {
     let (db, broker, mut toml) = setup(mode, kind, &["order"], sets).await;
     db.client
         .batch_execute("ALTER TABLE outbox ADD COLUMN route_to text, ADD COLUMN route_key text")
@@ -68,7 +72,13 @@ async fn setup_routing(mode: Mode, kind: Kind, sets: &[(&str, &str)]) -> (TestDb
     (db, broker, toml)
 }
 
-async fn insert(db: &TestDb, id: Uuid, aggregate: &str, to: Option<&str>, key: Option<&str>) {
+pub(crate) async fn insert(
+    db: &TestDb,
+    id: Uuid,
+    aggregate: &str,
+    to: Option<&str>,
+    key: Option<&str>,
+) {
     db.client
         .execute(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, route_to, route_key)
@@ -79,7 +89,7 @@ async fn insert(db: &TestDb, id: Uuid, aggregate: &str, to: Option<&str>, key: O
         .unwrap();
 }
 
-fn by_id<'a>(got: &'a [Received], id: &Uuid) -> Option<&'a Received> {
+pub(crate) fn by_id<'a>(got: &'a [Received], id: &Uuid) -> Option<&'a Received> {
     got.iter().find(|m| m.event_id() == id.to_string())
 }
 

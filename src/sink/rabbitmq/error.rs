@@ -60,6 +60,88 @@ pub(super) fn answer(
         Ok(Ack::NotRequested) => Err(SinkError::Unavailable(
             "the channel is not in confirm mode".into(),
         )),
-        Err(e) => Err(unavailable("confirm", e)),
+        Err(e) => Err(confirm_error(e, exchange, routing_key)),
+    }
+}
+
+/// A confirmation that failed. When the broker closed the channel over a
+/// publish to this message's exchange (the relay's user may not write
+/// there, the exchange is internal, it was deleted since the relay looked,
+/// or a topic permission refuses this routing key), that is this message's
+/// destination refusing it, as every message sent there would be: a
+/// refusal, dead-lettered after `dead_letter.max_attempts`, so that one
+/// such event does not stall the others by closing the channel at every
+/// run. Any other failure leaves the outcome unknown.
+pub(super) fn confirm_error(e: lapin::Error, exchange: &str, routing_key: &str) -> SinkError {
+    if let lapin::ErrorKind::ProtocolError(amqp) = e.kind() {
+        let text = amqp.get_message().as_str();
+        let refused = text.starts_with("ACCESS_REFUSED") || text.starts_with("NOT_FOUND");
+        let here = text.contains(&format!("exchange '{exchange}'"));
+        let this_key =
+            !text.contains("access to topic") || text.contains(&format!("topic '{routing_key}'"));
+        if refused && here && this_key {
+            let text = text.to_owned();
+            return SinkError::Rejected(Reason::caused_by(
+                format!(
+                    "RabbitMQ refused a publish to exchange {exchange:?} and closed the channel ({text}); \
+                     give the relay's user write access there, or route these events elsewhere"
+                ),
+                e,
+            ));
+        }
+    }
+    unavailable("confirm", e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+
+    fn closed(kind: AMQPSoftError, text: &str) -> lapin::Error {
+        lapin::ErrorKind::ProtocolError(AMQPError::new(AMQPErrorKind::Soft(kind), text.into()))
+            .into()
+    }
+
+    /// Only a channel closed over this message's exchange (and, for a
+    /// topic permission, its routing key) refuses it.
+    #[test]
+    fn a_channel_closed_over_this_exchange_refuses_the_message() {
+        use AMQPSoftError::{ACCESSREFUSED, NOTFOUND, PRECONDITIONFAILED};
+        let internal = "ACCESS_REFUSED - cannot publish to internal exchange 'x' in vhost '/'";
+        let denied =
+            "ACCESS_REFUSED - access to exchange 'x' in vhost '/' refused for user 'relay'";
+        let topic = "ACCESS_REFUSED - write access to topic 'k' in exchange 'x' in vhost '/' refused for user 'relay'";
+        let gone = "NOT_FOUND - no exchange 'x' in vhost '/'";
+        for (kind, text, exchange, key, refused) in [
+            (ACCESSREFUSED, internal, "x", "k", true),
+            (ACCESSREFUSED, denied, "x", "k", true),
+            (ACCESSREFUSED, topic, "x", "k", true),
+            (NOTFOUND, gone, "x", "k", true),
+            (ACCESSREFUSED, internal, "y", "k", false),
+            (ACCESSREFUSED, denied, "xy", "k", false),
+            (ACCESSREFUSED, topic, "x", "other", false),
+            (
+                PRECONDITIONFAILED,
+                "PRECONDITION_FAILED - message size 9 is larger than configured max size 8",
+                "x",
+                "k",
+                false,
+            ),
+        ] {
+            let got = confirm_error(closed(kind, text), exchange, key);
+            assert_eq!(
+                matches!(got, SinkError::Rejected(_)),
+                refused,
+                "{text} for {exchange}/{key}: {got}"
+            );
+        }
+        let io = lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(
+            lapin::ConnectionState::Closed,
+        ));
+        assert!(matches!(
+            confirm_error(io, "x", "k"),
+            SinkError::Unavailable(_)
+        ));
     }
 }

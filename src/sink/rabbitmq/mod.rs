@@ -395,7 +395,13 @@ impl Sink for RabbitMqSink {
             Ok(queued) => queued,
             Err(e) => {
                 self.unconfirmed.unpublish(&id, tag);
-                return Err(unavailable("publish", e));
+                // The channel is closed. When the broker closed it over an
+                // earlier message, that message's confirmation carries the
+                // refusal, and is answered first: this failure comes as a
+                // confirmation too, behind it, not as an error of the send
+                // that would end the run before the refusal is seen.
+                let failed = unavailable("publish", e);
+                return Ok(Box::pin(std::future::ready(Err(failed))));
             }
         };
         let settle = Settle {
@@ -407,7 +413,9 @@ impl Sink for RabbitMqSink {
             let confirm = match queued {
                 Queued::Written(confirm) => confirm,
                 // `settle` forgets the message when dropped.
-                Queued::Writing(publish) => publish.await.map_err(|e| unavailable("publish", e))?,
+                Queued::Writing(publish) => publish
+                    .await
+                    .map_err(|e| error::confirm_error(e, &exchange, &routing_key))?,
             };
             let (outcome, returned) = confirms::answered(confirm, settle).await;
             answer(outcome, returned, (&exchange, &routing_key, key_from))

@@ -84,7 +84,9 @@ async fn a_head_that_does_not_arrive_in_time_closes_the_connection() {
     let mut idle = connect(&server, b"GET /healthz HTTP/1.1\r\nHost: relay\r\n\r\n").await;
     let answered = answer(&mut idle, BOUND).await;
     assert!(
-        answered.as_deref().is_some_and(|a| a.starts_with("HTTP/1.1 200")),
+        answered
+            .as_deref()
+            .is_some_and(|a| a.starts_with("HTTP/1.1 200")),
         "answered, then closed once idle: {answered:?}"
     );
 }
