@@ -340,3 +340,46 @@ async fn the_oldest_unsent_age_is_read_by_marking_and_a_null_created_at_has_none
         assert_eq!(age().await.expect("a NULL created_at"), None, "{mark}");
     }
 }
+
+/// A stop that comes while the broker does not take a message (here
+/// RabbitMQ gone silent while the relay looks up a new exchange) is bounded
+/// by `relay.shutdown_timeout`, not by `relay.confirm_timeout`: the relay
+/// exits 0 in time, and the event stays unsent for the next owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_the_broker_takes_nothing_keeps_to_shutdown_timeout() {
+    let sets = [
+        ("relay.confirm_timeout", "\"60s\""),
+        ("relay.shutdown_timeout", "\"4s\""),
+        ("outbox.columns.destination", "\"route_to\""),
+    ];
+    let (db, broker, toml) = setup_cut(Mode::Polling, Kind::Rabbit, &sets).await;
+    db.client
+        .batch_execute("ALTER TABLE outbox ADD COLUMN route_to text")
+        .await
+        .unwrap();
+    let mut relay = ChildRelay::start(&toml);
+    let first = Uuid::new_v4();
+    db.insert(first, "order", "a", json!({})).await;
+    broker.inbox.wait_ids(&[first.to_string()], WAIT).await;
+    assert!(broker.proxy().freeze_all() > 0, "the broker is proxied");
+    let stuck = Uuid::new_v4();
+    db.client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, route_to) \
+             VALUES ($1, 'order', 'b', 'created', '{}', 'amq.topic')",
+            &[&stuck],
+        )
+        .await
+        .unwrap();
+    // Read, and waiting on the exchange lookup the broker does not answer.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let asked = std::time::Instant::now();
+    let status = relay.terminate();
+    let took = asked.elapsed();
+    assert_eq!(status.code(), Some(0), "a clean exit, in {took:?}");
+    assert!(took < std::time::Duration::from_secs(15), "{took:?}");
+    assert!(
+        db.unsent_ids().await.contains(&stuck.to_string()),
+        "left for the next owner"
+    );
+}

@@ -254,29 +254,47 @@ where
 
     /// Gives the message to the broker client. That is quick unless the
     /// broker stopped reading, so it is bounded by `relay.confirm_timeout`,
-    /// and during a stop by what is left of `relay.shutdown_timeout`.
+    /// and during a stop by what is left of `relay.shutdown_timeout`; a
+    /// stop that comes while it waits gives it the stop's sending half.
     async fn hand_over(
         &mut self,
         route: Route,
         message: crate::envelope::Message<'_>,
     ) -> Result<Confirmation, SinkError> {
         let confirm = self.settings.confirm_timeout;
-        let timeout = self.intake.deadline().map_or(confirm, |d| {
+        let deadline = self.intake.deadline();
+        let timeout = deadline.map_or(confirm, |d| {
             confirm.min(d.saturating_duration_since(Instant::now()))
         });
-        tokio::time::timeout(timeout, self.sink.send(route, message))
-            .await
-            .unwrap_or_else(|_| {
-                Err(SinkError::Unavailable(if timeout < confirm {
-                    "the broker did not take a message before relay.shutdown_timeout ran out".into()
-                } else {
-                    format!(
-                        "the broker did not take a message within relay.confirm_timeout ({}s)",
-                        confirm.as_secs()
-                    )
-                    .into()
-                }))
-            })
+        let (stop, send_window) = (self.stop.clone(), self.settings.shutdown_timeout / 2);
+        let stopped = async move {
+            match deadline {
+                // Already bounded by the stop.
+                Some(_) => std::future::pending().await,
+                None => {
+                    stop.cancelled().await;
+                    tokio::time::sleep(send_window).await
+                }
+            }
+        };
+        tokio::select! {
+            sent = tokio::time::timeout(timeout, self.sink.send(route, message)) => {
+                sent.unwrap_or_else(|_| {
+                    Err(SinkError::Unavailable(if timeout < confirm {
+                        "the broker did not take a message before relay.shutdown_timeout ran out".into()
+                    } else {
+                        format!(
+                            "the broker did not take a message within relay.confirm_timeout ({}s)",
+                            confirm.as_secs()
+                        )
+                        .into()
+                    }))
+                })
+            }
+            () = stopped => Err(SinkError::Unavailable(
+                "a stop came while the broker did not take a message, and the first half of relay.shutdown_timeout ran out".into(),
+            )),
+        }
     }
 
     /// One answer, in its aggregate's send order.

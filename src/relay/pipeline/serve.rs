@@ -128,6 +128,8 @@ pub(super) struct Pipeline<'a, P, K> {
     /// to its end, so that the events it sent from it can be recorded.
     inside_transaction: bool,
     refresh: Refresh,
+    /// The run's stop, seen also by a send the broker does not take.
+    pub(super) stop: CancellationToken,
     next_probe: Instant,
     batch_rx: mpsc::Receiver<Batch<P>>,
     rewind_tx: mpsc::Sender<u64>,
@@ -206,6 +208,7 @@ where
             in_flight_share: InFlightShare::new(telemetry, cx.shard),
             epoch: 0,
             inside_transaction: false,
+            stop: CancellationToken::new(),
             refresh: Refresh {
                 every,
                 next: every.map(|d| Instant::now() + d),
@@ -259,6 +262,7 @@ where
         &mut self,
         shutdown: &CancellationToken,
     ) -> Result<(), PipelineError> {
+        self.stop = shutdown.clone();
         loop {
             let fenced = !self.lease.valid(Instant::now());
             if self.quiet() && self.at_rest(fenced).await? {
