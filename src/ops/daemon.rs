@@ -77,7 +77,12 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
         tracing::info!(%address, "serving /metrics, /healthz and /readyz");
         tasks.spawn(server);
     }
-    let flush_within = first.relay.shutdown_timeout;
+    // The stop's own limit is the longest of the pipelines' (src/shutdown.rs).
+    let flush_within = configs
+        .iter()
+        .map(|c| c.relay.shutdown_timeout)
+        .max()
+        .unwrap_or(first.relay.shutdown_timeout);
     for config in configs {
         let t = PipelineTelemetry::traced(&config, &tracer);
         health.register(t.health.clone());

@@ -317,6 +317,18 @@ async fn check_reports_wrong_credentials_and_wrong_column_types() {
             && !out.contains("wrong@"),
         "{out}{err}"
     );
+    // A virtual host the user may not use is named as such, not as a broker down.
+    let sink = format!(
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"amq.topic\"\n",
+        amqp_url().replace("/%2f", "/relay-no-such-vhost")
+    );
+    let path = write_config(&base_toml(&wrong_db, &sink));
+    let (_, out, _) = run_cli(&["check", "--config", path.to_str().unwrap()], &[]);
+    assert!(
+        out.contains("[FAIL] broker")
+            && out.contains("does not let this user use the virtual host"),
+        "{out}"
+    );
 
     // A column of the wrong type, on the shared cluster.
     let db = TestDb::new().await;

@@ -27,6 +27,15 @@ pub(super) async fn connect_error(
             e.clone(),
         ));
     }
+    if text.contains("NOT_ALLOWED") {
+        return SinkError::Fatal(Reason::caused_by(
+            format!(
+                "RabbitMQ at {shown} does not let this user use the virtual host: {text}; \
+                 check the vhost in sink.url (the path after the host, %2f for \"/\") and the user's permissions"
+            ),
+            e.clone(),
+        ));
+    }
     if let Some(problem) = tls::diagnose(config, shown).await {
         return problem;
     }
