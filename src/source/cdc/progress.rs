@@ -137,16 +137,18 @@ impl Progress {
     /// checkpoint): the same WAL, so the relay's own position stands.
     ///
     /// On a new `timeline` (a standby was promoted) with the slot behind
-    /// what the server was told, the WAL past the slot may hold other
-    /// transactions than the relay saw: the stream starts from the slot and
-    /// skips nothing after it (a repeat, never a loss).
+    /// the relay's position (what it told the old server, or confirmed
+    /// since without telling it: the standby may never have received that
+    /// WAL), the WAL past the slot may hold other transactions than the
+    /// relay saw: the stream starts from the slot and skips nothing after
+    /// it (a repeat, never a loss).
     pub fn restart(&mut self, slot_flushed: Lsn, timeline: Option<u32>) {
         self.txs.clear();
         let new_history = matches!((self.timeline, timeline), (Some(a), Some(b)) if a != b);
         if timeline.is_some() {
             self.timeline = timeline;
         }
-        if new_history && slot_flushed < self.told {
+        if new_history && slot_flushed < self.flushed {
             tracing::warn!(
                 slot = %slot_flushed,
                 told = %self.told,

@@ -266,3 +266,28 @@ fn the_skip_memory_is_capped() {
     assert_eq!(p.confirmed_ahead.len(), 2);
     assert_eq!(p.outstanding(), 1);
 }
+
+/// The relay confirmed past what it told the old server (status updates go
+/// out every so often), and the promoted standby's slot holds what was
+/// told: its WAL past that may be another history, so the stream starts
+/// from the slot, not from the relay's own position, and skips nothing.
+#[test]
+fn after_a_failover_behind_what_was_confirmed_unreported_the_stream_starts_from_the_slot() {
+    let mut p = Progress::new(Lsn(0), 100);
+    p.restart(Lsn(0), Some(1));
+    p.begin(Lsn(100));
+    p.event(&pos(100, 0));
+    p.commit(Lsn(110));
+    p.confirm(&pos(100, 0));
+    p.reported(p.flushed(), 1);
+    let told = p.flushed();
+    p.begin(Lsn(200));
+    p.event(&pos(200, 0));
+    p.commit(Lsn(210));
+    p.confirm(&pos(200, 0));
+    assert!(p.flushed() > told, "confirmed, not told yet");
+    p.restart(told, Some(2));
+    assert_eq!(p.flushed(), told, "from the promoted server's slot");
+    p.begin(Lsn(200));
+    assert!(p.event(&pos(200, 0)), "streamed again, not skipped");
+}
