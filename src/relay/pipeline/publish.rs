@@ -266,14 +266,16 @@ where
         let timeout = deadline.map_or(confirm, |d| {
             confirm.min(d.saturating_duration_since(Instant::now()))
         });
-        let (stop, send_window) = (self.stop.clone(), self.settings.shutdown_timeout / 2);
+        let (stop, seen) = (self.stop.clone(), self.stop_seen.clone());
+        let send_window = self.settings.shutdown_timeout / 2;
         let stopped = async move {
             match deadline {
                 // Already bounded by the stop.
                 Some(_) => std::future::pending().await,
                 None => {
                     stop.cancelled().await;
-                    tokio::time::sleep(send_window).await
+                    let seen = *seen.get_or_init(Instant::now);
+                    tokio::time::sleep_until(seen + send_window).await
                 }
             }
         };

@@ -128,8 +128,10 @@ pub(super) struct Pipeline<'a, P, K> {
     /// to its end, so that the events it sent from it can be recorded.
     inside_transaction: bool,
     refresh: Refresh,
-    /// The run's stop, seen also by a send the broker does not take.
+    /// The run's stop, seen also by a send the broker does not take, and
+    /// when it was first seen: a stop's limits count from then.
     pub(super) stop: CancellationToken,
+    pub(super) stop_seen: Arc<std::sync::OnceLock<Instant>>,
     next_probe: Instant,
     batch_rx: mpsc::Receiver<Batch<P>>,
     rewind_tx: mpsc::Sender<u64>,
@@ -209,6 +211,7 @@ where
             epoch: 0,
             inside_transaction: false,
             stop: CancellationToken::new(),
+            stop_seen: Arc::default(),
             refresh: Refresh {
                 every,
                 next: every.map(|d| Instant::now() + d),

@@ -84,8 +84,10 @@ where
             read = self.waiting.len(),
             "shutting down: sending what was read and waiting for broker confirmations"
         );
-        // Sending ends half-way, so that what it sends is confirmed in time.
-        let now = Instant::now();
+        // Sending ends half-way, so that what it sends is confirmed in time;
+        // both count from when the stop was first seen (a send the broker
+        // did not take may have held the loop since).
+        let now = *self.stop_seen.get_or_init(Instant::now);
         self.intake = Intake::Draining {
             deadline: now + self.settings.shutdown_timeout,
             send_until: Some(now + self.settings.shutdown_timeout / 2),
