@@ -90,10 +90,14 @@ async fn an_exchange_that_refuses_publishes_is_dead_lettered_and_others_flow() {
         )
         .await
         .unwrap();
+    // Messages to the configured exchange before and after it, so that
+    // some are in flight when the broker closes the channel over it.
     let refused = Uuid::new_v4();
-    insert(&db, refused, "P", Some(&internal), None).await;
     let mut others = Vec::new();
-    for i in 0..20 {
+    for i in 0..120 {
+        if i == 60 {
+            insert(&db, refused, "P", Some(&internal), None).await;
+        }
         let id = Uuid::new_v4();
         insert(&db, id, &format!("o{i}"), None, None).await;
         others.push(id.to_string());

@@ -86,9 +86,12 @@ impl Unconfirmed {
                 Some(tag) => {
                     tags.returned.insert(tag, why);
                 }
-                None => tracing::warn!(
-                    message_id = %id,
-                    "RabbitMQ returned a message that is not unconfirmed on this channel ({why}); ignored"
+                // Settled as delivered before its return came: lost unless
+                // its event is sent again. Not expected (see `answered`).
+                None => tracing::error!(
+                    event_id = %id,
+                    "RabbitMQ returned a message the relay had already counted delivered ({why}); \
+                     it did not reach a queue: check that event on the broker and publish it again if needed"
                 ),
             }
             tag
@@ -128,9 +131,15 @@ impl Unconfirmed {
     }
 }
 
-/// How long a message whose answer carried the return of an earlier
-/// message waits for its own return to be filed (see [`answered`]).
-pub(super) const BEHIND_A_RETURN: Duration = Duration::from_millis(100);
+/// How long lapin may take to finish completing the confirmations of one
+/// broker answer (an ack, or the channel's close), which it does in one
+/// pass under a lock, in microseconds: the wait covers that pass being held
+/// off the CPU (a container's CPU quota throttles for up to 100 ms at a
+/// time). A message whose answer carried the return of an earlier message
+/// waits this long for its own return (see [`answered`]); a failure that
+/// may have been caused by another message's refusal waits this long
+/// before it is reported, so that the refusal is counted first.
+pub(super) const SETTLING: Duration = Duration::from_millis(500);
 
 /// Waits for the broker's answer to one message, files a return the
 /// answer carries (for whichever message it names) and tells whether this
@@ -154,10 +163,7 @@ pub(super) const BEHIND_A_RETURN: Duration = Duration::from_millis(100);
 ///   every confirmation from one set) lets them file it.
 /// - An answer that carries the return of an earlier message means this
 ///   message's own may still come, with a confirmation the same ack
-///   completes next. It waits for it to be filed, up to
-///   [`BEHIND_A_RETURN`]: lapin completes one ack's confirmations in one
-///   pass under a lock, in microseconds; the wait covers that pass being
-///   held off the CPU.
+///   completes next. It waits for it to be filed, up to [`SETTLING`].
 pub(super) async fn answered<C>(confirm: C, settle: Settle) -> (lapin::Result<Ack>, Option<String>)
 where
     C: std::future::Future<Output = lapin::Result<Ack>>,
@@ -169,10 +175,7 @@ where
     };
     if outcome.is_ok() {
         if carried.is_some_and(|tag| tag < settle.tag) {
-            settle
-                .unconfirmed
-                .return_filed(settle.tag, BEHIND_A_RETURN)
-                .await;
+            settle.unconfirmed.return_filed(settle.tag, SETTLING).await;
         }
         one_turn().await;
     }

@@ -27,7 +27,11 @@ pub(super) async fn connect_error(
             e.clone(),
         ));
     }
-    if text.contains("NOT_ALLOWED") {
+    // NOT_ALLOWED also says a connection limit is reached or the vhost is
+    // down, which pass by themselves.
+    if text.contains("NOT_ALLOWED")
+        && (text.contains("refused for user") || text.contains("not found"))
+    {
         return SinkError::Fatal(Reason::caused_by(
             format!(
                 "RabbitMQ at {shown} does not let this user use the virtual host: {text}; \
@@ -55,6 +59,7 @@ pub(super) fn answer(
     outcome: Result<Ack, lapin::Error>,
     returned: Option<String>,
     (exchange, routing_key, key_from): (&str, &str, &str),
+    declare: bool,
 ) -> Result<(), SinkError> {
     match outcome {
         Ok(Ack::Ack(_)) => match returned {
@@ -69,7 +74,7 @@ pub(super) fn answer(
         Ok(Ack::NotRequested) => Err(SinkError::Unavailable(
             "the channel is not in confirm mode".into(),
         )),
-        Err(e) => Err(confirm_error(e, exchange, routing_key)),
+        Err(e) => Err(confirm_error(e, (exchange, routing_key, key_from), declare)),
     }
 }
 
@@ -80,11 +85,18 @@ pub(super) fn answer(
 /// destination refusing it, as every message sent there would be: a
 /// refusal, dead-lettered after `dead_letter.max_attempts`, so that one
 /// such event does not stall the others by closing the channel at every
-/// run. Any other failure leaves the outcome unknown.
-pub(super) fn confirm_error(e: lapin::Error, exchange: &str, routing_key: &str) -> SinkError {
+/// run. Any other failure leaves the outcome unknown; so does an exchange
+/// gone when the relay declares exchanges (the next connection declares it
+/// again).
+pub(super) fn confirm_error(
+    e: lapin::Error,
+    (exchange, routing_key, _): (&str, &str, &str),
+    declare: bool,
+) -> SinkError {
     if let lapin::ErrorKind::ProtocolError(amqp) = e.kind() {
         let text = amqp.get_message().as_str();
-        let refused = text.starts_with("ACCESS_REFUSED") || text.starts_with("NOT_FOUND");
+        let refused =
+            text.starts_with("ACCESS_REFUSED") || (text.starts_with("NOT_FOUND") && !declare);
         let here = text.contains(&format!("exchange '{exchange}'"));
         let this_key =
             !text.contains("access to topic") || text.contains(&format!("topic '{routing_key}'"));
@@ -138,7 +150,7 @@ mod tests {
                 false,
             ),
         ] {
-            let got = confirm_error(closed(kind, text), exchange, key);
+            let got = confirm_error(closed(kind, text), (exchange, key, ""), false);
             assert_eq!(
                 matches!(got, SinkError::Rejected(_)),
                 refused,
@@ -149,8 +161,11 @@ mod tests {
             lapin::ConnectionState::Closed,
         ));
         assert!(matches!(
-            confirm_error(io, "x", "k"),
+            confirm_error(io, ("x", "k", ""), false),
             SinkError::Unavailable(_)
         ));
+        // Declared on first use: the next connection declares it again.
+        let gone = confirm_error(closed(NOTFOUND, gone), ("x", "k", ""), true);
+        assert!(matches!(gone, SinkError::Unavailable(_)), "{gone}");
     }
 }

@@ -401,7 +401,10 @@ impl Sink for RabbitMqSink {
                 // confirmation too, behind it, not as an error of the send
                 // that would end the run before the refusal is seen.
                 let failed = unavailable("publish", e);
-                return Ok(Box::pin(std::future::ready(Err(failed))));
+                return Ok(Box::pin(async move {
+                    tokio::time::sleep(confirms::SETTLING).await;
+                    Err(failed)
+                }));
             }
         };
         let settle = Settle {
@@ -409,16 +412,27 @@ impl Sink for RabbitMqSink {
             id,
             tag,
         };
+        let declare = self.declare;
         Ok(Box::pin(async move {
-            let confirm = match queued {
-                Queued::Written(confirm) => confirm,
+            let route = (&*exchange, &*routing_key, key_from);
+            let answered = match queued {
+                Queued::Written(confirm) => Ok(confirm),
                 // `settle` forgets the message when dropped.
-                Queued::Writing(publish) => publish
-                    .await
-                    .map_err(|e| error::confirm_error(e, &exchange, &routing_key))?,
+                Queued::Writing(publish) => publish.await,
             };
-            let (outcome, returned) = confirms::answered(confirm, settle).await;
-            answer(outcome, returned, (&exchange, &routing_key, key_from))
+            let result = match answered {
+                Ok(confirm) => {
+                    let (outcome, returned) = confirms::answered(confirm, settle).await;
+                    answer(outcome, returned, route, declare)
+                }
+                Err(e) => Err(error::confirm_error(e, route, declare)),
+            };
+            if matches!(result, Err(SinkError::Unavailable(_))) {
+                // The channel or connection failed: a refusal that closed it
+                // (another message's confirmation) is answered first.
+                tokio::time::sleep(confirms::SETTLING).await;
+            }
+            result
         }))
     }
 
