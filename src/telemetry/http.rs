@@ -5,8 +5,9 @@
 //! cannot hold the relay: at most [`LIMITS`]`.connections` connections are
 //! served at once (more wait in the listen queue), a request's head must
 //! arrive within `head_within` (an idle kept-alive connection closes then
-//! too), a head is at most [`MAX_HEAD_BYTES`], and a stop waits `grace` for
-//! the answers being written before it closes what is left.
+//! too), a head is at most [`MAX_HEAD_BYTES`], a connection lives at most
+//! `lifetime`, and a stop waits `grace` for the answers being written
+//! before it closes what is left.
 
 use super::health::Health;
 use axum::Router;
@@ -47,6 +48,9 @@ pub struct Limits {
     /// A request's head must arrive within this, counted from the end of
     /// the previous answer on a kept-alive connection.
     pub head_within: Duration,
+    /// How long a connection lives at most: a client that stops reading a
+    /// long answer does not hold its room for ever.
+    pub lifetime: Duration,
     /// How long a stop waits for answers being written.
     pub grace: Duration,
 }
@@ -55,6 +59,7 @@ pub struct Limits {
 pub const LIMITS: Limits = Limits {
     connections: 64,
     head_within: Duration::from_secs(10),
+    lifetime: Duration::from_secs(60),
     grace: Duration::from_secs(2),
 };
 
@@ -136,7 +141,7 @@ async fn serve(listener: TcpListener, app: Router, limits: Limits, shutdown: Can
         connections.spawn(async move {
             // An error is a client that went away, timed out or sent too
             // much: its connection is closed, nothing else to do.
-            let _ = connection.await;
+            let _ = tokio::time::timeout(limits.lifetime, connection).await;
             drop(permit);
         });
     }

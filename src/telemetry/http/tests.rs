@@ -51,6 +51,7 @@ fn limits(connections: usize, head_within: Duration) -> Limits {
     Limits {
         connections,
         head_within,
+        lifetime: Duration::from_secs(60),
         grace: Duration::from_millis(200),
     }
 }
@@ -121,4 +122,20 @@ async fn a_head_past_the_limit_is_refused() {
         answered.as_deref().is_some_and(|a| !a.contains("200 OK")),
         "an oversized head is refused and the connection closed: {answered:?}"
     );
+}
+
+/// A connection that outlives `lifetime` (a client that stopped reading, or
+/// trickles its head) is closed, and its room goes to the next.
+#[tokio::test]
+async fn a_connection_is_closed_at_the_end_of_its_lifetime() {
+    let server = start(Limits {
+        lifetime: Duration::from_millis(300),
+        ..limits(1, Duration::from_secs(60))
+    })
+    .await;
+    let mut holding = connect(&server, HALF_A_HEAD).await;
+    assert!(answer(&mut holding, BOUND).await.is_some(), "closed");
+    let mut next = connect(&server, HEALTHZ).await;
+    let answered = answer(&mut next, BOUND).await.unwrap_or_default();
+    assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
 }
