@@ -85,6 +85,9 @@ pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError>
         .connect_timeout(db.connect_timeout)
         .keepalives(true)
         .keepalives_idle(Duration::from_secs(30))
+        .keepalives_interval(Duration::from_secs(5))
+        .keepalives_retries(3)
+        .tcp_user_timeout(Duration::from_secs(30))
         .ssl_mode(tls::tokio_postgres_ssl_mode(db.sslmode))
         .options(options);
     Ok(config)
@@ -97,8 +100,13 @@ pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError>
 /// part of a value); ending in a lone backslash they would escape the
 /// space before the relay's, so they are refused.
 fn session_options(url_options: Option<&str>) -> Result<String, DbError> {
+    // The server's keepalives end the session of a relay whose node died
+    // (no FIN, no RST) in about 25 s, not the operating system's two
+    // hours: its ownership lock goes with it, so a standby takes over.
     let relay = format!(
-        "-c TimeZone=UTC -c DateStyle=ISO -c client_encoding=UTF8 -c statement_timeout={} -c jit=off",
+        "-c TimeZone=UTC -c DateStyle=ISO -c client_encoding=UTF8 -c statement_timeout={} -c jit=off \
+         -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3 \
+         -c tcp_user_timeout=30000",
         STATEMENT_TIMEOUT.as_millis()
     );
     let Some(own) = url_options.filter(|o| !o.trim().is_empty()) else {
@@ -249,7 +257,9 @@ mod tests {
     #[test]
     fn the_urls_options_go_before_the_relays_as_written() {
         let relay = session_options(None).expect("none");
-        assert!(relay.starts_with("-c TimeZone=UTC") && relay.ends_with("-c jit=off"));
+        assert!(
+            relay.starts_with("-c TimeZone=UTC") && relay.ends_with("-c tcp_user_timeout=30000")
+        );
         assert_eq!(session_options(Some("  ")).expect("blank"), relay);
         assert_eq!(
             session_options(Some("-c search_path=app")).expect("one"),

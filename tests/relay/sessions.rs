@@ -1,6 +1,8 @@
 //! What every session the relay opens on the outbox's database sets, so its
 //! statements read and run alike on any server: UTC timestamps in ISO form,
-//! a statement timeout, and no JIT compilation (README, `[database]`).
+//! a statement timeout, and no JIT compilation; and server-side keepalives,
+//! so that the session (and the ownership lock) of a relay whose node died
+//! ends in seconds (README, `[database]`).
 
 use crate::support::*;
 use outbox_relay::config::Config;
@@ -29,10 +31,24 @@ async fn relay_sessions_set_utc_iso_a_timeout_and_no_jit() {
         "statement_timeout",
         "jit",
         "application_name",
+        "tcp_keepalives_idle",
+        "tcp_keepalives_interval",
+        "tcp_keepalives_count",
+        "tcp_user_timeout",
     ];
     assert_eq!(
         relay_session_settings(&config, &names).await,
-        ["UTC", "ISO, MDY", "1min", "off", "outbox-relay"]
+        [
+            "UTC",
+            "ISO, MDY",
+            "1min",
+            "off",
+            "outbox-relay",
+            "10",
+            "5",
+            "3",
+            "30000"
+        ]
     );
 }
 
