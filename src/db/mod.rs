@@ -145,7 +145,24 @@ pub async fn connect(db: &DatabaseConfig, wakeups: Option<Arc<Notify>>) -> Resul
     let config = pg_config(db)?;
     let connector = tls::make_tls_connector(&db.tls())?;
     let target = describe_target(&config);
-    let (client, mut connection) = config.connect(connector).await.map_err(|e| {
+    // tokio-postgres bounds the TCP connect alone; a server (or a proxy)
+    // that accepts and then says nothing would hold the TLS handshake and
+    // the login for ever. The whole attempt gets the timeout, per host.
+    let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
+    let limit = db.connect_timeout.saturating_mul(hosts);
+    let attempt = tokio::time::timeout(limit, config.connect(connector))
+        .await
+        .map_err(|_| DbError::Connect {
+            target: target.clone(),
+            message: format!(
+                "no answer within {}s (database.connect_timeout): the server accepted the connection \
+                 and did not finish the handshake; is PostgreSQL running and reachable there?",
+                limit.as_secs()
+            ),
+            kind: ErrorKind::Transient,
+            source: None,
+        })?;
+    let (client, mut connection) = attempt.map_err(|e| {
         let kind = errors::postgres(&e);
         let hint = match e.code().map(|c| c.code()) {
             Some("28P01") | Some("28000") => {
@@ -253,6 +270,35 @@ pub async fn index_is_valid(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server that accepts the connection and then says nothing (a
+    /// stuck proxy) fails the attempt after database.connect_timeout.
+    #[tokio::test]
+    async fn a_server_that_never_answers_fails_the_connect_in_time() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                open.push(socket);
+            }
+        });
+        let toml = format!(
+            "[database]\nurl = \"postgres://relay@127.0.0.1:{port}/app\"\nconnect_timeout = \"1s\"\n\
+             [sink]\ntype = \"kafka\"\nbrokers = \"k:9092\"\n"
+        );
+        let config = crate::config::load_str(&toml).expect("valid");
+        let started = std::time::Instant::now();
+        let failed = connect(&config.database, None).await;
+        held.abort();
+        match failed {
+            Err(DbError::Connect { message, .. }) => {
+                assert!(message.contains("no answer within 1s"), "{message}")
+            }
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
 
     #[test]
     fn the_urls_options_go_before_the_relays_as_written() {
