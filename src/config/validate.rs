@@ -251,6 +251,15 @@ impl Config {
                 "database.sslcert and database.sslkey go together; set both or neither",
             );
         }
+        if db.sslmode == SslMode::VerifyCa && db.sslrootcert.is_none() {
+            // As libpq refuses since PostgreSQL 16: the system's store
+            // without a host name check trusts any public certificate.
+            c.problem(
+                "database.sslmode",
+                "verify-ca without database.sslrootcert would accept a certificate any public CA issued, \
+                 for any host; set database.sslrootcert to your server's CA, or use verify-full",
+            );
+        }
         if db.sslrootcert.is_some()
             && !matches!(db.sslmode, SslMode::VerifyCa | SslMode::VerifyFull)
         {

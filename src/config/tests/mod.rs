@@ -132,7 +132,13 @@ fn an_sslmode_in_the_url_must_agree_with_database_sslmode() {
     let with = |query: &str, sslmode: Option<&str>| {
         let mut toml = MINIMAL.replace(url, &format!("{url}?{query}"));
         if let Some(mode) = sslmode {
-            toml = toml.replace("[sink]", &format!("sslmode = \"{mode}\"\n\n[sink]"));
+            // verify-ca needs a CA of its own (see the test below).
+            let root = if mode == "verify-ca" {
+                "sslrootcert = \"/etc/ssl/db-ca.pem\"\n"
+            } else {
+                ""
+            };
+            toml = toml.replace("[sink]", &format!("sslmode = \"{mode}\"\n{root}\n[sink]"));
         }
         load_str(&toml).map(|c| c.database.sslmode)
     };
@@ -157,4 +163,22 @@ fn an_sslmode_in_the_url_must_agree_with_database_sslmode() {
         let got = with(query, mode).unwrap_or_else(|e| panic!("{query} {mode:?}: {e}"));
         assert_eq!(got, effective, "{query} {mode:?}");
     }
+}
+
+/// verify-ca checks the chain and not the host name, so with the system's
+/// public CAs any publicly issued certificate would pass: refused, as
+/// libpq refuses it.
+#[test]
+fn verify_ca_needs_a_ca_of_its_own() {
+    let toml = MINIMAL.replace("[sink]", "sslmode = \"verify-ca\"\n\n[sink]");
+    let e = err(&toml);
+    assert!(
+        e.contains("database.sslmode") && e.contains("set database.sslrootcert"),
+        "{e}"
+    );
+    let with_ca = MINIMAL.replace(
+        "[sink]",
+        "sslmode = \"verify-ca\"\nsslrootcert = \"/etc/ssl/db-ca.pem\"\n\n[sink]",
+    );
+    assert!(load_str(&with_ca).is_ok());
 }
