@@ -140,8 +140,9 @@ fn read_root(
     origin: &str,
     env: Option<config::Map<String, String>>,
 ) -> Result<Table, ConfigError> {
-    let parse_error =
-        |e: config::ConfigError| ConfigError::Parse(format!("{origin}: {}", describe(e)));
+    let parse_error = |e: config::ConfigError| {
+        ConfigError::Parse(format!("{origin}: {}", without_quoted_lines(&describe(e))))
+    };
     let mut builder = config::Config::builder()
         .add_source(config::File::from_str(text, config::FileFormat::Toml));
     if let Some(vars) = env {
@@ -405,6 +406,23 @@ fn check_distinct(configs: &[Config], problems: &mut Vec<Problem>) {
 
 /// Rewords the config crate's errors so the key comes first, the way the
 /// validation problems read.
+/// A TOML syntax error quotes the line it is on, and that line may hold a
+/// password (a backslash in a quoted URL is a bad escape): the message keeps
+/// the line and column and what is wrong, not the quoted text.
+fn without_quoted_lines(message: &str) -> String {
+    let quoted = |line: &str| {
+        let rest = line
+            .trim_start()
+            .trim_start_matches(|c: char| c.is_ascii_digit());
+        rest.trim_start().starts_with('|')
+    };
+    message
+        .lines()
+        .filter(|line| !line.trim().is_empty() && !quoted(line))
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
 fn describe(e: config::ConfigError) -> String {
     let located = locate(e);
     match located.key {

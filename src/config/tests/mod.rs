@@ -182,3 +182,16 @@ fn verify_ca_needs_a_ca_of_its_own() {
     );
     assert!(load_str(&with_ca).is_ok());
 }
+
+/// A syntax error says where and what, not the line's text: a password with
+/// a backslash in a quoted URL is a bad escape, and the line holds it.
+#[test]
+fn a_syntax_error_does_not_quote_the_line() {
+    let toml = "[database]\nurl = \"postgres://relay:p\\ss@db/app\"\n[sink]\ntype = \"kafka\"\nbrokers = \"k:9092\"\n";
+    let e = load_str(toml).unwrap_err().to_string();
+    assert!(
+        e.contains("line 2, column 27") && e.contains("missing escaped value"),
+        "{e}"
+    );
+    assert!(!e.contains("p\\ss") && !e.contains("relay:p"), "{e}");
+}
