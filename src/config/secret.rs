@@ -76,7 +76,11 @@ impl fmt::Display for SecretUrl {
 /// libpq key/value string (`password=...`). Text that is neither is returned
 /// with everything after the scheme hidden, so an unparseable URL cannot leak.
 pub fn redact_url(raw: &str) -> String {
-    if let Ok(mut url) = url::Url::parse(raw) {
+    // Without `//` a URL has no user or password field: `amqp:user:pw@host`
+    // parses as an opaque path, which would be shown whole.
+    if let Ok(mut url) = url::Url::parse(raw)
+        && !url.cannot_be_a_base()
+    {
         if url.password().is_some() {
             // set_password only fails for URLs that cannot have credentials.
             let _ = url.set_password(Some("***"));
@@ -169,6 +173,8 @@ mod tests {
             "host=db user=relay password=***"
         );
         assert!(!redact_url("postgres://relay:s3cret@[::1").contains("s3cret"));
+        // No `//`: no password field, the whole text after the scheme hidden.
+        assert!(!redact_url("amqp:relay:s3cret@rabbit").contains("s3cret"));
         // libpq allows spaces around `=` and quoted values with spaces.
         assert_eq!(
             redact_url("host=db password = s3cret user=relay"),

@@ -49,7 +49,11 @@ impl RabbitMqConfig {
     /// Range and cross-field checks of `[sink]` for RabbitMQ.
     pub(in crate::config) fn check(&self, c: &mut Checker) {
         match url::Url::parse(self.url.expose()) {
-            Ok(u) if u.scheme() == "amqp" || u.scheme() == "amqps" => {}
+            Ok(u) if (u.scheme() == "amqp" || u.scheme() == "amqps") && u.has_host() => {}
+            Ok(u) if u.scheme() == "amqp" || u.scheme() == "amqps" => c.problem(
+                "sink.url",
+                "names no host: use amqp://user:password@host:5672/vhost",
+            ),
             Ok(u) => c.problem(
                 "sink.url",
                 format!("scheme {:?} is not amqp:// or amqps://", u.scheme()),

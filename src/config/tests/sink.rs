@@ -166,3 +166,12 @@ fn properties_the_guarantees_rest_on_are_refused() {
     ))
     .expect("a key-based partitioner is accepted");
 }
+
+/// A RabbitMQ URL without `//` has no host (and no password field, so the
+/// message would show it whole): refused, and the password not shown.
+#[test]
+fn a_rabbitmq_url_without_a_host_is_refused_without_its_password() {
+    let e = err(&RABBIT.replace("amqps://guest:guest@h:5671/%2f", "amqp:relay:s3cret@rabbit"));
+    assert!(e.contains("sink.url") && e.contains("names no host"), "{e}");
+    assert!(!e.contains("s3cret"), "{e}");
+}
