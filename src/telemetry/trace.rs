@@ -163,6 +163,8 @@ pub async fn probe(config: &OtlpConfig) -> Result<Option<Result<String, String>>
         return Ok(None);
     };
     let url = format!("{}{TRACES_PATH}", endpoint.trim_end_matches('/'));
+    // The endpoint may carry credentials (user:token@host).
+    let shown = crate::config::redact_url(&url);
     let client = http_client(config.ca.as_deref())?;
     let answer = tokio::task::spawn_blocking(move || {
         let sent = client
@@ -173,10 +175,10 @@ pub async fn probe(config: &OtlpConfig) -> Result<Option<Result<String, String>>
         // The client is dropped here, off the async runtime.
         match sent {
             Ok(r) if r.status().is_success() => {
-                Ok(format!("{url} accepted an export ({})", r.status()))
+                Ok(format!("{shown} accepted an export ({})", r.status()))
             }
-            Ok(r) => Err(format!("{url} answered {}", r.status())),
-            Err(e) => Err(error_chain(&e)),
+            Ok(r) => Err(format!("{shown} answered {}", r.status())),
+            Err(e) => Err(format!("{shown}: {}", error_chain(&e.without_url()))),
         }
     })
     .await
@@ -208,6 +210,7 @@ impl EventTracer {
             return Ok(EventTracer::default());
         };
         let url = format!("{}{TRACES_PATH}", endpoint.trim_end_matches('/'));
+        let shown = crate::config::redact_url(&url);
         let client = http_client(config.ca.as_deref())?;
         let exporter = match opentelemetry_otlp::SpanExporter::builder()
             .with_http()
@@ -219,7 +222,7 @@ impl EventTracer {
         {
             Ok(e) => e,
             Err(e) => {
-                tracing::error!(error = %e, endpoint = %url, "cannot export traces; continuing without them");
+                tracing::error!(error = %e, endpoint = %shown, "cannot export traces; continuing without them");
                 return Ok(EventTracer::default());
             }
         };
@@ -228,7 +231,7 @@ impl EventTracer {
             .with_max_export_batch_size(MAX_EXPORT_BATCH.min(config.max_queue_size))
             .with_scheduled_delay(EXPORT_DELAY)
             .build();
-        let processor = BatchSpanProcessor::builder(Reported::new(exporter, url.clone()))
+        let processor = BatchSpanProcessor::builder(Reported::new(exporter, shown.clone()))
             .with_batch_config(batch)
             .build();
         let provider = SdkTracerProvider::builder()
@@ -242,7 +245,7 @@ impl EventTracer {
             )
             .build();
         let tracer = provider.tracer(SCOPE);
-        tracing::info!(endpoint = %url, max_queue_size = config.max_queue_size, "exporting a span per event over OTLP");
+        tracing::info!(endpoint = %shown, max_queue_size = config.max_queue_size, "exporting a span per event over OTLP");
         Ok(EventTracer {
             export: Some(Arc::new(Export {
                 provider,
@@ -518,6 +521,33 @@ mod tests {
             ..OtlpConfig::default()
         })
         .unwrap()
+    }
+
+    /// `check`'s look at the collector says where it looked without the
+    /// credentials an endpoint may carry.
+    #[tokio::test]
+    async fn the_probe_does_not_show_the_endpoints_credentials() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // A collector that accepts whatever it is sent.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let collector = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await;
+            let _ = socket
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                .await;
+        });
+        let config = OtlpConfig {
+            endpoint: Some(format!("http://relay:t0ken@127.0.0.1:{port}")),
+            ..OtlpConfig::default()
+        };
+        let answer = probe(&config).await.unwrap().expect("export is on");
+        collector.abort();
+        let text = answer.expect("the collector accepted");
+        assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+        assert!(!text.contains("t0ken"), "{text}");
     }
 
     #[test]
