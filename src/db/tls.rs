@@ -210,7 +210,11 @@ impl TlsConnector {
             Ok(()) => Ok(tls),
             Err(source) => {
                 let verify = tls.ssl().verify_result();
-                if verify == X509VerifyResult::OK {
+                // Without verification (require, prefer) OpenSSL still notes
+                // what it would have found (a self-signed certificate, say),
+                // which did not fail this handshake.
+                let verifying = matches!(self.mode, SslMode::VerifyCa | SslMode::VerifyFull);
+                if verify == X509VerifyResult::OK || !verifying {
                     Err(TlsError::Handshake {
                         host: host.to_owned(),
                         source,
