@@ -280,6 +280,9 @@ where
             }
         };
         tokio::select! {
+            // The send first: most are taken at once, and the stop's wait is
+            // then never polled (no waiter registered per message).
+            biased;
             sent = tokio::time::timeout(timeout, self.sink.send(route, message)) => {
                 sent.unwrap_or_else(|_| {
                     Err(SinkError::Unavailable(if timeout < confirm {
