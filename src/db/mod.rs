@@ -267,6 +267,24 @@ pub async fn index_is_valid(
         .get(0))
 }
 
+/// For tests: a server on 127.0.0.1 that accepts connections and never
+/// answers (a stuck proxy). Its port, and the task holding the connections
+/// (abort it when done).
+#[cfg(test)]
+pub(crate) async fn silent_server() -> (u16, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind on loopback");
+    let port = listener.local_addr().expect("a bound address").port();
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            open.push(socket);
+        }
+    });
+    (port, held)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,14 +293,7 @@ mod tests {
     /// stuck proxy) fails the attempt after database.connect_timeout.
     #[tokio::test]
     async fn a_server_that_never_answers_fails_the_connect_in_time() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let held = tokio::spawn(async move {
-            let mut open = Vec::new();
-            while let Ok((socket, _)) = listener.accept().await {
-                open.push(socket);
-            }
-        });
+        let (port, held) = silent_server().await;
         let toml = format!(
             "[database]\nurl = \"postgres://relay@127.0.0.1:{port}/app\"\nconnect_timeout = \"1s\"\n\
              [sink]\ntype = \"kafka\"\nbrokers = \"k:9092\"\n"

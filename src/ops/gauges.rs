@@ -241,14 +241,7 @@ mod stop_tests {
     /// stop: the sampler ends at once.
     #[tokio::test]
     async fn a_stop_does_not_wait_for_a_round_of_reads() {
-        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = silent.local_addr().unwrap().port();
-        let held = tokio::spawn(async move {
-            let mut accepted = Vec::new();
-            while let Ok((socket, _)) = silent.accept().await {
-                accepted.push(socket);
-            }
-        });
+        let (port, held) = crate::db::silent_server().await;
         let config = crate::config::load_str(&format!(
             "[database]\nurl = \"postgres://relay@127.0.0.1:{port}/app\"\nconnect_timeout = \"30s\"\n[sink]\ntype = \"kafka\"\nbrokers = \"k:9092\"\n"
         ))
