@@ -126,3 +126,98 @@ async fn an_exchange_that_refuses_publishes_is_dead_lettered_and_others_flow() {
         .exchange_delete(internal.as_str().into(), Default::default())
         .await;
 }
+
+/// RabbitMQ's own `max_message_size` for the test, put back when dropped.
+/// Set above the relay's default `sink.message_max_bytes` (16 MiB), so
+/// that other tests, sending less, never meet it.
+struct MaxMessageSize(String);
+
+impl MaxMessageSize {
+    fn set(bytes: u64) -> Self {
+        let before = rabbitmqctl_eval("application:get_env(rabbit, max_message_size).");
+        let before = before
+            .trim()
+            .strip_prefix("{ok,")
+            .and_then(|v| v.strip_suffix('}'))
+            .unwrap_or("134217728")
+            .to_owned();
+        rabbitmqctl_eval(&format!(
+            "application:set_env(rabbit, max_message_size, {bytes})."
+        ));
+        Self(before)
+    }
+}
+
+impl Drop for MaxMessageSize {
+    fn drop(&mut self) {
+        rabbitmqctl_eval(&format!(
+            "application:set_env(rabbit, max_message_size, {}).",
+            self.0
+        ));
+    }
+}
+
+fn rabbitmqctl_eval(expr: &str) -> String {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "eval", expr])
+        .output()
+        .expect("rabbitmqctl runs");
+    assert!(out.status.success(), "rabbitmqctl eval {expr}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A message under `sink.message_max_bytes` but over the broker's
+/// `max_message_size`: RabbitMQ closes the channel over it. That is the
+/// event's refusal, dead-lettered with the broker's reason, and the others
+/// flow; before, the channel closed at every run and nothing got through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_over_the_brokers_size_limit_is_dead_lettered_and_others_flow() {
+    let limit: u64 = 17 * 1024 * 1024;
+    let sets = [
+        ("sink.message_max_bytes", "18874368"),
+        ("dead_letter.max_attempts", "2"),
+        ("dead_letter.refresh_interval", "\"300ms\""),
+        ("relay.reject_retry_base", "\"100ms\""),
+        ("relay.reject_retry_max", "\"200ms\""),
+    ];
+    let (db, broker, toml) = setup_routing(Mode::Polling, Kind::Rabbit, &sets).await;
+    let _limit = MaxMessageSize::set(limit);
+    let large = Uuid::new_v4();
+    let payload = format!("{{\"b\":\"{}\"}}", "x".repeat(limit as usize + 4096));
+    let mut others = Vec::new();
+    for i in 0..40 {
+        if i == 20 {
+            db.client
+                .execute(
+                    "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, 'order', 'L', 'OrderPlaced', $2::text::jsonb)",
+                    &[&large, &payload],
+                )
+                .await
+                .unwrap();
+        }
+        let id = Uuid::new_v4();
+        insert(&db, id, &format!("o{i}"), None, None).await;
+        others.push(id.to_string());
+    }
+    let path = config_file(&toml);
+    let relay = InProcess::start(parse(&toml));
+    broker.inbox().wait_ids(&others, WAIT).await;
+    let letters = wait_for(WAIT, "the large event dead-lettered", || {
+        let path = path.clone();
+        async move {
+            let l = dlq_list(&path);
+            (!l.is_empty()).then_some(l)
+        }
+    })
+    .await;
+    relay.stop().await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0]["id"], large.to_string());
+    let why = letters[0]["reason"].as_str().unwrap();
+    assert!(
+        why.contains("closed the channel") && why.contains("max_message_size"),
+        "{why}"
+    );
+    assert!(by_id(&broker.inbox().snapshot(), &large).is_none());
+}

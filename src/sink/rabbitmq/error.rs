@@ -58,9 +58,15 @@ pub(super) async fn connect_error(
 pub(super) fn answer(
     outcome: Result<Ack, lapin::Error>,
     returned: Option<String>,
-    (exchange, routing_key, key_from): (&str, &str, &str),
+    sent: Published<'_>,
     declare: bool,
 ) -> Result<(), SinkError> {
+    let Published {
+        exchange,
+        routing_key,
+        key_from,
+        ..
+    } = sent;
     match outcome {
         Ok(Ack::Ack(_)) => match returned {
             None => Ok(()),
@@ -74,8 +80,18 @@ pub(super) fn answer(
         Ok(Ack::NotRequested) => Err(SinkError::Unavailable(
             "the channel is not in confirm mode".into(),
         )),
-        Err(e) => Err(confirm_error(e, (exchange, routing_key, key_from), declare)),
+        Err(e) => Err(confirm_error(e, sent, declare)),
     }
+}
+
+/// What one publish was: where it went, the key that chose its routing key,
+/// and its body's size (what RabbitMQ's `max_message_size` counts).
+#[derive(Clone, Copy)]
+pub(super) struct Published<'a> {
+    pub exchange: &'a str,
+    pub routing_key: &'a str,
+    pub key_from: &'a str,
+    pub body_len: usize,
 }
 
 /// A confirmation that failed. When the broker closed the channel over a
@@ -85,14 +101,18 @@ pub(super) fn answer(
 /// destination refusing it, as every message sent there would be: a
 /// refusal, dead-lettered after `dead_letter.max_attempts`, so that one
 /// such event does not stall the others by closing the channel at every
-/// run. Any other failure leaves the outcome unknown; so does an exchange
-/// gone when the relay declares exchanges (the next connection declares it
+/// run. So is a close over a body of this message's size that is larger
+/// than the broker's `max_message_size` (set below `sink.message_max_bytes`).
+/// Any other failure leaves the outcome unknown; so does an exchange gone
+/// when the relay declares exchanges (the next connection declares it
 /// again).
-pub(super) fn confirm_error(
-    e: lapin::Error,
-    (exchange, routing_key, _): (&str, &str, &str),
-    declare: bool,
-) -> SinkError {
+pub(super) fn confirm_error(e: lapin::Error, sent: Published<'_>, declare: bool) -> SinkError {
+    let Published {
+        exchange,
+        routing_key,
+        body_len,
+        ..
+    } = sent;
     if let lapin::ErrorKind::ProtocolError(amqp) = e.kind() {
         let text = amqp.get_message().as_str();
         let refused =
@@ -106,6 +126,19 @@ pub(super) fn confirm_error(
                 format!(
                     "RabbitMQ refused a publish to exchange {exchange:?} and closed the channel ({text}); \
                      give the relay's user write access there, or route these events elsewhere"
+                ),
+                e,
+            ));
+        }
+        // "message size N is larger than [configured ]max size M"
+        let oversized = format!("PRECONDITION_FAILED - message size {body_len} is larger than ");
+        if text.starts_with(&oversized) {
+            let text = text.to_owned();
+            return SinkError::Rejected(Reason::caused_by(
+                format!(
+                    "RabbitMQ refused a message of {body_len} bytes and closed the channel ({text}); \
+                     set sink.message_max_bytes at or below the broker's max_message_size, \
+                     or raise that"
                 ),
                 e,
             ));
@@ -124,48 +157,59 @@ mod tests {
             .into()
     }
 
+    fn sent<'a>(exchange: &'a str, routing_key: &'a str, body_len: usize) -> Published<'a> {
+        Published {
+            exchange,
+            routing_key,
+            key_from: "",
+            body_len,
+        }
+    }
+
     /// Only a channel closed over this message's exchange (and, for a
-    /// topic permission, its routing key) refuses it.
+    /// topic permission, its routing key), or over a body of its size
+    /// larger than the broker's limit, refuses it.
     #[test]
-    fn a_channel_closed_over_this_exchange_refuses_the_message() {
+    fn a_channel_closed_over_this_message_refuses_it() {
         use AMQPSoftError::{ACCESSREFUSED, NOTFOUND, PRECONDITIONFAILED};
         let internal = "ACCESS_REFUSED - cannot publish to internal exchange 'x' in vhost '/'";
         let denied =
             "ACCESS_REFUSED - access to exchange 'x' in vhost '/' refused for user 'relay'";
         let topic = "ACCESS_REFUSED - write access to topic 'k' in exchange 'x' in vhost '/' refused for user 'relay'";
         let gone = "NOT_FOUND - no exchange 'x' in vhost '/'";
-        for (kind, text, exchange, key, refused) in [
-            (ACCESSREFUSED, internal, "x", "k", true),
-            (ACCESSREFUSED, denied, "x", "k", true),
-            (ACCESSREFUSED, topic, "x", "k", true),
-            (NOTFOUND, gone, "x", "k", true),
-            (ACCESSREFUSED, internal, "y", "k", false),
-            (ACCESSREFUSED, denied, "xy", "k", false),
-            (ACCESSREFUSED, topic, "x", "other", false),
-            (
-                PRECONDITIONFAILED,
-                "PRECONDITION_FAILED - message size 9 is larger than configured max size 8",
-                "x",
-                "k",
-                false,
-            ),
+        let configured =
+            "PRECONDITION_FAILED - message size 9 is larger than configured max size 8";
+        let default = "PRECONDITION_FAILED - message size 9 is larger than max size 8";
+        for (kind, text, (exchange, key, len), refused) in [
+            (ACCESSREFUSED, internal, ("x", "k", 1), true),
+            (ACCESSREFUSED, denied, ("x", "k", 1), true),
+            (ACCESSREFUSED, topic, ("x", "k", 1), true),
+            (NOTFOUND, gone, ("x", "k", 1), true),
+            (ACCESSREFUSED, internal, ("y", "k", 1), false),
+            (ACCESSREFUSED, denied, ("xy", "k", 1), false),
+            (ACCESSREFUSED, topic, ("x", "other", 1), false),
+            (PRECONDITIONFAILED, configured, ("x", "k", 9), true),
+            (PRECONDITIONFAILED, default, ("y", "q", 9), true),
+            // Another message's size: this one's outcome is unknown.
+            (PRECONDITIONFAILED, configured, ("x", "k", 8), false),
+            (PRECONDITIONFAILED, configured, ("x", "k", 90), false),
         ] {
-            let got = confirm_error(closed(kind, text), (exchange, key, ""), false);
+            let got = confirm_error(closed(kind, text), sent(exchange, key, len), false);
             assert_eq!(
                 matches!(got, SinkError::Rejected(_)),
                 refused,
-                "{text} for {exchange}/{key}: {got}"
+                "{text} for {exchange}/{key} ({len} bytes): {got}"
             );
         }
         let io = lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(
             lapin::ConnectionState::Closed,
         ));
         assert!(matches!(
-            confirm_error(io, ("x", "k", ""), false),
+            confirm_error(io, sent("x", "k", 1), false),
             SinkError::Unavailable(_)
         ));
         // Declared on first use: the next connection declares it again.
-        let gone = confirm_error(closed(NOTFOUND, gone), ("x", "k", ""), true);
+        let gone = confirm_error(closed(NOTFOUND, gone), sent("x", "k", 1), true);
         assert!(matches!(gone, SinkError::Unavailable(_)), "{gone}");
     }
 }

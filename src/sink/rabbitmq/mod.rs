@@ -102,6 +102,18 @@ fn short(s: &str, what: &str) -> Result<ShortString, SinkError> {
 const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(15);
 
 impl RabbitMqSink {
+    /// A memory or disk alarm: RabbitMQ stops reading from publishers, so
+    /// a message sent now would only wait for confirm_timeout.
+    fn not_blocked(&self) -> Result<(), SinkError> {
+        if self.connection.status().blocked() {
+            return Err(SinkError::Unavailable(format!(
+                "RabbitMQ at {} has blocked publishers (connection.blocked: a memory or disk alarm); waiting for it to clear",
+                self.url
+            ).into()));
+        }
+        Ok(())
+    }
+
     pub async fn connect(config: &RabbitMqConfig) -> Result<Self, SinkError> {
         let shown = redact_url(config.url.expose());
         match tokio::time::timeout(CONNECT_LIMIT, Self::open(config, &shown)).await {
@@ -361,14 +373,7 @@ impl Sink for RabbitMqSink {
         route: Route,
         message: Message<'_>,
     ) -> Result<Confirmation, SinkError> {
-        if self.connection.status().blocked() {
-            // A memory or disk alarm: RabbitMQ stops reading from publishers,
-            // so a message sent now would only wait for confirm_timeout.
-            return Err(SinkError::Unavailable(format!(
-                "RabbitMQ at {} has blocked publishers (connection.blocked: a memory or disk alarm); waiting for it to clear",
-                self.url
-            ).into()));
-        }
+        self.not_blocked()?;
         let Route {
             destination: exchange,
             key: routing_key,
@@ -383,6 +388,7 @@ impl Sink for RabbitMqSink {
             short(&exchange, "exchange")?,
             short(&routing_key, "routing key")?,
         );
+        let body_len = message.body.len();
         let id = message.id.into_owned();
         let Some(tag) = self.unconfirmed.publish(&id) else {
             return Err(SinkError::Busy(format!(
@@ -414,7 +420,12 @@ impl Sink for RabbitMqSink {
         };
         let declare = self.declare;
         Ok(Box::pin(async move {
-            let route = (&*exchange, &*routing_key, key_from);
+            let sent = error::Published {
+                exchange: &exchange,
+                routing_key: &routing_key,
+                key_from,
+                body_len,
+            };
             let answered = match queued {
                 Queued::Written(confirm) => Ok(confirm),
                 // `settle` forgets the message when dropped.
@@ -423,9 +434,9 @@ impl Sink for RabbitMqSink {
             let result = match answered {
                 Ok(confirm) => {
                     let (outcome, returned) = confirms::answered(confirm, settle).await;
-                    answer(outcome, returned, route, declare)
+                    answer(outcome, returned, sent, declare)
                 }
-                Err(e) => Err(error::confirm_error(e, route, declare)),
+                Err(e) => Err(error::confirm_error(e, sent, declare)),
             };
             if matches!(result, Err(SinkError::Unavailable(_))) {
                 // The channel or connection failed: a refusal that closed it
