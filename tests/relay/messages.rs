@@ -236,6 +236,22 @@ async fn malformed_and_untransactional_messages_are_dead_lettered_with_the_reaso
         .to_string(),
     )
     .await;
+    // A NUL character fits no text column (nor the dead letter's): a
+    // string field holding one, and raw NUL bytes, are refused and kept
+    // escaped, and the stream goes on.
+    write(
+        true,
+        "outbox_relay_outbox",
+        json!({"id": "nul", "aggregate_type": "a\u{0}b", "aggregate_id": "n", "event_type": "E"})
+            .to_string(),
+    )
+    .await;
+    db.client
+        .batch_execute(
+            "SELECT pg_logical_emit_message(true, 'outbox_relay_outbox', '\\x7b00ff'::bytea)",
+        )
+        .await
+        .unwrap();
     // Another prefix is someone else's: neither published nor dead-lettered.
     write(true, "some_other_tool", "{}".into()).await;
     let good = emit(&db.client, "g", json!({"i": 0})).await;
@@ -243,15 +259,15 @@ async fn malformed_and_untransactional_messages_are_dead_lettered_with_the_reaso
         .inbox()
         .wait_ids(std::slice::from_ref(&good), WAIT)
         .await;
-    let letters = wait_for(WAIT, "three dead letters", || {
+    let letters = wait_for(WAIT, "five dead letters", || {
         let path = path.clone();
         async move {
             let l = dlq_list(&path);
-            (l.len() >= 3).then_some(l)
+            (l.len() >= 5).then_some(l)
         }
     })
     .await;
-    assert_eq!(letters.len(), 3, "{letters:?}");
+    assert_eq!(letters.len(), 5, "{letters:?}");
     // The untransactional one is sent as soon as it is decoded, so the order varies.
     let reason = |says: &str| {
         letters
@@ -269,6 +285,28 @@ async fn malformed_and_untransactional_messages_are_dead_lettered_with_the_reaso
         1,
         "the content is kept"
     );
+    reason("\"aggregate_type\" holds a NUL character");
+    for (kept, says) in [
+        (
+            "reason LIKE '%NUL character%' AND strpos(payload, '\"a\\u0000b\"') > 0",
+            "the message's content is kept",
+        ),
+        (
+            "reason LIKE '%not UTF-8%' AND payload = '{\\u0000\u{fffd}'",
+            "raw NUL bytes are kept escaped",
+        ),
+    ] {
+        let sql = format!("SELECT count(*) FROM outbox_dead_letters WHERE {kept}");
+        let all = db
+            .client
+            .query("SELECT reason, payload FROM outbox_dead_letters", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, Option<String>>(1)))
+            .collect::<Vec<_>>();
+        assert_eq!(db.count(&sql).await, 1, "{says}: {all:?}");
+    }
     let missing = reason("logical message: aggregate_id is NULL");
     assert_eq!(missing["id"], no_aggregate);
     assert_eq!(reason("transactional = false")["id"], untransactional);

@@ -29,6 +29,24 @@ pub fn raw_row(content: &[u8], extra: &[String]) -> Result<RawRow, String> {
             .collect();
         serde_json::Value::Object(object).to_string()
     });
+    const TEXT_FIELDS: [&str; 7] = [
+        "id",
+        "aggregate_type",
+        "aggregate_id",
+        "event_type",
+        "event_version",
+        "payload",
+        "headers",
+    ];
+    if let Some(name) = TEXT_FIELDS
+        .iter()
+        .find(|name| field(name).is_some_and(|t| t.contains('\0')))
+    {
+        return Err(format!(
+            "the logical message's field {name:?} holds a NUL character (\\u0000), \
+             which no text column of a row can hold; leave it out"
+        ));
+    }
     Ok(RawRow {
         id: field("id"),
         aggregate_type: field("aggregate_type"),
@@ -53,7 +71,8 @@ fn value_text(value: &RawValue) -> Option<String> {
 }
 
 /// The content kept in a dead letter of a message that is not a JSON
-/// object: its text (lossily, when not UTF-8) as the payload.
+/// object: its text (lossily, when not UTF-8) as the payload, with a NUL
+/// byte, which a PostgreSQL text value cannot hold, written `\u0000`.
 pub fn unreadable(content: &[u8]) -> RawRow {
     RawRow {
         id: None,
@@ -61,7 +80,7 @@ pub fn unreadable(content: &[u8]) -> RawRow {
         aggregate_id: None,
         event_type: None,
         event_version: None,
-        payload: Some(String::from_utf8_lossy(content).into_owned()),
+        payload: Some(String::from_utf8_lossy(content).replace('\0', "\\u0000")),
         headers: None,
         created_at: None,
         extra: None,
@@ -115,5 +134,23 @@ mod tests {
             assert!(e.contains(says), "{e}");
         }
         assert_eq!(unreadable(b"not json").payload.as_deref(), Some("not json"));
+    }
+
+    /// A NUL cannot go into the dead letter's text columns (PostgreSQL
+    /// refuses it, and the letter would never be written): a string field
+    /// holding one refuses the message, whose content keeps the escape,
+    /// and raw NUL bytes are kept escaped.
+    #[test]
+    fn a_nul_character_refuses_the_message_and_is_kept_escaped() {
+        let content =
+            br#"{"id":"e1","aggregate_type":"a\u0000b","aggregate_id":"1","event_type":"E"}"#;
+        let e = raw_row(content, &[]).unwrap_err();
+        assert!(e.contains("\"aggregate_type\"") && e.contains("NUL"), "{e}");
+        // Inside a JSON payload the escape stays text, and is no NUL.
+        let nested = br#"{"id":"e1","aggregate_type":"a","aggregate_id":"1","event_type":"E","payload":{"k":"\u0000"}}"#;
+        assert!(raw_row(nested, &[]).is_ok());
+        let kept = unreadable(b"{\x00\xff}").payload.unwrap();
+        assert!(!kept.contains('\0'), "{kept:?}");
+        assert_eq!(kept, "{\\u0000\u{fffd}}");
     }
 }
