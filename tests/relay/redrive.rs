@@ -252,3 +252,36 @@ async fn a_redrive_pushed_back_by_a_full_queue_waits_for_the_next_look() {
     );
     relay.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn letters_without_an_aggregate_end_their_redrive_and_hold_no_others_back() {
+    // 600 letters of rows without an aggregate id fill the first look's
+    // batch (500); D's 10 come after them. Nothing holds the former back,
+    // and they can never be published (an event needs an aggregate id):
+    // they are refused again, which ends their request, and D's follow at
+    // once, not an hour later.
+    let (db, broker, toml) = looks_an_hour_apart().await;
+    let rows = "SELECT CASE WHEN g <= 600 THEN 'n' ELSE 'd' END || lpad(g::text, 5, '0'), 'order',
+                       CASE WHEN g <= 600 THEN NULL ELSE 'D' END, 'aggregate_id is NULL', now()
+                FROM generate_series(1, 610) g";
+    requested_letters(&db, &toml, rows).await;
+
+    let relay = InProcess::start(parse(&toml));
+    let d: Vec<String> = (601..=610).map(|i| format!("d{i:05}")).collect();
+    let got = broker.inbox().wait_ids(&d, WAIT).await;
+    assert_eq!(first_ids(&got), d, "D's letters, in order, each once");
+    let still_asked = "SELECT count(*) FROM outbox_dead_letters
+                       WHERE aggregate_id IS NULL AND resolution IS NULL AND redrive_requested_at IS NOT NULL";
+    wait_for(WAIT, "every request without an aggregate ended", || async {
+        let n: i64 = db.client.query_one(still_asked, &[]).await.ok()?.get(0);
+        (n == 0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox_dead_letters WHERE aggregate_id IS NULL AND resolution IS NULL")
+            .await,
+        600,
+        "they stay open"
+    );
+    relay.stop().await;
+}

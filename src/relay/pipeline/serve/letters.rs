@@ -94,14 +94,14 @@ where
         if self.intake != Intake::Open {
             self.refresh.after_rewind |= requested
                 .iter()
-                .any(|r| self.redrivable(r.raw.aggregate_id.as_deref().unwrap_or_default()));
+                .any(|r| self.redrivable(r.raw.aggregate_id.as_deref()));
             return;
         }
         let now = Utc::now();
         let mut queued: Vec<Event<P>> = Vec::new();
         let mut started: HashMap<String, usize> = HashMap::new();
         for r in requested {
-            if !self.redrivable(r.raw.aggregate_id.as_deref().unwrap_or_default()) {
+            if !self.redrivable(r.raw.aggregate_id.as_deref()) {
                 continue;
             }
             let aggregate = r.raw.aggregate_id.clone().unwrap_or_default();
@@ -131,13 +131,18 @@ where
     /// Whether a requested letter of `aggregate` may be queued now: the
     /// aggregate is dead, publishes no letters already, and is not held
     /// after a push-back (then the next look comes when its hold ends).
-    fn redrivable(&mut self, aggregate: &str) -> bool {
-        if let Some(&until) = self.refresh.held.get(aggregate) {
+    /// Letters without an aggregate id are one group (`""`), which nothing
+    /// holds back: never dead, they go when none of the group is out (and
+    /// are refused again, as an event needs an aggregate id, which ends
+    /// their request).
+    fn redrivable(&mut self, aggregate: Option<&str>) -> bool {
+        let group = aggregate.unwrap_or_default();
+        if let Some(&until) = self.refresh.held.get(group) {
             self.refresh.next = Some(self.refresh.next.map_or(until, |n| n.min(until)));
             return false;
         }
-        let publishing = self.redriving.get(aggregate).is_some_and(|n| *n > 0);
-        !publishing && self.blocks.is_dead(aggregate)
+        let publishing = self.redriving.get(group).is_some_and(|n| *n > 0);
+        !publishing && aggregate.is_none_or(|a| self.blocks.is_dead(a))
     }
 
     pub(super) async fn ask_refresh(&mut self) -> Result<(), PipelineError> {
