@@ -274,7 +274,23 @@ pub async fn drop(
         tx.commit().await?;
         dropped += ids.len();
     }
-    Ok(dropped)
+    named_some(target, dropped)
+}
+
+/// A count of letters acted on, or an error when an id or an aggregate
+/// named none: a typo would otherwise pass for success.
+fn named_some(target: &Target, n: usize) -> Result<usize, AdminError> {
+    let named = match target {
+        Target::Id(id) => format!("with id {id:?}"),
+        Target::Aggregate(a) => format!("of aggregate {a:?}"),
+        Target::All => return Ok(n),
+    };
+    if n == 0 {
+        return Err(AdminError::Refused(format!(
+            "no open dead letter {named}; `dlq list` shows the open ones"
+        )));
+    }
+    Ok(n)
 }
 
 /// Whether `dlq redrive --id id` may put one event back, given the open
@@ -325,7 +341,7 @@ pub async fn redrive(
         tx.commit().await?;
         requested += ids.len();
     }
-    Ok(requested)
+    named_some(target, requested)
 }
 
 /// `--id` redrives only an aggregate's only open dead letter (see [`redrive_one_allowed`]).

@@ -319,7 +319,7 @@ impl Recorder {
             .await?,
             refused: prepare(format!(
                 "UPDATE {t} SET reason = $2, attempts = attempts + $3, last_failed_at = now()
-                 WHERE dead_letter_id = $1"
+                 WHERE dead_letter_id = $1 AND resolution IS NULL"
             ))
             .await?,
             clear_requests: prepare(format!(

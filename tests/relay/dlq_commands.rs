@@ -179,6 +179,36 @@ async fn an_id_that_names_letters_of_several_aggregates_is_refused() {
     );
 }
 
+/// An id or an aggregate that names no open letter (a typo, or letters
+/// already dropped) fails with the name, instead of passing for success.
+#[tokio::test]
+async fn a_name_that_matches_no_open_letter_fails() {
+    let (_db, path) = with_letters(&[("e1", "a")]).await;
+    for (args, named) in [
+        (["drop", "--id", "nope"], "with id \"nope\""),
+        (["drop", "--aggregate", "typo"], "of aggregate \"typo\""),
+        (["redrive", "--aggregate", "typo"], "of aggregate \"typo\""),
+        (["redrive", "--id", "nope"], "with id \"nope\""),
+    ] {
+        let mut all = vec!["dlq"];
+        all.extend(args);
+        all.extend(["--config", &path]);
+        let (code, out, err) = run_cli(&all, &[]);
+        assert_eq!(code, 1, "{args:?}: {out}{err}");
+        assert!(
+            err.contains(&format!("no open dead letter {named}")),
+            "{args:?}: {err}"
+        );
+    }
+    dlq(&["drop", "--aggregate", "a"], &path);
+    let (code, _, err) = run_cli(&["dlq", "drop", "--aggregate", "a", "--config", &path], &[]);
+    assert_eq!(code, 1, "dropped already: {err}");
+    assert_eq!(
+        dlq(&["drop", "--all"], &path).trim(),
+        "dropped 0 dead letter(s)"
+    );
+}
+
 /// `--all` over more aggregates than PostgreSQL's lock table holds at once
 /// (each is locked while its letters change; `max_locks_per_transaction`
 /// × `max_connections` entries, shared by every session) goes a share of
