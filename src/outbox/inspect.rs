@@ -277,6 +277,26 @@ async fn columns(
         .collect())
 }
 
+/// The table's generated columns (`GENERATED ALWAYS AS (...)`), by name;
+/// none when the table does not exist. Polling reads them as any column,
+/// but pgoutput leaves them out of its tuples unless the publication
+/// publishes them (stored ones, from PostgreSQL 18), so CDC refuses one it
+/// would read (`source::cdc::setup::generated_problems`).
+pub async fn generated_columns(
+    client: &impl GenericClient,
+    table: &TableName,
+) -> Result<Vec<String>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT attname::text FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped AND attgenerated <> ''
+             ORDER BY attnum",
+            &[&table.quoted()],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
 const TEXTUAL: &[&str] = &["text", "character varying", "character", "uuid", "name"];
 
 fn type_is(type_name: &str, accepted: &[&str]) -> bool {

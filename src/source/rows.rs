@@ -2,7 +2,8 @@
 //! start-up read: every contract column is selected as text (absent optional
 //! ones as NULL), after `relay_seq`, in [`RawRow`] order, then the extra
 //! and routing columns as one JSON object (so the list has the same width
-//! whatever the configuration).
+//! whatever the configuration). The CDC stream turns pgoutput's text into
+//! these `::text` forms (`source/cdc/stream/text.rs`): change one, change both.
 
 use crate::config::{ResolvedColumns, SEQ_COLUMN};
 use crate::outbox::RawRow;

@@ -13,6 +13,7 @@ mod cdc;
 mod cdc_backlog;
 mod chaos;
 mod cli;
+mod column_text;
 mod dead_letter_lookups;
 mod dead_letter_table;
 mod dead_letters;

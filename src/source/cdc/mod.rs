@@ -4,8 +4,11 @@
 //!
 //! # Start-up
 //!
-//! 1. Check `wal_level`, the publication, the slot (creating it when
-//!    missing); a lost slot is a specific error with its recovery.
+//! 1. Check `wal_level`, the publication (and that it streams every column
+//!    the relay reads: a generated one is refused), the slot (creating it
+//!    when missing); a lost slot is a specific error with its recovery.
+//!    The stream gives each column the text the table read selects
+//!    (`stream/text.rs`), so both read one row alike.
 //! 2. When rows are marked (`relay.mark` is `update`, `delete` or
 //!    `ranges`), read the unsent rows from the table in one REPEATABLE READ
 //!    snapshot, in `relay_seq` order (`startup_rows`). This publishes rows

@@ -147,6 +147,8 @@ pub trait CdcStream: Send + 'static {
 pub struct PgServer {
     db: DatabaseConfig,
     table: TableName,
+    /// The columns the relay reads.
+    columns: ResolvedColumns,
     settings: CdcSettings,
     client: Client,
     startup_rows: StartupRows,
@@ -159,7 +161,7 @@ pub struct PgServer {
 
 impl PgServer {
     /// wal_level, the server version messages and failover slots need,
-    /// and the publication.
+    /// the publication, and columns it cannot stream.
     async fn check_server(&self) -> Result<(), SourceError> {
         let s = &self.settings;
         if let Some(problem) = setup::wal_level_problem(&setup::wal_level(&self.client).await?) {
@@ -202,6 +204,12 @@ impl PgServer {
                     s.publication
                 )));
             }
+        }
+        let problems =
+            setup::generated_problems(&self.client, &s.publication, &self.table, &self.columns)
+                .await?;
+        if !problems.is_empty() {
+            return Err(SourceError::Setup(problems.join("; ")));
         }
         Ok(())
     }
@@ -297,6 +305,7 @@ impl PgServer {
             PgServer {
                 db: db.clone(),
                 table: table.clone(),
+                columns: columns.clone(),
                 settings,
                 client,
                 startup_rows,

@@ -7,6 +7,9 @@ use crate::replication::Lsn;
 use crate::sql::{quote_ident, quote_literal};
 use tokio_postgres::Client;
 
+mod generated;
+pub use generated::generated_problems;
+
 /// What `pg_replication_slots` says about a slot.
 #[derive(Debug, Clone)]
 pub struct SlotInfo {

@@ -16,7 +16,10 @@ use crate::source::{SourceError, SourcedEvent};
 use chrono::{DateTime, Utc};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
+use text::TextForm;
 use tokio::time::Instant;
+
+mod text;
 
 /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
@@ -31,6 +34,9 @@ struct OutboxColumns {
     seq: Option<usize>,
     /// How many columns its tuples carry.
     width: usize,
+    /// How each column's text becomes what the table read selects, by
+    /// position (see [`text`]).
+    forms: Vec<TextForm>,
 }
 
 struct CurrentTx {
@@ -284,7 +290,8 @@ impl<S: CdcStream> Streaming<S> {
                 r.column_index(name).ok_or_else(|| {
                     SourceError::Setup(format!(
                         "the replicated table {table} has no column {name:?}; check [outbox.columns] \
-                         and the publication's column list"
+                         and the publication's column list (a generated column is not replicated: make it \
+                         a plain column the application or a trigger fills)"
                     ))
                 })
             };
@@ -314,6 +321,7 @@ impl<S: CdcStream> Streaming<S> {
                 extra,
                 seq,
                 width: r.columns.len(),
+                forms: r.columns.iter().map(|c| TextForm::of(c.type_oid)).collect(),
             });
         }
         self.relations.apply(r);
@@ -355,8 +363,12 @@ impl<S: CdcStream> Streaming<S> {
         if tx.skip {
             return Ok(Step::Continue);
         }
-        let text = |i: Option<usize>| match i.and_then(|i| insert.tuple.get(i)) {
-            Some(TupleValue::Text(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+        // As the table read selects it, so that both name the same
+        // aggregate, key and values.
+        let text = |i: Option<usize>| match i
+            .and_then(|i| Some((insert.tuple.get(i)?, cols.forms.get(i)?)))
+        {
+            Some((TupleValue::Text(b), form)) => Some(form.text(b)),
             _ => None,
         };
         let c = cols.contract;
