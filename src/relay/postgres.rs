@@ -250,6 +250,7 @@ impl Postgres<'_> {
         )
         .await?;
         marking_problem(&owner, config).await?;
+        streaming_problem(&owner, config, &columns).await?;
         // Asked on the ownership session, before it becomes the recorder's.
         let (reading, pid) = match config.source.mode {
             SourceMode::Polling => (None, None),
@@ -476,4 +477,25 @@ async fn marking_problem(owner: &Client, config: &Config) -> Result<(), RelayErr
         Some(problem) => Err(inspect::TableProblem::Unusable(vec![problem]).into()),
         None => Ok(()),
     }
+}
+
+/// In auto mode, a column CDC cannot stream (a generated one) refuses the
+/// start, as CDC's own start-up does: otherwise the relay would poll now
+/// and stop when it switches to CDC, perhaps months later.
+async fn streaming_problem(
+    owner: &Client,
+    config: &Config,
+    columns: &crate::config::ResolvedColumns,
+) -> Result<(), RelayError> {
+    if config.source.mode != SourceMode::Auto {
+        return Ok(());
+    }
+    let table = &config.outbox.table;
+    let publication = config.source.cdc.publication_name(table);
+    let problems =
+        crate::source::cdc::setup::generated_problems(owner, &publication, table, columns).await?;
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(inspect::TableProblem::Unusable(problems).into())
 }

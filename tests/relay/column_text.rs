@@ -213,8 +213,26 @@ async fn generated_outbox(mode: Mode, sets: &[(&str, &str)]) -> (TestDb, Broker,
 async fn a_generated_column_is_refused_where_cdc_may_read_and_read_by_polling() {
     let refusal =
         "column \"tenant\" (outbox.columns.extra, destination or key) is a generated column";
-    for sets in [&[][..], &[("source.mode", "\"auto\"")][..]] {
+    // Auto mode with no slot it may create polls now: it is refused all
+    // the same, as it would stop once it switched to CDC.
+    let polls_now = [
+        ("source.mode", "\"auto\""),
+        ("source.cdc.create_slot", "false"),
+    ];
+    for sets in [&[][..], &[("source.mode", "\"auto\"")][..], &polls_now[..]] {
         let (db, _broker, toml) = generated_outbox(Mode::Cdc, sets).await;
+        if sets.len() == 2 {
+            db.client
+                .execute(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot_of(&toml)],
+                )
+                .await
+                .expect("drop the slot");
+        }
+        let path = config_file(&toml);
+        let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
+        assert!(code != 0 && out.contains(refusal), "{sets:?}: {out}{err}");
         let relay = ChildRelay::start_logged(&toml);
         wait_for(WAIT, "the generated column to be refused", || async {
             relay.logged(refusal).then_some(())
@@ -225,6 +243,9 @@ async fn a_generated_column_is_refused_where_cdc_may_read_and_read_by_polling() 
     }
 
     let (db, broker, toml) = generated_outbox(Mode::Polling, &[]).await;
+    let path = config_file(&toml);
+    let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
+    assert!(code == 0 && !out.contains(refusal), "polling: {out}{err}");
     let relay = InProcess::start(parse(&toml));
     let got = broker.inbox().wait_len(1, WAIT).await;
     assert_eq!(got[0].header("tenant"), Some("t-42"));

@@ -13,6 +13,7 @@ mod dead_letters;
 mod names;
 mod peers;
 mod ranges;
+mod streamed;
 mod wakeups;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +177,7 @@ async fn check_table(config: &Config, client: &tokio_postgres::Client, r: &mut R
                     "outbox table",
                     format!("{table}: columns, types and privileges fit{note}"),
                 );
+                streamed::check_streamed(config, client, &resolved, r).await;
             }
             for w in inspect::warnings(&info, &config.outbox.columns) {
                 r.add(Mark::Warn, "outbox table", w);
