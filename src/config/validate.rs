@@ -434,6 +434,7 @@ impl Config {
                 t.partition_premake.into(),
                 sink,
             );
+            check_partitions_ahead(t, c);
             if self.relay.mark == super::MarkMode::None {
                 c.problem(
                     "retention.mode",
@@ -543,6 +544,35 @@ impl Config {
             );
         }
     }
+}
+
+/// Each scheduled run creates partitions `partition_premake` intervals
+/// ahead; the next run must come before they run out (an insert then finds
+/// no partition and fails), with room for one missed run: so
+/// `retention.interval` is at most half of that span.
+fn check_partitions_ahead(t: &super::RetentionConfig, c: &mut Checker) {
+    if !t.enabled || t.partition_premake == 0 || t.partition_interval < 60 * SEC {
+        return;
+    }
+    let ahead = t.partition_interval.saturating_mul(t.partition_premake);
+    if t.interval <= ahead / 2 {
+        return;
+    }
+    let premake = (2 * t.interval.as_secs()).div_ceil(t.partition_interval.as_secs());
+    c.problem(
+        "retention.interval",
+        format!(
+            "{} is more than half of retention.partition_interval × retention.partition_premake \
+             ({} × {} = {}), so the partitions made ahead could run out between two runs and \
+             inserts fail; set retention.interval to {} or less, or retention.partition_premake \
+             to {premake} or more",
+            humantime::format_duration(t.interval),
+            humantime::format_duration(t.partition_interval),
+            t.partition_premake,
+            humantime::format_duration(ahead),
+            humantime::format_duration(ahead / 2),
+        ),
+    );
 }
 
 /// A directive of a log filter that is a word alone and not a level

@@ -346,8 +346,11 @@ async fn cycle_partitions(
         .get(0);
     let mut done = Partitions::default();
     let wanted = partitions::wanted(now, r.partition_interval, r.partition_premake);
+    let mut taken: Vec<TableName> = existing.iter().map(|p| p.name.clone()).collect();
+    // Whole ranges, or the parts of them no partition holds yet.
     for range in partitions::missing(&wanted, &existing) {
-        let name = partitions::name(table, range.0, r.partition_interval);
+        let name = partitions::name_for(table, range, r.partition_interval, &taken);
+        taken.push(name.clone());
         let sql = partitions::create_sql(table, &name, range, &layout);
         if !dry_run && let Err(failure) = partitions::create(client, &sql, &name).await {
             done.problems.push(failure.message);
@@ -362,9 +365,11 @@ async fn cycle_partitions(
     for p in partitions::expired(&existing, cutoff) {
         let dropped =
             partitions::drop_expired(client, table, &p.name, cutoff, ranges.as_ref(), dry_run);
+        // Only an error of the run ends it; one partition's keeps that one.
         match dropped.await? {
             partitions::Outcome::Dropped => done.dropped.push(p.name.clone()),
             partitions::Outcome::Kept(why) => done.kept.push((p.name.clone(), why)),
+            partitions::Outcome::Failed(why) => done.failed.push((p.name.clone(), why)),
         }
     }
     let default = partitions::default_partition(&existing).cloned();

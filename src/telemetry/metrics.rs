@@ -20,6 +20,7 @@ pub const SLOT_CONFIRMED_LAG: &str = "outbox_relay_slot_confirmed_lag_bytes";
 pub const SLOTS_RECREATED: &str = "outbox_relay_slots_recreated_total";
 pub const RETENTION_DELETED: &str = "outbox_relay_retention_deleted_total";
 pub const RETENTION_PARTITIONS: &str = "outbox_relay_retention_partitions_total";
+pub const RETENTION_FAILURES: &str = "outbox_relay_retention_failures_total";
 pub const ACTIVE: &str = "outbox_relay_active";
 pub const RESTARTS: &str = "outbox_relay_restarts_total";
 pub const LAST_PUBLISH: &str = "outbox_relay_last_publish_timestamp_seconds";
@@ -46,6 +47,7 @@ pub const ALL: &[&str] = &[
     SLOTS_RECREATED,
     RETENTION_DELETED,
     RETENTION_PARTITIONS,
+    RETENTION_FAILURES,
     ACTIVE,
     RESTARTS,
     LAST_PUBLISH,
@@ -87,6 +89,11 @@ pub struct PipelineMetrics {
     /// Outbox partitions created ahead and dropped (`retention.mode = "partitions"`).
     pub partitions_created: Counter,
     pub partitions_dropped: Counter,
+    /// Retention's failures, by `action`: a whole cleanup, a partition not
+    /// created, an expired partition the server refused to drop.
+    pub retention_failed_cleanup: Counter,
+    pub retention_failed_create: Counter,
+    pub retention_failed_drop: Counter,
     pub active: Gauge,
     pub restarts: Counter,
     /// Lost replication slots dropped and created again (CDC).
@@ -146,6 +153,9 @@ impl PipelineMetrics {
             retention_dead_letters: counter!(RETENTION_DELETED, "pipeline" => p.clone(), "table" => "dead_letters"),
             partitions_created: counter!(RETENTION_PARTITIONS, "pipeline" => p.clone(), "action" => "created"),
             partitions_dropped: counter!(RETENTION_PARTITIONS, "pipeline" => p.clone(), "action" => "dropped"),
+            retention_failed_cleanup: counter!(RETENTION_FAILURES, "pipeline" => p.clone(), "action" => "cleanup"),
+            retention_failed_create: counter!(RETENTION_FAILURES, "pipeline" => p.clone(), "action" => "create"),
+            retention_failed_drop: counter!(RETENTION_FAILURES, "pipeline" => p.clone(), "action" => "drop"),
             active: gauge!(ACTIVE, "pipeline" => p.clone()),
             restarts: counter!(RESTARTS, "pipeline" => p.clone()),
             slots_recreated: counter!(SLOTS_RECREATED, "pipeline" => p.clone()),

@@ -35,6 +35,7 @@ mod migrations;
 mod operations;
 mod paging;
 mod partition_bounds;
+mod partition_coverage;
 mod partitions;
 mod publications;
 mod rabbit_exchanges;

@@ -58,6 +58,39 @@ fn partition_retention_keys_are_checked_by_name() {
     .unwrap();
 }
 
+/// With 15m partitions made 1 ahead, a run every hour leaves inserts
+/// without a partition half the time: the schedule must come at least
+/// twice per span made ahead.
+#[test]
+fn partitions_made_ahead_outlast_two_retention_intervals() {
+    let with = |lines: &str| {
+        format!(
+            "{MINIMAL}\n[retention]\nmode = \"partitions\"\npartition_interval = \"15m\"\n{lines}\n"
+        )
+    };
+    let e = err(&with("partition_premake = 1\ninterval = \"1h\""));
+    assert!(
+        e.contains("retention.interval: 1h is more than half of retention.partition_interval × retention.partition_premake (15m × 1 = 15m)")
+            && e.contains("set retention.interval to 7m 30s or less, or retention.partition_premake to 8 or more"),
+        "{e}"
+    );
+    // At most half: room for one missed run.
+    load_str(&with("partition_premake = 1\ninterval = \"7m 30s\"")).unwrap();
+    let e = err(&with("partition_premake = 1\ninterval = \"8m\""));
+    assert!(e.contains("retention.interval"), "{e}");
+    load_str(&with("partition_premake = 8\ninterval = \"1h\"")).unwrap();
+    // Without the schedule (cron runs `retention --once`), or in rows mode,
+    // the interval does not matter.
+    load_str(&with(
+        "partition_premake = 1\ninterval = \"1h\"\nenabled = false",
+    ))
+    .unwrap();
+    load_str(&format!(
+        "{MINIMAL}\n[retention]\npartition_interval = \"15m\"\npartition_premake = 1\ninterval = \"1h\"\n"
+    ))
+    .unwrap();
+}
+
 #[test]
 fn otlp_keys_are_checked_by_name() {
     let c = load_str(MINIMAL).unwrap();

@@ -215,8 +215,9 @@ async fn check_ownership(config: &Config, client: &tokio_postgres::Client, r: &m
     }
 }
 
-/// `retention.mode = "partitions"`: the layout suits it, and the current
-/// range has a partition (inserts into a missing range fail).
+/// `retention.mode = "partitions"`: the layout suits it, and partitions hold
+/// the current time and the ranges made ahead (an insert into a time no
+/// partition holds fails, unless a default partition takes it).
 async fn check_partitions(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {
     use crate::ops::retention::partitions;
     let table = &config.outbox.table;
@@ -232,29 +233,37 @@ async fn check_partitions(config: &Config, client: &tokio_postgres::Client, r: &
         Ok(row) => row.get(0),
         Err(e) => return r.add(Mark::Fail, "partitions", db::error_text(&e)),
     };
-    let interval = config.retention.partition_interval;
-    let current = partitions::wanted(now, interval, 0);
+    let retention = &config.retention;
     let described = format!(
         "{} partitions of {table} by range on {}; retention creates {} ahead and drops those older than {}",
         existing.len(),
         layout.column,
-        config.retention.partition_premake,
-        humantime::format_duration(config.retention.sent_window)
+        retention.partition_premake,
+        humantime::format_duration(retention.sent_window)
     );
-    if partitions::missing(&current, &existing).is_empty()
-        || partitions::default_partition(&existing).is_some()
-    {
-        r.add(Mark::Ok, "partitions", described);
-    } else {
-        r.add(
-            Mark::Warn,
-            "partitions",
-            format!(
-                "{described}; no partition holds the current time, so inserts fail until retention \
-                 runs (at start-up of `run`, or `outbox-relay retention`)"
-            ),
-        );
+    let gaps = partitions::coverage::gaps_ahead(
+        now,
+        retention.partition_interval,
+        retention.partition_premake,
+        &existing,
+    );
+    let Some(gap) = partitions::coverage::describe_gaps(now, &gaps) else {
+        return r.add(Mark::Ok, "partitions", described);
+    };
+    if partitions::default_partition(&existing).is_some() {
+        let detail = format!("{described}; {gap}: the default partition takes those rows");
+        return r.add(Mark::Ok, "partitions", detail);
     }
+    let when = if gaps[0].0 <= now { "now" } else { "then" };
+    r.add(
+        Mark::Warn,
+        "partitions",
+        format!(
+            "{described}; {gap}, so inserts fail {when} until retention creates the missing \
+             partitions (at start-up of `run` and every retention.interval, or with \
+             `outbox-relay retention --once`)"
+        ),
+    );
 }
 
 async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut Report) {

@@ -8,10 +8,12 @@
 //! 1. **Create ahead.** The ranges are `retention.partition_interval` long,
 //!    aligned to the Unix epoch in UTC (a `1d` interval starts at midnight
 //!    UTC); the one holding the server's `now()` and the next
-//!    `retention.partition_premake` are created unless an existing partition
-//!    overlaps them (partitions made by hand or by another tool are left
-//!    alone, whatever their bounds). They are named `<table>_p<YYYYMMDD>`, or
-//!    `<table>_p<YYYYMMDD>_<HHMM>` for intervals that are not whole days.
+//!    `retention.partition_premake` are created, each where no partition
+//!    holds it yet: partitions made by hand, by another tool or under
+//!    another interval are left alone, whatever their bounds, and only the
+//!    parts of a range they leave uncovered are created (see [`coverage`]).
+//!    They are named `<table>_p<YYYYMMDD>`, or `<table>_p<YYYYMMDD>_<HHMM>`
+//!    for intervals that are not whole days and for such parts.
 //! 2. **Drop.** A partition is dropped only when its whole range ends at or
 //!    before the retention cutoff (`now() - retention.sent_window`), no row
 //!    in it is unsent, and none was sent after the cutoff. It is detached
@@ -20,7 +22,10 @@
 //!    `lock_timeout` so writers never queue behind a long wait) and checked
 //!    again under that lock, then dropped in the same transaction: a row
 //!    written into the range meanwhile keeps the partition. Dead letters keep
-//!    their own copy of the event, so they never hold a partition.
+//!    their own copy of the event, so they never hold a partition. A
+//!    partition the server refuses to drop (the relay's role does not own
+//!    it, a view depends on it, a statement timed out) is kept and reported
+//!    with the fix; the run goes on with the others.
 //!
 //! The default partition (if the application made one) is never dropped and
 //! never created: its sent rows are deleted row by row like a plain table's.
@@ -36,9 +41,12 @@ use crate::config::{SENT_AT_COLUMN, TableName};
 use crate::db::DbError;
 use crate::outbox::inspect::table_info;
 use crate::outbox::progress::Ranges;
-use chrono::{DateTime, TimeZone, Utc};
+use chrono::{DateTime, Utc};
 use std::time::Duration;
 use tokio_postgres::Client;
+
+pub mod coverage;
+pub use coverage::{Range, expired, missing, wanted};
 
 /// The longest wait for the outbox's lock when creating or detaching a
 /// partition: long enough for the relay's own statements to finish, short
@@ -168,59 +176,47 @@ pub async fn list(
         .map_err(|e| DbError::query(format!("reading the partition bounds of {table}"), e).into())
 }
 
-/// The ranges that should exist: the one holding `now` and `premake` after
-/// it, each `interval` long and aligned to the Unix epoch.
-pub fn wanted(
-    now: DateTime<Utc>,
-    interval: Duration,
-    premake: u32,
-) -> Vec<(DateTime<Utc>, DateTime<Utc>)> {
-    let step = interval.as_secs().max(60) as i64;
-    let first = now.timestamp().div_euclid(step) * step;
-    (0..=i64::from(premake))
-        .filter_map(|k| {
-            let from = Utc.timestamp_opt(first + k * step, 0).single()?;
-            let to = Utc.timestamp_opt(first + (k + 1) * step, 0).single()?;
-            Some((from, to))
-        })
-        .collect()
-}
-
-/// The wanted ranges no existing partition overlaps (the default partition
-/// overlaps nothing: it takes only what no other partition does).
-pub fn missing(
-    wanted: &[(DateTime<Utc>, DateTime<Utc>)],
-    existing: &[Partition],
-) -> Vec<(DateTime<Utc>, DateTime<Utc>)> {
-    wanted
-        .iter()
-        .filter(|(from, to)| {
-            !existing.iter().any(|p| {
-                !p.default
-                    && p.lower.is_none_or(|lower| lower < *to)
-                    && p.upper.is_none_or(|upper| upper > *from)
-            })
-        })
-        .copied()
-        .collect()
-}
-
-/// The partitions whose whole range ends at or before `cutoff`.
-pub fn expired(partitions: &[Partition], cutoff: DateTime<Utc>) -> Vec<&Partition> {
-    partitions
-        .iter()
-        .filter(|p| !p.default && p.upper.is_some_and(|upper| upper <= cutoff))
-        .collect()
-}
-
 /// `<table>_p20261201`, or `<table>_p20261201_1530` when the interval is not
 /// whole days, within PostgreSQL's 63-byte names.
 pub fn name(table: &TableName, from: DateTime<Utc>, interval: Duration) -> TableName {
-    let suffix = if interval.as_secs().is_multiple_of(86_400) {
+    within_name_limit(table, &stamp(from, interval))
+}
+
+/// The name of the partition to create for `range`: [`name`] for a whole
+/// range, its start to the minute for a part of one (see [`missing`]), and
+/// `_2`, `_3`, ... after it when a partition has that name already (one of
+/// `taken`).
+pub fn name_for(
+    table: &TableName,
+    (from, to): Range,
+    interval: Duration,
+    taken: &[TableName],
+) -> TableName {
+    let whole = (to - from).to_std().is_ok_and(|d| d == interval);
+    let stamp = stamp(from, if whole { interval } else { MINUTE });
+    let mut candidate = within_name_limit(table, &stamp);
+    let mut k = 2;
+    while taken.contains(&candidate) {
+        candidate = within_name_limit(table, &format!("{stamp}_{k}"));
+        k += 1;
+    }
+    candidate
+}
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+/// `_p20261201`, or `_p20261201_1530` when `interval` is not whole days.
+fn stamp(from: DateTime<Utc>, interval: Duration) -> String {
+    if interval.as_secs().is_multiple_of(86_400) {
         from.format("_p%Y%m%d").to_string()
     } else {
         from.format("_p%Y%m%d_%H%M").to_string()
-    };
+    }
+}
+
+/// The table's name and `suffix`, the name cut so it fits PostgreSQL's 63
+/// bytes.
+fn within_name_limit(table: &TableName, suffix: &str) -> TableName {
     let mut base = table.name.clone();
     while base.len() + suffix.len() > 63 {
         base.pop();
@@ -237,7 +233,9 @@ fn literal(at: DateTime<Utc>, layout: &Layout) -> String {
     }
 }
 
-/// The statement creating one partition of `table`.
+/// The statement creating one partition of `table`. Without `IF NOT
+/// EXISTS`: a table of that name that is not this partition (one detached by
+/// hand, say) is reported, never counted as created.
 pub fn create_sql(
     table: &TableName,
     partition: &TableName,
@@ -245,7 +243,7 @@ pub fn create_sql(
     layout: &Layout,
 ) -> String {
     format!(
-        "CREATE TABLE IF NOT EXISTS {} PARTITION OF {} FOR VALUES FROM ({}) TO ({})",
+        "CREATE TABLE {} PARTITION OF {} FOR VALUES FROM ({}) TO ({})",
         partition.quoted(),
         table.quoted(),
         literal(from, layout),
@@ -329,11 +327,16 @@ async fn keep_reason(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     Dropped,
+    /// It must stay for now (unsent rows, the outbox locked): the reason.
     Kept(String),
+    /// The server refused to drop it: the error and what to do. It stays,
+    /// and the next run tries again.
+    Failed(String),
 }
 
 /// Detaches and drops `partition` when it may go (see the module docs);
-/// with `dry_run`, only says whether it would.
+/// with `dry_run`, only says whether it would. An error of this partition
+/// is its [`Outcome::Failed`], so the run goes on with the others.
 pub async fn drop_expired(
     client: &Client,
     table: &TableName,
@@ -342,23 +345,6 @@ pub async fn drop_expired(
     ranges: Option<&Ranges>,
     dry_run: bool,
 ) -> Result<Outcome, RetentionError> {
-    let failed = |e| {
-        let what = format!("dropping partition {partition}");
-        match ranges {
-            Some(ranges) => super::ranges_failure(ranges, &what, e),
-            None => DbError::query(what, e).into(),
-        }
-    };
-    // Without a lock first, so a partition that must stay costs no lock.
-    if let Some(why) = keep_reason(client, partition, cutoff, ranges)
-        .await
-        .map_err(failed)?
-    {
-        return Ok(Outcome::Kept(why));
-    }
-    if dry_run {
-        return Ok(Outcome::Dropped);
-    }
     let detach = format!(
         "BEGIN;
          SET LOCAL lock_timeout = {};
@@ -368,11 +354,18 @@ pub async fn drop_expired(
         partition.quoted()
     );
     let attempt = async {
+        // Without a lock first, so a partition that must stay costs no lock.
+        if let Some(why) = keep_reason(client, partition, cutoff, ranges).await? {
+            return Ok::<_, tokio_postgres::Error>(Outcome::Kept(why));
+        }
+        if dry_run {
+            return Ok(Outcome::Dropped);
+        }
         client.batch_execute(&detach).await?;
         // Under the lock now: nothing can be written into it any more.
         if let Some(why) = keep_reason(client, partition, cutoff, ranges).await? {
             client.batch_execute("ROLLBACK").await?;
-            return Ok::<_, tokio_postgres::Error>(Outcome::Kept(why));
+            return Ok(Outcome::Kept(why));
         }
         client
             .batch_execute(&format!("DROP TABLE {}; COMMIT", partition.quoted()))
@@ -382,16 +375,57 @@ pub async fn drop_expired(
     match attempt.await {
         Ok(outcome) => Ok(outcome),
         Err(e) => {
+            // Undoes the detach, if any (outside a transaction, a warning only).
             let _ = client.batch_execute("ROLLBACK").await;
-            if e.code().is_some_and(|c| c.code() == "55P03") {
-                Ok(Outcome::Kept(
-                    "the outbox was locked; the next run tries again".into(),
-                ))
-            } else {
-                Err(failed(e))
-            }
+            refused(e, partition, ranges)
         }
     }
+}
+
+/// The outcome of an error while dropping `partition`: this partition's
+/// problem (no privilege, objects depending on it, a timeout), which keeps
+/// it with the fix; or the run's (the connection or the server failing, a
+/// table of ranges missing), which ends the run.
+fn refused(
+    e: tokio_postgres::Error,
+    partition: &TableName,
+    ranges: Option<&Ranges>,
+) -> Result<Outcome, RetentionError> {
+    if let Some(problem) = ranges.and_then(|r| r.missing_table_problem(&e)) {
+        return Err(RetentionError::MissingRanges(problem));
+    }
+    let code = e.code().map(|c| c.code().to_owned()).unwrap_or_default();
+    // Connection, resources, operator intervention, system and internal errors.
+    let of_the_run = code.is_empty()
+        || ["08", "53", "57P", "58", "XX"]
+            .iter()
+            .any(|class| code.starts_with(class));
+    if of_the_run {
+        return Err(DbError::query(format!("dropping partition {partition}"), e).into());
+    }
+    let fix = match code.as_str() {
+        "55P03" => {
+            return Ok(Outcome::Kept(
+                "the outbox was locked; the next run tries again".into(),
+            ));
+        }
+        "42501" => format!(
+            "the relay's role must own it to detach and drop it: ALTER TABLE {} OWNER TO \
+             <the relay's role>, or drop it yourself",
+            partition.quoted()
+        ),
+        "2BP01" => {
+            "other objects depend on it: drop or change them, or drop the partition yourself".into()
+        }
+        "57014" => "a statement was cancelled, by statement_timeout or by hand: raise \
+             statement_timeout for the relay's role, or drop the partition yourself"
+            .into(),
+        _ => "fix the cause, or drop the partition yourself".into(),
+    };
+    Ok(Outcome::Failed(format!(
+        "{}; {fix}; the next run tries again",
+        crate::db::error_text(&e)
+    )))
 }
 
 /// The default partition, whose sent rows are deleted row by row.
@@ -407,88 +441,7 @@ mod tests {
         DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
     }
 
-    fn part(name: &str, lower: Option<&str>, upper: Option<&str>) -> Partition {
-        Partition {
-            name: TableName::new("public", name),
-            lower: lower.map(at),
-            upper: upper.map(at),
-            default: false,
-        }
-    }
-
     const DAY: Duration = Duration::from_secs(86_400);
-
-    #[test]
-    fn ranges_are_aligned_and_made_ahead() {
-        let w = wanted(at("2026-12-01T15:30:00Z"), DAY, 2);
-        assert_eq!(
-            w,
-            vec![
-                (at("2026-12-01T00:00:00Z"), at("2026-12-02T00:00:00Z")),
-                (at("2026-12-02T00:00:00Z"), at("2026-12-03T00:00:00Z")),
-                (at("2026-12-03T00:00:00Z"), at("2026-12-04T00:00:00Z")),
-            ]
-        );
-        let w = wanted(at("2026-12-01T15:30:00Z"), Duration::from_secs(3600), 1);
-        assert_eq!(w[0].0, at("2026-12-01T15:00:00Z"));
-        assert_eq!(w[1].1, at("2026-12-01T17:00:00Z"));
-    }
-
-    #[test]
-    fn ranges_an_existing_partition_overlaps_are_not_made() {
-        let w = wanted(at("2026-12-01T15:30:00Z"), DAY, 3);
-        let existing = vec![
-            // made by hand, a whole month: covers the first two days wanted
-            part(
-                "outbox_dec",
-                Some("2026-11-15T00:00:00Z"),
-                Some("2026-12-03T00:00:00Z"),
-            ),
-            Partition {
-                default: true,
-                ..part("outbox_default", None, None)
-            },
-        ];
-        assert_eq!(
-            missing(&w, &existing),
-            vec![
-                (at("2026-12-03T00:00:00Z"), at("2026-12-04T00:00:00Z")),
-                (at("2026-12-04T00:00:00Z"), at("2026-12-05T00:00:00Z")),
-            ]
-        );
-        // MAXVALUE overlaps everything after its start.
-        let open = vec![part("outbox_rest", Some("2026-12-02T00:00:00Z"), None)];
-        assert_eq!(missing(&w, &open).len(), 1);
-    }
-
-    #[test]
-    fn only_ranges_wholly_before_the_cutoff_expire() {
-        let parts = vec![
-            part(
-                "a",
-                Some("2026-11-20T00:00:00Z"),
-                Some("2026-11-21T00:00:00Z"),
-            ),
-            part(
-                "b",
-                Some("2026-11-21T00:00:00Z"),
-                Some("2026-11-22T00:00:00Z"),
-            ),
-            part("old", None, Some("2026-01-01T00:00:00Z")),
-            part("open", Some("2026-11-22T00:00:00Z"), None),
-            Partition {
-                default: true,
-                ..part("d", None, None)
-            },
-        ];
-        let names: Vec<&str> = expired(&parts, at("2026-11-21T12:00:00Z"))
-            .iter()
-            .map(|p| p.name.name.as_str())
-            .collect();
-        assert_eq!(names, ["a", "old"]);
-        // A range ending exactly at the cutoff is wholly before it.
-        assert_eq!(expired(&parts, at("2026-11-22T00:00:00Z")).len(), 3);
-    }
 
     #[test]
     fn names_and_statements() {
@@ -513,7 +466,7 @@ mod tests {
                 (from, at("2026-12-02T00:00:00Z")),
                 &zoned
             ),
-            "CREATE TABLE IF NOT EXISTS \"shop\".\"outbox_p20261201\" PARTITION OF \"shop\".\"outbox\" \
+            "CREATE TABLE \"shop\".\"outbox_p20261201\" PARTITION OF \"shop\".\"outbox\" \
              FOR VALUES FROM ('2026-12-01 00:00:00+00') TO ('2026-12-02 00:00:00+00')"
         );
         let plain = Layout {
@@ -528,6 +481,33 @@ mod tests {
                 &plain
             )
             .ends_with("FROM ('2026-12-01 00:00:00') TO ('2026-12-02 00:00:00')")
+        );
+    }
+
+    #[test]
+    fn a_part_of_a_range_is_named_by_its_start_to_the_minute_and_never_twice() {
+        let t = TableName::new("public", "outbox");
+        let (from, to) = (at("2026-12-02T06:00:00Z"), at("2026-12-03T00:00:00Z"));
+        let whole = (at("2026-12-02T00:00:00Z"), to);
+        assert_eq!(name_for(&t, whole, DAY, &[]).name, "outbox_p20261202");
+        assert_eq!(
+            name_for(&t, (from, to), DAY, &[]).name,
+            "outbox_p20261202_0600"
+        );
+        // Partitions made by hand under the names the relay would choose.
+        let taken = [
+            TableName::new("public", "outbox_p20261202_0600"),
+            TableName::new("public", "outbox_p20261202_0600_2"),
+        ];
+        assert_eq!(
+            name_for(&t, (from, to), DAY, &taken).name,
+            "outbox_p20261202_0600_3"
+        );
+        let long = TableName::new("public", &"x".repeat(70));
+        let named = name_for(&long, (from, to), DAY, &[]).name;
+        assert!(
+            named.len() == 63 && named.ends_with("_p20261202_0600"),
+            "{named}"
         );
     }
 }

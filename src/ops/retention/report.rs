@@ -96,6 +96,9 @@ pub struct Partitions {
     pub dropped: Vec<TableName>,
     /// Partitions past the cutoff that stay, each with the reason.
     pub kept: Vec<(TableName, String)>,
+    /// Partitions past the cutoff the server refused to drop, each with the
+    /// error and what to do: they stay, and the run went on without them.
+    pub failed: Vec<(TableName, String)>,
     /// Partitions that could not be created, each with what to do.
     pub problems: Vec<String>,
 }
@@ -104,10 +107,10 @@ impl Partitions {
     /// `partitions: created a, b; dropped c; kept d: it holds unsent rows`
     /// (`would create`, `would drop` in a dry run).
     pub fn describe(&self, dry_run: bool) -> String {
-        let (create, drop) = if dry_run {
-            ("would create", "would drop")
+        let (create, drop, could) = if dry_run {
+            ("would create", "would drop", "would")
         } else {
-            ("created", "dropped")
+            ("created", "dropped", "could")
         };
         let list = |names: &[TableName]| {
             names
@@ -125,6 +128,9 @@ impl Partitions {
         }
         for (name, why) in &self.kept {
             parts.push(format!("kept {name}: {why}"));
+        }
+        for (name, why) in &self.failed {
+            parts.push(format!("kept {name}, which {could} not be dropped: {why}"));
         }
         parts.extend(self.problems.iter().cloned());
         if parts.is_empty() {
@@ -307,6 +313,7 @@ mod tests {
                 TableName::new("public", "outbox_p20261121"),
                 "it holds unsent rows".into(),
             )],
+            failed: Vec::new(),
             problems: Vec::new(),
         });
         let shown = r.to_string();
@@ -314,6 +321,20 @@ mod tests {
             shown.contains(
                 "partitions: would create public.outbox_p20261202; would drop public.outbox_p20261120; \
                  kept public.outbox_p20261121: it holds unsent rows"
+            ),
+            "{shown}"
+        );
+        r.dry_run = false;
+        if let Some(p) = &mut r.partitions {
+            p.failed.push((
+                TableName::new("public", "outbox_hand_made"),
+                "must be owner of table outbox_hand_made; ...".into(),
+            ));
+        }
+        let shown = r.to_string();
+        assert!(
+            shown.contains(
+                "kept public.outbox_hand_made, which could not be dropped: must be owner"
             ),
             "{shown}"
         );

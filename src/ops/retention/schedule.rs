@@ -69,6 +69,9 @@ pub async fn run_scheduled(
             }
             Err(e) => {
                 wait = backoff.next_delay();
+                if let Some(m) = &metrics {
+                    m.retention_failed_cleanup.increment(1);
+                }
                 RetentionFailed {
                     pipeline,
                     error: &e,
@@ -114,6 +117,8 @@ fn cleaned(pipeline: &str, report: &Report, metrics: Option<&PipelineMetrics>) {
         if let Some(p) = &report.partitions {
             m.partitions_created.increment(p.created.len() as u64);
             m.partitions_dropped.increment(p.dropped.len() as u64);
+            m.retention_failed_create.increment(p.problems.len() as u64);
+            m.retention_failed_drop.increment(p.failed.len() as u64);
         }
     }
     if let Some(hint) = &report.hint {
@@ -134,6 +139,9 @@ fn cleaned(pipeline: &str, report: &Report, metrics: Option<&PipelineMetrics>) {
         }
         for (name, why) in &p.kept {
             tracing::debug!(pipeline, partition = %name, reason = %why, "retention kept expired partition");
+        }
+        for (name, why) in &p.failed {
+            tracing::warn!(pipeline, partition = %name, error = %why, "retention could not drop expired partition; kept, the run went on");
         }
         for problem in &p.problems {
             tracing::warn!(pipeline, problem = %problem, "retention could not create a partition");
