@@ -252,3 +252,27 @@ async fn a_generated_column_is_refused_where_cdc_may_read_and_read_by_polling() 
     db.wait_all_marked().await;
     relay.stop().await;
 }
+
+/// A database with `server_encoding = SQL_ASCII` stores any bytes as text,
+/// and the server refuses to send a value that is not UTF-8 to the relay:
+/// `check` warns of it, naming the error such a row would stop the relay with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_warns_of_a_database_that_stores_any_bytes_as_text() {
+    let db =
+        TestDb::with_options("ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+            .await;
+    let broker = Broker::new(Kind::Rabbit, &[]).await;
+    let toml = with_mode(&base_toml(&db.url, &broker.sink_toml()), Mode::Polling);
+    db.migrate(&parse(&toml)).await;
+    let (_, out, err) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    assert!(
+        out.contains("[warn] database       server_encoding is SQL_ASCII")
+            && out.contains("invalid byte sequence for encoding UTF8"),
+        "{out}{err}"
+    );
+    let utf8 = TestDb::new().await;
+    let toml = with_mode(&base_toml(&utf8.url, &broker.sink_toml()), Mode::Polling);
+    utf8.migrate(&parse(&toml)).await;
+    let (_, out, _) = run_cli(&["check", "--config", &config_file(&toml)], &[]);
+    assert!(!out.contains("SQL_ASCII"), "{out}");
+}

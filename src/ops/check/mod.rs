@@ -70,6 +70,12 @@ pub async fn command(file: &ConfigFile) -> Result<(), Failure> {
     .await
 }
 
+/// A database that stores any bytes as text, which the server then
+/// refuses to send to the relay (a UTF8 client) when they are not UTF-8.
+const SQL_ASCII: &str = "server_encoding is SQL_ASCII, so text values may hold bytes that are not UTF-8, \
+     and an outbox row with one stops the relay (\"invalid byte sequence for encoding UTF8\") until \
+     it is fixed: keep event text ASCII or UTF-8, or move the data to a UTF8 database";
+
 /// Prints the report; true when every check passed.
 pub async fn run(config: &Config) -> bool {
     let mut r = Report::default();
@@ -104,12 +110,16 @@ async fn check_database(config: &Config, r: &mut Report) {
         Ok(c) => c,
         Err(e) => return r.add(Mark::Fail, "database", e.to_string()),
     };
-    let version: String = match client.query_one("SHOW server_version", &[]).await {
-        Ok(row) => row.get(0),
+    let settings = "SELECT current_setting('server_version'), current_setting('server_encoding')";
+    let (version, encoding): (String, String) = match client.query_one(settings, &[]).await {
+        Ok(row) => (row.get(0), row.get(1)),
         Err(e) => return r.add(Mark::Fail, "database", db::error_text(&e)),
     };
     let connected = format!("connected to {target} (PostgreSQL {version})");
     r.add(Mark::Ok, "database", connected);
+    if encoding == "SQL_ASCII" {
+        r.add(Mark::Warn, "database", SQL_ASCII);
+    }
     let Some(config) = &ranges::choose(config, &client, r).await else {
         return;
     };

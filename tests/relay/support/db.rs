@@ -79,10 +79,19 @@ impl TestDb {
 
     /// A database of its own on the cluster of `admin_url` (another PostgreSQL version).
     pub async fn new_on(admin_url: &str) -> TestDb {
+        Self::created(admin_url, "").await
+    }
+
+    /// A database of its own created `WITH` these options (an encoding, say).
+    pub async fn with_options(options: &str) -> TestDb {
+        Self::created(&pg_admin_url(), options).await
+    }
+
+    async fn created(admin_url: &str, options: &str) -> TestDb {
         let admin = connect(admin_url).await;
         let name = unique("t_");
         admin
-            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .batch_execute(&format!("CREATE DATABASE {name} {options}"))
             .await
             .expect("create test database");
         let url = admin_url
