@@ -99,6 +99,15 @@ async fn migrate_installs_the_notify_trigger_only_while_notify_is_on() {
     let (code, out, err) = run_cli(&["check", "--config", off], &[]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(!out.contains("outbox_relay_notify"), "{out}");
+    // A channel named while wake-ups are off: the relay does not listen.
+    let named = std::fs::read_to_string(off).unwrap();
+    let named = write_config(&set(&named, "source.polling.notify_channel", "\"mine\""));
+    let (code, out, err) = run_cli(&["check", "--config", named.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "a warning, not a failure: {out}{err}");
+    assert!(
+        out.contains("notify_channel is set but source.polling.notify is false"),
+        "{out}"
+    );
 }
 
 #[tokio::test]

@@ -59,6 +59,15 @@ pub(super) async fn check_wakeups(
              its NOTIFY makes inserting transactions commit one at a time; run `outbox-relay migrate` to drop it"
                 .to_owned(),
         ),
+        (None, false) if config.source.mode.may_poll() && polling.notify_channel.is_some() => r.add(
+            Mark::Warn,
+            "wake-ups",
+            format!(
+                "source.polling.notify_channel is set but source.polling.notify is false, so the relay \
+                 does not listen and reads the table every {every} while idle; set notify = true, or \
+                 remove notify_channel"
+            ),
+        ),
         (None, false) if config.source.mode.may_poll() => r.add(
             Mark::Ok,
             "wake-ups",
