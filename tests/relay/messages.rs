@@ -285,7 +285,12 @@ async fn malformed_and_untransactional_messages_are_dead_lettered_with_the_reaso
         1,
         "the content is kept"
     );
-    reason("\"aggregate_type\" holds a NUL character");
+    // Its ids are kept: the letter holds back its aggregate, and dlq finds it.
+    let nul = reason("\"aggregate_type\" holds a NUL character");
+    assert_eq!(
+        (&nul["id"], &nul["aggregate_id"]),
+        (&json!("nul"), &json!("n"))
+    );
     for (kept, says) in [
         (
             "reason LIKE '%NUL character%' AND strpos(payload, '\"a\\u0000b\"') > 0",

@@ -14,21 +14,30 @@ use crate::outbox::RawRow;
 use serde_json::value::RawValue;
 use std::collections::HashMap;
 
+/// Why a message with the events' prefix is no row: the reason a dead
+/// letter records, and the event and aggregate ids where they could be read
+/// (so that the letter holds back its aggregate and `dlq` finds it).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Unreadable {
+    pub reason: String,
+    pub id: Option<String>,
+    pub aggregate_id: Option<String>,
+}
+
 /// What a message with the events' prefix stands for: the row it describes,
-/// or why it cannot be one (the reason a dead letter records).
-pub fn raw_row(content: &[u8], extra: &[String]) -> Result<RawRow, String> {
+/// or why it cannot be one.
+pub fn raw_row(content: &[u8], extra: &[String]) -> Result<RawRow, Unreadable> {
+    let unreadable = |reason| Unreadable {
+        reason,
+        ..Unreadable::default()
+    };
     let text = std::str::from_utf8(content)
-        .map_err(|e| format!("the logical message is not UTF-8 text: {e}"))?;
+        .map_err(|e| unreadable(format!("the logical message is not UTF-8 text: {e}")))?;
     let fields: HashMap<&str, &RawValue> = serde_json::from_str(text)
-        .map_err(|e| format!("the logical message is not a JSON object: {e}"))?;
+        .map_err(|e| unreadable(format!("the logical message is not a JSON object: {e}")))?;
     let field = |name: &str| fields.get(name).and_then(|v| value_text(v));
-    let extra = (!extra.is_empty()).then(|| {
-        let object: serde_json::Map<String, serde_json::Value> = extra
-            .iter()
-            .filter_map(|name| Some((name.clone(), serde_json::Value::String(field(name)?))))
-            .collect();
-        serde_json::Value::Object(object).to_string()
-    });
+    // A NUL fits no text column, nor the dead letter's (its extra values
+    // are read back as jsonb, which refuses `\u0000` too).
     const TEXT_FIELDS: [&str; 7] = [
         "id",
         "aggregate_type",
@@ -38,15 +47,29 @@ pub fn raw_row(content: &[u8], extra: &[String]) -> Result<RawRow, String> {
         "payload",
         "headers",
     ];
-    if let Some(name) = TEXT_FIELDS
+    let holds_nul = |name: &&str| field(name).is_some_and(|t| t.contains('\0'));
+    let mut names = TEXT_FIELDS
         .iter()
-        .find(|name| field(name).is_some_and(|t| t.contains('\0')))
-    {
-        return Err(format!(
-            "the logical message's field {name:?} holds a NUL character (\\u0000), \
-             which no text column of a row can hold; leave it out"
-        ));
+        .copied()
+        .chain(extra.iter().map(String::as_str));
+    if let Some(name) = names.find(holds_nul) {
+        let readable = |name: &str| field(name).filter(|t| !t.contains('\0'));
+        return Err(Unreadable {
+            reason: format!(
+                "the logical message's field {name:?} holds a NUL character (\\u0000), \
+                 which no text column of a row can hold; leave it out"
+            ),
+            id: readable("id"),
+            aggregate_id: readable("aggregate_id"),
+        });
     }
+    let extra = (!extra.is_empty()).then(|| {
+        let object: serde_json::Map<String, serde_json::Value> = extra
+            .iter()
+            .filter_map(|name| Some((name.clone(), serde_json::Value::String(field(name)?))))
+            .collect();
+        serde_json::Value::Object(object).to_string()
+    });
     Ok(RawRow {
         id: field("id"),
         aggregate_type: field("aggregate_type"),
@@ -131,7 +154,7 @@ mod tests {
             (&b"\xff\xfe"[..], "not UTF-8"),
         ] {
             let e = raw_row(content, &[]).unwrap_err();
-            assert!(e.contains(says), "{e}");
+            assert!(e.reason.contains(says), "{e:?}");
         }
         assert_eq!(unreadable(b"not json").payload.as_deref(), Some("not json"));
     }
@@ -145,7 +168,21 @@ mod tests {
         let content =
             br#"{"id":"e1","aggregate_type":"a\u0000b","aggregate_id":"1","event_type":"E"}"#;
         let e = raw_row(content, &[]).unwrap_err();
-        assert!(e.contains("\"aggregate_type\"") && e.contains("NUL"), "{e}");
+        assert!(
+            e.reason.contains("\"aggregate_type\"") && e.reason.contains("NUL"),
+            "{e:?}"
+        );
+        // The ids are kept, so that the letter holds back its aggregate.
+        assert_eq!(
+            (e.id.as_deref(), e.aggregate_id.as_deref()),
+            (Some("e1"), Some("1"))
+        );
+        let in_extra = br#"{"id":"e1","aggregate_type":"a","aggregate_id":"1","event_type":"E","tenant":"x\u0000"}"#;
+        let e = raw_row(in_extra, &["tenant".into()]).unwrap_err();
+        assert!(e.reason.contains("\"tenant\""), "{e:?}");
+        let in_id = br#"{"id":"e\u0000","aggregate_type":"a","aggregate_id":"1","event_type":"E"}"#;
+        let e = raw_row(in_id, &[]).unwrap_err();
+        assert_eq!((e.id, e.aggregate_id.as_deref()), (None, Some("1")));
         // Inside a JSON payload the escape stays text, and is no NUL.
         let nested = br#"{"id":"e1","aggregate_type":"a","aggregate_id":"1","event_type":"E","payload":{"k":"\u0000"}}"#;
         assert!(raw_row(nested, &[]).is_ok());

@@ -421,7 +421,7 @@ impl<S: CdcStream> Streaming<S> {
                 e.reason = format!("logical message: {}", e.reason);
                 e
             }),
-            Err(reason) => Err(unreadable(&m, reason)),
+            Err(why) => Err(unreadable(&m, why)),
         };
         let position = CdcPosition {
             commit_lsn: tx.commit_lsn,
@@ -461,7 +461,7 @@ impl<S: CdcStream> Streaming<S> {
                 reason,
                 raw: Some(Box::new(raw)),
             },
-            Err(_) => unreadable(&m, reason),
+            Err(why) => unreadable(&m, message::Unreadable { reason, ..why }),
         };
         // The message's LSN is where its WAL record ends, and where the
         // next record may start: the commit record of a transaction still
@@ -512,12 +512,18 @@ impl<S: CdcStream> Streaming<S> {
 }
 
 /// A message whose content is not an event: the reason, and its text kept as the payload.
-fn unreadable(m: &LogicalDecodingMessage, reason: String) -> RowError {
+/// The ids, where they could be read, go with it (the letter's columns).
+fn unreadable(m: &LogicalDecodingMessage, why: message::Unreadable) -> RowError {
+    let raw = RawRow {
+        id: why.id.clone(),
+        aggregate_id: why.aggregate_id.clone(),
+        ..message::unreadable(&m.content)
+    };
     RowError {
-        id: None,
-        aggregate_id: None,
-        reason,
-        raw: Some(Box::new(message::unreadable(&m.content))),
+        id: why.id,
+        aggregate_id: why.aggregate_id,
+        reason: why.reason,
+        raw: Some(Box::new(raw)),
     }
 }
 
