@@ -339,14 +339,25 @@ async fn cycle_partitions(
     let r = &config.retention;
     let layout = partitions::layout(client, table).await?;
     let existing = partitions::list(client, table, &layout).await?;
-    let now: DateTime<Utc> = client
-        .query_one("SELECT now()", &[])
+    // The clock, and every relation name of the schema (a partition's name
+    // must be free of tables that are not partitions, too).
+    let row = client
+        .query_one(
+            "SELECT now(), ARRAY(SELECT relname::text FROM pg_class
+                                 WHERE relnamespace = to_regnamespace($1))",
+            &[&table.schema],
+        )
         .await
-        .map_err(|e| DbError::query("reading the server's clock", e))?
-        .get(0);
+        .map_err(|e| DbError::query("reading the server's clock and the schema's names", e))?;
+    let now: DateTime<Utc> = row.get(0);
     let mut done = Partitions::default();
     let wanted = partitions::wanted(now, r.partition_interval, r.partition_premake);
-    let mut taken: Vec<TableName> = existing.iter().map(|p| p.name.clone()).collect();
+    let mut taken: Vec<TableName> = row
+        .get::<_, Vec<String>>(1)
+        .into_iter()
+        .map(|name| TableName::new(&table.schema, &name))
+        .chain(existing.iter().map(|p| p.name.clone()))
+        .collect();
     // Whole ranges, or the parts of them no partition holds yet.
     for range in partitions::missing(&wanted, &existing) {
         let name = partitions::name_for(table, range, r.partition_interval, &taken);
@@ -357,6 +368,7 @@ async fn cycle_partitions(
             if failure.locked {
                 break;
             }
+            done.create_failures += 1;
             continue;
         }
         done.created.push(name);

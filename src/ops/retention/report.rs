@@ -101,6 +101,10 @@ pub struct Partitions {
     pub failed: Vec<(TableName, String)>,
     /// Partitions that could not be created, each with what to do.
     pub problems: Vec<String>,
+    /// How many of `problems` were not the outbox being locked (which the
+    /// next run retries, as a matter of course): what the failure counter
+    /// counts.
+    pub create_failures: usize,
 }
 
 impl Partitions {
@@ -315,6 +319,7 @@ mod tests {
             )],
             failed: Vec::new(),
             problems: Vec::new(),
+            create_failures: 0,
         });
         let shown = r.to_string();
         assert!(

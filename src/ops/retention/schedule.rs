@@ -117,7 +117,8 @@ fn cleaned(pipeline: &str, report: &Report, metrics: Option<&PipelineMetrics>) {
         if let Some(p) = &report.partitions {
             m.partitions_created.increment(p.created.len() as u64);
             m.partitions_dropped.increment(p.dropped.len() as u64);
-            m.retention_failed_create.increment(p.problems.len() as u64);
+            m.retention_failed_create
+                .increment(p.create_failures as u64);
             m.retention_failed_drop.increment(p.failed.len() as u64);
         }
     }
