@@ -7,6 +7,7 @@ use crate::telemetry::health::Health;
 use crate::telemetry::{self, PipelineTelemetry};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -40,7 +41,13 @@ pub async fn command(file: &ConfigFile) -> Result<(), Failure> {
     run(configs, shutdown).await.map_err(|e| {
         tracing::error!(error = %e, "cannot start");
         Failure::runtime(e)
-    })
+    })?;
+    if PANICKED.load(Ordering::SeqCst) {
+        return Err(Failure::runtime(
+            "a task of the relay panicked (logged above); the relay stopped",
+        ));
+    }
+    Ok(())
 }
 
 /// Runs until `shutdown`; every pipeline drains before this returns.
@@ -90,7 +97,7 @@ pub async fn run(configs: Vec<Config>, shutdown: CancellationToken) -> Result<()
     }
     let drained = async {
         while let Some(ended) = tasks.join_next().await {
-            said(ended)
+            said(ended, &shutdown)
         }
     };
     tracer
@@ -124,18 +131,30 @@ async fn pipeline(config: Config, t: PipelineTelemetry, shutdown: CancellationTo
             async move { crate::ops::fold::run_scheduled(&config, Some(metrics), token).await },
         );
     }
-    tasks.spawn(async move { crate::relay::run_observed(&config, t, shutdown).await });
+    {
+        let shutdown = shutdown.clone();
+        tasks.spawn(async move { crate::relay::run_observed(&config, t, shutdown).await });
+    }
     while let Some(ended) = tasks.join_next().await {
-        said(ended)
+        said(ended, &shutdown)
     }
 }
 
+/// Whether a task of the process panicked: `run` then exits 1.
+static PANICKED: AtomicBool = AtomicBool::new(false);
+
 /// A task of the process that ended by a panic (a defect: every input error
-/// is an error value) is said at error level; the others go on.
-fn said(ended: Result<(), tokio::task::JoinError>) {
+/// is an error value) is said at error level, and stops the process as a
+/// stop signal does: what panicked (a pipeline's supervisor, say) no longer
+/// works, and may have left its health saying otherwise, so the process
+/// exits 1 for its supervisor (systemd, Kubernetes) to start it again from
+/// what was recorded, rather than run on as a half.
+fn said(ended: Result<(), tokio::task::JoinError>, shutdown: &CancellationToken) {
     if let Err(e) = ended
         && e.is_panic()
     {
-        tracing::error!(error = %e, "a task of the relay panicked; please report this as a defect");
+        tracing::error!(error = %e, "a task of the relay panicked (a defect: please report it); stopping, to be started again");
+        PANICKED.store(true, Ordering::SeqCst);
+        shutdown.cancel();
     }
 }

@@ -242,6 +242,9 @@ async fn run_once<B: Backend>(
     let lease = Arc::new(lease_for(takeover, config, shard, sent_at));
     balance.acquired();
     telemetry.health.acquired(shard.index);
+    if super::pipeline::failpoint_countdown("panic-after-acquire").is_some() {
+        panic!("failpoint panic-after-acquire");
+    }
     // Gives the shard back when this instance holds more than its share.
     let run_token = shutdown.child_token();
     let released = Arc::new(AtomicBool::new(false));

@@ -541,3 +541,29 @@ async fn shard_counts_in_other_databases_do_not_interfere() {
     a.stop().await;
     b.stop().await;
 }
+
+/// A panic outside the pipeline's tasks (a defect, injected here as a run
+/// starts) stops the process with exit 1, for its supervisor to start it
+/// again, instead of leaving a pipeline that relays nothing while its
+/// health still says active. Started again, it delivers everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_stops_the_relay_with_exit_1_and_a_restart_delivers() {
+    if !cfg!(feature = "failpoints") {
+        panic!(
+            "this test injects a panic through the `failpoints` feature: run the suite with --features failpoints"
+        );
+    }
+    let (db, broker, toml) = setup(Mode::Polling, Kind::Rabbit, &["order"], &[]).await;
+    let events = insert_many(&db, 10, "a").await;
+    let mut child = ChildRelay::start_with_env(
+        &toml,
+        &[("OUTBOX_RELAY_FAILPOINT", "panic-after-acquire:1")],
+    );
+    let status = child.wait_exit(WAIT).expect("the panic stops the relay");
+    assert_eq!(status.code(), Some(1), "{status:?}");
+    assert_eq!(db.unsent().await, 10, "nothing was relayed");
+    let mut child = ChildRelay::start(&toml);
+    broker.inbox().wait_ids(&events, WAIT).await;
+    db.wait_all_marked().await;
+    assert_eq!(child.terminate().code(), Some(0));
+}

@@ -23,6 +23,7 @@ mod events;
 mod publish;
 mod serve;
 mod tasks;
+pub(crate) use tasks::failpoint_countdown;
 
 use super::blocks::Blocks;
 use crate::config::HoldPolicy;
