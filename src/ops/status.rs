@@ -560,7 +560,8 @@ fn slot_line(slot: &SlotStatus) -> String {
 }
 
 /// `outbox-relay status`: a block (or a JSON object) per pipeline; fails
-/// (after printing the others) when a pipeline's database cannot be read.
+/// (after printing the others) when a pipeline's database cannot be read,
+/// or its dead letters cannot be counted.
 pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
     let mut failed = false;
     for config in &file.load_all()? {
@@ -574,6 +575,10 @@ pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
             }
             Err(e) => Err(e),
         };
+        // A count it could not read fails the command too, after the rest.
+        failed |= snapshot
+            .as_ref()
+            .is_ok_and(|s| s.dead_letters_error.is_some());
         match snapshot {
             Ok(s) if json => println!("{}", serde_json::to_string(&s).unwrap_or_default()),
             Ok(s) => println!("{}", render(&s)),

@@ -257,7 +257,7 @@ async fn status_says_why_it_cannot_count_dead_letters() {
         .batch_execute("DROP TABLE outbox_dead_letters")
         .await
         .unwrap();
-    let (_, out, err) = run_cli(&["status", "--config", &path], &[]);
+    let (code, out, err) = run_cli(&["status", "--config", &path], &[]);
     let line = out
         .lines()
         .find(|l| l.contains("dead letters"))
@@ -266,4 +266,7 @@ async fn status_says_why_it_cannot_count_dead_letters() {
         line.contains("cannot count them in") && line.contains("does not exist"),
         "{out}{err}"
     );
+    // The rest is printed, and a script sees the failure.
+    assert!(out.contains("backlog"), "{out}");
+    assert_eq!(code, 1, "{out}{err}");
 }
