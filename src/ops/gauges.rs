@@ -50,6 +50,7 @@ pub async fn sample(
         count_at: Instant::now(),
         age_at: Instant::now(),
         oldest: OldestAge::default(),
+        warned_at: None,
     };
     loop {
         telemetry.show_active();
@@ -73,19 +74,49 @@ struct Sampler {
     count_at: Instant,
     age_at: Instant,
     oldest: OldestAge,
+    /// When a failed read was last logged at warn level.
+    warned_at: Option<Instant>,
 }
 
+/// How often a sampler that keeps failing says so at warn level.
+const WARN_EVERY: Duration = Duration::from_secs(600);
+
 impl Sampler {
+    /// A read failed, and its gauges keep their last values: said at warn
+    /// level at once and every [`WARN_EVERY`] while reads keep failing (a
+    /// stale gauge must not pass for a current one unseen), else at debug.
+    fn failed(&mut self, what: &str, error: &dyn std::fmt::Display) {
+        if self.warned_at.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+            self.warned_at = Some(Instant::now());
+            tracing::warn!(%error, "{what} failed: the gauges it feeds keep their last values until a read succeeds");
+        } else {
+            tracing::debug!(%error, "{what} failed");
+        }
+    }
+
     /// One round of reads, each gauge when it is due.
     async fn once(&mut self, config: &Config, telemetry: &crate::telemetry::PipelineTelemetry) {
-        let m = &telemetry.metrics;
-        let interval = config.http.sample_interval;
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
-            self.client = crate::db::connect(&config.database, None).await.ok();
+            match crate::db::connect(&config.database, None).await {
+                Ok(c) => self.client = Some(c),
+                Err(e) => return self.failed("connecting to sample the gauges", &e),
+            }
         }
-        let Some(c) = &self.client else {
+        let Some(c) = self.client.take() else {
             return;
         };
+        self.sample(&c, config, telemetry).await;
+        self.client = Some(c);
+    }
+
+    async fn sample(
+        &mut self,
+        c: &tokio_postgres::Client,
+        config: &Config,
+        telemetry: &crate::telemetry::PipelineTelemetry,
+    ) {
+        let m = &telemetry.metrics;
+        let interval = config.http.sample_interval;
         // Each read of the unsent rows paced by what it took; failed
         // or not, a slow one waits its pause, and a failure keeps the
         // gauge's last value.
@@ -96,7 +127,7 @@ impl Sampler {
             match counted {
                 // Zero with mark = "none": the slot's gauges measure the lag.
                 Ok(backlog) => m.backlog.set(backlog.unwrap_or(0) as f64),
-                Err(e) => tracing::debug!(error = %e, "counting the backlog failed"),
+                Err(e) => self.failed("counting the backlog", &e),
             }
         }
         if Instant::now() >= self.age_at {
@@ -105,7 +136,7 @@ impl Sampler {
             self.age_at = started + pause_after(interval, started.elapsed());
             match read {
                 Ok(age) => m.oldest_unsent_age.set(age),
-                Err(e) => tracing::debug!(error = %e, "reading the oldest unsent age failed"),
+                Err(e) => self.failed("reading the oldest unsent age", &e),
             }
         }
         let reads = Reads {
@@ -118,6 +149,9 @@ impl Sampler {
                 if let Some(n) = s.dead_letters {
                     m.dead_letters.set(n as f64);
                 }
+                if let Some(e) = &s.dead_letters_error {
+                    self.failed("counting the dead letters", e);
+                }
                 if let Some(f) = &s.frontier {
                     m.frontier_age.set(f.age_seconds.unwrap_or(0.0));
                     m.held_rows.set(f.held_rows as f64);
@@ -129,7 +163,7 @@ impl Sampler {
                         .set(slot.confirmed_lag_bytes.unwrap_or(0) as f64);
                 }
             }
-            Err(e) => tracing::debug!(error = %e, "metrics sample failed"),
+            Err(e) => self.failed("reading the dead-letter, frontier and slot gauges", &e),
         }
     }
 }

@@ -269,4 +269,13 @@ async fn status_says_why_it_cannot_count_dead_letters() {
     // The rest is printed, and a script sees the failure.
     assert!(out.contains("backlog"), "{out}");
     assert_eq!(code, 1, "{out}{err}");
+    // The gauge sampler says it too, at warn level: its gauge is stale.
+    let toml = std::fs::read_to_string(&path).unwrap();
+    let relay = ChildRelay::start_logged(&set(&toml, "http.sample_interval", "\"1s\""));
+    wait_for(WAIT, "the sampler's warning", || async {
+        relay
+            .logged("counting the dead letters failed: the gauges it feeds keep their last values")
+            .then_some(())
+    })
+    .await;
 }
