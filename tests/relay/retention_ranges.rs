@@ -337,3 +337,94 @@ async fn batches_on_a_partitioned_outbox_pass_no_row() {
     assert_eq!(report.outbox.rows(), 3, "{report}");
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
 }
+
+/// The scans of `relation` in a JSON plan.
+fn scans_of(plan: &serde_json::Value, relation: &str, found: &mut Vec<String>) {
+    match plan {
+        serde_json::Value::Object(node) => {
+            if node.get("Relation Name").and_then(|r| r.as_str()) == Some(relation) {
+                let kind = node["Node Type"].as_str().unwrap_or_default();
+                found.push(kind.to_owned());
+            }
+            node.values().for_each(|v| scans_of(v, relation, found));
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| scans_of(v, relation, found)),
+        _ => {}
+    }
+}
+
+/// The drop's second look at an expired partition runs under the outbox's
+/// lock, which holds the application's inserts: it reads only the rows the
+/// first look could not see (`relay_xid` at or above that look's xmin),
+/// through the `relay_xid` index, not the whole partition.
+#[tokio::test]
+async fn the_look_under_the_lock_reads_only_what_the_first_could_not_see() {
+    let db = TestDb::new().await;
+    crate::partitions::day_partitioned(&db, &[("outbox_sent", "2020-01-01")], false).await;
+    let toml = set(
+        &set(
+            &base_toml(&db.url, &rabbit_sink()),
+            "retention.mode",
+            "\"partitions\"",
+        ),
+        RANGES.0,
+        RANGES.1,
+    );
+    db.migrate(&parse(&toml)).await;
+    let seqs: Vec<i64> = db
+        .client
+        .query(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at)
+             SELECT gen_random_uuid(), 'order', g::text, 'Happened', '{}', '2020-01-01 12:00:00+00'
+             FROM generate_series(1, 20000) g RETURNING relay_seq",
+            &[],
+        )
+        .await
+        .expect("rows of 2020-01-01")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let ranges = outbox_ranges();
+    record(&db, &ranges, &seqs).await;
+    let mut folder = connect(&db.url).await;
+    fold(&mut folder, &ranges, Duration::from_secs(5)).await;
+    db.client
+        .batch_execute("ANALYZE outbox_sent")
+        .await
+        .unwrap();
+    let partition = TableName::new("public", "outbox_sent");
+    let xmin: String = db
+        .client
+        .query_one("SELECT pg_snapshot_xmin(pg_current_snapshot())::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let cutoff = chrono::Utc::now();
+    let plan = |since: bool| {
+        let sql = format!(
+            "EXPLAIN (FORMAT JSON) {}",
+            ranges.partition_keep_sql(&partition, since)
+        );
+        let (c, xmin) = (&db.client, xmin.clone());
+        async move {
+            let row = match since {
+                true => c.query_one(&sql, &[&cutoff, &xmin]).await,
+                false => c.query_one(&sql, &[&cutoff]).await,
+            };
+            let plan: serde_json::Value = row.expect("explain").get(0);
+            let mut scans = Vec::new();
+            scans_of(&plan, "outbox_sent", &mut scans);
+            scans
+        }
+    };
+    let first = plan(false).await;
+    assert!(
+        first.iter().any(|s| s == "Seq Scan"),
+        "the first look reads it all: {first:?}"
+    );
+    let again = plan(true).await;
+    assert!(
+        !again.is_empty() && again.iter().all(|s| s.contains("Index")),
+        "under the lock, the relay_xid index: {again:?}"
+    );
+}

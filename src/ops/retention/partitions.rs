@@ -300,27 +300,40 @@ pub async fn create(
     })
 }
 
-/// Why a partition past the cutoff is kept, or `None` when it may go.
+/// Why a partition past the cutoff is kept, or `None` when it may go; and,
+/// with ranges, the look's snapshot's xmin, from which a look with `since`
+/// (that xmin) reads only the rows the earlier look could not see.
 async fn keep_reason(
     client: &Client,
     partition: &TableName,
     cutoff: DateTime<Utc>,
     ranges: Option<&Ranges>,
-) -> Result<Option<String>, tokio_postgres::Error> {
-    let sql = match ranges {
-        Some(ranges) => ranges.partition_keep_sql(partition),
-        None => format!(
-            "SELECT EXISTS (SELECT 1 FROM {p} WHERE {SENT_AT_COLUMN} IS NULL),
-                    EXISTS (SELECT 1 FROM {p} WHERE {SENT_AT_COLUMN} >= $1)",
-            p = partition.quoted()
-        ),
+    since: Option<&str>,
+) -> Result<(Option<String>, Option<String>), tokio_postgres::Error> {
+    let row = match ranges {
+        Some(ranges) => {
+            let sql = ranges.partition_keep_sql(partition, since.is_some());
+            match since {
+                Some(xmin) => client.query_one(&sql, &[&cutoff, &xmin]).await?,
+                None => client.query_one(&sql, &[&cutoff]).await?,
+            }
+        }
+        None => {
+            let sql = format!(
+                "SELECT EXISTS (SELECT 1 FROM {p} WHERE {SENT_AT_COLUMN} IS NULL),
+                        EXISTS (SELECT 1 FROM {p} WHERE {SENT_AT_COLUMN} >= $1),
+                        NULL::text",
+                p = partition.quoted()
+            );
+            client.query_one(&sql, &[&cutoff]).await?
+        }
     };
-    let row = client.query_one(&sql, &[&cutoff]).await?;
-    Ok(match (row.get(0), row.get(1)) {
+    let why = match (row.get(0), row.get(1)) {
         (true, _) => Some("it holds unsent rows".into()),
         (false, true) => Some("rows in it were sent after the retention cutoff".into()),
         (false, false) => None,
-    })
+    };
+    Ok((why, row.get(2)))
 }
 
 /// What happened to one expired partition.
@@ -355,15 +368,18 @@ pub async fn drop_expired(
     );
     let attempt = async {
         // Without a lock first, so a partition that must stay costs no lock.
-        if let Some(why) = keep_reason(client, partition, cutoff, ranges).await? {
+        let (why, xmin) = keep_reason(client, partition, cutoff, ranges, None).await?;
+        if let Some(why) = why {
             return Ok::<_, tokio_postgres::Error>(Outcome::Kept(why));
         }
         if dry_run {
             return Ok(Outcome::Dropped);
         }
         client.batch_execute(&detach).await?;
-        // Under the lock now: nothing can be written into it any more.
-        if let Some(why) = keep_reason(client, partition, cutoff, ranges).await? {
+        // Under the lock now: nothing can be written into it any more. With
+        // ranges, only what the first look could not see is read again.
+        let (why, _) = keep_reason(client, partition, cutoff, ranges, xmin.as_deref()).await?;
+        if let Some(why) = why {
             client.batch_execute("ROLLBACK").await?;
             return Ok(Outcome::Kept(why));
         }

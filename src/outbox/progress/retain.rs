@@ -102,18 +102,34 @@ impl Ranges {
 
     /// Why the expired `partition` must stay, given the cut-off `$1`: two
     /// booleans, whether it holds an unsent row, and whether it holds a row
-    /// not sent before the cut-off (by *H*, or marked before it).
-    pub fn partition_keep_sql(&self, partition: &crate::config::TableName) -> String {
+    /// not sent before the cut-off (by *H*, or marked before it); then the
+    /// statement's snapshot's xmin (text). With `since`, only rows whose
+    /// `relay_xid` is at least `$2` (text: such an xmin) are looked at,
+    /// through the `relay_xid` index: the rows a look with that snapshot
+    /// could not see. Once every row it saw was sent, none becomes unsent,
+    /// so the look again under the outbox's lock reads those rows alone,
+    /// and writers wait for that look, not for a scan of the partition.
+    pub fn partition_keep_sql(&self, partition: &crate::config::TableName, since: bool) -> String {
         let p = partition.quoted();
+        let after = |alias: &str| {
+            if since {
+                format!(" AND {alias}.{XID_COLUMN} >= $2::text::xid8")
+            } else {
+                String::new()
+            }
+        };
         format!(
             "WITH h AS MATERIALIZED ({h})
-             SELECT EXISTS (SELECT 1 FROM {p} o WHERE {unsent}),
+             SELECT EXISTS (SELECT 1 FROM {p} o WHERE {unsent}{after_o}),
                     EXISTS (SELECT 1 FROM {p} c
                             WHERE NOT ((c.{SENT_AT_COLUMN} IS NOT NULL AND c.{SENT_AT_COLUMN} < $1)
-                                       OR COALESCE((SELECT {sent_c} FROM h), false)))",
+                                       OR COALESCE((SELECT {sent_c} FROM h), false)){after_c}),
+                    pg_snapshot_xmin(pg_current_snapshot())::text",
             h = self.retained_frontier(),
             unsent = self.unsent("o"),
             sent_c = self.sent_by("c"),
+            after_o = after("o"),
+            after_c = after("c"),
         )
     }
 }
