@@ -123,7 +123,7 @@ impl Sampler {
         if Instant::now() >= self.count_at {
             let started = Instant::now();
             let counted = backlog(c, config).await;
-            self.count_at = started + pause_after(interval, started.elapsed());
+            self.count_at = started + pause_after(interval, started.elapsed(), counted.is_err());
             match counted {
                 // Zero with mark = "none": the slot's gauges measure the lag.
                 Ok(backlog) => m.backlog.set(backlog.unwrap_or(0) as f64),
@@ -133,7 +133,7 @@ impl Sampler {
         if Instant::now() >= self.age_at {
             let started = Instant::now();
             let read = self.oldest.read(c, config).await;
-            self.age_at = started + pause_after(interval, started.elapsed());
+            self.age_at = started + pause_after(interval, started.elapsed(), read.is_err());
             match read {
                 Ok(age) => m.oldest_unsent_age.set(age),
                 Err(e) => self.failed("reading the oldest unsent age", &e),
@@ -221,9 +221,16 @@ impl OldestAge {
 /// How long after a count that took `took` the next one may run: the
 /// interval, or [`QUIET`] times `took` when that is longer, at most
 /// [`MAX_PAUSE`] (or the interval, when longer).
-fn pause_after(interval: Duration, took: Duration) -> Duration {
-    took.saturating_mul(QUIET).min(MAX_PAUSE).max(interval)
+fn pause_after(interval: Duration, took: Duration, failed: bool) -> Duration {
+    // A read that failed after long (the statement timeout, on a backlog
+    // too large to count in it) would fail again: it waits its full quiet
+    // time, or the count would run all the time.
+    let cap = if failed { FAILED_MAX_PAUSE } else { MAX_PAUSE };
+    took.saturating_mul(QUIET).min(cap).max(interval)
 }
+
+/// The longest pause after a read of the unsent rows that failed.
+const FAILED_MAX_PAUSE: Duration = Duration::from_secs(30 * 60);
 
 #[cfg(test)]
 mod tests {
@@ -250,19 +257,41 @@ mod tests {
     fn a_slow_count_puts_the_next_further_off() {
         let interval = Duration::from_secs(15);
         // Quick counts keep the interval.
-        assert_eq!(pause_after(interval, Duration::from_millis(40)), interval);
-        assert_eq!(pause_after(interval, Duration::from_millis(750)), interval);
+        assert_eq!(
+            pause_after(interval, Duration::from_millis(40), false),
+            interval
+        );
+        assert_eq!(
+            pause_after(interval, Duration::from_millis(750), false),
+            interval
+        );
         // A count of a large backlog that took 2 s: the next 40 s after it
         // started, PostgreSQL busy counting 2 s in 40.
         assert_eq!(
-            pause_after(interval, Duration::from_secs(2)),
+            pause_after(interval, Duration::from_secs(2), false),
             Duration::from_secs(40)
         );
         // Never more than a minute, unless the interval is.
-        assert_eq!(pause_after(interval, Duration::from_secs(10)), MAX_PAUSE);
-        assert_eq!(pause_after(interval, Duration::MAX), MAX_PAUSE);
+        assert_eq!(
+            pause_after(interval, Duration::from_secs(10), false),
+            MAX_PAUSE
+        );
+        assert_eq!(pause_after(interval, Duration::MAX, false), MAX_PAUSE);
         let long = Duration::from_secs(300);
-        assert_eq!(pause_after(long, Duration::from_secs(10)), long);
+        assert_eq!(pause_after(long, Duration::from_secs(10), false), long);
+        // A count cut off by the 60 s statement timeout does not start
+        // again at once: twenty minutes later.
+        let timed_out = Duration::from_secs(60);
+        assert_eq!(
+            pause_after(interval, timed_out, true),
+            Duration::from_secs(1200)
+        );
+        assert_eq!(pause_after(interval, Duration::MAX, true), FAILED_MAX_PAUSE);
+        // A quick failure (the connection gone) keeps the interval.
+        assert_eq!(
+            pause_after(interval, Duration::from_millis(5), true),
+            interval
+        );
     }
 }
 
