@@ -25,16 +25,19 @@ pub const OVERRAN_EXIT: i32 = 1;
 
 /// A token cancelled by the first SIGTERM/SIGINT. `stop_within` is the
 /// longest `relay.shutdown_timeout` of the run's pipelines: once it and
-/// [`STOP_GRACE`] have passed since the signal, the process exits.
+/// [`STOP_GRACE`] have passed since the signal (or since the token was
+/// cancelled otherwise), the process exits.
 pub fn on_signals(stop_within: Duration) -> std::io::Result<CancellationToken> {
     let token = CancellationToken::new();
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let cancel = token.clone();
     tokio::spawn(async move {
+        // A stop the relay asks for itself (after a panic) is bounded too.
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM received"),
             _ = int.recv() => tracing::info!("SIGINT received"),
+            _ = cancel.cancelled() => {}
         }
         cancel.cancel();
         let limit = stop_within + STOP_GRACE;

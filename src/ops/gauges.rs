@@ -50,7 +50,7 @@ pub async fn sample(
         count_at: Instant::now(),
         age_at: Instant::now(),
         oldest: OldestAge::default(),
-        warned_at: None,
+        warned: Vec::new(),
     };
     loop {
         telemetry.show_active();
@@ -74,32 +74,52 @@ struct Sampler {
     count_at: Instant,
     age_at: Instant,
     oldest: OldestAge,
-    /// When a failed read was last logged at warn level.
-    warned_at: Option<Instant>,
+    /// When each kind of read that is failing was last logged at warn
+    /// level (a kind leaves once it succeeds).
+    warned: Vec<(&'static str, Instant)>,
 }
+
+/// The sampler's kinds of read, as its warnings name them.
+const CONNECT: &str = "connecting to sample the gauges";
+const BACKLOG: &str = "counting the backlog";
+const AGE: &str = "reading the oldest unsent age";
+const LETTERS: &str = "counting the dead letters";
+const OTHERS: &str = "reading the dead-letter, frontier and slot gauges";
 
 /// How often a sampler that keeps failing says so at warn level.
 const WARN_EVERY: Duration = Duration::from_secs(600);
 
 impl Sampler {
     /// A read failed, and its gauges keep their last values: said at warn
-    /// level at once and every [`WARN_EVERY`] while reads keep failing (a
-    /// stale gauge must not pass for a current one unseen), else at debug.
-    fn failed(&mut self, what: &str, error: &dyn std::fmt::Display) {
-        if self.warned_at.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
-            self.warned_at = Some(Instant::now());
-            tracing::warn!(%error, "{what} failed: the gauges it feeds keep their last values until a read succeeds");
-        } else {
-            tracing::debug!(%error, "{what} failed");
+    /// level at once and every [`WARN_EVERY`] while that read keeps failing
+    /// (a stale gauge must not pass for a current one unseen), else at
+    /// debug.
+    fn failed(&mut self, what: &'static str, error: &dyn std::fmt::Display) {
+        let now = Instant::now();
+        match self.warned.iter_mut().find(|(w, _)| *w == what) {
+            Some((_, at)) if now.duration_since(*at) < WARN_EVERY => {
+                return tracing::debug!(%error, "{what} failed");
+            }
+            Some((_, at)) => *at = now,
+            None => self.warned.push((what, now)),
         }
+        tracing::warn!(%error, "{what} failed: the gauges it feeds keep their last values until a read succeeds");
+    }
+
+    /// A read succeeded: its next failure is said at warn level again.
+    fn read(&mut self, what: &'static str) {
+        self.warned.retain(|(w, _)| *w != what);
     }
 
     /// One round of reads, each gauge when it is due.
     async fn once(&mut self, config: &Config, telemetry: &crate::telemetry::PipelineTelemetry) {
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
             match crate::db::connect(&config.database, None).await {
-                Ok(c) => self.client = Some(c),
-                Err(e) => return self.failed("connecting to sample the gauges", &e),
+                Ok(c) => {
+                    self.read(CONNECT);
+                    self.client = Some(c);
+                }
+                Err(e) => return self.failed(CONNECT, &e),
             }
         }
         let Some(c) = self.client.take() else {
@@ -126,8 +146,11 @@ impl Sampler {
             self.count_at = started + pause_after(interval, started.elapsed(), counted.is_err());
             match counted {
                 // Zero with mark = "none": the slot's gauges measure the lag.
-                Ok(backlog) => m.backlog.set(backlog.unwrap_or(0) as f64),
-                Err(e) => self.failed("counting the backlog", &e),
+                Ok(backlog) => {
+                    self.read(BACKLOG);
+                    m.backlog.set(backlog.unwrap_or(0) as f64);
+                }
+                Err(e) => self.failed(BACKLOG, &e),
             }
         }
         if Instant::now() >= self.age_at {
@@ -135,8 +158,11 @@ impl Sampler {
             let read = self.oldest.read(c, config).await;
             self.age_at = started + pause_after(interval, started.elapsed(), read.is_err());
             match read {
-                Ok(age) => m.oldest_unsent_age.set(age),
-                Err(e) => self.failed("reading the oldest unsent age", &e),
+                Ok(age) => {
+                    self.read(AGE);
+                    m.oldest_unsent_age.set(age);
+                }
+                Err(e) => self.failed(AGE, &e),
             }
         }
         let reads = Reads {
@@ -146,11 +172,13 @@ impl Sampler {
         };
         match snapshot(c, config, reads).await {
             Ok(s) => {
+                self.read(OTHERS);
                 if let Some(n) = s.dead_letters {
+                    self.read(LETTERS);
                     m.dead_letters.set(n as f64);
                 }
                 if let Some(e) = &s.dead_letters_error {
-                    self.failed("counting the dead letters", e);
+                    self.failed(LETTERS, e);
                 }
                 if let Some(f) = &s.frontier {
                     m.frontier_age.set(f.age_seconds.unwrap_or(0.0));
@@ -163,7 +191,7 @@ impl Sampler {
                         .set(slot.confirmed_lag_bytes.unwrap_or(0) as f64);
                 }
             }
-            Err(e) => self.failed("reading the dead-letter, frontier and slot gauges", &e),
+            Err(e) => self.failed(OTHERS, &e),
         }
     }
 }

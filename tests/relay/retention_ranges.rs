@@ -427,4 +427,34 @@ async fn the_look_under_the_lock_reads_only_what_the_first_could_not_see() {
         !again.is_empty() && again.iter().all(|s| s.contains("Index")),
         "under the lock, the relay_xid index: {again:?}"
     );
+
+    // A row of a transaction still open at the first look, committed
+    // before the second: the first look cannot see it, the second must.
+    let writer = connect(&db.url).await;
+    writer.batch_execute("BEGIN").await.unwrap();
+    insert_on(&writer, "2020-01-01 18:00:00+00").await;
+    let first = db
+        .client
+        .query_one(&ranges.partition_keep_sql(&partition, false), &[&cutoff])
+        .await
+        .expect("the first look");
+    let (unsent, late): (bool, bool) = (first.get(0), first.get(1));
+    assert!(
+        !unsent && !late,
+        "the open transaction's row is not seen yet"
+    );
+    let xmin: String = first.get(2);
+    writer.batch_execute("COMMIT").await.unwrap();
+    let second = db
+        .client
+        .query_one(
+            &ranges.partition_keep_sql(&partition, true),
+            &[&cutoff, &xmin],
+        )
+        .await
+        .expect("the look under the lock");
+    assert!(
+        second.get::<_, bool>(0),
+        "the committed row is unsent, and keeps the partition"
+    );
 }

@@ -101,9 +101,9 @@ pub struct Partitions {
     pub failed: Vec<(TableName, String)>,
     /// Partitions that could not be created, each with what to do.
     pub problems: Vec<String>,
-    /// How many of `problems` were not the outbox being locked (which the
-    /// next run retries, as a matter of course): what the failure counter
-    /// counts.
+    /// How many of `problems` count as failures: all but the outbox being
+    /// locked for a range not due within two `retention.interval`s (the
+    /// next run retries it, as a matter of course).
     pub create_failures: usize,
 }
 

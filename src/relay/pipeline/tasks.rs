@@ -219,8 +219,9 @@ async fn read_batch<R: Reader>(
 /// confirmed messages and before their rows are marked (or their WAL
 /// position reported): the most dangerous moment to crash.
 /// `abort-after-dead-letter:N` aborts right after the N-th write of dead
-/// letters committed. `panic-after-acquire:N` panics as a run of the
-/// supervisor starts, outside the pipeline's tasks (a defect's panic).
+/// letters committed. `panic-after-acquire:N` (whatever N) panics as
+/// every run of the supervisor starts, outside the pipeline's tasks (a
+/// defect's panic).
 #[cfg(feature = "failpoints")]
 pub(crate) fn failpoint_countdown(name: &str) -> Option<u32> {
     std::env::var("OUTBOX_RELAY_FAILPOINT")
