@@ -10,7 +10,8 @@
 //! count that took `t`, the next starts no sooner than [`QUIET`] × `t`
 //! after it started, so counts that take up to [`MAX_PAUSE`] / [`QUIET`]
 //! keep PostgreSQL busy at most 1 / [`QUIET`] of the time; longer ones run
-//! every [`MAX_PAUSE`] (or interval, when longer). The oldest unsent row's
+//! every [`MAX_PAUSE`] (or interval, when longer); one that failed waits
+//! [`QUIET`] times as long as it took, up to [`FAILED_MAX_PAUSE`]. The oldest unsent row's
 //! age reads up to the first unsent row only: with ranges it steps over
 //! the runs of rows a drain recorded since the last fold, but looks
 //! through the index entries of every transaction since then, 0.05–0.15 s
@@ -34,7 +35,8 @@ use tokio::time::Instant;
 const QUIET: u32 = 20;
 
 /// The longest pause between two counts of the backlog (unless the
-/// interval is longer): how stale its gauges may get.
+/// interval is longer): how stale its gauges may get while reads succeed
+/// (after a failed one, up to [`FAILED_MAX_PAUSE`]).
 const MAX_PAUSE: Duration = Duration::from_secs(60);
 
 /// Refreshes the active, backlog, oldest-unsent, dead-letter, frontier and

@@ -356,7 +356,6 @@ async fn cycle_partitions(
         .get::<_, Vec<String>>(1)
         .into_iter()
         .map(|name| TableName::new(&table.schema, &name))
-        .chain(existing.iter().map(|p| p.name.clone()))
         .collect();
     // Whole ranges, or the parts of them no partition holds yet.
     for range in partitions::missing(&wanted, &existing) {

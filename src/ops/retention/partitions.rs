@@ -176,14 +176,10 @@ pub async fn list(
         .map_err(|e| DbError::query(format!("reading the partition bounds of {table}"), e).into())
 }
 
-/// `<table>_p20261201`, or `<table>_p20261201_1530` when the interval is not
-/// whole days, within PostgreSQL's 63-byte names.
-pub fn name(table: &TableName, from: DateTime<Utc>, interval: Duration) -> TableName {
-    within_name_limit(table, &stamp(from, interval))
-}
-
-/// The name of the partition to create for `range`: [`name`] for a whole
-/// range, its start to the minute for a part of one (see [`missing`]), and
+/// The name of the partition to create for `range`, within PostgreSQL's
+/// 63-byte names: `<table>_p20261201` for a whole range, or
+/// `<table>_p20261201_1530` when the interval is not whole days; its start
+/// to the minute for a part of one (see [`missing`]); and
 /// `_2`, `_3`, ... after it when a partition has that name already (one of
 /// `taken`).
 pub fn name_for(
@@ -452,6 +448,12 @@ pub fn default_partition(partitions: &[Partition]) -> Option<&TableName> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The name of a whole range starting at `from`.
+    fn name(table: &TableName, from: DateTime<Utc>, interval: Duration) -> TableName {
+        let to = from + chrono::Duration::from_std(interval).unwrap();
+        name_for(table, (from, to), interval, &[])
+    }
 
     fn at(s: &str) -> DateTime<Utc> {
         DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
