@@ -313,8 +313,14 @@ impl Recorder {
             extend_requests: prepare(lookups::extend_requests_sql(table, &shard)).await?,
             requested: prepare(lookups::requested_sql(table, &shard)).await?,
             sent: prepare(format!(
-                "UPDATE {t} SET resolution = 'redriven', resolved_at = now()
-                 WHERE dead_letter_id = ANY($1) AND resolution IS NULL"
+                "WITH was AS (
+                     SELECT dead_letter_id, resolution FROM {t}
+                     WHERE dead_letter_id = ANY($1) AND resolution IS DISTINCT FROM 'redriven'
+                     FOR UPDATE),
+                 marked AS (
+                     UPDATE {t} l SET resolution = 'redriven', resolved_at = now()
+                     FROM was WHERE l.dead_letter_id = was.dead_letter_id)
+                 SELECT dead_letter_id FROM was WHERE resolution = 'dropped'"
             ))
             .await?,
             refused: prepare(format!(
@@ -502,11 +508,21 @@ impl Recorder {
     }
 
     /// The broker confirmed these letters: they are redriven.
-    pub async fn sent(&self, client: &Client, ids: &[i64]) -> Result<(), tokio_postgres::Error> {
-        if !ids.is_empty() {
-            client.execute(&self.sent, &[&ids]).await?;
+    /// The broker confirmed these redriven letters: they are marked
+    /// `redriven`, whatever an operator decided meanwhile. Returns those an
+    /// operator dropped while they were on their way (`dlq drop` does not
+    /// call back a letter the relay is publishing): published all the same,
+    /// and so recorded.
+    pub async fn sent(
+        &self,
+        client: &Client,
+        ids: &[i64],
+    ) -> Result<Vec<i64>, tokio_postgres::Error> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(())
+        let rows = client.query(&self.sent, &[&ids]).await?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
     /// The broker refused a redriven letter again: it records why and, when

@@ -286,10 +286,18 @@ impl RowStore for RowRecorder {
 
     async fn letters_sent(&self, ids: &[i64]) -> Result<(), SourceError> {
         if let Some(r) = &self.dead_letters {
-            self.answered
+            let dropped = self
+                .answered
                 .round_trip(|| r.sent(&self.client, ids))
                 .await
                 .map_err(|e| DbError::query("recording redriven dead letters", e))?;
+            if !dropped.is_empty() {
+                tracing::warn!(
+                    dead_letter_ids = ?dropped,
+                    "dead letters dropped by an operator while the relay published them were \
+                     confirmed by the broker: they are marked redriven"
+                );
+            }
         }
         Ok(())
     }

@@ -372,3 +372,44 @@ async fn a_look_asks_for_another_only_while_a_request_has_followers_left() {
     assert_eq!(look.letters.len(), 500);
     assert_eq!(look.letters[0].raw.id.as_deref(), Some("n1"));
 }
+
+/// A redriven letter an operator dropped while the relay published it
+/// (`dlq drop` does not call back a letter on its way): once the broker
+/// confirmed it, it is recorded as redriven, which is what happened, and
+/// reported; a confirmation repeated after a restart changes nothing.
+#[tokio::test]
+async fn a_letter_dropped_while_on_its_way_is_recorded_redriven() {
+    let db = TestDb::new().await;
+    let table = dead_letter_table(&db).await;
+    // e0 requested and still open; e1 requested, then dropped.
+    write(
+        &db.client,
+        &table,
+        &[
+            (Some("a"), None, None, None, true, false),
+            (Some("b"), None, None, None, true, true),
+        ],
+    )
+    .await;
+    let ids: Vec<i64> = db
+        .client
+        .query(
+            "SELECT dead_letter_id FROM outbox_dead_letters ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let recorder = outbox_relay::dead_letter::Recorder::new(&db.client, &table, None, false)
+        .await
+        .expect("the recorder");
+    let dropped = recorder.sent(&db.client, &ids).await.expect("sent");
+    assert_eq!(dropped, [ids[1]], "the dropped one is reported");
+    let redriven = "SELECT count(*) FROM outbox_dead_letters WHERE resolution = 'redriven'";
+    assert_eq!(db.count(redriven).await, 2);
+    let again = recorder.sent(&db.client, &ids).await.expect("sent again");
+    assert!(again.is_empty(), "{again:?}");
+    assert_eq!(db.count(redriven).await, 2);
+}
