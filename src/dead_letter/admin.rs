@@ -23,7 +23,9 @@ pub struct Entry {
     pub dead_lettered_at: DateTime<Utc>,
     pub resolution: Option<String>,
     pub resolved_at: Option<DateTime<Utc>>,
-    /// When an operator asked for a redrive the relay has not carried out yet.
+    /// When an operator asked for a redrive the relay has not carried out
+    /// yet: of this letter, or of its aggregate's earliest open letter (a
+    /// request the relay carries to the later ones).
     pub redrive_requested_at: Option<DateTime<Utc>>,
     /// The `[[outbox.columns.extra]]` and routing columns' values the event
     /// carried (absent when it had none), as the redrive sends them again.
@@ -61,10 +63,19 @@ pub async fn list(
             &format!(
                 "SELECT dead_letter_id, id, aggregate_type, aggregate_id, event_type, reason, attempts,
                         first_failed_at, last_failed_at, dead_lettered_at, resolution, resolved_at,
-                        redrive_requested_at, extra::jsonb
-                 FROM {} WHERE ($1::text IS NULL OR aggregate_id = $1) AND ($2 OR resolution IS NULL)
+                        CASE WHEN resolution IS NOT NULL OR redrive_requested_at IS NOT NULL
+                               THEN redrive_requested_at
+                             WHEN aggregate_id IS NULL THEN {earliest}f.aggregate_id IS NULL{order}
+                             ELSE {earliest}f.aggregate_id = l.aggregate_id{order} END,
+                        extra::jsonb
+                 FROM {t} l WHERE ($1::text IS NULL OR aggregate_id = $1) AND ($2 OR resolution IS NULL)
                  ORDER BY dead_letter_id LIMIT $3",
-                table.quoted()
+                t = table.quoted(),
+                earliest = format_args!(
+                    "(SELECT f.redrive_requested_at FROM {} f WHERE f.resolution IS NULL AND ",
+                    table.quoted()
+                ),
+                order = " ORDER BY f.aggregate_id, f.dead_letter_id LIMIT 1)",
             ),
             &[&aggregate, &include_resolved, &limit],
         )
@@ -184,75 +195,58 @@ async fn chunks(
     Ok(parts)
 }
 
-/// The targeted dead letters of the aggregates locked by [`lock_aggregates`]:
-/// an aggregate whose first letter arrived after the locks were taken is left
-/// for the next command.
-async fn targeted_locked(
+/// The open dead letters with event id `id`, oldest first, of aggregates
+/// locked by [`lock_aggregates`] (a letter of an aggregate that arrived
+/// after the locks were taken is left for the next command):
+/// `(dead_letter_id, aggregate_id)`.
+async fn with_id_locked(
     tx: &tokio_postgres::Transaction<'_>,
     table: &TableName,
-    target: &Target,
-    chunk: Option<&Chunk>,
-) -> Result<Vec<(i64, String, Option<String>, Option<i64>)>, AdminError> {
-    let locked = lock_aggregates(tx, table, target, chunk).await?;
-    let mut letters = targeted(tx, table, target, chunk).await?;
-    letters.retain(|l| l.2.as_ref().is_none_or(|a| locked.contains(a)));
-    Ok(letters)
-}
-
-/// The open dead letters a target names, oldest first: `(dead_letter_id, id, aggregate_id, outbox_seq)`.
-async fn targeted(
-    tx: &tokio_postgres::Transaction<'_>,
-    table: &TableName,
-    target: &Target,
-    chunk: Option<&Chunk>,
-) -> Result<Vec<(i64, String, Option<String>, Option<i64>)>, AdminError> {
-    let (id, aggregate, all) = match target {
-        Target::Id(i) => (Some(i.as_str()), None, false),
-        Target::Aggregate(a) => (None, Some(a.as_str()), false),
-        Target::All => (None, None, true),
-    };
-    // `--all` one chunk at a time: its aggregates, and in the first one
-    // the letters with none.
-    let (all, part, no_aggregate) = match chunk {
-        Some(c) => (false, Some(&c.aggregates), c.first),
-        None => (all, None, false),
-    };
+    id: &str,
+) -> Result<Vec<(i64, Option<String>)>, AdminError> {
+    let locked = lock_aggregates(tx, table, &Target::Id(id.to_owned()), None).await?;
     let rows = tx
         .query(
             &format!(
-                "SELECT dead_letter_id, id, aggregate_id, outbox_seq FROM {} WHERE resolution IS NULL
-                   AND ($3 OR id = $1 OR aggregate_id = $2 OR aggregate_id = ANY($4)
-                        OR ($5 AND aggregate_id IS NULL))
+                "SELECT dead_letter_id, aggregate_id FROM {} WHERE resolution IS NULL AND id = $1
                  ORDER BY dead_letter_id FOR UPDATE",
                 table.quoted()
             ),
-            &[&id, &aggregate, &all, &part, &no_aggregate],
+            &[&id],
         )
         .await?;
-    let letters: Vec<(i64, String, Option<String>, Option<i64>)> = rows
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect();
+    let mut letters: Vec<(i64, Option<String>)> =
+        rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    letters.retain(|l| l.1.as_ref().is_none_or(|a| locked.contains(a)));
     // An id names one event; where the outbox's ids repeat (no unique
     // index), it may name letters of several aggregates, and acting on
     // them all would reach aggregates nobody looked at.
-    if let Some(id) = id {
-        let aggregates: std::collections::BTreeSet<&str> = letters
-            .iter()
-            .map(|l| l.2.as_deref().unwrap_or(""))
-            .collect();
-        if aggregates.len() > 1 {
-            return Err(AdminError::Refused(format!(
-                "{} open dead letters of {} aggregates have id {id:?} (the outbox's ids repeat); name the aggregate with --aggregate instead",
-                letters.len(),
-                aggregates.len()
-            )));
-        }
+    let aggregates: std::collections::BTreeSet<&str> = letters
+        .iter()
+        .map(|l| l.1.as_deref().unwrap_or(""))
+        .collect();
+    if aggregates.len() > 1 {
+        return Err(AdminError::Refused(format!(
+            "{} open dead letters of {} aggregates have id {id:?} (the outbox's ids repeat); name the aggregate with --aggregate instead",
+            letters.len(),
+            aggregates.len()
+        )));
     }
     Ok(letters)
 }
 
-/// Marks the targeted dead letters as dropped; returns how many.
+/// Letters one `dlq drop` transaction marks at most. It holds the locks
+/// of its aggregates, and the relay filing a follower of one of them
+/// meanwhile waits on its ownership session: ten thousand take about a
+/// tenth of a second, well within the lease (a million in one transaction
+/// took 13 s, and the relay lost its lease).
+pub const DROP_BATCH: i64 = 10_000;
+
+/// Marks the targeted dead letters as dropped; returns how many. An
+/// aggregate's letters go newest first, in transactions of at most
+/// [`DROP_BATCH`], until none is open: its earliest letter, which holds the
+/// aggregate back, goes last, and a follower the relay files meanwhile is
+/// dropped with the rest.
 pub async fn drop(
     client: &mut Client,
     table: &TableName,
@@ -260,21 +254,84 @@ pub async fn drop(
 ) -> Result<usize, AdminError> {
     let mut dropped = 0;
     for chunk in chunks(client, table, target).await? {
-        let tx = client.transaction().await?;
-        let letters = targeted_locked(&tx, table, target, chunk.as_ref()).await?;
-        let ids: Vec<i64> = letters.iter().map(|l| l.0).collect();
-        tx.execute(
-            &format!(
-                "UPDATE {} SET resolution = 'dropped', resolved_at = now() WHERE dead_letter_id = ANY($1)",
-                table.quoted()
-            ),
-            &[&ids],
-        )
-        .await?;
-        tx.commit().await?;
-        dropped += ids.len();
+        loop {
+            let tx = client.transaction().await?;
+            let (ids, more) = match target {
+                Target::Id(id) => {
+                    let letters = with_id_locked(&tx, table, id).await?;
+                    (letters.iter().map(|l| l.0).collect::<Vec<i64>>(), false)
+                }
+                _ => {
+                    let (aggregates, unnamed) = scope(&tx, table, target, chunk.as_ref()).await?;
+                    let ids = newest_open(&tx, table, &aggregates, unnamed, DROP_BATCH).await?;
+                    let more = ids.len() as i64 == DROP_BATCH;
+                    (ids, more)
+                }
+            };
+            let n = tx
+                .execute(
+                    &format!(
+                        "UPDATE {} SET resolution = 'dropped', resolved_at = now()
+                         WHERE dead_letter_id = ANY($1) AND resolution IS NULL",
+                        table.quoted()
+                    ),
+                    &[&ids],
+                )
+                .await?;
+            tx.commit().await?;
+            dropped += usize::try_from(n).unwrap_or(usize::MAX);
+            if !more {
+                break;
+            }
+        }
     }
     named_some(target, dropped)
+}
+
+/// What an aggregate or `--all` command acts on in one transaction, with
+/// those aggregates locked: the open letters of the aggregates (sorted),
+/// and with `true`, those without an aggregate.
+async fn scope(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &TableName,
+    target: &Target,
+    chunk: Option<&Chunk>,
+) -> Result<(Vec<String>, bool), AdminError> {
+    let mut aggregates: Vec<String> = lock_aggregates(tx, table, target, chunk)
+        .await?
+        .into_iter()
+        .collect();
+    aggregates.sort();
+    Ok((aggregates, chunk.is_some_and(|c| c.first)))
+}
+
+/// Up to `limit` open letters of `aggregates` (and with `unnamed`, of
+/// those without an aggregate), each aggregate's newest first: an index
+/// probe per aggregate, reading no more letters than it returns.
+async fn newest_open(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &TableName,
+    aggregates: &[String],
+    unnamed: bool,
+    limit: i64,
+) -> Result<Vec<i64>, AdminError> {
+    let t = table.quoted();
+    let rows = tx
+        .query(
+            &format!(
+                "(SELECT x.dead_letter_id FROM unnest($1::text[]) AS a(a), LATERAL (
+                      SELECT dead_letter_id FROM {t} WHERE resolution IS NULL AND aggregate_id = a.a
+                      ORDER BY aggregate_id DESC, dead_letter_id DESC LIMIT $3) x
+                  LIMIT $3)
+                 UNION ALL
+                 (SELECT dead_letter_id FROM {t} WHERE $2 AND resolution IS NULL AND aggregate_id IS NULL
+                  ORDER BY aggregate_id DESC, dead_letter_id DESC LIMIT $3)
+                 LIMIT $3"
+            ),
+            &[&aggregates, &unnamed, &limit],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
 /// A count of letters acted on, or an error when an id or an aggregate
@@ -314,9 +371,16 @@ pub fn redrive_one_allowed(id: &str, open: &[String]) -> Result<(), String> {
 }
 
 /// Asks the active relay to publish the targeted dead letters again (see
-/// the module docs of [`super`]); returns how many were requested. The relay
-/// publishes them within `dead_letter.refresh_interval`, in order, and marks
-/// them redriven once the broker confirmed them.
+/// the module docs of [`super`]); returns how many open letters the
+/// request covers. The relay publishes them within
+/// `dead_letter.refresh_interval`, in order, and marks them redriven once
+/// the broker confirmed them.
+///
+/// Only each aggregate's earliest open letter is marked: the relay's looks
+/// carry a request on it to the aggregate's later letters, a bounded batch
+/// at a time, as they do for the followers it files after it. Marking a
+/// million letters here would hold the aggregate's lock, and with it the
+/// relay filing a follower, for as long as that takes.
 pub async fn redrive(
     client: &mut Client,
     dead_letters: &TableName,
@@ -325,23 +389,81 @@ pub async fn redrive(
     let mut requested = 0;
     for chunk in chunks(client, dead_letters, target).await? {
         let tx = client.transaction().await?;
-        let letters = targeted_locked(&tx, dead_letters, target, chunk.as_ref()).await?;
-        if let Target::Id(id) = target {
-            check_alone(&tx, dead_letters, id, &letters).await?;
-        }
-        let ids: Vec<i64> = letters.iter().map(|l| l.0).collect();
-        tx.execute(
-            &format!(
-                "UPDATE {} SET redrive_requested_at = now() WHERE dead_letter_id = ANY($1)",
-                dead_letters.quoted()
-            ),
-            &[&ids],
-        )
-        .await?;
+        let (ids, covered) = match target {
+            Target::Id(id) => {
+                let letters = with_id_locked(&tx, dead_letters, id).await?;
+                check_alone(&tx, dead_letters, id, &letters).await?;
+                (letters.iter().map(|l| l.0).collect::<Vec<i64>>(), None)
+            }
+            _ => {
+                let scope = scope(&tx, dead_letters, target, chunk.as_ref()).await?;
+                (earliest_open(&tx, dead_letters, &scope).await?, Some(scope))
+            }
+        };
+        let marked = tx
+            .execute(
+                &format!(
+                    "UPDATE {} SET redrive_requested_at = now()
+                     WHERE dead_letter_id = ANY($1) AND resolution IS NULL",
+                    dead_letters.quoted()
+                ),
+                &[&ids],
+            )
+            .await?;
         tx.commit().await?;
-        requested += ids.len();
+        requested += match covered {
+            Some((aggregates, unnamed)) if marked > 0 => {
+                count_open(client, dead_letters, &aggregates, unnamed).await?
+            }
+            _ => usize::try_from(marked).unwrap_or(usize::MAX),
+        };
     }
     named_some(target, requested)
+}
+
+/// The earliest open letter of each of the aggregates (and with `true`,
+/// the earliest of those without an aggregate), one index probe each.
+async fn earliest_open(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &TableName,
+    (aggregates, unnamed): &(Vec<String>, bool),
+) -> Result<Vec<i64>, AdminError> {
+    let t = table.quoted();
+    let rows = tx
+        .query(
+            &format!(
+                "SELECT x.dead_letter_id FROM unnest($1::text[]) AS a(a), LATERAL (
+                     SELECT dead_letter_id FROM {t} WHERE resolution IS NULL AND aggregate_id = a.a
+                     ORDER BY aggregate_id, dead_letter_id LIMIT 1) x
+                 UNION ALL
+                 (SELECT dead_letter_id FROM {t} WHERE $2 AND resolution IS NULL AND aggregate_id IS NULL
+                  ORDER BY aggregate_id, dead_letter_id LIMIT 1)"
+            ),
+            &[aggregates, unnamed],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// How many letters of the aggregates (and with `unnamed`, without one) are open.
+async fn count_open(
+    client: &Client,
+    table: &TableName,
+    aggregates: &[String],
+    unnamed: bool,
+) -> Result<usize, AdminError> {
+    let n: i64 = client
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {} WHERE resolution IS NULL
+                   AND (aggregate_id = ANY($1) OR ($2 AND aggregate_id IS NULL))",
+                table.quoted()
+            ),
+            &[&aggregates, &unnamed],
+        )
+        .await?
+        .get(0);
+    Ok(usize::try_from(n).unwrap_or(usize::MAX))
 }
 
 /// `--id` redrives only an aggregate's only open dead letter (see [`redrive_one_allowed`]).
@@ -349,7 +471,7 @@ async fn check_alone(
     tx: &tokio_postgres::Transaction<'_>,
     dead_letters: &TableName,
     id: &str,
-    letters: &[(i64, String, Option<String>, Option<i64>)],
+    letters: &[(i64, Option<String>)],
 ) -> Result<(), AdminError> {
     let Some(first) = letters.first() else {
         return Err(AdminError::Refused(format!(
@@ -362,7 +484,7 @@ async fn check_alone(
                 "SELECT id FROM {} WHERE resolution IS NULL AND aggregate_id IS NOT DISTINCT FROM $1 ORDER BY dead_letter_id",
                 dead_letters.quoted()
             ),
-            &[&first.2],
+            &[&first.1],
         )
         .await?
         .iter()

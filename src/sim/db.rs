@@ -427,7 +427,7 @@ impl Reader for SimPolling {
     }
 }
 
-/// `outbox-relay dlq redrive` and `drop`, as one transaction each.
+/// `outbox-relay dlq redrive` and `drop`, as their transactions do them.
 pub mod admin {
     use super::*;
     use crate::dead_letter::admin::Target;
@@ -446,9 +446,19 @@ pub mod admin {
             .collect()
     }
 
-    pub fn drop(world: &Shared, target: &Target) -> usize {
+    /// One transaction of a drop: at most `batch` targeted letters, each
+    /// aggregate's newest first (an id's letters at once); returns how many
+    /// it dropped. The command repeats it until it drops fewer than `batch`.
+    pub fn drop_batch(world: &Shared, target: &Target, batch: usize) -> usize {
         let mut w = lock(world);
-        let chosen = targeted(&w, target);
+        let mut chosen = targeted(&w, target);
+        if !matches!(target, Target::Id(_)) {
+            chosen.sort_by(|&a, &b| {
+                (&w.letters[a].aggregate, std::cmp::Reverse(a))
+                    .cmp(&(&w.letters[b].aggregate, std::cmp::Reverse(b)))
+            });
+            chosen.truncate(batch);
+        }
         for &i in &chosen {
             w.letters[i].resolution = Some(Resolution::Dropped);
             let id = w.letters[i].event_id.clone();
@@ -460,7 +470,9 @@ pub mod admin {
         chosen.len()
     }
 
-    /// Asks the relay to publish the targeted letters again.
+    /// Asks the relay to publish the targeted letters again: marks each
+    /// targeted aggregate's earliest open letter, which the relay's looks
+    /// carry on to the later ones.
     pub fn redrive(world: &Shared, target: &Target) -> Result<usize, String> {
         let mut w = lock(world);
         let chosen = targeted(&w, target);
@@ -476,10 +488,28 @@ pub mod admin {
                 .collect();
             crate::dead_letter::admin::redrive_one_allowed(id, &open)?;
         }
-        for &i in &chosen {
-            w.letters[i].requested = true;
+        let aggregates: std::collections::BTreeSet<String> = chosen
+            .iter()
+            .map(|&i| w.letters[i].aggregate.clone())
+            .collect();
+        for aggregate in &aggregates {
+            if let Some(l) = w
+                .letters
+                .iter_mut()
+                .find(|l| l.resolution.is_none() && &l.aggregate == aggregate)
+            {
+                l.requested = true;
+            }
         }
         w.note(format!("dlq redrive {target:?}: {} letters", chosen.len()));
         Ok(chosen.len())
+    }
+
+    /// Whether an aggregate has open letters its earliest's request does
+    /// not cover (a redrive would make a new request).
+    pub fn unasked(w: &super::super::world::World) -> bool {
+        let mut seen = std::collections::HashSet::new();
+        w.open_letters()
+            .any(|l| seen.insert(l.aggregate.as_str()) && !l.requested)
     }
 }

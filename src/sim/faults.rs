@@ -52,7 +52,7 @@ pub(super) async fn fault(
             lock(world).busy_topics.remove(&topic);
         }
         6 => restart(world, config, &mut instances[i]).await,
-        7 | 8 => resolve_a_dead_letter(world, rng),
+        7 | 8 => resolve_a_dead_letter(world, rng).await,
         9 if params.mode != SourceMode::Polling && rng.bool() => {
             // The replication connection drops, between two messages of a
             // transaction as likely as not; or the database restarts.
@@ -210,7 +210,7 @@ async fn broker_outage(world: &Shared, rng: &mut fastrand::Rng) {
 }
 
 /// The operator redrives or drops dead letters: one, an aggregate's, or all.
-fn resolve_a_dead_letter(world: &Shared, rng: &mut fastrand::Rng) {
+async fn resolve_a_dead_letter(world: &Shared, rng: &mut fastrand::Rng) {
     let (by_id, by_aggregate) = {
         let w = lock(world);
         let open: Vec<_> = w.open_letters().collect();
@@ -226,7 +226,10 @@ fn resolve_a_dead_letter(world: &Shared, rng: &mut fastrand::Rng) {
         _ => Target::All,
     };
     if rng.u32(0..4) == 0 {
-        admin::drop(world, &target);
+        // A transaction per batch, the relay going on between them.
+        while admin::drop_batch(world, &target, 2) == 2 {
+            tokio::time::sleep(Duration::from_millis(rng.u64(0..50))).await;
+        }
     } else if let (Target::Aggregate(aggregate), 0) = (&target, rng.u32(0..2)) {
         request_oldest_by_hand(world, aggregate);
     } else if let Err(refused) = admin::redrive(world, &target) {

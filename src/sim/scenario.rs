@@ -396,8 +396,7 @@ async fn redrive_until_delivered(
     let deadline = Instant::now() + Duration::from_secs(1800);
     let mut first = true;
     loop {
-        let unasked =
-            std::mem::take(&mut first) || lock(world).open_letters().any(|l| !l.requested);
+        let unasked = std::mem::take(&mut first) || admin::unasked(&lock(world));
         if lock(world).open_letters().next().is_some() {
             let _ = admin::redrive(world, &Target::All);
         }

@@ -279,3 +279,81 @@ async fn status_says_why_it_cannot_count_dead_letters() {
     })
     .await;
 }
+
+/// An aggregate the relay kept filing followers for can hold a million
+/// letters. Neither command holds its lock (which the relay filing a
+/// follower waits for, on the session that keeps its lease) for longer
+/// than a bounded batch: a redrive marks the earliest open letter only, and
+/// the relay carries the request on (`dlq list` shows it on every letter
+/// it covers); a drop goes newest first, [`admin::DROP_BATCH`] letters a
+/// transaction, the earliest last.
+#[tokio::test]
+async fn commands_on_a_huge_aggregate_change_a_bounded_batch_per_transaction() {
+    use outbox_relay::dead_letter::admin;
+    let (db, path) = with_letters(&[("other", "o")]).await;
+    let n = 2 * admin::DROP_BATCH + 500;
+    db.client
+        .batch_execute(&format!(
+            "INSERT INTO outbox_dead_letters (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at)
+             SELECT 'h' || g, 'huge', 'follows', 0, now(), now() FROM generate_series(1, {n}) g;
+             CREATE TABLE changes (dead_letter_id bigint, tx xid8, resolution text, requested bool);
+             CREATE FUNCTION record_change() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 INSERT INTO changes VALUES (NEW.dead_letter_id, pg_current_xact_id(), NEW.resolution,
+                                             NEW.redrive_requested_at IS NOT NULL);
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER record_change AFTER UPDATE ON outbox_dead_letters
+                 FOR EACH ROW EXECUTE FUNCTION record_change();"
+        ))
+        .await
+        .expect("the letters");
+    let earliest: i64 = db
+        .client
+        .query_one(
+            "SELECT min(dead_letter_id) FROM outbox_dead_letters WHERE aggregate_id = 'huge'",
+            &[],
+        )
+        .await
+        .expect("earliest")
+        .get(0);
+    let changes = || async {
+        db.client
+            .query(
+                "SELECT tx::text, count(*), min(dead_letter_id), bool_and(requested)
+                 FROM changes GROUP BY tx ORDER BY tx::text::bigint",
+                &[],
+            )
+            .await
+            .expect("changes")
+            .iter()
+            .map(|r| (r.get::<_, i64>(1), r.get::<_, i64>(2), r.get::<_, bool>(3)))
+            .collect::<Vec<(i64, i64, bool)>>()
+    };
+
+    let out = dlq(&["redrive", "--aggregate", "huge"], &path);
+    assert!(
+        out.contains(&format!("redrive of {n} dead letter(s)")),
+        "{out}"
+    );
+    assert_eq!(changes().await, [(1, earliest, true)], "the earliest only");
+    let shown = listed(&["--aggregate", "huge", "--limit", "100000"], &path);
+    assert_eq!(shown.len() as i64, n);
+    assert!(
+        shown.iter().all(|l| !l["redrive_requested_at"].is_null()),
+        "every letter the request covers shows it"
+    );
+    assert!(listed(&["--aggregate", "o"], &path)[0]["redrive_requested_at"].is_null());
+
+    db.client.execute("TRUNCATE changes", &[]).await.unwrap();
+    let out = dlq(&["drop", "--aggregate", "huge"], &path);
+    assert_eq!(out.trim(), format!("dropped {n} dead letter(s)"));
+    let per_transaction = changes().await;
+    assert_eq!(
+        per_transaction.iter().map(|c| c.0).collect::<Vec<_>>(),
+        [admin::DROP_BATCH, admin::DROP_BATCH, 500],
+        "newest first, a batch at a time"
+    );
+    assert_eq!(per_transaction[2].1, earliest, "the earliest goes last");
+    assert_eq!(letters(&listed(&[], &path)), [("other".into(), "o".into())]);
+}
