@@ -7,7 +7,7 @@ use crate::support::*;
 use serde_json::json;
 
 /// The `sql` blocks of the operations guide's section on database roles,
-/// in order (polling, then what CDC adds).
+/// in order (polling, what CDC adds, what ranges add, the operators').
 fn documented_grants() -> Vec<String> {
     let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
         .expect("docs/operations.md");
@@ -27,7 +27,11 @@ fn documented_grants() -> Vec<String> {
 /// by ranges), for a role named `role`.
 fn grants_for(mode: Mode, ranges: bool, role: &str) -> String {
     let blocks = documented_grants();
-    assert_eq!(blocks.len(), 3, "polling, CDC, then ranges: {blocks:?}");
+    assert_eq!(
+        blocks.len(),
+        4,
+        "polling, CDC, ranges, then operators: {blocks:?}"
+    );
     let wanted = [true, mode == Mode::Cdc, ranges];
     blocks
         .iter()
@@ -226,4 +230,50 @@ async fn cdc_migrate_names_what_the_role_lacks() {
         .count("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()")
         .await;
     assert_eq!(slots, 0, "nothing was created");
+}
+
+/// The operators' role of the guide, made by exactly its statements, lists,
+/// redrives and drops dead letters.
+#[tokio::test]
+async fn the_documented_operator_role_runs_dlq() {
+    let db = TestDb::new().await;
+    let owner = config_file(&base_toml(&db.url, &rabbit_sink()));
+    cli_ok_migrate(&std::fs::read_to_string(&owner).expect("config"));
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox_dead_letters (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at)
+             SELECT 'e' || g, 'a' || (g % 2), 'refused', 5, now(), now() FROM generate_series(1, 4) g",
+        )
+        .await
+        .expect("letters");
+    let role = crate::kit::unique("operator_");
+    let statements = documented_grants()[3].replace("outbox_operator", &role);
+    db.client
+        .batch_execute(&statements)
+        .await
+        .expect("the documented statements run");
+    let path = config_file(&base_toml(&db.url_as(&role), &rabbit_sink()));
+    for command in [
+        &["list"][..],
+        &["redrive", "--aggregate", "a0"],
+        &["redrive", "--all"],
+        &["drop", "--aggregate", "a1"],
+        &["drop", "--all"],
+    ] {
+        let mut args = vec!["dlq"];
+        args.extend_from_slice(command);
+        args.extend_from_slice(&["--config", &path]);
+        let (code, out, err) = run_cli(&args, &[]);
+        assert_eq!(code, 0, "{command:?} as the operator: {out}{err}");
+    }
+    let open: i64 = db
+        .client
+        .query_one(
+            "SELECT count(*) FROM outbox_dead_letters WHERE resolution IS NULL",
+            &[],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(open, 0, "all dropped");
 }
