@@ -90,6 +90,8 @@ pub struct WalTx {
     pub xid: u64,
     /// The rows as inserted.
     pub rows: Vec<Row>,
+    /// When the commit record was written.
+    pub at: Instant,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,6 +177,10 @@ pub struct World {
     /// The slot's position as last saved to disk (every third move, as a
     /// checkpoint would): a database crash takes the slot back to it.
     pub slot_saved: Lsn,
+    /// Where the slot was (re)created: every commit before it had become
+    /// visible to other sessions by then (creating a slot waits for the
+    /// transactions running).
+    pub slot_born: Lsn,
     slot_moves: u32,
     /// PostgreSQL removed WAL the slot still needed (`wal_status = lost`).
     pub slot_lost: bool,
@@ -277,6 +283,7 @@ impl World {
             redrive_locks: BTreeSet::new(),
             slot_confirmed: Lsn(0x1000),
             slot_saved: Lsn(0x1000),
+            slot_born: Lsn(0),
             slot_moves: 0,
             slot_lost: false,
             slot_active: None,
@@ -428,6 +435,7 @@ impl World {
             end_lsn,
             xid,
             rows,
+            at: Instant::now(),
         });
         self.commit_notify.notify_waiters();
     }
