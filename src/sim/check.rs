@@ -82,31 +82,7 @@ pub fn finally(w: &World, params: &Params) -> Vec<String> {
     }
     out.extend(only_refused_events_dead_lettered(w));
     out.extend(dead_lettered_after_max_attempts(w, params));
-    // Duplicates only from incidents, each bounded by the window.
-    let duplicates = w.deliveries.len() - first.len();
-    // The documented bound: the in-flight window per incident; without
-    // marking, CDC may also repeat what was confirmed since the slot was
-    // last told (at most another window), and so may logical messages
-    // with marking (the WAL is their only record too).
-    let wal_only =
-        params.mark == MarkMode::None || (params.messages && params.mode != SourceMode::Polling);
-    let per_incident = if wal_only {
-        params.max_in_flight as u64 * 2
-    } else {
-        params.max_in_flight as u64
-    };
-    // And, where the WAL is the only record (without marking; logical
-    // messages with it), what was confirmed behind an event that waited
-    // for its confirmation or its retry when an incident struck, and what
-    // a database restart made the slot forget.
-    let behind = w.repeats_behind_pins() + w.repeats_forgotten;
-    let bound = u64::from(w.incidents) * per_incident + behind;
-    if duplicates as u64 > bound {
-        out.push(format!(
-            "{duplicates} duplicates, over {} incidents x {per_incident} + {behind} confirmed behind a waiting event or forgotten by the slot",
-            w.incidents
-        ));
-    }
+    out.extend(duplicates_beyond_bound(w, params));
     // Marked modes end with nothing unsent.
     if params.mark != MarkMode::None {
         let left: Vec<i64> = w.unsent().map(|r| r.seq).take(5).collect();
@@ -120,6 +96,36 @@ pub fn finally(w: &World, params: &Params) -> Vec<String> {
         out.push("a replication stream is still open after every instance stopped".into());
     }
     out
+}
+
+/// Duplicates only from incidents, each bounded by the window.
+fn duplicates_beyond_bound(w: &World, params: &Params) -> Option<String> {
+    let delivered: BTreeSet<&str> = w.deliveries.iter().map(|d| d.event_id.as_str()).collect();
+    let duplicates = w.deliveries.len() - delivered.len();
+    // The documented bound: the in-flight window per incident; without
+    // marking, CDC may also repeat what was confirmed since the slot was
+    // last told (at most another window), and so may logical messages
+    // with marking (the WAL is their only record too).
+    let wal_only =
+        params.mark == MarkMode::None || (params.messages && params.mode != SourceMode::Polling);
+    let per_incident = if wal_only {
+        params.max_in_flight as u64 * 2
+    } else {
+        params.max_in_flight as u64
+    };
+    // And, where the WAL is the only record (without marking; logical
+    // messages with it), what was confirmed behind an event that waited
+    // for its confirmation or its retry when an incident struck, what a
+    // database restart made the slot forget, and what a clean stop left
+    // behind an event it no longer sent (excused, and bounded, below).
+    let behind = w.repeats_behind_pins() + w.repeats_forgotten + repeats_after_clean_stops(w);
+    let bound = u64::from(w.incidents) * per_incident + behind;
+    (duplicates as u64 > bound).then(|| {
+        format!(
+            "{duplicates} duplicates, over {} incidents x {per_incident} + {behind} confirmed behind a waiting event or forgotten by the slot",
+            w.incidents
+        )
+    })
 }
 
 /// Back-pressure is never a refusal: a row written unpoisoned that the
