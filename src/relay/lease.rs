@@ -109,6 +109,17 @@ impl Lease {
         }
     }
 
+    /// Resolves once the lease has run out (a renewal meanwhile moves the
+    /// moment on).
+    pub async fn ran_out(&self) {
+        loop {
+            tokio::time::sleep_until(self.until()).await;
+            if Instant::now() >= self.until() {
+                return;
+            }
+        }
+    }
+
     /// When a heartbeat should renew the lease, unless something else does first.
     pub fn renew_by(&self) -> Instant {
         self.until() - self.duration * 3 / 4
@@ -169,6 +180,28 @@ mod tests {
             "an expired lease waits for a renewal"
         );
         waiter.abort();
+    }
+
+    /// A send waiting for room is called off when the lease runs out,
+    /// not before: a renewal meanwhile moves the moment on.
+    #[tokio::test(start_paused = true)]
+    async fn ran_out_follows_renewals() {
+        let d = Duration::from_secs(3);
+        let start = Instant::now();
+        let lease = std::sync::Arc::new(Lease::after_clean_stop(d, start));
+        let l = lease.clone();
+        let waiter = tokio::spawn(async move {
+            l.ran_out().await;
+            Instant::now()
+        });
+        tokio::time::sleep(d / 2).await;
+        lease.renew(start + d / 2);
+        let ran_out = waiter.await.expect("the waiter");
+        assert_eq!(
+            ran_out,
+            start + d / 2 + d,
+            "at the renewed end, not the first"
+        );
     }
 
     /// The answer that won ownership came late: the lease counts from

@@ -69,6 +69,9 @@ impl SimStore {
     ) -> Result<T, SourceError> {
         let sent = Instant::now();
         latency(&self.world).await;
+        if lock(&self.world).silent_reigns.contains(&self.reign) {
+            std::future::pending::<()>().await;
+        }
         let out = {
             let mut w = lock(&self.world);
             if !w.owns(self.reign) {

@@ -27,12 +27,24 @@ pub(super) async fn fault(
     match rng.u32(0..10) {
         0 | 1 => crash(world, config, params, rng, &mut instances[i]).await,
         2 => {
-            // The ownership session ends, the process does not notice yet.
+            // The ownership session ends, the process does not notice yet;
+            // half the time silently (a network cut: its statements never
+            // answer) while its broker client has no room for a while, past
+            // its lease and a new owner's first sends.
+            let room_in = config.relay.ownership_lease * rng.u32(10..25) / 10;
             let mut w = lock(world);
-            let owner = w.lock_reign.and_then(|r| w.reign_instance.get(&r).copied());
-            if let Some(o) = owner {
+            let reign = w.lock_reign;
+            let owner = reign.and_then(|r| w.reign_instance.get(&r).copied());
+            if let (Some(o), Some(r)) = (owner, reign) {
                 w.incident();
                 w.end_sessions(o);
+                if rng.bool() {
+                    w.note(format!(
+                        "reign {r}'s session goes silent, and instance {o}'s broker client has no room for {room_in:?}"
+                    ));
+                    w.silent_reigns.insert(r);
+                    w.no_room.insert(o, Instant::now() + room_in);
+                }
             }
         }
         3 => {

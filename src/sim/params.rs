@@ -175,7 +175,7 @@ batch_wait = "{batch_wait}ms"
 [relay]
 mark = "{mark}"
 max_in_flight = {window}
-confirm_timeout = "2s"
+confirm_timeout = "8s"
 shutdown_timeout = "{shutdown}ms"
 retry_base = "50ms"
 retry_max = "1s"

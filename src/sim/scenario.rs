@@ -36,6 +36,8 @@ pub struct Totals {
     pub clean_takeovers: u64,
     /// Stops not recorded as clean.
     pub unclean_stops: u64,
+    /// Sends that waited for room in the broker client.
+    pub waited_for_room: u64,
     /// Deliveries of the stopping owner, of events whose only record is
     /// the WAL, repeated after its clean stop (the slot could not be told
     /// past an event left unsent).
@@ -55,6 +57,7 @@ impl Totals {
         self.switches += t.switches;
         self.clean_takeovers += t.clean_takeovers;
         self.unclean_stops += t.unclean_stops;
+        self.waited_for_room += t.waited_for_room;
         self.clean_stop_repeats += t.clean_stop_repeats;
         self.folds.advances += t.folds.advances;
         self.folds.unsettled += t.folds.unsettled;
@@ -70,7 +73,7 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} repeats after clean stops, {} fold rounds that moved the frontier ({} unsettled, deleting {} progress rows; {} rows held open) and {} that found a drain, {} switches from update to ranges, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} sends that waited for room, {} repeats after clean stops, {} fold rounds that moved the frontier ({} unsettled, deleting {} progress rows; {} rows held open) and {} that found a drain, {} switches from update to ranges, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
@@ -79,6 +82,7 @@ impl fmt::Display for Totals {
             self.switches,
             self.clean_takeovers,
             self.unclean_stops,
+            self.waited_for_room,
             self.clean_stop_repeats,
             self.folds.advances,
             self.folds.unsettled,
@@ -140,6 +144,7 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
             incidents: u64::from(w.incidents),
             switches: u64::from(w.switches),
             clean_takeovers: u64::from(w.clean_takeovers),
+            waited_for_room: w.waited_for_room,
             unclean_stops: u64::from(w.unclean_stops),
             clean_stop_repeats: check::repeats_after_clean_stops(&w),
             folds: w.progress.counts,

@@ -7,6 +7,7 @@ use crate::sink::{Confirmation, Route, Sink, SinkError};
 
 pub struct SimSink {
     world: Shared,
+    instance: usize,
     conn: u64,
     reign: u64,
 }
@@ -16,6 +17,7 @@ impl SimSink {
         let conn = lock(world).connect(instance)?;
         Ok(SimSink {
             world: world.clone(),
+            instance,
             conn,
             reign,
         })
@@ -39,6 +41,12 @@ impl Sink for SimSink {
         _route: Route,
         message: Message<'_>,
     ) -> Result<Confirmation, SinkError> {
+        // No room in the client: the hand-over waits, as Kafka's does.
+        let room_at = lock(&self.world).no_room.get(&self.instance).copied();
+        if let Some(at) = room_at.filter(|at| *at > tokio::time::Instant::now()) {
+            lock(&self.world).waited_for_room += 1;
+            tokio::time::sleep_until(at).await;
+        }
         let rx = lock(&self.world).send(
             self.conn,
             self.reign,

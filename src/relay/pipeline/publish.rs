@@ -267,6 +267,7 @@ where
             confirm.min(d.saturating_duration_since(Instant::now()))
         });
         let (stop, seen) = (self.stop.clone(), self.stop_seen.clone());
+        let lease = self.lease.clone();
         let send_window = self.settings.shutdown_timeout / 2;
         let stopped = async move {
             match deadline {
@@ -298,6 +299,13 @@ where
             }
             () = stopped => Err(SinkError::Unavailable(
                 "a stop came while the broker did not take a message, and the first half of relay.shutdown_timeout ran out".into(),
+            )),
+            // Handed over later, the message could reach the broker after
+            // a new owner's: the fence holds for the hand-over too.
+            () = lease.ran_out() => Err(SinkError::Unavailable(
+                "the ownership lease ran out while the broker client had no room for a message; it was not handed over, \
+                 as a new owner may be publishing by now"
+                    .into(),
             )),
         }
     }
