@@ -169,15 +169,15 @@ fn dead_lettered_after_max_attempts(w: &World, params: &Params) -> Vec<String> {
         let Some(e) = w.events.get(&l.event_id) else {
             continue;
         };
-        // Only the broker's refusals are counted here: one the sink makes
-        // before sending, or an unreadable row, are not seen by it.
-        if e.refusals == 0 || e.message {
+        // The refusals the relay was told of, before sending or after (an
+        // unreadable row is not seen by the broker).
+        if e.refusals_seen == 0 || e.message {
             continue;
         }
-        if e.refusals < params.max_attempts {
+        if e.refusals_seen < params.max_attempts {
             out.push(format!(
                 "{} ({}) was dead-lettered after {} refusal(s) of its own, fewer than max_attempts = {}",
-                l.event_id, l.aggregate, e.refusals, params.max_attempts
+                l.event_id, l.aggregate, e.refusals_seen, params.max_attempts
             ));
         }
     }

@@ -570,6 +570,7 @@ fn write_event(
             aborted: false,
             poison,
             refusals: 0,
+            refusals_seen: 0,
             nacks: 0,
             dropped: false,
             poisoned: poison != Poison::None,

@@ -197,6 +197,9 @@ impl World {
         }
         let poison = self.events.get(event_id).map(|e| e.poison);
         if poison == Some(Poison::RefuseBeforeSend) {
+            if let Some(e) = self.events.get_mut(event_id) {
+                e.refusals_seen += 1;
+            }
             return Err(SinkError::Rejected("sim: message too large".into()));
         }
         let instance = self.conns.get(&conn).map(|c| c.0).unwrap_or(usize::MAX);
@@ -308,7 +311,13 @@ impl World {
             .partition(|c| c.at <= now);
         self.confirms = keep;
         for c in due {
-            let _ = c.reply.send(c.result);
+            let refused = matches!(c.result, Err(SinkError::Rejected(_)));
+            if c.reply.send(c.result).is_ok()
+                && refused
+                && let Some(e) = self.events.get_mut(&c.event_id)
+            {
+                e.refusals_seen += 1;
+            }
         }
     }
 

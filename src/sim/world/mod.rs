@@ -126,6 +126,9 @@ pub struct EventFacts {
     pub poison: Poison,
     /// Refused by the broker so far (for `Flaky`).
     pub refusals: u32,
+    /// Refusals the relay was told of (a refusal on a connection that died
+    /// reaches it as a lost connection), before sending or after.
+    pub refusals_seen: u32,
     /// Pushed back by the broker (a nack: back-pressure) so far.
     pub nacks: u32,
     pub dropped: bool,
