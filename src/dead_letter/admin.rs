@@ -239,7 +239,8 @@ async fn with_id_locked(
 /// of its aggregates, and the relay filing a follower of one of them
 /// meanwhile waits on its ownership session: ten thousand take about a
 /// tenth of a second, well within the lease (a million in one transaction
-/// took 13 s, and the relay lost its lease).
+/// took 13 s here, over twice the default lease, after which the relay
+/// gives ownership up).
 pub const DROP_BATCH: i64 = 10_000;
 
 /// Marks the targeted dead letters as dropped; returns how many. An

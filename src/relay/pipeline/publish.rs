@@ -303,7 +303,7 @@ where
             // Handed over later, the message could reach the broker after
             // a new owner's: the fence holds for the hand-over too.
             () = lease.ran_out() => Err(SinkError::Unavailable(
-                "the ownership lease ran out while the broker client had no room for a message; it was not handed over, \
+                "the ownership lease ran out before the broker client took a message; it was not handed over, \
                  as a new owner may be publishing by now"
                     .into(),
             )),
