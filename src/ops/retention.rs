@@ -381,7 +381,7 @@ async fn cycle_partitions(
         done.created.push(name);
     }
     let ranges = (config.relay.mark == MarkMode::Ranges).then(|| Ranges::new(table));
-    for p in partitions::expired(&existing, cutoff) {
+    for p in partitions::expired(&existing, now, cutoff, r.partition_interval) {
         let dropped =
             partitions::drop_expired(client, table, &p.name, cutoff, ranges.as_ref(), dry_run);
         // Only an error of the run ends it; one partition's keeps that one.

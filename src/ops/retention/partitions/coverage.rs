@@ -114,11 +114,24 @@ fn uncovered((from, to): Range, existing: &[Partition]) -> Vec<Range> {
     gaps
 }
 
-/// The partitions whose whole range ends at or before `cutoff`.
-pub fn expired(partitions: &[Partition], cutoff: DateTime<Utc>) -> Vec<&Partition> {
+/// The partitions whose whole range ends at or before `cutoff` (`now() -
+/// retention.sent_window`) and at least one `interval` before `now`: a
+/// transaction that began before a range's end (its `now()` falls there)
+/// and inserts a while later still finds its partition, however short the
+/// window.
+pub fn expired(
+    partitions: &[Partition],
+    now: DateTime<Utc>,
+    cutoff: DateTime<Utc>,
+    interval: Duration,
+) -> Vec<&Partition> {
+    let margin = chrono::Duration::from_std(interval).unwrap_or(chrono::Duration::MAX);
+    let before = now
+        .checked_sub_signed(margin)
+        .map_or(cutoff, |m| m.min(cutoff));
     partitions
         .iter()
-        .filter(|p| !p.default && p.upper.is_some_and(|upper| upper <= cutoff))
+        .filter(|p| !p.default && p.upper.is_some_and(|upper| upper <= before))
         .collect()
 }
 
@@ -327,12 +340,29 @@ mod tests {
             part("open", Some("2026-11-22T00:00:00Z"), None),
             default_partition(),
         ];
-        let names: Vec<&str> = expired(&parts, at("2026-11-21T12:00:00Z"))
+        let day = Duration::from_secs(86_400);
+        let later = at("2026-12-01T00:00:00Z");
+        let names: Vec<&str> = expired(&parts, later, at("2026-11-21T12:00:00Z"), day)
             .iter()
             .map(|p| p.name.name.as_str())
             .collect();
         assert_eq!(names, ["a", "old"]);
         // A range ending exactly at the cutoff is wholly before it.
-        assert_eq!(expired(&parts, at("2026-11-22T00:00:00Z")).len(), 3);
+        assert_eq!(
+            expired(&parts, later, at("2026-11-22T00:00:00Z"), day).len(),
+            3
+        );
+        // With no window, a range that ended less than an interval ago stays.
+        let now = at("2026-11-21T06:00:00Z");
+        let names: Vec<&str> = expired(&parts, now, now, day)
+            .iter()
+            .map(|p| p.name.name.as_str())
+            .collect();
+        assert_eq!(names, ["old"], "a ended 6 h ago");
+        let names: Vec<&str> = expired(&parts, now + chrono::Duration::days(1), now, day)
+            .iter()
+            .map(|p| p.name.name.as_str())
+            .collect();
+        assert_eq!(names, ["a", "old"], "a day after its end");
     }
 }
