@@ -263,8 +263,9 @@ pub async fn drop(
                     (letters.iter().map(|l| l.0).collect::<Vec<i64>>(), false)
                 }
                 _ => {
-                    let (aggregates, unnamed) = scope(&tx, table, target, chunk.as_ref()).await?;
-                    let ids = newest_open(&tx, table, &aggregates, unnamed, DROP_BATCH).await?;
+                    let scope = scope(&tx, table, target, chunk.as_ref()).await?;
+                    call_off_redrives(&tx, table, &scope).await?;
+                    let ids = newest_open(&tx, table, &scope.0, scope.1, DROP_BATCH).await?;
                     let more = ids.len() as i64 == DROP_BATCH;
                     (ids, more)
                 }
@@ -287,6 +288,28 @@ pub async fn drop(
         }
     }
     named_some(target, dropped)
+}
+
+/// Clears a redrive request on the earliest open letter of each aggregate
+/// of `scope`: the relay publishes none of an aggregate's letters while
+/// that one is not requested, nor carries a request on. So the batches of
+/// a drop still to come are not published meanwhile.
+async fn call_off_redrives(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &TableName,
+    scope: &(Vec<String>, bool),
+) -> Result<(), AdminError> {
+    let earliest = earliest_open(tx, table, scope).await?;
+    tx.execute(
+        &format!(
+            "UPDATE {} SET redrive_requested_at = NULL
+             WHERE dead_letter_id = ANY($1) AND resolution IS NULL AND redrive_requested_at IS NOT NULL",
+            table.quoted()
+        ),
+        &[&earliest],
+    )
+    .await?;
+    Ok(())
 }
 
 /// What an aggregate or `--all` command acts on in one transaction, with
@@ -351,21 +374,17 @@ fn named_some(target: &Target, n: usize) -> Result<usize, AdminError> {
     Ok(n)
 }
 
-/// Whether `dlq redrive --id id` may put one event back, given the open
-/// dead letters of its aggregate (event ids, oldest first). Alone, a
-/// redriven letter would overtake the aggregate's earlier letters, or leave
-/// its later ones for a redrive that could come after events the aggregate
-/// writes meanwhile: it must be the aggregate's only open dead letter.
-pub fn redrive_one_allowed(id: &str, open: &[String]) -> Result<(), String> {
-    let Some(at) = open.iter().position(|o| o == id) else {
-        return Err(format!("no open dead letter with id {id:?}"));
-    };
-    if open.len() > 1 {
-        let (earlier, later) = (at, open.len() - at - 1);
+/// Whether `dlq redrive --id id` may put one event back, given how many
+/// open dead letters of its aggregate are older and newer than it. Alone,
+/// a redriven letter would overtake the aggregate's earlier letters, or
+/// leave its later ones for a redrive that could come after events the
+/// aggregate writes meanwhile: it must be the aggregate's only open letter.
+pub fn redrive_one_allowed(id: &str, earlier: i64, later: i64) -> Result<(), String> {
+    if earlier + later > 0 {
         return Err(format!(
             "{id} is one of {} open dead letters of its aggregate ({earlier} earlier, {later} later); \
              redrive the aggregate (--aggregate) so that they go back in order",
-            open.len()
+            earlier + later + 1
         ));
     }
     Ok(())
@@ -412,11 +431,16 @@ pub async fn redrive(
             )
             .await?;
         tx.commit().await?;
+        let marked = usize::try_from(marked).unwrap_or(usize::MAX);
+        // Counted after the commit (the locks held no longer than needed):
+        // what the relay or another command resolved meanwhile is not.
         requested += match covered {
             Some((aggregates, unnamed)) if marked > 0 => {
-                count_open(client, dead_letters, &aggregates, unnamed).await?
+                count_open(client, dead_letters, &aggregates, unnamed)
+                    .await?
+                    .max(marked)
             }
-            _ => usize::try_from(marked).unwrap_or(usize::MAX),
+            _ => marked,
         };
     }
     named_some(target, requested)
@@ -479,17 +503,17 @@ async fn check_alone(
             "no open dead letter with id {id:?}"
         )));
     };
-    let open: Vec<String> = tx
-        .query(
+    // Counted, not listed: an aggregate may hold a million letters.
+    let row = tx
+        .query_one(
             &format!(
-                "SELECT id FROM {} WHERE resolution IS NULL AND aggregate_id IS NOT DISTINCT FROM $1 ORDER BY dead_letter_id",
+                "SELECT count(*) FILTER (WHERE dead_letter_id < $2), count(*) FILTER (WHERE dead_letter_id > $2)
+                 FROM {} WHERE resolution IS NULL
+                   AND (aggregate_id = $1 OR ($1::text IS NULL AND aggregate_id IS NULL))",
                 dead_letters.quoted()
             ),
-            &[&first.1],
+            &[&first.1, &first.0],
         )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    redrive_one_allowed(id, &open).map_err(AdminError::Refused)
+        .await?;
+    redrive_one_allowed(id, row.get(0), row.get(1)).map_err(AdminError::Refused)
 }

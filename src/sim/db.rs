@@ -456,6 +456,20 @@ pub mod admin {
         let mut w = lock(world);
         let mut chosen = targeted(&w, target);
         if !matches!(target, Target::Id(_)) {
+            // As the real drop: a redrive of these aggregates is called off.
+            let aggregates: std::collections::BTreeSet<String> = chosen
+                .iter()
+                .map(|&i| w.letters[i].aggregate.clone())
+                .collect();
+            for aggregate in &aggregates {
+                if let Some(l) = w
+                    .letters
+                    .iter_mut()
+                    .find(|l| l.resolution.is_none() && &l.aggregate == aggregate)
+                {
+                    l.requested = false;
+                }
+            }
             chosen.sort_by(|&a, &b| {
                 (&w.letters[a].aggregate, std::cmp::Reverse(a))
                     .cmp(&(&w.letters[b].aggregate, std::cmp::Reverse(b)))
@@ -483,13 +497,20 @@ pub mod admin {
             let Some(&first) = chosen.first() else {
                 return Err(format!("no open dead letter with id {id:?}"));
             };
-            let aggregate = w.letters[first].aggregate.clone();
-            let open: Vec<String> = w
-                .open_letters()
-                .filter(|l| l.aggregate == aggregate)
-                .map(|l| l.event_id.clone())
-                .collect();
-            crate::dead_letter::admin::redrive_one_allowed(id, &open)?;
+            let aggregate = &w.letters[first].aggregate;
+            let open = |before: bool| {
+                w.letters
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, l)| {
+                        l.resolution.is_none()
+                            && &l.aggregate == aggregate
+                            && (*i < first) == before
+                            && *i != first
+                    })
+                    .count() as i64
+            };
+            crate::dead_letter::admin::redrive_one_allowed(id, open(true), open(false))?;
         }
         let aggregates: std::collections::BTreeSet<String> = chosen
             .iter()

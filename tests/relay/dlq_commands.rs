@@ -285,8 +285,8 @@ async fn status_says_why_it_cannot_count_dead_letters() {
 /// follower waits for, on the session that keeps its lease) for longer
 /// than a bounded batch: a redrive marks the earliest open letter only, and
 /// the relay carries the request on (`dlq list` shows it on every letter
-/// it covers); a drop goes newest first, [`admin::DROP_BATCH`] letters a
-/// transaction, the earliest last.
+/// it covers); a drop calls that request off, then goes newest first,
+/// [`admin::DROP_BATCH`] letters a transaction, the earliest last.
 #[tokio::test]
 async fn commands_on_a_huge_aggregate_change_a_bounded_batch_per_transaction() {
     use outbox_relay::dead_letter::admin;
@@ -351,8 +351,12 @@ async fn commands_on_a_huge_aggregate_change_a_bounded_batch_per_transaction() {
     let per_transaction = changes().await;
     assert_eq!(
         per_transaction.iter().map(|c| c.0).collect::<Vec<_>>(),
-        [admin::DROP_BATCH, admin::DROP_BATCH, 500],
-        "newest first, a batch at a time"
+        [admin::DROP_BATCH + 1, admin::DROP_BATCH, 500],
+        "newest first, a batch at a time (the first also calls the redrive off)"
+    );
+    assert_eq!(
+        per_transaction[0].1, earliest,
+        "the first transaction clears the earliest letter's request"
     );
     assert_eq!(per_transaction[2].1, earliest, "the earliest goes last");
     assert_eq!(letters(&listed(&[], &path)), [("other".into(), "o".into())]);
