@@ -41,8 +41,15 @@ impl Sink for SimSink {
         _route: Route,
         message: Message<'_>,
     ) -> Result<Confirmation, SinkError> {
-        // No room in the client: the hand-over waits, as Kafka's does.
-        let room_at = lock(&self.world).no_room.get(&self.instance).copied();
+        // No room in the client: the hand-over waits, as Kafka's does
+        // (RabbitMQ's refuses at once while the broker blocks it).
+        let room_at = {
+            let w = lock(&self.world);
+            w.no_room
+                .get(&self.instance)
+                .copied()
+                .filter(|_| w.broker_kind.gapless)
+        };
         if let Some(at) = room_at.filter(|at| *at > tokio::time::Instant::now()) {
             lock(&self.world).waited_for_room += 1;
             tokio::time::sleep_until(at).await;

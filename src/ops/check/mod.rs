@@ -249,7 +249,7 @@ async fn check_partitions(config: &Config, client: &tokio_postgres::Client, r: &
         existing.len(),
         layout.column,
         retention.partition_premake,
-        humantime::format_duration(retention.sent_window)
+        humantime::format_duration(retention.sent_window.max(retention.partition_interval))
     );
     let gaps = partitions::coverage::gaps_ahead(
         now,

@@ -15,7 +15,8 @@
 //!    They are named `<table>_p<YYYYMMDD>`, or `<table>_p<YYYYMMDD>_<HHMM>`
 //!    for intervals that are not whole days and for such parts.
 //! 2. **Drop.** A partition is dropped only when its whole range ends at or
-//!    before the retention cutoff (`now() - retention.sent_window`), no row
+//!    before the retention cutoff (`now() - retention.sent_window`) and at
+//!    least one `partition_interval` ago (see [`coverage::expired`]), no row
 //!    in it is unsent, and none was sent after the cutoff. It is detached
 //!    first (`ALTER TABLE ... DETACH PARTITION`, which takes an ACCESS
 //!    EXCLUSIVE lock on the outbox for a moment, under a short

@@ -116,9 +116,9 @@ fn uncovered((from, to): Range, existing: &[Partition]) -> Vec<Range> {
 
 /// The partitions whose whole range ends at or before `cutoff` (`now() -
 /// retention.sent_window`) and at least one `interval` before `now`: a
-/// transaction that began before a range's end (its `now()` falls there)
-/// and inserts a while later still finds its partition, however short the
-/// window.
+/// transaction shorter than `interval` that began before a range's end (its
+/// `now()` falls there) and inserts a while later still finds its
+/// partition, however short the window.
 pub fn expired(
     partitions: &[Partition],
     now: DateTime<Utc>,
