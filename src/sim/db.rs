@@ -457,19 +457,7 @@ pub mod admin {
         let mut chosen = targeted(&w, target);
         if !matches!(target, Target::Id(_)) {
             // As the real drop: a redrive of these aggregates is called off.
-            let aggregates: std::collections::BTreeSet<String> = chosen
-                .iter()
-                .map(|&i| w.letters[i].aggregate.clone())
-                .collect();
-            for aggregate in &aggregates {
-                if let Some(l) = w
-                    .letters
-                    .iter_mut()
-                    .find(|l| l.resolution.is_none() && &l.aggregate == aggregate)
-                {
-                    l.requested = false;
-                }
-            }
+            set_earliest_requested(&mut w, &chosen, false);
             chosen.sort_by(|&a, &b| {
                 (&w.letters[a].aggregate, std::cmp::Reverse(a))
                     .cmp(&(&w.letters[b].aggregate, std::cmp::Reverse(b)))
@@ -512,6 +500,18 @@ pub mod admin {
             };
             crate::dead_letter::admin::redrive_one_allowed(id, open(true), open(false))?;
         }
+        set_earliest_requested(&mut w, &chosen, true);
+        w.note(format!("dlq redrive {target:?}: {} letters", chosen.len()));
+        Ok(chosen.len())
+    }
+
+    /// Sets whether a redrive is requested on the earliest open letter of
+    /// each aggregate of the `chosen` letters (what a request on it covers).
+    fn set_earliest_requested(
+        w: &mut super::super::world::World,
+        chosen: &[usize],
+        requested: bool,
+    ) {
         let aggregates: std::collections::BTreeSet<String> = chosen
             .iter()
             .map(|&i| w.letters[i].aggregate.clone())
@@ -522,11 +522,9 @@ pub mod admin {
                 .iter_mut()
                 .find(|l| l.resolution.is_none() && &l.aggregate == aggregate)
             {
-                l.requested = true;
+                l.requested = requested;
             }
         }
-        w.note(format!("dlq redrive {target:?}: {} letters", chosen.len()));
-        Ok(chosen.len())
     }
 
     /// Whether an aggregate has open letters its earliest's request does
