@@ -8,7 +8,9 @@
 //! letter, a poll for visibility, or a heartbeat when nothing else renewed
 //! the lease for a quarter of it) proves the lock was held when it was
 //! sent, and extends the lease to that moment plus `relay.ownership_lease`. The
-//! pipeline sends nothing once the lease ran out, until a round trip renews it.
+//! pipeline sends nothing once the lease ran out, until a round trip renews it;
+//! what the broker client still holds to write then is called back
+//! ([`crate::sink::Sink::fence`]) and sent again in the next run.
 //!
 //! A new owner cannot know when the previous one last renewed, only that it
 //! was before the lock was released, which was before it was acquired. So a

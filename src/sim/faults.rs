@@ -29,8 +29,9 @@ pub(super) async fn fault(
         2 => {
             // The ownership session ends, the process does not notice yet;
             // half the time silently (a network cut: its statements never
-            // answer) while its broker client has no room for a while, past
-            // its lease and a new owner's first sends.
+            // answer) while its broker client has no room, or (Kafka's)
+            // holds what it is given, for a while: past its lease and a new
+            // owner's first sends.
             let room_in = config.relay.ownership_lease * rng.u32(10..25) / 10;
             let mut w = lock(world);
             let reign = w.lock_reign;
@@ -39,11 +40,16 @@ pub(super) async fn fault(
                 w.incident();
                 w.end_sessions(o);
                 if rng.bool() {
-                    w.note(format!(
-                        "reign {r}'s session goes silent, and instance {o}'s broker client has no room for {room_in:?}"
-                    ));
                     w.silent_reigns.insert(r);
-                    w.no_room.insert(o, Instant::now() + room_in);
+                    let (what, until) = if w.broker_kind.gapless && rng.bool() {
+                        ("holds what it is given", &mut w.holds)
+                    } else {
+                        ("has no room", &mut w.no_room)
+                    };
+                    until.insert(o, Instant::now() + room_in);
+                    w.note(format!(
+                        "reign {r}'s session goes silent, and instance {o}'s broker client {what} for {room_in:?}"
+                    ));
                 }
             }
         }

@@ -38,6 +38,8 @@ pub struct Totals {
     pub unclean_stops: u64,
     /// Sends that waited for room in the broker client.
     pub waited_for_room: u64,
+    /// Messages a broker client held and called back at a fence or close.
+    pub called_back: u64,
     /// Deliveries of the stopping owner, of events whose only record is
     /// the WAL, repeated after its clean stop (the slot could not be told
     /// past an event left unsent).
@@ -58,6 +60,7 @@ impl Totals {
         self.clean_takeovers += t.clean_takeovers;
         self.unclean_stops += t.unclean_stops;
         self.waited_for_room += t.waited_for_room;
+        self.called_back += t.called_back;
         self.clean_stop_repeats += t.clean_stop_repeats;
         self.folds.advances += t.folds.advances;
         self.folds.unsettled += t.folds.unsettled;
@@ -73,7 +76,7 @@ impl fmt::Display for Totals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} sends that waited for room, {} repeats after clean stops, {} fold rounds that moved the frontier ({} unsettled, deleting {} progress rows; {} rows held open) and {} that found a drain, {} switches from update to ranges, {:.0} simulated minutes",
+            "{} schedules, {} committed events, {} deliveries, {} dead letters, {} incidents, {} switches from polling to CDC, {} takeovers after a clean stop, {} stops that were not clean, {} sends that waited for room, {} held sends called back, {} repeats after clean stops, {} fold rounds that moved the frontier ({} unsettled, deleting {} progress rows; {} rows held open) and {} that found a drain, {} switches from update to ranges, {:.0} simulated minutes",
             self.schedules,
             self.events,
             self.deliveries,
@@ -83,6 +86,7 @@ impl fmt::Display for Totals {
             self.clean_takeovers,
             self.unclean_stops,
             self.waited_for_room,
+            self.called_back,
             self.clean_stop_repeats,
             self.folds.advances,
             self.folds.unsettled,
@@ -92,6 +96,25 @@ impl fmt::Display for Totals {
             self.folds.upgrades,
             self.simulated.as_secs_f64() / 60.0
         )
+    }
+}
+
+/// What one schedule did, for the totals line.
+fn totals(w: &World, simulated: Duration) -> Totals {
+    Totals {
+        schedules: 1,
+        events: w.order.values().map(|v| v.len() as u64).sum(),
+        deliveries: w.deliveries.len() as u64,
+        dead_letters: w.letters.len() as u64,
+        incidents: u64::from(w.incidents),
+        switches: u64::from(w.switches),
+        clean_takeovers: u64::from(w.clean_takeovers),
+        waited_for_room: w.waited_for_room,
+        called_back: w.called_back,
+        unclean_stops: u64::from(w.unclean_stops),
+        clean_stop_repeats: check::repeats_after_clean_stops(w),
+        folds: w.progress.counts,
+        simulated,
     }
 }
 
@@ -136,20 +159,7 @@ pub fn run(seed: u64, focus: Focus) -> Result<Totals, String> {
     problems.extend(check::finally(&w, &params));
     problems.extend(check::nothing_repeated_after_a_clean_stop(&w));
     if problems.is_empty() {
-        return Ok(Totals {
-            schedules: 1,
-            events: w.order.values().map(|v| v.len() as u64).sum(),
-            deliveries: w.deliveries.len() as u64,
-            dead_letters: w.letters.len() as u64,
-            incidents: u64::from(w.incidents),
-            switches: u64::from(w.switches),
-            clean_takeovers: u64::from(w.clean_takeovers),
-            waited_for_room: w.waited_for_room,
-            unclean_stops: u64::from(w.unclean_stops),
-            clean_stop_repeats: check::repeats_after_clean_stops(&w),
-            folds: w.progress.counts,
-            simulated: outcome.unwrap_or_default(),
-        });
+        return Ok(totals(&w, outcome.unwrap_or_default()));
     }
     let mut report = format!(
         "simulation seed {seed} failed ({params:?}):\n  - {}\n  last events:\n",

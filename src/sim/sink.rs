@@ -3,7 +3,10 @@
 use super::world::{Shared, lock};
 use crate::envelope::Message;
 use crate::outbox::OutboxEvent;
-use crate::sink::{Confirmation, Route, Sink, SinkError};
+use crate::sink::{Confirmation, Fence, Route, Sink, SinkError};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 
 pub struct SimSink {
     world: Shared,
@@ -77,5 +80,18 @@ impl Sink for SimSink {
 
     async fn close(self) {
         lock(&self.world).close_conn(self.conn);
+    }
+
+    fn fence(&self) -> Option<Fence> {
+        let (world, conn) = (self.world.clone(), self.conn);
+        let gapless = lock(&world).broker_kind.gapless;
+        gapless.then(|| {
+            Arc::new(move || -> Pin<Box<dyn Future<Output = usize> + Send>> {
+                let mut w = lock(&world);
+                let unconfirmed = w.unconfirmed_on(conn);
+                w.call_back(conn);
+                Box::pin(std::future::ready(unconfirmed))
+            }) as Fence
+        })
     }
 }

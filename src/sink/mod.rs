@@ -38,6 +38,13 @@
 //! topic is each row's own when a destination column sets one, so events of
 //! an aggregate routed to different topics never share a lane. RabbitMQ has
 //! none: each message's outcome stands alone.
+//!
+//! Fencing: once the ownership lease runs out with messages unconfirmed,
+//! the [`Fence`] of [`Sink::fence`] calls back what the broker client still
+//! holds to write, or to write again (Kafka's queue, and its retries after
+//! a lost connection or a leader's move): a new owner may publish soon, and
+//! those would reach the broker after its messages. The run then ends, and
+//! they are sent again once ownership is proven.
 
 mod error;
 mod kafka;
@@ -53,6 +60,10 @@ use crate::outbox::OutboxEvent;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+
+/// Calls back what a broker client holds unwritten or to write again, and
+/// says how many messages it held unconfirmed (0: nothing was called back).
+pub type Fence = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = usize> + Send>> + Send + Sync>;
 
 /// A broker's confirmation of one message; see the module docs for what each outcome means.
 pub type Confirmation = Pin<Box<dyn Future<Output = Result<(), SinkError>> + Send>>;
@@ -120,6 +131,13 @@ pub trait Sink: Send {
 
     /// Closes connections; unconfirmed messages are abandoned (their rows stay unsent).
     fn close(self) -> impl Future<Output = ()> + Send;
+
+    /// What calls back the messages the client holds (see the module docs),
+    /// usable while the sink is busy; `None` for a client that writes each
+    /// message at once, with nothing to call back.
+    fn fence(&self) -> Option<Fence> {
+        None
+    }
 }
 
 /// What `outbox-relay check` asks a broker about destinations, beside the
@@ -204,6 +222,13 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.close().await,
             AnySink::RabbitMq(s) => s.close().await,
+        }
+    }
+
+    fn fence(&self) -> Option<Fence> {
+        match self {
+            AnySink::Kafka(s) => s.fence(),
+            AnySink::RabbitMq(s) => s.fence(),
         }
     }
 }

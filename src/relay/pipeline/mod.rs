@@ -183,6 +183,7 @@ where
     K: Sink,
 {
     let lease = cx.lease.clone();
+    let fence = sink.fence();
     cx.telemetry.health.relaying(cx.shard);
     let mut pipeline = Pipeline::start(reader, acker, sink, cx, blocks);
     // Whatever the loop waits for (the acker, most likely, stuck on the
@@ -193,6 +194,36 @@ where
             pipeline.serve(shutdown).await
         } => result,
         silent = lease.lost(tokio::time::Instant::now()) => Err(PipelineError::OwnershipUnconfirmed(silent)),
+        called_back = fence_at_run_out(&lease, fence) => Err(called_back),
     };
     pipeline.finish(result).await
+}
+
+/// Each time the lease runs out, calls back what the broker client holds
+/// (see [`crate::sink::Fence`]): a new owner may publish a tenth of a lease
+/// later, and a message the client writes after that would follow its
+/// messages. Ends the run when anything was unconfirmed (it is sent again);
+/// never, for a client with nothing to call back. Whatever the loop is
+/// waiting for meanwhile.
+async fn fence_at_run_out(
+    lease: &super::lease::Lease,
+    fence: Option<crate::sink::Fence>,
+) -> PipelineError {
+    let Some(fence) = fence else {
+        return std::future::pending().await;
+    };
+    loop {
+        lease.ran_out().await;
+        let called_back = fence().await;
+        if called_back > 0 {
+            return PipelineError::Sink(SinkError::Unavailable(
+                format!(
+                    "the ownership lease ran out with {called_back} messages unconfirmed: the broker client's \
+                     copies were called back, as a new owner may be publishing soon; they will be sent again"
+                )
+                .into(),
+            ));
+        }
+        lease.wait_valid().await;
+    }
 }

@@ -91,6 +91,7 @@ impl World {
             .iter()
             .map(|m| m.event_id.as_str())
             .chain(self.confirms.iter().map(|c| c.event_id.as_str()))
+            .chain(self.held.iter().map(|m| m.event_id.as_str()))
             .collect();
         let held = |id: &str| {
             let refused = self
@@ -183,7 +184,8 @@ impl World {
         }
     }
 
-    /// A send: checks, then the message is on its way.
+    /// A send: the client's checks, then it writes the message (or holds
+    /// it: see [`World::hand`]).
     pub fn send(
         &mut self,
         conn: u64,
@@ -202,6 +204,30 @@ impl World {
             }
             return Err(SinkError::Rejected("sim: message too large".into()));
         }
+        let (tx, rx) = oneshot::channel();
+        let msg = ClientMsg {
+            conn,
+            reign,
+            event_id: event_id.to_owned(),
+            key: key.to_owned(),
+            event_type: event_type.to_owned(),
+            reply: tx,
+        };
+        self.hand(msg);
+        Ok(rx)
+    }
+
+    /// The client writes a message to the broker: it is on its way.
+    pub(super) fn write(&mut self, m: ClientMsg) {
+        let ClientMsg {
+            conn,
+            reign,
+            event_id,
+            key,
+            event_type,
+            reply,
+        } = m;
+        let (event_id, key) = (event_id.as_str(), key.as_str());
         let instance = self.conns.get(&conn).map(|c| c.0).unwrap_or(usize::MAX);
         if reign < self.latest_publishing_reign {
             let v = format!(
@@ -211,7 +237,7 @@ impl World {
             self.violation(v);
         }
         self.latest_publishing_reign = self.latest_publishing_reign.max(reign);
-        let topic = self.topic(event_type);
+        let topic = self.topic(&event_type);
         let now = Instant::now();
         let mut due = now + Duration::from_micros(self.rng.u64(200..20_000));
         if let Some(until) = self.stalled_until.filter(|u| *u > now) {
@@ -233,7 +259,6 @@ impl World {
         if due + confirm_after >= now + self.confirm_timeout {
             self.incident();
         }
-        let (tx, rx) = oneshot::channel();
         let causes = self.repeat_causes();
         self.inflight.push(BrokerMsg {
             conn,
@@ -244,25 +269,22 @@ impl World {
             key: key.to_owned(),
             due,
             confirm_after,
-            reply: tx,
+            reply,
         });
         self.note(format!("instance {instance} sends {event_id} ({key})"));
         self.broker_notify.notify_one();
-        Ok(rx)
     }
 
     /// When the broker has something to do next.
     pub fn next_broker_step(&self) -> Option<Instant> {
-        let a = self.inflight.iter().map(|m| m.due).min();
-        let b = self.confirms.iter().map(|c| c.at).min();
-        match (a, b) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let a = self.inflight.iter().map(|m| m.due);
+        let b = self.confirms.iter().map(|c| c.at);
+        a.chain(b).chain(self.next_release()).min()
     }
 
     /// Delivers (or refuses) what is due and sends due confirmations.
     pub fn broker_step(&mut self, now: Instant) {
+        self.release_held(now);
         while let Some(i) = self
             .inflight
             .iter()
@@ -368,6 +390,7 @@ impl World {
     /// way and lands as it would have (a closing client does not call
     /// written bytes back); the confirmations are lost.
     pub fn close_conn(&mut self, conn: u64) {
+        self.call_back(conn);
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };
@@ -385,8 +408,17 @@ impl World {
         }
     }
 
+    /// Messages of `conn` the broker has not confirmed (its client's
+    /// `in_flight_count`).
+    pub fn unconfirmed_on(&self, conn: u64) -> usize {
+        self.held.iter().filter(|m| m.conn == conn).count()
+            + self.inflight.iter().filter(|m| m.conn == conn).count()
+            + self.confirms.iter().filter(|c| c.conn == conn).count()
+    }
+
     /// A connection dies: each message on it may or may not have arrived.
     pub fn kill_conn(&mut self, conn: u64) {
+        self.call_back(conn);
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };

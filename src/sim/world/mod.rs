@@ -16,12 +16,14 @@ use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
 mod broker;
+mod client;
 mod ownership;
 mod ranges;
 mod slot;
 
 use broker::{BrokerMsg, PendingConfirm};
 pub use broker::{CleanStop, Delivery};
+use client::ClientMsg;
 pub use ranges::{Advance, Capture, FoldCounts};
 
 pub type Shared = Arc<Mutex<World>>;
@@ -231,6 +233,12 @@ pub struct World {
     /// Instances whose broker client has no room until then: a send waits.
     pub no_room: BTreeMap<usize, Instant>,
     pub waited_for_room: u64,
+    /// Instances whose broker client holds what it is given until then
+    /// (see `client.rs`), and what they hold, in order.
+    pub holds: BTreeMap<usize, Instant>,
+    held: Vec<ClientMsg>,
+    /// Messages a client held and called back.
+    pub called_back: u64,
     /// Reigns whose ownership session went silent: no statement answers.
     pub silent_reigns: BTreeSet<u64>,
     pub busy_topics: BTreeSet<String>,
@@ -316,6 +324,9 @@ impl World {
             stalled_until: None,
             no_room: BTreeMap::new(),
             waited_for_room: 0,
+            holds: BTreeMap::new(),
+            held: Vec::new(),
+            called_back: 0,
             silent_reigns: BTreeSet::new(),
             busy_topics: BTreeSet::new(),
             broker_notify: Arc::new(Notify::new()),

@@ -217,6 +217,32 @@ impl Sink for KafkaSink {
         })
         .await;
     }
+
+    /// Purges the producer's queue and its requests in flight: librdkafka
+    /// retries a request whose connection died, or whose partition moved
+    /// to another leader, for as long as it takes (`message.timeout.ms` is
+    /// unbounded), so without this a message could reach the broker long
+    /// after the ownership lease ran out. A request already on the wire may
+    /// still be written.
+    fn fence(&self) -> Option<super::Fence> {
+        let producer = self.producer.clone();
+        Some(std::sync::Arc::new(move || {
+            let producer = producer.clone();
+            // A purge may block for a moment: off the async threads.
+            Box::pin(async move {
+                tokio::task::spawn_blocking(move || {
+                    let held = usize::try_from(producer.in_flight_count()).unwrap_or(0);
+                    if held > 0 {
+                        producer
+                            .purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+                    }
+                    held
+                })
+                .await
+                .unwrap_or(0)
+            })
+        }))
+    }
 }
 
 impl SinkCheck for KafkaSink {

@@ -64,3 +64,51 @@ async fn a_message_waits_out_an_outage_longer_than_the_delivery_timeout() {
         .expect("answered after the outage")
         .expect("delivered after the outage");
 }
+
+/// At the end of the ownership lease the producer gives up a message it
+/// holds for a broker that is away, instead of writing it once the broker
+/// is back (after a new owner's messages, by then): the confirmation fails
+/// at once, and the broker never gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_calls_back_a_message_held_for_a_broker_that_is_away() {
+    let cluster = MockCluster::new(1).expect("a mock cluster");
+    cluster.create_topic("t", 1, 1).expect("a topic");
+    let mut sink = KafkaSink::connect(&config(&cluster.bootstrap_servers(), "t"))
+        .await
+        .expect("connected");
+    let first = sink.send(route("t"), message("1")).await.expect("queued");
+    tokio::time::timeout(Duration::from_secs(30), first)
+        .await
+        .expect("answered")
+        .expect("delivered");
+    cluster.broker_down(1).expect("broker down");
+    let mut held = sink.send(route("t"), message("2")).await.expect("queued");
+    if let Ok(answer) = tokio::time::timeout(Duration::from_secs(1), &mut held).await {
+        panic!("answered during the outage: {answer:?}");
+    }
+    let fence = sink.fence().expect("Kafka's client holds messages back");
+    let called_back = fence().await;
+    assert_eq!(called_back, 1, "the held message was called back");
+    let answer = tokio::time::timeout(Duration::from_secs(10), held)
+        .await
+        .expect("the held message is answered once fenced");
+    assert!(
+        matches!(answer, Err(SinkError::Unavailable(_))),
+        "a called-back message's fate is unknown to the relay: {answer:?}"
+    );
+    cluster.broker_up(1).expect("broker up");
+    // The next message written lands right after the first: the held one
+    // never reached the broker.
+    let delivery = tokio::time::timeout(
+        Duration::from_secs(30),
+        sink.producer
+            .send(FutureRecord::to("t").key("a").payload("3"), Duration::ZERO),
+    )
+    .await
+    .expect("answered after the outage")
+    .expect("delivered after the outage");
+    assert_eq!(
+        delivery.offset, 1,
+        "only the first message was written before this one"
+    );
+}
