@@ -170,7 +170,12 @@ impl SimBackend {
             },
             progress.clone(),
             Timing {
-                status_every: config.source.cdc.status_interval,
+                // As the real server's connection works it out.
+                status_every: config
+                    .source
+                    .cdc
+                    .status_interval
+                    .min(super::cdc::WAL_SENDER_TIMEOUT / 2),
                 silence_limit: Duration::from_secs(60),
             },
         )

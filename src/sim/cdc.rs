@@ -32,6 +32,10 @@ const COLUMNS: [&str; 9] = [
     "created_at",
 ];
 const KEEPALIVE: Duration = Duration::from_secs(1);
+/// The simulated server's `wal_sender_timeout`: it ends a stream that sent
+/// no status update for that long, which the relay must never let happen
+/// (broker stalls and outages here last up to twice as long).
+pub const WAL_SENDER_TIMEOUT: Duration = Duration::from_secs(4);
 
 pub struct SimCdc {
     world: Shared,
@@ -220,6 +224,7 @@ impl CdcServer for SimCdc {
                 next_keepalive: Instant::now() + KEEPALIVE,
                 message_prefix,
                 unflushed: None,
+                last_reply: Instant::now(),
             })
         }
     }
@@ -250,6 +255,9 @@ pub struct SimStream {
     /// A status message written but not yet flushed (a send cut short):
     /// it goes with the next one, or is lost with the connection.
     unflushed: Option<Lsn>,
+    /// When the server last heard from the relay (the stream's start, or a
+    /// status update).
+    last_reply: Instant,
 }
 
 fn text(s: &str) -> TupleValue {
@@ -334,9 +342,28 @@ impl SimStream {
     }
 }
 
+impl SimStream {
+    /// The server ends a stream it has not heard from for
+    /// `wal_sender_timeout`; the relay's status updates must prevent it.
+    fn timed_out(&self) -> Result<(), SourceError> {
+        let silent = self.last_reply.elapsed();
+        if silent <= WAL_SENDER_TIMEOUT {
+            return Ok(());
+        }
+        lock(&self.world).violation(format!(
+            "the server ended stream {}: no status update for {silent:?} (wal_sender_timeout {WAL_SENDER_TIMEOUT:?})",
+            self.id
+        ));
+        Err(SourceError::Stream(
+            "sim: terminating walsender process due to replication timeout".into(),
+        ))
+    }
+}
+
 impl CdcStream for SimStream {
     async fn next(&mut self) -> Result<Option<StreamMessage>, SourceError> {
         loop {
+            self.timed_out()?;
             if lock(&self.world).cut_stream == Some(self.id) {
                 return Err(SourceError::Stream(
                     "sim: the replication connection dropped".into(),
@@ -378,10 +405,12 @@ impl CdcStream for SimStream {
         // As the replication connection does: the message is written to the
         // buffer at once, and the flush that follows may be cut short by the
         // reader's select (it then goes with the next message).
+        self.timed_out()?;
         let queued = self.unflushed.map_or(flushed, |u| u.max(flushed));
         self.unflushed = Some(queued);
         tokio::time::sleep(Duration::from_millis(1)).await;
         if let Some(lsn) = self.unflushed.take() {
+            self.last_reply = Instant::now();
             lock(&self.world).confirm_slot(lsn);
         }
         Ok(())

@@ -44,7 +44,8 @@
 //! holds to write, or to write again (Kafka's queue, and its retries after
 //! a lost connection or a leader's move): a new owner may publish soon, and
 //! those would reach the broker after its messages. The run then ends, and
-//! they are sent again once ownership is proven.
+//! they are sent again by the next owner. A run that ends for any other
+//! reason calls them back too.
 
 mod error;
 mod kafka;

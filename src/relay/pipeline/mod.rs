@@ -218,8 +218,8 @@ async fn fence_at_run_out(
         if called_back > 0 {
             return PipelineError::Sink(SinkError::Unavailable(
                 format!(
-                    "the ownership lease ran out with {called_back} messages unconfirmed: the broker client's \
-                     copies were called back, as a new owner may be publishing soon; they will be sent again"
+                    "the ownership lease ran out while the broker client held {called_back} messages (or their \
+                     reports): it was purged, as a new owner may be publishing soon; what was unconfirmed will be sent again"
                 )
                 .into(),
             ));

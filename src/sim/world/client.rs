@@ -20,6 +20,8 @@ impl World {
     /// The client writes `m` now, or holds it while its instance's client
     /// holds everything (after what it holds already: order per client).
     pub(super) fn hand(&mut self, m: ClientMsg) {
+        // Behind what a client whose hold just ended still holds.
+        self.release_held(Instant::now());
         let instance = self.conns.get(&m.conn).map(|c| c.0);
         let held = instance
             .and_then(|i| self.holds.get(&i))

@@ -37,6 +37,8 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use route::{Topics, render, route};
 use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long a metadata request (topic existence, reachability) may take.
@@ -56,6 +58,10 @@ pub struct KafkaSink {
     delivery_timeout: Duration,
     /// Topics seen to exist; a missing topic is looked up again on every use.
     known_topics: HashSet<String>,
+    /// Set by the fence while it purges (and for good when it purged
+    /// anything): a message handed over meanwhile could overtake one it
+    /// calls back, so sends are refused.
+    fenced: Arc<AtomicBool>,
 }
 
 impl KafkaSink {
@@ -80,6 +86,7 @@ impl KafkaSink {
             max_bytes: config.message_max_bytes,
             delivery_timeout: config.delivery_timeout,
             known_topics: HashSet::new(),
+            fenced: Arc::new(AtomicBool::new(false)),
         };
         sink.probe().await?;
         Ok(sink)
@@ -148,6 +155,11 @@ impl Sink for KafkaSink {
         mut message: Message<'_>,
     ) -> Result<Confirmation, SinkError> {
         message.key = route.key.into();
+        if self.fenced.load(Ordering::SeqCst) {
+            return Err(SinkError::Unavailable(
+                "the Kafka producer was fenced when the ownership lease ran out".into(),
+            ));
+        }
         within_limit(&message, self.max_bytes)?;
         let topic = route.destination;
         self.ensure_topic(&topic).await?;
@@ -225,12 +237,14 @@ impl Sink for KafkaSink {
     /// after the ownership lease ran out. A request already on the wire may
     /// still be written.
     fn fence(&self) -> Option<super::Fence> {
-        let producer = self.producer.clone();
-        Some(std::sync::Arc::new(move || {
-            let producer = producer.clone();
+        let (producer, fenced) = (self.producer.clone(), self.fenced.clone());
+        Some(Arc::new(move || {
+            // At once, before the purge: nothing handed over from now on.
+            fenced.store(true, Ordering::SeqCst);
+            let (producer, fenced) = (producer.clone(), fenced.clone());
             // A purge may block for a moment: off the async threads.
             Box::pin(async move {
-                tokio::task::spawn_blocking(move || {
+                let held = tokio::task::spawn_blocking(move || {
                     let held = usize::try_from(producer.in_flight_count()).unwrap_or(0);
                     if held > 0 {
                         producer
@@ -239,7 +253,11 @@ impl Sink for KafkaSink {
                     held
                 })
                 .await
-                .unwrap_or(0)
+                .unwrap_or(1);
+                if held == 0 {
+                    fenced.store(false, Ordering::SeqCst);
+                }
+                held
             })
         }))
     }

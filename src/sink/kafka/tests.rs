@@ -81,14 +81,24 @@ async fn a_fence_calls_back_a_message_held_for_a_broker_that_is_away() {
         .await
         .expect("answered")
         .expect("delivered");
+    let fence = sink.fence().expect("Kafka's client holds messages back");
+    assert_eq!(fence().await, 0, "nothing held: nothing to call back");
     cluster.broker_down(1).expect("broker down");
-    let mut held = sink.send(route("t"), message("2")).await.expect("queued");
+    let mut held = sink
+        .send(route("t"), message("2"))
+        .await
+        .expect("a fence that called nothing back leaves the producer open");
     if let Ok(answer) = tokio::time::timeout(Duration::from_secs(1), &mut held).await {
         panic!("answered during the outage: {answer:?}");
     }
-    let fence = sink.fence().expect("Kafka's client holds messages back");
-    let called_back = fence().await;
-    assert_eq!(called_back, 1, "the held message was called back");
+    assert_eq!(fence().await, 1, "the held message was called back");
+    assert!(
+        matches!(
+            sink.send(route("t"), message("4")).await,
+            Err(SinkError::Unavailable(_))
+        ),
+        "a fenced producer takes nothing more: it could overtake what was called back"
+    );
     let answer = tokio::time::timeout(Duration::from_secs(10), held)
         .await
         .expect("the held message is answered once fenced");

@@ -23,6 +23,14 @@ where
         mut self,
         result: Result<(), PipelineError>,
     ) -> Result<Drained, PipelineError> {
+        // Whatever ended the run, what the broker client still holds of
+        // it goes no further (while the rest of the stop takes its time, the
+        // lease may run out and a new owner start).
+        if result.is_err()
+            && let Some(fence) = self.sink.fence()
+        {
+            fence().await;
+        }
         if let Err(e) = &result
             && errors::policy(e.kind()).outcome == Some(Outcome::Unavailable)
         {
