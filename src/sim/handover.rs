@@ -1,7 +1,8 @@
 //! The CDC reader's hand-over (`source.cdc.batch_wait`) on the simulated
 //! server, in virtual time: a batch full at its commit goes at once, a
 //! short one waits and takes what committed meanwhile, and status updates
-//! keep their schedule while it waits.
+//! keep their schedule while it waits; and the stream opened beside the
+//! start-up read is kept alive however long the relay takes nothing.
 
 use super::cdc::SimCdc;
 use super::world::{BrokerKind, Shared, World, lock};
@@ -22,22 +23,26 @@ const AT_ONCE: Duration = Duration::from_millis(100);
 /// and reports its position every `STATUS_EVERY`. Without marking: the
 /// reader streams from the slot at once, with no start-up read.
 fn reader() -> (Shared, CdcReader<SimCdc>, SharedProgress) {
-    let config = load_str(
+    reader_marking("none")
+}
+
+fn reader_marking(mark: &str) -> (Shared, CdcReader<SimCdc>, SharedProgress) {
+    let config = load_str(&format!(
         r#"
 [database]
 url = "postgres://sim@sim/sim"
 [source]
 mode = "cdc"
 [relay]
-mark = "none"
+mark = "{mark}"
 [http]
 enabled = false
 [sink]
 type = "kafka"
 brokers = "sim:9092"
 topic = "t"
-"#,
-    )
+"#
+    ))
     .expect("the test's configuration");
     let world: Shared = Arc::new(Mutex::new(World::new(
         1,
@@ -46,7 +51,7 @@ topic = "t"
             topic_per_type: false,
         },
         Duration::from_secs(2),
-        false,
+        mark != "none",
     )));
     let flushed = lock(&world).slot_confirmed;
     let progress = Arc::new(Mutex::new(Progress::new(flushed, 100)));
@@ -169,4 +174,56 @@ async fn status_updates_keep_their_schedule_while_a_batch_waits() {
     assert_eq!(second.expect("a batch").len(), 1);
     let waited = asked.elapsed();
     assert!((WAIT..WAIT + AT_ONCE).contains(&waited), "{waited:?}");
+}
+
+/// The relay takes nothing for longer than the server's
+/// `wal_sender_timeout` after each batch of the start-up read (a broker
+/// stall), while the stream that takes over from it is open already:
+/// the stream is not ended for its silence, and a later commit arrives
+/// through it.
+#[tokio::test(start_paused = true)]
+async fn the_stream_opened_beside_the_start_up_read_outlives_a_long_stall() {
+    let (world, mut reader, _progress) = reader_marking("update");
+    for _ in 0..3 {
+        commit(&world, 2);
+    }
+    reader.begin().await.expect("the start-up read begins");
+    let last_id = |world: &Shared| {
+        lock(world)
+            .wal
+            .last()
+            .and_then(|tx| tx.rows.first())
+            .map(|row| row.id.clone())
+            .unwrap_or_default()
+    };
+    let mut got = Vec::new();
+    let mut last = None;
+    for round in 0..30 {
+        let batch = reader.next_batch(2, usize::MAX).await;
+        got.extend(ids(&batch.expect("a batch")));
+        if last.as_ref().is_some_and(|id| got.contains(id)) {
+            break;
+        }
+        // Writers go on during the start-up read (so its next round, the
+        // one beside the opening stream, has rows too), and after it: the
+        // last commits come once the stream must have taken over.
+        if last.is_none() {
+            commit(&world, 1);
+            if round == 7 {
+                last = Some(last_id(&world));
+            }
+        }
+        // The pipeline's reader task, while the broker takes nothing.
+        tokio::select! {
+            failed = reader.maintain() => failed.expect("the reader keeps its connection"),
+            () = tokio::time::sleep(super::cdc::WAL_SENDER_TIMEOUT * 3 / 2) => {}
+        }
+    }
+    let last = last.unwrap_or_default();
+    assert!(
+        got.contains(&last),
+        "the last commit ({last}) arrived through the stream: {got:?}"
+    );
+    let w = lock(&world);
+    assert!(w.violations.is_empty(), "{:?}", w.violations);
 }

@@ -5,11 +5,15 @@ use super::progress::{CATCH_UP, CdcPosition};
 use super::snapshot::{Snapshot, StartupView};
 use super::stream::Streaming;
 use super::stream::lock;
-use super::{CdcReader, CdcServer, Phase};
+use super::{CdcReader, CdcServer, CdcStream, Phase};
 use crate::replication::Lsn;
 use crate::source::{SourceError, SourcedEvent};
 use crate::telemetry::events::{InternalEvent, SlotAdvanced};
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+use tokio::sync::oneshot;
 
 /// A start-up read that handed over at least this many rows is followed by
 /// another (see [`TableRead`]).
@@ -84,13 +88,63 @@ pub(super) struct TableRead<S> {
 }
 
 /// The stream, being opened from `from` beside the last round; closed
-/// when dropped. Nothing reads it or reports to the server before it is
-/// taken over: should the round stall for longer than the server's
-/// `wal_sender_timeout` (the broker down, say), the server ends it, and the
-/// error restarts the source like any other.
+/// when dropped. Nothing reads it before it is taken over, which a broker
+/// stall can put off for long: meanwhile its task reports the position it
+/// was opened from every status interval, so that the server does not end
+/// it after `wal_sender_timeout` (a status update is read by the server
+/// even while what it sends waits unread).
 struct Opening<S> {
     from: Lsn,
+    /// Set once the stream is open (or failed to open).
+    opened: Arc<AtomicBool>,
+    /// Tells the task to hand the stream over.
+    take: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<S, SourceError>>,
+}
+
+impl<S: CdcStream> Opening<S> {
+    fn start(
+        open: impl Future<Output = Result<S, SourceError>> + Send + 'static,
+        from: Lsn,
+        status_every: Duration,
+    ) -> Self {
+        let opened = Arc::new(AtomicBool::new(false));
+        let (take, mut taken) = oneshot::channel();
+        let flag = opened.clone();
+        let task = tokio::spawn(async move {
+            let opening = open.await;
+            flag.store(true, Ordering::SeqCst);
+            let mut stream = opening?;
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut taken => return Ok(stream),
+                    () = tokio::time::sleep(status_every) => stream.send_status(from, from).await?,
+                }
+            }
+        });
+        Opening {
+            from,
+            opened,
+            take: Some(take),
+            task,
+        }
+    }
+
+    /// Whether the stream is open, or failed to open.
+    fn settled(&self) -> bool {
+        self.opened.load(Ordering::SeqCst) || self.task.is_finished()
+    }
+
+    /// The open stream.
+    async fn take(&mut self) -> Result<S, SourceError> {
+        if let Some(take) = self.take.take() {
+            let _ = take.send(());
+        }
+        (&mut self.task)
+            .await
+            .map_err(|e| SourceError::Stream(format!("opening the replication stream: {e}")))?
+    }
 }
 
 impl<S> Drop for Opening<S> {
@@ -176,7 +230,7 @@ impl<B: CdcServer> CdcReader<B> {
             return Ok(());
         };
         let large = read.round_rows >= self.settings.reread_rows;
-        let opening = read.opening.as_ref().map(|o| o.task.is_finished());
+        let opening = read.opening.as_ref().map(Opening::settled);
         let can = read.rereads < MAX_REREADS
             && read.view.settled.is_some()
             && self.settings.messages.is_none();
@@ -213,9 +267,9 @@ impl<B: CdcServer> CdcReader<B> {
         self.finish_advance().await;
         if can && opening.is_none() {
             let from = lock(&self.progress).flushed();
-            let task = tokio::spawn(self.server.stream(from));
+            let opening = Opening::start(self.server.stream(from), from, self.timing.status_every);
             if let Phase::TableRead(read) = &mut self.phase {
-                read.opening = Some(Opening { from, task });
+                read.opening = Some(opening);
             }
             if !large {
                 tokio::time::sleep(REREAD_PAUSE).await;
@@ -249,9 +303,7 @@ impl<B: CdcServer> CdcReader<B> {
         });
         let streaming = match read.opening.take() {
             Some(mut opening) => {
-                let stream = (&mut opening.task).await.map_err(|e| {
-                    SourceError::Stream(format!("opening the replication stream: {e}"))
-                })??;
+                let stream = opening.take().await?;
                 Streaming::new(
                     stream,
                     skip,
