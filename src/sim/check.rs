@@ -120,11 +120,31 @@ fn duplicates_beyond_bound(w: &World, params: &Params) -> Option<String> {
     // behind an event it no longer sent (excused, and bounded, below).
     let behind = w.repeats_behind_pins() + w.repeats_forgotten + repeats_after_clean_stops(w);
     let bound = u64::from(w.incidents) * per_incident + behind;
-    (duplicates as u64 > bound).then(|| {
-        format!(
+    if duplicates as u64 > bound {
+        return Some(format!(
             "{duplicates} duplicates, over {} incidents x {per_incident} + {behind} confirmed behind a waiting event or forgotten by the slot",
             w.incidents
-        )
+        ));
+    }
+    // And so at every point: a repeat sent before the (n+1)th cause of
+    // repeats can come only from the first n, so one incident that repeated
+    // many windows cannot hide in later incidents' allowance.
+    let mut seen = BTreeSet::new();
+    let mut by_causes: BTreeMap<u32, u64> = BTreeMap::new();
+    for d in &w.deliveries {
+        if !seen.insert(d.event_id.as_str()) {
+            *by_causes.entry(d.causes).or_default() += 1;
+        }
+    }
+    let mut sent = 0;
+    by_causes.into_iter().find_map(|(causes, n)| {
+        sent += n;
+        let bound = u64::from(causes) * per_incident + behind;
+        (sent > bound).then(|| {
+            format!(
+                "{sent} duplicates sent while at most {causes} causes of repeats had happened, over {causes} x {per_incident} + {behind}"
+            )
+        })
     })
 }
 
