@@ -298,10 +298,15 @@ impl World {
             if let Err(SinkError::Rejected(_)) = &result
                 && self.broker_kind.gapless
             {
-                // The producer stops: later messages of this partition fail.
+                // The producer stops: later messages of this partition fail,
+                // or (librdkafka's gapless guarantee raising a fatal error)
+                // every message it has in flight.
+                let whole = self.rng.bool();
                 let (later, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.inflight)
                     .into_iter()
-                    .partition(|o| o.conn == m.conn && o.topic == m.topic && o.key == m.key);
+                    .partition(|o| {
+                        o.conn == m.conn && (whole || (o.topic == m.topic && o.key == m.key))
+                    });
                 self.inflight = keep;
                 for o in later {
                     self.note(format!(
