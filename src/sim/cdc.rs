@@ -153,6 +153,20 @@ impl CdcServer for SimCdc {
             if w.slot_active.is_some() || w.slot_lost {
                 return Err(SourceError::SlotBusy("sim".into()));
             }
+            // As PostgreSQL 15: a logical slot never moves back. The relay
+            // asks only past what it knows the slot confirmed; a request
+            // behind it would fail again at every start.
+            if to < w.slot_confirmed {
+                let v = format!(
+                    "the relay asked to move the slot back to {to}, behind its confirmed {}",
+                    w.slot_confirmed
+                );
+                w.violation(v);
+                return Err(SourceError::Stream(format!(
+                    "sim: cannot advance replication slot to {to}, minimum is {}",
+                    w.slot_confirmed
+                )));
+            }
             let end = to.min(w.insert_lsn());
             // Checked like a status update: nothing unaccounted for is passed.
             w.confirm_slot(end);
