@@ -38,11 +38,11 @@ fn route(topic: &str) -> Route {
     }
 }
 
-/// A message waits out a broker outage however long, instead of timing
-/// out in librdkafka (after which a later message of its partition could
-/// be written before its re-send): here three times `sink.delivery_timeout`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_waits_out_an_outage_longer_than_the_delivery_timeout() {
+/// A mock cluster with topic `t`, and a sink that delivered one message there.
+async fn one_delivered() -> (
+    MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    KafkaSink,
+) {
     let cluster = MockCluster::new(1).expect("a mock cluster");
     cluster.create_topic("t", 1, 1).expect("a topic");
     let mut sink = KafkaSink::connect(&config(&cluster.bootstrap_servers(), "t"))
@@ -53,6 +53,15 @@ async fn a_message_waits_out_an_outage_longer_than_the_delivery_timeout() {
         .await
         .expect("answered")
         .expect("delivered");
+    (cluster, sink)
+}
+
+/// A message waits out a broker outage however long, instead of timing
+/// out in librdkafka (after which a later message of its partition could
+/// be written before its re-send): here three times `sink.delivery_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_waits_out_an_outage_longer_than_the_delivery_timeout() {
+    let (cluster, mut sink) = one_delivered().await;
     cluster.broker_down(1).expect("broker down");
     let mut second = sink.send(route("t"), message("2")).await.expect("queued");
     if let Ok(answer) = tokio::time::timeout(Duration::from_secs(3), &mut second).await {
@@ -71,16 +80,7 @@ async fn a_message_waits_out_an_outage_longer_than_the_delivery_timeout() {
 /// at once, and the broker never gets it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fence_calls_back_a_message_held_for_a_broker_that_is_away() {
-    let cluster = MockCluster::new(1).expect("a mock cluster");
-    cluster.create_topic("t", 1, 1).expect("a topic");
-    let mut sink = KafkaSink::connect(&config(&cluster.bootstrap_servers(), "t"))
-        .await
-        .expect("connected");
-    let first = sink.send(route("t"), message("1")).await.expect("queued");
-    tokio::time::timeout(Duration::from_secs(30), first)
-        .await
-        .expect("answered")
-        .expect("delivered");
+    let (cluster, mut sink) = one_delivered().await;
     let fence = sink.fence().expect("Kafka's client holds messages back");
     assert_eq!(fence().await, 0, "nothing held: nothing to call back");
     cluster.broker_down(1).expect("broker down");
