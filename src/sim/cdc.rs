@@ -153,9 +153,10 @@ impl CdcServer for SimCdc {
             if w.slot_active.is_some() || w.slot_lost {
                 return Err(SourceError::SlotBusy("sim".into()));
             }
-            // As PostgreSQL 15: a logical slot never moves back. The relay
-            // asks only past what it knows the slot confirmed; a request
-            // behind it would fail again at every start.
+            // As PostgreSQL 15: pg_replication_slot_advance never moves a
+            // logical slot back (a status update could). The relay asks only
+            // past what it knows the slot confirmed: a request behind it
+            // would mean its view of the slot is stale.
             if to < w.slot_confirmed {
                 let v = format!(
                     "the relay asked to move the slot back to {to}, behind its confirmed {}",

@@ -308,7 +308,22 @@ impl World {
                         o.conn == m.conn && (whole || (o.topic == m.topic && o.key == m.key))
                     });
                 self.inflight = keep;
+                // Of another partition, what was already sent may still be
+                // written, though the client says it failed: a prefix of
+                // that partition's messages, in order.
+                let mut later = later;
+                later.sort_by_key(|o| o.due);
+                let mut cut: BTreeSet<(String, String)> = BTreeSet::new();
                 for o in later {
+                    let partition = (o.topic.clone(), o.key.clone());
+                    let other = o.topic != m.topic || o.key != m.key;
+                    // A refusal there stops that partition too.
+                    if other
+                        && !cut.contains(&partition)
+                        && !(self.rng.bool() && self.outcome(&o).is_ok())
+                    {
+                        cut.insert(partition);
+                    }
                     self.note(format!(
                         "broker fails {} behind a refused message",
                         o.event_id
