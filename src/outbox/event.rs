@@ -146,10 +146,17 @@ impl RawRow {
         required(&self.event_type, "event_type")?;
         let event_version = match &self.event_version {
             None => 1,
-            Some(v) => v
-                .trim()
-                .parse::<i32>()
-                .map_err(|_| format!("event_version {v:?} is not an integer"))?,
+            Some(v) => v.trim().parse::<i32>().map_err(|e| {
+                use std::num::IntErrorKind::{NegOverflow, PosOverflow};
+                match e.kind() {
+                    PosOverflow | NegOverflow => format!(
+                        "event_version {v:?} is outside the range the envelope carries ({}..={})",
+                        i32::MIN,
+                        i32::MAX
+                    ),
+                    _ => format!("event_version {v:?} is not an integer"),
+                }
+            })?,
         };
         match &self.payload {
             None => return Err("payload is NULL".into()),
@@ -487,6 +494,13 @@ mod tests {
                     ..row()
                 },
                 "not an integer",
+            ),
+            (
+                RawRow {
+                    event_version: Some("2147483648".into()),
+                    ..row()
+                },
+                "outside the range the envelope carries (-2147483648..=2147483647)",
             ),
             (
                 RawRow {
