@@ -233,6 +233,10 @@ async fn a_generated_column_is_refused_where_cdc_may_read_and_read_by_polling() 
         let path = config_file(&toml);
         let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
         assert!(code != 0 && out.contains(refusal), "{sets:?}: {out}{err}");
+        assert!(
+            !out.contains("privileges fit"),
+            "{sets:?}: a refused column does not fit: {out}"
+        );
         let relay = ChildRelay::start_logged(&toml);
         wait_for(WAIT, "the generated column to be refused", || async {
             relay.logged(refusal).then_some(())
@@ -245,7 +249,10 @@ async fn a_generated_column_is_refused_where_cdc_may_read_and_read_by_polling() 
     let (db, broker, toml) = generated_outbox(Mode::Polling, &[]).await;
     let path = config_file(&toml);
     let (code, out, err) = run_cli(&["check", "--config", &path], &[]);
-    assert!(code == 0 && !out.contains(refusal), "polling: {out}{err}");
+    assert!(
+        code == 0 && !out.contains(refusal) && out.contains("privileges fit"),
+        "polling: {out}{err}"
+    );
     let relay = InProcess::start(parse(&toml));
     let got = broker.inbox().wait_len(1, WAIT).await;
     assert_eq!(got[0].header("tenant"), Some("t-42"));

@@ -182,12 +182,18 @@ async fn check_table(config: &Config, client: &tokio_postgres::Client, r: &mut R
                         p.columns.join(", ")
                     ));
                 }
-                r.add(
-                    Mark::Ok,
-                    "outbox table",
-                    format!("{table}: columns, types and privileges fit{note}"),
-                );
-                streamed::check_streamed(config, client, &resolved, r).await;
+                // A column CDC cannot stream fails the table: no "fit" first.
+                let streamed = streamed::streamed_problems(config, client, &resolved).await;
+                if !streamed.iter().any(|(mark, _)| *mark == Mark::Fail) {
+                    r.add(
+                        Mark::Ok,
+                        "outbox table",
+                        format!("{table}: columns, types and privileges fit{note}"),
+                    );
+                }
+                for (mark, problem) in streamed {
+                    r.add(mark, "outbox table", problem);
+                }
             }
             for w in inspect::warnings(&info, &config.outbox.columns) {
                 r.add(Mark::Warn, "outbox table", w);

@@ -1,29 +1,24 @@
 //! Columns the relay reads that CDC cannot stream (generated ones).
 
-use super::{Mark, Report};
+use super::Mark;
 use crate::config::{Config, ResolvedColumns};
 use crate::source::cdc::setup;
 
 /// With `source.mode` `cdc` or `auto`, every column the relay reads must be
 /// one the publication streams: a generated one stops CDC (or auto mode,
-/// once it switches to CDC).
-pub(super) async fn check_streamed(
+/// once it switches to CDC). What is wrong, to report (nothing: all fit).
+pub(super) async fn streamed_problems(
     config: &Config,
     client: &tokio_postgres::Client,
     columns: &ResolvedColumns,
-    r: &mut Report,
-) {
+) -> Vec<(Mark, String)> {
     if !config.source.mode.may_use_cdc() {
-        return;
+        return Vec::new();
     }
     let table = &config.outbox.table;
     let publication = config.source.cdc.publication_name(table);
     match setup::generated_problems(client, &publication, table, columns).await {
-        Ok(problems) => {
-            for p in problems {
-                r.add(Mark::Fail, "outbox table", p);
-            }
-        }
-        Err(e) => r.add(Mark::Warn, "outbox table", e.to_string()),
+        Ok(problems) => problems.into_iter().map(|p| (Mark::Fail, p)).collect(),
+        Err(e) => vec![(Mark::Warn, e.to_string())],
     }
 }
