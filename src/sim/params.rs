@@ -48,6 +48,10 @@ pub struct Params {
     /// After the cure, the redrive runs with `dead_letter.refresh_interval`
     /// an hour long: only the looks the relay hurries move it on.
     pub long_looks: bool,
+    /// `relay.confirm_timeout` in seconds: now and then shorter than a
+    /// client's hold or a broker stall, so that the relay gives up on
+    /// messages its client still holds.
+    pub confirm_timeout_s: u64,
 }
 
 /// `source.cdc.batch_wait` in milliseconds: none, or long enough for
@@ -56,6 +60,17 @@ pub struct Params {
 fn batch_wait_ms(rng: &fastrand::Rng) -> u64 {
     let mut own = fastrand::Rng::with_seed(rng.get_seed() ^ 0xba7c_4a17);
     if own.bool() { 0 } else { own.u64(1..30) }
+}
+
+/// `relay.confirm_timeout` in seconds, drawn like [`batch_wait_ms`]:
+/// mostly 8, a quarter of the schedules 2 (shorter than most holds of the
+/// Kafka client), a few 30 (longer than any stall).
+fn confirm_timeout_s(rng: &fastrand::Rng) -> u64 {
+    match fastrand::Rng::with_seed(rng.get_seed() ^ 0xc0f1_7173).u32(0..8) {
+        0 | 1 => 2,
+        2 => 30,
+        _ => 8,
+    }
 }
 
 /// Whether the redrive after the cure runs with looks an hour apart (a
@@ -126,6 +141,7 @@ impl Params {
             shutdown_timeout_ms: if rng.bool() { 100 } else { 5_000 },
             batch_wait_ms: batch_wait_ms(rng),
             long_looks: long_looks(rng),
+            confirm_timeout_s: confirm_timeout_s(rng),
         }
     }
 
@@ -175,7 +191,7 @@ batch_wait = "{batch_wait}ms"
 [relay]
 mark = "{mark}"
 max_in_flight = {window}
-confirm_timeout = "8s"
+confirm_timeout = "{confirm}s"
 shutdown_timeout = "{shutdown}ms"
 retry_base = "50ms"
 retry_max = "1s"
@@ -205,6 +221,7 @@ enabled = false
                 MarkMode::Ranges => "ranges",
             },
             window = self.max_in_flight,
+            confirm = self.confirm_timeout_s,
             shutdown = self.shutdown_timeout_ms,
             dl = self.dead_letter,
             attempts = self.max_attempts,
