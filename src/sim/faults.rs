@@ -61,6 +61,20 @@ pub(super) async fn fault(
         }
         4 if rng.bool() => broker_outage(world, rng).await,
         4 => broker_stall(world, config, params, rng, &mut instances[i]).await,
+        5 if params.kafka && rng.bool() => {
+            // A partition's leader moves while the ownership session stays
+            // healthy: the client holds what it is given until a leader is
+            // elected, at times past relay.confirm_timeout.
+            let timeout = config.relay.confirm_timeout.as_millis() as u64;
+            let hold = Duration::from_millis(rng.u64(timeout / 4..timeout * 2));
+            let mut w = lock(world);
+            w.incident();
+            w.holds.insert(instances[i].id, Instant::now() + hold);
+            w.note(format!(
+                "instance {}'s broker client holds what it is given for {hold:?} (a leader moves)",
+                instances[i].id
+            ));
+        }
         5 if params.kafka => broker_stall(world, config, params, rng, &mut instances[i]).await,
         5 => {
             let topic = lock(world).topic(["Created", "Changed", "Closed"][rng.usize(0..3)]);
