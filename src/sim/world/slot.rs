@@ -21,9 +21,20 @@ impl World {
     }
 
     /// A status update: the slot's confirmed position moves to `flushed`,
-    /// which must not pass an event nobody has accounted for.
+    /// which must not pass an event nobody has accounted for. Backwards
+    /// too, as on PostgreSQL 15 (the walsender takes any valid position):
+    /// a stream asked to start at or before it, as after a failover, then
+    /// sends what follows again.
     pub fn confirm_slot(&mut self, flushed: Lsn) {
-        if flushed <= self.slot_confirmed {
+        if flushed.0 == 0 || flushed == self.slot_confirmed {
+            return;
+        }
+        if flushed < self.slot_confirmed {
+            self.note(format!(
+                "a status update moves the slot back from {} to {flushed}",
+                self.slot_confirmed
+            ));
+            self.slot_confirmed = flushed;
             return;
         }
         let mut problems = Vec::new();
