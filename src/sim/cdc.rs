@@ -108,6 +108,8 @@ impl CdcServer for SimCdc {
         // locks, which a transaction releases once visible). Their commit
         // LSNs are before `until`, their rows are not in the read, and the
         // stream must publish them. Every other commit is seen from here on.
+        // Not one a stream has decoded or passed: the relay read the
+        // settled position after the server sent it, so it lies before.
         let born = w.slot_born;
         let newest = w.rng.usize(0..4).saturating_sub(1);
         let now = Instant::now();
@@ -116,7 +118,11 @@ impl CdcServer for SimCdc {
             .wal
             .iter()
             .rev()
-            .take_while(|t| t.commit_lsn >= born && t.at >= moment && w.unseen.contains(&t.xid))
+            .take_while(|t| {
+                t.commit_lsn >= born.max(w.streamed_to)
+                    && t.at >= moment
+                    && w.unseen.contains(&t.xid)
+            })
             .take(newest)
             .map(|t| (t.xid, t.commit_lsn))
             .collect();
@@ -282,7 +288,11 @@ fn text(s: &str) -> TupleValue {
 impl SimStream {
     /// Decodes the next WAL transaction into the buffer, if there is one.
     fn decode(&mut self) -> bool {
-        let w = lock(&self.world);
+        let mut w = lock(&self.world);
+        let Some(end) = w.wal.get(self.pos).map(|t| t.end_lsn) else {
+            return false;
+        };
+        w.streamed_to = w.streamed_to.max(end);
         let Some(tx) = w.wal.get(self.pos) else {
             return false;
         };
@@ -407,8 +417,10 @@ impl CdcStream for SimStream {
                     // What the server has decoded so far: the next
                     // transaction's commit, or the end of the WAL.
                     let wal_end = {
-                        let w = lock(&self.world);
-                        w.wal.get(self.pos).map(|t| t.commit_lsn).unwrap_or(w.insert_lsn())
+                        let mut w = lock(&self.world);
+                        let end = w.wal.get(self.pos).map(|t| t.commit_lsn).unwrap_or(w.insert_lsn());
+                        w.streamed_to = w.streamed_to.max(end);
+                        end
                     };
                     return Ok(Some(StreamMessage::Keepalive { wal_end, reply_requested: false }));
                 }

@@ -170,6 +170,9 @@ pub struct World {
     /// see yet (decoding can hand a commit over first): a marking statement
     /// skips them until a wait for visibility or a snapshot that sees them.
     pub unseen: BTreeSet<u64>,
+    /// How far the server's streams have decoded or reported the WAL: a
+    /// settled position read later lies past it.
+    pub streamed_to: Lsn,
     /// Commit order: the xid of each committed transaction.
     pub commits: Vec<u64>,
     /// Each committed xid's place in `commits`.
@@ -290,6 +293,7 @@ impl World {
             txs: BTreeMap::new(),
             rows: BTreeMap::new(),
             unseen: BTreeSet::new(),
+            streamed_to: Lsn::default(),
             commits: Vec::new(),
             commit_pos: BTreeMap::new(),
             wal: Vec::new(),
