@@ -22,19 +22,23 @@ impl World {
 
     /// A status update: the slot's confirmed position moves to `flushed`,
     /// which must not pass an event nobody has accounted for. Backwards
-    /// too, as on PostgreSQL 15 (the walsender takes any valid position):
-    /// a stream asked to start at or before it, as after a failover, then
-    /// sends what follows again.
+    /// too, as on PostgreSQL 15 (the walsender takes any valid position).
     pub fn confirm_slot(&mut self, flushed: Lsn) {
         if flushed.0 == 0 || flushed == self.slot_confirmed {
             return;
         }
         if flushed < self.slot_confirmed {
+            // A stale view of the slot: a former owner, its session silent
+            // and its lease not yet run out, streams and reports its own
+            // position after the new owner moved the slot past it. A
+            // stream started from the slot later sends what follows again.
             self.note(format!(
                 "a status update moves the slot back from {} to {flushed}",
                 self.slot_confirmed
             ));
+            self.incident();
             self.slot_confirmed = flushed;
+            self.slot_saved = self.slot_saved.min(flushed);
             return;
         }
         let mut problems = Vec::new();
