@@ -91,14 +91,6 @@ async fn restart(world: &Shared, config: &Config, instance: &mut Instance) {
     *instance = Instance::start(world, config, instance.id);
 }
 
-/// The broker pauses (a long collection, a slow disk): what is sent
-/// meanwhile lands after the pause, in no order across connections; now and
-/// then an instance is restarted during it, so that a short
-/// `relay.shutdown_timeout` leaves messages on the way. The pause stays
-/// under a tenth of `relay.ownership_lease`: a new owner that waits out a
-/// lease publishes that much after the last message the previous one sent.
-/// Hand-over schedules restart an instance in every pause, half the time
-/// after its run failed.
 /// The ownership session ends, the process does not notice yet; half the
 /// time silently (a network cut: its statements never answer) while its
 /// broker client has no room, or (Kafka's) holds what it is given, for a
@@ -141,6 +133,14 @@ fn leaders_move(world: &Shared, config: &Config, rng: &mut fastrand::Rng, instan
     ));
 }
 
+/// The broker pauses (a long collection, a slow disk): what is sent
+/// meanwhile lands after the pause, in no order across connections; now and
+/// then an instance is restarted during it, so that a short
+/// `relay.shutdown_timeout` leaves messages on the way. The pause stays
+/// under a tenth of `relay.ownership_lease`: a new owner that waits out a
+/// lease publishes that much after the last message the previous one sent.
+/// Hand-over schedules restart an instance in every pause, half the time
+/// after its run failed.
 async fn broker_stall(
     world: &Shared,
     config: &Config,
