@@ -225,7 +225,7 @@ impl CdcServer for SimCdc {
             // read may run more rounds.
             let setup = Duration::from_micros(lock(&world).rng.u64(0..60_000));
             tokio::time::sleep(setup).await;
-            let (id, pos) = {
+            let (id, pos, slot_confirmed) = {
                 let mut w = lock(&world);
                 let Some(id) = w.open_stream() else {
                     return Err(SourceError::SlotBusy("sim".into()));
@@ -234,7 +234,7 @@ impl CdcServer for SimCdc {
                 let start = from.max(w.slot_confirmed);
                 let pos = w.wal.partition_point(|t| t.commit_lsn < start);
                 w.note(format!("stream {id} from {start}"));
-                (id, pos)
+                (id, pos, w.slot_confirmed)
             };
             Ok(SimStream {
                 world,
@@ -246,6 +246,7 @@ impl CdcServer for SimCdc {
                 message_prefix,
                 unflushed: None,
                 last_reply: Instant::now(),
+                slot_confirmed,
             })
         }
     }
@@ -279,6 +280,8 @@ pub struct SimStream {
     /// When the server last heard from the relay (the stream's start, or a
     /// status update).
     last_reply: Instant,
+    /// The slot's confirmed position when the stream opened.
+    slot_confirmed: Lsn,
 }
 
 fn text(s: &str) -> TupleValue {
@@ -436,14 +439,25 @@ impl CdcStream for SimStream {
         let queued = self.unflushed.map_or(flushed, |u| u.max(flushed));
         self.unflushed = Some(queued);
         tokio::time::sleep(Duration::from_millis(1)).await;
+        let mut w = lock(&self.world);
+        if w.cut_stream == Some(self.id) {
+            // The connection is gone: the server hears nothing more.
+            return Err(SourceError::Stream(
+                "sim: the replication connection dropped".into(),
+            ));
+        }
         if let Some(lsn) = self.unflushed.take() {
             self.last_reply = Instant::now();
-            lock(&self.world).confirm_slot(lsn);
+            w.confirm_slot(lsn);
         }
         Ok(())
     }
 
     async fn finish(self) {}
+
+    fn slot_confirmed(&self) -> Lsn {
+        self.slot_confirmed
+    }
 }
 
 impl Drop for SimStream {

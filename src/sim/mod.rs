@@ -84,7 +84,7 @@ const DEFAULT_HAND_OVER_SEEDS: u64 = 300;
 /// first of a transaction's logical messages and not the rest, which the
 /// next owner sent again (the slot cannot pass a transaction in part);
 /// 5200328, a former owner whose session went silent reporting its
-/// position after the new owner moved the slot past it (the slot goes
+/// position after the new owner moved the slot past it (the slot went
 /// back); 5200533, a snapshot that missed a commit a stream had already
 /// decoded (the simulation's fault: a settled position read later lies
 /// past it). A seed's schedule

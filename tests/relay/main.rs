@@ -54,6 +54,7 @@ mod routing;
 mod schema;
 mod sessions;
 mod shard_health;
+mod slot_position;
 mod tls;
 mod tracing;
 mod troubleshooting;

@@ -22,21 +22,19 @@ impl World {
 
     /// A status update: the slot's confirmed position moves to `flushed`,
     /// which must not pass an event nobody has accounted for. Backwards
-    /// too, as on PostgreSQL 15 (the walsender takes any valid position).
+    /// too, as older minor releases of PostgreSQL do (recent ones, 15.20
+    /// among them, ignore it): the relay must never report that, or a
+    /// stream starting from the slot later sends what follows again.
     pub fn confirm_slot(&mut self, flushed: Lsn) {
         if flushed.0 == 0 || flushed == self.slot_confirmed {
             return;
         }
         if flushed < self.slot_confirmed {
-            // A stale view of the slot: a former owner, its session silent
-            // and its lease not yet run out, streams and reports its own
-            // position after the new owner moved the slot past it. A
-            // stream started from the slot later sends what follows again.
-            self.note(format!(
+            let v = format!(
                 "a status update moves the slot back from {} to {flushed}",
                 self.slot_confirmed
-            ));
-            self.incident();
+            );
+            self.violation(v);
             self.slot_confirmed = flushed;
             self.slot_saved = self.slot_saved.min(flushed);
             return;

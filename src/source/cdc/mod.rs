@@ -54,6 +54,7 @@ mod acker;
 pub mod message;
 pub mod progress;
 pub mod server;
+mod settings;
 mod settle;
 pub mod setup;
 pub mod snapshot;
@@ -64,11 +65,12 @@ mod table_read;
 pub use acker::CdcAcker;
 pub use progress::{CdcPosition, Progress};
 pub use server::{CdcServer, CdcStream, PgServer, StreamMessage, TableRow, Timing};
+pub use settings::CdcSettings;
 pub use stream::SharedProgress;
 pub use table_read::{REREAD_ROWS, STREAM_SKIP_WAL};
 
 use super::{Reader, SourceError, SourcedEvent};
-use crate::config::{Config, MarkMode};
+use crate::config::Config;
 use crate::config::{ResolvedColumns, TableName};
 use crate::replication::Lsn;
 use crate::telemetry::events::{InternalEvent, StreamClosed};
@@ -86,73 +88,6 @@ const SLOT_BUSY_REMINDER: std::time::Duration = std::time::Duration::from_secs(3
 
 /// Confirmed-but-unflushed events remembered for skipping after a restart.
 pub const SKIP_MEMORY: usize = 100_000;
-
-/// CDC settings resolved from the configuration.
-#[derive(Debug, Clone)]
-pub struct CdcSettings {
-    pub slot: String,
-    pub publication: String,
-    pub create_slot: bool,
-    /// Create the slot as a failover slot.
-    pub failover: bool,
-    pub status_interval: Duration,
-    /// How long a committed transaction waits for later ones to join its
-    /// batch (`source.cdc.batch_wait`).
-    pub batch_wait: Duration,
-    pub heartbeat_interval: Option<Duration>,
-    /// Rows are marked, so unsent rows can be read from the table at start-up.
-    pub read_table: bool,
-    /// Sent rows are recorded by ranges (`relay.mark = "ranges"`): the
-    /// start-up read goes by the frontier (`startup_rows`).
-    pub ranges: bool,
-    /// A lost slot is dropped and created again (`source.cdc.on_lost_slot`).
-    pub recreate_lost_slot: bool,
-    /// The pipeline's name, for metrics.
-    pub pipeline: String,
-    /// The dead-letter table, when dead-lettering is on.
-    pub dead_letters: Option<TableName>,
-    /// The prefix of the logical messages that are events (`source.cdc.messages`).
-    pub messages: Option<String>,
-    /// Report the flushed position once this many events were confirmed
-    /// since the last report (the in-flight window): without marking, what
-    /// a crash sends again is what the slot was not told.
-    pub report_every: u64,
-    /// A start-up read that handed over this many rows is repeated
-    /// ([`REREAD_ROWS`]).
-    pub reread_rows: u64,
-    /// With ranges, WAL ahead of the slot that the stream may decode and
-    /// skip when it takes over from the start-up read, in bytes
-    /// ([`STREAM_SKIP_WAL`]).
-    pub stream_skip_wal: u64,
-}
-
-impl CdcSettings {
-    pub fn from_config(config: &Config) -> Self {
-        let cdc = &config.source.cdc;
-        let table = &config.outbox.table;
-        CdcSettings {
-            slot: cdc.slot_name(table),
-            publication: cdc.publication_name(table),
-            create_slot: cdc.create_slot,
-            failover: cdc.failover,
-            status_interval: cdc.status_interval,
-            batch_wait: cdc.batch_wait,
-            heartbeat_interval: cdc.heartbeat_interval,
-            read_table: config.relay.mark != MarkMode::None,
-            ranges: config.relay.mark == MarkMode::Ranges,
-            recreate_lost_slot: cdc.recreates_lost_slot(config.relay.mark),
-            pipeline: config.name.clone(),
-            dead_letters: config
-                .dead_letter
-                .enabled
-                .then(|| config.dead_letter.table_name(table)),
-            messages: cdc.message_prefix(table),
-            report_every: config.relay.max_in_flight as u64,
-            reread_rows: REREAD_ROWS,
-            stream_skip_wal: STREAM_SKIP_WAL,
-        }
-    }
-}
 
 enum Phase<S> {
     Start,
@@ -309,13 +244,39 @@ impl<B: CdcServer> CdcReader<B> {
     ) -> Result<Streaming<B::Stream>, SourceError> {
         let start = lock(&self.progress).flushed();
         let stream = self.server.stream(start).await?;
-        Ok(Streaming::new(
+        Ok(self.streaming(stream, skip, start))
+    }
+
+    /// A stream opened from `from` takes over. When the slot was past
+    /// `from` (see [`CdcStream::slot_confirmed`]), the server streams from
+    /// the slot and the flushed position starts there: status updates
+    /// never move the slot back.
+    fn streaming(
+        &self,
+        stream: B::Stream,
+        skip: Option<StartupView>,
+        from: Lsn,
+    ) -> Streaming<B::Stream> {
+        let slot = stream.slot_confirmed();
+        let start = if slot > from {
+            tracing::info!(
+                slot = %self.settings.slot,
+                from = %from,
+                confirmed = %slot,
+                "the replication slot is past the relay's position (moved by the start-up read or by another instance); streaming and reporting from the slot's"
+            );
+            lock(&self.progress).skipped_to(slot);
+            slot
+        } else {
+            from
+        };
+        Streaming::new(
             stream,
             skip,
             start,
             self.settings.read_table,
             self.settings.messages.clone(),
-        ))
+        )
     }
 
     /// One wake-up of the stream: a message handled, a status sent or a

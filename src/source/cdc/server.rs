@@ -13,15 +13,16 @@ use crate::config::{ResolvedColumns, TableName};
 use crate::db::DbError;
 use crate::outbox::RawRow;
 use crate::replication::Lsn;
-use crate::replication::pgoutput::{self, LogicalMessage};
-use crate::replication::protocol::{
-    ReplicationClient, ReplicationMessage, ReplicationStream, publication_names,
-};
+use crate::replication::pgoutput::LogicalMessage;
+use crate::replication::protocol::{ReplicationClient, publication_names};
 use crate::source::SourceError;
 use crate::telemetry::events::{InternalEvent, SlotCreated, SlotRecreated, SlotStreaming};
 use std::future::Future;
 use std::time::Duration;
 use tokio_postgres::Client;
+
+mod pg_stream;
+pub use pg_stream::PgStream;
 
 /// One message of the replication stream.
 #[derive(Debug)]
@@ -140,6 +141,13 @@ pub trait CdcStream: Send + 'static {
 
     /// Ends the stream cleanly (bounded by the caller).
     fn finish(self) -> impl Future<Output = ()> + Send;
+
+    /// The slot's confirmed position once this stream held the slot, before
+    /// any status update on it. When that is past the position asked for
+    /// (the start-up read's move, or another instance: a new owner while
+    /// this one's session was silent), the server streams from it, and a
+    /// status update behind it would move the slot back.
+    fn slot_confirmed(&self) -> Lsn;
 }
 
 /// PostgreSQL: an ordinary connection for checks, the start-up read and
@@ -497,12 +505,19 @@ impl CdcServer for PgServer {
             let stream = client
                 .start_logical_replication(&slot, from, &options)
                 .await?;
+            // Read once this stream holds the slot: nothing else can move
+            // it now, and this stream has reported nothing yet.
+            let reader = crate::db::connect(&db, None).await?;
+            let slot_confirmed = setup::slot_info(&reader, &slot)
+                .await?
+                .and_then(|info| info.confirmed_flush)
+                .unwrap_or(from);
             SlotStreaming {
                 slot: &slot,
                 from: &from,
             }
             .emit();
-            Ok(PgStream(stream))
+            Ok(PgStream::new(stream, slot_confirmed))
         }
     }
 
@@ -539,39 +554,4 @@ pub(super) fn parse_snapshot(text: &str) -> Result<Snapshot, SourceError> {
     Snapshot::parse(text).ok_or_else(|| {
         SourceError::Stream(format!("unreadable snapshot from the server: {text:?}"))
     })
-}
-
-/// A pgoutput stream on a replication connection.
-pub struct PgStream(ReplicationStream);
-
-impl CdcStream for PgStream {
-    async fn next(&mut self) -> Result<Option<StreamMessage>, SourceError> {
-        Ok(match self.0.next().await? {
-            None => None,
-            Some(ReplicationMessage::PrimaryKeepalive {
-                wal_end,
-                reply_requested,
-                ..
-            }) => Some(StreamMessage::Keepalive {
-                wal_end,
-                reply_requested,
-            }),
-            Some(ReplicationMessage::XLogData { data, .. }) => {
-                Some(StreamMessage::Change(pgoutput::decode(data)?))
-            }
-        })
-    }
-
-    async fn send_status(&mut self, write: Lsn, flushed: Lsn) -> Result<(), SourceError> {
-        self.0
-            .send_standby_status(write, flushed, flushed, true)
-            .await?;
-        Ok(())
-    }
-
-    async fn finish(self) {
-        if let Err(e) = self.0.finish().await {
-            tracing::debug!(error = %e, "ending the replication stream");
-        }
-    }
 }

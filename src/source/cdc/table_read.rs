@@ -3,7 +3,6 @@
 
 use super::progress::{CATCH_UP, CdcPosition};
 use super::snapshot::{Snapshot, StartupView};
-use super::stream::Streaming;
 use super::stream::lock;
 use super::{CdcReader, CdcServer, CdcStream, Phase};
 use crate::replication::Lsn;
@@ -115,11 +114,13 @@ impl<S: CdcStream> Opening<S> {
             let opening = open.await;
             flag.store(true, Ordering::SeqCst);
             let mut stream = opening?;
+            // Never behind the slot: that would move it back.
+            let at = from.max(stream.slot_confirmed());
             loop {
                 tokio::select! {
                     biased;
                     _ = &mut taken => return Ok(stream),
-                    () = tokio::time::sleep(status_every) => stream.send_status(from, from).await?,
+                    () = tokio::time::sleep(status_every) => stream.send_status(at, at).await?,
                 }
             }
         });
@@ -304,13 +305,7 @@ impl<B: CdcServer> CdcReader<B> {
         let streaming = match read.opening.take() {
             Some(mut opening) => {
                 let stream = opening.take().await?;
-                Streaming::new(
-                    stream,
-                    skip,
-                    opening.from,
-                    self.settings.read_table,
-                    self.settings.messages.clone(),
-                )
+                self.streaming(stream, skip, opening.from)
             }
             None => self.open_stream(skip).await?,
         };

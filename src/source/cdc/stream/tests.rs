@@ -11,6 +11,9 @@ impl CdcStream for Stuck {
         std::future::pending().await
     }
     async fn finish(self) {}
+    fn slot_confirmed(&self) -> Lsn {
+        Lsn(0)
+    }
 }
 
 /// A status message cut short counts nothing as reported: the report
