@@ -111,6 +111,7 @@ fn session_goes_silent(world: &Shared, config: &Config, rng: &mut fastrand::Rng)
                 ("has no room", &mut w.no_room)
             };
             until.insert(o, Instant::now() + room_in);
+            w.held_partitions.remove(&o);
             w.note(format!(
                 "reign {r}'s session goes silent, and instance {o}'s broker client {what} for {room_in:?}"
             ));
@@ -119,17 +120,35 @@ fn session_goes_silent(world: &Shared, config: &Config, rng: &mut fastrand::Rng)
 }
 
 /// Leaders move while the ownership session stays healthy: the client of
-/// `instance` holds all it is given (every partition, a simpler case than a
-/// real client's) until they are elected, at times past
-/// `relay.confirm_timeout`. No incident of its own: a confirmation given up
+/// `instance` holds what it is given for the partitions whose leaders
+/// moved (half the time every partition, else a third, a half or a
+/// quarter of them) until they are elected, at times past
+/// `relay.confirm_timeout`. Messages of the other partitions, sent later,
+/// go on to the broker. No incident of its own: a confirmation given up
 /// on ends the run, whose end counts one, and calls back what is held.
 fn leaders_move(world: &Shared, config: &Config, rng: &mut fastrand::Rng, instance: usize) {
     let timeout = config.relay.confirm_timeout.as_millis() as u64;
     let hold = Duration::from_millis(rng.u64(timeout / 4..timeout * 2));
+    // Drawn from a generator of its own, as the fault's choice is.
+    let mut own = fastrand::Rng::with_seed(rng.get_seed() ^ 0x9a27_1710);
+    let some = own.bool().then(|| {
+        let of = own.u64(2..5);
+        (of, own.u64(0..of))
+    });
     let mut w = lock(world);
     w.holds.insert(instance, Instant::now() + hold);
+    let which = match some {
+        Some((of, is)) => {
+            w.held_partitions.insert(instance, (of, is));
+            format!("the partitions whose hash modulo {of} is {is}")
+        }
+        None => {
+            w.held_partitions.remove(&instance);
+            "every partition".to_owned()
+        }
+    };
     w.note(format!(
-        "instance {instance}'s broker client holds what it is given for {hold:?} (leaders move)"
+        "instance {instance}'s broker client holds what it is given for {which} for {hold:?} (leaders move)"
     ));
 }
 

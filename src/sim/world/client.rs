@@ -18,14 +18,28 @@ pub(crate) struct ClientMsg {
 
 impl World {
     /// The client writes `m` now, or holds it while its instance's client
-    /// holds everything (after what it holds already: order per client).
+    /// holds its partition (after what it holds already: order per client).
     pub(super) fn hand(&mut self, m: ClientMsg) {
         // Behind what a client whose hold just ended still holds.
         self.release_held(Instant::now());
         let instance = self.conns.get(&m.conn).map(|c| c.0);
-        let held = instance
-            .and_then(|i| self.holds.get(&i))
-            .is_some_and(|until| *until > Instant::now());
+        let holding = instance.is_some_and(|i| {
+            self.holds
+                .get(&i)
+                .is_some_and(|until| *until > Instant::now())
+        });
+        let partition = partition_hash(&self.topic(&m.event_type), &m.key);
+        let held = holding
+            && instance
+                .and_then(|i| self.held_partitions.get(&i))
+                .is_none_or(|(of, is)| partition % of == *is);
+        if holding && !held {
+            self.note(format!(
+                "the client of instance {} sends {} past the partitions it holds",
+                instance.unwrap_or(usize::MAX),
+                m.event_id
+            ));
+        }
         if held {
             self.note(format!(
                 "the client of instance {} holds {}",
@@ -62,6 +76,7 @@ impl World {
             return;
         }
         self.holds.retain(|i, _| !ended.contains(i));
+        self.held_partitions.retain(|i, _| !ended.contains(i));
         let (due, keep): (Vec<_>, Vec<_>) =
             std::mem::take(&mut self.held).into_iter().partition(|m| {
                 self.conns
@@ -95,4 +110,16 @@ impl World {
                 .send(Err(SinkError::Unavailable("sim: called back".into())));
         }
     }
+}
+
+/// A partition's hash, the same in every run (a topic and a key are one
+/// partition in the simulation, as per-key order makes them).
+fn partition_hash(topic: &str, key: &str) -> u64 {
+    topic
+        .bytes()
+        .chain([0])
+        .chain(key.bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
 }

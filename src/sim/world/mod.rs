@@ -239,6 +239,10 @@ pub struct World {
     /// Instances whose broker client holds what it is given until then
     /// (see `client.rs`), and what they hold, in order.
     pub holds: BTreeMap<usize, Instant>,
+    /// Of those, instances whose client holds only some partitions: those
+    /// whose hash (see `client.rs`) divided by the first number leaves the
+    /// second (a leader move elects partitions one by one).
+    pub held_partitions: BTreeMap<usize, (u64, u64)>,
     held: Vec<ClientMsg>,
     /// Messages a client held and called back.
     pub called_back: u64,
@@ -329,6 +333,7 @@ impl World {
             no_room: BTreeMap::new(),
             waited_for_room: 0,
             holds: BTreeMap::new(),
+            held_partitions: BTreeMap::new(),
             held: Vec::new(),
             called_back: 0,
             silent_reigns: BTreeSet::new(),
