@@ -159,7 +159,7 @@ async fn a_stream_opened_after_another_instance_moved_the_slot_does_not_move_it_
     reader.close().await;
     assert!(
         lowest.reported.is_some(),
-        "the stream reported a position within a second: {lowest:?}"
+        "the stream reported a position while it was looked at: {lowest:?}"
     );
     assert!(
         lowest.slot >= moved_to && lowest.reported >= Some(moved_to),

@@ -165,8 +165,9 @@ impl Progress {
         self.confirmed_ahead.retain(|(lsn, _)| *lsn >= flushed);
     }
 
-    /// The slot was moved to `lsn` past WAL the start-up read accounts for:
-    /// nothing before it will be streamed again.
+    /// The slot was moved to `lsn`, past WAL the start-up read accounts
+    /// for, or found there when a stream opened (another instance moved
+    /// it): nothing before it will be streamed again.
     pub fn skipped_to(&mut self, lsn: Lsn) {
         self.flushed = self.flushed.max(lsn);
         self.server_end = self.server_end.max(self.flushed);

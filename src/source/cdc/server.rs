@@ -491,7 +491,8 @@ impl CdcServer for PgServer {
         let names = publication_names(&[&self.settings.publication]);
         async move {
             let pg = crate::db::pg_config(&db)?;
-            let client = ReplicationClient::connect(&pg, &db.tls()).await?;
+            let mut client = ReplicationClient::connect(&pg, &db.tls()).await?;
+            let pid = walsender_pid(&mut client).await?;
             let mut options = vec![
                 ("proto_version", "1"),
                 ("publication_names", names.as_str()),
@@ -506,11 +507,17 @@ impl CdcServer for PgServer {
                 .start_logical_replication(&slot, from, &options)
                 .await?;
             // Read once this stream holds the slot: nothing else can move
-            // it now, and this stream has reported nothing yet.
+            // it now, and this stream has reported nothing yet. Held by
+            // this stream's process, so that a URL naming several hosts
+            // cannot answer from another server's slot of the same name.
             let reader = crate::db::connect(&db, None).await?;
-            let slot_confirmed = setup::slot_info(&reader, &slot)
+            let slot_confirmed = setup::held_slot_confirmed(&reader, &slot, pid)
                 .await?
-                .and_then(|info| info.confirmed_flush)
+                .ok_or_else(|| {
+                    SourceError::Stream(format!(
+                        "replication slot {slot:?} is not held by the stream just opened (process {pid}) on the server the relay's other connections reach: every connection database.url makes must reach the same server"
+                    ))
+                })?
                 .unwrap_or(from);
             SlotStreaming {
                 slot: &slot,
@@ -541,6 +548,22 @@ impl CdcServer for PgServer {
             .await
             .map_err(|e| DbError::query("reading dead-lettered WAL positions", e).into())
     }
+}
+
+/// The process id of a replication connection's walsender.
+async fn walsender_pid(client: &mut ReplicationClient) -> Result<i32, SourceError> {
+    let rows = client.simple_query("SELECT pg_backend_pid()").await?;
+    let text = rows
+        .first()
+        .and_then(|r| r.first())
+        .cloned()
+        .flatten()
+        .unwrap_or_default();
+    text.parse().map_err(|e| {
+        SourceError::Stream(format!(
+            "unreadable process id {text:?} from the replication connection: {e}"
+        ))
+    })
 }
 
 /// A WAL position in its text form, as the server reports it.

@@ -54,6 +54,24 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
     }))
 }
 
+/// The confirmed position of `slot` while the process `pid` (a walsender)
+/// holds it: `None` when it does not, `Some(None)` when the slot has none.
+pub async fn held_slot_confirmed(
+    client: &Client,
+    slot: &str,
+    pid: i32,
+) -> Result<Option<Option<Lsn>>, DbError> {
+    let row = client
+        .query_opt(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots
+             WHERE slot_name = $1 AND active_pid = $2",
+            &[&slot, &pid],
+        )
+        .await
+        .map_err(|e| q("reading the position of the slot the stream holds", e))?;
+    Ok(row.map(|r| r.get::<_, Option<String>>(0).and_then(|s| s.parse().ok())))
+}
+
 /// Problems that make the slot unusable for this database, each with its fix.
 pub fn slot_problems(info: &SlotInfo, slot: &str, database: &str) -> Vec<String> {
     let mut out = Vec::new();
