@@ -105,13 +105,17 @@ fn session_goes_silent(world: &Shared, config: &Config, rng: &mut fastrand::Rng)
         w.end_sessions(o);
         if rng.bool() {
             w.silent_reigns.insert(r);
-            let (what, until) = if w.broker_kind.gapless && rng.bool() {
+            let holds = w.broker_kind.gapless && rng.bool();
+            let (what, until) = if holds {
                 ("holds what it is given", &mut w.holds)
             } else {
                 ("has no room", &mut w.no_room)
             };
             until.insert(o, Instant::now() + room_in);
-            w.held_partitions.remove(&o);
+            if holds {
+                // Every partition.
+                w.held_partitions.remove(&o);
+            }
             w.note(format!(
                 "reign {r}'s session goes silent, and instance {o}'s broker client {what} for {room_in:?}"
             ));

@@ -28,11 +28,20 @@ impl World {
                 .get(&i)
                 .is_some_and(|until| *until > Instant::now())
         });
-        let partition = partition_hash(&self.topic(&m.event_type), &m.key);
+        let topic = self.topic(&m.event_type);
+        let partition = partition_hash(&topic, &m.key);
+        // Behind what the client holds of its partition already (a hold
+        // that took over from a wider one), whatever the hold covers now.
+        let behind = || {
+            self.held
+                .iter()
+                .any(|h| h.conn == m.conn && h.key == m.key && self.topic(&h.event_type) == topic)
+        };
         let held = holding
-            && instance
+            && (instance
                 .and_then(|i| self.held_partitions.get(&i))
-                .is_none_or(|(of, is)| partition % of == *is);
+                .is_none_or(|(of, is)| partition % of == *is)
+                || behind());
         if holding && !held {
             self.note(format!(
                 "the client of instance {} sends {} past the partitions it holds",
