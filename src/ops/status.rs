@@ -14,6 +14,9 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use tokio_postgres::Client;
 
+mod render;
+pub use render::{UNMARKED, render};
+
 /// The session holding a pipeline's ownership lock.
 #[derive(Debug, Clone, Serialize)]
 pub struct Holder {
@@ -76,6 +79,10 @@ pub struct Snapshot {
     /// not say what was sent (the slot's lag does), or when not read
     /// ([`Reads::backlog`]).
     pub backlog: Option<i64>,
+    /// Why the unsent rows could not be counted (a backlog too large to
+    /// count within the statement timeout, say).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backlog_error: Option<String>,
     pub oldest_unsent_age_seconds: Option<f64>,
     pub dead_letters: Option<i64>,
     /// Why the open dead letters could not be counted, when dead-lettering
@@ -122,9 +129,12 @@ pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<
     let table = &config.outbox.table;
     let t = table.quoted();
     let with_last_publish = reads.last_publish;
-    let backlog = match reads.backlog {
-        true => backlog(client, config).await?,
-        false => None,
+    let (backlog, backlog_error) = match reads.backlog {
+        true => match backlog(client, config).await {
+            Ok(n) => (n, None),
+            Err(e) => (None, Some(backlog_problem(&e))),
+        },
+        false => (None, None),
     };
     let oldest_unsent_age_seconds = match reads.oldest_age {
         true => oldest_unsent_age(client, config).await?,
@@ -168,6 +178,7 @@ pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<
         active,
         shards_owned,
         backlog,
+        backlog_error,
         oldest_unsent_age_seconds,
         dead_letters,
         dead_letters_error,
@@ -203,6 +214,22 @@ pub async fn backlog(client: &Client, config: &Config) -> Result<Option<i64>, Db
             .map_err(q("counting unsent rows"))?
             .get(0),
     ))
+}
+
+/// What `status` says when the unsent rows could not be counted; the rest
+/// of the snapshot is still read and shown.
+fn backlog_problem(e: &DbError) -> String {
+    match e {
+        DbError::Query { source, .. }
+            if source.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED) =>
+        {
+            format!(
+                "not counted: the count of unsent rows was cancelled, past the {} s statement timeout (a backlog of many millions) or by an administrator; the oldest unsent row's age says how far behind the relay is",
+                crate::db::STATEMENT_TIMEOUT.as_secs()
+            )
+        }
+        _ => format!("not counted: {e}"),
+    }
 }
 
 async fn frontier_status(client: &Client, table: &TableName) -> Result<FrontierStatus, DbError> {
@@ -434,134 +461,9 @@ async fn auto_status(
     })
 }
 
-/// The backlog with `relay.mark = "none"`.
-pub const UNMARKED: &str =
-    "not known from the table (relay.mark = \"none\"): the slot's lag says how far behind";
-
-/// A readable block for one snapshot.
-pub fn render(s: &Snapshot) -> String {
-    let mut out = format!(
-        "pipeline {} ({} -> {}, table {})\n",
-        s.pipeline, s.mode, s.sink, s.table
-    );
-    let mut line = |k: &str, v: String| out.push_str(&format!("  {k:<22} {v}\n"));
-    let (owner_key, owner) = owner(s);
-    line(owner_key, owner);
-    line(
-        "backlog",
-        s.backlog
-            .map_or(UNMARKED.into(), |n| format!("{n} unsent event(s)")),
-    );
-    line("oldest unsent", oldest_unsent(s));
-    let chosen = if s.marking_chosen_by_outbox {
-        " (relay.mark is unset: the outbox chose)"
-    } else {
-        ""
-    };
-    line("marking", format!("{}{chosen}", s.marking));
-    line(
-        "dead letters",
-        match (&s.dead_letters_error, s.dead_letters) {
-            (Some(e), _) => e.clone(),
-            (None, Some(n)) => format!("{n} open"),
-            (None, None) => "dead-lettering off".into(),
-        },
-    );
-    line(
-        "last publish",
-        s.last_publish.map_or("unknown".into(), |t| {
-            t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
-        }),
-    );
-    if let Some(auto) = &s.auto {
-        line("reading by", reading_by(auto));
-    }
-    if let Some(slot) = &s.slot {
-        line("slot", slot_line(slot));
-    }
-    if let Some(f) = &s.frontier {
-        let ago = |a: f64| humantime::format_duration(std::time::Duration::from_secs(a as u64));
-        let age = match (f.folded_at, f.age_seconds) {
-            (Some(_), Some(a)) => format!("moved {} ago", ago(a)),
-            (None, Some(a)) => format!("never moved; the oldest batch waits {}", ago(a)),
-            _ => "nothing recorded yet".into(),
-        };
-        line(
-            "frontier",
-            format!(
-                "{age}, {} row(s) held open, {} batch(es) not folded yet",
-                f.held_rows, f.progress_rows
-            ),
-        );
-    }
-    out
-}
-
-/// Who publishes: the shards owned, or the active instance.
-fn owner(s: &Snapshot) -> (&'static str, String) {
-    match (&s.active, s.shards_owned) {
-        (_, Some((held, n))) => (
-            "active shards",
-            format!("{held} of {n} owned by running instances"),
-        ),
-        (Some(h), None) => (
-            "active instance",
-            format!(
-                "pid {} ({}{})",
-                h.pid,
-                if h.application_name.is_empty() {
-                    "?"
-                } else {
-                    &h.application_name
-                },
-                h.client_addr
-                    .as_ref()
-                    .map(|a| format!(" from {a}"))
-                    .unwrap_or_default()
-            ),
-        ),
-        (None, None) => ("active instance", "none: no relay holds this outbox".into()),
-    }
-}
-
-fn oldest_unsent(s: &Snapshot) -> String {
-    match s.oldest_unsent_age_seconds {
-        Some(a) => {
-            humantime::format_duration(std::time::Duration::from_secs(a as u64)).to_string()
-                + " old"
-        }
-        None if s.backlog.is_none_or(|n| n == 0) => "-".into(),
-        None => "unknown (no created_at column, or NULL in the oldest row)".into(),
-    }
-}
-
-fn reading_by(auto: &AutoStatus) -> String {
-    match (auto.reading, &auto.blocked) {
-        ("none", _) => "nothing: no instance is active".into(),
-        ("cdc", _) => "cdc (the slot is streaming)".into(),
-        (_, Some(blocked)) => format!("polling: CDC is not possible: {blocked}"),
-        (_, None) => "polling; CDC is possible, the relay switches at its next probe".into(),
-    }
-}
-
-fn slot_line(slot: &SlotStatus) -> String {
-    if slot.exists {
-        format!(
-            "{}: {}, WAL {}, retains {}, {} behind",
-            slot.name,
-            if slot.streaming { "streaming" } else { "idle" },
-            slot.wal_status.as_deref().unwrap_or("?"),
-            super::mib(slot.retained_wal_bytes),
-            super::mib(slot.confirmed_lag_bytes)
-        )
-    } else {
-        format!("{} does not exist", slot.name)
-    }
-}
-
 /// `outbox-relay status`: a block (or a JSON object) per pipeline; fails
 /// (after printing the others) when a pipeline's database cannot be read,
-/// or its dead letters cannot be counted.
+/// or its unsent rows or dead letters cannot be counted.
 pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
     let mut failed = false;
     for config in &file.load_all()? {
@@ -578,7 +480,7 @@ pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
         // A count it could not read fails the command too, after the rest.
         failed |= snapshot
             .as_ref()
-            .is_ok_and(|s| s.dead_letters_error.is_some());
+            .is_ok_and(|s| s.dead_letters_error.is_some() || s.backlog_error.is_some());
         match snapshot {
             Ok(s) if json => println!("{}", serde_json::to_string(&s).unwrap_or_default()),
             Ok(s) => println!("{}", render(&s)),

@@ -168,6 +168,76 @@ async fn status_json_matches_a_known_state() {
     relay.stop().await;
 }
 
+/// A backlog too large to count within the statement timeout does not hide
+/// the rest of `status`: the count's failure (here a cancel, as a timeout
+/// is one: SQLSTATE 57014) is shown in its place, the other lines are
+/// still read, and the command fails after printing them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_the_rest_when_the_backlog_cannot_be_counted() {
+    let (db, _broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[("relay.mark", "\"update\"")],
+    )
+    .await;
+    let path = config_file(&toml);
+    for i in 0..3 {
+        db.insert(Uuid::new_v4(), "order", &format!("a{i}"), json!({}))
+            .await;
+    }
+    // Another session holds the table, so the count waits; it is cancelled.
+    let locker = connect(&db.url).await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
+        .await
+        .expect("lock the outbox");
+    let status =
+        tokio::task::spawn_blocking(move || run_cli(&["status", "--config", &path, "--json"], &[]));
+    let counting: i32 = wait_for(
+        WAIT,
+        "the count of unsent rows to wait for the lock",
+        || async {
+            db.client
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'
+                   AND query LIKE 'SELECT count(*) FROM %relay_sent_at IS NULL'",
+                    &[],
+                )
+                .await
+                .expect("read pg_stat_activity")
+                .map(|r| r.get(0))
+        },
+    )
+    .await;
+    db.client
+        .execute("SELECT pg_cancel_backend($1)", &[&counting])
+        .await
+        .expect("cancel the count");
+    locker.batch_execute("COMMIT").await.expect("unlock");
+    let (code, out, err) = tokio::time::timeout(WAIT, status)
+        .await
+        .expect("status within the wait")
+        .expect("status ran");
+    assert_ne!(
+        code, 0,
+        "a count it could not read fails the command: {out}"
+    );
+    let s: Value = serde_json::from_str(out.trim()).expect("the snapshot, printed before failing");
+    assert_eq!(s["backlog"], Value::Null, "{s}");
+    let why = s["backlog_error"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("not counted") && why.contains("cancelled"),
+        "{s}"
+    );
+    assert_eq!(s["dead_letters"], 0, "the rest is read: {s}");
+    assert!(
+        s["oldest_unsent_age_seconds"].as_f64().is_some(),
+        "{s} {err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_process_relays_several_pipelines() {
     let db = TestDb::new().await;
