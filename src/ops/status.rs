@@ -76,8 +76,8 @@ pub struct Snapshot {
     /// With shards: how many shard locks are held, of how many.
     pub shards_owned: Option<(i64, u32)>,
     /// Unsent rows; `None` with `relay.mark = "none"`, where the table does
-    /// not say what was sent (the slot's lag does), or when not read
-    /// ([`Reads::backlog`]).
+    /// not say what was sent (the slot's lag does), when not read
+    /// ([`Reads::backlog`]), or when the count failed (`backlog_error`).
     pub backlog: Option<i64>,
     /// Why the unsent rows could not be counted (a backlog too large to
     /// count within the statement timeout, say).

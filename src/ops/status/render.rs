@@ -101,7 +101,8 @@ fn oldest_unsent(s: &Snapshot) -> String {
             humantime::format_duration(std::time::Duration::from_secs(a as u64)).to_string()
                 + " old"
         }
-        None if s.backlog_error.is_none() && s.backlog.is_none_or(|n| n == 0) => "-".into(),
+        None if s.backlog_error.is_some() => "unknown".into(),
+        None if s.backlog.is_none_or(|n| n == 0) => "-".into(),
         None => "unknown (no created_at column, or NULL in the oldest row)".into(),
     }
 }

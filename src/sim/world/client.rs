@@ -21,13 +21,11 @@ impl World {
     /// holds its partition (after what it holds already: order per client).
     pub(super) fn hand(&mut self, m: ClientMsg) {
         // Behind what a client whose hold just ended still holds.
-        self.release_held(Instant::now());
+        let now = Instant::now();
+        self.release_held(now);
         let instance = self.conns.get(&m.conn).map(|c| c.0);
-        let holding = instance.is_some_and(|i| {
-            self.holds
-                .get(&i)
-                .is_some_and(|until| *until > Instant::now())
-        });
+        let holding =
+            instance.is_some_and(|i| self.holds.get(&i).is_some_and(|until| *until > now));
         let topic = self.topic(&m.event_type);
         let partition = partition_hash(&topic, &m.key);
         // Behind what the client holds of its partition already (a hold

@@ -515,7 +515,7 @@ impl CdcServer for PgServer {
                 .await?
                 .ok_or_else(|| {
                     SourceError::Stream(format!(
-                        "replication slot {slot:?} is not held by the stream just opened (process {pid}) on the server the relay's other connections reach: every connection database.url makes must reach the same server"
+                        "replication slot {slot:?} is not held by the stream just opened (process {pid}): the stream ended at once (the server's log says why), or the connections database.url makes reach different servers"
                     ))
                 })?
                 .unwrap_or(from);
