@@ -51,14 +51,6 @@ async fn padded_outbox() -> (TestDb, String) {
     (db, format!("{toml}\n{EXTRA}"))
 }
 
-async fn resolved(db: &TestDb, config: &Config) -> ResolvedColumns {
-    let info = outbox_relay::outbox::inspect::table_info(&db.client, &config.outbox.table)
-        .await
-        .expect("table info")
-        .expect("the outbox exists");
-    config.outbox.columns.resolve(&info.names())
-}
-
 /// What a reader made of a row: every field as text.
 type Read = (
     String,
@@ -150,7 +142,7 @@ async fn polling_the_startup_read_and_the_stream_read_a_row_alike() {
         .expect("insert rows");
 
     let marked = parse(&toml);
-    let columns = resolved(&db, &marked).await;
+    let columns = db.resolved_columns(&marked).await;
     let (polled, startup) = read_from_the_table(&marked, &columns).await;
 
     // The CDC stream: without marking there is no start-up read, and the

@@ -61,11 +61,7 @@ async fn outbox(
     )
     .await;
     let config = parse(&toml);
-    let info = outbox_relay::outbox::inspect::table_info(&db.client, &config.outbox.table)
-        .await
-        .expect("table info")
-        .expect("the outbox exists");
-    let columns = config.outbox.columns.resolve(&info.names());
+    let columns = db.resolved_columns(&config).await;
     (db, broker, config, columns)
 }
 

@@ -91,11 +91,7 @@ async fn a_stream_opened_after_another_instance_moved_the_slot_does_not_move_it_
     )
     .await;
     let config = parse(&toml);
-    let info = outbox_relay::outbox::inspect::table_info(&db.client, &config.outbox.table)
-        .await
-        .expect("table info")
-        .expect("the outbox exists");
-    let columns = config.outbox.columns.resolve(&info.names());
+    let columns = db.resolved_columns(&config).await;
     let slot = config.source.cdc.slot_name(&config.outbox.table);
     let insert = "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
                   SELECT gen_random_uuid(), 'order', 'a' || i, 'Placed', '{}'

@@ -107,6 +107,16 @@ impl TestDb {
         }
     }
 
+    /// The columns the relay reads from the outbox `config` names, as it
+    /// resolves them at start.
+    pub async fn resolved_columns(&self, config: &Config) -> outbox_relay::config::ResolvedColumns {
+        let info = outbox_relay::outbox::inspect::table_info(&self.client, &config.outbox.table)
+            .await
+            .expect("table info")
+            .expect("the outbox exists");
+        config.outbox.columns.resolve(&info.names())
+    }
+
     /// Creates the default outbox table through `migrate` (the public contract).
     pub async fn migrate(&self, config: &Config) {
         let mut client = connect(&self.url).await;
