@@ -531,6 +531,16 @@ pub fn warnings(info: &TableInfo, map: &ColumnMap) -> Vec<String> {
             super::WRITE_ONCE_TRIGGER
         ));
     }
+    let has = |name: &str| info.triggers.iter().any(|t| t == name);
+    if !(has(super::OWN_XID_TRIGGER) && has(super::OWN_XID_UPDATE_TRIGGER)) {
+        out.push(format!(
+            "no trigger keeps relay_xid to the inserting transaction's id: a row inserted with a value \
+             of its own (an INSERT ... SELECT * from a copy of the outbox) could count as sent and never \
+             be published; run `outbox-relay migrate` to add {} and {}",
+            super::OWN_XID_TRIGGER,
+            super::OWN_XID_UPDATE_TRIGGER
+        ));
+    }
     out
 }
 

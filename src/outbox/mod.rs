@@ -83,6 +83,14 @@ impl MarkStatement {
 /// `check` looks for it).
 pub const WRITE_ONCE_TRIGGER: &str = "outbox_relay_write_once";
 
+/// The trigger that refuses an INSERT giving `relay_xid` a value other
+/// than the inserting transaction's (`migrate` installs it with its UPDATE
+/// twin [`OWN_XID_UPDATE_TRIGGER`], `check` looks for it).
+pub const OWN_XID_TRIGGER: &str = "outbox_relay_own_xid";
+
+/// The trigger that refuses an UPDATE changing an unsent row's `relay_xid`.
+pub const OWN_XID_UPDATE_TRIGGER: &str = "outbox_relay_own_xid_update";
+
 /// The key of the session advisory lock that makes one instance active per
 /// outbox (the pipeline takes it; `status`, `check` and retention read it).
 pub fn ownership_key(table: &TableName) -> String {

@@ -46,6 +46,7 @@ mod ranges_downgrade;
 mod ranges_fold;
 mod ranges_histories;
 mod redrive;
+mod relay_xid;
 mod retention;
 mod retention_ranges;
 mod retention_skips;

@@ -154,6 +154,22 @@ async fn migrate_adopts_an_application_partitioned_table() {
         message.as_deref().is_some_and(|m| m.contains("write-once")),
         "{refused:?}"
     );
+    // So does the one that keeps relay_xid to the inserting transaction's.
+    let refused = db
+        .client
+        .execute(
+            "UPDATE outbox SET relay_xid = '3'::xid8 WHERE id = $1",
+            &[&new],
+        )
+        .await
+        .expect_err("an unsent row's relay_xid cannot change");
+    let message = refused.as_db_error().map(|e| e.message().to_owned());
+    assert!(
+        message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("outbox.relay_xid is the inserting transaction's id")),
+        "{refused:?}"
+    );
     let out = cli_says(&["migrate", "--dry-run", "--config", &path], 0, &[]);
     assert!(!out.contains("CREATE"), "nothing left to do: {out}");
     let out = cli_says(

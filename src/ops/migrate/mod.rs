@@ -267,15 +267,9 @@ pub async fn plan(client: &Client, opts: &MigrateOptions) -> Result<Vec<Step>, M
         Some(channel) => steps.extend(triggers::notify(client, opts, channel).await?),
         None => steps.extend(triggers::drop_notify(client, &opts.table).await?),
     }
-    if let Some(step) = triggers::write_once(
-        client,
-        &opts.table,
-        &event_columns(info.as_ref(), &opts.columns),
-    )
-    .await?
-    {
-        steps.push(step);
-    }
+    let columns = event_columns(info.as_ref(), &opts.columns);
+    steps.extend(triggers::write_once(client, &opts.table, &columns).await?);
+    steps.extend(triggers::own_xid(client, &opts.table).await?);
     if let Some(dlq) = &opts.dead_letters {
         steps.extend(dead_letter_steps(client, dlq).await?);
     }

@@ -2,7 +2,7 @@
 
 use super::{MigrateError, MigrateOptions, Step};
 use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
-use crate::outbox::WRITE_ONCE_TRIGGER;
+use crate::outbox::{OWN_XID_TRIGGER, OWN_XID_UPDATE_TRIGGER, WRITE_ONCE_TRIGGER};
 use crate::sql::{quote_ident, quote_literal};
 use tokio_postgres::Client;
 
@@ -205,6 +205,109 @@ BEGIN
         END IF;
     END LOOP;
     RETURN NEW;
+END
+"
+    )
+}
+
+/// The session setting that lets rows keep the `relay_xid` they carry
+/// (moving rows between partitions, a data-only restore): `on`.
+pub const KEEP_XID_SETTING: &str = "outbox_relay.keep_xid";
+
+/// `relay_xid` is the inserting transaction's id, from its default: the
+/// readers tell by it which transactions they have read, and with
+/// `relay.mark = "ranges"` a row naming an older, committed transaction
+/// counts as sent. An INSERT that gives it a value of its own (an `INSERT
+/// ... SELECT *` from a copy of the outbox) would lose that event silently,
+/// or hold it back until a restart; these triggers refuse it, and any
+/// UPDATE that changes the column, instead. Their conditions run without
+/// calling the function, so an INSERT that leaves the column to its default
+/// pays one comparison. A row inserted with `relay_sent_at` set is sent
+/// whatever its `relay_xid`, so it passes. A row moved to another partition
+/// is inserted there with the `relay_xid` it had: the session that moves
+/// rows sets [`KEEP_XID_SETTING`]. Rows a logical replication subscription
+/// applies pass too: its workers run no ordinary trigger.
+pub(super) async fn own_xid(
+    client: &Client,
+    table: &TableName,
+) -> Result<Option<Step>, MigrateError> {
+    let function = format!(
+        "{}.{}",
+        quote_ident(&table.schema),
+        quote_ident(OWN_XID_TRIGGER)
+    );
+    let body = own_xid_body();
+    // Both, enabled, calling this body (which names their conditions).
+    let installed: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+             WHERE t.tgrelid = to_regclass($1) AND t.tgname IN ($2, $3) AND NOT t.tgisinternal
+               AND t.tgenabled <> 'D' AND btrim(p.prosrc) = btrim($4)",
+            &[
+                &table.quoted(),
+                &OWN_XID_TRIGGER,
+                &OWN_XID_UPDATE_TRIGGER,
+                &body,
+            ],
+        )
+        .await?
+        .get(0);
+    if installed == 2 {
+        return Ok(None);
+    }
+    Ok(Some(Step::new(
+        format!(
+            "create triggers {OWN_XID_TRIGGER} and {OWN_XID_UPDATE_TRIGGER} on {table} \
+             (refuse a {XID_COLUMN} other than the inserting transaction's)"
+        ),
+        format!(
+            "CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $fn${body}$fn$;
+DROP TRIGGER IF EXISTS {insert} ON {quoted};
+CREATE TRIGGER {insert} BEFORE INSERT ON {quoted} FOR EACH ROW
+    WHEN (NEW.{SENT_AT_COLUMN} IS NULL AND NEW.{XID_COLUMN} IS DISTINCT FROM pg_current_xact_id())
+    EXECUTE FUNCTION {function}();
+DROP TRIGGER IF EXISTS {update} ON {quoted};
+CREATE TRIGGER {update} BEFORE UPDATE OF {XID_COLUMN} ON {quoted} FOR EACH ROW
+    WHEN (NEW.{XID_COLUMN} IS DISTINCT FROM OLD.{XID_COLUMN})
+    EXECUTE FUNCTION {function}()",
+            insert = quote_ident(OWN_XID_TRIGGER),
+            update = quote_ident(OWN_XID_UPDATE_TRIGGER),
+            quoted = table.quoted(),
+        ),
+    )))
+}
+
+/// The body of the `relay_xid` function (see [`own_xid`]), between its
+/// `$fn$` quotes; `migrations/0012_outbox_relay_own_xid.sql` has the same.
+/// It names the triggers' conditions, so that a change of them changes it
+/// and `migrate` installs them again.
+fn own_xid_body() -> String {
+    let hint = quote_literal(&format!(
+        "leave relay_seq, relay_xid and relay_sent_at to their defaults (an INSERT ... SELECT * \
+         copies them): outbox-relay tells by relay_xid which transaction wrote a row, and a row \
+         naming an earlier transaction can count as sent and never be published; to move rows \
+         to another partition, or to restore them, with the relay_xid they have, \
+         SET {KEEP_XID_SETTING} = on in that session first"
+    ));
+    format!(
+        "
+-- Called by {OWN_XID_TRIGGER} (BEFORE INSERT, WHEN NEW.{SENT_AT_COLUMN} IS NULL AND
+-- NEW.{XID_COLUMN} IS DISTINCT FROM pg_current_xact_id()) and {OWN_XID_UPDATE_TRIGGER}
+-- (BEFORE UPDATE OF {XID_COLUMN}, WHEN NEW.{XID_COLUMN} IS DISTINCT FROM OLD.{XID_COLUMN}).
+DECLARE
+    outbox regclass := COALESCE(pg_partition_root(TG_RELID), TG_RELID::regclass);
+BEGIN
+    IF current_setting('{KEEP_XID_SETTING}', true) = 'on' THEN
+        RETURN NEW;
+    END IF;
+    IF TG_OP = 'INSERT' THEN
+        RAISE EXCEPTION USING ERRCODE = 'generated_always',
+            MESSAGE = format('%s.{XID_COLUMN} is set by its default to the inserting transaction''s id: this INSERT gives it %s, in transaction %s', outbox, NEW.{XID_COLUMN}, pg_current_xact_id()),
+            HINT = {hint};
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = 'generated_always',
+        MESSAGE = format('%s.{XID_COLUMN} is the inserting transaction''s id: this UPDATE changes it from %s to %s', outbox, OLD.{XID_COLUMN}, NEW.{XID_COLUMN}),
+        HINT = {hint};
 END
 "
     )
