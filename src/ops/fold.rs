@@ -9,7 +9,7 @@ use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode};
 use crate::db::DbError;
 use crate::outbox::progress::Ranges;
-use crate::outbox::progress::fold::{Advance, Capture};
+use crate::outbox::progress::fold::{Advance, Capture, HoldLimits};
 use crate::telemetry::metrics::{FoldOutcome, PipelineMetrics};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -17,15 +17,12 @@ use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
 /// The pause grows to this while a drain is under way (rows visible in the
-/// capture that are not recorded yet are more than [`HOLD_LIMIT`]).
+/// capture that are not recorded yet are more than a round may hold).
 const BACKLOG_INTERVAL_MAX: Duration = Duration::from_secs(60);
 
 /// How often a fold that keeps finding too many unrecorded rows says so
 /// (at warning level: before then it is an ordinary drain).
 const BACKLOG_WARN_EVERY: Duration = Duration::from_secs(600);
-
-/// Rows a round holds open at most; more means the relay is draining.
-const HOLD_LIMIT: i64 = 2_000;
 
 /// How long a capture waits for the transactions running at its start.
 const SETTLE: Duration = Duration::from_secs(2);
@@ -58,15 +55,52 @@ impl Waiting {
         let (since, said) = self.0.get_or_insert((now, now));
         if now - *said >= BACKLOG_WARN_EVERY {
             *said = now;
+            let limit = HoldLimits::RELAY.at(Some(*since), now);
             tracing::warn!(
                 pipeline,
                 waited_s = (now - *since).as_secs(),
-                "the fold cannot move the frontier: more than {HOLD_LIMIT} rows it would pass are read and \
+                "the fold cannot move the frontier: more than {limit} rows it would pass are read and \
                  not recorded. A drain this long, or events held back for good: aggregates refused and \
                  waiting for a retry, or behind dead letters (see `outbox-relay dlq list`)"
             );
         }
     }
+
+    /// The limit of the next round.
+    fn limit(&self) -> usize {
+        HoldLimits::RELAY.at(self.0.map(|(since, _)| since), Instant::now())
+    }
+}
+
+/// What a round that moved the frontier did, at debug level, and at info
+/// when it held open rows found read and unrecorded round after round.
+fn say_advanced(pipeline: &str, advance: &Advance) {
+    let Advance::Advanced {
+        held,
+        closed,
+        deleted,
+        settled,
+    } = *advance
+    else {
+        return;
+    };
+    if held as usize > HoldLimits::RELAY.drain {
+        tracing::info!(
+            pipeline,
+            held,
+            "the fold moved the frontier past rows that rounds had found read and not \
+             recorded for {:?}: they are held open until they are",
+            HoldLimits::RELAY.stuck_after
+        );
+    }
+    tracing::debug!(
+        pipeline,
+        held,
+        closed,
+        deleted,
+        settled,
+        "fold moved the frontier"
+    );
 }
 
 /// Runs rounds until `shutdown`; returns at once unless `relay.mark = "ranges"`.
@@ -94,12 +128,13 @@ pub async fn run_scheduled(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(wait) => {}
         }
+        let limit = waiting.limit();
         let round = async {
             let f = match folder.take() {
                 Some(f) if !f.client.is_closed() => folder.insert(f),
                 _ => folder.insert(Folder::connect(config).await?),
             };
-            f.round(&ranges).await
+            f.round(&ranges, limit).await
         };
         let result = round.await;
         if let Some(m) = &metrics {
@@ -116,21 +151,8 @@ pub async fn run_scheduled(
                 waiting.0 = None;
                 backoff.reset();
                 wait = interval;
-                if let Some(Advance::Advanced {
-                    held,
-                    closed,
-                    deleted,
-                    settled,
-                }) = outcome
-                {
-                    tracing::debug!(
-                        pipeline,
-                        held,
-                        closed,
-                        deleted,
-                        settled,
-                        "fold moved the frontier"
-                    );
+                if let Some(advanced) = outcome {
+                    say_advanced(pipeline, &advanced);
                 }
             }
             Err(e) => {
@@ -272,7 +294,7 @@ impl Folder {
     /// One round: under the lock, moves the frontier to the pending capture
     /// (if any), then takes the next. `None`: another instance folds, or
     /// there was no capture yet.
-    async fn round(&mut self, ranges: &Ranges) -> Result<Option<Advance>, DbError> {
+    async fn round(&mut self, ranges: &Ranges, limit: usize) -> Result<Option<Advance>, DbError> {
         if !self.locked {
             // Held by this session until its connection ends.
             self.locked = self
@@ -291,7 +313,7 @@ impl Folder {
         let outcome = match self.pending.take() {
             Some(target) => Some(
                 ranges
-                    .advance(&mut self.client, &target, HOLD_LIMIT)
+                    .advance(&mut self.client, &target, limit as i64)
                     .await?,
             ),
             None => None,

@@ -8,6 +8,7 @@
 
 use super::db::latency;
 use super::world::{Advance, Capture, Shared, lock};
+use crate::outbox::progress::fold::HoldLimits;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -19,17 +20,27 @@ pub struct FoldSettings {
     pub interval: Duration,
     /// How long a capture waits for the transactions running at its start.
     pub settle: Duration,
-    /// Rows a round holds open at most (`HOLD_LIMIT`).
-    pub limit: usize,
+    /// Rows a round holds open at most (`HoldLimits`, far lower than the
+    /// relay's).
+    pub limits: HoldLimits,
 }
 
 impl FoldSettings {
     pub fn random(rng: &mut fastrand::Rng) -> Self {
+        let interval = Duration::from_millis(rng.u64(20..600));
+        // Often none: the capture keeps its first look.
+        let settle = Duration::from_millis(if rng.bool() { 0 } else { rng.u64(0..400) });
+        let drain = rng.usize(1..40);
+        // Drawn apart, so that the draws above stay what they were.
+        let mut stuck = fastrand::Rng::with_seed(rng.get_seed() ^ 0x57AC_0F01D);
         FoldSettings {
-            interval: Duration::from_millis(rng.u64(20..600)),
-            // Often none: the capture keeps its first look.
-            settle: Duration::from_millis(if rng.bool() { 0 } else { rng.u64(0..400) }),
-            limit: rng.usize(1..40),
+            interval,
+            settle,
+            limits: HoldLimits {
+                drain,
+                stuck: drain * stuck.usize(2..200),
+                stuck_after: Duration::from_millis(stuck.u64(50..3_000)),
+            },
         }
     }
 }
@@ -57,15 +68,24 @@ pub async fn run(
         pending: None,
     };
     let mut wait = settings.interval;
+    // Since when every round found more rows than it could hold.
+    let mut backlog: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => break,
             _ = tokio::time::sleep(wait) => {}
         }
-        wait = match folder.round().await {
-            Ok(Some(Advance::Backlog)) => (wait * 2).clamp(settings.interval, BACKLOG_INTERVAL_MAX),
-            Ok(_) => settings.interval,
+        let limit = settings.limits.at(backlog, tokio::time::Instant::now());
+        wait = match folder.round(limit).await {
+            Ok(Some(Advance::Backlog)) => {
+                backlog.get_or_insert_with(tokio::time::Instant::now);
+                (wait * 2).clamp(settings.interval, BACKLOG_INTERVAL_MAX)
+            }
+            Ok(_) => {
+                backlog = None;
+                settings.interval
+            }
             Err(Lost) => {
                 folder.locked = false;
                 folder.pending = None;
@@ -112,7 +132,7 @@ impl Folder {
 
     /// Moves the frontier to the pending capture (if any), then takes the
     /// next; `None` when another instance folds or there was no capture.
-    async fn round(&mut self) -> Result<Option<Advance>, Lost> {
+    async fn round(&mut self, limit: usize) -> Result<Option<Advance>, Lost> {
         if !self.locked {
             let instance = self.instance;
             self.locked = self.statement(|w| w.take_fold_lock(instance)).await?;
@@ -120,7 +140,6 @@ impl Folder {
                 return Ok(None);
             }
         }
-        let limit = self.settings.limit;
         let outcome = match self.pending.take() {
             Some(target) => Some(self.statement(|w| w.advance_fold(&target, limit)).await?),
             None => None,

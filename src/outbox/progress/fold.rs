@@ -29,6 +29,40 @@ use crate::db::DbError;
 use std::time::Duration;
 use tokio_postgres::{Client, IsolationLevel, Transaction};
 
+/// How many rows a round may hold open. More than `drain` means the relay
+/// is draining: the round leaves the frontier and waits, since the rows it
+/// would hold are about to be recorded. Once rounds have found more for
+/// `stuck_after`, the rows may be held back for good (behind a dead letter
+/// with `dead_letter.aggregate = "wait"`, or refused and retried without
+/// end): a round then holds up to `stuck`, so that the frontier, and with
+/// it the deletion of progress rows and the start of every first read,
+/// does not stay behind for as long as they wait.
+#[derive(Debug, Clone, Copy)]
+pub struct HoldLimits {
+    pub drain: usize,
+    pub stuck: usize,
+    pub stuck_after: Duration,
+}
+
+impl HoldLimits {
+    /// The relay's. Holding 100,000 rows costs a round one INSERT of them,
+    /// and each later round a look at every held row.
+    pub const RELAY: HoldLimits = HoldLimits {
+        drain: 2_000,
+        stuck: 100_000,
+        stuck_after: Duration::from_secs(120),
+    };
+
+    /// The limit of a round at `now`, when every round since `backlog`
+    /// (if any) found more unrecorded rows than it could hold.
+    pub fn at(&self, backlog: Option<tokio::time::Instant>, now: tokio::time::Instant) -> usize {
+        match backlog {
+            Some(since) if now.saturating_duration_since(since) >= self.stuck_after => self.stuck,
+            _ => self.drain,
+        }
+    }
+}
+
 /// A snapshot the frontier can move to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capture {
