@@ -126,18 +126,43 @@ impl KafkaSink {
                 e,
             ))
         })?;
-        let found = metadata
-            .topics()
-            .iter()
-            .find(|t| t.name() == topic)
-            .is_some_and(|t| t.error().is_none() && !t.partitions().is_empty());
-        if !found {
-            return Err(SinkError::Rejected(format!(
-                "topic {topic:?} does not exist and the broker did not create it; create the topic (or enable auto-creation on the broker)"
-            ).into()));
-        }
+        let found = metadata.topics().iter().find(|t| t.name() == topic);
+        topic_problem(topic, found.map(|t| (t.error(), t.partitions().is_empty())))?;
         self.known_topics.insert(topic.to_owned());
         Ok(())
+    }
+}
+
+/// What the broker's metadata for `topic` (its error, and whether it has
+/// no partitions; `None` when it did not name the topic) means for a
+/// message to it. A topic that does not exist, or that the relay may not
+/// write to, refuses it (an attempt, towards its dead letter); one without
+/// a leader yet (being created by auto-creation, or a leader election)
+/// pushes it back, counting no attempt against a healthy event.
+fn topic_problem(
+    topic: &str,
+    found: Option<(Option<rdkafka::types::RDKafkaRespErr>, bool)>,
+) -> Result<(), SinkError> {
+    use RDKafkaErrorCode as C;
+    let (error, no_partitions) = match found {
+        Some((None, false)) => return Ok(()),
+        Some((error, no_partitions)) => (error.map(C::from), no_partitions),
+        None => (Some(C::UnknownTopicOrPartition), true),
+    };
+    match error {
+        Some(code @ (C::TopicAuthorizationFailed | C::InvalidTopic)) => Err(SinkError::rejected(
+            format!("Kafka refused topic {topic:?} ({code}); give the relay's user write access to it, or route these events elsewhere"),
+        )),
+        Some(C::UnknownTopicOrPartition | C::UnknownTopic) => Err(SinkError::rejected(format!(
+            "topic {topic:?} does not exist and the broker did not create it; create the topic (or enable auto-creation on the broker)"
+        ))),
+        Some(code) => Err(SinkError::Busy(
+            format!("Kafka has no leader for topic {topic:?} yet ({code}): it is being created, or electing one; retrying").into(),
+        )),
+        None if no_partitions => Err(SinkError::Busy(
+            format!("topic {topic:?} has no partitions yet (it is being created); retrying").into(),
+        )),
+        None => Ok(()),
     }
 }
 

@@ -133,3 +133,56 @@ async fn a_fence_calls_back_a_message_held_for_a_broker_that_is_away() {
         "only the first message was written before this one"
     );
 }
+
+/// A topic without a leader yet (auto-creation under way, or an election)
+/// pushes a message back, counting no attempt towards its dead letter,
+/// and takes it once it has one; a topic the relay may not write to, or
+/// one that does not exist, refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_without_a_leader_pushes_back_and_a_forbidden_one_refuses() {
+    use rdkafka::types::RDKafkaRespErr as E;
+    let cluster = MockCluster::new(1).expect("a mock cluster");
+    cluster.create_topic("t", 1, 1).expect("a topic");
+    cluster
+        .topic_error("t", E::RD_KAFKA_RESP_ERR_LEADER_NOT_AVAILABLE)
+        .expect("a topic error");
+    let mut sink = KafkaSink::connect(&config(&cluster.bootstrap_servers(), "t"))
+        .await
+        .expect("connected");
+    let pushed = sink.send(route("t"), message("1")).await;
+    assert!(
+        matches!(&pushed, Err(SinkError::Busy(r)) if r.to_string().contains("no leader for topic \"t\"")),
+        "{:?}",
+        pushed.err()
+    );
+    cluster
+        .topic_error("t", E::RD_KAFKA_RESP_ERR_NO_ERROR)
+        .expect("the error cleared");
+    let sent = sink.send(route("t"), message("1")).await.expect("queued");
+    tokio::time::timeout(Duration::from_secs(30), sent)
+        .await
+        .expect("answered")
+        .expect("delivered");
+
+    for (code, says) in [
+        (
+            E::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
+            "give the relay's user write access",
+        ),
+        (E::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART, "does not exist"),
+    ] {
+        let got = topic_problem("u", Some((Some(code), true)));
+        assert!(
+            matches!(&got, Err(SinkError::Rejected(r)) if r.to_string().contains(says)),
+            "{code:?}: {got:?}"
+        );
+    }
+    assert!(matches!(
+        topic_problem("u", None),
+        Err(SinkError::Rejected(_))
+    ));
+    assert!(matches!(
+        topic_problem("u", Some((None, true))),
+        Err(SinkError::Busy(_))
+    ));
+}
