@@ -10,7 +10,9 @@
 //!
 //! Events confirmed in transactions not yet flushed are remembered (up to a
 //! cap), so that when the stream restarts from the flushed position they are
-//! skipped instead of sent twice.
+//! skipped instead of sent twice; so are, whole, the runs of transactions
+//! complete behind an unfinished one when it restarts (uncapped, as bounded
+//! as the transactions tracked).
 
 use crate::replication::Lsn;
 use std::collections::{BTreeSet, VecDeque};
@@ -42,6 +44,9 @@ struct Tx {
     end_lsn: Option<Lsn>,
     total: u64,
     confirmed: u64,
+    /// Events of it held back (see [`Progress::release`]): replayed, they
+    /// are read again, so the transaction is not skipped whole.
+    released: u64,
 }
 
 impl Tx {
@@ -57,6 +62,12 @@ pub struct Progress {
     txs: VecDeque<Tx>,
     confirmed_ahead: BTreeSet<(Lsn, u64)>,
     ahead_cap: usize,
+    /// Runs of transactions, from the first's commit LSN to the last's end
+    /// (exclusive: the next transaction's commit record may start right
+    /// there), that were complete (none of their events released) when the
+    /// stream restarted behind an unfinished one: replayed, each is skipped
+    /// whole. Sorted and disjoint; one per run between unfinished ones.
+    done_spans: Vec<(Lsn, Lsn)>,
     /// The server's WAL end from the latest keepalive.
     server_end: Lsn,
     /// The highest flushed position a status update told the server.
@@ -79,6 +90,7 @@ impl Progress {
             txs: VecDeque::new(),
             confirmed_ahead: BTreeSet::new(),
             ahead_cap,
+            done_spans: Vec::new(),
             server_end: flushed,
             told: flushed,
             timeline: None,
@@ -143,6 +155,7 @@ impl Progress {
     /// relay saw: the stream starts from the slot and skips nothing after
     /// it (a repeat, never a loss).
     pub fn restart(&mut self, slot_flushed: Lsn, timeline: Option<u32>) {
+        self.keep_done_spans();
         self.txs.clear();
         let new_history = matches!((self.timeline, timeline), (Some(a), Some(b)) if a != b);
         if timeline.is_some() {
@@ -157,12 +170,47 @@ impl Progress {
             self.flushed = slot_flushed;
             self.told = slot_flushed;
             self.confirmed_ahead.clear();
+            self.done_spans.clear();
         }
         self.flushed = self.flushed.max(slot_flushed);
         self.server_end = self.flushed;
         let flushed = self.flushed;
         // The start-up table read is redone from the rows still unsent.
         self.confirmed_ahead.retain(|(lsn, _)| *lsn >= flushed);
+        self.done_spans.retain(|(_, end)| *end > flushed);
+    }
+
+    /// Before the transactions read are forgotten: the complete ones still
+    /// waiting behind an unfinished one join [`Progress::done_spans`]
+    /// (merged with those kept from earlier restarts). Every transaction
+    /// committed within a span was streamed, in commit order, and each of
+    /// its events confirmed (or dead-lettered). The start-up table read's
+    /// rows are not streamed again, so it never makes one.
+    fn keep_done_spans(&mut self) {
+        let done = self
+            .txs
+            .iter()
+            .filter(|t| t.complete() && t.released == 0 && t.commit_lsn != CATCH_UP);
+        let mut spans: Vec<(Lsn, Lsn)> = done
+            .filter_map(|t| t.end_lsn.map(|end| (t.commit_lsn, end)))
+            .chain(self.done_spans.drain(..))
+            .collect();
+        spans.sort_unstable();
+        for (start, end) in spans {
+            match self.done_spans.last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => self.done_spans.push((start, end)),
+            }
+        }
+    }
+
+    /// Whether the transaction committed at `commit_lsn` lies in a span of
+    /// complete ones (see [`Progress::done_spans`]).
+    fn in_done_span(&self, commit_lsn: Lsn) -> bool {
+        let after = self
+            .done_spans
+            .partition_point(|(start, _)| *start <= commit_lsn);
+        after > 0 && commit_lsn < self.done_spans[after - 1].1
     }
 
     /// The slot was moved to `lsn`, past WAL the start-up read accounts
@@ -173,6 +221,7 @@ impl Progress {
         self.server_end = self.server_end.max(self.flushed);
         let flushed = self.flushed;
         self.confirmed_ahead.retain(|(l, _)| *l >= flushed);
+        self.done_spans.retain(|(_, end)| *end > flushed);
     }
 
     /// Events known to be done (dead-lettered) past the flushed position:
@@ -195,13 +244,15 @@ impl Progress {
             end_lsn: None,
             total: 0,
             confirmed: 0,
+            released: 0,
         });
     }
 
     /// An event of the current transaction was read. Returns `false` when it
     /// was already confirmed before a restart: the caller skips it.
     pub fn event(&mut self, pos: &CdcPosition) -> bool {
-        let already = self.confirmed_ahead.contains(&(pos.commit_lsn, pos.index));
+        let already = self.confirmed_ahead.contains(&(pos.commit_lsn, pos.index))
+            || self.in_done_span(pos.commit_lsn);
         if let Some(tx) = self.txs.back_mut() {
             tx.total += 1;
             if already {
@@ -240,7 +291,7 @@ impl Progress {
         if self.unreported == self.report_every {
             self.report_due.notify_one();
         }
-        if self.settle(pos) && self.confirmed_ahead.len() < self.ahead_cap {
+        if self.settle(pos, false) && self.confirmed_ahead.len() < self.ahead_cap {
             self.confirmed_ahead.insert((pos.commit_lsn, pos.index));
         }
         self.advance();
@@ -250,13 +301,13 @@ impl Progress {
     /// marked), where the next start-up read finds it: it no longer holds
     /// the flushed position back, and a replay of it is not skipped.
     pub fn release(&mut self, pos: &CdcPosition) {
-        self.settle(pos);
+        self.settle(pos, true);
         self.advance();
     }
 
-    /// Counts the event as done in its transaction; false when the
-    /// transaction is not tracked (from before a restart).
-    fn settle(&mut self, pos: &CdcPosition) -> bool {
+    /// Counts the event as done (`released`: held back) in its transaction;
+    /// false when the transaction is not tracked (from before a restart).
+    fn settle(&mut self, pos: &CdcPosition, released: bool) -> bool {
         // Transactions are registered in commit order.
         let Ok(i) = self
             .txs
@@ -265,6 +316,7 @@ impl Progress {
             return false; // from before a restart: it will be read, and skipped, again
         };
         self.txs[i].confirmed += 1;
+        self.txs[i].released += u64::from(released);
         if i > 0 && self.txs[i].complete() {
             self.merge_complete(i);
         }
@@ -293,6 +345,7 @@ impl Progress {
             tx.end_lsn = next.end_lsn.max(tx.end_lsn);
             tx.total += next.total;
             tx.confirmed += next.confirmed;
+            tx.released += next.released;
         }
     }
 
@@ -325,6 +378,10 @@ impl Progress {
                 .is_some_and(|(l, _)| *l < self.flushed)
         {
             self.confirmed_ahead = self.confirmed_ahead.split_off(&(self.flushed, 0));
+        }
+        if popped {
+            let flushed = self.flushed;
+            self.done_spans.retain(|(_, end)| *end > flushed);
         }
         if self.txs.is_empty() {
             self.flushed = self.flushed.max(self.server_end);

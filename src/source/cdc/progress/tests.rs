@@ -291,3 +291,90 @@ fn after_a_failover_behind_what_was_confirmed_unreported_the_stream_starts_from_
     p.begin(Lsn(200));
     assert!(p.event(&pos(200, 0)), "streamed again, not skipped");
 }
+
+/// One event held back (its aggregate waits for a retry) while thousands
+/// after it are confirmed, far past the skip memory's cap: when the stream
+/// restarts from the flushed position to read it again, the transactions
+/// complete behind it are skipped whole, not only the two confirmations
+/// the memory kept (its own transaction's others): the held one alone is
+/// read again.
+#[test]
+fn transactions_complete_behind_a_held_event_are_skipped_past_the_memorys_cap() {
+    let mut p = Progress::new(Lsn(0), 2);
+    let stream = |p: &mut Progress, confirm: bool| {
+        let mut read = Vec::new();
+        for t in 1..=1_000u64 {
+            let lsn = t * 100;
+            p.begin(Lsn(lsn));
+            for i in 0..3 {
+                if p.event(&pos(lsn, i)) {
+                    read.push((lsn, i));
+                }
+            }
+            p.commit(Lsn(lsn + 10));
+        }
+        if confirm {
+            for &(lsn, i) in &read {
+                // The first transaction's second event is held back.
+                if (lsn, i) != (100, 1) {
+                    p.confirm(&pos(lsn, i));
+                }
+            }
+        }
+        read
+    };
+    assert_eq!(stream(&mut p, true).len(), 3_000);
+    assert_eq!(p.flushed(), Lsn(0), "held by the first transaction");
+    assert_eq!(p.confirmed_ahead.len(), 2, "the memory's cap");
+    p.restart(Lsn(0), None);
+    let again = stream(&mut p, false);
+    assert_eq!(again, vec![(100, 1)], "only the held event");
+    // Confirmed this time: everything flushes, the spans go with it.
+    p.confirm(&pos(100, 1));
+    assert_eq!(p.flushed(), Lsn(100_010));
+    assert!(p.done_spans.is_empty() && p.confirmed_ahead.is_empty());
+}
+
+/// A transaction with a released event (held back in the table, read again
+/// by the start-up read) is never skipped whole.
+#[test]
+fn a_transaction_with_a_released_event_is_not_skipped_whole() {
+    let mut p = Progress::new(Lsn(0), 100);
+    for lsn in [100, 200] {
+        p.begin(Lsn(lsn));
+        p.event(&pos(lsn, 0));
+        p.event(&pos(lsn, 1));
+        p.commit(Lsn(lsn + 10));
+    }
+    // Held: the first transaction's first event. The second's first is
+    // released, its second confirmed.
+    p.confirm(&pos(100, 1));
+    p.release(&pos(200, 0));
+    p.confirm(&pos(200, 1));
+    assert_eq!(p.flushed(), Lsn(0));
+    p.restart(Lsn(0), None);
+    assert!(p.done_spans.is_empty());
+    p.begin(Lsn(200));
+    assert!(p.event(&pos(200, 0)), "the released event is read again");
+    assert!(!p.event(&pos(200, 1)), "the confirmed one is remembered");
+}
+
+/// A span ends where its last transaction's commit record does, which is
+/// where the next one's may start: that one is not skipped with it.
+#[test]
+fn a_span_does_not_reach_the_transaction_that_starts_where_it_ends() {
+    let mut p = Progress::new(Lsn(0), 100);
+    for (lsn, end) in [(100, 200), (200, 300), (300, 400)] {
+        p.begin(Lsn(lsn));
+        p.event(&pos(lsn, 0));
+        p.commit(Lsn(end));
+    }
+    p.confirm(&pos(200, 0));
+    p.restart(Lsn(0), None);
+    assert_eq!(p.done_spans, vec![(Lsn(200), Lsn(300))]);
+    for (lsn, read) in [(100, true), (200, false), (300, true)] {
+        p.begin(Lsn(lsn));
+        assert_eq!(p.event(&pos(lsn, 0)), read, "the transaction at {lsn}");
+        p.commit(Lsn(lsn + 100));
+    }
+}
