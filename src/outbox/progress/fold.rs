@@ -45,11 +45,12 @@ pub struct HoldLimits {
 }
 
 impl HoldLimits {
-    /// The relay's. Holding 100,000 rows costs a round one INSERT of them,
-    /// and each later round a look at every held row.
+    /// The relay's. Holding 20,000 rows costs a round one INSERT of them,
+    /// each later round a look at every held row, and each page of a first
+    /// read a comparison with every held row.
     pub const RELAY: HoldLimits = HoldLimits {
         drain: 2_000,
-        stuck: 100_000,
+        stuck: 20_000,
         stuck_after: Duration::from_secs(120),
     };
 

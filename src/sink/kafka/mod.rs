@@ -135,10 +135,12 @@ impl KafkaSink {
 
 /// What the broker's metadata for `topic` (its error, and whether it has
 /// no partitions; `None` when it did not name the topic) means for a
-/// message to it. A topic that does not exist, or that the relay may not
-/// write to, refuses it (an attempt, towards its dead letter); one without
-/// a leader yet (being created by auto-creation, or a leader election)
-/// pushes it back, counting no attempt against a healthy event.
+/// message to it. A topic without a leader yet (LEADER_NOT_AVAILABLE:
+/// being created by auto-creation, or a leader election), or without
+/// partitions yet, pushes it back, counting no attempt against a healthy
+/// event. Any other error (the topic does not exist, the relay may not
+/// write to it, its creation failed) refuses it: an attempt, towards its
+/// dead letter, so that it cannot pin the stream for ever.
 fn topic_problem(
     topic: &str,
     found: Option<(Option<rdkafka::types::RDKafkaRespErr>, bool)>,
@@ -150,15 +152,16 @@ fn topic_problem(
         None => (Some(C::UnknownTopicOrPartition), true),
     };
     match error {
-        Some(code @ (C::TopicAuthorizationFailed | C::InvalidTopic)) => Err(SinkError::rejected(
-            format!("Kafka refused topic {topic:?} ({code}); give the relay's user write access to it, or route these events elsewhere"),
-        )),
         Some(C::UnknownTopicOrPartition | C::UnknownTopic) => Err(SinkError::rejected(format!(
             "topic {topic:?} does not exist and the broker did not create it; create the topic (or enable auto-creation on the broker)"
         ))),
-        Some(code) => Err(SinkError::Busy(
+        Some(code @ C::LeaderNotAvailable) => Err(SinkError::Busy(
             format!("Kafka has no leader for topic {topic:?} yet ({code}): it is being created, or electing one; retrying").into(),
         )),
+        Some(code) => Err(SinkError::rejected(format!(
+            "Kafka refused topic {topic:?} ({code}); give the relay's user write access to it, \
+             fix what the broker says, or route these events elsewhere"
+        ))),
         None if no_partitions => Err(SinkError::Busy(
             format!("topic {topic:?} has no partitions yet (it is being created); retrying").into(),
         )),

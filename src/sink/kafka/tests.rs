@@ -136,8 +136,8 @@ async fn a_fence_calls_back_a_message_held_for_a_broker_that_is_away() {
 
 /// A topic without a leader yet (auto-creation under way, or an election)
 /// pushes a message back, counting no attempt towards its dead letter,
-/// and takes it once it has one; a topic the relay may not write to, or
-/// one that does not exist, refuses it.
+/// and takes it once it has one; a topic the relay may not write to, one
+/// whose creation failed, or one that does not exist, refuses it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_topic_without_a_leader_pushes_back_and_a_forbidden_one_refuses() {
     use rdkafka::types::RDKafkaRespErr as E;
@@ -168,6 +168,10 @@ async fn a_topic_without_a_leader_pushes_back_and_a_forbidden_one_refuses() {
         (
             E::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
             "give the relay's user write access",
+        ),
+        (
+            E::RD_KAFKA_RESP_ERR_INVALID_REPLICATION_FACTOR,
+            "fix what the broker says",
         ),
         (E::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART, "does not exist"),
     ] {

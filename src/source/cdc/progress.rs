@@ -148,16 +148,23 @@ impl Progress {
     /// server did not save what it was told (a restart or crash before a
     /// checkpoint): the same WAL, so the relay's own position stands.
     ///
-    /// On a new `timeline` (a standby was promoted) with the slot behind
-    /// the relay's position (what it told the old server, or confirmed
-    /// since without telling it: the standby may never have received that
-    /// WAL), the WAL past the slot may hold other transactions than the
-    /// relay saw: the stream starts from the slot and skips nothing after
-    /// it (a repeat, never a loss).
+    /// On a new `timeline` (a standby was promoted), the WAL past the slot
+    /// may hold other transactions than the relay saw, at the positions it
+    /// remembers: nothing is skipped (a repeat, never a loss). With the
+    /// slot behind the relay's position (what it told the old server, or
+    /// confirmed since without telling it: the standby may never have
+    /// received that WAL), the stream starts from the slot.
     pub fn restart(&mut self, slot_flushed: Lsn, timeline: Option<u32>) {
-        self.keep_done_spans();
-        self.txs.clear();
         let new_history = matches!((self.timeline, timeline), (Some(a), Some(b)) if a != b);
+        if new_history {
+            // Past the slot, the promoted server's WAL may hold other
+            // transactions at the positions remembered: skip none of them.
+            self.done_spans.clear();
+            self.confirmed_ahead.clear();
+        } else {
+            self.keep_done_spans();
+        }
+        self.txs.clear();
         if timeline.is_some() {
             self.timeline = timeline;
         }
@@ -169,8 +176,6 @@ impl Progress {
             );
             self.flushed = slot_flushed;
             self.told = slot_flushed;
-            self.confirmed_ahead.clear();
-            self.done_spans.clear();
         }
         self.flushed = self.flushed.max(slot_flushed);
         self.server_end = self.flushed;

@@ -378,3 +378,27 @@ fn a_span_does_not_reach_the_transaction_that_starts_where_it_ends() {
         p.commit(Lsn(lsn + 100));
     }
 }
+
+/// A failover whose slot stands where the relay's position does: past it
+/// the promoted server's WAL may hold other transactions at the positions
+/// confirmed on the old one, so none of them is skipped.
+#[test]
+fn after_a_failover_at_the_relays_position_nothing_remembered_is_skipped() {
+    let mut p = Progress::new(Lsn(0), 100);
+    p.restart(Lsn(0), Some(1));
+    for lsn in [100, 200] {
+        p.begin(Lsn(lsn));
+        p.event(&pos(lsn, 0));
+        p.commit(Lsn(lsn + 10));
+    }
+    // The first waits; the second is confirmed behind it.
+    p.confirm(&pos(200, 0));
+    assert_eq!(p.flushed(), Lsn(0));
+    p.restart(Lsn(0), Some(2));
+    assert!(p.done_spans.is_empty() && p.confirmed_ahead.is_empty());
+    for lsn in [100, 200] {
+        p.begin(Lsn(lsn));
+        assert!(p.event(&pos(lsn, 0)), "the transaction at {lsn} is read");
+        p.commit(Lsn(lsn + 10));
+    }
+}
