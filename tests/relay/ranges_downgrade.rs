@@ -373,6 +373,23 @@ async fn a_frontier_recorded_on_another_server_is_refused() {
     );
     let log = crate::schema::run_until_logged_with_env(&path, "recorded on another server", &[]);
     assert!(log.contains("fold --into-sent-at"), "{log}");
+    // Retention runs beside the refused relay, and from cron: with the
+    // frontier past its cut-off it would delete the rows written here.
+    db.client
+        .batch_execute(&format!(
+            "UPDATE {} SET folded_at = now() - interval '30 days'",
+            ranges.frontier.quoted()
+        ))
+        .await
+        .unwrap();
+    let cleanup = config_file(&set(&toml, "retention.sent_window", "\"1h\""));
+    let (code, out, err) = run_cli(&["retention", "--once", "--config", &cleanup], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM outbox WHERE aggregate_id = 'b'").await,
+        3,
+        "retention deleted rows written here: {out}"
+    );
     assert_eq!(
         broker.inbox().len(),
         ids.len(),

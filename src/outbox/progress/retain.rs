@@ -22,11 +22,18 @@ use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, XID_COLUMN};
 
 impl Ranges {
     /// *H* for the cut-off `$1`: the newest frontier row folded at or
-    /// before it (no row: nothing is eligible).
+    /// before it (no row: nothing is eligible). None either while the
+    /// frontier runs past this server's transaction ids: it was recorded
+    /// on another server (see `foreign_frontier_problem`), and rows written
+    /// here would look sent in it. The relay refuses to start then, and
+    /// retention, which runs beside it or from cron, deletes nothing.
     fn retained_frontier(&self) -> String {
         format!(
-            "SELECT id, snapshot FROM {} WHERE folded_at <= $1 ORDER BY id DESC LIMIT 1",
-            self.frontier.quoted()
+            "SELECT id, snapshot FROM {f} WHERE folded_at <= $1
+               AND COALESCE((SELECT pg_snapshot_xmax(n.snapshot) <= pg_snapshot_xmax(pg_current_snapshot())
+                             FROM {f} n ORDER BY n.id DESC LIMIT 1), false)
+             ORDER BY id DESC LIMIT 1",
+            f = self.frontier.quoted()
         )
     }
 
