@@ -38,6 +38,12 @@ pub const PROTECTED_KAFKA_PROPERTIES: &[&str] = &[
     "delivery.report.only.error",
     // A transactional producer sends nothing before init_transactions.
     "transactional.id",
+    // Only a permanent error fails the later messages of a partition with
+    // the one that failed (the gapless guarantee); a message that ran out
+    // of retries fails alone, and a later one of its aggregate may then be
+    // on the broker before it. Left unlimited, librdkafka never gives up.
+    "retries",
+    "message.send.max.retries",
 ];
 
 /// `[sink]` with `type = "kafka"`.
@@ -209,6 +215,8 @@ impl KafkaConfig {
                     "sink.properties.partitioner",
                     "\"random\" spreads one aggregate's events over partitions, so their order would not hold; use a key-based partitioner (the default, or murmur2_random to match Java clients)",
                 );
+            } else if key == "queue.buffering.max.kbytes" {
+                self.check_queue_room(c);
             } else if PROTECTED_KAFKA_PROPERTIES.contains(&key.as_str()) {
                 c.problem(
                     &format!("sink.properties.{key}"),
@@ -224,6 +232,32 @@ impl KafkaConfig {
             }
         }
         self.check_security(c);
+    }
+
+    /// librdkafka's queue must have room for the largest message: one
+    /// larger than the queue is refused as "queue full" every time, so it
+    /// would hold every aggregate back for ever instead of being refused
+    /// as too large.
+    fn check_queue_room(&self, c: &mut Checker) {
+        let key = "sink.properties.queue.buffering.max.kbytes";
+        match self.properties["queue.buffering.max.kbytes"]
+            .expose()
+            .trim()
+            .parse::<u64>()
+        {
+            Ok(kbytes) if kbytes.saturating_mul(1024) >= self.message_max_bytes as u64 => {}
+            Ok(kbytes) => c.problem(
+                key,
+                format!(
+                    "{kbytes} KiB is less than sink.message_max_bytes ({} bytes), so the largest message \
+                     would never fit in the producer's queue; raise it to at least {} or lower \
+                     sink.message_max_bytes",
+                    self.message_max_bytes,
+                    (self.message_max_bytes as u64).div_ceil(1024)
+                ),
+            ),
+            Err(_) => c.problem(key, "must be a whole number of KiB"),
+        }
     }
 
     /// SASL keys need a `sasl_*` protocol, SSL keys an `ssl` one, and SASL needs

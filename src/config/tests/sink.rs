@@ -144,6 +144,8 @@ fn properties_the_guarantees_rest_on_are_refused() {
         "queue.buffering.max.messages",
         "delivery.report.only.error",
         "transactional.id",
+        "retries",
+        "message.send.max.retries",
     ] {
         let e = err(&format!(
             "{MINIMAL}\n[sink.properties]\n\"{property}\" = \"1\"\n"
@@ -165,6 +167,24 @@ fn properties_the_guarantees_rest_on_are_refused() {
         "{MINIMAL}\n[sink.properties]\npartitioner = \"murmur2_random\"\n"
     ))
     .expect("a key-based partitioner is accepted");
+}
+
+/// A producer queue smaller than the largest message would answer "queue
+/// full" to that message for ever: refused, with the size it needs.
+#[test]
+fn a_producer_queue_smaller_than_the_largest_message_is_refused() {
+    let queue = |kbytes: &str| {
+        format!("{MINIMAL}\n[sink.properties]\n\"queue.buffering.max.kbytes\" = \"{kbytes}\"\n")
+    };
+    let e = err(&queue("512"));
+    assert!(
+        e.contains("sink.properties.queue.buffering.max.kbytes: 512 KiB is less than sink.message_max_bytes (1000000 bytes)")
+            && e.contains("at least 977"),
+        "{e}"
+    );
+    let e = err(&queue("lots"));
+    assert!(e.contains("must be a whole number of KiB"), "{e}");
+    load_str(&queue("977")).expect("room for the largest message");
 }
 
 /// A RabbitMQ URL without `//` has no host (and no password field, so the
