@@ -146,8 +146,15 @@ pub async fn snapshot(client: &Client, config: &Config, reads: Reads) -> Result<
         None => (None, None),
     };
     let last_publish = match config.relay.mark {
+        // A mark set by hand to 'infinity' (or past the years a timestamp
+        // here can hold) is no publish time: left out.
         MarkMode::Update if with_last_publish => client
-            .query_one(&format!("SELECT max({SENT_AT_COLUMN}) FROM {t}"), &[])
+            .query_one(
+                &format!(
+                    "SELECT max({SENT_AT_COLUMN}) FILTER (WHERE isfinite({SENT_AT_COLUMN}) AND {SENT_AT_COLUMN} < '100000-01-01') FROM {t}"
+                ),
+                &[],
+            )
             .await
             .map_err(q("reading the last publish time"))?
             .get(0),

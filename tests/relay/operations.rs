@@ -453,3 +453,31 @@ async fn a_stop_while_the_broker_takes_nothing_keeps_to_shutdown_timeout() {
         "left for the next owner"
     );
 }
+
+/// A mark set by hand past what a timestamp can show (`infinity`, a year
+/// beyond 262143) is not the last publish time: `status` shows the newest
+/// real one instead of failing on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_leaves_out_a_mark_set_to_infinity() {
+    let (db, _broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[("relay.mark", "\"update\"")],
+    )
+    .await;
+    let path = config_file(&toml);
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, relay_sent_at) VALUES
+                 (gen_random_uuid(), 'order', 'a', 'Happened', '{}', 'infinity'),
+                 (gen_random_uuid(), 'order', 'b', 'Happened', '{}', '200000-01-01'),
+                 (gen_random_uuid(), 'order', 'c', 'Happened', '{}', '2026-01-02 03:04:05+00')",
+        )
+        .await
+        .unwrap();
+    let (code, out, err) = run_cli(&["status", "--config", &path, "--json"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let s: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(s["last_publish"], "2026-01-02T03:04:05Z", "{out}");
+}

@@ -538,3 +538,36 @@ async fn outboxes_whose_default_replication_names_meet_are_refused() {
         "nothing was published from the other relay's slot"
     );
 }
+
+/// Twins in a `relay_seq` made by hand, of another type and with NULLs:
+/// `migrate` names them (and not the NULLs, which a unique index allows)
+/// instead of failing to read them.
+#[tokio::test]
+async fn migrate_names_twins_in_a_hand_made_relay_seq() {
+    let db = TestDb::new().await;
+    db.client
+        .batch_execute(
+            "CREATE TABLE outbox (id uuid PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
+                                  event_type text NOT NULL, payload jsonb NOT NULL, relay_seq integer);
+             INSERT INTO outbox VALUES
+                 (gen_random_uuid(), 'order', 'a', 'Happened', '{}', 7),
+                 (gen_random_uuid(), 'order', 'b', 'Happened', '{}', 7),
+                 (gen_random_uuid(), 'order', 'c', 'Happened', '{}', NULL),
+                 (gen_random_uuid(), 'order', 'd', 'Happened', '{}', NULL)",
+        )
+        .await
+        .unwrap();
+    let path = config_file(&base_toml(&db.url, &rabbit_sink()));
+    for dry_run in [true, false] {
+        let mut args = vec!["migrate", "--config", &path];
+        if dry_run {
+            args.push("--dry-run");
+        }
+        let (code, out, err) = run_cli(&args, &[]);
+        assert_eq!(code, 1, "dry run {dry_run}: {out}{err}");
+        assert!(
+            err.contains("relay_seq repeats values (for example 7)"),
+            "dry run {dry_run}: {err}"
+        );
+    }
+}

@@ -316,10 +316,14 @@ async fn check_backlog(config: &Config, client: &tokio_postgres::Client, r: &mut
         .as_ref()
         .map(|d| format!(" AND {d} IS NULL"))
         .unwrap_or_default();
-    let kinds = format!(
-        "SELECT DISTINCT {}::text, {}::text FROM {table} WHERE {unsent}{templated} LIMIT 20",
+    // A row missing either is dead-lettered by the relay, not routed.
+    let (aggregate_type, event_type) = (
         crate::sql::quote_ident(&c.aggregate_type),
         crate::sql::quote_ident(&c.event_type),
+    );
+    let kinds = format!(
+        "SELECT DISTINCT {aggregate_type}::text, {event_type}::text FROM {table}
+         WHERE {unsent}{templated} AND {aggregate_type} IS NOT NULL AND {event_type} IS NOT NULL LIMIT 20"
     );
     if let Ok(rows) = client.query(&kinds, &[]).await {
         r.pending_kinds = rows.iter().map(|row| (row.get(0), row.get(1))).collect();

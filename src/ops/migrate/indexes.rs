@@ -82,10 +82,13 @@ pub(super) async fn refuse_seq_twins(
     client: &Client,
     table: &TableName,
 ) -> Result<(), MigrateError> {
-    let twins: Vec<i64> = client
+    // As text: a column made by hand may be of another type. NULLs do not
+    // collide in a unique index (the relay refuses them elsewhere).
+    let twins: Vec<String> = client
         .query(
             &format!(
-                "SELECT {SEQ_COLUMN} FROM {} GROUP BY 1 HAVING count(*) > 1 ORDER BY 1 LIMIT 5",
+                "SELECT {SEQ_COLUMN}::text FROM {} WHERE {SEQ_COLUMN} IS NOT NULL
+                 GROUP BY {SEQ_COLUMN} HAVING count(*) > 1 ORDER BY {SEQ_COLUMN} LIMIT 5",
                 table.quoted()
             ),
             &[],
@@ -97,7 +100,7 @@ pub(super) async fn refuse_seq_twins(
     if twins.is_empty() {
         return Ok(());
     }
-    let shown: Vec<String> = twins.iter().map(i64::to_string).collect();
+    let shown = twins;
     Err(MigrateError::Prerequisite(format!(
         "{table}.{SEQ_COLUMN} repeats values (for example {}), so it cannot get the unique index the relay \
          needs to name a row: give every twin but one a new number, e.g. \
