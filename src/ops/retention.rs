@@ -352,6 +352,7 @@ async fn cycle_partitions(
     let now: DateTime<Utc> = row.get(0);
     let mut done = Partitions::default();
     let wanted = partitions::wanted(now, r.partition_interval, r.partition_premake);
+    let default = partitions::default_partition(&existing).cloned();
     let mut taken: Vec<TableName> = row
         .get::<_, Vec<String>>(1)
         .into_iter()
@@ -362,7 +363,14 @@ async fn cycle_partitions(
         let name = partitions::name_for(table, range, r.partition_interval, &taken);
         taken.push(name.clone());
         let sql = partitions::create_sql(table, &name, range, &layout);
-        if !dry_run && let Err(failure) = partitions::create(client, &sql, &name).await {
+        let created = match &default {
+            _ if dry_run => Ok(()),
+            Some(d) if partitions::default_holds_rows(client, d, range, &layout).await? => {
+                Err(partitions::default_holds(&name))
+            }
+            _ => partitions::create(client, &sql, &name).await,
+        };
+        if let Err(failure) = created {
             done.problems.push(failure.message);
             // The outbox locked is counted only when the range is due
             // soon: the next run retries it, but an outbox that stays
@@ -391,7 +399,6 @@ async fn cycle_partitions(
             partitions::Outcome::Failed(why) => done.failed.push((p.name.clone(), why)),
         }
     }
-    let default = partitions::default_partition(&existing).cloned();
     Ok((done, default))
 }
 

@@ -1,7 +1,7 @@
 //! Partition retention against partitions it did not make: a range held
 //! only in part (another `partition_interval` before) gets the rest of it,
-//! and a partition the server refuses to drop stays without stopping the
-//! run.
+//! a partition the server refuses to drop stays without stopping the
+//! run, and ranges the default partition holds rows of are not tried.
 
 use crate::partitions::{day_partitioned, insert_at, partitions_of};
 use crate::support::*;
@@ -217,4 +217,53 @@ async fn a_partition_the_server_refuses_to_drop_is_kept_and_the_run_goes_on() {
         &["kept public.outbox_viewed, which could not be dropped"],
     );
     assert!(out.contains("depends on"), "{out}");
+}
+
+/// Ranges due that the default partition holds rows of are reported
+/// without asking for the outbox's lock: PostgreSQL would scan the default
+/// partition under it, then refuse them. Here a writer holds the outbox, so
+/// a try would wait for the lock and end the run's creations.
+#[tokio::test]
+async fn ranges_the_default_partition_holds_are_not_tried_under_the_lock() {
+    let db = TestDb::new().await;
+    day_partitioned(&db, &[], true).await;
+    let toml = set(
+        &base_toml(&db.url, &rabbit_sink()),
+        "retention.mode",
+        "\"partitions\"",
+    );
+    let config = parse(&set(&toml, "retention.partition_premake", "1"));
+    db.migrate(&config).await;
+    // Today and tomorrow have no partition: these rows wait in the default.
+    db.client
+        .batch_execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at)
+             SELECT gen_random_uuid(), 'order', 'o-1', 'Happened', '{}',
+                    date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' + d * interval '1 day'
+             FROM generate_series(0, 1) d",
+        )
+        .await
+        .unwrap();
+    let writer = connect(&db.url).await;
+    writer
+        .batch_execute("BEGIN; LOCK TABLE outbox IN ROW EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let client = outbox_relay::ops::retention::connect(&config)
+        .await
+        .unwrap();
+    let report = outbox_relay::ops::retention::once(&client, &config, false)
+        .await
+        .unwrap();
+    let p = report.partitions.clone().expect("a partition report");
+    assert!(p.created.is_empty(), "{report}");
+    assert!(
+        p.problems.len() == 2
+            && p.problems
+                .iter()
+                .all(|m| m.contains("default partition holds rows")),
+        "both ranges, neither tried: {report}"
+    );
+    writer.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(partitions_of(&db).await.len(), 1, "the default only");
 }

@@ -54,6 +54,11 @@ pub use coverage::{Range, expired, missing, wanted};
 /// enough that inserts never queue behind the DDL for long.
 pub const LOCK_WAIT: Duration = Duration::from_secs(1);
 
+/// The longest a partition's creation may hold the outbox's lock: the
+/// scan of a default partition that holds many rows would otherwise stop
+/// inserts for up to the session's statement timeout, at every run.
+pub const CREATE_WITHIN: Duration = Duration::from_secs(5);
+
 /// How the outbox is partitioned, when partition retention can use it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
@@ -248,6 +253,43 @@ pub fn create_sql(
     )
 }
 
+/// Whether `default` (the default partition) holds rows of the range
+/// `(from, to)`: PostgreSQL would refuse the partition after scanning the
+/// default partition with the outbox locked, so the run does not try. A
+/// row that lands there after this look is still refused by PostgreSQL.
+pub async fn default_holds_rows(
+    client: &Client,
+    default: &TableName,
+    (from, to): (DateTime<Utc>, DateTime<Utc>),
+    layout: &Layout,
+) -> Result<bool, RetentionError> {
+    let key = crate::sql::quote_ident(&layout.column);
+    let sql = format!(
+        "SELECT EXISTS (SELECT 1 FROM {} WHERE {key} >= {} AND {key} < {})",
+        default.quoted(),
+        literal(from, layout),
+        literal(to, layout)
+    );
+    Ok(client
+        .query_one(&sql, &[])
+        .await
+        .map_err(|e| DbError::query(format!("looking for rows of a new range in {default}"), e))?
+        .get(0))
+}
+
+/// What the run says of a range the default partition holds rows of.
+const DEFAULT_HOLDS: &str = "the default partition holds rows of its range, so PostgreSQL refuses it until they \
+     are gone: they are delivered like any other row and deleted once sent and older than \
+     retention.sent_window, and the ranges made ahead take the rows after them";
+
+/// The failure of a range the default partition holds rows of.
+pub fn default_holds(partition: &TableName) -> CreateFailure {
+    CreateFailure {
+        message: format!("cannot create partition {partition}: {DEFAULT_HOLDS}"),
+        locked: false,
+    }
+}
+
 /// Why a partition could not be created.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CreateFailure {
@@ -260,15 +302,18 @@ pub struct CreateFailure {
 
 /// Creates one partition. Creating a partition locks the outbox (ACCESS
 /// EXCLUSIVE in PostgreSQL 15), so it waits for the lock at most
-/// [`LOCK_WAIT`] rather than let inserts queue behind it.
+/// [`LOCK_WAIT`] rather than let inserts queue behind it, and holds it at
+/// most [`CREATE_WITHIN`]: with a default partition, PostgreSQL scans it
+/// under that lock for rows of the new range.
 pub async fn create(
     client: &Client,
     sql: &str,
     partition: &TableName,
 ) -> Result<(), CreateFailure> {
     let statement = format!(
-        "BEGIN; SET LOCAL lock_timeout = {}; {sql}; COMMIT",
-        LOCK_WAIT.as_millis()
+        "BEGIN; SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}; {sql}; COMMIT",
+        LOCK_WAIT.as_millis(),
+        CREATE_WITHIN.as_millis()
     );
     let Err(e) = client.batch_execute(&statement).await else {
         return Ok(());
@@ -279,12 +324,13 @@ pub async fn create(
         let code = e.code().map(|c| c.code().to_owned());
         let hint = match code.as_deref() {
             // check_violation: the default partition holds rows of the range.
-            Some("23514") => {
-                "; the default partition holds rows of its range, so PostgreSQL refuses it until they \
-                 are gone: they are delivered like any other row and deleted once sent and older than \
-                 retention.sent_window, and the ranges made ahead take the rows after them"
-            }
+            Some("23514") => &format!("; {DEFAULT_HOLDS}"),
             Some("55P03") => "; the outbox was locked, the next run tries again",
+            Some("57014") => {
+                "; the default partition is too large to scan while the outbox is locked (PostgreSQL \
+                 checks it holds no row of the new range): add to it a CHECK constraint that excludes \
+                 the ranges ahead, or empty it, and the next run tries again"
+            }
             _ => "",
         };
         CreateFailure {
