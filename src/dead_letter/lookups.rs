@@ -198,7 +198,7 @@ fn dead_aggregates(t: &str) -> String {
 }
 
 /// The requested letters that may be published now, oldest first, at most
-/// `$1`: those of aggregates with no open letter nobody asked for (one
+/// `$1`, each with the time of the look (`now()`, last): those of aggregates with no open letter nobody asked for (one
 /// before them holds them back; one after them is a follower the
 /// extension has not reached yet, and publishing the letters first would
 /// leave it first, unrequested, and the request ended). The aggregates
@@ -236,7 +236,7 @@ pub fn requested_sql(table: &TableName, shard: &str) -> String {
              WHERE f.redrive_requested_at IS NOT NULL{shard} AND {named}
          )
          SELECT l.dead_letter_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.event_version,
-                l.payload, l.headers, l.created_at, l.extra
+                l.payload, l.headers, l.created_at, l.extra, now()
          FROM {t} l
          WHERE l.resolution IS NULL AND l.redrive_requested_at IS NOT NULL{shard}
            AND (l.aggregate_id IN (SELECT a FROM ready)

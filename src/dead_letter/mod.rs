@@ -262,7 +262,18 @@ pub struct Recorder {
     sent: Statement,
     refused: Statement,
     clear_requests: Statement,
+    /// When each letter handed to the relay was first handed (the server's
+    /// clock), until it is sent or refused: a refusal ends its aggregate's
+    /// requests unless an operator asked for the letter again since.
+    /// Bounded by [`TAKEN_MEMORY`]; a letter forgotten ends them when
+    /// refused.
+    taken: std::sync::Mutex<HashMap<i64, DateTime<Utc>>>,
 }
+
+/// Most letters whose hand-over time a [`Recorder`] keeps: letters handed
+/// over and never answered (a run that ended) are forgotten all at once
+/// past it.
+const TAKEN_MEMORY: usize = 20 * REQUESTED_BATCH as usize;
 
 /// What writing a set of dead letters did.
 #[derive(Debug, Default)]
@@ -331,9 +342,12 @@ impl Recorder {
             clear_requests: prepare(format!(
                 "UPDATE {t} SET redrive_requested_at = NULL
                  WHERE resolution IS NULL AND aggregate_id IS NOT DISTINCT FROM
-                       (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)"
+                       (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)
+                   AND NOT COALESCE((SELECT redrive_requested_at > $2::timestamptz FROM {t}
+                                     WHERE dead_letter_id = $1), false)"
             ))
             .await?,
+            taken: Default::default(),
         })
     }
 
@@ -482,9 +496,17 @@ impl Recorder {
     /// Letters an operator asked to publish again, oldest first.
     pub async fn requested(&self, client: &Client) -> Result<Requests, tokio_postgres::Error> {
         let full: bool = client.query_one(&self.extend_requests, &[]).await?.get(1);
-        let letters = client
-            .query(&self.requested, &[&REQUESTED_BATCH])
-            .await?
+        let rows = client.query(&self.requested, &[&REQUESTED_BATCH]).await?;
+        {
+            let mut taken = self.taken();
+            if taken.len() + rows.len() > TAKEN_MEMORY {
+                taken.clear();
+            }
+            for r in &rows {
+                taken.entry(r.get(0)).or_insert_with(|| r.get(10));
+            }
+        }
+        let letters = rows
             .iter()
             .map(|r| Requested {
                 letter_id: r.get(0),
@@ -522,12 +544,24 @@ impl Recorder {
             return Ok(Vec::new());
         }
         let rows = client.query(&self.sent, &[&ids]).await?;
+        let mut taken = self.taken();
+        for id in ids {
+            taken.remove(id);
+        }
         Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    fn taken(&self) -> std::sync::MutexGuard<'_, HashMap<i64, DateTime<Utc>>> {
+        self.taken
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The broker refused a redriven letter again: it records why and, when
     /// the refusal `counts`, its aggregate's requests end (an operator asks
-    /// again once the cause is fixed); back-pressure keeps them for a retry.
+    /// again once the cause is fixed), unless an operator asked for this
+    /// letter again after it was handed over; back-pressure keeps them for
+    /// a retry.
     pub async fn refused(
         &self,
         client: &Client,
@@ -539,7 +573,8 @@ impl Recorder {
             .execute(&self.refused, &[&id, &reason, &i32::from(counts)])
             .await?;
         if counts {
-            client.execute(&self.clear_requests, &[&id]).await?;
+            let taken = self.taken().remove(&id);
+            client.execute(&self.clear_requests, &[&id, &taken]).await?;
         }
         Ok(())
     }

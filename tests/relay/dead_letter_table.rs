@@ -413,3 +413,67 @@ async fn a_letter_dropped_while_on_its_way_is_recorded_redriven() {
     assert!(again.is_empty(), "{again:?}");
     assert_eq!(db.count(redriven).await, 2);
 }
+
+/// A refused redrive ends its aggregate's requests (an operator asks again
+/// once the cause is fixed), but not when an operator asked for the letter
+/// again while the relay was publishing it: that request is heard.
+#[tokio::test]
+async fn a_refusal_keeps_a_request_made_after_the_letter_was_taken() {
+    use outbox_relay::dead_letter::Recorder;
+    let db = TestDb::new().await;
+    let table = dead_letter_table(&db).await;
+    let t = table.quoted();
+    db.client
+        .batch_execute(&format!(
+            "INSERT INTO {t} (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at, redrive_requested_at)
+             VALUES ('x0', 'x', 'refused', 5, now(), now(), now()), ('x1', 'x', 'follows', 0, now(), now(), now()),
+                    ('y0', 'y', 'refused', 5, now(), now(), now()), ('y1', 'y', 'follows', 0, now(), now(), now())"
+        ))
+        .await
+        .unwrap();
+    let recorder = Recorder::new(&db.client, &table, None, false)
+        .await
+        .expect("recorder");
+    let handed = recorder.requested(&db.client).await.expect("a look");
+    let letter = |id: &str| {
+        handed
+            .letters
+            .iter()
+            .find(|l| l.raw.id.as_deref() == Some(id))
+            .map(|l| l.letter_id)
+            .expect("handed over")
+    };
+    // The operator fixed the cause and asks for x again meanwhile.
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    db.client
+        .batch_execute(&format!(
+            "UPDATE {t} SET redrive_requested_at = now() WHERE id = 'x0'"
+        ))
+        .await
+        .unwrap();
+    for id in ["x0", "y0"] {
+        recorder
+            .refused(&db.client, letter(id), "refused again", true)
+            .await
+            .expect("recorded");
+    }
+    let requested = |aggregate: &str| {
+        format!(
+            "SELECT count(*) FROM {t} WHERE aggregate_id = '{aggregate}' AND redrive_requested_at IS NOT NULL"
+        )
+    };
+    assert_eq!(db.count(&requested("y")).await, 0, "y's requests end");
+    assert_eq!(db.count(&requested("x")).await, 2, "x was asked for again");
+    // Asked for again, x is handed over again, and its next refusal ends it.
+    let again = recorder.requested(&db.client).await.expect("a look");
+    let x0 = again
+        .letters
+        .iter()
+        .find(|l| l.raw.id.as_deref() == Some("x0"))
+        .expect("x0 handed over again");
+    recorder
+        .refused(&db.client, x0.letter_id, "refused again", true)
+        .await
+        .expect("recorded");
+    assert_eq!(db.count(&requested("x")).await, 0);
+}
