@@ -129,8 +129,9 @@ impl Backend for Postgres<'_> {
                 && shard.count > 1
                 && !shards::guard(&client, &base, shard.count as usize).await?
             {
-                // An instance without shards holds the outbox: let go, and
-                // take nothing beside it (the session keeps no lock).
+                // An instance without shards, or with another shard count,
+                // holds the outbox: let go, and take nothing beside it (the
+                // session keeps no lock).
                 client
                     .batch_execute("SELECT pg_advisory_unlock_all()")
                     .await

@@ -337,22 +337,7 @@ async fn register(client: &Client, base: &str, count: usize) -> Result<i32, NotS
         )
         .await
         .map_err(|e| DbError::query("waiting to register as a shard member", e))?;
-    let others: Vec<i32> = client
-        .query(
-            "SELECT m FROM generate_series(2, 256) AS m
-             WHERE m <> $2 AND EXISTS (
-                 SELECT 1 FROM pg_locks l
-                 WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                   AND l.classid = hashtext($1 || ':members:' || m)::oid)",
-            &[&base, &(count as i32)],
-        )
-        .await
-        .map_err(|e| DbError::query("looking for instances with other shard counts", e))?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    if let Some(other) = others.first() {
+    if let Some(other) = other_count(client, base, count).await? {
         return Err(busy(format!(
             "instances with relay.shards = {other} are running on this outbox; every instance must use the same value (this one has {count})"
         )));
@@ -381,6 +366,25 @@ async fn register(client: &Client, base: &str, count: usize) -> Result<i32, NotS
     Err(busy(format!("all {MEMBER_SLOTS} member slots are taken")))
 }
 
+/// A shard count other than `count` some instance holds member locks of
+/// (its member session, or a shard's guard).
+async fn other_count(client: &Client, base: &str, count: usize) -> Result<Option<i32>, DbError> {
+    let other = client
+        .query_opt(
+            "SELECT m FROM generate_series(2, 256) AS m
+             WHERE m <> $2 AND EXISTS (
+                 SELECT 1 FROM pg_locks l
+                 WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                   AND l.classid = hashtext($1 || ':members:' || m)::oid)
+             LIMIT 1",
+            &[&base, &(count as i32)],
+        )
+        .await
+        .map_err(|e| DbError::query("looking for instances with other shard counts", e))?;
+    Ok(other.map(|r| r.get(0)))
+}
+
 /// Sharing must wait: another instance is in the way.
 fn busy(message: impl Into<String>) -> NotShared {
     NotShared::Waiting(message.into())
@@ -391,17 +395,37 @@ fn busy(message: impl Into<String>) -> NotShared {
 /// taking the outbox, as the member session does. A member session can go
 /// (a stop, a lost connection) while its shards still drain; their own
 /// sessions then still keep the others out. False when an instance
-/// without shards holds the outbox.
+/// without shards holds the outbox, or one with another shard count runs:
+/// this instance's own count may be out of date (its member session died
+/// unnoticed, and another count registered meanwhile). Checked as
+/// registering is, one instance at a time.
 pub async fn guard(client: &Client, base: &str, count: usize) -> Result<bool, DbError> {
+    let registering = format!("{base}:registering");
     client
+        .execute(
+            "SELECT pg_advisory_lock(hashtextextended($1, 0))",
+            &[&registering],
+        )
+        .await
+        .map_err(|e| DbError::query("waiting to check the shard counts", e))?;
+    let held: bool = client
         .query_one(
             "SELECT pg_try_advisory_lock_shared(hashtextextended($1, 0))
                     AND pg_try_advisory_lock_shared(hashtext($2), $3)",
             &[&base, &member_key(base, count), &GUARD_SLOT],
         )
         .await
-        .map_err(|e| DbError::query("taking the shard's shared ownership locks", e))
-        .map(|r| r.get(0))
+        .map_err(|e| DbError::query("taking the shard's shared ownership locks", e))?
+        .get(0);
+    let alone = held && other_count(client, base, count).await?.is_none();
+    client
+        .execute(
+            "SELECT pg_advisory_unlock(hashtextextended($1, 0))",
+            &[&registering],
+        )
+        .await
+        .map_err(|e| DbError::query("checking the shard counts", e))?;
+    Ok(alone)
 }
 
 async fn live_members(client: &Client, base: &str, count: usize) -> Result<usize, DbError> {

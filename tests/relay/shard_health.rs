@@ -146,3 +146,41 @@ async fn an_instance_stepping_back_keeps_other_shard_settings_out() {
     broker.inbox().wait_ids(&[id.to_string()], WAIT).await;
     other.stop().await;
 }
+
+/// A shard's guard refuses while an instance with another shard count is
+/// registered, even when this instance's member session never saw it (the
+/// session died unnoticed, and the other registered meanwhile): their
+/// shards are other keys, so both would own the same rows.
+#[tokio::test]
+async fn a_shard_is_not_taken_beside_another_shard_count() {
+    use outbox_relay::relay::shards::guard;
+    let db = TestDb::new().await;
+    let base = outbox_relay::outbox::ownership_key(&outbox_relay::config::TableName::new(
+        "public", "outbox",
+    ));
+    // An instance with 2 shards, registered: its member locks.
+    let other = connect(&db.url).await;
+    let registered: bool = other
+        .query_one(
+            "SELECT pg_try_advisory_lock_shared(hashtextextended($1, 0))
+                    AND pg_try_advisory_lock(hashtext($1 || ':members:2'), 0)",
+            &[&base],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(registered);
+    let mine = connect(&db.url).await;
+    assert!(
+        !guard(&mine, &base, 4).await.unwrap(),
+        "a shard of 4 beside an instance with 2"
+    );
+    mine.batch_execute("SELECT pg_advisory_unlock_all()")
+        .await
+        .unwrap();
+    other
+        .batch_execute("SELECT pg_advisory_unlock_all()")
+        .await
+        .unwrap();
+    assert!(guard(&mine, &base, 4).await.unwrap(), "alone");
+}
