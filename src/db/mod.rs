@@ -71,6 +71,31 @@ impl DbError {
 
 /// The connection parameters of `database.*`, with the password override applied.
 pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError> {
+    config_of(db, Peer::Answers)
+}
+
+/// [`pg_config`] for a replication stream. The relay stops reading one while
+/// the broker holds events back, and the server's `tcp_user_timeout` would
+/// then end it: Linux aborts a connection whose peer advertises a zero
+/// window for longer than the timeout, however promptly the peer
+/// acknowledges the probes. The walsender ends a stream whose relay went
+/// silent after `wal_sender_timeout` instead (the relay's status updates
+/// keep a stream held back alive).
+pub fn replication_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError> {
+    config_of(db, Peer::MayStopReading)
+}
+
+/// Whether the relay reads everything the server sends on a connection
+/// promptly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Peer {
+    /// Queries and their answers: the server's `tcp_user_timeout` applies.
+    Answers,
+    /// A replication stream, read as the broker allows.
+    MayStopReading,
+}
+
+fn config_of(db: &DatabaseConfig, peer: Peer) -> Result<tokio_postgres::Config, DbError> {
     let mut config: tokio_postgres::Config = db
         .url
         .expose()
@@ -79,7 +104,7 @@ pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError>
     if let Some(password) = &db.password {
         config.password(password.expose());
     }
-    let options = session_options(config.get_options())?;
+    let options = session_options(config.get_options(), peer)?;
     config
         .application_name(&db.application_name)
         .connect_timeout(db.connect_timeout)
@@ -99,16 +124,18 @@ pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError>
 /// on them. The URL's are kept as written (a trailing escaped space is
 /// part of a value); ending in a lone backslash they would escape the
 /// space before the relay's, so they are refused.
-fn session_options(url_options: Option<&str>) -> Result<String, DbError> {
+fn session_options(url_options: Option<&str>, peer: Peer) -> Result<String, DbError> {
     // The server's keepalives end the session of a relay whose node died
     // (no FIN, no RST) in about 25 s, not the operating system's two
     // hours: its ownership lock goes with it, so a standby takes over.
-    let relay = format!(
+    let mut relay = format!(
         "-c TimeZone=UTC -c DateStyle=ISO -c client_encoding=UTF8 -c statement_timeout={} -c jit=off \
-         -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3 \
-         -c tcp_user_timeout=30000",
+         -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3",
         STATEMENT_TIMEOUT.as_millis()
     );
+    if peer == Peer::Answers {
+        relay.push_str(" -c tcp_user_timeout=30000");
+    }
     let Some(own) = url_options.filter(|o| !o.trim().is_empty()) else {
         return Ok(relay);
     };
@@ -313,25 +340,40 @@ mod tests {
 
     #[test]
     fn the_urls_options_go_before_the_relays_as_written() {
-        let relay = session_options(None).expect("none");
+        let relay = session_options(None, Peer::Answers).expect("none");
         assert!(
             relay.starts_with("-c TimeZone=UTC") && relay.ends_with("-c tcp_user_timeout=30000")
         );
-        assert_eq!(session_options(Some("  ")).expect("blank"), relay);
         assert_eq!(
-            session_options(Some("-c search_path=app")).expect("one"),
+            session_options(Some("  "), Peer::Answers).expect("blank"),
+            relay
+        );
+        assert_eq!(
+            session_options(Some("-c search_path=app"), Peer::Answers).expect("one"),
             format!("-c search_path=app {relay}")
         );
         // An escaped trailing space is the value's own.
         assert_eq!(
-            session_options(Some(r"-c x=a\ ")).expect("escaped space"),
+            session_options(Some(r"-c x=a\ "), Peer::Answers).expect("escaped space"),
             format!(r"-c x=a\  {relay}")
         );
         assert_eq!(
-            session_options(Some(r"-c x=a\\")).expect("an escaped backslash"),
+            session_options(Some(r"-c x=a\\"), Peer::Answers).expect("an escaped backslash"),
             format!(r"-c x=a\\ {relay}")
         );
-        let refused = session_options(Some(r"-c x=a\")).expect_err("a lone backslash");
+        let refused =
+            session_options(Some(r"-c x=a\"), Peer::Answers).expect_err("a lone backslash");
         assert!(refused.to_string().contains("database.url"), "{refused}");
+    }
+
+    /// A replication stream is read as the broker allows: the server's
+    /// tcp_user_timeout would end one held back longer than it.
+    #[test]
+    fn a_stream_leaves_out_the_servers_user_timeout() {
+        let stream = session_options(None, Peer::MayStopReading).expect("none");
+        assert!(
+            stream.contains("tcp_keepalives_idle=10") && !stream.contains("tcp_user_timeout"),
+            "{stream}"
+        );
     }
 }

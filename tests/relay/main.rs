@@ -25,6 +25,7 @@ mod extra_columns;
 mod failures;
 mod fencing;
 mod handoff;
+mod held_stream;
 mod logs;
 mod lost_slot;
 mod marking_default;

@@ -490,7 +490,7 @@ impl CdcServer for PgServer {
         let slot = self.settings.slot.clone();
         let names = publication_names(&[&self.settings.publication]);
         async move {
-            let pg = crate::db::pg_config(&db)?;
+            let pg = crate::db::replication_config(&db)?;
             let mut client = ReplicationClient::connect(&pg, &db.tls()).await?;
             let pid = walsender_pid(&mut client).await?;
             let mut options = vec![
