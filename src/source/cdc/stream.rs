@@ -46,6 +46,9 @@ struct CurrentTx {
     commit_time: DateTime<Utc>,
     /// Its rows were already read from the table at start-up.
     skip: bool,
+    /// A logical message of it was handed over: those are published even
+    /// when its rows are skipped (the table does not hold them).
+    handed_message: bool,
 }
 
 pub struct Streaming<S> {
@@ -164,7 +167,7 @@ impl<S: CdcStream> Streaming<S> {
     pub fn inside_transaction(&self) -> bool {
         self.tx
             .as_ref()
-            .is_some_and(|t| !t.skip && t.next_index > 0)
+            .is_some_and(|t| (!t.skip && t.next_index > 0) || t.handed_message)
     }
 
     /// Handles one message from the server.
@@ -230,6 +233,7 @@ impl<S: CdcStream> Streaming<S> {
                     next_index: 0,
                     commit_time: DateTime::from_timestamp_micros(micros).unwrap_or_else(Utc::now),
                     skip,
+                    handed_message: false,
                 });
                 Ok(Step::Continue)
             }
@@ -432,6 +436,7 @@ impl<S: CdcStream> Streaming<S> {
         tx.next_index += 1;
         if lock(progress).event(&position) {
             out.push(SourcedEvent::new(position, event));
+            tx.handed_message = true;
         }
         Ok(Step::Continue)
     }

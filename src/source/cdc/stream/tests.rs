@@ -335,3 +335,73 @@ fn a_truncate_warns_only_for_the_outbox() {
         assert_eq!(s.warned.contains(&MessageKind::Truncate), warned);
     }
 }
+
+/// A transaction the start-up read covered has its rows skipped, but its
+/// logical messages published: once one is handed over, a batch ending
+/// before its commit ends inside it, so that a clean stop reads on to the
+/// commit (where the WAL is the only record, a restart would publish the
+/// message again otherwise).
+#[test]
+fn a_covered_transaction_is_entered_by_a_message_handed_over() {
+    use crate::replication::pgoutput::{Begin, Commit, LogicalDecodingMessage};
+    use crate::source::cdc::snapshot::{Snapshot, StartupView};
+    let progress = Mutex::new(Progress::new(Lsn(10), 100));
+    let view = StartupView {
+        snapshot: Snapshot {
+            xmin: 100,
+            xmax: 100,
+            xip: Vec::new(),
+        },
+        until: Lsn(0x2000),
+        settled: None,
+    };
+    let mut s = Streaming::new(Stuck, Some(view), Lsn(10), false, Some("p".into()));
+    let (table, columns) = (
+        TableName::new("public", "outbox"),
+        crate::config::ColumnMap::default().resolve(&[]),
+    );
+    let commit_at = Lsn(0x1000);
+    let mut out = Vec::new();
+    let mut handle = |s: &mut Streaming<Stuck>, m| {
+        s.handle(
+            StreamMessage::Change(m),
+            &table,
+            &columns,
+            &progress,
+            &mut out,
+        )
+        .expect("handled");
+    };
+    handle(
+        &mut s,
+        LogicalMessage::Begin(Begin {
+            final_lsn: commit_at,
+            commit_time_micros: 0,
+            xid: 7,
+        }),
+    );
+    assert!(!s.inside_transaction(), "nothing handed over yet");
+    handle(
+        &mut s,
+        LogicalMessage::Message(LogicalDecodingMessage {
+            transactional: true,
+            lsn: commit_at,
+            prefix: "p".into(),
+            content: bytes::Bytes::from_static(
+                br#"{"id":"e","aggregate_type":"t","aggregate_id":"a","event_type":"E","payload":{}}"#,
+            ),
+        }),
+    );
+    assert!(s.inside_transaction(), "its message was handed over");
+    handle(
+        &mut s,
+        LogicalMessage::Commit(Commit {
+            flags: 0,
+            commit_lsn: commit_at,
+            end_lsn: Lsn(0x1040),
+            commit_time_micros: 0,
+        }),
+    );
+    assert!(!s.inside_transaction());
+    assert_eq!(out.len(), 1, "the message, published");
+}
