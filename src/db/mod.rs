@@ -74,9 +74,9 @@ pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError>
     config_of(db, Peer::Answers)
 }
 
-/// [`pg_config`] for a replication stream. The relay stops reading one while
-/// the broker holds events back, and the server's `tcp_user_timeout` would
-/// then end it: Linux aborts a connection whose peer advertises a zero
+/// [`pg_config`] for a replication stream, with no `tcp_user_timeout` on
+/// the server's side. The relay stops reading one while the broker holds
+/// events back, and a user timeout would then end it: Linux aborts a connection whose peer advertises a zero
 /// window for longer than the timeout, however promptly the peer
 /// acknowledges the probes. The walsender ends a stream whose relay went
 /// silent after `wal_sender_timeout` instead (the relay's status updates
@@ -133,9 +133,11 @@ fn session_options(url_options: Option<&str>, peer: Peer) -> Result<String, DbEr
          -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3",
         STATEMENT_TIMEOUT.as_millis()
     );
-    if peer == Peer::Answers {
-        relay.push_str(" -c tcp_user_timeout=30000");
-    }
+    relay.push_str(match peer {
+        Peer::Answers => " -c tcp_user_timeout=30000",
+        // None, whatever postgresql.conf or the role says.
+        Peer::MayStopReading => " -c tcp_user_timeout=0",
+    });
     let Some(own) = url_options.filter(|o| !o.trim().is_empty()) else {
         return Ok(relay);
     };
@@ -372,7 +374,7 @@ mod tests {
     fn a_stream_leaves_out_the_servers_user_timeout() {
         let stream = session_options(None, Peer::MayStopReading).expect("none");
         assert!(
-            stream.contains("tcp_keepalives_idle=10") && !stream.contains("tcp_user_timeout"),
+            stream.contains("tcp_keepalives_idle=10") && stream.ends_with("-c tcp_user_timeout=0"),
             "{stream}"
         );
     }

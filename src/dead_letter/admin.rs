@@ -423,7 +423,7 @@ pub async fn redrive(
         let marked = tx
             .execute(
                 &format!(
-                    "UPDATE {} SET redrive_requested_at = now()
+                    "UPDATE {} SET redrive_requested_at = statement_timestamp()
                      WHERE dead_letter_id = ANY($1) AND resolution IS NULL",
                     dead_letters.quoted()
                 ),

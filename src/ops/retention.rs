@@ -363,12 +363,13 @@ async fn cycle_partitions(
         let name = partitions::name_for(table, range, r.partition_interval, &taken);
         taken.push(name.clone());
         let sql = partitions::create_sql(table, &name, range, &layout);
-        let created = match &default {
-            _ if dry_run => Ok(()),
-            Some(d) if partitions::default_holds_rows(client, d, range, &layout).await? => {
-                Err(partitions::default_holds(&name))
+        let created = match dry_run {
+            true => Ok(()),
+            false => {
+                let at = (range, &layout);
+                partitions::create_unless_default_holds(client, default.as_ref(), at, &sql, &name)
+                    .await
             }
-            _ => partitions::create(client, &sql, &name).await,
         };
         if let Err(failure) = created {
             done.problems.push(failure.message);
@@ -381,7 +382,7 @@ async fn cycle_partitions(
             if !failure.locked || due <= soon {
                 done.create_failures += 1;
             }
-            if failure.locked {
+            if failure.ends_run {
                 break;
             }
             continue;
@@ -450,10 +451,9 @@ struct Target {
 impl Target {
     /// Oldest first through the index; without it, in any order, so a scan
     /// stops after one batch instead of sorting every eligible row. On a
-    /// partitioned outbox a `ctid` names a row only within its partition, so
-    /// a batch may also take rows of other partitions at the same `ctid`:
-    /// each is eligible too (the condition is in the DELETE), and the
-    /// batch's bound grows to `batch_size` per partition.
+    /// partitioned outbox a `ctid` names a row only within its partition:
+    /// the rows are found by `ctid` and kept by `(tableoid, ctid)`, so a
+    /// batch deletes the rows it picked and no other partition's.
     fn sent_rows(table: &TableName, indexed: bool) -> Target {
         let t = table.quoted();
         let eligible = format!("{SENT_AT_COLUMN} IS NOT NULL AND {SENT_AT_COLUMN} < $1");
@@ -465,9 +465,11 @@ impl Target {
         Target {
             what: format!("deleting sent rows from {table}"),
             delete: format!(
-                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-                     SELECT ctid FROM {t} WHERE {eligible}
-                     {order}LIMIT $2 FOR UPDATE SKIP LOCKED))
+                "WITH p AS MATERIALIZED (
+                     SELECT tableoid, ctid FROM {t} WHERE {eligible}
+                     {order}LIMIT $2 FOR UPDATE SKIP LOCKED)
+                 DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM p))
+                   AND (tableoid, ctid) = ANY(ARRAY(SELECT (tableoid, ctid) FROM p))
                    AND {eligible}"
             ),
             count: format!("SELECT count(*) FROM {t} WHERE {eligible}"),

@@ -130,8 +130,8 @@ impl Backend for Postgres<'_> {
                 && !shards::guard(&client, &base, shard.count as usize).await?
             {
                 // An instance without shards, or with another shard count,
-                // holds the outbox: let go, and take nothing beside it (the
-                // session keeps no lock).
+                // holds the outbox (or registers right now): let go, and
+                // take nothing beside it (the session keeps no lock).
                 client
                     .batch_execute("SELECT pg_advisory_unlock_all()")
                     .await

@@ -398,16 +398,22 @@ fn busy(message: impl Into<String>) -> NotShared {
 /// without shards holds the outbox, or one with another shard count runs:
 /// this instance's own count may be out of date (its member session died
 /// unnoticed, and another count registered meanwhile). Checked as
-/// registering is, one instance at a time.
+/// registering is, one instance at a time: false too while another
+/// instance registers (the next poll tries again). On an error the caller
+/// drops the session, and the locks with it.
 pub async fn guard(client: &Client, base: &str, count: usize) -> Result<bool, DbError> {
     let registering = format!("{base}:registering");
-    client
-        .execute(
-            "SELECT pg_advisory_lock(hashtextextended($1, 0))",
+    let turn: bool = client
+        .query_one(
+            "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
             &[&registering],
         )
         .await
-        .map_err(|e| DbError::query("waiting to check the shard counts", e))?;
+        .map_err(|e| DbError::query("checking the shard counts", e))?
+        .get(0);
+    if !turn {
+        return Ok(false);
+    }
     let held: bool = client
         .query_one(
             "SELECT pg_try_advisory_lock_shared(hashtextextended($1, 0))

@@ -471,7 +471,7 @@ async fn status_leaves_out_a_mark_set_to_infinity() {
         .batch_execute(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, relay_sent_at) VALUES
                  (gen_random_uuid(), 'order', 'a', 'Happened', '{}', 'infinity'),
-                 (gen_random_uuid(), 'order', 'b', 'Happened', '{}', '200000-01-01'),
+                 (gen_random_uuid(), 'order', 'b', 'Happened', '{}', '294000-01-01'),
                  (gen_random_uuid(), 'order', 'c', 'Happened', '{}', '2026-01-02 03:04:05+00')",
         )
         .await

@@ -234,13 +234,14 @@ async fn ranges_the_default_partition_holds_are_not_tried_under_the_lock() {
     );
     let config = parse(&set(&toml, "retention.partition_premake", "1"));
     db.migrate(&config).await;
-    // Today and tomorrow have no partition: these rows wait in the default.
+    // Today and tomorrow have no partition: these rows wait in the default
+    // (the day after too, in case midnight passes before retention looks).
     db.client
         .batch_execute(
             "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, created_at)
              SELECT gen_random_uuid(), 'order', 'o-1', 'Happened', '{}',
                     date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' + d * interval '1 day'
-             FROM generate_series(0, 1) d",
+             FROM generate_series(0, 2) d",
         )
         .await
         .unwrap();

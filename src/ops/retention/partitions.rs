@@ -253,28 +253,43 @@ pub fn create_sql(
     )
 }
 
-/// Whether `default` (the default partition) holds rows of the range
-/// `(from, to)`: PostgreSQL would refuse the partition after scanning the
-/// default partition with the outbox locked, so the run does not try. A
-/// row that lands there after this look is still refused by PostgreSQL.
-pub async fn default_holds_rows(
+/// Creates the partition `sql` makes (`partition`, for `range`), unless
+/// the default partition holds rows of the range: PostgreSQL would refuse
+/// it after scanning the default partition with the outbox locked, so the
+/// run looks first, without that lock. A row that lands there after the
+/// look is still refused by PostgreSQL.
+pub async fn create_unless_default_holds(
     client: &Client,
-    default: &TableName,
-    (from, to): (DateTime<Utc>, DateTime<Utc>),
-    layout: &Layout,
-) -> Result<bool, RetentionError> {
-    let key = crate::sql::quote_ident(&layout.column);
-    let sql = format!(
-        "SELECT EXISTS (SELECT 1 FROM {} WHERE {key} >= {} AND {key} < {})",
-        default.quoted(),
-        literal(from, layout),
-        literal(to, layout)
-    );
-    Ok(client
-        .query_one(&sql, &[])
-        .await
-        .map_err(|e| DbError::query(format!("looking for rows of a new range in {default}"), e))?
-        .get(0))
+    default: Option<&TableName>,
+    (range, layout): ((DateTime<Utc>, DateTime<Utc>), &Layout),
+    sql: &str,
+    partition: &TableName,
+) -> Result<(), CreateFailure> {
+    if let Some(default) = default {
+        let key = crate::sql::quote_ident(&layout.column);
+        let look = format!(
+            "SELECT EXISTS (SELECT 1 FROM {} WHERE {key} >= {} AND {key} < {})",
+            default.quoted(),
+            literal(range.0, layout),
+            literal(range.1, layout)
+        );
+        match client.query_one(&look, &[]).await {
+            Ok(row) if row.get::<_, bool>(0) => return Err(default_holds(partition)),
+            Ok(_) => {}
+            Err(e) => {
+                return Err(CreateFailure {
+                    message: format!(
+                        "cannot create partition {partition}: looking for rows of its range in the \
+                         default partition {default} failed: {}",
+                        crate::db::error_text(&e)
+                    ),
+                    locked: false,
+                    ends_run: true,
+                });
+            }
+        }
+    }
+    create(client, sql, partition).await
 }
 
 /// What the run says of a range the default partition holds rows of.
@@ -283,10 +298,11 @@ const DEFAULT_HOLDS: &str = "the default partition holds rows of its range, so P
      retention.sent_window, and the ranges made ahead take the rows after them";
 
 /// The failure of a range the default partition holds rows of.
-pub fn default_holds(partition: &TableName) -> CreateFailure {
+fn default_holds(partition: &TableName) -> CreateFailure {
     CreateFailure {
         message: format!("cannot create partition {partition}: {DEFAULT_HOLDS}"),
         locked: false,
+        ends_run: false,
     }
 }
 
@@ -298,6 +314,10 @@ pub struct CreateFailure {
     /// The outbox was locked: the other ranges would wait the same, so the
     /// run leaves them to the next one.
     pub locked: bool,
+    /// The other ranges would fail the same way (the outbox locked, the
+    /// default partition too large to scan in time): the run leaves them
+    /// to the next one.
+    pub ends_run: bool,
 }
 
 /// Creates one partition. Creating a partition locks the outbox (ACCESS
@@ -328,17 +348,19 @@ pub async fn create(
             Some("55P03") => "; the outbox was locked, the next run tries again",
             Some("57014") => {
                 "; the default partition is too large to scan while the outbox is locked (PostgreSQL \
-                 checks it holds no row of the new range): add to it a CHECK constraint that excludes \
-                 the ranges ahead, or empty it, and the next run tries again"
+                 checks it holds no row of the new range): move its rows to partitions of their own, \
+                 or detach it, and the next run tries again"
             }
             _ => "",
         };
+        let locked = code.as_deref() == Some("55P03");
         CreateFailure {
             message: format!(
                 "cannot create partition {partition}: {}{hint}",
                 crate::db::error_text(&e)
             ),
-            locked: code.as_deref() == Some("55P03"),
+            locked,
+            ends_run: locked || code.as_deref() == Some("57014"),
         }
     })
 }

@@ -27,6 +27,10 @@ pub(super) fn client_config(config: &KafkaConfig) -> ClientConfig {
         // confirm_timeout bounds the wait instead; it then drops the
         // producer with every later message and re-sends them in order.
         .set("message.timeout.ms", "0")
+        // Only a permanent error fails the later messages of a partition
+        // with the one that failed; a message out of retries fails alone.
+        // librdkafka's default, set so that no default can change it.
+        .set("message.send.max.retries", "2147483647")
         .set("linger.ms", config.linger.as_millis().to_string())
         .set("queue.buffering.max.messages", QUEUE_MAX_MESSAGES)
         // The request size must fit the largest message the relay lets through.
