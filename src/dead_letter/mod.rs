@@ -264,9 +264,9 @@ pub struct Recorder {
     clear_requests: Statement,
     /// When each letter handed to the relay was first handed (the server's
     /// clock), until it is sent or refused: a refusal ends its aggregate's
-    /// requests unless one was made since (an operator asked again; or the
-    /// relay's extension reached a follower since, and it is tried once
-    /// more). Bounded by [`TAKEN_MEMORY`]; a letter forgotten ends them.
+    /// requests unless its earliest open letter, the one `dlq redrive`
+    /// stamps, was asked for since. Bounded by [`TAKEN_MEMORY`]; a letter
+    /// forgotten ends them.
     taken: std::sync::Mutex<HashMap<i64, DateTime<Utc>>>,
 }
 
@@ -343,10 +343,10 @@ impl Recorder {
                 "UPDATE {t} SET redrive_requested_at = NULL
                  WHERE resolution IS NULL AND aggregate_id IS NOT DISTINCT FROM
                        (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)
-                   AND NOT EXISTS (SELECT 1 FROM {t} a
-                                   WHERE a.resolution IS NULL AND a.redrive_requested_at > $2::timestamptz
-                                     AND a.aggregate_id IS NOT DISTINCT FROM
-                                         (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1))"
+                   AND NOT COALESCE((SELECT f.redrive_requested_at > $2::timestamptz FROM {t} f
+                                     WHERE f.resolution IS NULL AND f.aggregate_id IS NOT DISTINCT FROM
+                                           (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)
+                                     ORDER BY f.aggregate_id, f.dead_letter_id LIMIT 1), false)"
             ))
             .await?,
             taken: Default::default(),
@@ -561,8 +561,8 @@ impl Recorder {
 
     /// The broker refused a redriven letter again: it records why and, when
     /// the refusal `counts`, its aggregate's requests end (an operator asks
-    /// again once the cause is fixed), unless one of them was made after the
-    /// letter was handed over; back-pressure keeps them for a retry.
+    /// again once the cause is fixed), unless an operator asked again after
+    /// the letter was handed over; back-pressure keeps them for a retry.
     pub async fn refused(
         &self,
         client: &Client,

@@ -451,9 +451,10 @@ struct Target {
 impl Target {
     /// Oldest first through the index; without it, in any order, so a scan
     /// stops after one batch instead of sorting every eligible row. On a
-    /// partitioned outbox a `ctid` names a row only within its partition:
-    /// the rows are found by `ctid` and kept by `(tableoid, ctid)`, so a
-    /// batch deletes the rows it picked and no other partition's.
+    /// partitioned outbox a `ctid` names a row only within its partition, so
+    /// a batch may also take rows of other partitions at the same `ctid`:
+    /// each is eligible too (the condition is in the DELETE), and the
+    /// batch's bound grows to `batch_size` per partition.
     fn sent_rows(table: &TableName, indexed: bool) -> Target {
         let t = table.quoted();
         let eligible = format!("{SENT_AT_COLUMN} IS NOT NULL AND {SENT_AT_COLUMN} < $1");
@@ -465,11 +466,9 @@ impl Target {
         Target {
             what: format!("deleting sent rows from {table}"),
             delete: format!(
-                "WITH p AS MATERIALIZED (
-                     SELECT tableoid, ctid FROM {t} WHERE {eligible}
-                     {order}LIMIT $2 FOR UPDATE SKIP LOCKED)
-                 DELETE FROM {t} WHERE ctid = ANY(ARRAY(SELECT ctid FROM p))
-                   AND (tableoid, ctid) = ANY(ARRAY(SELECT (tableoid, ctid) FROM p))
+                "DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+                     SELECT ctid FROM {t} WHERE {eligible}
+                     {order}LIMIT $2 FOR UPDATE SKIP LOCKED))
                    AND {eligible}"
             ),
             count: format!("SELECT count(*) FROM {t} WHERE {eligible}"),

@@ -366,6 +366,9 @@ async fn register(client: &Client, base: &str, count: usize) -> Result<i32, NotS
     Err(busy(format!("all {MEMBER_SLOTS} member slots are taken")))
 }
 
+/// How often a shard's guard tries for its turn before the next poll.
+const GUARD_TRIES: usize = 8;
+
 /// A shard count other than `count` some instance holds member locks of
 /// (its member session, or a shard's guard).
 async fn other_count(client: &Client, base: &str, count: usize) -> Result<Option<i32>, DbError> {
@@ -403,14 +406,23 @@ fn busy(message: impl Into<String>) -> NotShared {
 /// drops the session, and the locks with it.
 pub async fn guard(client: &Client, base: &str, count: usize) -> Result<bool, DbError> {
     let registering = format!("{base}:registering");
-    let turn: bool = client
-        .query_one(
-            "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
-            &[&registering],
-        )
-        .await
-        .map_err(|e| DbError::query("checking the shard counts", e))?
-        .get(0);
+    // Held for a few statements at a time: this instance's other shards,
+    // taken at once after a failover, wait their turn briefly.
+    let mut turn = false;
+    for _ in 0..GUARD_TRIES {
+        turn = client
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtextextended($1, 0))",
+                &[&registering],
+            )
+            .await
+            .map_err(|e| DbError::query("checking the shard counts", e))?
+            .get(0);
+        if turn {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(fastrand::u64(10..60))).await;
+    }
     if !turn {
         return Ok(false);
     }

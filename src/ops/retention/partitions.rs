@@ -347,9 +347,11 @@ pub async fn create(
             Some("23514") => &format!("; {DEFAULT_HOLDS}"),
             Some("55P03") => "; the outbox was locked, the next run tries again",
             Some("57014") => {
-                "; the default partition is too large to scan while the outbox is locked (PostgreSQL \
-                 checks it holds no row of the new range): move its rows to partitions of their own, \
-                 or detach it, and the next run tries again"
+                "; with a default partition, PostgreSQL scans it for rows of the new range while the \
+                 outbox is locked, and it is too large to scan in time: it shrinks as its rows are sent \
+                 and deleted (retention deletes them row by row once older than retention.sent_window; \
+                 never detach it with unsent rows, which would then not be delivered), and the next \
+                 run tries again"
             }
             _ => "",
         };

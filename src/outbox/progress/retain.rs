@@ -59,22 +59,22 @@ impl Ranges {
     /// starts.
     ///
     /// On a partitioned outbox a `ctid` names a row only within its
-    /// partition: the rows are found by `ctid` and kept by `(tableoid,
-    /// ctid)`, so the DELETE takes the rows picked and no other
-    /// partition's. The next batch starts after the rows picked (a row
-    /// picked and changed meanwhile is not deleted, and is not waited for).
+    /// partition, so the DELETE may also take rows of other partitions at
+    /// the same `ctid` (each eligible too: the condition is repeated).
+    /// The next batch therefore starts after the rows picked, not after
+    /// the rows deleted: those may reach further and pass rows not yet
+    /// visited.
     pub fn retention_delete_sql(&self, table: &crate::config::TableName) -> String {
         let t = table.quoted();
         format!(
             "WITH h AS MATERIALIZED ({h}),
              p AS MATERIALIZED (
-                 SELECT c.tableoid, c.ctid, c.{XID_COLUMN} FROM {t} c, h
+                 SELECT c.ctid, c.{XID_COLUMN} FROM {t} c, h
                  WHERE c.{XID_COLUMN} >= $3::text::xid8 AND {sent_c}
                  ORDER BY c.{XID_COLUMN} LIMIT $2 FOR UPDATE OF c SKIP LOCKED),
              d AS (
                  DELETE FROM {t} o USING h
-                 WHERE o.ctid = ANY(ARRAY(SELECT ctid FROM p))
-                   AND (o.tableoid, o.ctid) = ANY(ARRAY(SELECT (tableoid, ctid) FROM p)) AND {sent_o}
+                 WHERE o.ctid = ANY(ARRAY(SELECT ctid FROM p)) AND {sent_o}
                  RETURNING 1)
              SELECT (SELECT count(*) FROM d),
                     (SELECT {XID_COLUMN} FROM p ORDER BY {XID_COLUMN} DESC LIMIT 1)::text",
