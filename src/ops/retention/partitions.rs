@@ -314,9 +314,7 @@ pub struct CreateFailure {
     /// The outbox was locked: the other ranges would wait the same, so the
     /// run leaves them to the next one.
     pub locked: bool,
-    /// The other ranges would fail the same way (the outbox locked, the
-    /// default partition too large to scan in time): the run leaves them
-    /// to the next one.
+    /// The other ranges would fail the same way: the run leaves them.
     pub ends_run: bool,
 }
 
