@@ -78,9 +78,10 @@ pub fn pg_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError>
 /// on the server's side. The relay stops reading one while the broker
 /// holds events back, and a user timeout would then end it: Linux aborts
 /// a connection whose peer advertises a zero window for longer than the
-/// timeout, however promptly the peer acknowledges the probes. The walsender ends a stream whose relay went
-/// silent after `wal_sender_timeout` instead (the relay's status updates
-/// keep a stream held back alive).
+/// timeout, however promptly the peer acknowledges the probes. The
+/// walsender ends a stream whose relay went silent after
+/// `wal_sender_timeout` instead (the relay's status updates keep a stream
+/// held back alive).
 pub fn replication_config(db: &DatabaseConfig) -> Result<tokio_postgres::Config, DbError> {
     config_of(db, Peer::MayStopReading)
 }

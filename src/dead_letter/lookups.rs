@@ -198,8 +198,9 @@ fn dead_aggregates(t: &str) -> String {
 }
 
 /// The requested letters that may be published now, oldest first, at most
-/// `$1`, each with the time of the look (`now()`, last): those of aggregates with no open letter nobody asked for (one
-/// before them holds them back; one after them is a follower the
+/// `$1`, each with the time of the look (`now()`, last): those of
+/// aggregates with no open letter nobody asked for (one before them holds
+/// them back; one after them is a follower the
 /// extension has not reached yet, and publishing the letters first would
 /// leave it first, unrequested, and the request ended). The aggregates
 /// come first, from the loose scan over the dead ones: those whose

@@ -363,13 +363,11 @@ async fn cycle_partitions(
         let name = partitions::name_for(table, range, r.partition_interval, &taken);
         taken.push(name.clone());
         let sql = partitions::create_sql(table, &name, range, &layout);
-        let created = match dry_run {
-            true => Ok(()),
-            false => {
-                let at = (range, &layout);
-                partitions::create_unless_default_holds(client, default.as_ref(), at, &sql, &name)
-                    .await
-            }
+        let created = if dry_run {
+            Ok(())
+        } else {
+            let at = (range, &layout);
+            partitions::create_unless_default_holds(client, default.as_ref(), at, &sql, &name).await
         };
         if let Err(failure) = created {
             done.problems.push(failure.message);

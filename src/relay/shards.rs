@@ -329,7 +329,7 @@ async fn register(client: &Client, base: &str, count: usize) -> Result<i32, NotS
     // Registering is one instance at a time: two starting together with
     // different shard counts would otherwise both find the other absent. (On
     // any error below the session ends, and the lock with it.)
-    let registering = format!("{base}:registering");
+    let registering = registering_key(base);
     client
         .execute(
             "SELECT pg_advisory_lock(hashtextextended($1, 0))",
@@ -364,6 +364,12 @@ async fn register(client: &Client, base: &str, count: usize) -> Result<i32, NotS
         }
     }
     Err(busy(format!("all {MEMBER_SLOTS} member slots are taken")))
+}
+
+/// The lock held while an instance registers, or a shard's guard checks,
+/// so that each sees the others' shard counts.
+fn registering_key(base: &str) -> String {
+    format!("{base}:registering")
 }
 
 /// How often a shard's guard tries for its turn before the next poll.
@@ -405,7 +411,7 @@ fn busy(message: impl Into<String>) -> NotShared {
 /// instance registers (the next poll tries again). On an error the caller
 /// drops the session, and the locks with it.
 pub async fn guard(client: &Client, base: &str, count: usize) -> Result<bool, DbError> {
-    let registering = format!("{base}:registering");
+    let registering = registering_key(base);
     // Held for a few statements at a time: this instance's other shards,
     // taken at once after a failover, wait their turn briefly.
     let mut turn = false;

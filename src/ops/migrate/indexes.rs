@@ -100,13 +100,12 @@ pub(super) async fn refuse_seq_twins(
     if twins.is_empty() {
         return Ok(());
     }
-    let shown = twins;
     Err(MigrateError::Prerequisite(format!(
         "{table}.{SEQ_COLUMN} repeats values (for example {}), so it cannot get the unique index the relay \
          needs to name a row: give every twin but one a new number, e.g. \
          UPDATE {t} SET {SEQ_COLUMN} = DEFAULT WHERE ctid NOT IN (SELECT min(ctid) FROM {t} GROUP BY {SEQ_COLUMN}); \
          renumbered unsent rows are published after the rows already there. Then run migrate again",
-        shown.join(", "),
+        twins.join(", "),
         t = table.quoted(),
     )))
 }
