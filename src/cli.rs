@@ -182,8 +182,14 @@ pub const EXIT_FAILURE: u8 = 1;
 pub const EXIT_CONFIG: u8 = 2;
 
 pub async fn main(cli: Cli) -> ExitCode {
-    match run(cli.command).await {
-        Ok(()) => ExitCode::SUCCESS,
+    let outcome = run(cli.command).await;
+    let unwritten = ops::report::finish();
+    if let Some(e) = &unwritten {
+        eprintln!("error: the report could not be written whole to standard output: {e}");
+    }
+    match outcome {
+        Ok(()) if unwritten.is_none() => ExitCode::SUCCESS,
+        Ok(()) => ExitCode::from(EXIT_FAILURE),
         Err(failure) => {
             failure.print();
             ExitCode::from(match failure {

@@ -2,7 +2,7 @@
 //! one pipeline they act on. The statements are in
 //! [`crate::dead_letter::admin`], which the simulation drives too.
 
-use super::{ConfigFile, Failure};
+use super::{ConfigFile, Failure, say};
 use crate::config::{Config, TableName};
 use crate::dead_letter::admin::{self, Entry, Target};
 use tokio_postgres::Client;
@@ -38,7 +38,7 @@ pub async fn redrive(file: &ConfigFile, target: &Target) -> Result<(), Failure> 
     let n = admin::redrive(&mut client, &dlq, target)
         .await
         .map_err(Failure::runtime)?;
-    println!(
+    say!(
         "requested the redrive of {n} dead letter(s); the active relay publishes them in order \
          (within dead_letter.refresh_interval), and `dlq list` shows them until then"
     );
@@ -51,7 +51,7 @@ pub async fn drop(file: &ConfigFile, target: &Target) -> Result<(), Failure> {
     let n = admin::drop(&mut client, &dlq, target)
         .await
         .map_err(Failure::runtime)?;
-    println!("dropped {n} dead letter(s)");
+    say!("dropped {n} dead letter(s)");
     Ok(())
 }
 
@@ -66,17 +66,22 @@ async fn open(config: &Config) -> Result<(Client, TableName), Failure> {
 fn print_entries(entries: &[Entry], json: bool) {
     if json {
         for e in entries {
-            println!("{}", serde_json::to_string(e).unwrap_or_default());
+            say!("{}", serde_json::to_string(e).unwrap_or_default());
         }
         return;
     }
     if entries.is_empty() {
-        println!("no dead letters");
+        say!("no dead letters");
         return;
     }
-    println!(
+    say!(
         "{:<38} {:<16} {:<20} {:<18} {:>8}  {:<20} reason",
-        "event id", "aggregate type", "aggregate id", "event type", "attempts", "dead-lettered at"
+        "event id",
+        "aggregate type",
+        "aggregate id",
+        "event type",
+        "attempts",
+        "dead-lettered at"
     );
     for e in entries {
         let status = match (&e.resolution, e.redrive_requested_at) {
@@ -84,7 +89,7 @@ fn print_entries(entries: &[Entry], json: bool) {
             (None, Some(_)) => " [redrive requested]".to_owned(),
             (None, None) => String::new(),
         };
-        println!(
+        say!(
             "{:<38} {:<16} {:<20} {:<18} {:>8}  {:<20} {}{status}",
             e.id,
             e.aggregate_type.as_deref().unwrap_or("-"),

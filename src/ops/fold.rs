@@ -4,7 +4,7 @@
 //! (`outbox::progress::fold`). One instance at a time folds an outbox;
 //! failures are logged and retried, they never end it.
 
-use super::{ConfigFile, Failure};
+use super::{ConfigFile, Failure, say};
 use crate::backoff::Backoff;
 use crate::config::{Config, MarkMode};
 use crate::db::DbError;
@@ -186,10 +186,8 @@ pub async fn into_sent_at(file: &ConfigFile) -> Result<(), Failure> {
     {
         // A run cut short after the tables went: the rest goes too.
         drop_index(&client, &ranges).await?;
-        println!(
-            "{}: {} does not exist, so nothing is recorded by ranges; nothing to do",
-            config.name, ranges.progress
-        );
+        let (name, progress) = (&config.name, &ranges.progress);
+        say!("{name}: {progress} does not exist, so nothing is recorded by ranges; nothing to do");
         return Ok(());
     }
     if let Some(problem) = ranges
@@ -241,10 +239,14 @@ pub async fn into_sent_at(file: &ConfigFile) -> Result<(), Failure> {
         .await
         .map_err(failed("dropping the tables of ranges"))?;
     drop_index(&client, &ranges).await?;
-    println!(
+    say!(
         "{}: marked {marked} row(s) sent from what relay.mark = \"ranges\" recorded, and dropped {}, {}, {} \
          and {}; a relay with relay.mark = \"update\", \"delete\" or unset can start now",
-        config.name, ranges.progress, ranges.frontier, ranges.held, ranges.xid_index
+        config.name,
+        ranges.progress,
+        ranges.frontier,
+        ranges.held,
+        ranges.xid_index,
     );
     Ok(())
 }

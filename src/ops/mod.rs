@@ -11,8 +11,11 @@ pub mod fold;
 pub mod gauges;
 pub mod marking;
 pub mod migrate;
+pub mod report;
 pub mod retention;
 pub mod status;
+
+use report::say;
 
 use crate::config::{self, Config};
 use std::error::Error;
@@ -115,7 +118,7 @@ where
     let mut failed = false;
     for config in configs {
         if several {
-            println!("== pipeline {} ==", config.name);
+            say!("== pipeline {} ==", config.name);
         }
         if let Err(e) = one(config).await {
             e.print();

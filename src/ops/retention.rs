@@ -42,7 +42,7 @@
 //! run. A run repeated (after a crash, or from cron beside `run`) is harmless:
 //! it deletes what is still eligible.
 
-use super::{ConfigFile, Failure};
+use super::{ConfigFile, Failure, say};
 use crate::config::{Config, MarkMode, RetentionMode};
 use crate::config::{SENT_AT_COLUMN, TableName};
 use crate::db::DbError;
@@ -117,7 +117,7 @@ pub async fn command(file: &ConfigFile, dry_run: bool) -> Result<(), Failure> {
     let report = once(&client, &config, dry_run)
         .await
         .map_err(Failure::runtime)?;
-    println!("{report}");
+    say!("{report}");
     Ok(())
 }
 

@@ -2,7 +2,7 @@
 //! One snapshot per pipeline, read from the database, used by
 //! `outbox-relay status` and by the metrics sampler.
 
-use super::{ConfigFile, Failure};
+use super::{ConfigFile, Failure, say};
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName};
 use crate::db::DbError;
@@ -489,8 +489,8 @@ pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
             .as_ref()
             .is_ok_and(|s| s.dead_letters_error.is_some() || s.backlog_error.is_some());
         match snapshot {
-            Ok(s) if json => println!("{}", serde_json::to_string(&s).unwrap_or_default()),
-            Ok(s) => println!("{}", render(&s)),
+            Ok(s) if json => say!("{}", serde_json::to_string(&s).unwrap_or_default()),
+            Ok(s) => say!("{}", render(&s)),
             Err(e) => {
                 failed = true;
                 eprintln!("error: pipeline {}: {e}", config.name);

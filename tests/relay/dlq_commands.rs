@@ -101,6 +101,50 @@ async fn an_operator_lists_redrives_and_drops_dead_letters() {
     );
 }
 
+/// A reader that stops early (`outbox-relay dlq list | head`) cuts the
+/// report short but not the command: no panic, the same exit code, the
+/// redrive still asked for. A report that cannot be written for another
+/// reason (a full disk) fails the command.
+#[tokio::test]
+async fn a_reader_that_stops_early_does_not_stop_the_command() {
+    let (_db, path) = with_letters(&[("e1", "a"), ("e2", "b")]).await;
+    let commands: [&[&str]; 5] = [
+        &["dlq", "list"],
+        &["status"],
+        &["check"],
+        &["migrate", "--dry-run"],
+        &["dlq", "redrive", "--aggregate", "a"],
+    ];
+    for args in commands {
+        let args = [args, &["--config", &path][..]].concat();
+        let (code, out, err) = run_cli(&args, &[]);
+        assert!(!out.is_empty(), "{args:?} reports something: {err}");
+        let (reader, writer) = std::io::pipe().expect("a pipe");
+        drop(reader);
+        let (closed, err) = run_cli_into(&args, writer.into());
+        assert_eq!(
+            (closed, err.contains("panicked")),
+            (code, false),
+            "{args:?}: {err}"
+        );
+    }
+    let requested: Vec<String> = listed(&[], &path)
+        .iter()
+        .filter(|l| !l["redrive_requested_at"].is_null())
+        .map(|l| l["id"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(requested, ["e1"], "the redrive was asked for");
+
+    let full = std::fs::File::options()
+        .write(true)
+        .open("/dev/full")
+        .expect("/dev/full");
+    let (code, err) = run_cli_into(&["dlq", "list", "--config", &path], full.into());
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("could not be written whole"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// A file with several pipelines: commands that act on one outbox need
 /// `--pipeline`, and an unknown name is refused with the ones there are.
 #[tokio::test]

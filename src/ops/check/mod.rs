@@ -1,6 +1,6 @@
 //! `outbox-relay check`: a readable report of everything the relay needs.
 
-use super::{ConfigFile, Failure};
+use super::{ConfigFile, Failure, say};
 use crate::config::{Config, SourceMode, TableName};
 use crate::db;
 use crate::outbox::inspect;
@@ -42,7 +42,7 @@ impl Report {
             Mark::Fail => "FAIL",
         };
         // Print as we go: a slow broker should not hide the database result.
-        println!(
+        say!(
             "[{tag}] {item:<14} {}",
             detail.replace('\n', "\n                      ")
         );
@@ -94,10 +94,10 @@ pub async fn run(config: &Config) -> bool {
     check_traces(config, &mut r).await;
     let failures = r.failures();
     if failures == 0 {
-        println!("\nall checks passed");
+        say!("\nall checks passed");
         true
     } else {
-        println!("\n{failures} check(s) failed");
+        say!("\n{failures} check(s) failed");
         false
     }
 }

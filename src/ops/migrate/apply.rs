@@ -3,6 +3,7 @@
 
 use super::{MigrateError, Step};
 use crate::config::DatabaseConfig;
+use crate::ops::say;
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_postgres::Client;
@@ -39,7 +40,7 @@ pub async fn apply(
                     && source.code()
                         == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
             {
-                println!("-- a transaction holds a lock migrate needs; trying again");
+                say!("-- a transaction holds a lock migrate needs; trying again");
                 tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             }
             other => {
@@ -79,7 +80,7 @@ async fn outside_transaction(
             }
             _ = tokio::time::sleep(WAIT_REPORT) => {
                 let waits = waiting_for(&mut watcher, database, pid).await;
-                println!(
+                say!(
                     "-- {}: still running after {} s; {waits}",
                     step.description,
                     started.elapsed().as_secs()

@@ -4,7 +4,7 @@
 
 use crate::config::{ColumnMap, SENT_AT_COLUMN, SEQ_COLUMN, TableName};
 use crate::config::{Config, SourceMode};
-use crate::ops::{ConfigFile, Failure};
+use crate::ops::{ConfigFile, Failure, say};
 use crate::outbox::inspect::table_info;
 use crate::outbox::progress::Ranges;
 use crate::outbox::sent_index;
@@ -60,30 +60,30 @@ async fn migrate_one(
             .iter()
             .any(|s| s.description == table::MARK_EXISTING_STEP)
     {
-        println!(
+        say!(
             "-- --mark-existing-sent marks nothing: it marks the rows present when migrate adds \
              relay_sent_at, and {} has that column already; its unsent rows stay unsent and will be published",
             options.table
         );
     }
     if steps.is_empty() {
-        println!(
+        say!(
             "-- nothing to do: {} is ready for outbox-relay",
             options.table
         );
         return Ok(());
     }
     for (i, step) in steps.iter().enumerate() {
-        println!("-- {}. {}\n{};\n", i + 1, step.description, step.sql);
+        say!("-- {}. {}\n{};\n", i + 1, step.description, step.sql);
     }
     if dry_run {
-        println!("-- dry run: nothing was changed");
+        say!("-- dry run: nothing was changed");
         return Ok(());
     }
     apply(&mut client, &steps, &config.database)
         .await
         .map_err(Failure::runtime)?;
-    println!("-- applied {} step(s)", steps.len());
+    say!("-- applied {} step(s)", steps.len());
     Ok(())
 }
 

@@ -28,7 +28,7 @@ pub use relay_config::{
 };
 pub use relays::{
     ChildRelay, InProcess, check_line, cli_complains, cli_says, kill_while_busy,
-    kill_while_busy_with_env, run_cli, terminate,
+    kill_while_busy_with_env, run_cli, run_cli_into, terminate,
 };
 pub use slots::{
     cluster_that_loses_slots, drop_lost_slot, lose_slot, migrate_at, restart_position, slot_of,

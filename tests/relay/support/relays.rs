@@ -220,6 +220,20 @@ pub fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
     )
 }
 
+/// Runs the binary to completion with its standard output sent to `stdout`
+/// (a closed pipe, `/dev/full`); returns (exit code, stderr).
+pub fn run_cli_into(args: &[&str], stdout: std::process::Stdio) -> (i32, String) {
+    let out = Command::new(relay_bin())
+        .args(args)
+        .stdout(stdout)
+        .output()
+        .expect("run outbox-relay");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// Starts the relay `kills` times, each time killing it (SIGKILL) once it
 /// published `per_run` more messages: crashes while busy.
 pub async fn kill_while_busy(toml: &str, inbox: &Inbox, kills: usize, per_run: usize) {
