@@ -183,20 +183,30 @@ pub const EXIT_CONFIG: u8 = 2;
 
 pub async fn main(cli: Cli) -> ExitCode {
     let outcome = run(cli.command).await;
-    let unwritten = ops::report::finish();
-    if let Some(e) = &unwritten {
-        eprintln!("error: the report could not be written whole to standard output: {e}");
+    if let Err(failure) = &outcome {
+        failure.print();
+    }
+    if let Some(e) = ops::report::finish() {
+        let done = match &outcome {
+            Ok(()) => "the command itself did its work",
+            Err(Failure::Reported) => {
+                "the command failed, and the report naming the problems is cut short"
+            }
+            Err(_) => "the command failed, as said above",
+        };
+        ops::report::complaint(format_args!(
+            "error: writing the report to standard output failed: {e}; {done}"
+        ));
+        if outcome.is_ok() {
+            return ExitCode::from(EXIT_FAILURE);
+        }
     }
     match outcome {
-        Ok(()) if unwritten.is_none() => ExitCode::SUCCESS,
-        Ok(()) => ExitCode::from(EXIT_FAILURE),
-        Err(failure) => {
-            failure.print();
-            ExitCode::from(match failure {
-                Failure::Config(_) => EXIT_CONFIG,
-                Failure::Runtime(_) | Failure::Reported => EXIT_FAILURE,
-            })
-        }
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => ExitCode::from(match failure {
+            Failure::Config(_) => EXIT_CONFIG,
+            Failure::Runtime(_) | Failure::Reported => EXIT_FAILURE,
+        }),
     }
 }
 

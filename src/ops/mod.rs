@@ -15,7 +15,7 @@ pub mod report;
 pub mod retention;
 pub mod status;
 
-use report::say;
+use report::{complain, say};
 
 use crate::config::{self, Config};
 use std::error::Error;
@@ -48,7 +48,7 @@ impl Failure {
     /// Prints the failure for the operator, unless its report already did.
     pub fn print(&self) {
         if !matches!(self, Failure::Reported) {
-            eprintln!("error: {self}");
+            complain!("error: {self}");
         }
     }
 }

@@ -2,7 +2,7 @@
 //! One snapshot per pipeline, read from the database, used by
 //! `outbox-relay status` and by the metrics sampler.
 
-use super::{ConfigFile, Failure, say};
+use super::{ConfigFile, Failure, complain, say};
 use crate::config::{Config, MarkMode, SourceMode};
 use crate::config::{SENT_AT_COLUMN, SEQ_COLUMN, TableName};
 use crate::db::DbError;
@@ -493,7 +493,7 @@ pub async fn command(file: &ConfigFile, json: bool) -> Result<(), Failure> {
             Ok(s) => say!("{}", render(&s)),
             Err(e) => {
                 failed = true;
-                eprintln!("error: pipeline {}: {e}", config.name);
+                complain!("error: pipeline {}: {e}", config.name);
             }
         }
     }

@@ -32,7 +32,11 @@ pub fn init(config: &LogConfig) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_target(false);
+        .with_target(false)
+        // A line that cannot be written (the log's reader went away) is
+        // dropped: losing the log must not stop delivery. Saying so on the
+        // same closed stream would panic.
+        .log_internal_errors(false);
     let _ = match config.format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),

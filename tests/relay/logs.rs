@@ -1,6 +1,7 @@
 //! What the relay's log says at first contact: the relay's own message, not a
 //! library's chatter, and "active" only once events can flow.
 
+use crate::support::brokers::RabbitExchange;
 use crate::support::*;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -219,4 +220,26 @@ async fn an_unusable_rust_log_is_said_and_log_level_used() {
         "{log}"
     );
     assert!(log.contains(active), "{log}");
+}
+
+/// A relay whose log reader went away (`run 2>&1 | tee relay.log`, tee
+/// killed) drops its log and goes on delivering; it stops cleanly.
+#[tokio::test]
+async fn a_closed_log_does_not_stop_delivery() {
+    let db = TestDb::new().await;
+    let exchange = RabbitExchange::new().await;
+    let toml = base_toml(&db.url, &exchange.sink_toml());
+    db.migrate(&parse(&toml)).await;
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let mut relay = ChildRelay::start_into(&toml, Stdio::from(writer));
+    let ids: Vec<String> = (0..20).map(|_| uuid::Uuid::new_v4().to_string()).collect();
+    for id in &ids {
+        let id = uuid::Uuid::parse_str(id).expect("a uuid");
+        db.insert(id, "order", "a", serde_json::json!({})).await;
+    }
+    exchange.inbox.wait_ids(&ids, WAIT).await;
+    assert_eq!(relay.wait_exit(Duration::ZERO), None, "still running");
+    let status = relay.terminate();
+    assert!(status.success(), "{status:?}");
 }

@@ -72,6 +72,12 @@ impl ChildRelay {
         ChildRelay { child, log: None }
     }
 
+    /// As [`ChildRelay::start`], with its log sent to `stderr`.
+    pub fn start_into(config_toml: &str, stderr: Stdio) -> ChildRelay {
+        let child = Self::spawn(config_toml, &[], stderr);
+        ChildRelay { child, log: None }
+    }
+
     /// As [`ChildRelay::start`], keeping its log for [`ChildRelay::logged`]
     /// (and passing it on to the test's output).
     pub fn start_logged(config_toml: &str) -> ChildRelay {
@@ -220,12 +226,14 @@ pub fn run_cli(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
     )
 }
 
-/// Runs the binary to completion with its standard output sent to `stdout`
-/// (a closed pipe, `/dev/full`); returns (exit code, stderr).
-pub fn run_cli_into(args: &[&str], stdout: std::process::Stdio) -> (i32, String) {
+/// Runs the binary to completion with its standard output and error sent
+/// to `stdout` and `stderr` (a closed pipe, `/dev/full`); returns (exit
+/// code, standard error when `stderr` is `Stdio::piped()`).
+pub fn run_cli_into(args: &[&str], stdout: Stdio, stderr: Stdio) -> (i32, String) {
     let out = Command::new(relay_bin())
         .args(args)
         .stdout(stdout)
+        .stderr(stderr)
         .output()
         .expect("run outbox-relay");
     (
