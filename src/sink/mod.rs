@@ -39,6 +39,12 @@
 //! an aggregate routed to different topics never share a lane. RabbitMQ has
 //! none: each message's outcome stands alone.
 //!
+//! Pauses: a broker may stop reading from a connection as a whole for a
+//! while (RabbitMQ's `connection.blocked` during a memory or disk alarm).
+//! [`Sink::pause`] says so; `send` then waits for the pause to end, and the
+//! relay does not count the time paused against `relay.confirm_timeout`
+//! (see [`Pause`]).
+//!
 //! Fencing: once the ownership lease runs out with messages unconfirmed,
 //! the [`Fence`] of [`Sink::fence`] calls back what the broker client still
 //! holds to write, or to write again (Kafka's queue, and its retries after
@@ -49,10 +55,12 @@
 
 mod error;
 mod kafka;
+mod pause;
 mod rabbitmq;
 
 pub use error::{Reason, SinkError};
 pub use kafka::KafkaSink;
+pub use pause::Pause;
 pub use rabbitmq::RabbitMqSink;
 
 use crate::envelope::Message;
@@ -138,6 +146,12 @@ pub trait Sink: Send {
     /// message at once, with nothing to call back.
     fn fence(&self) -> Option<Fence> {
         None
+    }
+
+    /// Whether the broker pauses this sink's publishing (see the module
+    /// docs); never, for a broker that cannot.
+    fn pause(&self) -> Pause {
+        Pause::default()
     }
 }
 
@@ -230,6 +244,13 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.fence(),
             AnySink::RabbitMq(s) => s.fence(),
+        }
+    }
+
+    fn pause(&self) -> Pause {
+        match self {
+            AnySink::Kafka(s) => s.pause(),
+            AnySink::RabbitMq(s) => s.pause(),
         }
     }
 }

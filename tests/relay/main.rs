@@ -39,6 +39,7 @@ mod partition_bounds;
 mod partition_coverage;
 mod partitions;
 mod publications;
+mod rabbit_alarm;
 mod rabbit_exchanges;
 mod rabbit_frames;
 mod rabbit_refusals;

@@ -19,13 +19,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The test CA, and the node's certificate signed by it for 127.0.0.1 and localhost.
-fn pki() -> (Ca, Issued) {
+pub(crate) fn pki() -> (Ca, Issued) {
     let ca = Ca::new("outbox-relay test CA");
     let server = ca.server(&["localhost"], &["127.0.0.1"]);
     (ca, server)
 }
 
-async fn start_node(ca: &Ca, server: &Issued, require_client_cert: bool) -> RabbitNode {
+pub(crate) async fn start_node(ca: &Ca, server: &Issued, require_client_cert: bool) -> RabbitNode {
     let node = RabbitNode::start(&ServerTls {
         ca_pem: ca.cert_pem(),
         cert_pem: server.cert_pem.clone(),
@@ -83,7 +83,10 @@ fn tls_lines(keys: &[(&str, &std::path::Path)]) -> String {
 }
 
 /// An exchange with a queue bound to every routing key, over plain AMQP.
-async fn declare_exchange(node: &RabbitNode, exchange: &str) -> (Connection, lapin::Channel) {
+pub(crate) async fn declare_exchange(
+    node: &RabbitNode,
+    exchange: &str,
+) -> (Connection, lapin::Channel) {
     let connection = Connection::connect(&node.amqp_url(), ConnectionProperties::default())
         .await
         .expect("plain AMQP to the private node");

@@ -9,7 +9,7 @@ use crate::dead_letter::DeadLetter;
 use crate::errors::{self, Outcome};
 use crate::outbox::{OutboxEvent, RawRow, RowError};
 use crate::relay::scheduler::{Admission, Laned};
-use crate::sink::{Confirmation, Route, Sink, SinkError};
+use crate::sink::{Confirmation, Pause, Route, Sink, SinkError};
 use crate::source::budget::Charge;
 use crate::source::{RowPosition, SourcedEvent};
 use crate::telemetry::trace::{EventSpan, Outcome as SpanOutcome};
@@ -222,9 +222,9 @@ where
         match sent {
             Ok(confirmation) => {
                 span.step("published");
-                let timeout = self.settings.confirm_timeout;
+                let (timeout, pause) = (self.settings.confirm_timeout, self.sink.pause());
                 self.in_flight.push(Box::pin(async move {
-                    let result = confirm_within(confirmation, timeout).await;
+                    let result = confirm_within(confirmation, timeout, pause).await;
                     if result.is_ok() {
                         span.step("confirmed");
                     }
@@ -267,7 +267,7 @@ where
             confirm.min(d.saturating_duration_since(Instant::now()))
         });
         let (stop, seen) = (self.stop.clone(), self.stop_seen.clone());
-        let lease = self.lease.clone();
+        let (lease, pause) = (self.lease.clone(), self.sink.pause());
         let send_window = self.settings.shutdown_timeout / 2;
         let stopped = async move {
             match deadline {
@@ -284,8 +284,8 @@ where
             // The send first: most are taken at once, and the stop's wait is
             // then never polled (no waiter registered per message).
             biased;
-            sent = tokio::time::timeout(timeout, self.sink.send(route, message)) => {
-                sent.unwrap_or_else(|_| {
+            sent = pause.within(timeout, self.sink.send(route, message)) => {
+                sent.unwrap_or_else(|| {
                     Err(SinkError::Unavailable(if timeout < confirm {
                         "the broker did not take a message before relay.shutdown_timeout ran out".into()
                     } else {
@@ -544,10 +544,15 @@ fn raw_of(event: &Result<OutboxEvent, RowError>) -> (RawRow, String) {
     }
 }
 
-async fn confirm_within(confirmation: Confirmation, timeout: Duration) -> Result<(), SinkError> {
-    match tokio::time::timeout(timeout, confirmation).await {
-        Ok(result) => result,
-        Err(_) => Err(SinkError::Unavailable(
+/// The broker's answer, within `timeout` of the time it did not pause publishing.
+async fn confirm_within(
+    confirmation: Confirmation,
+    timeout: Duration,
+    pause: Pause,
+) -> Result<(), SinkError> {
+    match pause.within(timeout, confirmation).await {
+        Some(result) => result,
+        None => Err(SinkError::Unavailable(
             format!(
                 "no broker confirmation within relay.confirm_timeout ({}s)",
                 timeout.as_secs()

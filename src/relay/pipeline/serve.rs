@@ -519,7 +519,9 @@ where
 
     async fn probe(&mut self) -> Result<(), PipelineError> {
         self.next_probe = Instant::now() + self.settings.probe_interval;
-        if self.scheduler.in_flight() > 0 {
+        // A broker that paused publishing (an alarm) will answer when it
+        // clears; a new connection would only be paused too.
+        if self.scheduler.in_flight() > 0 || self.sink.pause().is_paused() {
             return Ok(());
         }
         self.sink.probe().await.map_err(Into::into)

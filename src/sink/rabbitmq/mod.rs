@@ -25,7 +25,7 @@ mod confirms;
 mod error;
 mod tls;
 
-use super::{Confirmation, Reason, Route, Sink, SinkCheck, SinkError, within_limit};
+use super::{Confirmation, Pause, Reason, Route, Sink, SinkCheck, SinkError, within_limit};
 use crate::config::{Field, Template, destination};
 use crate::config::{RabbitMqConfig, redact_url};
 use crate::envelope::Message;
@@ -33,6 +33,7 @@ use crate::envelope::routing::Routing;
 use crate::outbox::OutboxEvent;
 use confirms::{Settle, Unconfirmed};
 use error::{answer, connect_error, unavailable};
+use futures::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
@@ -45,6 +46,8 @@ use std::task::Poll;
 
 pub struct RabbitMqSink {
     unconfirmed: Unconfirmed,
+    /// While RabbitMQ blocks this connection's publishers.
+    paused: Pause,
     connection: Connection,
     /// Publishing channel, in confirm mode.
     channel: Channel,
@@ -101,17 +104,55 @@ fn short(s: &str, what: &str) -> Result<ShortString, SinkError> {
 /// connection, a broker still starting) must not hold the relay forever.
 const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(15);
 
-impl RabbitMqSink {
-    /// A memory or disk alarm: RabbitMQ stops reading from publishers, so
-    /// a message sent now would only wait for confirm_timeout.
-    fn not_blocked(&self) -> Result<(), SinkError> {
-        if self.connection.status().blocked() {
-            return Err(SinkError::Unavailable(format!(
-                "RabbitMQ at {} has blocked publishers (connection.blocked: a memory or disk alarm); waiting for it to clear",
-                self.url
-            ).into()));
+/// Follows the connection's `connection.blocked` and `connection.unblocked`
+/// (a memory or disk alarm on the broker) in a [`Pause`], and says so in the
+/// log. It stops with the connection's events, or once nothing reads it.
+fn follow_blocks(connection: &Connection, url: &str) -> Pause {
+    let mut events = Box::pin(connection.events_listener());
+    let (tx, rx) = tokio::sync::watch::channel(connection.status().blocked());
+    let url = url.to_owned();
+    tokio::spawn(async move {
+        loop {
+            let event = tokio::select! {
+                () = tx.closed() => return,
+                event = events.next() => event,
+            };
+            match event {
+                Some(lapin::Event::ConnectionBlocked(why)) => {
+                    tracing::warn!(
+                        reason = %why,
+                        "RabbitMQ at {url} blocked publishers (a memory or disk alarm); \
+                         what is sent waits on this connection until the alarm clears"
+                    );
+                    tx.send_replace(true);
+                }
+                Some(lapin::Event::ConnectionUnblocked) => {
+                    tracing::info!("RabbitMQ at {url} unblocked publishers");
+                    tx.send_replace(false);
+                }
+                Some(_) => {}
+                None => return,
+            }
         }
-        Ok(())
+    });
+    Pause::following(rx)
+}
+
+impl RabbitMqSink {
+    /// A memory or disk alarm: RabbitMQ stops reading from publishers, and
+    /// lapin writes nothing more; a message sent now waits for it to clear
+    /// (without counting against `relay.confirm_timeout`, see [`Pause`]).
+    async fn not_blocked(&self) -> Result<(), SinkError> {
+        if self.paused.clone().resumed().await {
+            return Ok(());
+        }
+        Err(SinkError::Unavailable(
+            format!(
+                "the connection to RabbitMQ at {} closed while it was blocked",
+                self.url
+            )
+            .into(),
+        ))
     }
 
     pub async fn connect(config: &RabbitMqConfig) -> Result<Self, SinkError> {
@@ -151,6 +192,7 @@ impl RabbitMqSink {
             .map_err(|e| unavailable("enabling publisher confirms", e))?;
         Ok(RabbitMqSink {
             unconfirmed: Unconfirmed::default(),
+            paused: follow_blocks(&connection, &shown),
             connection,
             channel,
             admin: None,
@@ -373,7 +415,7 @@ impl Sink for RabbitMqSink {
         route: Route,
         message: Message<'_>,
     ) -> Result<Confirmation, SinkError> {
-        self.not_blocked()?;
+        self.not_blocked().await?;
         let Route {
             destination: exchange,
             key: routing_key,
@@ -445,6 +487,10 @@ impl Sink for RabbitMqSink {
             }
             result
         }))
+    }
+
+    fn pause(&self) -> Pause {
+        self.paused.clone()
     }
 
     async fn probe(&mut self) -> Result<(), SinkError> {

@@ -209,6 +209,27 @@ impl RabbitNode {
         format!("amqps://guest:guest@127.0.0.1:{}/%2f", self.amqps_port)
     }
 
+    /// Runs `rabbitmqctl <args>` against the node (a broker alarm, say);
+    /// panics with its output when it fails.
+    pub fn ctl(&self, args: &[&str]) -> String {
+        let path = |file: &str| self.dir.join(file);
+        let out = Command::new(server_bin().join("rabbitmqctl"))
+            .args(["-n", &self.name])
+            .args(args)
+            .env("HOME", &self.dir)
+            .env("RABBITMQ_CONF_ENV_FILE", path("rabbitmq-env.conf"))
+            .env("ERL_EPMD_ADDRESS", "127.0.0.1")
+            .output()
+            .expect("run rabbitmqctl");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "rabbitmqctl {args:?}: {text}");
+        text
+    }
+
     /// Writes a file (a CA, a client certificate) that goes away with the node.
     pub fn file(&self, name: &str, contents: &[u8]) -> PathBuf {
         let path = self.dir.join("client").join(name);
@@ -233,8 +254,8 @@ impl Drop for RabbitNode {
     }
 }
 
-/// A cookie of the node's own: no CLI tool needs to reach it, and nothing
-/// else can.
+/// A cookie of the node's own: only [`RabbitNode::ctl`] (with the node's
+/// home) reaches it.
 fn write_cookie(path: &Path) {
     use std::os::unix::fs::OpenOptionsExt;
     let cookie = uuid::Uuid::new_v4().simple().to_string().to_uppercase();
