@@ -18,13 +18,15 @@ pub struct Pause(Option<watch::Receiver<bool>>);
 
 impl Pause {
     /// Follows `paused`, which the sink sets while the broker pauses it and
-    /// drops when its connection is gone.
+    /// drops when its connection fails: a pause ends with its connection.
     pub fn following(paused: watch::Receiver<bool>) -> Self {
         Pause(Some(paused))
     }
 
     pub fn is_paused(&self) -> bool {
-        self.0.as_ref().is_some_and(|p| *p.borrow())
+        self.0
+            .as_ref()
+            .is_some_and(|p| p.has_changed().is_ok() && *p.borrow())
     }
 
     /// Waits until the broker no longer pauses publishing; `false` when the
@@ -43,7 +45,10 @@ impl Pause {
         tokio::pin!(work);
         let mut deadline = Instant::now() + limit;
         loop {
-            let paused = self.is_paused();
+            let paused = match &mut self.0 {
+                Some(p) => p.has_changed().is_ok() && *p.borrow_and_update(),
+                None => false,
+            };
             tokio::select! {
                 biased;
                 out = &mut work => return Some(out),
@@ -102,7 +107,7 @@ mod tests {
         assert_eq!(Pause::default().within(limit, never()).await, None);
         assert_eq!(start.elapsed(), limit);
 
-        // Paused when the connection went: the clock runs on from its start.
+        // Paused when the connection failed: the clock runs on from its start.
         let (tx, rx) = watch::channel(true);
         let start = Instant::now();
         let waited = tokio::spawn(Pause::following(rx).within(limit, never()));
@@ -110,6 +115,13 @@ mod tests {
         drop(tx);
         assert_eq!(waited.await.ok(), Some(None));
         assert_eq!(start.elapsed(), Duration::from_secs(10));
+
+        let (tx, rx) = watch::channel(true);
+        let pause = Pause::following(rx);
+        assert!(pause.is_paused());
+        drop(tx);
+        assert!(!pause.is_paused(), "a pause ends with its connection");
+        assert!(!pause.clone().resumed().await);
 
         let quick = async { 7 };
         assert_eq!(Pause::default().within(limit, quick).await, Some(7));

@@ -267,7 +267,9 @@ where
             confirm.min(d.saturating_duration_since(Instant::now()))
         });
         let (stop, seen) = (self.stop.clone(), self.stop_seen.clone());
-        let (lease, pause) = (self.lease.clone(), self.sink.pause());
+        // During a stop, its deadline bounds the hand-over, paused or not.
+        let pause = deadline.map_or_else(|| self.sink.pause(), |_| Pause::default());
+        let lease = self.lease.clone();
         let send_window = self.settings.shutdown_timeout / 2;
         let stopped = async move {
             match deadline {

@@ -27,9 +27,11 @@ pub(super) async fn connect_error(
             e.clone(),
         ));
     }
-    // NOT_ALLOWED also says a connection limit is reached or the vhost is
-    // down, which pass by themselves.
+    // NOT_ALLOWED also says a connection limit is reached ("access to vhost
+    // '/' refused for user 'u': connection limit (N) is reached") or the
+    // vhost is down, which pass by themselves.
     if text.contains("NOT_ALLOWED")
+        && !text.contains("limit")
         && (text.contains("refused for user") || text.contains("not found"))
     {
         return SinkError::Fatal(Reason::caused_by(
@@ -117,7 +119,13 @@ pub(super) fn confirm_error(e: lapin::Error, sent: Published<'_>, declare: bool)
         let text = amqp.get_message().as_str();
         let refused =
             text.starts_with("ACCESS_REFUSED") || (text.starts_with("NOT_FOUND") && !declare);
-        let here = text.contains(&format!("exchange '{exchange}'"));
+        // RabbitMQ checks (and names) the default exchange as amq.default.
+        let named = if exchange.is_empty() {
+            "amq.default"
+        } else {
+            exchange
+        };
+        let here = text.contains(&format!("exchange '{named}'"));
         let this_key =
             !text.contains("access to topic") || text.contains(&format!("topic '{routing_key}'"));
         if refused && here && this_key {
@@ -177,6 +185,7 @@ mod tests {
             "ACCESS_REFUSED - access to exchange 'x' in vhost '/' refused for user 'relay'";
         let topic = "ACCESS_REFUSED - write access to topic 'k' in exchange 'x' in vhost '/' refused for user 'relay'";
         let gone = "NOT_FOUND - no exchange 'x' in vhost '/'";
+        let default_denied = "ACCESS_REFUSED - access to exchange 'amq.default' in vhost '/' refused for user 'relay'";
         let configured =
             "PRECONDITION_FAILED - message size 9 is larger than configured max size 8";
         let default = "PRECONDITION_FAILED - message size 9 is larger than max size 8";
@@ -185,6 +194,8 @@ mod tests {
             (ACCESSREFUSED, denied, ("x", "k", 1), true),
             (ACCESSREFUSED, topic, ("x", "k", 1), true),
             (NOTFOUND, gone, ("x", "k", 1), true),
+            (ACCESSREFUSED, default_denied, ("", "k", 1), true),
+            (ACCESSREFUSED, default_denied, ("x", "k", 1), false),
             (ACCESSREFUSED, internal, ("y", "k", 1), false),
             (ACCESSREFUSED, denied, ("xy", "k", 1), false),
             (ACCESSREFUSED, topic, ("x", "other", 1), false),

@@ -106,7 +106,9 @@ const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// Follows the connection's `connection.blocked` and `connection.unblocked`
 /// (a memory or disk alarm on the broker) in a [`Pause`], and says so in the
-/// log. It stops with the connection's events, or once nothing reads it.
+/// log. It stops when the connection fails (which ends a pause: what waits
+/// then fails as the connection's), with the connection's events, or once
+/// nothing reads it.
 fn follow_blocks(connection: &Connection, url: &str) -> Pause {
     let mut events = Box::pin(connection.events_listener());
     let (tx, rx) = tokio::sync::watch::channel(connection.status().blocked());
@@ -130,8 +132,8 @@ fn follow_blocks(connection: &Connection, url: &str) -> Pause {
                     tracing::info!("RabbitMQ at {url} unblocked publishers");
                     tx.send_replace(false);
                 }
+                Some(lapin::Event::Error(_)) | None => return,
                 Some(_) => {}
-                None => return,
             }
         }
     });
@@ -494,7 +496,8 @@ impl Sink for RabbitMqSink {
     }
 
     async fn probe(&mut self) -> Result<(), SinkError> {
-        if self.connection.status().blocked() {
+        let open = self.connection.status().connected() && self.channel.status().connected();
+        if open && self.connection.status().blocked() {
             Err(SinkError::Unavailable(
                 format!(
                     "RabbitMQ at {} has blocked publishers (a memory or disk alarm)",
@@ -502,7 +505,7 @@ impl Sink for RabbitMqSink {
                 )
                 .into(),
             ))
-        } else if self.connection.status().connected() && self.channel.status().connected() {
+        } else if open {
             Ok(())
         } else {
             Err(SinkError::Unavailable(

@@ -118,8 +118,17 @@ impl ChildRelay {
     /// Whether a relay started with [`ChildRelay::start_logged`] logged
     /// `text` so far.
     pub fn logged(&self, text: &str) -> bool {
+        self.log_count(text) > 0
+    }
+
+    /// How many times a relay started with [`ChildRelay::start_logged`]
+    /// logged `text` so far.
+    pub fn log_count(&self, text: &str) -> usize {
         let log = self.log.as_ref().expect("started with start_logged");
-        log.lock().unwrap_or_else(|e| e.into_inner()).contains(text)
+        log.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .matches(text)
+            .count()
     }
 
     /// Waits for the process to exit by itself; `None` if it is still running after `limit`.
