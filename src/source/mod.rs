@@ -37,6 +37,9 @@ pub struct SourcedEvent<P> {
     pub charge: budget::Charge,
 }
 
+/// What [`SourcedEvent::bytes`] counts for an event beside its text.
+pub(crate) const EVENT_OVERHEAD: usize = 256;
+
 impl<P> SourcedEvent<P> {
     pub fn new(position: P, event: Result<OutboxEvent, RowError>) -> Self {
         SourcedEvent {
@@ -48,8 +51,7 @@ impl<P> SourcedEvent<P> {
 
     /// About how much memory the event holds: its text, mostly the payload.
     pub fn bytes(&self) -> usize {
-        const OVERHEAD: usize = 256;
-        OVERHEAD
+        EVENT_OVERHEAD
             + match &self.event {
                 Ok(e) => {
                     e.payload.get().len()

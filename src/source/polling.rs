@@ -223,7 +223,7 @@ impl PollingReader {
                     }
                     read_row(row, offset)
                 },
-                |(_, raw)| raw.payload.as_ref().map_or(0, String::len),
+                |(_, raw)| super::rows::row_bytes(raw),
             )
             .await
             .map_err(|e| DbError::query("reading unsent outbox rows", e))?;

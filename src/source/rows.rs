@@ -67,9 +67,16 @@ pub fn read_row(row: &Row, offset: usize) -> Option<(i64, RawRow)> {
     })
 }
 
-/// Rows a page asks for while no payload size is known yet (the first
-/// page after a start): few, so that a first page of large payloads does
-/// not carry many rows past the byte budget.
+/// The bytes a row read takes of a page's room: its text values (payload,
+/// headers, extra columns) and what the budget counts per event beside
+/// them, as [`crate::source::SourcedEvent::bytes`] will charge it.
+pub fn row_bytes(raw: &RawRow) -> usize {
+    raw.text_len() + crate::source::EVENT_OVERHEAD
+}
+
+/// Rows a page asks for while no row size is known yet (the first
+/// page after a start): few, so that a first page of large rows does not
+/// carry many of them past the byte budget.
 const FIRST_PAGE: usize = 64;
 
 /// How many rows a page asks for, and where the byte budget cuts it.
@@ -77,18 +84,18 @@ const FIRST_PAGE: usize = 64;
 /// A page query is `... ORDER BY relay_seq LIMIT n` with no byte cap of
 /// its own (a running sum of the payloads in SQL added about a third to a
 /// page's time on the server). The reader asks for as many rows as the
-/// room holds at the previous page's payloads, at most `max`, and keeps
-/// rows while the payloads before them take less than the room (the first
-/// row always). The server still sends the rest of a page the payloads
-/// outgrew; the reader drops it, and the next page reads it again.
+/// room holds at the previous page's row sizes ([`row_bytes`]), at most
+/// `max`, and keeps rows while the rows before them take less than the
+/// room (the first row always). The server still sends the rest of a page
+/// the rows outgrew; the reader drops it, and the next page reads it again.
 ///
-/// The size a page assumes is its previous page's average payload, or a
-/// quarter of that page's largest when larger: unless payloads outgrow
-/// the previous page's largest, a page carries at most about four times
-/// the room. A first page after a start asks for [`FIRST_PAGE`] rows.
+/// The size a page assumes is its previous page's average row, or a
+/// quarter of that page's largest when larger: unless rows outgrow the
+/// previous page's largest, a page carries at most about four times the
+/// room. A first page after a start asks for [`FIRST_PAGE`] rows.
 #[derive(Debug, Default)]
 pub struct Paging {
-    /// The payload bytes a row is assumed to take; `None` until a page kept rows.
+    /// The bytes a row is assumed to take; `None` until a page kept rows.
     assumed: Option<usize>,
 }
 
@@ -113,11 +120,11 @@ pub struct Paged<T> {
 
 impl Paging {
     /// The `LIMIT` of the next page: what `max_bytes` holds at the
-    /// assumed payload, between 1 and `max`.
+    /// assumed row size, between 1 and `max`.
     pub fn limit(&self, max: usize, max_bytes: usize) -> usize {
         let fit = match self.assumed {
             None => FIRST_PAGE,
-            // Empty payloads take no room.
+            // Rows that take no room (in tests).
             Some(0) => usize::MAX,
             // The rows kept: all but the last take less than the room.
             Some(size) => max_bytes.div_ceil(size),
@@ -151,8 +158,8 @@ impl Paging {
 
     /// Runs a page query asking for `limit` rows and hands each row to
     /// `each` as it arrives, keeping what `each` returns (`None`: a row of
-    /// NULLs, not a row) while the [`Page`] takes it; `payload` tells a
-    /// kept row's payload bytes.
+    /// NULLs, not a row) while the [`Page`] takes it; `size` tells a kept
+    /// row's bytes ([`row_bytes`]).
     ///
     /// Row by row because a row borrows the connection's read buffer:
     /// collecting a page first would hold it all in that buffer (grown to
@@ -167,7 +174,7 @@ impl Paging {
         limit: usize,
         max_bytes: usize,
         mut each: impl FnMut(&Row) -> Option<T>,
-        payload: impl Fn(&T) -> usize,
+        size: impl Fn(&T) -> usize,
     ) -> Result<Paged<T>, tokio_postgres::Error> {
         let rows = client
             .query_raw(statement, params.iter().map(|p| *p as &dyn ToSql))
@@ -180,7 +187,7 @@ impl Paging {
                 break;
             }
             if let Some(t) = each(&row) {
-                let bytes = payload(&t);
+                let bytes = size(&t);
                 page.keep(t, bytes);
             }
         }
@@ -197,9 +204,9 @@ impl<T> Page<T> {
         !self.cut
     }
 
-    pub fn keep(&mut self, row: T, payload: usize) {
-        self.bytes = self.bytes.saturating_add(payload);
-        self.largest = self.largest.max(payload);
+    pub fn keep(&mut self, row: T, bytes: usize) {
+        self.bytes = self.bytes.saturating_add(bytes);
+        self.largest = self.largest.max(bytes);
         self.rows.push(row);
     }
 }
@@ -223,7 +230,7 @@ mod tests {
         // Less room than one row: one row still.
         assert_eq!(paging.limit(500, 10), 1);
         assert_eq!(paging.limit(0, 10), 1);
-        // Empty payloads: as many as `max`.
+        // Rows that take no room: as many as `max`.
         paging.assumed = Some(0);
         assert_eq!(paging.limit(500, 1), 500);
     }

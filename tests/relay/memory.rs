@@ -78,3 +78,47 @@ async fn polling_relays_large_payloads_within_the_byte_budget() {
 async fn cdc_relays_large_payloads_within_the_byte_budget() {
     relays_large_payloads_within_the_byte_budget(Mode::Cdc).await;
 }
+
+/// The budget counts a row's every text value, not only its payload: rows
+/// with small payloads and large headers are read a few at a time, not a
+/// full batch at once (500 rows of 60 KiB against a 1 MiB budget).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_headers_count_against_the_byte_budget() {
+    const ROWS: usize = 1_500;
+    let budget = MIB.to_string();
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[("relay.max_in_flight_bytes", budget.as_str())],
+    )
+    .await;
+    db.client
+        .execute(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, headers)
+             SELECT gen_random_uuid(), 'order', 'a' || i, 'Tagged', jsonb_build_object('i', i),
+                    jsonb_build_object('tag', repeat('x', 61440))
+             FROM generate_series(1, $1::int) i",
+            &[&(ROWS as i32)],
+        )
+        .await
+        .unwrap();
+    let mut child = ChildRelay::start(&toml);
+    broker
+        .inbox()
+        .wait_len(ROWS, Duration::from_secs(120))
+        .await;
+    let peak = peak_rss(child.pid());
+    println!(
+        "{ROWS} events with 60 KiB of headers, budget 1 MiB: peak RSS {} MiB",
+        peak / MIB
+    );
+    let limit = 2 * MIB + 64 * MIB;
+    assert!(
+        peak < limit,
+        "peak RSS {} MiB is over {} MiB",
+        peak / MIB,
+        limit / MIB
+    );
+    assert_eq!(child.terminate().code(), Some(0));
+}

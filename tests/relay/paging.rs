@@ -1,8 +1,10 @@
 //! The polling reader and the CDC start-up read against a real server: a
-//! page stops where its rows' payloads pass the byte room it was given (the
-//! first row always goes), on a first page and on a later one whose
-//! payloads grew, and the next page goes on from the row the cut left, so
-//! nothing is skipped or read twice.
+//! page stops where its rows pass the byte room it was given (the first row
+//! always goes), on a first page and on a later one whose rows grew, and
+//! the next page goes on from the row the cut left, so nothing is skipped
+//! or read twice. A row's size is all its text plus a few hundred bytes
+//! (`row_bytes` in `src/source/rows.rs`); the payloads here (10,000
+//! and 40,000 bytes) make the rest small beside them.
 
 use crate::support::*;
 use outbox_relay::outbox::Shard;
@@ -76,11 +78,11 @@ async fn all_seqs(db: &TestDb) -> Vec<i64> {
         .collect()
 }
 
-async fn pages_stop_where_the_payloads_pass_the_room(mark: &str) {
+async fn pages_stop_where_the_rows_pass_the_room(mark: &str) {
     let (db, _broker, config, columns) = outbox(Mode::Polling, mark).await;
-    // Five rows of 1,000 bytes, then five of 4,000.
-    insert(&db, 1, 5, 1_000).await;
-    insert(&db, 6, 10, 4_000).await;
+    // Five rows of 10,000 bytes, then five of 40,000.
+    insert(&db, 1, 5, 10_000).await;
+    insert(&db, 6, 10, 40_000).await;
     let seqs = all_seqs(&db).await;
     let mut reader = PollingReader::connect(
         &config.database,
@@ -97,18 +99,18 @@ async fn pages_stop_where_the_payloads_pass_the_room(mark: &str) {
     // The rows at these indexes, with the sizes they were inserted with.
     let rows = |at: &[usize]| -> Vec<(i64, usize)> {
         at.iter()
-            .map(|&i| (seqs[i], if i < 5 { 1_000 } else { 4_000 }))
+            .map(|&i| (seqs[i], if i < 5 { 10_000 } else { 40_000 }))
             .collect()
     };
-    // 2,500 bytes of room: the rows whose earlier rows take less than that.
+    // 25,000 bytes of room: the rows whose earlier rows take less than that.
     assert_eq!(
-        read(&mut reader, 100, 2_500).await,
+        read(&mut reader, 100, 25_000).await,
         rows(&[0, 1, 2]),
         "{mark}"
     );
-    // A later page, sized for 1,000-byte rows, meets larger ones.
+    // A later page, sized for 10,000-byte rows, meets larger ones.
     assert_eq!(
-        read(&mut reader, 100, 5_000).await,
+        read(&mut reader, 100, 50_000).await,
         rows(&[3, 4, 5]),
         "{mark}"
     );
@@ -116,35 +118,35 @@ async fn pages_stop_where_the_payloads_pass_the_room(mark: &str) {
     assert_eq!(read(&mut reader, 100, 1).await, rows(&[6]), "{mark}");
     // Room to spare: the rest of the rows, up to `max`.
     assert_eq!(
-        read(&mut reader, 2, 1_000_000).await,
+        read(&mut reader, 2, 10_000_000).await,
         rows(&[7, 8]),
         "{mark}"
     );
     assert_eq!(
-        read(&mut reader, 100, 1_000_000).await,
+        read(&mut reader, 100, 10_000_000).await,
         rows(&[9]),
         "{mark}"
     );
     // Nothing more until another row commits; then that row alone.
     let idle = tokio::time::timeout(
         Duration::from_millis(300),
-        reader.next_batch(100, 1_000_000),
+        reader.next_batch(100, 10_000_000),
     );
     assert!(idle.await.is_err(), "{mark}: no row is read twice");
-    insert(&db, 11, 11, 4_000).await;
-    let got = read(&mut reader, 100, 2_500).await;
+    insert(&db, 11, 11, 40_000).await;
+    let got = read(&mut reader, 100, 25_000).await;
     assert_eq!(got.len(), 1, "{mark}: {got:?}");
     assert!(got[0].0 > seqs[9], "{mark}: {got:?} after {seqs:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn polling_pages_stop_where_the_payloads_pass_the_room_when_rows_are_marked() {
-    pages_stop_where_the_payloads_pass_the_room("update").await;
+async fn polling_pages_stop_where_the_rows_pass_the_room_when_rows_are_marked() {
+    pages_stop_where_the_rows_pass_the_room("update").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn polling_pages_stop_where_the_payloads_pass_the_room_when_ranges_are_recorded() {
-    pages_stop_where_the_payloads_pass_the_room("ranges").await;
+async fn polling_pages_stop_where_the_rows_pass_the_room_when_ranges_are_recorded() {
+    pages_stop_where_the_rows_pass_the_room("ranges").await;
 }
 
 /// One start-up read page of up to `max` rows within `max_bytes`, after
@@ -161,11 +163,11 @@ async fn table_page(server: &mut PgServer, after: i64, max: usize, max_bytes: us
 
 async fn startup_pages_go_on_from_the_row_the_cut_left(mark: &str) {
     let (db, _broker, config, columns) = outbox(Mode::Cdc, mark).await;
-    // Five rows of 1,000 bytes, five of 4,000, then 70 of 200: more than a
-    // start's first page asks for (64 rows).
-    insert(&db, 1, 5, 1_000).await;
-    insert(&db, 6, 10, 4_000).await;
-    insert(&db, 11, 80, 200).await;
+    // Five rows of 10,000 bytes, five of 40,000, then 70 of 2,000: more
+    // than a start's first page asks for (64 rows).
+    insert(&db, 1, 5, 10_000).await;
+    insert(&db, 6, 10, 40_000).await;
+    insert(&db, 11, 80, 2_000).await;
     let seqs = all_seqs(&db).await;
     assert_eq!(seqs.len(), 80);
     let (mut server, _) = PgServer::connect(
@@ -184,15 +186,15 @@ async fn startup_pages_go_on_from_the_row_the_cut_left(mark: &str) {
     // The rows at these indexes (1-based, as inserted).
     let rows = |from: usize, to: usize| seqs[from - 1..to].to_vec();
 
-    // 2,500 bytes of room: the rows whose earlier rows take less than that.
+    // 25,000 bytes of room: the rows whose earlier rows take less than that.
     assert_eq!(
-        table_page(&mut server, 0, 100, 2_500).await,
+        table_page(&mut server, 0, 100, 25_000).await,
         rows(1, 3),
         "{mark}"
     );
-    // The row the cut left comes first; payloads grow past the room.
+    // The row the cut left comes first; rows grow past the room.
     assert_eq!(
-        table_page(&mut server, seqs[2], 100, 5_000).await,
+        table_page(&mut server, seqs[2], 100, 50_000).await,
         rows(4, 6),
         "{mark}"
     );
@@ -204,30 +206,30 @@ async fn startup_pages_go_on_from_the_row_the_cut_left(mark: &str) {
     );
     // Room to spare: the rest of the rows, up to `max`, page after page.
     assert_eq!(
-        table_page(&mut server, seqs[6], 2, 1_000_000).await,
+        table_page(&mut server, seqs[6], 2, 10_000_000).await,
         rows(8, 9),
         "{mark}"
     );
     assert_eq!(
-        table_page(&mut server, seqs[8], 30, 1_000_000).await,
+        table_page(&mut server, seqs[8], 30, 10_000_000).await,
         rows(10, 39),
         "{mark}"
     );
     assert_eq!(
-        table_page(&mut server, seqs[38], 100, 1_000_000).await,
+        table_page(&mut server, seqs[38], 100, 10_000_000).await,
         rows(40, 80),
         "{mark}"
     );
     // Nothing after the last row: the round's end.
     assert!(
-        table_page(&mut server, seqs[79], 100, 1_000_000)
+        table_page(&mut server, seqs[79], 100, 10_000_000)
             .await
             .is_empty(),
         "{mark}"
     );
     // From an earlier cursor (a rewound read), the rows after it again.
     assert_eq!(
-        table_page(&mut server, seqs[49], 5, 1_000_000).await,
+        table_page(&mut server, seqs[49], 5, 10_000_000).await,
         rows(51, 55),
         "{mark}"
     );

@@ -131,7 +131,7 @@ impl StartupRows {
     }
 
     /// Up to `max` unsent rows of the round's snapshot after `after`, cut
-    /// where their payloads pass `max_bytes` ([`Paging`]).
+    /// where their sizes pass `max_bytes` ([`Paging`]).
     pub(super) async fn page(
         &mut self,
         client: &Client,
@@ -141,14 +141,14 @@ impl StartupRows {
     ) -> Result<Vec<TableRow>, SourceError> {
         let want = self.paging.limit(max, max_bytes);
         let limit = i64::try_from(want).unwrap_or(i64::MAX);
-        let payload = |r: &TableRow| r.raw.payload.as_ref().map_or(0, String::len);
+        let size = |r: &TableRow| crate::source::rows::row_bytes(&r.raw);
         let r = match &mut self.find {
             Find::Marked(statement) => {
                 let params: [&(dyn ToSql + Sync); 2] = [&after, &limit];
                 let read = |row: &Row| table_row(row, 0);
                 return self
                     .paging
-                    .read(client, statement, &params, want, max_bytes, read, payload)
+                    .read(client, statement, &params, want, max_bytes, read, size)
                     .await
                     .map(|paged| paged.rows)
                     .map_err(|e| DbError::query("reading unsent rows at start-up", e).into());
@@ -181,7 +181,7 @@ impl StartupRows {
         };
         let paged = self
             .paging
-            .read(client, statement, &params, want, max_bytes, read, payload)
+            .read(client, statement, &params, want, max_bytes, read, size)
             .await
             .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e))?;
         if head.is_some() {
