@@ -9,6 +9,8 @@ pub(super) fn classify(e: &KafkaError) -> SinkError {
     match e.rdkafka_error_code() {
         Some(
             C::MessageSizeTooLarge
+            | C::MessageBatchTooLarge
+            | C::UnsupportedForMessageFormat
             | C::InvalidMessageSize
             | C::InvalidMessage
             | C::InvalidRecord

@@ -1,5 +1,6 @@
 //! The sink against librdkafka's mock cluster, for what a real broker here
-//! cannot do on demand: go away for a while.
+//! cannot do on demand: go away for a while, or answer a produce request
+//! with a given error.
 
 use super::*;
 use crate::config::{SinkConfig, load_str};
@@ -189,4 +190,32 @@ async fn a_topic_without_a_leader_pushes_back_and_a_forbidden_one_refuses() {
         topic_problem("u", Some((None, true))),
         Err(SinkError::Busy(_))
     ));
+}
+
+/// What the broker says of a produce request reaches the relay as librdkafka
+/// decides: a message too large, a batch over the segment size and a
+/// message format the topic cannot store are this message's refusal
+/// (retried, then dead-lettered: sent again unchanged they fail again); a
+/// corrupt message (a CRC error on the way) is retried by the client
+/// itself and delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_broker_says_of_a_produce_request_decides_a_refusal() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr as E};
+    for (code, refused) in [
+        (E::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE, true),
+        (E::RD_KAFKA_RESP_ERR_RECORD_LIST_TOO_LARGE, true),
+        (E::RD_KAFKA_RESP_ERR_UNSUPPORTED_FOR_MESSAGE_FORMAT, true),
+        (E::RD_KAFKA_RESP_ERR_INVALID_MSG, false),
+    ] {
+        let (cluster, mut sink) = one_delivered().await;
+        cluster.request_errors(RDKafkaApiKey::Produce, &[code]);
+        let sent = sink.send(route("t"), message("2")).await.expect("queued");
+        let answer = tokio::time::timeout(Duration::from_secs(30), sent)
+            .await
+            .expect("answered");
+        match (answer, refused) {
+            (Err(SinkError::Rejected(_)), true) | (Ok(()), false) => {}
+            (other, _) => panic!("{code:?}: {other:?}"),
+        }
+    }
 }
