@@ -189,7 +189,7 @@ impl CdcServer for SimCdc {
         max_bytes: usize,
     ) -> Result<Vec<TableRow>, SourceError> {
         // As the real read: `limit` rows in `relay_seq` order, kept while
-        // the payloads before them take less than the room.
+        // the rows before them take less than the room.
         let limit = self.paging.limit(max, max_bytes);
         let mut page = self.paging.page(limit, max_bytes);
         let rows = self.snapshot.as_deref().unwrap_or_default();
@@ -198,7 +198,7 @@ impl CdcServer for SimCdc {
                 break;
             }
             let raw = r.raw();
-            let bytes = raw.payload.as_ref().map_or(0, String::len);
+            let bytes = crate::source::rows::row_bytes(&raw);
             let row = TableRow {
                 seq: r.seq,
                 xid: r.xid as u32,

@@ -379,7 +379,7 @@ impl Reader for SimPolling {
                     .copied()
                     .collect();
                 // As the real reader: `limit` rows in `relay_seq` order,
-                // kept while the payloads before them take less than the room.
+                // kept while the rows before them take less than the room.
                 let mut page = self.paging.page(limit, max_bytes);
                 let answer = w
                     .rows
@@ -391,7 +391,7 @@ impl Reader for SimPolling {
                         break;
                     }
                     let raw = r.raw();
-                    let bytes = raw.payload.as_ref().map_or(0, String::len);
+                    let bytes = crate::source::rows::row_bytes(&raw);
                     page.keep((*seq, raw), bytes);
                 }
                 (snapshot, self.paging.finish(page))

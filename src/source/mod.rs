@@ -139,7 +139,7 @@ pub trait Reader: Send + 'static {
     type Position: Clone + Debug + Eq + Hash + Send + Sync + RowPosition + 'static;
 
     /// Waits until events are available and returns up to `max` of them, in
-    /// order, each while the payloads before it take less than `max_bytes`
+    /// order, each while the rows before it take less than `max_bytes`
     /// (so at least one event, however large, and the last may pass the
     /// room). A batch with no events says that a transaction the last batch
     /// ended inside of is whole (see [`Reader::inside_transaction`]).

@@ -19,11 +19,13 @@ use outbox_relay::sink::{RabbitMqSink, SinkError};
 use std::collections::HashSet;
 use std::time::Duration;
 
-async fn insert_events(db: &TestDb, n: usize) -> Vec<String> {
+/// `n` events of aggregate type `kind` (the exchange they go to, in the
+/// alarm's part), each of an aggregate of its own (`kind-0`, ...).
+async fn insert_events(db: &TestDb, kind: &str, n: usize) -> Vec<String> {
     let mut ids = Vec::new();
     for i in 0..n {
         let id = uuid::Uuid::new_v4();
-        db.insert(id, "order", &format!("a{i}"), serde_json::json!({}))
+        db.insert(id, kind, &format!("{kind}-{i}"), serde_json::json!({}))
             .await;
         ids.push(id.to_string());
     }
@@ -80,23 +82,33 @@ async fn an_alarm_pauses_the_relay_on_its_one_connection(node: &RabbitNode) {
     let exchange = unique("alarm");
     let (_consumer, ch) = declare_exchange(node, &exchange).await;
     let db = TestDb::new().await;
+    // Each aggregate type to the exchange of its name.
     let sink = format!(
-        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"{exchange}\"\n",
+        "[sink]\ntype = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"{{aggregate_type}}\"\n",
         node.amqp_url()
     );
-    let toml = set(
+    let mut toml = set(
         &base_toml(&db.url, &sink),
         "relay.confirm_timeout",
         "\"2s\"",
     );
+    toml = set(&toml, "dead_letter.max_attempts", "2");
     db.migrate(&parse(&toml)).await;
     let mut relay = ChildRelay::start_logged(&toml);
-    let mut ids = insert_events(&db, 5).await;
+    let mut ids = insert_events(&db, &exchange, 5).await;
     let mut got = HashSet::new();
     receive(&ch, &exchange, &mut got, &ids, Repeats::Refused).await;
+    // An event for an exchange that does not exist: the broker closes the
+    // channel that looked for it, a channel's error, not the connection's,
+    // which must not end the watch on the connection's alarms.
+    insert_events(&db, "nowhere", 1).await;
+    wait_for(WAIT, "the event for no exchange dead-lettered", || async {
+        relay.logged("dead-lettered").then_some(())
+    })
+    .await;
 
     node.ctl(&["set_disk_free_limit", "10000GB"]);
-    ids.extend(insert_events(&db, 50).await);
+    ids.extend(insert_events(&db, &exchange, 50).await);
     wait_blocked(&relay, 1).await;
     // Six times relay.confirm_timeout and more.
     tokio::time::sleep(Duration::from_secs(12)).await;
@@ -115,7 +127,7 @@ async fn an_alarm_pauses_the_relay_on_its_one_connection(node: &RabbitNode) {
     // connects again, and its new connection, blocked at its first
     // publish, waits in turn.
     node.ctl(&["set_disk_free_limit", "10000GB"]);
-    ids.extend(insert_events(&db, 20).await);
+    ids.extend(insert_events(&db, &exchange, 20).await);
     wait_blocked(&relay, 2).await;
     node.ctl(&["close_all_connections", "closed by the test"]);
     wait_for(WAIT, "the run to end with its connection", || async {
@@ -208,7 +220,7 @@ async fn the_default_exchange_refused_is_a_refusal(node: &RabbitNode) {
     }
     db.migrate(&parse(&toml)).await;
     let path = config_file(&toml);
-    let id = insert_events(&db, 1).await.remove(0);
+    let id = insert_events(&db, "order", 1).await.remove(0);
     let relay = InProcess::start(parse(&toml));
     let letters = wait_for(WAIT, "the refused event dead-lettered", || {
         let path = path.clone();

@@ -30,8 +30,9 @@ pub(super) async fn connect_error(
     // NOT_ALLOWED also says a connection limit is reached ("access to vhost
     // '/' refused for user 'u': connection limit (N) is reached") or the
     // vhost is down, which pass by themselves.
+    let limit_reached = text.contains("connection limit (") && text.contains("is reached");
     if text.contains("NOT_ALLOWED")
-        && !text.contains("limit")
+        && !limit_reached
         && (text.contains("refused for user") || text.contains("not found"))
     {
         return SinkError::Fatal(Reason::caused_by(

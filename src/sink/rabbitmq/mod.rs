@@ -107,10 +107,11 @@ const CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(15);
 /// Follows the connection's `connection.blocked` and `connection.unblocked`
 /// (a memory or disk alarm on the broker) in a [`Pause`], and says so in the
 /// log. It stops when the connection fails (which ends a pause: what waits
-/// then fails as the connection's), with the connection's events, or once
-/// nothing reads it.
+/// then fails as the connection's; a channel's error is not the
+/// connection's), with the connection's events, or once nothing reads it.
 fn follow_blocks(connection: &Connection, url: &str) -> Pause {
     let mut events = Box::pin(connection.events_listener());
+    let status = connection.status().clone();
     let (tx, rx) = tokio::sync::watch::channel(connection.status().blocked());
     let url = url.to_owned();
     tokio::spawn(async move {
@@ -132,7 +133,9 @@ fn follow_blocks(connection: &Connection, url: &str) -> Pause {
                     tracing::info!("RabbitMQ at {url} unblocked publishers");
                     tx.send_replace(false);
                 }
-                Some(lapin::Event::Error(_)) | None => return,
+                // lapin marks the connection failed before it says so.
+                Some(lapin::Event::Error(_)) if !status.connected() => return,
+                None => return,
                 Some(_) => {}
             }
         }

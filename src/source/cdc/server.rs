@@ -96,8 +96,8 @@ pub trait CdcServer: Send + 'static {
         to: Lsn,
     ) -> impl Future<Output = Result<Lsn, SourceError>> + Send + 'static;
 
-    /// Up to `max` unsent rows after `after`, each while the payloads
-    /// before it take less than `max_bytes` (so at least one row, and the
+    /// Up to `max` unsent rows after `after`, each while the rows before
+    /// it take less than `max_bytes` (so at least one row, and the
     /// last may pass the room); none once the read is through.
     fn table_page(
         &mut self,
