@@ -281,7 +281,7 @@ async fn columns(
 /// none when the table does not exist. Polling reads them as any column,
 /// but pgoutput leaves them out of its tuples unless the publication
 /// publishes them (stored ones, from PostgreSQL 18), so CDC refuses one it
-/// would read (`source::cdc::setup::generated_problems`).
+/// would read (`source::cdc::setup::streaming_problems`).
 pub async fn generated_columns(
     client: &impl GenericClient,
     table: &TableName,

@@ -480,7 +480,8 @@ async fn marking_problem(owner: &Client, config: &Config) -> Result<(), RelayErr
     }
 }
 
-/// In auto mode, a column CDC cannot stream (a generated one) refuses the
+/// In auto mode, a column CDC cannot stream (a generated one, one a column
+/// list leaves out) or a publication's row filter refuses the
 /// start, as CDC's own start-up does: otherwise the relay would poll now
 /// and stop when it switches to CDC, perhaps months later.
 async fn streaming_problem(
@@ -493,8 +494,10 @@ async fn streaming_problem(
     }
     let table = &config.outbox.table;
     let publication = config.source.cdc.publication_name(table);
+    let marks = config.relay.mark != crate::config::MarkMode::None;
     let problems =
-        crate::source::cdc::setup::generated_problems(owner, &publication, table, columns).await?;
+        crate::source::cdc::setup::streaming_problems(owner, &publication, table, columns, marks)
+            .await?;
     if problems.is_empty() {
         return Ok(());
     }

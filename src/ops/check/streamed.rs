@@ -1,12 +1,14 @@
-//! Columns the relay reads that CDC cannot stream (generated ones).
+//! Columns the relay reads that CDC cannot stream (generated ones, ones a
+//! publication's column list leaves out) and a publication's row filter.
 
 use super::Mark;
-use crate::config::{Config, ResolvedColumns};
+use crate::config::{Config, MarkMode, ResolvedColumns};
 use crate::source::cdc::setup;
 
 /// With `source.mode` `cdc` or `auto`, every column the relay reads must be
-/// one the publication streams: a generated one stops CDC (or auto mode,
-/// once it switches to CDC). What is wrong, to report (nothing: all fit).
+/// one the publication streams, and it must stream every row: otherwise
+/// CDC stops (or auto mode, once it switches to CDC). What is wrong, to
+/// report (nothing: all fit).
 pub(super) async fn streamed_problems(
     config: &Config,
     client: &tokio_postgres::Client,
@@ -17,7 +19,8 @@ pub(super) async fn streamed_problems(
     }
     let table = &config.outbox.table;
     let publication = config.source.cdc.publication_name(table);
-    match setup::generated_problems(client, &publication, table, columns).await {
+    let marks = config.relay.mark != MarkMode::None;
+    match setup::streaming_problems(client, &publication, table, columns, marks).await {
         Ok(problems) => problems.into_iter().map(|p| (Mark::Fail, p)).collect(),
         Err(e) => vec![(Mark::Warn, e.to_string())],
     }

@@ -213,9 +213,14 @@ impl PgServer {
                 )));
             }
         }
-        let problems =
-            setup::generated_problems(&self.client, &s.publication, &self.table, &self.columns)
-                .await?;
+        let problems = setup::streaming_problems(
+            &self.client,
+            &s.publication,
+            &self.table,
+            &self.columns,
+            s.read_table,
+        )
+        .await?;
         if !problems.is_empty() {
             return Err(SourceError::Setup(problems.join("; ")));
         }

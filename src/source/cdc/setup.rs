@@ -8,7 +8,35 @@ use crate::sql::{quote_ident, quote_literal};
 use tokio_postgres::Client;
 
 mod generated;
-pub use generated::generated_problems;
+mod narrowed;
+
+/// Why a CDC stream could not carry the outbox's events as the relay reads
+/// them: columns it reads that `publication` does not stream (generated
+/// ones, ones its column list leaves out, `relay_seq` when rows are marked:
+/// `marks`) and a row filter. One message each, naming the fix.
+pub async fn streaming_problems(
+    client: &Client,
+    publication: &str,
+    table: &TableName,
+    columns: &crate::config::ResolvedColumns,
+    marks: bool,
+) -> Result<Vec<String>, DbError> {
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .map_err(|e| q("reading server_version_num", e))?
+        .get(0);
+    let generated = crate::outbox::inspect::generated_columns(client, table)
+        .await
+        .map_err(|e| q("reading the outbox table's generated columns", e))?;
+    let read = (columns, generated.as_slice());
+    let mut problems =
+        generated::generated_problems(client, version, publication, table, read).await?;
+    problems.extend(
+        narrowed::narrowing_problems(client, version, publication, table, read, marks).await?,
+    );
+    Ok(problems)
+}
 
 /// What `pg_replication_slots` says about a slot.
 #[derive(Debug, Clone)]

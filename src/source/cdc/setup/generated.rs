@@ -11,24 +11,24 @@ use crate::db::DbError;
 use tokio_postgres::Client;
 
 /// Why CDC cannot read `columns`, the columns the relay reads: one
-/// message for each that is generated and that `publication` does not
-/// stream, naming its key and the fix.
-pub async fn generated_problems(
+/// message for each that is `generated` (of the table's generated
+/// columns) and that `publication` does not stream on a server of
+/// `version` (`server_version_num`), naming its key and the fix.
+pub(super) async fn generated_problems(
     client: &Client,
+    version: i32,
     publication: &str,
     table: &TableName,
-    columns: &ResolvedColumns,
+    (columns, generated): (&ResolvedColumns, &[String]),
 ) -> Result<Vec<String>, DbError> {
-    let generated = crate::outbox::inspect::generated_columns(client, table)
-        .await
-        .map_err(|e| q("reading the outbox table's generated columns", e))?;
     if generated.is_empty() {
         return Ok(Vec::new());
     }
-    let streamed = streamed_columns(client, publication, table).await?;
+    let streamed = streamed_columns(client, version, publication, table).await?;
     let unstreamed: Vec<String> = generated
-        .into_iter()
+        .iter()
         .filter(|c| !streamed.contains(c))
+        .cloned()
         .collect();
     Ok(unstreamed_problems(columns, &unstreamed))
 }
@@ -39,14 +39,10 @@ pub async fn generated_problems(
 /// generated columns that pgoutput leaves out.
 async fn streamed_columns(
     client: &Client,
+    version: i32,
     publication: &str,
     table: &TableName,
 ) -> Result<Vec<String>, DbError> {
-    let version: i32 = client
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
-        .await
-        .map_err(|e| q("reading server_version_num", e))?
-        .get(0);
     if version < 180_000 {
         return Ok(Vec::new());
     }
@@ -61,9 +57,11 @@ async fn streamed_columns(
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
-/// [`generated_problems`] for the columns the relay reads that are among
-/// `unstreamed`.
-fn unstreamed_problems(columns: &ResolvedColumns, unstreamed: &[String]) -> Vec<String> {
+/// Every column the relay reads of the outbox, with the configuration key
+/// that names it (the contract's, then the extra and routing columns).
+pub(super) fn read_columns(
+    columns: &ResolvedColumns,
+) -> impl Iterator<Item = (&'static str, &str)> {
     const KEYS: [&str; 8] = [
         "outbox.columns.id",
         "outbox.columns.aggregate_type",
@@ -82,8 +80,13 @@ fn unstreamed_problems(columns: &ResolvedColumns, unstreamed: &[String]) -> Vec<
         .extra
         .iter()
         .map(|c| ("outbox.columns.extra, destination or key", c.as_str()));
-    contract
-        .chain(carried)
+    contract.chain(carried)
+}
+
+/// [`generated_problems`] for the columns the relay reads that are among
+/// `unstreamed`.
+fn unstreamed_problems(columns: &ResolvedColumns, unstreamed: &[String]) -> Vec<String> {
+    read_columns(columns)
         .filter(|(_, column)| unstreamed.iter().any(|u| u == column))
         .map(|(key, column)| {
             format!(
