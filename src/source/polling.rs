@@ -43,6 +43,7 @@ use crate::db::DbError;
 use crate::dead_letter::DeadLetter;
 use crate::outbox::RawRow;
 use crate::outbox::Shard;
+use crate::outbox::progress::read::Stragglers;
 use crate::sql::quote_ident;
 use chrono::Utc;
 use std::collections::HashSet;
@@ -100,7 +101,7 @@ struct RangesTick {
     prev_max: Option<i64>,
     cur_max: Option<i64>,
     base_max: i64,
-    stragglers: Vec<i64>,
+    stragglers: Stragglers,
 }
 
 /// What a ranges tick's first page says besides the rows.
@@ -171,11 +172,29 @@ impl PollingReader {
         })
     }
 
-    /// Runs one page query; returns the tick's snapshot, the rows, and
-    /// whether more rows may follow in this tick.
+    /// Reads the next page of the tick: returns the tick's snapshot, the
+    /// rows, and whether more rows may follow in this tick. A ranges page
+    /// that found none of its window of stragglers unsent moves on to the
+    /// next window.
     async fn page(&mut self, max: usize, max_bytes: usize) -> Result<Page, SourceError> {
+        loop {
+            let page = self.page_once(max, max_bytes).await?;
+            match page.window_end {
+                Some(upper) if page.rows.is_empty() => self.cursor = upper,
+                _ => return Ok(page),
+            }
+        }
+    }
+
+    /// Runs one page query.
+    async fn page_once(&mut self, max: usize, max_bytes: usize) -> Result<Page, SourceError> {
         let want = self.paging.limit(max, max_bytes);
         let limit = i64::try_from(want).unwrap_or(i64::MAX);
+        let window = match (&self.cur, &self.ranges) {
+            (Some(_), Some(r)) => Some(r.stragglers.window(self.cursor, want)),
+            _ => None,
+        };
+        let (stragglers, upper) = window.map_or((&[][..], i64::MAX), |w| (w.stragglers, w.upper));
         // The first page's rows start after the tick's snapshot, which every
         // row carries (one row of NULLs after it when there are none).
         let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) =
@@ -195,8 +214,9 @@ impl PollingReader {
                         cur,
                         &self.prev,
                         &r.base_max,
-                        &r.stragglers,
+                        &stragglers,
                         &limit,
+                        &upper,
                     ],
                 ),
             };
@@ -227,11 +247,13 @@ impl PollingReader {
             )
             .await
             .map_err(|e| DbError::query("reading unsent outbox rows", e))?;
+        let window_end = window.filter(|w| w.truncated).map(|w| w.upper);
         Ok(Page {
-            full: paged.full,
+            full: paged.full || window_end.is_some(),
             rows: paged.rows,
             snapshot: self.cur.clone().or(snapshot).unwrap_or_default(),
             head,
+            window_end,
         })
     }
 }
@@ -282,6 +304,9 @@ struct Page {
     /// A ranges tick's first page: *cur*'s highest `relay_seq`, the base's,
     /// the stragglers.
     head: Option<RangesHead>,
+    /// A ranges page sent a window of the stragglers with more after it:
+    /// the window's end, up to which the page read every unsent row.
+    window_end: Option<i64>,
 }
 
 impl Reader for PollingReader {
@@ -315,12 +340,14 @@ impl Reader for PollingReader {
                 rows,
                 full,
                 head,
+                ..
             } = self.page(max, max_bytes).await?;
             // No await below: the state moves in one step, keeping the call cancel-safe.
             if self.cur.is_none() {
                 self.cur = Some(snapshot);
                 if let (Some(r), Some((cur_max, base_max, stragglers))) = (&mut self.ranges, head) {
-                    (r.cur_max, r.base_max, r.stragglers) = (cur_max, base_max, stragglers);
+                    (r.cur_max, r.base_max) = (cur_max, base_max);
+                    r.stragglers = Stragglers::new(stragglers);
                 }
             }
             if let Some((seq, _)) = rows.last() {

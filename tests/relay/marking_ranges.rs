@@ -8,7 +8,7 @@ use crate::support::*;
 use outbox_relay::config::TableName;
 use outbox_relay::outbox::progress::Ranges;
 use outbox_relay::outbox::progress::fold::Advance;
-use outbox_relay::outbox::progress::read::{READER_SESSION, ReadSql};
+use outbox_relay::outbox::progress::read::{READER_SESSION, ReadSql, Stragglers};
 use std::time::Duration;
 use tokio_postgres::Client;
 
@@ -58,11 +58,16 @@ pub(crate) struct Paged {
     pub(crate) cur: String,
     pub(crate) cur_max: Option<i64>,
     base_max: i64,
-    stragglers: Vec<i64>,
+    stragglers: Stragglers,
     page: i64,
     /// The rows read so far.
     pub(crate) got: Vec<i64>,
-    last: usize,
+    /// Where the next page starts: the last row read, or the end of a
+    /// window of stragglers none of which was unsent.
+    cursor: i64,
+    /// The last page was full, or was sent a window of the stragglers
+    /// with more after it.
+    more: bool,
 }
 
 impl Paged {
@@ -85,12 +90,24 @@ impl Paged {
             .iter()
             .filter_map(|r| r.get::<_, Option<i64>>(4))
             .collect();
+        // Only the first row carries the snapshot and the stragglers.
+        for r in rows.iter().skip(1) {
+            let (cur, stragglers) = (
+                r.get::<_, Option<String>>(0),
+                r.get::<_, Option<Vec<i64>>>(3),
+            );
+            assert!(
+                cur.is_none() && stragglers.is_none(),
+                "a later row repeats the head"
+            );
+        }
         Paged {
             cur: rows[0].get(0),
             cur_max: rows[0].get(1),
             base_max: rows[0].get(2),
-            stragglers: rows[0].get(3),
-            last: got.len(),
+            stragglers: Stragglers::new(rows[0].get(3)),
+            cursor: got.last().copied().unwrap_or(i64::MIN),
+            more: got.len() as i64 == page,
             got,
             sql,
             base: snap,
@@ -103,27 +120,34 @@ impl Paged {
         &self.base
     }
 
-    /// The last page was not full: nothing more to read.
+    /// Nothing more to read.
     pub(crate) fn done(&self) -> bool {
-        (self.last as i64) < self.page
+        !self.more
     }
 
+    /// The next page, as the readers run it: sent only a page of the
+    /// stragglers after the cursor, and bounded by the last of them when
+    /// more follow.
     pub(crate) async fn next(&mut self, client: &Client) {
-        let cursor = *self.got.last().expect("a full page before");
+        let page = usize::try_from(self.page).unwrap();
+        let window = self.stragglers.window(self.cursor, page);
+        assert!(window.stragglers.len() <= page);
         let more = seqs(
             client,
             &self.sql.next_page,
             &[
-                &cursor,
+                &self.cursor,
                 &self.cur,
                 &self.base,
                 &self.base_max,
-                &self.stragglers,
+                &window.stragglers,
                 &self.page,
+                &window.upper,
             ],
         )
         .await;
-        self.last = more.len();
+        self.cursor = more.last().copied().unwrap_or(window.upper);
+        self.more = more.len() == page || window.truncated;
         self.got.extend(more);
     }
 }
@@ -453,4 +477,75 @@ async fn removed_by_seq_scans(client: &mut Client, sql: &str) -> Option<f64> {
         .get(0);
     tx.rollback().await.unwrap();
     walk(&plan[0]["Plan"])
+}
+
+/// A transaction that took many low `relay_seq`s and committed after the
+/// relay read past them: its rows are stragglers, and each page after the
+/// first is sent only a page of them. Windows in which none is unsent
+/// (recorded while the transaction was open, as CDC may record) are passed
+/// over; every unsent row goes out once, in order. Polling meets them in
+/// the tick after the commit; a CDC start-up read (`restart`), in its first
+/// round, the transaction having been open at the frontier.
+async fn a_large_late_transaction_is_read_a_window_of_stragglers_at_a_time(mode: Mode) {
+    let sets = [("relay.mark", "\"ranges\""), ("source.batch_size", "10")];
+    let (db, broker, toml) = setup(mode, Kind::Rabbit, &["order"], &sets).await;
+    let ranges = Ranges::new(&TableName::new("public", "outbox"));
+    let mut relay = ChildRelay::start(&toml);
+    let mut late = connect(&db.url).await;
+    let late_tx = late.transaction().await.unwrap();
+    let rows: Vec<String> = (0..95)
+        .map(|i| format!("(gen_random_uuid(), 'order', 'late', 'created', '{{\"i\": {i}}}')"))
+        .collect();
+    late_tx
+        .batch_execute(&format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES {}",
+            rows.join(", ")
+        ))
+        .await
+        .unwrap();
+    let fast = crate::ranges_delivery::insert(&db, "fast", 5, 1).await;
+    broker.inbox().wait_ids(&fast, WAIT).await;
+    let own =
+        "SELECT relay_seq FROM outbox WHERE relay_xid = pg_current_xact_id() ORDER BY relay_seq";
+    let late_seqs: Vec<i64> = late_tx
+        .query(own, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let fast_max = seqs(&db.client, "SELECT max(relay_seq) FROM outbox", &[]).await[0];
+    assert!(late_seqs.iter().all(|&s| s < fast_max));
+    if mode == Mode::Cdc {
+        let frontier = format!(
+            "SELECT COALESCE(max(max_seq), 0) FROM {}",
+            ranges.frontier.quoted()
+        );
+        wait_for(WAIT, "the frontier to pass the late rows", || async {
+            (seqs(&db.client, &frontier, &[]).await[0] >= fast_max).then_some(())
+        })
+        .await;
+        relay.kill();
+    }
+    ranges.record(&db.client, &late_seqs[20..60]).await.unwrap();
+    late_tx.commit().await.unwrap();
+    if mode == Mode::Cdc {
+        relay = ChildRelay::start(&toml);
+    }
+    let got = broker.inbox().wait_len(5 + 55, WAIT).await;
+    let expected: Vec<i64> = (0..20).chain(60..95).collect();
+    assert_eq!(first_deliveries(&got).remove("late"), Some(expected));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(broker.inbox().len(), 60, "each once");
+    drop(relay);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_late_transaction_is_read_a_window_of_stragglers_at_a_time_by_polling() {
+    a_large_late_transaction_is_read_a_window_of_stragglers_at_a_time(Mode::Polling).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_late_transaction_is_read_a_window_of_stragglers_at_a_time_at_a_cdc_start() {
+    a_large_late_transaction_is_read_a_window_of_stragglers_at_a_time(Mode::Cdc).await;
 }

@@ -47,11 +47,15 @@ pub struct ReadSql {
     /// rows), `$3` the page's size. Each row: *cur* as text, its highest
     /// `relay_seq`, the base's highest (resolved), the stragglers
     /// (`bigint[]`), then the page's columns; one row of NULLs after the
-    /// first four when the page is empty.
+    /// first four when the page is empty. Only the first row carries *cur*
+    /// and the stragglers (NULL in the others): a late transaction's
+    /// stragglers can be many, and each row would carry them all.
     pub first_page: String,
     /// `$1` the cursor (last `relay_seq` read), `$2` *cur*, `$3` the base
     /// snapshot or NULL, `$4` the base's highest `relay_seq` (as the first
-    /// page resolved it), `$5` the stragglers, `$6` the page's size.
+    /// page resolved it), `$5` and `$7` the stragglers after the cursor and
+    /// the page's highest `relay_seq` ([`Stragglers::window`]), `$6` the
+    /// page's size.
     pub next_page: String,
     /// A first read's size, `count(*)`, with no parameters (`status`). It
     /// visits every unsent row.
@@ -70,6 +74,9 @@ struct Page<'a> {
     stragglers: &'a str,
     /// A visibility condition for a page read after *cur* was taken.
     cur: Option<&'a str>,
+    /// The page's highest `relay_seq`, for a page that probes a window of
+    /// the stragglers.
+    upper: Option<&'a str>,
     limit: Option<&'a str>,
     /// A `relay_seq` at or above the base's highest, up to which every
     /// row is sent, to start the bulk branch past: during a drain the fold
@@ -92,14 +99,18 @@ impl Ranges {
                 base_max: "(SELECT max_seq FROM base)",
                 stragglers: "(SELECT seqs FROM strag)::bigint[]",
                 cur: None,
+                upper: None,
                 limit: Some("$3"),
                 past: None,
             },
         );
+        // The rows come in the lateral page's order, which the window
+        // function keeps and numbers as they come.
         let first_page = format!(
             "{base_and_stragglers}
-             SELECT pg_current_snapshot()::text, (SELECT max({SEQ_COLUMN}) FROM {t}),
-                    (SELECT max_seq FROM base), (SELECT seqs FROM strag), e.*
+             SELECT CASE WHEN row_number() OVER () = 1 THEN pg_current_snapshot()::text END,
+                    (SELECT max({SEQ_COLUMN}) FROM {t}), (SELECT max_seq FROM base),
+                    CASE WHEN row_number() OVER () = 1 THEN (SELECT seqs FROM strag) END, e.*
              FROM (SELECT 1) one LEFT JOIN LATERAL ({first}) e ON true",
             base_and_stragglers = self.base_and_stragglers(shard, "$1::text", "$2::bigint"),
             t = self.outbox.quoted(),
@@ -113,6 +124,7 @@ impl Ranges {
                 base_max: "$4::bigint",
                 stragglers: "$5::bigint[]",
                 cur: Some("$2::text::pg_snapshot"),
+                upper: Some("$7::bigint"),
                 limit: Some("$6"),
                 past: None,
             },
@@ -124,6 +136,7 @@ impl Ranges {
             base_max: "(SELECT max_seq FROM base)",
             stragglers: "(SELECT seqs FROM strag)::bigint[]",
             cur: None,
+            upper: None,
             limit: None,
             past: Some("(SELECT seq FROM past)"),
         };
@@ -240,16 +253,21 @@ impl Ranges {
         };
         let bulk = format!("{} {rest}", self.unsent_above("o", &bulk_lower));
         let stragglers = format!("{} {rest}", self.unsent_probed("o"));
+        // An index condition, so that a page below the bulk ends at once.
+        let upper = p
+            .upper
+            .map(|u| format!(" AND o.{SEQ_COLUMN} <= {u}"))
+            .unwrap_or_default();
         format!(
             "SELECT * FROM (
                  (SELECT {cols} FROM {t} o
-                  WHERE o.{SENT_AT_COLUMN} IS NULL AND o.{SEQ_COLUMN} > {bulk_lower}
+                  WHERE o.{SENT_AT_COLUMN} IS NULL AND o.{SEQ_COLUMN} > {bulk_lower}{upper}
                     AND {bulk}
                   ORDER BY o.{SEQ_COLUMN}{limit})
                  UNION ALL
                  (SELECT {cols} FROM {t} o
                   WHERE o.{SEQ_COLUMN} = ANY ({stragglers_of})
-                    AND o.{SEQ_COLUMN} > {cursor} AND o.{SEQ_COLUMN} <= {base_max}
+                    AND o.{SEQ_COLUMN} > {cursor} AND o.{SEQ_COLUMN} <= {base_max}{upper}
                     AND {stragglers}
                   ORDER BY o.{SEQ_COLUMN}{limit})
              ) page ORDER BY {SEQ_COLUMN}{limit}",
@@ -257,5 +275,85 @@ impl Ranges {
             base_max = p.base_max,
             stragglers_of = p.stragglers,
         )
+    }
+}
+
+/// A round's stragglers (its first page's), for the next pages. Each next
+/// page is sent only the stragglers it may return: those after its cursor,
+/// at most a page of them. Sent every one, a late transaction of n rows
+/// would cost its n / page pages n probes each.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stragglers(Vec<i64>);
+
+impl Stragglers {
+    pub fn new(mut seqs: Vec<i64>) -> Self {
+        seqs.sort_unstable();
+        seqs.dedup();
+        Stragglers(seqs)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// A next page's `$5` and `$7` after `cursor` for a page of `limit`
+    /// rows: the stragglers after the cursor, at most `limit`, and the
+    /// page's highest `relay_seq`. That is the last of them when more
+    /// follow, so that the page reads no row past a straggler it was not
+    /// sent; else unbounded. Every unsent row up to the bound is in reach,
+    /// so a page that returns fewer than `limit` rows read all of them:
+    /// [`Window::truncated`] says whether rows may still follow.
+    pub fn window(&self, cursor: i64, limit: usize) -> Window<'_> {
+        let after = &self.0[self.0.partition_point(|&s| s <= cursor)..];
+        let sent = &after[..after.len().min(limit.max(1))];
+        let truncated = sent.len() < after.len();
+        Window {
+            stragglers: sent,
+            upper: match sent.last() {
+                Some(&last) if truncated => last,
+                _ => i64::MAX,
+            },
+            truncated,
+        }
+    }
+}
+
+/// What [`Stragglers::window`] gives a next page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window<'a> {
+    pub stragglers: &'a [i64],
+    pub upper: i64,
+    /// Stragglers follow `upper`: a page that was not full does not end
+    /// the round; the next starts after `upper`.
+    pub truncated: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_window_holds_at_most_a_page_of_the_stragglers_after_the_cursor() {
+        let s = Stragglers::new(vec![9, 3, 5, 7, 3, 11]);
+        assert_eq!(s.len(), 5);
+        let w = s.window(3, 2);
+        assert_eq!((w.stragglers, w.upper, w.truncated), (&[5, 7][..], 7, true));
+        // The last ones: unbounded, nothing follows.
+        let w = s.window(7, 2);
+        assert_eq!(
+            (w.stragglers, w.upper, w.truncated),
+            (&[9, 11][..], i64::MAX, false)
+        );
+        let w = s.window(11, 2);
+        assert_eq!(
+            (w.stragglers, w.upper, w.truncated),
+            (&[][..], i64::MAX, false)
+        );
+        let w = s.window(i64::MIN, 10);
+        assert_eq!((w.stragglers.len(), w.truncated), (5, false));
     }
 }

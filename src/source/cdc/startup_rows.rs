@@ -17,6 +17,7 @@
 use super::server::TableRow;
 use crate::config::{ResolvedColumns, SENT_AT_COLUMN, SEQ_COLUMN, TableName, XID_COLUMN};
 use crate::db::DbError;
+use crate::outbox::progress::read::Stragglers;
 use crate::outbox::progress::{Ranges, read};
 use crate::source::SourceError;
 use crate::source::rows::{Paging, ROW_WIDTH, read_row, select_list};
@@ -58,7 +59,7 @@ struct Head {
     cur: String,
     cur_max: Option<i64>,
     base_max: i64,
-    stragglers: Vec<i64>,
+    stragglers: Stragglers,
 }
 
 impl StartupRows {
@@ -131,14 +132,34 @@ impl StartupRows {
     }
 
     /// Up to `max` unsent rows of the round's snapshot after `after`, cut
-    /// where their sizes pass `max_bytes` ([`Paging`]).
+    /// where their sizes pass `max_bytes` ([`Paging`]); none only when the
+    /// round has no more. A ranges page that found none of its window of
+    /// stragglers unsent moves on to the next window.
     pub(super) async fn page(
+        &mut self,
+        client: &Client,
+        mut after: i64,
+        max: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<TableRow>, SourceError> {
+        loop {
+            let (rows, window_end) = self.page_once(client, after, max, max_bytes).await?;
+            match window_end {
+                Some(upper) if rows.is_empty() => after = upper,
+                _ => return Ok(rows),
+            }
+        }
+    }
+
+    /// One page query, and the end of the stragglers' window it was sent
+    /// when more follow ([`Stragglers::window`]).
+    async fn page_once(
         &mut self,
         client: &Client,
         after: i64,
         max: usize,
         max_bytes: usize,
-    ) -> Result<Vec<TableRow>, SourceError> {
+    ) -> Result<(Vec<TableRow>, Option<i64>), SourceError> {
         let want = self.paging.limit(max, max_bytes);
         let limit = i64::try_from(want).unwrap_or(i64::MAX);
         let size = |r: &TableRow| crate::source::rows::row_bytes(&r.raw);
@@ -150,7 +171,7 @@ impl StartupRows {
                     .paging
                     .read(client, statement, &params, want, max_bytes, read, size)
                     .await
-                    .map(|paged| paged.rows)
+                    .map(|paged| (paged.rows, None))
                     .map_err(|e| DbError::query("reading unsent rows at start-up", e).into());
             }
             Find::Ranges(r) => r,
@@ -159,12 +180,22 @@ impl StartupRows {
             Some((snapshot, max)) => (Some(snapshot.clone()), *max),
             None => (None, None),
         };
+        let window = r.head.as_ref().map(|h| h.stragglers.window(after, want));
+        let (stragglers, upper) = window.map_or((&[][..], i64::MAX), |w| (w.stragglers, w.upper));
         let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) = match &r.head {
             None => (&r.first_page, HEAD, vec![&base, &base_max, &limit]),
             Some(h) => (
                 &r.next_page,
                 0,
-                vec![&after, &h.cur, &base, &h.base_max, &h.stragglers, &limit],
+                vec![
+                    &after,
+                    &h.cur,
+                    &base,
+                    &h.base_max,
+                    &stragglers,
+                    &limit,
+                    &upper,
+                ],
             ),
         };
         let mut head = None;
@@ -174,7 +205,7 @@ impl StartupRows {
                     cur: row.get(0),
                     cur_max: row.get(1),
                     base_max: row.get(2),
-                    stragglers: row.get(3),
+                    stragglers: Stragglers::new(row.get(3)),
                 });
             }
             table_row(row, offset)
@@ -184,10 +215,11 @@ impl StartupRows {
             .read(client, statement, &params, want, max_bytes, read, size)
             .await
             .map_err(|e| DbError::query("reading unsent rows at start-up, by ranges", e))?;
+        let window_end = window.filter(|w| w.truncated).map(|w| w.upper);
         if head.is_some() {
             r.head = head;
         }
-        Ok(paged.rows)
+        Ok((paged.rows, window_end))
     }
 }
 
