@@ -200,6 +200,22 @@ $fn$",
         )
     }
 
+    /// [`Ranges::unsent`] for rows in (`lower`, `upper`] only: the union of
+    /// the recorded ranges that reach into it. For a window of stragglers:
+    /// a page of them, each probing every progress row, would cost a page
+    /// times the progress rows, which a drain multiplies.
+    pub fn unsent_within(&self, alias: &str, lower: &str, upper: &str) -> String {
+        self.unsent_with(
+            alias,
+            &format!(
+                "COALESCE({alias}.{SEQ_COLUMN} <@ (SELECT range_agg(r) FROM {} p, unnest(p.seqs) r
+                                                  WHERE upper(p.seqs) > {lower} AND lower(p.seqs) <= {upper}
+                                                    AND upper(r) > {lower} AND lower(r) <= {upper}), false)",
+                self.progress.quoted()
+            ),
+        )
+    }
+
     /// [`Ranges::unsent`] probing the progress rows for each row: for a few
     /// rows (the stragglers), cheaper than the union of every range.
     pub fn unsent_probed(&self, alias: &str) -> String {

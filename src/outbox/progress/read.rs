@@ -252,7 +252,17 @@ impl Ranges {
             None => format!("GREATEST({}, {})", p.cursor, p.base_max),
         };
         let bulk = format!("{} {rest}", self.unsent_above("o", &bulk_lower));
-        let stragglers = format!("{} {rest}", self.unsent_probed("o"));
+        // A window of stragglers (a next page) takes the union of the
+        // ranges within it; the first page, which has them all but
+        // commonly few, probes the progress rows for each.
+        let recorded = match p.upper {
+            Some(upper) => {
+                let within = format!("LEAST({}, {upper})", p.base_max);
+                self.unsent_within("o", p.cursor, &within)
+            }
+            None => self.unsent_probed("o"),
+        };
+        let stragglers = format!("{recorded} {rest}");
         // An index condition, so that a page below the bulk ends at once.
         let upper = p
             .upper
