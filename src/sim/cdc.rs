@@ -201,7 +201,7 @@ impl CdcServer for SimCdc {
             let bytes = crate::source::rows::row_bytes(&raw);
             let row = TableRow {
                 seq: r.seq,
-                xid: r.xid as u32,
+                xid: r.xid,
                 raw,
             };
             page.keep(row, bytes);

@@ -37,8 +37,9 @@ pub enum StreamMessage {
 #[derive(Debug)]
 pub struct TableRow {
     pub seq: i64,
-    /// The inserting transaction's 32-bit id (as pgoutput's Begin names it).
-    pub xid: u32,
+    /// The inserting transaction's full id (`relay_xid`): a row may be
+    /// older than any 32-bit id can be placed from a snapshot.
+    pub xid: u64,
     pub raw: RawRow,
 }
 

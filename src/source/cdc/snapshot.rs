@@ -124,6 +124,22 @@ mod tests {
         }
     }
 
+    /// A row read at start-up may be far older than any 32-bit id can be
+    /// placed from a snapshot: the start-up read compares the full id
+    /// (`relay_xid`), which a 32-bit one would have placed an epoch later,
+    /// unseen, so the next round would read the row again.
+    #[test]
+    fn an_old_row_is_seen_by_its_full_id() {
+        let old: u64 = 7;
+        let later = old + (1 << 31) + 10;
+        let snapshot = Snapshot::parse(&format!("{later}:{later}:")).unwrap();
+        assert!(snapshot.saw_finished(old));
+        assert!(
+            !snapshot.saw_committed(old as u32),
+            "the 32-bit id misleads"
+        );
+    }
+
     #[test]
     fn a_transaction_is_covered_only_if_the_snapshot_saw_it_committed() {
         let view = StartupView {

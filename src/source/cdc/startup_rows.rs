@@ -28,7 +28,7 @@ use tokio_postgres::{Client, Row, Statement};
 /// its highest `relay_seq`, the base's, the stragglers.
 const HEAD: usize = 4;
 
-/// Column of the 32-bit xid within a page's row, after `relay_seq` and the row.
+/// Column of the full xid within a page's row, after `relay_seq` and the row.
 const XID_INDEX: usize = 1 + ROW_WIDTH;
 
 /// How the start-up read finds unsent rows, and the size of its pages.
@@ -70,7 +70,7 @@ impl StartupRows {
         ranges: bool,
     ) -> Result<Self, SourceError> {
         let cols = format!(
-            "{}, ({XID_COLUMN}::text::bigint % 4294967296)::bigint AS relay_xid32",
+            "{}, {XID_COLUMN}::text::bigint AS relay_xid_full",
             select_list(columns)
         );
         let prepare = |sql: String| async move {
@@ -230,7 +230,7 @@ fn table_row(row: &Row, offset: usize) -> Option<TableRow> {
     let xid: i64 = row.get(offset + XID_INDEX);
     Some(TableRow {
         seq,
-        xid: u32::try_from(xid).unwrap_or_default(),
+        xid: u64::try_from(xid).unwrap_or_default(),
         raw,
     })
 }

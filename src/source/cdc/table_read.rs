@@ -202,7 +202,7 @@ impl<B: CdcServer> CdcReader<B> {
         let done = rows.is_empty();
         for row in rows {
             read.cursor = row.seq;
-            if read.seen.as_ref().is_some_and(|s| s.saw_committed(row.xid)) {
+            if read.seen.as_ref().is_some_and(|s| s.saw_finished(row.xid)) {
                 continue; // read by the previous round
             }
             read.rows += 1;
