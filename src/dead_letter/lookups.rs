@@ -248,3 +248,55 @@ pub fn requested_sql(table: &TableName, shard: &str) -> String {
         unnamed = none_waiting("IS NULL"),
     )
 }
+
+/// Marks `redriven` the letters `$1` the broker confirmed, whatever an
+/// operator decided meanwhile; returns those an operator dropped while they
+/// were on their way. `$2`: when each was handed over (NULL: not known). A
+/// letter an operator asked for again after it was handed over (its
+/// request is later) passes that request on to its aggregate's next open
+/// letter, one of the same batch: a refusal of that one must not end a
+/// request made after the batch left (see [`clear_requests_sql`]).
+pub fn sent_sql(table: &TableName) -> String {
+    let t = table.quoted();
+    format!(
+        "WITH was AS (
+             SELECT dead_letter_id, resolution, aggregate_id, redrive_requested_at FROM {t}
+             WHERE dead_letter_id = ANY($1) AND resolution IS DISTINCT FROM 'redriven'
+             FOR UPDATE),
+         marked AS (
+             UPDATE {t} l SET resolution = 'redriven', resolved_at = now()
+             FROM was WHERE l.dead_letter_id = was.dead_letter_id),
+         again AS (
+             SELECT w.aggregate_id, max(w.redrive_requested_at) AS at
+             FROM was w JOIN unnest($1::bigint[], $2::timestamptz[]) AS k(id, taken)
+               ON k.id = w.dead_letter_id
+             WHERE w.redrive_requested_at > k.taken
+             GROUP BY w.aggregate_id),
+         carried AS (
+             UPDATE {t} n SET redrive_requested_at = again.at FROM again
+             WHERE n.dead_letter_id = (
+                       SELECT e.dead_letter_id FROM {t} e
+                       WHERE e.resolution IS NULL AND e.aggregate_id IS NOT DISTINCT FROM again.aggregate_id
+                         AND e.dead_letter_id <> ALL ($1)
+                       ORDER BY e.aggregate_id, e.dead_letter_id LIMIT 1)
+               AND n.redrive_requested_at < again.at)
+         SELECT dead_letter_id FROM was WHERE resolution = 'dropped'"
+    )
+}
+
+/// Ends the requests of the aggregate of letter `$1`, refused again,
+/// unless its earliest open letter was asked for after `$2`, when the
+/// refused letter was handed over (an operator asked again meanwhile; a
+/// request on a letter confirmed since was passed on to it: [`sent_sql`]).
+pub fn clear_requests_sql(table: &TableName) -> String {
+    let t = table.quoted();
+    format!(
+        "UPDATE {t} SET redrive_requested_at = NULL
+         WHERE resolution IS NULL AND aggregate_id IS NOT DISTINCT FROM
+               (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)
+           AND NOT COALESCE((SELECT f.redrive_requested_at > $2::timestamptz FROM {t} f
+                             WHERE f.resolution IS NULL AND f.aggregate_id IS NOT DISTINCT FROM
+                                   (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)
+                             ORDER BY f.aggregate_id, f.dead_letter_id LIMIT 1), false)"
+    )
+}

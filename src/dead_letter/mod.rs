@@ -323,32 +323,13 @@ impl Recorder {
             open: prepare(lookups::open_sql(table, &shard)).await?,
             extend_requests: prepare(lookups::extend_requests_sql(table, &shard)).await?,
             requested: prepare(lookups::requested_sql(table, &shard)).await?,
-            sent: prepare(format!(
-                "WITH was AS (
-                     SELECT dead_letter_id, resolution FROM {t}
-                     WHERE dead_letter_id = ANY($1) AND resolution IS DISTINCT FROM 'redriven'
-                     FOR UPDATE),
-                 marked AS (
-                     UPDATE {t} l SET resolution = 'redriven', resolved_at = now()
-                     FROM was WHERE l.dead_letter_id = was.dead_letter_id)
-                 SELECT dead_letter_id FROM was WHERE resolution = 'dropped'"
-            ))
-            .await?,
+            sent: prepare(lookups::sent_sql(table)).await?,
             refused: prepare(format!(
                 "UPDATE {t} SET reason = $2, attempts = attempts + $3, last_failed_at = now()
                  WHERE dead_letter_id = $1 AND resolution IS NULL"
             ))
             .await?,
-            clear_requests: prepare(format!(
-                "UPDATE {t} SET redrive_requested_at = NULL
-                 WHERE resolution IS NULL AND aggregate_id IS NOT DISTINCT FROM
-                       (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)
-                   AND NOT COALESCE((SELECT f.redrive_requested_at > $2::timestamptz FROM {t} f
-                                     WHERE f.resolution IS NULL AND f.aggregate_id IS NOT DISTINCT FROM
-                                           (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)
-                                     ORDER BY f.aggregate_id, f.dead_letter_id LIMIT 1), false)"
-            ))
-            .await?,
+            clear_requests: prepare(lookups::clear_requests_sql(table)).await?,
             taken: Default::default(),
         })
     }
@@ -531,7 +512,6 @@ impl Recorder {
         })
     }
 
-    /// The broker confirmed these letters: they are redriven.
     /// The broker confirmed these redriven letters: they are marked
     /// `redriven`, whatever an operator decided meanwhile. Returns those an
     /// operator dropped while they were on their way (`dlq drop` does not
@@ -545,11 +525,11 @@ impl Recorder {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = client.query(&self.sent, &[&ids]).await?;
-        let mut taken = self.taken();
-        for id in ids {
-            taken.remove(id);
-        }
+        let taken_at: Vec<Option<DateTime<Utc>>> = {
+            let mut taken = self.taken();
+            ids.iter().map(|id| taken.remove(id)).collect()
+        };
+        let rows = client.query(&self.sent, &[&ids, &taken_at]).await?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 

@@ -427,7 +427,8 @@ async fn a_refusal_keeps_a_request_made_after_the_letter_was_taken() {
         .batch_execute(&format!(
             "INSERT INTO {t} (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at, redrive_requested_at)
              VALUES ('x0', 'x', 'refused', 5, now(), now(), now()), ('x1', 'x', 'follows', 0, now(), now(), now()),
-                    ('y0', 'y', 'refused', 5, now(), now(), now()), ('y1', 'y', 'follows', 0, now(), now(), now())"
+                    ('y0', 'y', 'refused', 5, now(), now(), now()), ('y1', 'y', 'follows', 0, now(), now(), now()),
+                    ('z0', 'z', 'refused', 5, now(), now(), now()), ('z1', 'z', 'follows', 0, now(), now(), now())"
         ))
         .await
         .unwrap();
@@ -447,11 +448,15 @@ async fn a_refusal_keeps_a_request_made_after_the_letter_was_taken() {
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     db.client
         .batch_execute(&format!(
-            "UPDATE {t} SET redrive_requested_at = now() WHERE id = 'x0'"
+            "UPDATE {t} SET redrive_requested_at = now() WHERE id IN ('x0', 'z0')"
         ))
         .await
         .unwrap();
-    for id in ["x0", "y0"] {
+    // z0 is confirmed, z1 refused: the request made while both were out
+    // stands, though it was on a letter no longer open.
+    let dropped = recorder.sent(&db.client, &[letter("z0")]).await;
+    assert_eq!(dropped.expect("recorded"), Vec::<i64>::new());
+    for id in ["x0", "y0", "z1"] {
         recorder
             .refused(&db.client, letter(id), "refused again", true)
             .await
@@ -464,6 +469,10 @@ async fn a_refusal_keeps_a_request_made_after_the_letter_was_taken() {
     };
     assert_eq!(db.count(&requested("y")).await, 0, "y's requests end");
     assert_eq!(db.count(&requested("x")).await, 2, "x was asked for again");
+    let open_requested = format!(
+        "SELECT count(*) FROM {t} WHERE id = 'z1' AND resolution IS NULL AND redrive_requested_at IS NOT NULL"
+    );
+    assert_eq!(db.count(&open_requested).await, 1, "z was asked for again");
     // Asked for again, x is handed over again, and its next refusal ends it.
     let again = recorder.requested(&db.client).await.expect("a look");
     let x0 = again
