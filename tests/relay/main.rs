@@ -11,6 +11,7 @@ mod alert_metrics;
 mod auto;
 mod cdc;
 mod cdc_backlog;
+mod cdc_publication;
 mod chaos;
 mod cli;
 mod column_text;

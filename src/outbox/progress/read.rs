@@ -338,7 +338,8 @@ pub struct Window<'a> {
     pub stragglers: &'a [i64],
     pub upper: i64,
     /// Stragglers follow `upper`: a page that was not full does not end
-    /// the round; the next starts after `upper`.
+    /// the round; the next starts after its last row, or after `upper`
+    /// when it returned none.
     pub truncated: bool,
 }
 

@@ -230,7 +230,9 @@ fn table_row(row: &Row, offset: usize) -> Option<TableRow> {
     let xid: i64 = row.get(offset + XID_INDEX);
     Some(TableRow {
         seq,
-        xid: u64::try_from(xid).unwrap_or_default(),
+        // Never negative (an xid8); were it, the row would count as unseen
+        // and be read again rather than skipped.
+        xid: u64::try_from(xid).unwrap_or(u64::MAX),
         raw,
     })
 }
