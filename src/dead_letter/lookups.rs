@@ -258,6 +258,15 @@ pub fn requested_sql(table: &TableName, shard: &str) -> String {
 /// request made after the batch left (see [`clear_requests_sql`]).
 pub fn sent_sql(table: &TableName) -> String {
     let t = table.quoted();
+    // Along the `open` index: one probe (IS NOT DISTINCT FROM would read
+    // the index from its start).
+    let next_open = |group: &str| {
+        format!(
+            "(SELECT e.dead_letter_id FROM {t} e
+              WHERE {group} AND e.resolution IS NULL AND e.dead_letter_id <> ALL ($1)
+              ORDER BY e.aggregate_id, e.dead_letter_id LIMIT 1)"
+        )
+    };
     format!(
         "WITH was AS (
              SELECT dead_letter_id, resolution, aggregate_id, redrive_requested_at FROM {t}
@@ -274,13 +283,12 @@ pub fn sent_sql(table: &TableName) -> String {
              GROUP BY w.aggregate_id),
          carried AS (
              UPDATE {t} n SET redrive_requested_at = again.at FROM again
-             WHERE n.dead_letter_id = (
-                       SELECT e.dead_letter_id FROM {t} e
-                       WHERE e.resolution IS NULL AND e.aggregate_id IS NOT DISTINCT FROM again.aggregate_id
-                         AND e.dead_letter_id <> ALL ($1)
-                       ORDER BY e.aggregate_id, e.dead_letter_id LIMIT 1)
-               AND n.redrive_requested_at < again.at)
-         SELECT dead_letter_id FROM was WHERE resolution = 'dropped'"
+             WHERE n.dead_letter_id = COALESCE({next_named}, {next_unnamed})
+               AND n.resolution IS NULL AND n.redrive_requested_at < again.at)
+         SELECT dead_letter_id FROM was WHERE resolution = 'dropped'",
+        next_named =
+            next_open("again.aggregate_id IS NOT NULL AND e.aggregate_id = again.aggregate_id"),
+        next_unnamed = next_open("again.aggregate_id IS NULL AND e.aggregate_id IS NULL"),
     )
 }
 
