@@ -298,13 +298,33 @@ pub fn sent_sql(table: &TableName) -> String {
 /// request on a letter confirmed since was passed on to it: [`sent_sql`]).
 pub fn clear_requests_sql(table: &TableName) -> String {
     let t = table.quoted();
+    // Named and unnamed apart, each along the `open` index (IS NOT
+    // DISTINCT FROM would read it from its start on every refusal). A
+    // letter gone meanwhile names no aggregate and ends nothing.
+    let named = "aggregate_id = (SELECT a FROM agg)";
+    let unnamed = "EXISTS (SELECT 1 FROM agg WHERE a IS NULL) AND aggregate_id IS NULL";
+    let earliest = |group: &str| {
+        format!(
+            "(SELECT redrive_requested_at > $2::timestamptz FROM {t}
+              WHERE {group} AND resolution IS NULL
+              ORDER BY aggregate_id, dead_letter_id LIMIT 1)"
+        )
+    };
+    let clear = |group: &str| {
+        format!(
+            "UPDATE {t} SET redrive_requested_at = NULL
+             WHERE {group} AND resolution IS NULL AND redrive_requested_at IS NOT NULL
+               AND NOT (SELECT again FROM asked)"
+        )
+    };
     format!(
-        "UPDATE {t} SET redrive_requested_at = NULL
-         WHERE resolution IS NULL AND aggregate_id IS NOT DISTINCT FROM
-               (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)
-           AND NOT COALESCE((SELECT f.redrive_requested_at > $2::timestamptz FROM {t} f
-                             WHERE f.resolution IS NULL AND f.aggregate_id IS NOT DISTINCT FROM
-                                   (SELECT aggregate_id FROM {t} WHERE dead_letter_id = $1)
-                             ORDER BY f.aggregate_id, f.dead_letter_id LIMIT 1), false)"
+        "WITH agg AS MATERIALIZED (SELECT aggregate_id AS a FROM {t} WHERE dead_letter_id = $1),
+         asked AS MATERIALIZED (SELECT COALESCE({named_asked}, {unnamed_asked}, false) AS again),
+         named AS ({clear_named})
+         {clear_unnamed}",
+        named_asked = earliest(named),
+        unnamed_asked = earliest(unnamed),
+        clear_named = clear(named),
+        clear_unnamed = clear(unnamed),
     )
 }

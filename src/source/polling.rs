@@ -196,7 +196,9 @@ impl PollingReader {
         };
         let (stragglers, upper) = window.map_or((&[][..], i64::MAX), |w| (w.stragglers, w.upper));
         // The first page's rows start after the tick's snapshot, which every
-        // row carries (one row of NULLs after it when there are none).
+        // row carries (one row of NULLs after it when there are none); by
+        // ranges, only the first row carries the head (snapshot, highest
+        // `relay_seq`s, stragglers) and the others NULLs there.
         let (statement, offset, params): (_, _, Vec<&(dyn ToSql + Sync)>) =
             match (&self.cur, &self.ranges) {
                 (None, None) => (&self.first_page, 1, vec![&self.prev, &limit]),

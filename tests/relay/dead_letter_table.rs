@@ -428,7 +428,8 @@ async fn a_refusal_keeps_a_request_made_after_the_letter_was_taken() {
             "INSERT INTO {t} (id, aggregate_id, reason, attempts, first_failed_at, last_failed_at, redrive_requested_at)
              VALUES ('x0', 'x', 'refused', 5, now(), now(), now()), ('x1', 'x', 'follows', 0, now(), now(), now()),
                     ('y0', 'y', 'refused', 5, now(), now(), now()), ('y1', 'y', 'follows', 0, now(), now(), now()),
-                    ('z0', 'z', 'refused', 5, now(), now(), now()), ('z1', 'z', 'follows', 0, now(), now(), now())"
+                    ('z0', 'z', 'refused', 5, now(), now(), now()), ('z1', 'z', 'follows', 0, now(), now(), now()),
+                    ('n0', NULL, 'refused', 5, now(), now(), now()), ('n1', NULL, 'follows', 0, now(), now(), now())"
         ))
         .await
         .unwrap();
@@ -456,7 +457,7 @@ async fn a_refusal_keeps_a_request_made_after_the_letter_was_taken() {
     // stands, though it was on a letter no longer open.
     let dropped = recorder.sent(&db.client, &[letter("z0")]).await;
     assert_eq!(dropped.expect("recorded"), Vec::<i64>::new());
-    for id in ["x0", "y0", "z1"] {
+    for id in ["x0", "y0", "z1", "n0"] {
         recorder
             .refused(&db.client, letter(id), "refused again", true)
             .await
@@ -468,6 +469,14 @@ async fn a_refusal_keeps_a_request_made_after_the_letter_was_taken() {
         )
     };
     assert_eq!(db.count(&requested("y")).await, 0, "y's requests end");
+    let unnamed = format!(
+        "SELECT count(*) FROM {t} WHERE aggregate_id IS NULL AND redrive_requested_at IS NOT NULL"
+    );
+    assert_eq!(
+        db.count(&unnamed).await,
+        0,
+        "those without an aggregate end together"
+    );
     assert_eq!(db.count(&requested("x")).await, 2, "x was asked for again");
     let open_requested = format!(
         "SELECT count(*) FROM {t} WHERE id = 'z1' AND resolution IS NULL AND redrive_requested_at IS NOT NULL"
