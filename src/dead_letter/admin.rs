@@ -299,16 +299,7 @@ async fn call_off_redrives(
     table: &TableName,
     scope: &(Vec<String>, bool),
 ) -> Result<(), AdminError> {
-    let earliest = earliest_open(tx, table, scope).await?;
-    tx.execute(
-        &format!(
-            "UPDATE {} SET redrive_requested_at = NULL
-             WHERE dead_letter_id = ANY($1) AND resolution IS NULL AND redrive_requested_at IS NOT NULL",
-            table.quoted()
-        ),
-        &[&earliest],
-    )
-    .await?;
+    set_on_earliest_open(tx, table, scope, "NULL").await?;
     Ok(())
 }
 
@@ -409,29 +400,21 @@ pub async fn redrive(
     let mut requested = 0;
     for chunk in chunks(client, dead_letters, target).await? {
         let tx = client.transaction().await?;
-        let (ids, covered) = match target {
+        let (marked, covered) = match target {
             Target::Id(id) => {
                 let letters = with_id_locked(&tx, dead_letters, id).await?;
                 check_alone(&tx, dead_letters, id, &letters).await?;
-                (letters.iter().map(|l| l.0).collect::<Vec<i64>>(), None)
+                let ids: Vec<i64> = letters.iter().map(|l| l.0).collect();
+                let sql = set_request_sql(dead_letters, REQUESTED_NOW);
+                (tx.query(&sql, &[&ids]).await?.len(), None)
             }
             _ => {
                 let scope = scope(&tx, dead_letters, target, chunk.as_ref()).await?;
-                (earliest_open(&tx, dead_letters, &scope).await?, Some(scope))
+                let marked = set_on_earliest_open(&tx, dead_letters, &scope, REQUESTED_NOW).await?;
+                (marked, Some(scope))
             }
         };
-        let marked = tx
-            .execute(
-                &format!(
-                    "UPDATE {} SET redrive_requested_at = statement_timestamp()
-                     WHERE dead_letter_id = ANY($1) AND resolution IS NULL",
-                    dead_letters.quoted()
-                ),
-                &[&ids],
-            )
-            .await?;
         tx.commit().await?;
-        let marked = usize::try_from(marked).unwrap_or(usize::MAX);
         // Counted after the commit (the locks held no longer than needed):
         // what the relay or another command resolved meanwhile is not.
         requested += match covered {
@@ -446,28 +429,88 @@ pub async fn redrive(
     named_some(target, requested)
 }
 
+/// What a redrive request is stamped with.
+const REQUESTED_NOW: &str = "statement_timestamp()";
+
+/// Sets the request of the open letters `$1` to `value`, changing only
+/// those it changes; returns every one still open (locked).
+fn set_request_sql(table: &TableName, value: &str) -> String {
+    let t = table.quoted();
+    format!(
+        "WITH open AS (
+             SELECT dead_letter_id FROM {t} WHERE dead_letter_id = ANY($1) AND resolution IS NULL
+             FOR UPDATE),
+         changed AS (
+             UPDATE {t} l SET redrive_requested_at = {value} FROM open
+             WHERE l.dead_letter_id = open.dead_letter_id
+               AND l.redrive_requested_at IS DISTINCT FROM {value})
+         SELECT dead_letter_id FROM open"
+    )
+}
+
+/// Sets the request (to `value`, SQL) of the earliest open letter of each
+/// aggregate of `scope`; returns how many were open to set. The relay confirms a
+/// letter without the aggregates' locks: one confirmed between the look
+/// and the update is not set, and the aggregate's next open letter is
+/// looked up and set instead. Else a request (or its calling off) would be
+/// lost to the race, though the command reported it done.
+async fn set_on_earliest_open(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &TableName,
+    scope: &(Vec<String>, bool),
+    value: &str,
+) -> Result<usize, AdminError> {
+    let sql = set_request_sql(table, value);
+    let mut scope = scope.clone();
+    let mut set = 0;
+    // Ends: each round after the first is for letters resolved meanwhile,
+    // and the aggregates' locks keep new ones from being filed.
+    loop {
+        let earliest = earliest_open(tx, table, &scope).await?;
+        let ids: Vec<i64> = earliest.iter().map(|e| e.0).collect();
+        let done: std::collections::HashSet<i64> = tx
+            .query(&sql, &[&ids])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        set += done.len();
+        let missed: Vec<Option<String>> = earliest
+            .into_iter()
+            .filter(|(id, _)| !done.contains(id))
+            .map(|(_, aggregate)| aggregate)
+            .collect();
+        if missed.is_empty() {
+            return Ok(set);
+        }
+        let unnamed = missed.iter().any(Option::is_none);
+        scope = (missed.into_iter().flatten().collect(), unnamed);
+    }
+}
+
 /// The earliest open letter of each of the aggregates (and with `true`,
-/// the earliest of those without an aggregate), one index probe each.
+/// the earliest of those without an aggregate), one index probe each,
+/// with its aggregate.
 async fn earliest_open(
     tx: &tokio_postgres::Transaction<'_>,
     table: &TableName,
     (aggregates, unnamed): &(Vec<String>, bool),
-) -> Result<Vec<i64>, AdminError> {
+) -> Result<Vec<(i64, Option<String>)>, AdminError> {
     let t = table.quoted();
     let rows = tx
         .query(
             &format!(
-                "SELECT x.dead_letter_id FROM unnest($1::text[]) AS a(a), LATERAL (
-                     SELECT dead_letter_id FROM {t} WHERE resolution IS NULL AND aggregate_id = a.a
+                "SELECT x.dead_letter_id, x.aggregate_id FROM unnest($1::text[]) AS a(a), LATERAL (
+                     SELECT dead_letter_id, aggregate_id FROM {t} WHERE resolution IS NULL AND aggregate_id = a.a
                      ORDER BY aggregate_id, dead_letter_id LIMIT 1) x
                  UNION ALL
-                 (SELECT dead_letter_id FROM {t} WHERE $2 AND resolution IS NULL AND aggregate_id IS NULL
+                 (SELECT dead_letter_id, aggregate_id FROM {t} WHERE $2 AND resolution IS NULL AND aggregate_id IS NULL
                   ORDER BY aggregate_id, dead_letter_id LIMIT 1)"
             ),
             &[aggregates, unnamed],
         )
         .await?;
-    Ok(rows.iter().map(|r| r.get(0)).collect())
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
 }
 
 /// How many letters of the aggregates (and with `unnamed`, without one) are open.

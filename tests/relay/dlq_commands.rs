@@ -422,3 +422,58 @@ async fn commands_on_a_huge_aggregate_change_a_bounded_batch_per_transaction() {
     assert_eq!(per_transaction[2].1, earliest, "the earliest goes last");
     assert_eq!(letters(&listed(&[], &path)), [("other".into(), "o".into())]);
 }
+
+/// The relay marks a confirmed letter redriven without the aggregates'
+/// locks. A redrive of its aggregate at that moment lands on the next open
+/// letter, not on the one just resolved: else the request was lost while
+/// the command counted it.
+#[tokio::test]
+async fn a_redrive_racing_a_confirmation_lands_on_the_next_open_letter() {
+    let (db, path) = with_letters(&[("a0", "a"), ("a1", "a"), ("b0", "b"), ("b1", "b")]).await;
+    // The relay confirming a0: the letter locked and marked, not committed.
+    let relay = connect(&db.url).await;
+    relay
+        .batch_execute(
+            "BEGIN; UPDATE outbox_dead_letters SET resolution = 'redriven', resolved_at = now()
+             WHERE id = 'a0'",
+        )
+        .await
+        .expect("a0 confirmed, uncommitted");
+    let cli = tokio::task::spawn_blocking(move || {
+        run_cli(&["dlq", "redrive", "--all", "--config", &path], &[])
+    });
+    wait_for(WAIT, "the redrive to wait for a0's lock", || async {
+        let waiting: i64 = db
+            .client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'
+                   AND query LIKE '%SET redrive_requested_at%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (waiting > 0).then_some(())
+    })
+    .await;
+    relay.batch_execute("COMMIT").await.expect("committed");
+    let (code, out, err) = cli.await.expect("the command");
+    assert_eq!(code, 0, "{out}{err}");
+    let requested: Vec<String> = db
+        .client
+        .query(
+            "SELECT id FROM outbox_dead_letters WHERE redrive_requested_at IS NOT NULL ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        requested,
+        ["a1", "b0"],
+        "each aggregate's earliest open letter"
+    );
+}
