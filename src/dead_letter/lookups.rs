@@ -249,6 +249,80 @@ pub fn requested_sql(table: &TableName, shard: &str) -> String {
     )
 }
 
+/// A look's requested letters, as [`read_requested`] kept them.
+pub(super) struct ReadRequested {
+    /// Each with the time of the look.
+    pub letters: Vec<(super::Requested, chrono::DateTime<chrono::Utc>)>,
+    /// The room cut the answer, or the look asked for fewer than a batch
+    /// for want of room and got them all: more may be waiting.
+    pub more: bool,
+    /// The size the next look assumes a letter takes: the average of
+    /// those kept, or a quarter of the largest when more.
+    pub assumed: Option<usize>,
+}
+
+/// Runs [`requested_sql`], asking for as many letters as `max_bytes`
+/// holds at `assumed` bytes each (0: unknown, a whole batch), at most
+/// [`super::REQUESTED_BATCH`], and keeps them as they arrive while those
+/// kept take less than `max_bytes` of text (the first always). A batch of
+/// large letters is so never held whole; the server's rows past the cut
+/// are read and dropped.
+pub(super) async fn read_requested(
+    client: &tokio_postgres::Client,
+    statement: &tokio_postgres::Statement,
+    assumed: usize,
+    max_bytes: usize,
+) -> Result<ReadRequested, tokio_postgres::Error> {
+    let batch = super::REQUESTED_BATCH;
+    let limit = match max_bytes.checked_div(assumed) {
+        Some(fit) => i64::try_from(fit.saturating_add(1)).unwrap_or(i64::MAX),
+        None => batch,
+    }
+    .clamp(1, batch);
+    let rows = client.query_raw(statement, [limit]).await?;
+    let mut rows = std::pin::pin!(rows);
+    let (mut letters, mut bytes, mut largest) = (Vec::new(), 0usize, 0usize);
+    let mut cut = false;
+    while let Some(r) = futures::TryStreamExt::try_next(&mut rows).await? {
+        if bytes >= max_bytes && !letters.is_empty() {
+            cut = true;
+            break;
+        }
+        let letter = requested_letter(&r);
+        let size = letter.0.raw.text_len();
+        (bytes, largest) = (bytes.saturating_add(size), largest.max(size));
+        letters.push(letter);
+    }
+    let kept = i64::try_from(letters.len()).unwrap_or(i64::MAX);
+    Ok(ReadRequested {
+        more: cut || (limit < batch && kept >= limit),
+        assumed: bytes
+            .checked_div(letters.len())
+            .map(|average| average.max(largest / 4).max(1)),
+        letters,
+    })
+}
+
+/// A requested letter of [`requested_sql`]'s answer, and the time
+/// of the look that handed it over.
+fn requested_letter(r: &tokio_postgres::Row) -> (super::Requested, chrono::DateTime<chrono::Utc>) {
+    let letter = super::Requested {
+        letter_id: r.get(0),
+        raw: crate::outbox::RawRow {
+            id: r.get(1),
+            aggregate_type: r.get(2),
+            aggregate_id: r.get(3),
+            event_type: r.get(4),
+            event_version: r.get(5),
+            payload: r.get(6),
+            headers: r.get(7),
+            created_at: r.get(8),
+            extra: r.get(9),
+        },
+    };
+    (letter, r.get(10))
+}
+
 /// Marks `redriven` the letters `$1` the broker confirmed, whatever an
 /// operator decided meanwhile; returns those an operator dropped while they
 /// were on their way. `$2`: when each was handed over (NULL: not known). A

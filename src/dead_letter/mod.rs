@@ -25,6 +25,7 @@ use crate::outbox::RawRow;
 use crate::replication::Lsn;
 use chrono::{DateTime, Utc};
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
 use tokio_postgres::{Client, Statement};
 
 /// One event on its way to the dead-letter table.
@@ -268,6 +269,10 @@ pub struct Recorder {
     /// stamps, was asked for since. Bounded by [`TAKEN_MEMORY`]; a letter
     /// forgotten ends them.
     taken: std::sync::Mutex<HashMap<i64, DateTime<Utc>>>,
+    /// The text bytes a requested letter is assumed to take: the average
+    /// of those the last look handed over, or a quarter of the largest when
+    /// more (0: none yet). A look asks for what the room holds at that size.
+    letter_bytes: std::sync::atomic::AtomicUsize,
 }
 
 /// Most letters whose hand-over time a [`Recorder`] keeps: letters handed
@@ -331,6 +336,7 @@ impl Recorder {
             .await?,
             clear_requests: prepare(lookups::clear_requests_sql(table)).await?,
             taken: Default::default(),
+            letter_bytes: Default::default(),
         })
     }
 
@@ -476,39 +482,36 @@ impl Recorder {
             .collect())
     }
 
-    /// Letters an operator asked to publish again, oldest first.
-    pub async fn requested(&self, client: &Client) -> Result<Requests, tokio_postgres::Error> {
-        let full: bool = client.query_one(&self.extend_requests, &[]).await?.get(1);
-        let rows = client.query(&self.requested, &[&REQUESTED_BATCH]).await?;
+    /// Letters an operator asked to publish again, oldest first: at most
+    /// [`REQUESTED_BATCH`], and no more than take less than `max_bytes` of
+    /// text (the first always), the room the pipeline's budget has for
+    /// them. Read as they arrive, so a batch of large letters is not held
+    /// whole; the rest are handed over by a later look, which comes at once
+    /// (`extending`).
+    pub async fn requested(
+        &self,
+        client: &Client,
+        max_bytes: usize,
+    ) -> Result<Requests, tokio_postgres::Error> {
+        let extending: bool = client.query_one(&self.extend_requests, &[]).await?.get(1);
+        let assumed = self.letter_bytes.load(Ordering::Relaxed);
+        let read = lookups::read_requested(client, &self.requested, assumed, max_bytes).await?;
+        let (letters, cut) = (read.letters, read.more);
+        if let Some(assumed) = read.assumed {
+            self.letter_bytes.store(assumed, Ordering::Relaxed);
+        }
         {
             let mut taken = self.taken();
-            if taken.len() + rows.len() > TAKEN_MEMORY {
+            if taken.len() + letters.len() > TAKEN_MEMORY {
                 taken.clear();
             }
-            for r in &rows {
-                taken.entry(r.get(0)).or_insert_with(|| r.get(10));
+            for (l, at) in &letters {
+                taken.entry(l.letter_id).or_insert(*at);
             }
         }
-        let letters = rows
-            .iter()
-            .map(|r| Requested {
-                letter_id: r.get(0),
-                raw: RawRow {
-                    id: r.get(1),
-                    aggregate_type: r.get(2),
-                    aggregate_id: r.get(3),
-                    event_type: r.get(4),
-                    event_version: r.get(5),
-                    payload: r.get(6),
-                    headers: r.get(7),
-                    created_at: r.get(8),
-                    extra: r.get(9),
-                },
-            })
-            .collect();
         Ok(Requests {
-            letters,
-            extending: full,
+            letters: letters.into_iter().map(|(l, _)| l).collect(),
+            extending: extending || cut,
         })
     }
 

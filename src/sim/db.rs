@@ -219,14 +219,18 @@ impl RowStore for SimStore {
         self.answered.report_to(lease);
     }
 
-    async fn requested_letters(&self) -> Result<crate::dead_letter::Requests, SourceError> {
+    async fn requested_letters(
+        &self,
+        max_bytes: usize,
+    ) -> Result<crate::dead_letter::Requests, SourceError> {
         self.statement(|w| {
             // As the relay's statements do, in batches far smaller than
             // theirs, so a request takes several looks: a request on an
             // aggregate's oldest open letter is extended to its followers in
             // (aggregate, letter) order, EXTEND_BATCH per look; then the
             // requested letters of aggregates with no open letter nobody
-            // asked for are handed over, oldest first, REQUESTED_BATCH at most.
+            // asked for are handed over, oldest first, REQUESTED_BATCH at most,
+            // and only while those taken hold less than `max_bytes` of text.
             let open = |l: &&mut Letter| l.resolution.is_none();
             let mut first: BTreeMap<String, bool> = BTreeMap::new();
             for l in w.letters.iter_mut().filter(open) {
@@ -253,20 +257,32 @@ impl RowStore for SimStore {
                 .filter(|l| !l.requested)
                 .map(|l| l.aggregate.clone())
                 .collect();
-            let letters: Vec<_> = w
+            let mut bytes = 0usize;
+            let mut ready = w
                 .letters
                 .iter_mut()
                 .filter(open)
                 .filter(|l| l.requested && !waiting.contains(&l.aggregate))
                 .take(REQUESTED_BATCH)
-                .map(|l| crate::dead_letter::Requested {
+                .peekable();
+            let mut letters = Vec::new();
+            while let Some(l) = ready.next_if(|_| bytes < max_bytes || letters.is_empty()) {
+                bytes = bytes.saturating_add(l.raw.text_len());
+                letters.push(crate::dead_letter::Requested {
                     letter_id: l.letter_id,
                     raw: l.raw.clone(),
-                })
-                .collect();
+                });
+            }
+            let cut = ready.peek().is_some();
+            if cut {
+                w.note(format!(
+                    "a look's room held {} requested letters",
+                    letters.len()
+                ));
+            }
             crate::dead_letter::Requests {
                 letters,
-                extending: extended == EXTEND_BATCH,
+                extending: extended == EXTEND_BATCH || cut,
             }
         })
         .await

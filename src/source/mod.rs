@@ -215,8 +215,9 @@ pub trait Acker: Send + 'static {
     /// [`crate::dead_letter`]).
     fn requested_letters(
         &mut self,
+        max_bytes: usize,
     ) -> impl Future<Output = Result<crate::dead_letter::Requests, SourceError>> + Send {
-        self.store().requested_letters()
+        self.store().requested_letters(max_bytes)
     }
 
     /// The broker confirmed these redriven letters: they are done.

@@ -48,8 +48,12 @@ pub trait RowStore: Send + Sync + 'static {
     /// the lease.
     fn report_answers_to(&self, lease: Arc<dyn Renew>);
 
-    /// Dead letters an operator asked to publish again, oldest first.
-    fn requested_letters(&self) -> impl Future<Output = Result<Requests, SourceError>> + Send;
+    /// Dead letters an operator asked to publish again, oldest first, as
+    /// many as take less than `max_bytes` (the first always).
+    fn requested_letters(
+        &self,
+        max_bytes: usize,
+    ) -> impl Future<Output = Result<Requests, SourceError>> + Send;
 
     /// The broker confirmed these redriven letters.
     fn letters_sent(&self, ids: &[i64]) -> impl Future<Output = Result<(), SourceError>> + Send;
@@ -273,11 +277,11 @@ impl RowStore for RowRecorder {
         Ok(())
     }
 
-    async fn requested_letters(&self) -> Result<Requests, SourceError> {
+    async fn requested_letters(&self, max_bytes: usize) -> Result<Requests, SourceError> {
         match &self.dead_letters {
             Some(r) => self
                 .answered
-                .round_trip(|| r.requested(&self.client))
+                .round_trip(|| r.requested(&self.client, max_bytes))
                 .await
                 .map_err(|e| DbError::query("reading requested redrives", e).into()),
             None => Ok(Requests::default()),

@@ -299,7 +299,10 @@ async fn a_look_hands_over_only_aggregates_the_extension_has_covered() {
     let unrequested_sql = format!(
         "SELECT count(*) FROM {t} WHERE resolution IS NULL AND redrive_requested_at IS NULL"
     );
-    let first = recorder.requested(&db.client).await.expect("a look");
+    let first = recorder
+        .requested(&db.client, usize::MAX)
+        .await
+        .expect("a look");
     assert!(
         db.count(&unrequested_sql).await > 0,
         "one look marks a bounded batch"
@@ -312,7 +315,10 @@ async fn a_look_hands_over_only_aggregates_the_extension_has_covered() {
     assert!(first.extending, "a full batch extended: look again soon");
     let mut looks = 1;
     let handed = loop {
-        let handed = recorder.requested(&db.client).await.expect("a look");
+        let handed = recorder
+            .requested(&db.client, usize::MAX)
+            .await
+            .expect("a look");
         looks += 1;
         if !handed.letters.is_empty() || looks > 10 {
             break handed;
@@ -352,7 +358,10 @@ async fn a_look_asks_for_another_only_while_a_request_has_followers_left() {
     let recorder = Recorder::new(&db.client, &table, None, false)
         .await
         .expect("recorder");
-    let look = recorder.requested(&db.client).await.expect("a look");
+    let look = recorder
+        .requested(&db.client, usize::MAX)
+        .await
+        .expect("a look");
     assert!(
         !look.extending && look.letters.is_empty(),
         "nothing asked for"
@@ -365,9 +374,15 @@ async fn a_look_asks_for_another_only_while_a_request_has_followers_left() {
         ))
         .await
         .expect("request");
-    let look = recorder.requested(&db.client).await.expect("a look");
+    let look = recorder
+        .requested(&db.client, usize::MAX)
+        .await
+        .expect("a look");
     assert!(look.extending && look.letters.is_empty(), "a full batch");
-    let look = recorder.requested(&db.client).await.expect("a look");
+    let look = recorder
+        .requested(&db.client, usize::MAX)
+        .await
+        .expect("a look");
     assert!(!look.extending, "the rest");
     assert_eq!(look.letters.len(), 500);
     assert_eq!(look.letters[0].raw.id.as_deref(), Some("n1"));
@@ -436,7 +451,10 @@ async fn a_refusal_keeps_a_request_made_after_the_letter_was_taken() {
     let recorder = Recorder::new(&db.client, &table, None, false)
         .await
         .expect("recorder");
-    let handed = recorder.requested(&db.client).await.expect("a look");
+    let handed = recorder
+        .requested(&db.client, usize::MAX)
+        .await
+        .expect("a look");
     let letter = |id: &str| {
         handed
             .letters
@@ -483,7 +501,10 @@ async fn a_refusal_keeps_a_request_made_after_the_letter_was_taken() {
     );
     assert_eq!(db.count(&open_requested).await, 1, "z was asked for again");
     // Asked for again, x is handed over again, and its next refusal ends it.
-    let again = recorder.requested(&db.client).await.expect("a look");
+    let again = recorder
+        .requested(&db.client, usize::MAX)
+        .await
+        .expect("a look");
     let x0 = again
         .letters
         .iter()
@@ -494,4 +515,52 @@ async fn a_refusal_keeps_a_request_made_after_the_letter_was_taken() {
         .await
         .expect("recorded");
     assert_eq!(db.count(&requested("x")).await, 0);
+}
+
+/// A look hands over no more requested letters than the pipeline's budget
+/// has room for (the first always); the rest come with the next look, in
+/// order, which comes at once.
+#[tokio::test]
+async fn a_look_hands_over_the_requested_letters_its_room_holds() {
+    use outbox_relay::dead_letter::Recorder;
+    let db = TestDb::new().await;
+    let table = dead_letter_table(&db).await;
+    let t = table.quoted();
+    db.client
+        .batch_execute(&format!(
+            "INSERT INTO {t} (id, aggregate_id, payload, reason, attempts, first_failed_at, last_failed_at,
+                              redrive_requested_at)
+             SELECT 'a' || g, 'a', repeat('x', 1000), 'refused', 5, now(), now(), now()
+             FROM generate_series(0, 4) g"
+        ))
+        .await
+        .expect("letters");
+    let recorder = Recorder::new(&db.client, &table, None, false)
+        .await
+        .expect("recorder");
+    let ids = |letters: &[outbox_relay::dead_letter::Requested]| {
+        letters
+            .iter()
+            .map(|l| l.raw.id.clone().unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    // Each letter holds a little over 1,000 bytes: the third passes 2,500.
+    let first = recorder.requested(&db.client, 2_500).await.expect("a look");
+    assert_eq!(ids(&first.letters), ["a0", "a1", "a2"]);
+    assert!(
+        first.extending,
+        "more are waiting: the next look comes at once"
+    );
+    let alone = recorder.requested(&db.client, 1).await.expect("a look");
+    assert_eq!(
+        ids(&alone.letters),
+        ["a0"],
+        "the first goes, whatever the room"
+    );
+    let sent: Vec<i64> = first.letters.iter().map(|l| l.letter_id).collect();
+    let dropped = recorder.sent(&db.client, &sent).await.expect("recorded");
+    assert!(dropped.is_empty());
+    let rest = recorder.requested(&db.client, 2_500).await.expect("a look");
+    assert_eq!(ids(&rest.letters), ["a3", "a4"]);
+    assert!(!rest.extending, "none left");
 }

@@ -122,3 +122,54 @@ async fn large_headers_count_against_the_byte_budget() {
     );
     assert_eq!(child.terminate().code(), Some(0));
 }
+
+/// A redrive is read within the budget too: 120 requested letters of 1 MiB
+/// (a look's batch is 500) go out through a 16 MiB budget, each look
+/// handing over what the room holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_of_large_letters_is_read_within_the_byte_budget() {
+    let budget = (BUDGET_MIB * MIB).to_string();
+    let (db, broker, toml) = setup(
+        Mode::Polling,
+        Kind::Rabbit,
+        &[],
+        &[
+            ("relay.max_in_flight_bytes", budget.as_str()),
+            ("dead_letter.refresh_interval", "\"1h\""),
+        ],
+    )
+    .await;
+    let path = config_file(&toml);
+    db.client
+        .execute(
+            "INSERT INTO outbox_dead_letters (id, aggregate_type, aggregate_id, event_type, payload,
+                                              created_at, reason, attempts, first_failed_at, last_failed_at)
+             SELECT 'r' || lpad(i::text, 4, '0'), 'order', 'a' || (i % 10), 'Big',
+                    jsonb_build_object('i', i, 'x', repeat('x', 1048576))::text, now()::text,
+                    'message too large', 5, now(), now()
+             FROM generate_series(1, $1::int) i",
+            &[&(EVENTS as i32)],
+        )
+        .await
+        .expect("letters");
+    let (code, out, err) = run_cli(&["dlq", "redrive", "--all", "--config", &path], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let mut child = ChildRelay::start(&toml);
+    broker
+        .inbox()
+        .wait_len(EVENTS, Duration::from_secs(120))
+        .await;
+    let peak = peak_rss(child.pid());
+    println!(
+        "a redrive of {EVENTS} letters of 1 MiB, budget {BUDGET_MIB} MiB: peak RSS {} MiB",
+        peak / MIB
+    );
+    let limit = 2 * BUDGET_MIB * MIB + 64 * MIB;
+    assert!(
+        peak < limit,
+        "peak RSS {} MiB is over {} MiB",
+        peak / MIB,
+        limit / MIB
+    );
+    assert_eq!(child.terminate().code(), Some(0));
+}

@@ -236,7 +236,11 @@ where
             return Ok(());
         }
         let (tx, rx) = oneshot::channel();
-        let answer = match self.ack_tx.send(AckCommand::OpenDeadLetters(tx)).await {
+        let answer = match self
+            .ack_tx
+            .send(AckCommand::OpenDeadLetters(tx, self.budget.room().max(1)))
+            .await
+        {
             Ok(()) => rx.await.ok(),
             Err(_) => None,
         };

@@ -101,7 +101,9 @@ pub enum AckCommand<P> {
     /// counts; after the confirmations that arose before (the letters of
     /// its aggregate published before it are recorded redriven first).
     LetterRefused(Confirmed<P>, i64, String, bool),
-    OpenDeadLetters(oneshot::Sender<Refreshed>),
+    /// The view of the dead-letter table, with the requested letters that
+    /// fit in the budget's room (bytes) at the time of asking.
+    OpenDeadLetters(oneshot::Sender<Refreshed>, usize),
     /// Answered once everything sent before it is recorded.
     Flush(oneshot::Sender<()>),
 }
@@ -303,10 +305,10 @@ pub async fn drive_acker<A: Acker>(
                     done.record(&mut acker, &mut countdown, &unrecorded).await?;
                     acker.letter_refused(id, reason, counts).await?;
                 }
-                AckCommand::OpenDeadLetters(reply) => {
+                AckCommand::OpenDeadLetters(reply, room) => {
                     done.record(&mut acker, &mut countdown, &unrecorded).await?;
                     let open = acker.open_dead_letters().await?;
-                    let requested = acker.requested_letters().await?;
+                    let requested = acker.requested_letters(room).await?;
                     let _ = reply.send((open, requested));
                 }
             }
@@ -448,7 +450,7 @@ mod tests {
             self.heartbeats.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }
-        async fn requested_letters(&self) -> Result<Requests, SourceError> {
+        async fn requested_letters(&self, _: usize) -> Result<Requests, SourceError> {
             Ok(Requests::default())
         }
         async fn letters_sent(&self, _: &[i64]) -> Result<(), SourceError> {

@@ -163,7 +163,7 @@ mod tests {
             Ok(())
         }
         fn report_answers_to(&self, _: Arc<dyn crate::source::record::Renew>) {}
-        async fn requested_letters(&self) -> Result<Requests, SourceError> {
+        async fn requested_letters(&self, _: usize) -> Result<Requests, SourceError> {
             Ok(Requests::default())
         }
         async fn letters_sent(&self, _ids: &[i64]) -> Result<(), SourceError> {

@@ -149,7 +149,7 @@ where
         let (tx, rx) = oneshot::channel();
         if self
             .ack_tx
-            .send(AckCommand::OpenDeadLetters(tx))
+            .send(AckCommand::OpenDeadLetters(tx, self.budget.room().max(1)))
             .await
             .is_err()
         {
