@@ -253,9 +253,6 @@ pub fn requested_sql(table: &TableName, shard: &str) -> String {
 pub(super) struct ReadRequested {
     /// Each with the time of the look.
     pub letters: Vec<(super::Requested, chrono::DateTime<chrono::Utc>)>,
-    /// The room cut the answer, or the look asked for fewer than a batch
-    /// for want of room and got them all: more may be waiting.
-    pub more: bool,
     /// The size the next look assumes a letter takes: the average of
     /// those kept, or a quarter of the largest when more.
     pub assumed: Option<usize>,
@@ -282,10 +279,8 @@ pub(super) async fn read_requested(
     let rows = client.query_raw(statement, [limit]).await?;
     let mut rows = std::pin::pin!(rows);
     let (mut letters, mut bytes, mut largest) = (Vec::new(), 0usize, 0usize);
-    let mut cut = false;
     while let Some(r) = futures::TryStreamExt::try_next(&mut rows).await? {
         if bytes >= max_bytes && !letters.is_empty() {
-            cut = true;
             break;
         }
         let letter = requested_letter(&r);
@@ -293,9 +288,7 @@ pub(super) async fn read_requested(
         (bytes, largest) = (bytes.saturating_add(size), largest.max(size));
         letters.push(letter);
     }
-    let kept = i64::try_from(letters.len()).unwrap_or(i64::MAX);
     Ok(ReadRequested {
-        more: cut || (limit < batch && kept >= limit),
         assumed: bytes
             .checked_div(letters.len())
             .map(|average| average.max(largest / 4).max(1)),

@@ -486,8 +486,9 @@ impl Recorder {
     /// [`REQUESTED_BATCH`], and no more than take less than `max_bytes` of
     /// text (the first always), the room the pipeline's budget has for
     /// them. Read as they arrive, so a batch of large letters is not held
-    /// whole; the rest are handed over by a later look, which comes at once
-    /// (`extending`).
+    /// whole. The rest come with a later look: the pipeline looks again as
+    /// soon as an aggregate's letters handed over are confirmed (a look at
+    /// once would find the same letters, still out, and look again).
     pub async fn requested(
         &self,
         client: &Client,
@@ -496,7 +497,7 @@ impl Recorder {
         let extending: bool = client.query_one(&self.extend_requests, &[]).await?.get(1);
         let assumed = self.letter_bytes.load(Ordering::Relaxed);
         let read = lookups::read_requested(client, &self.requested, assumed, max_bytes).await?;
-        let (letters, cut) = (read.letters, read.more);
+        let letters = read.letters;
         if let Some(assumed) = read.assumed {
             self.letter_bytes.store(assumed, Ordering::Relaxed);
         }
@@ -511,7 +512,7 @@ impl Recorder {
         }
         Ok(Requests {
             letters: letters.into_iter().map(|(l, _)| l).collect(),
-            extending: extending || cut,
+            extending,
         })
     }
 

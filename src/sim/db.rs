@@ -273,8 +273,7 @@ impl RowStore for SimStore {
                     raw: l.raw.clone(),
                 });
             }
-            let cut = ready.peek().is_some();
-            if cut {
+            if ready.peek().is_some() {
                 w.note(format!(
                     "a look's room held {} requested letters",
                     letters.len()
@@ -282,7 +281,7 @@ impl RowStore for SimStore {
             }
             crate::dead_letter::Requests {
                 letters,
-                extending: extended == EXTEND_BATCH || cut,
+                extending: extended == EXTEND_BATCH,
             }
         })
         .await

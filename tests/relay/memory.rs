@@ -125,7 +125,8 @@ async fn large_headers_count_against_the_byte_budget() {
 
 /// A redrive is read within the budget too: 120 requested letters of 1 MiB
 /// (a look's batch is 500) go out through a 16 MiB budget, each look
-/// handing over what the room holds.
+/// handing over what the room holds. Before, the first look held them all:
+/// 353 MiB.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redrive_of_large_letters_is_read_within_the_byte_budget() {
     let budget = (BUDGET_MIB * MIB).to_string();
@@ -164,7 +165,9 @@ async fn a_redrive_of_large_letters_is_read_within_the_byte_budget() {
         "a redrive of {EVENTS} letters of 1 MiB, budget {BUDGET_MIB} MiB: peak RSS {} MiB",
         peak / MIB
     );
-    let limit = 2 * BUDGET_MIB * MIB + 64 * MIB;
+    // A look while letters are out reads them again (skipped, then
+    // dropped), up to the room: one more budget's worth at most.
+    let limit = 3 * BUDGET_MIB * MIB + 64 * MIB;
     assert!(
         peak < limit,
         "peak RSS {} MiB is over {} MiB",
