@@ -351,7 +351,8 @@ pub fn sent_sql(table: &TableName) -> String {
          carried AS (
              UPDATE {t} n SET redrive_requested_at = again.at FROM again
              WHERE n.dead_letter_id = COALESCE({next_named}, {next_unnamed})
-               AND n.resolution IS NULL AND n.redrive_requested_at < again.at)
+               AND n.resolution IS NULL
+               AND (n.redrive_requested_at IS NULL OR n.redrive_requested_at < again.at))
          SELECT dead_letter_id FROM was WHERE resolution = 'dropped'",
         next_named =
             next_open("again.aggregate_id IS NOT NULL AND e.aggregate_id = again.aggregate_id"),
