@@ -9,20 +9,28 @@ use std::time::Duration;
 /// How long `check` waits for the broker's answer to one question.
 const ANSWER_WITHIN: Duration = Duration::from_secs(15);
 
+/// How long `check` waits for a connection: longer than a sink's own
+/// connect limit (15 s for RabbitMQ), so that the sink's error, which says
+/// what went silent, comes first; two equal limits raced.
+const CONNECTED_WITHIN: Duration = Duration::from_secs(20);
+
 /// `asked`, or an error when the broker has not answered it in time (a
 /// broker that accepts the connection and then goes silent).
 async fn answered<T>(
     asked: impl std::future::Future<Output = Result<T, SinkError>>,
 ) -> Result<T, SinkError> {
-    tokio::time::timeout(ANSWER_WITHIN, asked)
+    answered_within(ANSWER_WITHIN, asked).await
+}
+
+async fn answered_within<T>(
+    limit: Duration,
+    asked: impl std::future::Future<Output = Result<T, SinkError>>,
+) -> Result<T, SinkError> {
+    tokio::time::timeout(limit, asked)
         .await
         .unwrap_or_else(|_| {
             Err(SinkError::Unavailable(
-                format!(
-                    "the broker did not answer within {}s",
-                    ANSWER_WITHIN.as_secs()
-                )
-                .into(),
+                format!("the broker did not answer within {}s", limit.as_secs()).into(),
             ))
         })
 }
@@ -64,7 +72,7 @@ async fn check_destinations(sink: &mut AnySink, r: &mut Report) {
 }
 
 pub(super) async fn check_broker(config: &Config, r: &mut Report) {
-    match answered(AnySink::connect(&config.sink)).await {
+    match answered_within(CONNECTED_WITHIN, AnySink::connect(&config.sink)).await {
         Ok(mut sink) => {
             match answered(sink.probe()).await {
                 Ok(()) => {
